@@ -1,0 +1,1 @@
+"""neuron_compile.codegen."""
