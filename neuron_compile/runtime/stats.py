@@ -1,0 +1,64 @@
+"""Runtime stage: the counters behind ``neuron_compile.stats()``.
+
+One process-wide ``Stats`` object. The backend counts graphs, cache hits and misses and ATen nodes (in NKI
+kernels vs eager, with a per-op Counter of fallback reasons); the kernel launcher adds kernels launched and
+the simulator's cost-model figures for every launch. ``reset_stats()`` zeroes everything.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+
+@dataclasses.dataclass
+class Stats:
+    graphs_compiled: int = 0  # Dynamo graphs handed to the backend (each forward/backward/inference graph)
+    regions_compiled: int = 0  # NKI regions compiled (one per region per shape signature)
+    region_compile_failures: int = 0  # regions that failed to compile and fell back to eager
+    recompiles: int = 0  # new shape signatures after the first, per compiled graph
+    cache_hits: int = 0  # calls served by an already-compiled shape signature
+    cache_misses: int = 0  # calls that had to compile a new shape signature
+    kernels_launched: int = 0
+    nki_nodes: int = 0  # ATen nodes placed in NKI regions (counted at compile time, per signature)
+    fallback_nodes: int = 0  # ATen nodes executed eagerly (counted at compile time, per signature)
+    fallback_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    hbm_bytes: int = 0  # HBM bytes read + written by launched kernels (simulator cost model)
+    flops: int = 0
+    est_time_s: float = 0.0  # estimated device time, engines overlapped
+    roofline_s: float = 0.0  # max(FLOPs / TensorE peak, HBM bytes / bandwidth), summed over launches
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["fallback_reasons"] = collections.Counter(self.fallback_reasons)
+        return out
+
+
+_lock = threading.Lock()
+_stats = Stats()
+
+
+def add(**counts) -> None:
+    """Add to counters by name, e.g. ``add(kernels_launched=1, hbm_bytes=4096)``."""
+    with _lock:
+        for name, value in counts.items():
+            setattr(_stats, name, getattr(_stats, name) + value)
+
+
+def add_fallback(op: str, reason: str, count: int = 1) -> None:
+    """Count ``count`` eager ATen nodes of ``op`` (e.g. "aten.sort.default") that fell back for ``reason``."""
+    with _lock:
+        _stats.fallback_nodes += count
+        _stats.fallback_reasons[f"{op}: {reason}"] += count
+
+
+def snapshot() -> dict:
+    with _lock:
+        return _stats.as_dict()
+
+
+def reset() -> None:
+    global _stats
+    with _lock:
+        _stats = Stats()
