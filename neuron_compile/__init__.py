@@ -1,7 +1,44 @@
 """neuron_compile: a torch.compile backend for AWS Trainium that generates NKI kernels.
 
 Public API only. ``torch.compile(model, backend="neuron")`` works without importing this package (the
-``torch_dynamo_backends`` entry point); import it for ``stats()`` / ``reset_stats()`` and ``config``.
+``torch_dynamo_backends`` entry point); importing it registers the backend too (as ``"neuron_compile"`` only,
+if AWS ``torch_neuronx`` already owns ``"neuron"``) and gives ``stats()``, ``reset_stats()``, ``config``,
+``last_compiled()`` and ``NeuronCompileError``.
+
+``stats()`` returns a dict of process-wide counters since the last ``reset_stats()``:
+
+- ``graphs_compiled``: ATen graphs handed to the backend by aot_autograd (each forward, backward and inference
+  graph of each Dynamo graph counts once; a graph break makes two Dynamo graphs).
+- ``cache_misses`` / ``cache_hits``: calls of a compiled graph whose shape signature (shapes, strides, dtypes,
+  config) had to be compiled / was already compiled.
+- ``recompiles``: misses after a graph's first signature (dynamic shapes seeing new sizes).
+- ``regions_compiled`` / ``region_compile_failures``: NKI regions compiled into kernels / that failed to
+  compile and ran eagerly (per signature).
+- ``nki_nodes`` / ``fallback_nodes``: ATen nodes placed in NKI kernels / run eagerly (per signature);
+  ``fallback_reasons`` is a Counter of ``"<op>: <reason>"`` for the eager ones.
+- ``kernels_launched``, ``hbm_bytes``, ``flops``, ``est_time_s``, ``roofline_s``: kernel launches and the
+  simulator's cost-model figures summed over launches.
 """
 
+from neuron_compile import config
+from neuron_compile.backend import register as _register
+from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
+from neuron_compile.runtime import stats as _stats
+from neuron_compile.runtime.compiled_graph import compiled_records, last_compiled
+
 __version__ = "0.1.0"
+__all__ = ["NeuronCompileError", "NeuronCompileWarning", "__version__", "backend_name", "compiled_records",
+           "config", "last_compiled", "reset_stats", "stats"]
+
+
+def stats() -> dict:
+    """A snapshot of the counters described in the module docstring."""
+    return _stats.snapshot()
+
+
+def reset_stats() -> None:
+    """Zero every counter."""
+    _stats.reset()
+
+
+backend_name = _register()  # "neuron", or "neuron_compile" when another package owns "neuron"

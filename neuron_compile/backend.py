@@ -1,0 +1,83 @@
+"""Backend stage: the Dynamo backend ``neuron`` — wiring only.
+
+Input: a torch-level FX graph from Dynamo and its (fake) example inputs, plus ``torch.compile``'s ``mode`` and
+``options``. Output: a callable that runs the graph. aot_autograd turns the graph into ATen forward / backward
+(min-cut partitioned, for training) or inference graphs with our decomposition table, keeping input mutations
+in the graph; each ATen graph goes to ``compile_aten_graph`` (runtime/compiled_graph.py), which specializes,
+partitions and compiles it per call signature.
+
+Registration: the ``torch_dynamo_backends`` entry points make ``backend="neuron"`` and ``"neuron_compile"``
+work without importing this package; importing it also registers them, unless another package (AWS
+``torch_neuronx``) already owns ``"neuron"`` — then only ``"neuron_compile"`` is ours, and the log says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from neuron_compile import config
+from neuron_compile.passes.decompose import decomposition_table
+from neuron_compile.runtime.compiled_graph import compile_aten_graph
+
+log = logging.getLogger("neuron_compile")
+
+# torch.compile's documented modes: none changes what we compile today (there are no CUDA graphs or autotuning).
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+BACKEND_NAME = "neuron"
+ALIAS_NAME = "neuron_compile"
+
+
+def neuron_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode: str | None = None,
+                   options: dict | None = None):
+    """The Dynamo backend: ``torch.compile(model, backend="neuron", options={"fallback": "raise"})``."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"torch.compile mode {mode!r} is not one of {list(COMPILE_MODES)}")
+    options = dict(options or {})
+    config.get().replace(options)  # reject unknown keys and bad values now, at compile time
+    compilers = {
+        kind: functools.partial(compile_aten_graph, kind=kind, options=options)
+        for kind in ("forward", "backward", "inference")
+    }
+    aot_backend = aot_autograd(
+        fw_compiler=compilers["forward"],
+        bw_compiler=compilers["backward"],
+        inference_compiler=compilers["inference"],
+        partition_fn=min_cut_rematerialization_partition,
+        decompositions=decomposition_table(),
+        keep_inference_input_mutations=True,
+    )
+    return aot_backend(gm, example_inputs)
+
+
+def _owner_of(name: str) -> str | None:
+    """The module that serves backend ``name`` if it is registered or declared by an entry point, else None."""
+    from torch._dynamo.backends import registry
+
+    registry._lazy_import()  # discovers entry points (ours and other packages')
+    if name in registry._COMPILER_FNS:
+        return getattr(registry._COMPILER_FNS[name], "__module__", "?")
+    entry_point = registry._BACKENDS.get(name)
+    return entry_point.value.split(":")[0] if entry_point is not None else None
+
+
+def register() -> str:
+    """Register our backend names with Dynamo (idempotent); returns the name that is certainly ours."""
+    served_by = {}
+    for name in (BACKEND_NAME, ALIAS_NAME):
+        owner = _owner_of(name)
+        if owner is None:  # no entry point (e.g. not pip-installed): register directly
+            torch._dynamo.register_backend(neuron_backend, name=name)
+            owner = __name__
+        # A name declared by our own entry point is left to Dynamo to load on first use: registering it here
+        # too would make that load fail with "duplicate name".
+        served_by[name] = owner
+    if served_by[BACKEND_NAME] != __name__:
+        log.warning("neuron_compile: backend %r is served by %s; use backend=%r for neuron_compile",
+                    BACKEND_NAME, served_by[BACKEND_NAME], ALIAS_NAME)
+        return ALIAS_NAME
+    return BACKEND_NAME

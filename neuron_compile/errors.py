@@ -1,0 +1,11 @@
+"""Errors and warnings the backend raises to users (the simulator has its own, in runtime/simulator/errors.py)."""
+
+from __future__ import annotations
+
+
+class NeuronCompileError(RuntimeError):
+    """A graph or region could not be compiled and ``NEURON_COMPILE_FALLBACK=raise`` forbids running it eagerly."""
+
+
+class NeuronCompileWarning(UserWarning):
+    """A region fell back to eager execution (``NEURON_COMPILE_FALLBACK=warn``, the default)."""

@@ -1,0 +1,167 @@
+"""Partition stage: split an ATen graph into NKI regions and eager nodes.
+
+Input: an ATen ``torch.fx.GraphModule`` with concrete shapes in ``node.meta["val"]`` (after specialization).
+Output: a ``PartitionResult``: a new GraphModule (the input is not modified) in which every NKI region is a
+submodule ``nki_region_<i>`` returning a tuple, topologically sorted, and a ``PartitionReport`` that says for
+every node which region holds it, or why it runs eagerly. The report prints as a table (the dump CLI shows it).
+
+Which nodes may go in a region is decided by ``neuron_compile.lowering.registry.unsupported_reason``; the
+partitioner (torch's ``CapabilityBasedPartitioner``) then groups supported nodes into the largest regions that
+do not create cycles.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import logging
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+log = logging.getLogger("neuron_compile")
+
+REGION_PREFIX = "nki_region_"
+UnsupportedReason = Callable[[torch.fx.Node], "str | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class NodePlacement:
+    """Where one ATen node runs: ``region`` names its NKI region, else ``reason`` says why it is eager."""
+
+    node: str
+    op: str
+    region: str | None
+    reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionReport:
+    placements: tuple[NodePlacement, ...]
+
+    @property
+    def regions(self) -> dict[str, tuple[NodePlacement, ...]]:
+        grouped: dict[str, list[NodePlacement]] = {}
+        for placement in self.placements:
+            if placement.region is not None:
+                grouped.setdefault(placement.region, []).append(placement)
+        return {name: tuple(members) for name, members in grouped.items()}
+
+    @property
+    def eager(self) -> tuple[NodePlacement, ...]:
+        return tuple(placement for placement in self.placements if placement.region is None)
+
+    def region_ops(self, region: str) -> list[str]:
+        """The distinct ops of a region, in graph order (for messages that name a region)."""
+        return list(dict.fromkeys(placement.op for placement in self.regions.get(region, ())))
+
+    def __str__(self) -> str:
+        if not self.placements:
+            return "(no compute nodes)"
+        name_width = max(len(placement.node) for placement in self.placements)
+        op_width = max(len(placement.op) for placement in self.placements)
+        lines = [f"{len(self.regions)} NKI region(s), {len(self.eager)} eager node(s)"]
+        for placement in self.placements:
+            where = placement.region if placement.region is not None else f"eager: {placement.reason}"
+            lines.append(f"  {placement.node:<{name_width}}  {placement.op:<{op_width}}  {where}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class PartitionResult:
+    graph_module: torch.fx.GraphModule
+    report: PartitionReport
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """``aten.mm.default`` style name of a call_function target."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+
+
+@functools.cache
+def registry_unsupported_reason() -> UnsupportedReason:
+    """The lowering registry's predicate; without a registry every op is eager (the backend still works)."""
+    try:
+        from neuron_compile.lowering.registry import unsupported_reason
+    except ImportError as error:
+        log.warning("neuron_compile: lowering registry not importable (%s); every op runs eagerly", error)
+        missing = isinstance(error, ModuleNotFoundError) and error.name == "neuron_compile.lowering.registry"
+        reason = "no lowerings yet" if missing else f"the lowering registry failed to import: {error}"
+        return lambda node: reason
+    return unsupported_reason
+
+
+def _placement_reason(node: torch.fx.Node, unsupported_reason: UnsupportedReason) -> str | None:
+    """None if ``node`` may join an NKI region, else why not."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+        # In-place writes into graph inputs (keep_inference_input_mutations) must hit the real input tensor.
+        return f"{op_name(node)} mutates its input in place; mutations stay eager"
+    try:
+        return unsupported_reason(node)
+    except Exception as error:  # a lowering bug must not break the whole graph: that node runs eagerly
+        return f"unsupported_reason raised {type(error).__name__}: {error}"
+
+
+class _RegistrySupport(OperatorSupportBase):
+    """OperatorSupport over precomputed reasons (so each node is asked once, and getitem follows its producer)."""
+
+    def __init__(self, reasons: dict[torch.fx.Node, str | None]):
+        self.reasons = reasons
+
+    def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
+        return node.op == "call_function" and self.reasons.get(node, "not an ATen call") is None
+
+
+def _compute_reasons(gm: torch.fx.GraphModule, unsupported_reason: UnsupportedReason) -> dict:
+    reasons: dict[torch.fx.Node, str | None] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+            producer_reason = reasons.get(node.args[0], "its producer is not an ATen call")
+            reasons[node] = None if producer_reason is None else "its producer runs eagerly"
+        else:
+            reasons[node] = _placement_reason(node, unsupported_reason)
+    return reasons
+
+
+def partition_graph(gm: torch.fx.GraphModule, unsupported_reason: UnsupportedReason | None = None) -> PartitionResult:
+    """Split ``gm`` into NKI regions and eager nodes. ``unsupported_reason`` defaults to the lowering registry."""
+    unsupported_reason = unsupported_reason or registry_unsupported_reason()
+    # Work on a copy of the graph: the caller's GraphModule (held by the dispatch cache) stays intact.
+    work = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    reasons = _compute_reasons(work, unsupported_reason)
+    partitioner = CapabilityBasedPartitioner(work, _RegistrySupport(reasons), allows_single_node_partition=True)
+    order = {node: index for index, node in enumerate(work.graph.nodes)}
+    partitions = sorted(partitioner.propose_partitions(), key=lambda part: min(order[node] for node in part.nodes))
+
+    region_of: dict[str, str] = {}
+    for index, partition in enumerate(partitions):
+        for node in partition.nodes:
+            region_of[node.name] = f"{REGION_PREFIX}{index}"
+    placements = tuple(
+        NodePlacement(
+            node=node.name,
+            op=op_name(node),
+            region=region_of.get(node.name),
+            reason=None if node.name in region_of else (reasons[node] or "left out by the partitioner"),
+        )
+        for node in work.graph.nodes
+        if node.op == "call_function"
+    )
+    if partitions:
+        # always_return_tuple: a region's callable returns one tuple entry per output, as CompiledRegion does.
+        work = fuse_by_partitions(work, [part.nodes for part in partitions], prefix=REGION_PREFIX,
+                                  always_return_tuple=True)
+    work.recompile()
+    return PartitionResult(graph_module=work, report=PartitionReport(placements))

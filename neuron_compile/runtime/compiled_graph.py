@@ -1,0 +1,224 @@
+"""Runtime stage: the boxed callable the backend returns for one ATen graph, and its per-signature compile.
+
+Input: an ATen GraphModule from aot_autograd (forward, backward or inference; static or with SymInts) and the
+compile options. Output: ``CompiledGraph``, a boxed callable (``fn(args: list) -> outputs``) that, per call,
+looks up the call's ``GraphKey`` (graph hash, argument shapes / strides / dtypes, config) and on a miss
+specializes the graph to the call's shapes, partitions it into NKI regions and eager nodes, compiles each
+region with ``kernel_pipeline.compile_region`` and keeps the result; later calls with the same signature reuse
+it. A region that cannot be compiled (or fails when it runs) follows ``Config.fallback``: ``warn`` runs it
+eagerly with a ``NeuronCompileWarning``, ``silent`` runs it eagerly, ``raise`` raises ``NeuronCompileError``.
+
+Every compile leaves a ``CompiledGraphRecord`` (ATen graph, partition report, kernel sources) that
+``neuron_compile.last_compiled()`` returns, for the dump CLI.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import warnings
+
+import torch
+import torch.fx
+
+from neuron_compile import config as config_module
+from neuron_compile.config import Config
+from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
+from neuron_compile.passes.partition import PartitionReport, partition_graph
+from neuron_compile.passes.specialize import specialize
+from neuron_compile.runtime import stats
+from neuron_compile.runtime.cache import DispatchCache, GraphKey, graph_hash, signature_of
+
+log = logging.getLogger("neuron_compile")
+
+RECORDS_KEPT = 64
+
+
+def compile_region(gm: torch.fx.GraphModule, example_inputs: list, config: Config):
+    """The kernel pipeline's entry point (looked up at call time, so tests and the pipeline can replace it)."""
+    from neuron_compile.kernel_pipeline import compile_region as pipeline_compile_region
+
+    return pipeline_compile_region(gm, example_inputs, config)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRecord:
+    region: str
+    name: str
+    source: str
+
+
+@dataclasses.dataclass
+class CompiledGraphRecord:
+    """What one compile produced: enough to print every stage for the dump CLI."""
+
+    kind: str  # "forward" | "backward" | "inference"
+    key: GraphKey
+    aten_graph: str  # the specialized ATen graph, as FX text
+    partitioned_graph: str  # the top-level graph after partitioning (regions appear as call_module)
+    report: PartitionReport
+    kernels: list[KernelRecord] = dataclasses.field(default_factory=list)
+    failures: list[str] = dataclasses.field(default_factory=list)  # one message per region that fell back
+
+    def __str__(self) -> str:
+        parts = [f"== {self.kind} graph {self.key.graph_hash} ==", self.aten_graph, "== partition ==",
+                 str(self.report), "== partitioned graph ==", self.partitioned_graph]
+        parts += [f"!! {failure}" for failure in self.failures]
+        for kernel in self.kernels:
+            parts += [f"== kernel {kernel.name} ({kernel.region}) ==", kernel.source]
+        return "\n".join(parts)
+
+
+_records: collections.deque[CompiledGraphRecord] = collections.deque(maxlen=RECORDS_KEPT)
+_records_lock = threading.Lock()
+
+
+def last_compiled() -> CompiledGraphRecord | None:
+    """The record of the most recent graph compile (None before the first)."""
+    with _records_lock:
+        return _records[-1] if _records else None
+
+
+def compiled_records() -> list[CompiledGraphRecord]:
+    """The records of the most recent compiles, oldest first (at most RECORDS_KEPT)."""
+    with _records_lock:
+        return list(_records)
+
+
+def _fall_back(config: Config, message: str, cause: BaseException) -> None:
+    """Apply the fallback policy to a region failure: raise, warn or stay silent (the caller then runs eagerly)."""
+    if config.fallback == "raise":
+        raise NeuronCompileError(f"{message} (NEURON_COMPILE_FALLBACK=raise)") from cause
+    if config.fallback == "warn":
+        warnings.warn(f"{message}; running it eagerly", NeuronCompileWarning, stacklevel=3)
+    log.debug("%s", message)
+
+
+def _check_outputs(outputs, expected: list, region: str) -> None:
+    """A region's outputs must have eager's shapes and dtypes; anything else is a kernel bug, caught here."""
+    if len(outputs) != len(expected):
+        raise NeuronCompileError(f"region {region} returned {len(outputs)} outputs, eager returns {len(expected)}")
+    for index, (got, want) in enumerate(zip(outputs, expected, strict=True)):
+        if isinstance(want, torch.Tensor) and (tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype):
+            raise NeuronCompileError(
+                f"region {region} output {index}: expected shape {tuple(want.shape)} dtype {want.dtype}, "
+                f"got shape {tuple(got.shape)} dtype {got.dtype}"
+            )
+
+
+class RegionModule(torch.nn.Module):
+    """Runs one NKI region through its CompiledRegion; on a run-time failure, falls back to the eager submodule."""
+
+    def __init__(self, name: str, ops: list[str], compiled, eager: torch.fx.GraphModule, expected: list,
+                 config: Config):
+        super().__init__()
+        self.region_name, self.ops, self.compiled, self.eager = name, ops, compiled, eager
+        self.expected, self.config = expected, config
+
+    def forward(self, *tensors):
+        if self.compiled is None:
+            return self.eager(*tensors)
+        try:
+            outputs = tuple(self.compiled(*tensors))
+            _check_outputs(outputs, self.expected, self.region_name)
+            return outputs
+        except Exception as error:
+            _fall_back(self.config, f"NKI region {self.region_name} ({', '.join(self.ops)}) failed when run: "
+                       f"{type(error).__name__}: {error}", error)
+            self.compiled = None  # later calls go straight to eager: the failure would repeat
+            return self.eager(*tensors)
+
+
+def _meta_value(arg):
+    return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+
+
+def _count_eager_nodes(report: PartitionReport) -> None:
+    for placement in report.eager:
+        if placement.op.startswith(("aten.", "prims.")):  # getitem and other glue are not ATen compute
+            stats.add_fallback(placement.op, placement.reason or "unknown")
+
+
+def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str) -> torch.fx.GraphModule:
+    """Specialize, partition and compile every region of ``gm`` for one signature; leave a record."""
+    config = key.config
+    specialized = specialize(gm, args)
+    partitioned = partition_graph(specialized)
+    top = partitioned.graph_module
+    record = CompiledGraphRecord(kind=kind, key=key, aten_graph=str(specialized.graph),
+                                 partitioned_graph=str(top.graph), report=partitioned.report)
+    _count_eager_nodes(partitioned.report)
+    for node in list(top.graph.nodes):
+        if node.op != "call_module":
+            continue
+        name = node.target
+        submodule = getattr(top, name)
+        ops = partitioned.report.region_ops(name)
+        example_inputs = [_meta_value(arg) for arg in node.args]
+        expected = list(_meta_value(output) for output in submodule.graph.output_node().args[0])
+        try:
+            region = compile_region(submodule, example_inputs, config)
+        except Exception as error:
+            message = (f"NKI region {name} ({', '.join(ops)}) of the {kind} graph could not be compiled: "
+                       f"{type(error).__name__}: {error}")
+            stats.add(region_compile_failures=1)
+            _fall_back(config, message, error)
+            record.failures.append(message)
+            for placement in partitioned.report.regions[name]:
+                if placement.op.startswith(("aten.", "prims.")):
+                    stats.add_fallback(placement.op, f"its region failed to compile ({type(error).__name__})")
+            region = None
+        else:
+            stats.add(regions_compiled=1, nki_nodes=int(getattr(region, "nki_nodes", 0)))
+            record.kernels += [KernelRecord(name, kernel.name, kernel.source) for kernel in region.kernels]
+        setattr(top, name, RegionModule(name, ops, region, submodule, expected, config))
+    top.recompile()
+    with _records_lock:
+        _records.append(record)
+    return top
+
+
+class CompiledGraph:
+    """Boxed callable for one aot_autograd graph; dispatches each call on its signature (see module docstring)."""
+
+    _boxed_call = True  # aot_autograd passes the arguments as one list
+
+    def __init__(self, gm: torch.fx.GraphModule, kind: str, options: dict | None = None):
+        self.gm, self.kind, self.options = gm, kind, dict(options or {})
+        self.graph_hash = graph_hash(gm)
+        self.cache: DispatchCache[torch.fx.GraphModule] = DispatchCache()
+        self._warned_recompiles = False
+
+    def key_for(self, args: list) -> GraphKey:
+        return GraphKey(self.graph_hash, signature_of(args), config_module.get().replace(self.options))
+
+    def __call__(self, args: list):
+        key = self.key_for(args)
+        first = len(self.cache) == 0
+        compiled, compiled_now = self.cache.get_or_compile(key, lambda: _compile_partitioned(self.gm, args, key,
+                                                                                           self.kind))
+        if compiled_now:
+            stats.add(cache_misses=1, recompiles=0 if first else 1)
+            self._warn_on_recompile_storm(key.config)
+        else:
+            stats.add(cache_hits=1)
+        return compiled(*args)
+
+    def _warn_on_recompile_storm(self, config: Config) -> None:
+        if len(self.cache) >= config.recompile_warn and not self._warned_recompiles:
+            self._warned_recompiles = True
+            log.warning(
+                "neuron_compile: the %s graph %s has been compiled for %d shape signatures (recompile_warn=%d); "
+                "consider NEURON_COMPILE_BUCKET=128 or marking the varying dimensions dynamic",
+                self.kind, self.graph_hash, len(self.cache), config.recompile_warn,
+            )
+
+
+def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list, *, kind: str,
+                       options: dict | None = None) -> CompiledGraph:
+    """The aot_autograd compiler for one ATen graph: counts it and returns its (lazily compiling) callable."""
+    del example_inputs  # fake tensors; each real call's signature decides what is compiled
+    stats.add(graphs_compiled=1)
+    return CompiledGraph(gm, kind, options)
