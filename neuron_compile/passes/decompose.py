@@ -4,7 +4,9 @@ Input: nothing (a constant). Output: ``decomposition_table()``, a dict ``OpOverl
 ATen decompositions, minus the ops that have (or will have) a whole-op NKI lowering — softmax, log_softmax,
 layer norm and scaled-dot-product attention. Decomposing those would scatter one fused row-reduction or
 attention kernel into a dozen pointwise and reduction nodes that the fusion pass then has to re-discover.
-Their backward ops stay in the table: they decompose into pointwise/reduction ops that lowerings cover.
+Layer norm's backward is kept whole too: its decomposition sums in a different order than ATen's kernel, so
+a graph that falls back entirely would no longer be bit-identical to eager. The other backward ops (softmax,
+log_softmax, activations) decompose exactly, into pointwise and reduction ops that lowerings cover.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ KEPT_WHOLE = (
     aten.scaled_dot_product_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_attention_math.default,
+    aten.native_layer_norm_backward.default,
 )
 
 

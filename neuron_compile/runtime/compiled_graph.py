@@ -81,6 +81,12 @@ def last_compiled() -> CompiledGraphRecord | None:
         return _records[-1] if _records else None
 
 
+def clear_records() -> None:
+    """Forget the compile records (the compiled graphs themselves stay cached)."""
+    with _records_lock:
+        _records.clear()
+
+
 def compiled_records() -> list[CompiledGraphRecord]:
     """The records of the most recent compiles, oldest first (at most RECORDS_KEPT)."""
     with _records_lock:
@@ -183,9 +189,10 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
 class CompiledGraph:
     """Boxed callable for one aot_autograd graph; dispatches each call on its signature (see module docstring)."""
 
-    _boxed_call = True  # aot_autograd passes the arguments as one list
-
     def __init__(self, gm: torch.fx.GraphModule, kind: str, options: dict | None = None):
+        # aot_autograd passes the arguments as one list. An instance attribute, not a class one: Dynamo's
+        # disable() wrapper around backward callables copies only the instance __dict__ (functools.wraps).
+        self._boxed_call = True
         self.gm, self.kind, self.options = gm, kind, dict(options or {})
         self.graph_hash = graph_hash(gm)
         self.cache: DispatchCache[torch.fx.GraphModule] = DispatchCache()

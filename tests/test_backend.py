@@ -1,0 +1,309 @@
+"""The backend end to end: registration, options, fallback modes, graph breaks, dynamic shapes, mutations,
+training graphs. Results are compared with eager PyTorch.
+
+Two ways to place ops: ``all_eager`` rejects every op (results must then be bit-identical to eager), and
+``fake_regions`` accepts common pointwise / matmul ops and compiles each region into a stand-in CompiledRegion
+that runs the region's ATen graph eagerly — it exercises the region wiring (inputs, tuple outputs, stats,
+records) without depending on the kernel pipeline, and is also bit-identical to eager.
+"""
+
+import operator
+import subprocess
+import sys
+import textwrap
+import types
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import neuron_compile
+from neuron_compile.passes import partition
+from neuron_compile.runtime import compiled_graph
+
+aten = torch.ops.aten
+FAKE_SUPPORTED = {aten.add, aten.mul, aten.relu, aten.mm, aten.addmm, aten.t, aten.cos, aten.sum,
+                  aten.threshold_backward, aten.exp}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    neuron_compile.reset_stats()
+    compiled_graph.clear_records()
+    yield
+    torch._dynamo.reset()
+
+
+def _fake_unsupported_reason(node):
+    packet = getattr(node.target, "overloadpacket", None)
+    return None if packet in FAKE_SUPPORTED else f"no fake lowering for {node.target}"
+
+
+class EagerRegion:
+    """Stands in for kernel_pipeline's CompiledRegion: runs the region's ATen graph eagerly."""
+
+    def __init__(self, gm, example_inputs):
+        self.gm = gm
+        self.nki_nodes = sum(node.op == "call_function" and node.target is not operator.getitem
+                             for node in gm.graph.nodes)
+        self.kernels = [types.SimpleNamespace(name="kernel_0", source=f"# {len(example_inputs)} inputs\n{gm.code}")]
+
+    def __call__(self, *tensors):
+        return tuple(self.gm(*tensors))
+
+
+@pytest.fixture
+def all_eager(monkeypatch):
+    monkeypatch.setattr(partition, "registry_unsupported_reason", lambda: lambda node: "test: everything eager")
+
+
+@pytest.fixture
+def fake_regions(monkeypatch):
+    """Yields the list of example-input shapes each compile_region call received."""
+    seen_shapes = []
+
+    def compile_region(gm, example_inputs, config):
+        seen_shapes.append([tuple(tensor.shape) for tensor in example_inputs])
+        return EagerRegion(gm, example_inputs)
+
+    monkeypatch.setattr(partition, "registry_unsupported_reason", lambda: _fake_unsupported_reason)
+    monkeypatch.setattr(compiled_graph, "compile_region", compile_region)
+    return seen_shapes
+
+
+def failing_compile(gm, example_inputs, config):
+    raise RuntimeError("tile plan exceeds PSUM bank (2048 bytes)")
+
+
+def pointwise(x, y):
+    return torch.relu(x * y + x).sin()
+
+
+def test_entry_point_serves_neuron_without_importing_us():
+    script = textwrap.dedent("""
+        import sys, torch
+        assert "neuron_compile" not in sys.modules
+        fn = torch.compile(lambda x: torch.sin(x) + 1, backend="neuron")  # loads us through the entry point
+        x = torch.randn(8)
+        assert torch.equal(fn(x), torch.sin(x) + 1)
+        import neuron_compile
+        assert neuron_compile.stats()["graphs_compiled"] == 1, neuron_compile.stats()
+        print("ok", neuron_compile.backend_name)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["ok", "neuron"]
+
+
+def test_both_names_are_listed():
+    assert {"neuron", "neuron_compile"} <= set(torch._dynamo.list_backends())
+
+
+def test_unknown_option_is_an_error_naming_the_key():
+    fn = torch.compile(pointwise, backend="neuron", options={"fallbak": "raise"})
+    with pytest.raises(Exception, match=r"unknown neuron_compile option\(s\) \['fallbak'\]: valid options are"):
+        fn(torch.randn(4), torch.randn(4))
+
+
+def test_unknown_mode_is_an_error():
+    fn = torch.compile(pointwise, backend="neuron", mode="turbo")
+    with pytest.raises(Exception, match="torch.compile mode 'turbo' is not one of"):
+        fn(torch.randn(4), torch.randn(4))
+
+
+def test_all_eager_is_exact_and_counts_fallbacks(all_eager):
+    x, y = torch.randn(5, 7), torch.randn(5, 7)
+    torch.testing.assert_close(torch.compile(pointwise, backend="neuron")(x, y), pointwise(x, y), rtol=0, atol=0)
+    counters = neuron_compile.stats()
+    assert (counters["graphs_compiled"], counters["regions_compiled"], counters["nki_nodes"]) == (1, 0, 0)
+    assert counters["fallback_nodes"] == 4  # mul, add, relu, sin
+    assert counters["fallback_reasons"]["aten.sin.default: test: everything eager"] == 1
+
+
+def test_regions_are_compiled_counted_and_recorded(fake_regions):
+    x, y = torch.randn(5, 7), torch.randn(5, 7)
+    torch.testing.assert_close(torch.compile(pointwise, backend="neuron")(x, y), pointwise(x, y), rtol=0, atol=0)
+    counters = neuron_compile.stats()
+    assert (counters["regions_compiled"], counters["nki_nodes"], counters["fallback_nodes"]) == (1, 3, 1)
+    assert counters["fallback_reasons"] == {"aten.sin.default: no fake lowering for aten.sin.default": 1}
+    record = neuron_compile.last_compiled()
+    assert record.kind == "inference"
+    assert "aten.mul.Tensor" in record.aten_graph and "nki_region_0" in record.partitioned_graph
+    assert [kernel.region for kernel in record.kernels] == ["nki_region_0"]
+    assert "nki_region_0" in str(record) and "== kernel kernel_0 (nki_region_0) ==" in str(record)
+
+
+@pytest.fixture
+def failing_regions(fake_regions, monkeypatch):
+    monkeypatch.setattr(compiled_graph, "compile_region", failing_compile)
+
+
+def test_fallback_warn_names_region_ops_and_cause(failing_regions):
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    with pytest.warns(neuron_compile.NeuronCompileWarning,
+                      match=r"NKI region nki_region_0 \(aten.mul.Tensor, aten.add.Tensor, aten.relu.default\) of "
+                            r"the inference graph could not be compiled: RuntimeError: tile plan exceeds PSUM bank"):
+        out = torch.compile(pointwise, backend="neuron")(x, y)
+    torch.testing.assert_close(out, pointwise(x, y), rtol=0, atol=0)
+    counters = neuron_compile.stats()
+    assert (counters["region_compile_failures"], counters["regions_compiled"], counters["fallback_nodes"]) == (1, 0, 4)
+    assert "tile plan exceeds PSUM bank" in neuron_compile.last_compiled().failures[0]
+
+
+def test_fallback_raise(failing_regions):
+    fn = torch.compile(pointwise, backend="neuron", options={"fallback": "raise"})
+    with pytest.raises(neuron_compile.NeuronCompileError, match=r"nki_region_0 .*tile plan exceeds PSUM bank.*"
+                                                                r"NEURON_COMPILE_FALLBACK=raise"):
+        fn(torch.randn(4), torch.randn(4))
+
+
+def test_fallback_raise_from_environment(failing_regions, monkeypatch):
+    monkeypatch.setenv("NEURON_COMPILE_FALLBACK", "raise")
+    with pytest.raises(neuron_compile.NeuronCompileError):
+        torch.compile(pointwise, backend="neuron")(torch.randn(4), torch.randn(4))
+
+
+def test_fallback_silent(failing_regions):
+    x, y = torch.randn(4), torch.randn(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with neuron_compile.config.patch(fallback="silent"):
+            out = torch.compile(pointwise, backend="neuron")(x, y)
+    torch.testing.assert_close(out, pointwise(x, y), rtol=0, atol=0)
+
+
+def test_region_failing_at_run_time_falls_back_once(fake_regions, monkeypatch):
+    class BrokenAtRunTime(EagerRegion):
+        def __call__(self, *tensors):
+            raise ValueError("simulator: partition dim 129 > 128")
+
+    monkeypatch.setattr(compiled_graph, "compile_region", lambda gm, inputs, config: BrokenAtRunTime(gm, inputs))
+    fn = torch.compile(pointwise, backend="neuron")
+    x, y = torch.randn(4), torch.randn(4)
+    with pytest.warns(neuron_compile.NeuronCompileWarning, match="failed when run: ValueError: simulator"):
+        torch.testing.assert_close(fn(x, y), pointwise(x, y), rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the region is now eager: no second warning
+        torch.testing.assert_close(fn(x, y), pointwise(x, y), rtol=0, atol=0)
+
+
+def test_region_with_wrong_output_shape_is_caught(fake_regions, monkeypatch):
+    class WrongShape(EagerRegion):
+        def __call__(self, *tensors):
+            return tuple(out.reshape(-1)[:1] for out in self.gm(*tensors))
+
+    monkeypatch.setattr(compiled_graph, "compile_region", lambda gm, inputs, config: WrongShape(gm, inputs))
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    with pytest.raises(neuron_compile.NeuronCompileError, match=r"output 0: expected shape \(2, 3\) dtype "
+                                                                r"torch.float32, got shape \(1,\)"):
+        torch.compile(pointwise, backend="neuron", options={"fallback": "raise"})(x, y)
+
+
+def test_graph_break_gives_two_graphs(fake_regions):
+    def broken(x):
+        y = torch.relu(x) * 2
+        torch._dynamo.graph_break()
+        return torch.sin(y) + 1
+
+    x = torch.randn(6)
+    torch.testing.assert_close(torch.compile(broken, backend="neuron")(x), broken(x), rtol=0, atol=0)
+    assert neuron_compile.stats()["graphs_compiled"] == 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_dynamic_shapes_specialize_per_signature(fake_regions):
+    fn = torch.compile(pointwise, backend="neuron", dynamic=True)
+    for rows in (3, 5, 7, 5, 3):
+        x, y = torch.randn(rows, 4), torch.randn(rows, 4)
+        torch.testing.assert_close(fn(x, y), pointwise(x, y), rtol=0, atol=0)
+    counters = neuron_compile.stats()
+    assert counters["graphs_compiled"] == 1  # one symbolic graph from Dynamo
+    assert (counters["cache_misses"], counters["recompiles"], counters["cache_hits"]) == (3, 2, 2)
+    assert counters["regions_compiled"] == 3  # one region per concrete signature
+    # Each region was compiled with plain-int shapes of its own call.
+    assert fake_regions == [[(rows, 4), (rows, 4)] for rows in (3, 5, 7)]
+    assert all(type(dim) is int for shapes in fake_regions for shape in shapes for dim in shape)
+
+
+def test_mark_dynamic(fake_regions):
+    x = torch.randn(6, 4)
+    torch._dynamo.mark_dynamic(x, 0)
+    fn = torch.compile(pointwise, backend="neuron")
+    torch.testing.assert_close(fn(x, x), pointwise(x, x), rtol=0, atol=0)
+    z = torch.randn(9, 4)
+    torch.testing.assert_close(fn(z, z), pointwise(z, z), rtol=0, atol=0)
+    assert (neuron_compile.stats()["graphs_compiled"], neuron_compile.stats()["recompiles"]) == (1, 1)
+
+
+def test_input_mutation_is_preserved(fake_regions):
+    def bump(x):
+        x.add_(1)
+        return x * 2
+
+    compiled_input, eager_input = torch.randn(5), None
+    eager_input = compiled_input.clone()
+    out = torch.compile(bump, backend="neuron")(compiled_input)
+    torch.testing.assert_close(out, bump(eager_input), rtol=0, atol=0)
+    torch.testing.assert_close(compiled_input, eager_input, rtol=0, atol=0)
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(3))
+
+    def forward(self, x):
+        self.calls.add_(x.sum())
+        return x * self.calls
+
+
+def test_buffer_mutation_in_module(fake_regions):
+    compiled_model, eager_model = Counter(), Counter()
+    fn = torch.compile(compiled_model, backend="neuron")
+    for _ in range(3):
+        x = torch.randn(3)
+        torch.testing.assert_close(fn(x), eager_model(x), rtol=0, atol=0)
+    torch.testing.assert_close(compiled_model.calls, eager_model.calls, rtol=0, atol=0)
+
+
+def _train_step_matches(model_factory, inputs, atol=0.0, rtol=0.0):
+    torch.manual_seed(0)
+    eager_model = model_factory()
+    compiled_model = model_factory()
+    compiled_model.load_state_dict(eager_model.state_dict())
+    eager_out = eager_model(*inputs)
+    eager_out.square().mean().backward()
+    compiled_out = torch.compile(compiled_model, backend="neuron")(*inputs)
+    compiled_out.square().mean().backward()
+    torch.testing.assert_close(compiled_out, eager_out, rtol=rtol, atol=atol)
+    for (name, eager_param), compiled_param in zip(eager_model.named_parameters(), compiled_model.parameters(),
+                                                   strict=True):
+        torch.testing.assert_close(compiled_param.grad, eager_param.grad, rtol=rtol, atol=atol, msg=name)
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+@pytest.mark.parametrize("placement", ["all_eager", "fake_regions"])
+def test_mlp_forward_backward(placement, request):
+    request.getfixturevalue(placement)
+    _train_step_matches(mlp, (torch.randn(4, 16),))
+    counters = neuron_compile.stats()
+    assert counters["graphs_compiled"] == 2  # forward and backward
+    kinds = [record.kind for record in neuron_compile.compiled_records()]
+    assert kinds == ["forward", "backward"]
+    if placement == "fake_regions":
+        assert counters["regions_compiled"] >= 2 and counters["nki_nodes"] > 0
+
+
+def encoder_layer():
+    return nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+
+
+def test_transformer_encoder_layer_forward_backward(all_eager):
+    _train_step_matches(encoder_layer, (torch.randn(2, 5, 16),))
+    assert neuron_compile.stats()["graphs_compiled"] == 2
