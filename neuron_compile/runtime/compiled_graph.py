@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import logging
+import os
+import tempfile
 import threading
 import warnings
 
@@ -91,6 +94,17 @@ def compiled_records() -> list[CompiledGraphRecord]:
     """The records of the most recent compiles, oldest first (at most RECORDS_KEPT)."""
     with _records_lock:
         return list(_records)
+
+
+def dump_record(record: CompiledGraphRecord, dump_dir: str) -> str:
+    """Write ``record`` as text to ``dump_dir`` (atomically: temp file + rename); returns the file's path."""
+    os.makedirs(dump_dir, exist_ok=True)
+    signature = hashlib.sha256(repr(record.key).encode()).hexdigest()[:12]
+    path = os.path.join(dump_dir, f"{record.kind}-{record.key.graph_hash}-{signature}.txt")
+    with tempfile.NamedTemporaryFile("w", dir=dump_dir, delete=False, suffix=".tmp") as handle:
+        handle.write(str(record) + "\n")
+    os.replace(handle.name, path)
+    return path
 
 
 def _fall_back(config: Config, message: str, cause: BaseException) -> None:
@@ -183,6 +197,8 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
     top.recompile()
     with _records_lock:
         _records.append(record)
+    if config.dump_dir:
+        log.info("neuron_compile: dumped the %s graph to %s", kind, dump_record(record, config.dump_dir))
     return top
 
 
