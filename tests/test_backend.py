@@ -381,3 +381,20 @@ def test_neuron_name_taken_by_another_package_registers_the_alias():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["ok"]
     assert "backend 'neuron' is served by __main__; use backend='neuron_compile'" in done.stderr
+
+
+def test_dynamic_training_steps_match_eager(fake_regions):
+    torch.manual_seed(0)
+    eager_model, compiled_model = mlp(), mlp()
+    compiled_model.load_state_dict(eager_model.state_dict())
+    compiled = torch.compile(compiled_model, backend="neuron", dynamic=True)
+    for batch in (3, 6, 3):
+        x = torch.randn(batch, 16)
+        torch.testing.assert_close(compiled(x), eager_model(x), rtol=0, atol=0)
+        eager_model(x).sum().backward()
+        compiled(x).sum().backward()
+        for eager_param, compiled_param in zip(eager_model.parameters(), compiled_model.parameters(), strict=True):
+            torch.testing.assert_close(compiled_param.grad, eager_param.grad, rtol=0, atol=0)
+    counters = neuron_compile.stats()
+    assert counters["graphs_compiled"] == 2  # one symbolic forward, one symbolic backward
+    assert all(type(dim) is int for shapes in fake_regions for shape in shapes for dim in shape)

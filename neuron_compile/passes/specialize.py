@@ -36,7 +36,10 @@ def specialize(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
     """``gm`` with the concrete shapes of ``args`` (real tensors and ints of one call); static graphs unchanged."""
     if not is_dynamic(gm):
         return gm
-    # Fake tracing runs no real compute; "fake" mode (not "symbolic") makes every size a plain int.
+    # aot_autograd's graphs are already differentiated: trace them without autograd, on detached inputs (a
+    # parameter that requires grad would otherwise add detach nodes). Fake tracing runs no real compute, and
+    # "fake" mode (not "symbolic") makes every size a plain int.
+    detached = [arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args]
     with torch.no_grad():
-        specialized = make_fx(gm, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+        specialized = make_fx(gm, tracing_mode="fake", _allow_non_fake_inputs=True)(*detached)
     return specialized

@@ -1,0 +1,50 @@
+"""passes/specialize: a symbolic ATen graph becomes the same graph with this call's concrete shapes."""
+
+import collections
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from neuron_compile.passes.specialize import is_dynamic, specialize
+
+
+def aten_ops(gm):
+    """The tensor ops of a graph (sym_size reads a symbol; specialization folds it away on purpose)."""
+    return collections.Counter(str(node.target) for node in gm.graph.nodes
+                               if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+                               and node.target is not torch.ops.aten.sym_size.int)
+
+
+def reshape_and_reduce(x, w):
+    rows = x.shape[0]
+    folded = x.reshape(rows * 2, -1)  # SymInt arithmetic in the graph
+    return (folded @ w).softmax(-1) * rows
+
+
+def test_static_graph_is_returned_unchanged():
+    x, w = torch.randn(4, 6), torch.randn(3, 5)
+    gm = make_fx(reshape_and_reduce, tracing_mode="fake")(x, w)
+    assert not is_dynamic(gm)
+    assert specialize(gm, [x, w]) is gm
+
+
+def test_symbolic_graph_is_specialized_to_each_call():
+    gm = make_fx(reshape_and_reduce, tracing_mode="symbolic")(torch.randn(4, 6), torch.randn(3, 5))
+    assert is_dynamic(gm)
+    for rows in (2, 7):
+        x, w = torch.randn(rows, 6), torch.randn(3, 5)
+        specialized = specialize(gm, [x, w])
+        assert not is_dynamic(specialized)
+        assert aten_ops(specialized) == aten_ops(gm)  # the same ATen ops, only the symbols are gone
+        values = [node.meta["val"] for node in specialized.graph.nodes if node.op != "output"]
+        assert all(type(dim) is int for value in values for dim in value.shape)
+        output = specialized.graph.output_node().args[0]  # make_fx of a single-tensor function: one node
+        assert tuple(output.meta["val"].shape) == (rows * 2, 5)
+        torch.testing.assert_close(specialized(x, w), reshape_and_reduce(x, w), rtol=0, atol=0)
+
+
+def test_inputs_that_require_grad_add_no_nodes():
+    gm = make_fx(lambda a, b: a * b + 1, tracing_mode="symbolic")(torch.randn(3), torch.randn(3))
+    weight = torch.randn(5, requires_grad=True)
+    specialized = specialize(gm, [torch.randn(5), weight])
+    assert aten_ops(specialized) == aten_ops(gm)
