@@ -27,8 +27,17 @@ from neuron_compile.runtime import stats as _stats
 from neuron_compile.runtime.compiled_graph import compiled_records, last_compiled
 
 __version__ = "0.1.0"
-__all__ = ["NeuronCompileError", "NeuronCompileWarning", "__version__", "backend_name", "compiled_records",
-           "config", "last_compiled", "reset_stats", "stats"]
+__all__ = [
+    "NeuronCompileError",
+    "NeuronCompileWarning",
+    "__version__",
+    "backend_name",
+    "compiled_records",
+    "config",
+    "last_compiled",
+    "reset_stats",
+    "stats",
+]
 
 
 def stats() -> dict:

@@ -32,8 +32,9 @@ BACKEND_NAME = "neuron"
 ALIAS_NAME = "neuron_compile"
 
 
-def neuron_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode: str | None = None,
-                   options: dict | None = None):
+def neuron_backend(
+    gm: torch.fx.GraphModule, example_inputs: list, *, mode: str | None = None, options: dict | None = None
+):
     """The Dynamo backend: ``torch.compile(model, backend="neuron", options={"fallback": "raise"})``."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"torch.compile mode {mode!r} is not one of {list(COMPILE_MODES)}")
@@ -77,7 +78,11 @@ def register() -> str:
         # too would make that load fail with "duplicate name".
         served_by[name] = owner
     if served_by[BACKEND_NAME] != __name__:
-        log.warning("neuron_compile: backend %r is served by %s; use backend=%r for neuron_compile",
-                    BACKEND_NAME, served_by[BACKEND_NAME], ALIAS_NAME)
+        log.warning(
+            "neuron_compile: backend %r is served by %s; use backend=%r for neuron_compile",
+            BACKEND_NAME,
+            served_by[BACKEND_NAME],
+            ALIAS_NAME,
+        )
         return ALIAS_NAME
     return BACKEND_NAME

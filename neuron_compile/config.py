@@ -27,8 +27,15 @@ from collections.abc import Iterator, Mapping
 
 FALLBACK_MODES = ("warn", "raise", "silent")
 # The simulator's target names and the aliases the real ``nki`` accepts (NEURON_PLATFORM_TARGET_OVERRIDE).
-TARGET_ALIASES = {"trn1": "trn1", "inf2": "trn1", "gen2": "trn1", "trn2": "trn2", "gen3": "trn2",
-                  "trn3": "trn3", "gen4": "trn3"}
+TARGET_ALIASES = {
+    "trn1": "trn1",
+    "inf2": "trn1",
+    "gen2": "trn1",
+    "trn2": "trn2",
+    "gen3": "trn2",
+    "trn3": "trn3",
+    "gen4": "trn3",
+}
 ENV_PREFIX = "NEURON_COMPILE_"
 # Field name -> environment variable suffix, where they differ from FIELD.upper().
 _ENV_NAMES = {"cache_dir": "CACHE", "dump_dir": "DUMP"}
@@ -83,7 +90,8 @@ def _coerce(name: str, value: object, source: str) -> object:
         except (TypeError, ValueError):
             raise ValueError(f"{source} must be an integer, got {value!r}") from None
     if not isinstance(value, str):
-        raise ValueError(f"{source} must be a string, got {type(value).__name__} {value!r}")
+        # ValueError, like every other bad option value, so callers catch one exception type for bad config.
+        raise ValueError(f"{source} must be a string, got {type(value).__name__} {value!r}")  # noqa: TRY004
     value = value.strip()
     return value.lower() if name in ("fallback", "target") else value
 

@@ -9,15 +9,27 @@ from neuron_compile.config import Config
 def test_defaults():
     defaults = Config()
     assert (defaults.fallback, defaults.target, defaults.cache_dir, defaults.dump_dir, defaults.bucket) == (
-        "warn", "trn2", "", "", 0)
+        "warn",
+        "trn2",
+        "",
+        "",
+        0,
+    )
 
 
 def test_from_env_reads_every_variable():
-    environ = {"NEURON_COMPILE_FALLBACK": "RAISE", "NEURON_COMPILE_TARGET": "trn3", "NEURON_COMPILE_CACHE": "/c",
-               "NEURON_COMPILE_DUMP": "/d", "NEURON_COMPILE_BUCKET": "128", "NEURON_COMPILE_RECOMPILE_WARN": "3",
-               "UNRELATED": "x"}
-    assert Config.from_env(environ) == Config(fallback="raise", target="trn3", cache_dir="/c", dump_dir="/d",
-                                              bucket=128, recompile_warn=3)
+    environ = {
+        "NEURON_COMPILE_FALLBACK": "RAISE",
+        "NEURON_COMPILE_TARGET": "trn3",
+        "NEURON_COMPILE_CACHE": "/c",
+        "NEURON_COMPILE_DUMP": "/d",
+        "NEURON_COMPILE_BUCKET": "128",
+        "NEURON_COMPILE_RECOMPILE_WARN": "3",
+        "UNRELATED": "x",
+    }
+    assert Config.from_env(environ) == Config(
+        fallback="raise", target="trn3", cache_dir="/c", dump_dir="/d", bucket=128, recompile_warn=3
+    )
 
 
 def test_get_follows_environment(monkeypatch):
@@ -25,20 +37,26 @@ def test_get_follows_environment(monkeypatch):
     assert config.get().fallback == "silent"
 
 
-@pytest.mark.parametrize(("variable", "value", "message"), [
-    ("NEURON_COMPILE_FALLBACK", "ignore", r"fallback must be one of \['warn', 'raise', 'silent'\], got 'ignore'"),
-    ("NEURON_COMPILE_TARGET", "trn9", r"target must be one of .*'trn2'.*got 'trn9'"),
-    ("NEURON_COMPILE_BUCKET", "lots", r"NEURON_COMPILE_BUCKET must be an integer, got 'lots'"),
-    ("NEURON_COMPILE_BUCKET", "-1", r"bucket must be 0 \(off\) or a positive multiple to pad to, got -1"),
-])
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("NEURON_COMPILE_FALLBACK", "ignore", r"fallback must be one of \['warn', 'raise', 'silent'\], got 'ignore'"),
+        ("NEURON_COMPILE_TARGET", "trn9", r"target must be one of .*'trn2'.*got 'trn9'"),
+        ("NEURON_COMPILE_BUCKET", "lots", r"NEURON_COMPILE_BUCKET must be an integer, got 'lots'"),
+        ("NEURON_COMPILE_BUCKET", "-1", r"bucket must be 0 \(off\) or a positive multiple to pad to, got -1"),
+    ],
+)
 def test_bad_environment_values_name_the_rule(variable, value, message):
     with pytest.raises(ValueError, match=message):
         Config.from_env({variable: value})
 
 
 def test_replace_rejects_unknown_keys_naming_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown neuron_compile option\(s\) \['fallbak'\]: valid options are "
-                                         r"\['fallback', 'target'"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown neuron_compile option\(s\) \['fallbak'\]: valid options are "
+        r"\['fallback', 'target'",
+    ):
         Config().replace({"fallbak": "raise"})
 
 
@@ -69,7 +87,6 @@ def test_patch_nests_and_restores(monkeypatch):
 
 
 def test_patch_validates_before_entering():
-    with pytest.raises(ValueError, match="unknown neuron_compile option"):
-        with config.patch(nonsense=1):
-            pass
+    with pytest.raises(ValueError, match="unknown neuron_compile option"), config.patch(nonsense=1):
+        pass
     assert config.get() == Config.from_env()

@@ -14,10 +14,12 @@ aten = torch.ops.aten
 
 def supporting(*ops):
     """An unsupported_reason that accepts exactly ``ops`` (OpOverloadPackets or OpOverloads)."""
+
     def unsupported_reason(node):
         target = node.target
         packet = getattr(target, "overloadpacket", target)
         return None if (target in ops or packet in ops) else f"no lowering for {target}"
+
     return unsupported_reason
 
 
@@ -35,8 +37,11 @@ def test_everything_supported_is_one_region():
     result = partition_graph(gm, supporting(aten.mul, aten.add, aten.relu))
     assert regions_of(result.graph_module) == ["nki_region_0"]
     assert result.report.eager == ()
-    assert [p.op for p in result.report.regions["nki_region_0"]] == ["aten.mul.Tensor", "aten.add.Tensor",
-                                                                     "aten.relu.default"]
+    assert [p.op for p in result.report.regions["nki_region_0"]] == [
+        "aten.mul.Tensor",
+        "aten.add.Tensor",
+        "aten.relu.default",
+    ]
     torch.testing.assert_close(result.graph_module(x, y), gm(x, y), rtol=0, atol=0)
 
 
@@ -104,11 +109,13 @@ BINARY = [operator.add, operator.mul, operator.sub]
 
 
 @settings(max_examples=20, deadline=None)
-@given(program=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 100), st.integers(0, 100)), min_size=1,
-                        max_size=8),
-       supported=st.sets(st.sampled_from(["exp", "tanh", "relu", "neg", "sigmoid", "add", "mul", "sub"])))
+@given(
+    program=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 100), st.integers(0, 100)), min_size=1, max_size=8),
+    supported=st.sets(st.sampled_from(["exp", "tanh", "relu", "neg", "sigmoid", "add", "mul", "sub"])),
+)
 def test_random_graphs_partition_without_changing_results(program, supported):
     """Any support pattern over a random DAG gives an acyclic partitioned graph that computes the same."""
+
     def fn(a, b):
         values = [a, b]
         for op_index, left, right in program:

@@ -10,9 +10,13 @@ from neuron_compile.passes.specialize import is_dynamic, specialize
 
 def aten_ops(gm):
     """The tensor ops of a graph (sym_size reads a symbol; specialization folds it away on purpose)."""
-    return collections.Counter(str(node.target) for node in gm.graph.nodes
-                               if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-                               and node.target is not torch.ops.aten.sym_size.int)
+    return collections.Counter(
+        str(node.target)
+        for node in gm.graph.nodes
+        if node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target is not torch.ops.aten.sym_size.int
+    )
 
 
 def reshape_and_reduce(x, w):

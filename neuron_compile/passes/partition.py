@@ -108,7 +108,7 @@ def _placement_reason(node: torch.fx.Node, unsupported_reason: UnsupportedReason
         return f"{op_name(node)} mutates its input in place; mutations stay eager"
     try:
         return unsupported_reason(node)
-    except Exception as error:  # a lowering bug must not break the whole graph: that node runs eagerly
+    except Exception as error:  # noqa: BLE001 -- a lowering bug must not break the graph: the node runs eagerly
         return f"unsupported_reason raised {type(error).__name__}: {error}"
 
 
@@ -161,7 +161,8 @@ def partition_graph(gm: torch.fx.GraphModule, unsupported_reason: UnsupportedRea
     )
     if partitions:
         # always_return_tuple: a region's callable returns one tuple entry per output, as CompiledRegion does.
-        work = fuse_by_partitions(work, [part.nodes for part in partitions], prefix=REGION_PREFIX,
-                                  always_return_tuple=True)
+        work = fuse_by_partitions(
+            work, [part.nodes for part in partitions], prefix=REGION_PREFIX, always_return_tuple=True
+        )
     work.recompile()
     return PartitionResult(graph_module=work, report=PartitionReport(placements))

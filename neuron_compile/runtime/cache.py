@@ -31,8 +31,9 @@ class TensorSignature:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorSignature:
-        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), str(tensor.dtype),
-                   str(tensor.device))
+        return cls(
+            tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), str(tensor.dtype), str(tensor.device)
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,8 +66,14 @@ class CompiledGraphRecord:
     failures: list[str] = dataclasses.field(default_factory=list)  # one message per region that fell back
 
     def __str__(self) -> str:
-        parts = [f"== {self.kind} graph {self.key.graph_hash} ==", self.aten_graph, "== partition ==",
-                 str(self.report), "== partitioned graph ==", self.partitioned_graph]
+        parts = [
+            f"== {self.kind} graph {self.key.graph_hash} ==",
+            self.aten_graph,
+            "== partition ==",
+            str(self.report),
+            "== partitioned graph ==",
+            self.partitioned_graph,
+        ]
         parts += [f"!! {failure}" for failure in self.failures]
         for kernel in self.kernels:
             parts += [f"== kernel {kernel.name} ({kernel.region}) ==", kernel.source]
@@ -131,8 +137,9 @@ def _check_outputs(outputs, expected: list, region: str) -> None:
 class RegionModule(torch.nn.Module):
     """Runs one NKI region through its CompiledRegion; on a run-time failure, falls back to the eager submodule."""
 
-    def __init__(self, name: str, ops: list[str], compiled, eager: torch.fx.GraphModule, expected: list,
-                 config: Config):
+    def __init__(
+        self, name: str, ops: list[str], compiled, eager: torch.fx.GraphModule, expected: list, config: Config
+    ):
         super().__init__()
         self.region_name, self.ops, self.compiled, self.eager = name, ops, compiled, eager
         self.expected, self.config = expected, config
@@ -144,9 +151,13 @@ class RegionModule(torch.nn.Module):
             outputs = tuple(self.compiled(*tensors))
             _check_outputs(outputs, self.expected, self.region_name)
             return outputs
-        except Exception as error:
-            _fall_back(self.config, f"NKI region {self.region_name} ({', '.join(self.ops)}) failed when run: "
-                       f"{type(error).__name__}: {error}", error)
+        except Exception as error:  # noqa: BLE001 -- any kernel failure falls back, per Config.fallback
+            _fall_back(
+                self.config,
+                f"NKI region {self.region_name} ({', '.join(self.ops)}) failed when run: "
+                f"{type(error).__name__}: {error}",
+                error,
+            )
             self.compiled = None  # later calls go straight to eager: the failure would repeat
             return self.eager(*tensors)
 
@@ -167,8 +178,13 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
     specialized = specialize(gm, args)
     partitioned = partition_graph(specialized)
     top = partitioned.graph_module
-    record = CompiledGraphRecord(kind=kind, key=key, aten_graph=str(specialized.graph),
-                                 partitioned_graph=str(top.graph), report=partitioned.report)
+    record = CompiledGraphRecord(
+        kind=kind,
+        key=key,
+        aten_graph=str(specialized.graph),
+        partitioned_graph=str(top.graph),
+        report=partitioned.report,
+    )
     _count_eager_nodes(partitioned.report)
     for node in list(top.graph.nodes):
         if node.op != "call_module":
@@ -177,12 +193,14 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
         submodule = getattr(top, name)
         ops = partitioned.report.region_ops(name)
         example_inputs = [_meta_value(arg) for arg in node.args]
-        expected = list(_meta_value(output) for output in submodule.graph.output_node().args[0])
+        expected = [_meta_value(output) for output in submodule.graph.output_node().args[0]]
         try:
             region = compile_region(submodule, example_inputs, config)
-        except Exception as error:
-            message = (f"NKI region {name} ({', '.join(ops)}) of the {kind} graph could not be compiled: "
-                       f"{type(error).__name__}: {error}")
+        except Exception as error:  # noqa: BLE001 -- compile_region may raise anything; Config.fallback decides
+            message = (
+                f"NKI region {name} ({', '.join(ops)}) of the {kind} graph could not be compiled: "
+                f"{type(error).__name__}: {error}"
+            )
             stats.add(region_compile_failures=1)
             _fall_back(config, message, error)
             record.failures.append(message)
@@ -220,8 +238,9 @@ class CompiledGraph:
     def __call__(self, args: list):
         key = self.key_for(args)
         first = len(self.cache) == 0
-        compiled, compiled_now = self.cache.get_or_compile(key, lambda: _compile_partitioned(self.gm, args, key,
-                                                                                           self.kind))
+        compiled, compiled_now = self.cache.get_or_compile(
+            key, lambda: _compile_partitioned(self.gm, args, key, self.kind)
+        )
         if compiled_now:
             stats.add(cache_misses=1, recompiles=0 if first else 1)
             self._warn_on_recompile_storm(key.config)
@@ -235,12 +254,16 @@ class CompiledGraph:
             log.warning(
                 "neuron_compile: the %s graph %s has been compiled for %d shape signatures (recompile_warn=%d); "
                 "consider NEURON_COMPILE_BUCKET=128 or marking the varying dimensions dynamic",
-                self.kind, self.graph_hash, len(self.cache), config.recompile_warn,
+                self.kind,
+                self.graph_hash,
+                len(self.cache),
+                config.recompile_warn,
             )
 
 
-def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list, *, kind: str,
-                       options: dict | None = None) -> CompiledGraph:
+def compile_aten_graph(
+    gm: torch.fx.GraphModule, example_inputs: list, *, kind: str, options: dict | None = None
+) -> CompiledGraph:
     """The aot_autograd compiler for one ATen graph: counts it and returns its (lazily compiling) callable."""
     del example_inputs  # fake tensors; each real call's signature decides what is compiled
     stats.add(graphs_compiled=1)
