@@ -418,3 +418,22 @@ def test_dynamic_training_steps_match_eager(fake_regions):
     counters = neuron_compile.stats()
     assert counters["graphs_compiled"] == 2  # one symbolic forward, one symbolic backward
     assert all(type(dim) is int for shapes in fake_regions for shape in shapes for dim in shape)
+
+
+def test_front_end_failure_runs_the_whole_graph_eagerly(monkeypatch):
+    def broken_partition(gm):
+        raise IndexError("partitioner bug")
+
+    monkeypatch.setattr(compiled_graph, "partition_graph", broken_partition)
+    x, y = torch.randn(3), torch.randn(3)
+    fn = torch.compile(pointwise, backend="neuron")
+    with pytest.warns(
+        neuron_compile.NeuronCompileWarning,
+        match=r"the inference graph \w+ could not be specialized "
+        r"or partitioned: IndexError: partitioner bug",
+    ):
+        torch.testing.assert_close(fn(x, y), pointwise(x, y), rtol=0, atol=0)
+    assert neuron_compile.stats()["fallback_nodes"] == 4
+    torch._dynamo.reset()
+    with pytest.raises(neuron_compile.NeuronCompileError, match="partitioner bug"):
+        torch.compile(pointwise, backend="neuron", options={"fallback": "raise"})(x, y)

@@ -29,7 +29,7 @@ import torch.fx
 from neuron_compile import config as config_module
 from neuron_compile.config import Config
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
-from neuron_compile.passes.partition import PartitionReport, partition_graph
+from neuron_compile.passes.partition import PartitionReport, op_name, partition_graph
 from neuron_compile.passes.specialize import specialize
 from neuron_compile.runtime import stats
 from neuron_compile.runtime.cache import DispatchCache, GraphKey, graph_hash, signature_of
@@ -220,6 +220,24 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
     return top
 
 
+def _compile_or_fall_back(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str) -> torch.fx.GraphModule:
+    """``_compile_partitioned``, or, if specialization or partitioning itself fails, the whole ATen graph eagerly."""
+    try:
+        return _compile_partitioned(gm, args, key, kind)
+    except NeuronCompileError:  # a region failed under fallback=raise: already explained
+        raise
+    except Exception as error:  # noqa: BLE001 -- a front-end bug must not stop the model: run the graph eagerly
+        message = (
+            f"the {kind} graph {key.graph_hash} could not be specialized or partitioned: "
+            f"{type(error).__name__}: {error}"
+        )
+        _fall_back(key.config, message, error)
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                stats.add_fallback(op_name(node), f"its graph failed to compile ({type(error).__name__})")
+        return gm
+
+
 class CompiledGraph:
     """Boxed callable for one aot_autograd graph; dispatches each call on its signature (see module docstring)."""
 
@@ -239,7 +257,7 @@ class CompiledGraph:
         key = self.key_for(args)
         first = len(self.cache) == 0
         compiled, compiled_now = self.cache.get_or_compile(
-            key, lambda: _compile_partitioned(self.gm, args, key, self.kind)
+            key, lambda: _compile_or_fall_back(self.gm, args, key, self.kind)
         )
         if compiled_now:
             stats.add(cache_misses=1, recompiles=0 if first else 1)
