@@ -1,12 +1,17 @@
 """Decomposition stage: the table aot_autograd uses to turn Dynamo's torch-level graph into ATen.
 
 Input: nothing (a constant). Output: ``decomposition_table()``, a dict ``OpOverload -> decomposition``: the core
-ATen decompositions, minus the ops that have (or will have) a whole-op NKI lowering — softmax, log_softmax,
-layer norm and scaled-dot-product attention. Decomposing those would scatter one fused row-reduction or
-attention kernel into a dozen pointwise and reduction nodes that the fusion pass then has to re-discover.
-Layer norm's backward is kept whole too: its decomposition sums in a different order than ATen's kernel, so
-a graph that falls back entirely would no longer be bit-identical to eager. The other backward ops (softmax,
-log_softmax, activations) decompose exactly, into pointwise and reduction ops that lowerings cover.
+ATen decompositions minus ``KEPT_WHOLE``, the ops that stay whole in the ATen graph:
+
+- softmax, log_softmax, layer norm and scaled-dot-product attention (and their backward ops): each is one
+  fused row-reduction or attention kernel; decomposing it would scatter it into a dozen pointwise and
+  reduction nodes that the fusion pass would have to re-discover;
+- silu, softplus, mish and the gelu / silu derivatives: each is a single ``nisa.activation`` function
+  (silu, silu_dx, gelu_dx, softplus, mish in nki-spec.md §1.5).
+
+A second reason for both groups: their decompositions round differently from ATen's kernels (by an ulp or
+so), so with them decomposed a graph whose ops all fall back would no longer be bit-identical to eager.
+Ops still decomposed can differ from eager at that level (e.g. ``std``, ``lerp``, ``addcmul``).
 """
 
 from __future__ import annotations
@@ -18,14 +23,20 @@ from torch._decomp import core_aten_decompositions
 
 aten = torch.ops.aten
 
-# Kept whole in the ATen graph. The ``.int`` / ``layer_norm`` entry points still decompose to the
-# ``_softmax`` / ``native_layer_norm`` forms, which are the ones lowered.
+# The ``softmax.int`` / ``layer_norm`` entry points still decompose to ``_softmax`` / ``native_layer_norm``.
 KEPT_WHOLE = (
     aten._safe_softmax.default,
+    aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default,
+    aten.native_layer_norm_backward.default,
     aten.scaled_dot_product_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_attention_math.default,
-    aten.native_layer_norm_backward.default,
+    aten.silu.default,
+    aten.silu_backward.default,
+    aten.gelu_backward.default,
+    aten.softplus.default,
+    aten.mish.default,
 )
 
 

@@ -1,0 +1,64 @@
+"""passes/decompose: the ops kept whole stay in the ATen graph, and keeping them makes graphs bit-identical."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from neuron_compile.passes.decompose import KEPT_WHOLE, decomposition_table
+
+aten = torch.ops.aten
+
+
+def test_kept_ops_are_not_in_the_table_and_the_rest_is_core_aten():
+    table = decomposition_table()
+    assert not set(KEPT_WHOLE) & set(table)
+    assert aten.addcmul.default in table and aten.hardswish.default in table
+    table.clear()  # a copy: clearing it leaves ours intact
+    assert aten.addcmul.default in decomposition_table()
+
+
+# Ops kept whole because their decompositions round differently from ATen's kernels (see the module docstring).
+# Each function with the forward and backward ops that must appear whole in its ATen graphs.
+KEPT_FOR_EXACTNESS = {
+    "silu": (F.silu, {aten.silu.default, aten.silu_backward.default}),
+    "gelu": (F.gelu, {aten.gelu.default, aten.gelu_backward.default}),
+    "softmax": (lambda x: x.softmax(-1), {aten._softmax.default, aten._softmax_backward_data.default}),
+    "log_softmax": (
+        lambda x: x.log_softmax(-1),
+        {aten._log_softmax.default, aten._log_softmax_backward_data.default},
+    ),
+    "layer_norm": (
+        lambda x: F.layer_norm(x, (x.shape[-1],)),
+        {aten.native_layer_norm.default, aten.native_layer_norm_backward.default},
+    ),
+    "attention": (
+        lambda x: F.scaled_dot_product_attention(*[x.view(2, 2, 4, 32)] * 3),  # [batch, heads, seq, dim]
+        {aten._scaled_dot_product_flash_attention_for_cpu.default},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEPT_FOR_EXACTNESS))
+def test_kept_ops_run_bit_identical_to_eager_forward_and_backward(name):
+    fn, whole_ops = KEPT_FOR_EXACTNESS[name]
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=keep_graph, bw_compiler=keep_graph, decompositions=decomposition_table())
+    torch.manual_seed(0)
+    eager_input = (torch.randn(16, 32) * 3).requires_grad_()
+    compiled_input = eager_input.detach().clone().requires_grad_()
+    eager_out, compiled_out = fn(eager_input), torch.compile(fn, backend=backend)(compiled_input)
+    eager_out.square().sum().backward()
+    compiled_out.square().sum().backward()
+    torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=0)
+    torch.testing.assert_close(compiled_input.grad, eager_input.grad, rtol=0, atol=0)
+    graph_ops = {node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert whole_ops <= graph_ops
+    torch._dynamo.reset()
