@@ -437,3 +437,38 @@ def test_front_end_failure_runs_the_whole_graph_eagerly(monkeypatch):
     torch._dynamo.reset()
     with pytest.raises(neuron_compile.NeuronCompileError, match="partitioner bug"):
         torch.compile(pointwise, backend="neuron", options={"fallback": "raise"})(x, y)
+
+
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("placement", ["all_eager", "lowerings"])
+def test_tiny_llama_training_step(placement, request):
+    """Embedding, RMSNorm, rotary, GQA attention, SwiGLU and cross-entropy, forward and backward."""
+    request.getfixturevalue(placement)
+    tolerance = tolerance_for(placement)
+    torch.manual_seed(0)
+    eager_model, compiled_model = tiny_llama(), tiny_llama()
+    compiled_model.load_state_dict(eager_model.state_dict())
+    tokens = torch.randint(0, 64, (2, 7))
+    eager_loss = eager_model(tokens, labels=tokens).loss
+    compiled_loss = torch.compile(compiled_model, backend="neuron")(tokens, labels=tokens).loss
+    eager_loss.backward()
+    compiled_loss.backward()
+    torch.testing.assert_close(compiled_loss, eager_loss, **tolerance)
+    for (name, eager_param), compiled_param in zip(
+        eager_model.named_parameters(), compiled_model.parameters(), strict=True
+    ):
+        torch.testing.assert_close(compiled_param.grad, eager_param.grad, **tolerance, msg=name)
+    assert neuron_compile.stats()["graphs_compiled"] == 2

@@ -33,6 +33,10 @@ KEPT_FOR_EXACTNESS = {
         lambda x: F.layer_norm(x, (x.shape[-1],)),
         {aten.native_layer_norm.default, aten.native_layer_norm_backward.default},
     ),
+    "cross_entropy": (
+        lambda x: F.cross_entropy(x, torch.arange(x.shape[0]) % x.shape[1]),
+        {aten.nll_loss_forward.default, aten.nll_loss_backward.default},
+    ),
     "attention": (
         lambda x: F.scaled_dot_product_attention(*[x.view(2, 2, 4, 32)] * 3),  # [batch, heads, seq, dim]
         {aten._scaled_dot_product_flash_attention_for_cpu.default},

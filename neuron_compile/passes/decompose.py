@@ -3,9 +3,9 @@
 Input: nothing (a constant). Output: ``decomposition_table()``, a dict ``OpOverload -> decomposition``: the core
 ATen decompositions minus ``KEPT_WHOLE``, the ops that stay whole in the ATen graph:
 
-- softmax, log_softmax, layer norm and scaled-dot-product attention (and their backward ops): each is one
-  fused row-reduction or attention kernel; decomposing it would scatter it into a dozen pointwise and
-  reduction nodes that the fusion pass would have to re-discover;
+- softmax, log_softmax, layer norm, the NLL loss (cross-entropy's second half) and scaled-dot-product
+  attention, and their backward ops: each is one fused row-reduction or attention kernel; decomposing it
+  would scatter it into a dozen pointwise and reduction nodes that the fusion pass would have to re-discover;
 - silu, softplus, mish and the gelu / silu derivatives: each is a single ``nisa.activation`` function
   (silu, silu_dx, gelu_dx, softplus, mish in nki-spec.md §1.5).
 
@@ -29,6 +29,8 @@ KEPT_WHOLE = (
     aten._softmax_backward_data.default,
     aten._log_softmax_backward_data.default,
     aten.native_layer_norm_backward.default,
+    aten.nll_loss_forward.default,
+    aten.nll_loss_backward.default,
     aten.scaled_dot_product_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_attention_math.default,
