@@ -1,0 +1,520 @@
+"""Simulator stage: the per-instruction cost model. Input: an instruction trace (trace.InstructionRecord list)
+and a hardware.Target. Output: a CostReport (cycles and busy time per engine, HBM bytes, FLOPs, estimated
+device time, roofline and utilization).
+
+Sources. Every formula below is one of nki-spec.md §2 ("Instruction cost model"), which condenses the
+"Estimated instruction cost" sections of the Neuron SDK's legacy ``general/nki/api/nki/isa/__init__.py``
+docstrings, the Trainium/Trainium2 architecture guides (engine clocks and data paths) and the DMA guides
+(``nki/get-started/about/nki-dma-overview.rst``, ``nki/deep-dives/nki-dma-bandwidth-guide.rst``). Figures
+that are our own inference, not documentation, are marked [I] where they are used.
+
+Compute engines (cycles at the engine clock of hardware.py; N = elements per partition of the streamed
+operand, MIN_II = 64):
+
+====================================  ==============================================================
+nc_matmul (TensorE)                   max(min(64, N_stationary), N_moving); x4 when the inputs are fp32
+nc_transpose                          TensorE max(P, min(64, F)); VectorE max(MIN_II, N)
+activation / exponential (ScalarE)    max(MIN_II, N); + MIN_II with a reduction (activation_reduce)
+tensor_scalar, tensor_copy            max(MIN_II, N)
+tensor_tensor                         max(MIN_II, 2N); max(MIN_II, N) with a PSUM input or all-bf16
+                                      contiguous add/multiply/subtract
+tensor_reduce                         N (N/2 for bf16 add/max)
+memset                                max(MIN_II, N) (N/2 for a zero bf16/fp16 memset)
+reciprocal (VectorE)                  max(MIN_II, 8N)
+bn_stats / bn_aggr                    max(MIN_II, N) / max(MIN_II, 13N/3)
+iota, affine_select (GpSimd)          150 + N
+tensor_tensor_scan                    max(MIN_II, 2N)
+scalar_tensor_tensor                  2N (N for bf16 subtract -> multiply)
+dynamic-address copies                max(600, N)
+====================================  ==============================================================
+
+Adjustments, all from the same sources: MIN_II bounds every instruction from below, it being the minimum
+initiation interval of any engine; an SBUF/PSUM operand whose innermost free stride exceeds 16 bytes halves
+the streaming bandwidth, so it doubles the N term; trn2's VectorE "performance mode" speeds bf16/fp16
+SBUF-only tensor_copy / tensor_scalar / tensor_tensor by 2-4x, of which we take the conservative end,
+vector_elems_per_cycle_bf16 / vector_elems_per_cycle_other (2 on trn2, 1 on trn1). Instructions the SDK gives
+no figure for are costed max(MIN_II, N), GpSimd ones 150 + N (its startup), and listed in
+``CostReport.unmodeled`` so a report never hides a guess.
+
+DMA (nanoseconds; 16 engines per NeuronCore, each serving 128/16 = 8 partitions, sustained
+``target.dma_bytes_per_s / 16`` each, ~1300 ns fixed cost per transfer):
+
+* A transfer of P partitions is split over ``ceil(P / 8)`` engines (at most 16), which move their share of
+  the bytes in parallel. Its isolated latency is ``overhead + bytes_per_engine / engine_bandwidth``.
+* Each engine has 16 queues and keeps several transfers in flight, so the fixed cost overlaps with other
+  transfers' data movement. [I] We charge each transfer ``overhead / 8`` of engine occupancy: with that
+  figure a 128-partition transfer is overhead-bound below 256 B/partition (35% efficient), 81% efficient
+  at 2 KiB and 90% at 4 KiB, which is the curve the DMA bandwidth guide describes (< 256 B overhead-bound,
+  >= 2 KiB recommended, >= 4 KiB saturates).
+* [I] Contiguity: memory is moved in 64-byte bursts, so a contiguous run shorter than 64 bytes (an
+  element-strided or broadcast access) costs a whole burst per element. This is why a transpose through a
+  strided DMA is slow and a TensorE or dma_transpose is not.
+* dma_transpose runs at 90% of DMA throughput HBM->SBUF and 50% SBUF->SBUF (trn2 guide).
+* DMA busy time = max(sum of engine occupancy / 16 engines, the longest single transfer's latency): the 16
+  engines are load-balanced (transfers round-robin over queues) and a kernel lasts at least one transfer.
+
+Whole-kernel model and its limits. ``est_time_s`` is the busy time of the busiest engine: all engines
+(TensorE, VectorE, ScalarE, GpSimd, the DMA pool) are assumed to overlap perfectly, as a well-pipelined kernel
+(loads of tile i+1 during compute on tile i) does. It ignores dependency stalls (an engine waiting for
+another's result), the pipeline fill and drain, semaphore and instruction-issue costs, the ~100-cycle
+static overhead of dependent back-to-back small VectorE instructions, and SBUF bank conflicts, so it is a
+lower bound of a real run; ``serial_time_s`` (every engine's time added up, no overlap) is the upper bound.
+``roofline_s = max(FLOPs / TensorE peak for the dtype, HBM bytes / HBM bandwidth)``, where the HBM bandwidth
+of one NeuronCore is its sustained DMA bandwidth (trn2: 368 GB/s, and the chip's 2.9 TB/s shared by 8 cores is
+362 GB/s each), and FLOPs off TensorE are counted at the bf16 TensorE peak (an optimistic bound, harmless since
+such kernels are memory-bound). ``utilization = roofline_s / est_time_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from neuron_compile.runtime.simulator.hardware import Target, get_target
+from neuron_compile.runtime.simulator.trace import InstructionRecord, OperandInfo
+
+MIN_II = 64  # minimum initiation interval of any engine, cycles
+GPSIMD_STARTUP = 150  # GpSimd fixed startup, cycles (iota, affine_select)
+DYNAMIC_COPY_MIN = 600  # dynamic-address copies, cycles
+MATMUL_FP32_FACTOR = 4  # fp32 matmul runs at a quarter of the bf16 rate
+STRIDED_STREAM_BYTES = 16  # an innermost SBUF/PSUM stride above this halves the streaming bandwidth
+DMA_TRANSFERS_IN_FLIGHT = 8  # [I] per engine; calibrated to the DMA guide's efficiency curve (see docstring)
+DMA_BURST_BYTES = 64  # [I] smallest unit of memory a DMA moves
+DMA_TRANSPOSE_EFFICIENCY = {"hbm": 0.9, "sbuf": 0.5}  # by source buffer (trn2 guide)
+
+ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma", "sync")
+_TWO_BYTE_FLOATS = {"bfloat16", "float16"}
+_FP32_MATMUL = {"float32"}  # tf32 ("tfloat32") runs at the bf16 rate
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """The cost of one kernel launch (or, from sum_reports, of several run one after the other).
+
+    ``cycles_per_engine['dma']`` is in nanoseconds of DMA-pool occupancy (the DMA engines have no clock of
+    their own in this model). ``time_per_instruction`` is busy seconds by instruction name, for explaining
+    where the time goes; ``unmodeled`` names instructions costed by a fallback formula.
+    """
+
+    target: str
+    instructions_per_engine: dict[str, int]
+    cycles_per_engine: dict[str, float]
+    busy_s_per_engine: dict[str, float]
+    hbm_bytes_read: int
+    hbm_bytes_written: int
+    flops: int
+    est_time_s: float
+    serial_time_s: float
+    roofline_s: float
+    utilization: float
+    roofline_compute_s: float = 0.0  # FLOPs / TensorE peak
+    roofline_memory_s: float = 0.0  # HBM bytes / HBM bandwidth of one NeuronCore
+    time_per_instruction: dict[str, float] = field(default_factory=dict)
+    unmodeled: tuple[str, ...] = ()
+    launches: int = 1
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.hbm_bytes_read + self.hbm_bytes_written
+
+    @property
+    def achieved_flops_per_s(self) -> float:
+        return self.flops / self.est_time_s if self.est_time_s else 0.0
+
+    @property
+    def bottleneck(self) -> str:
+        """The engine whose busy time is the estimate."""
+        if not self.busy_s_per_engine:
+            return "none"
+        return max(self.busy_s_per_engine, key=self.busy_s_per_engine.get)
+
+    def format(self) -> str:
+        """A readable table: one row per engine, then bytes, FLOPs, times and utilization."""
+        total = sum(self.instructions_per_engine.values())
+        launches = f", {self.launches} launches" if self.launches > 1 else ""
+        lines = [
+            f"cost report ({self.target}{launches}): {total} instructions",
+            f"  {'engine':<8}{'instructions':>13}{'cycles':>15}{'busy (us)':>13}{'of est':>9}",
+        ]
+        for engine in ENGINES:
+            if engine not in self.instructions_per_engine:
+                continue
+            busy = self.busy_s_per_engine.get(engine, 0.0)
+            share = busy / self.est_time_s if self.est_time_s else 0.0
+            cycles = f"{self.cycles_per_engine.get(engine, 0.0):,.0f}" + ("ns" if engine == "dma" else "")
+            lines.append(
+                f"  {engine:<8}{self.instructions_per_engine[engine]:>13,}{cycles:>15}"
+                f"{busy * 1e6:>13.2f}{share:>9.1%}"
+            )
+        top = sorted(self.time_per_instruction.items(), key=lambda item: -item[1])[:6]
+        if top:
+            lines.append("  top instructions: " + ", ".join(f"{name} {secs * 1e6:.2f}us" for name, secs in top))
+        bound = "compute" if self._compute_bound else "memory"
+        lines += [
+            f"  HBM read {_mib(self.hbm_bytes_read)}, written {_mib(self.hbm_bytes_written)}; "
+            f"{self.flops / 1e9:.3f} GFLOP ({self.achieved_flops_per_s / 1e12:.2f} TFLOP/s at the estimate)",
+            f"  estimated {self.est_time_s * 1e6:.2f} us (engines overlapped, bottleneck {self.bottleneck}); "
+            f"serial {self.serial_time_s * 1e6:.2f} us",
+            f"  roofline {self.roofline_s * 1e6:.2f} us ({bound}-bound); utilization {self.utilization:.1%}",
+        ]
+        if self.unmodeled:
+            lines.append("  costed by a fallback formula: " + ", ".join(self.unmodeled))
+        return "\n".join(lines)
+
+    @property
+    def _compute_bound(self) -> bool:
+        return self.roofline_compute_s >= self.roofline_memory_s
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Operand helpers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _operand(record: InstructionRecord, *roles: str) -> OperandInfo | None:
+    for role in roles:
+        for src in record.srcs:
+            if src.role == role:
+                return src
+    return None
+
+
+def _op_name(value) -> str:
+    """``attrs['op']`` may be a string, an nl function or a numpy ufunc: reduce it to a lower-case name."""
+    if value is None:
+        return ""
+    name = getattr(value, "__name__", None) or str(value)
+    return name.rsplit(".", 1)[-1].lower()
+
+
+def _on_chip(operand: OperandInfo) -> bool:
+    return operand.buffer in ("sbuf", "psum")
+
+
+def _streamed(record: InstructionRecord) -> list[OperandInfo]:
+    """The on-chip operands the engine streams through (srcs, else the dst for memset/iota)."""
+    operands = [src for src in record.srcs if _on_chip(src)]
+    if not operands and record.dst is not None:
+        operands = [record.dst]
+    return operands
+
+
+def _elems_per_partition(record: InstructionRecord) -> int:
+    return max((operand.free_elems for operand in _streamed(record)), default=1)
+
+
+def _stride_factor(record: InstructionRecord) -> int:
+    """2 when an SBUF/PSUM operand's innermost stride exceeds 16 bytes (half streaming bandwidth)."""
+    operands = [*_streamed(record), *([record.dst] if record.dst is not None else [])]
+    strided = any(_on_chip(op) and op.innermost_stride_bytes > STRIDED_STREAM_BYTES for op in operands)
+    return 2 if strided else 1
+
+
+def _contiguous(operand: OperandInfo) -> bool:
+    return operand.innermost_stride_bytes == operand.itemsize
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compute-engine formulas (cycles)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _matmul_cycles(record: InstructionRecord) -> float:
+    stationary = _operand(record, "stationary") or record.srcs[0]
+    moving = _operand(record, "moving") or record.srcs[-1]
+    n_stationary, n_moving = stationary.free_elems, moving.free_elems
+    if record.attrs.get("perf_mode") == "double_row":  # [128, 2, N] operands: two rows of K per column
+        n_stationary, n_moving = n_stationary // 2, n_moving // 2
+    cycles = max(min(64, n_stationary), n_moving * _stride_factor(record))
+    if stationary.dtype in _FP32_MATMUL or moving.dtype in _FP32_MATMUL:
+        cycles *= MATMUL_FP32_FACTOR
+    return cycles
+
+
+def _transpose_cycles(record: InstructionRecord) -> float:
+    data = record.srcs[0]
+    if record.engine == "tensor":
+        return max(data.partitions, min(64, data.free_elems))
+    return max(MIN_II, data.free_elems)
+
+
+def _tensor_tensor_cycles(record: InstructionRecord, n: int) -> float:
+    op = _op_name(record.attrs.get("op"))
+    operands = [*record.srcs, *([record.dst] if record.dst else [])]
+    one_psum_input = any(src.buffer == "psum" for src in record.srcs)
+    fast_bf16 = (
+        op in ("add", "multiply", "subtract")
+        and all(o.dtype == "bfloat16" and _contiguous(o) for o in operands)
+    )
+    return n if one_psum_input or fast_bf16 else 2 * n
+
+
+def _tensor_reduce_cycles(record: InstructionRecord, n: int) -> float:
+    op = _op_name(record.attrs.get("op"))
+    halved = record.srcs and record.srcs[0].dtype == "bfloat16" and op in ("add", "max", "maximum")
+    return n / 2 if halved else n
+
+
+def _memset_cycles(record: InstructionRecord, n: int) -> float:
+    value = record.attrs.get("value")
+    zero_two_byte = record.dst is not None and record.dst.dtype in _TWO_BYTE_FLOATS and value == 0
+    return n / 2 if zero_two_byte else n
+
+
+def _scalar_tensor_tensor_cycles(record: InstructionRecord, n: int) -> float:
+    op0, op1 = _op_name(record.attrs.get("op0")), _op_name(record.attrs.get("op1"))
+    bf16 = all(src.dtype == "bfloat16" for src in record.srcs)
+    return n if bf16 and op0 == "subtract" and op1 == "multiply" else 2 * n
+
+
+# Streaming formulas: name -> cycles as a function of (record, N); the result is floored at MIN_II.
+_STREAMING = {
+    "activation": lambda r, n: n + (MIN_II if r.attrs.get("reduce") else 0),
+    "activation_reduce": lambda r, n: n + MIN_II,
+    "activate2": lambda r, n: n,
+    "exponential": lambda r, n: n,
+    "tensor_scalar": lambda r, n: n,
+    "tensor_copy": lambda r, n: n,
+    "tensor_tensor": _tensor_tensor_cycles,
+    "tensor_reduce": _tensor_reduce_cycles,
+    "memset": _memset_cycles,
+    "reciprocal": lambda r, n: 8 * n if r.engine == "vector" else n,
+    "bn_stats": lambda r, n: n,
+    "bn_aggr": lambda r, n: 13 * n / 3,
+    "tensor_tensor_scan": lambda r, n: 2 * n,
+    "scalar_tensor_tensor": _scalar_tensor_tensor_cycles,
+}
+_GPSIMD_STARTUP_OPS = {"iota", "affine_select"}
+_DYNAMIC_COPIES = {"tensor_copy_dynamic_src", "tensor_copy_dynamic_dst"}
+_PERF_MODE_OPS = {"tensor_copy", "tensor_scalar", "tensor_tensor"}
+
+
+def _vector_perf_mode_speedup(record: InstructionRecord, target: Target) -> float:
+    """trn2+ VectorE performance mode for bf16/fp16 SBUF-only copies and elementwise ops (1 elsewhere)."""
+    if record.engine != "vector" or record.name not in _PERF_MODE_OPS:
+        return 1.0
+    operands = [*record.srcs, *([record.dst] if record.dst else [])]
+    if not all(o.buffer == "sbuf" and o.dtype in _TWO_BYTE_FLOATS for o in operands if o.free_elems > 1):
+        return 1.0
+    return target.vector_elems_per_cycle_bf16 / target.vector_elems_per_cycle_other
+
+
+def _compute_cycles(record: InstructionRecord, target: Target) -> tuple[float, bool]:
+    """(cycles, modeled) for an instruction on a compute engine."""
+    name = record.name
+    if name == "nc_matmul":
+        return _matmul_cycles(record), True
+    if name == "nc_transpose":
+        return _transpose_cycles(record) * _stride_factor(record), True
+    n = _elems_per_partition(record) * _stride_factor(record)
+    if name in _GPSIMD_STARTUP_OPS:
+        return GPSIMD_STARTUP + n, True
+    if name in _DYNAMIC_COPIES or record.attrs.get("dynamic"):
+        return max(DYNAMIC_COPY_MIN, n), True
+    formula = _STREAMING.get(name)
+    if formula is not None:
+        return max(MIN_II, formula(record, n) / _vector_perf_mode_speedup(record, target)), True
+    if record.engine == "gpsimd":
+        return GPSIMD_STARTUP + n, False
+    return max(MIN_II, n), False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DMA (nanoseconds)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DmaTime:
+    """One transfer: ``latency_ns`` alone on an idle DMA pool; ``pool_ns`` its share of the 16-engine pool."""
+
+    latency_ns: float
+    pool_ns: float
+    engines_used: int
+
+
+def _contiguous_run_bytes(operand: OperandInfo) -> int:
+    """Bytes of the innermost contiguous run of an operand's access pattern."""
+    if _contiguous(operand):
+        inner = operand.shape[-1] if operand.shape else 1
+        return inner * operand.itemsize
+    return operand.itemsize  # strided or broadcast: every element is its own run
+
+
+def _burst_inflated_bytes(nbytes: int, run_bytes: int) -> float:
+    """Bytes of memory traffic once every contiguous run is rounded up to a whole DMA burst."""
+    if run_bytes >= DMA_BURST_BYTES or run_bytes <= 0:
+        return float(nbytes)
+    return nbytes / run_bytes * DMA_BURST_BYTES
+
+
+def dma_transfer_time(record: InstructionRecord, target: Target) -> DmaTime:
+    operands = [o for o in (record.dst, *record.srcs) if o is not None]
+    nbytes = max((o.nbytes for o in operands), default=0)
+    on_chip = [o for o in operands if _on_chip(o)]
+    partitions = max((o.partitions for o in (on_chip or operands)), default=1)
+    partitions_per_engine = max(1, target.partitions // target.dma_engines)
+    engines_used = max(1, min(target.dma_engines, math.ceil(partitions / partitions_per_engine)))
+    run_bytes = min((_contiguous_run_bytes(o) for o in operands), default=nbytes)
+    traffic = _burst_inflated_bytes(nbytes, run_bytes)
+    engine_bytes_per_ns = target.dma_bytes_per_s / target.dma_engines / 1e9
+    if record.name == "dma_transpose":
+        source = record.srcs[0].buffer if record.srcs else "hbm"
+        engine_bytes_per_ns *= DMA_TRANSPOSE_EFFICIENCY.get(source, 0.5)
+    data_ns = traffic / engines_used / engine_bytes_per_ns
+    overhead_ns = target.dma_fixed_overhead_ns
+    occupancy_ns = engines_used * (overhead_ns / DMA_TRANSFERS_IN_FLIGHT + data_ns)
+    return DmaTime(overhead_ns + data_ns, occupancy_ns / target.dma_engines, engines_used)
+
+
+def _is_dma(record: InstructionRecord) -> bool:
+    return record.engine == "dma" or record.name.startswith("dma_")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _engine_ghz(engine: str, target: Target) -> float:
+    # [I] the sync engine (SP) has no documented clock; it issues DMA triggers and barriers like ScalarE.
+    return {
+        "tensor": target.tensor_ghz,
+        "vector": target.vector_ghz,
+        "scalar": target.scalar_ghz,
+        "gpsimd": target.gpsimd_ghz,
+        "sync": target.scalar_ghz,
+    }[engine]
+
+
+def instruction_cycles(record: InstructionRecord, target: Target | str | None = None) -> tuple[str, float]:
+    """(engine, cycles) of one instruction; for DMA, nanoseconds of DMA-pool occupancy."""
+    target = target if isinstance(target, Target) else get_target(target)
+    if _is_dma(record):
+        return "dma", dma_transfer_time(record, target).pool_ns
+    _check_engine(record)
+    return record.engine, _compute_cycles(record, target)[0]
+
+
+def _check_engine(record: InstructionRecord) -> None:
+    if record.engine not in ENGINES:
+        raise ValueError(
+            f"[cost_unknown_engine] instruction {record.name} ran on engine {record.engine!r}: "
+            f"expected one of {ENGINES}"
+        )
+
+
+def _hbm_traffic(record: InstructionRecord) -> tuple[int, int]:
+    """(bytes read from HBM, bytes written to HBM) by a DMA."""
+    read = sum(src.nbytes for src in record.srcs if src.buffer == "hbm")
+    written = record.dst.nbytes if record.dst is not None and record.dst.buffer == "hbm" else 0
+    return read, written
+
+
+def _peak_flops_per_s(record: InstructionRecord, target: Target) -> float:
+    if record.name == "nc_matmul":
+        dtypes = {src.dtype for src in record.srcs}
+        if dtypes & _FP32_MATMUL:
+            return target.tensor_fp32_tflops * 1e12
+        if record.attrs.get("perf_mode") == "double_row":
+            return 2 * target.tensor_bf16_tflops * 1e12
+    return target.tensor_bf16_tflops * 1e12
+
+
+def cost_report(trace: Iterable[InstructionRecord], target: Target | str | None = None) -> CostReport:
+    """Cost one kernel launch's trace on ``target`` (a Target, a target name, or None for the default)."""
+    target = target if isinstance(target, Target) else get_target(target)
+    counts: Counter[str] = Counter()
+    cycles: dict[str, float] = {}
+    per_instruction: dict[str, float] = {}
+    unmodeled: set[str] = set()
+    read = written = flops = 0
+    compute_bound_s = 0.0
+    longest_dma_ns = 0.0
+    for record in trace:
+        if _is_dma(record):
+            engine, dma = "dma", dma_transfer_time(record, target)
+            amount, seconds = dma.pool_ns, dma.pool_ns * 1e-9
+            longest_dma_ns = max(longest_dma_ns, dma.latency_ns)
+            record_read, record_written = _hbm_traffic(record)
+            read, written = read + record_read, written + record_written
+        else:
+            _check_engine(record)
+            engine = record.engine
+            amount, modeled = _compute_cycles(record, target)
+            if not modeled:
+                unmodeled.add(record.name)
+            seconds = amount / (_engine_ghz(engine, target) * 1e9)
+        counts[engine] += 1
+        cycles[engine] = cycles.get(engine, 0.0) + amount
+        per_instruction[record.name] = per_instruction.get(record.name, 0.0) + seconds
+        flops += record.flops
+        compute_bound_s += record.flops / _peak_flops_per_s(record, target)
+    busy = {engine: cycles[engine] / (_engine_ghz(engine, target) * 1e9) for engine in cycles if engine != "dma"}
+    if "dma" in cycles:
+        busy["dma"] = max(cycles["dma"], longest_dma_ns) * 1e-9
+    est = max(busy.values(), default=0.0)
+    memory_bound_s = (read + written) / target.dma_bytes_per_s
+    roofline = max(compute_bound_s, memory_bound_s)
+    return CostReport(
+        target=target.name,
+        instructions_per_engine=dict(counts),
+        cycles_per_engine=cycles,
+        busy_s_per_engine=busy,
+        hbm_bytes_read=read,
+        hbm_bytes_written=written,
+        flops=flops,
+        est_time_s=est,
+        serial_time_s=sum(busy.values()),
+        roofline_s=roofline,
+        utilization=roofline / est if est else 0.0,
+        roofline_compute_s=compute_bound_s,
+        roofline_memory_s=memory_bound_s,
+        time_per_instruction=per_instruction,
+        unmodeled=tuple(sorted(unmodeled)),
+    )
+
+
+def _add_dicts(dicts: Iterable[dict]) -> dict:
+    total: dict = {}
+    for mapping in dicts:
+        for key, value in mapping.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def sum_reports(reports: Iterable[CostReport]) -> CostReport:
+    """Several launches run one after the other: every count, byte and time adds up (est times too, since
+    launches do not overlap); utilization is recomputed from the sums."""
+    reports = list(reports)
+    if not reports:
+        raise ValueError("[cost_sum_empty] sum_reports needs at least one CostReport, got none")
+    targets = sorted({report.target for report in reports})
+    if len(targets) > 1:
+        raise ValueError(f"[cost_sum_mixed_targets] cannot add reports of different targets: {targets}")
+    est = sum(report.est_time_s for report in reports)
+    roofline = sum(report.roofline_s for report in reports)
+    return CostReport(
+        target=targets[0],
+        instructions_per_engine=_add_dicts(r.instructions_per_engine for r in reports),
+        cycles_per_engine=_add_dicts(r.cycles_per_engine for r in reports),
+        busy_s_per_engine=_add_dicts(r.busy_s_per_engine for r in reports),
+        hbm_bytes_read=sum(r.hbm_bytes_read for r in reports),
+        hbm_bytes_written=sum(r.hbm_bytes_written for r in reports),
+        flops=sum(r.flops for r in reports),
+        est_time_s=est,
+        serial_time_s=sum(r.serial_time_s for r in reports),
+        roofline_s=roofline,
+        utilization=roofline / est if est else 0.0,
+        roofline_compute_s=sum(r.roofline_compute_s for r in reports),
+        roofline_memory_s=sum(r.roofline_memory_s for r in reports),
+        time_per_instruction=_add_dicts(r.time_per_instruction for r in reports),
+        unmodeled=tuple(sorted({name for r in reports for name in r.unmodeled})),
+        launches=sum(r.launches for r in reports),
+    )
