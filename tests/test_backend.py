@@ -200,8 +200,15 @@ def test_region_failing_at_run_time_falls_back_once(fake_regions, monkeypatch):
     monkeypatch.setattr(compiled_graph, "compile_region", lambda gm, inputs, config: BrokenAtRunTime(gm, inputs))
     fn = torch.compile(pointwise, backend="neuron")
     x, y = torch.randn(4), torch.randn(4)
-    with pytest.warns(neuron_compile.NeuronCompileWarning, match="failed when run: ValueError: simulator"):
+    with pytest.warns(
+        neuron_compile.NeuronCompileWarning,
+        match=r"nki_region_0 \(aten.mul.Tensor, aten.add.Tensor, aten.relu.default\) of the inference graph failed "
+        r"when run: ValueError: simulator",
+    ):
         torch.testing.assert_close(fn(x, y), pointwise(x, y), rtol=0, atol=0)
+    counters = neuron_compile.stats()
+    assert (counters["region_run_failures"], counters["fallback_nodes"]) == (1, 4)  # sin, then the region's 3
+    assert counters["fallback_reasons"]["aten.relu.default: its region failed when run (ValueError)"] == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the region is now eager: no second warning
         torch.testing.assert_close(fn(x, y), pointwise(x, y), rtol=0, atol=0)
@@ -472,3 +479,10 @@ def test_tiny_llama_training_step(placement, request):
     ):
         torch.testing.assert_close(compiled_param.grad, eager_param.grad, **tolerance, msg=name)
     assert neuron_compile.stats()["graphs_compiled"] == 2
+
+
+def test_long_regions_are_named_by_their_first_ops():
+    ops = [f"aten.op{index}.default" for index in range(10)]
+    assert compiled_graph.describe_region("nki_region_3", ops) == (
+        "NKI region nki_region_3 (" + ", ".join(ops[:8]) + " and 2 more)"
+    )

@@ -37,6 +37,7 @@ from neuron_compile.runtime.cache import DispatchCache, GraphKey, graph_hash, si
 log = logging.getLogger("neuron_compile")
 
 RECORDS_KEPT = 64
+OPS_NAMED = 8  # a message names at most this many of a region's ops
 
 
 def compile_region(gm: torch.fx.GraphModule, example_inputs: list, config: Config):
@@ -122,6 +123,19 @@ def _fall_back(config: Config, message: str, cause: BaseException) -> None:
     log.debug("%s", message)
 
 
+def describe_region(name: str, ops: list[str]) -> str:
+    """``nki_region_0 (aten.mm.default, aten.add.Tensor)``: the region and its distinct ops, for messages."""
+    shown = ", ".join(ops[:OPS_NAMED])
+    more = f" and {len(ops) - OPS_NAMED} more" if len(ops) > OPS_NAMED else ""
+    return f"NKI region {name} ({shown}{more})"
+
+
+def _count_region_fallback(ops: list[str], reason: str) -> None:
+    for op in ops:
+        if op.startswith(("aten.", "prims.")):  # getitem and other glue are not ATen compute
+            stats.add_fallback(op, reason)
+
+
 def _check_outputs(outputs, expected: list, region: str) -> None:
     """A region's outputs must have eager's shapes and dtypes; anything else is a kernel bug, caught here."""
     if len(outputs) != len(expected):
@@ -137,12 +151,16 @@ def _check_outputs(outputs, expected: list, region: str) -> None:
 class RegionModule(torch.nn.Module):
     """Runs one NKI region through its CompiledRegion; on a run-time failure, falls back to the eager submodule."""
 
-    def __init__(
-        self, name: str, ops: list[str], compiled, eager: torch.fx.GraphModule, expected: list, config: Config
-    ):
+    def __init__(self, name: str, compiled, eager: torch.fx.GraphModule, expected: list, record: CompiledGraphRecord):
         super().__init__()
-        self.region_name, self.ops, self.compiled, self.eager = name, ops, compiled, eager
-        self.expected, self.config = expected, config
+        self.region_name, self.compiled, self.eager, self.expected, self.record = (
+            name,
+            compiled,
+            eager,
+            expected,
+            record,
+        )
+        self.node_ops = [placement.op for placement in record.report.regions[name]]  # one entry per node
 
     def forward(self, *tensors):
         if self.compiled is None:
@@ -152,13 +170,15 @@ class RegionModule(torch.nn.Module):
             _check_outputs(outputs, self.expected, self.region_name)
             return outputs
         except Exception as error:  # noqa: BLE001 -- any kernel failure falls back, per Config.fallback
-            _fall_back(
-                self.config,
-                f"NKI region {self.region_name} ({', '.join(self.ops)}) failed when run: "
-                f"{type(error).__name__}: {error}",
-                error,
+            message = (
+                f"{describe_region(self.region_name, self.record.report.region_ops(self.region_name))} of the "
+                f"{self.record.kind} graph failed when run: {type(error).__name__}: {error}"
             )
+            _fall_back(self.record.key.config, message, error)
             self.compiled = None  # later calls go straight to eager: the failure would repeat
+            stats.add(region_run_failures=1)
+            _count_region_fallback(self.node_ops, f"its region failed when run ({type(error).__name__})")
+            self.record.failures.append(message)
             return self.eager(*tensors)
 
 
@@ -168,8 +188,7 @@ def _meta_value(arg):
 
 def _count_eager_nodes(report: PartitionReport) -> None:
     for placement in report.eager:
-        if placement.op.startswith(("aten.", "prims.")):  # getitem and other glue are not ATen compute
-            stats.add_fallback(placement.op, placement.reason or "unknown")
+        _count_region_fallback([placement.op], placement.reason or "unknown")
 
 
 def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str) -> torch.fx.GraphModule:
@@ -191,27 +210,25 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
             continue
         name = node.target
         submodule = getattr(top, name)
-        ops = partitioned.report.region_ops(name)
         example_inputs = [_meta_value(arg) for arg in node.args]
         expected = [_meta_value(output) for output in submodule.graph.output_node().args[0]]
         try:
             region = compile_region(submodule, example_inputs, config)
         except Exception as error:  # noqa: BLE001 -- compile_region may raise anything; Config.fallback decides
             message = (
-                f"NKI region {name} ({', '.join(ops)}) of the {kind} graph could not be compiled: "
-                f"{type(error).__name__}: {error}"
+                f"{describe_region(name, partitioned.report.region_ops(name))} of the {kind} graph could not be "
+                f"compiled: {type(error).__name__}: {error}"
             )
             stats.add(region_compile_failures=1)
             _fall_back(config, message, error)
             record.failures.append(message)
-            for placement in partitioned.report.regions[name]:
-                if placement.op.startswith(("aten.", "prims.")):
-                    stats.add_fallback(placement.op, f"its region failed to compile ({type(error).__name__})")
+            node_ops = [placement.op for placement in partitioned.report.regions[name]]
+            _count_region_fallback(node_ops, f"its region failed to compile ({type(error).__name__})")
             region = None
         else:
             stats.add(regions_compiled=1, nki_nodes=int(getattr(region, "nki_nodes", 0)))
             record.kernels += [KernelRecord(name, kernel.name, kernel.source) for kernel in region.kernels]
-        setattr(top, name, RegionModule(name, ops, region, submodule, expected, config))
+        setattr(top, name, RegionModule(name, region, submodule, expected, record))
     top.recompile()
     with _records_lock:
         _records.append(record)

@@ -17,6 +17,7 @@ class Stats:
     graphs_compiled: int = 0  # Dynamo graphs handed to the backend (each forward/backward/inference graph)
     regions_compiled: int = 0  # NKI regions compiled (one per region per shape signature)
     region_compile_failures: int = 0  # regions that failed to compile and fell back to eager
+    region_run_failures: int = 0  # compiled regions that failed when run and fell back to eager from then on
     recompiles: int = 0  # new shape signatures after the first, per compiled graph
     cache_hits: int = 0  # calls served by an already-compiled shape signature
     cache_misses: int = 0  # calls that had to compile a new shape signature
