@@ -39,7 +39,11 @@ def neuron_backend(
     if mode not in COMPILE_MODES:
         raise ValueError(f"torch.compile mode {mode!r} is not one of {list(COMPILE_MODES)}")
     options = dict(options or {})
-    config.get().replace(options)  # reject unknown keys and bad values now, at compile time
+    effective = config.get().replace(options)  # reject unknown keys and bad values now, at compile time
+    if effective.bucket:
+        log.warning(
+            "neuron_compile: bucket=%d is accepted but not applied yet: shapes are not padded", effective.bucket
+        )
     compilers = {
         kind: functools.partial(compile_aten_graph, kind=kind, options=options)
         for kind in ("forward", "backward", "inference")

@@ -288,7 +288,7 @@ class CompiledGraph:
             self._warned_recompiles = True
             log.warning(
                 "neuron_compile: the %s graph %s has been compiled for %d shape signatures (recompile_warn=%d); "
-                "consider NEURON_COMPILE_BUCKET=128 or marking the varying dimensions dynamic",
+                "every new shape compiles new kernels: pad inputs to a few sizes to bound this",
                 self.kind,
                 self.graph_hash,
                 len(self.cache),
