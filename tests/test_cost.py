@@ -283,3 +283,4 @@ def test_empty_trace_and_target_by_name():
     report = cost.cost_report([], "trn1")
     assert (report.target, report.est_time_s, report.utilization) == ("trn1", 0.0, 0.0)
     assert "0 instructions" in report.format()
+
