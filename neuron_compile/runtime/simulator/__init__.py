@@ -1,0 +1,244 @@
+"""Simulator stage: the ``nki`` module itself — ``jit``, ``simulate``, ``language``, ``isa`` — and the launcher.
+
+Input: an NKI kernel (a ``@nki.jit`` object, a plain kernel function, or NKI source text via ``load_module``)
+and its arguments (numpy arrays or torch tensors, plus Python scalars). Output: the kernel's returned
+``nl.shared_hbm`` tensors as numpy arrays (torch tensors when called with torch tensors), and a ``KernelRun``
+with the instruction trace and the target, whose ``report`` is the cost model's CostReport.
+
+``load_module`` and ``nki_import_alias`` bind ``import nki`` / ``nki.language`` / ``nki.isa`` in NKI source
+to this package: the first through a private ``__import__`` in the module's builtins (no global state), the
+second through sys.modules for the duration of a ``with`` block.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import linecache
+import sys
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from neuron_compile.runtime.simulator import isa, language
+from neuron_compile.runtime.simulator.errors import NkiCapacityError, NkiNotSimulatedError, NkiValidationError
+from neuron_compile.runtime.simulator.hardware import Target, get_target
+from neuron_compile.runtime.simulator.memory import KernelContext, hbm_input, kernel_context
+from neuron_compile.runtime.simulator.tensor import NkiTensor
+from neuron_compile.runtime.simulator.trace import InstructionRecord
+
+__all__ = ["jit", "simulate", "language", "isa", "run_kernel", "load_module", "nki_import_alias", "KernelRun",
+           "Kernel", "launch_hooks", "NkiValidationError", "NkiCapacityError", "NkiNotSimulatedError"]
+
+# Callables receiving every KernelRun after a launch (the CLI's --report registers one).
+launch_hooks: list = []
+
+
+@dataclass
+class KernelRun:
+    """One launch: the kernel's outputs, its instruction trace and the target it ran on."""
+
+    outputs: list[np.ndarray]
+    trace: list[InstructionRecord]
+    target: Target
+
+    @functools.cached_property
+    def report(self):
+        from neuron_compile.runtime.simulator import cost  # written separately; imported only when asked
+
+        return cost.cost_report(self.trace, self.target)
+
+
+def _is_torch(value) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
+
+
+def _to_numpy(value) -> np.ndarray:
+    import torch
+
+    tensor = value.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.float().numpy().astype(language.bfloat16)
+    return tensor.numpy()
+
+
+def _to_torch(array: np.ndarray):
+    import torch
+
+    if array.dtype == language.bfloat16:
+        return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
+    if array.dtype.name.startswith("float8"):
+        return torch.from_numpy(array.astype(np.float32))
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _kernel_argument(value, name: str):
+    if isinstance(value, np.ndarray):
+        return hbm_input(value, name)
+    if _is_torch(value):
+        return hbm_input(_to_numpy(value), name)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, np.ndarray) or _is_torch(v) for v in value):
+        return type(value)(_kernel_argument(v, f"{name}_{i}") for i, v in enumerate(value))
+    return value
+
+
+def _collect_outputs(result) -> list[NkiTensor]:
+    if result is None:
+        return []
+    if isinstance(result, NkiTensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        outputs = []
+        for item in result:
+            outputs.extend(_collect_outputs(item))
+        return outputs
+    raise NkiValidationError("err_kernel_output", f"a kernel returns nl.shared_hbm tensors, got {type(result).__name__}")
+
+
+def _check_output(tensor: NkiTensor) -> None:
+    if tensor.buffer is not language.shared_hbm:
+        raise NkiValidationError(
+            "err_output_must_be_shared_hbm",
+            f"kernel output {tensor.name} is in {tensor.buffer}; kernel outputs must be nl.shared_hbm",
+        )
+
+
+def _launch(fn, args, kwargs, target: Target, lnc: int) -> tuple[KernelRun, object]:
+    if lnc not in (1, 2):
+        raise NkiValidationError("err_lnc", f"kernel[lnc]: lnc must be 1 or 2, got {lnc}")
+    names = getattr(fn, "__code__", None)
+    arg_names = names.co_varnames[: names.co_argcount] if names else ()
+    hbm_args = [_kernel_argument(a, arg_names[i] if i < len(arg_names) else f"arg{i}") for i, a in enumerate(args)]
+    hbm_kwargs = {k: _kernel_argument(v, k) for k, v in kwargs.items()}
+    trace: list[InstructionRecord] = []
+    shared_outputs: list[NkiTensor] = []
+    result = None
+    for pid in range(lnc):
+        context = KernelContext(target=target, program_id=pid, num_programs=lnc, trace=trace,
+                                shared_reuse=shared_outputs, launched=True)
+        with kernel_context(context):
+            result = fn(*hbm_args, **hbm_kwargs)
+        if not shared_outputs:
+            shared_outputs.extend(context.outputs_allocated)
+    outputs = _collect_outputs(result)
+    for tensor in outputs:
+        _check_output(tensor)
+    arrays = [np.array(t.read()) for t in outputs]
+    run = KernelRun(outputs=arrays, trace=trace, target=target)
+    for hook in list(launch_hooks):
+        hook(run)
+    return run, result
+
+
+def _package(result, arrays: list[np.ndarray], as_torch: bool):
+    converted = [_to_torch(a) for a in arrays] if as_torch else arrays
+    if isinstance(result, (tuple, list)):
+        return type(result)(converted) if len(converted) == len(result) else tuple(converted)
+    return converted[0] if converted else None
+
+
+class Kernel:
+    """A ``@nki.jit`` kernel: call it with arrays; ``kernel[lnc](...)`` launches lnc programs."""
+
+    def __init__(self, fn, lnc: int = 1, target: Target | str | None = None, **options):
+        self.fn = fn
+        self.lnc = lnc
+        self.target = target
+        self.options = options
+        self.last_run: KernelRun | None = None
+        functools.update_wrapper(self, fn)
+
+    def __getitem__(self, lnc) -> Kernel:
+        if isinstance(lnc, tuple):
+            if len(lnc) != 1:
+                raise NkiValidationError("err_lnc", f"kernel[...] must contain only one number (the LNC), got {lnc}")
+            lnc = lnc[0]
+        launched = Kernel(self.fn, int(lnc), self.target, **self.options)
+        launched._parent = self
+        return launched
+
+    def _resolved_target(self) -> Target:
+        return self.target if isinstance(self.target, Target) else get_target(self.target)
+
+    def __call__(self, *args, **kwargs):
+        if _inside_kernel():
+            return self.fn(*args, **kwargs)  # called from another kernel: inline, as NKI does
+        as_torch = any(_is_torch(a) for a in args)
+        run, result = _launch(self.fn, args, kwargs, self._resolved_target(), self.lnc)
+        self.last_run = run
+        parent = getattr(self, "_parent", None)
+        if parent is not None:
+            parent.last_run = run
+        return _package(result, run.outputs, as_torch)
+
+
+def _inside_kernel() -> bool:
+    from neuron_compile.runtime.simulator import memory
+
+    return bool(memory._current) and memory._current[-1].launched
+
+
+def jit(fn=None, **options):
+    """``@nki.jit`` / ``@nki.jit(...)``: a Kernel running on this simulator."""
+    if fn is None:
+        return lambda f: Kernel(f, **options)
+    return Kernel(fn, **options)
+
+
+def simulate(kernel):
+    """``nki.simulate(kernel)``: a callable running the kernel on the CPU simulator."""
+    target = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
+    return target
+
+
+def run_kernel(fn, args, *, target: Target | str | None = None, lnc: int = 1) -> KernelRun:
+    """Launch ``fn`` (a Kernel or a plain kernel function) on numpy/torch ``args``; return the KernelRun."""
+    body = fn.fn if isinstance(fn, Kernel) else fn
+    resolved = target if isinstance(target, Target) else get_target(target)
+    run, _ = _launch(body, tuple(args), {}, resolved, lnc)
+    if isinstance(fn, Kernel):
+        fn.last_run = run
+    return run
+
+
+# ------------------------------------------------------------------------------------------------ imports
+_SELF = sys.modules[__name__]
+_SUBMODULES = {"nki": _SELF, "nki.language": language, "nki.isa": isa}
+
+
+def _alias_import(name, globals=None, locals=None, fromlist=(), level=0):  # noqa: A002 - __import__ signature
+    if level == 0 and (name == "nki" or name.startswith("nki.")):
+        if name not in _SUBMODULES:
+            raise ImportError(f"{name} is not simulated by neuron_compile (available: {sorted(_SUBMODULES)})")
+        return _SUBMODULES[name] if fromlist else _SELF
+    return builtins.__import__(name, globals, locals, fromlist, level)
+
+
+def load_module(source: str, name: str) -> types.ModuleType:
+    """Execute NKI source text as module ``name`` with ``nki`` bound to this simulator (no sys.modules change)."""
+    module = types.ModuleType(name)
+    filename = f"<nki-kernel {name}>"
+    module.__file__ = filename
+    module_builtins = dict(builtins.__dict__)
+    module_builtins["__import__"] = _alias_import
+    module.__dict__["__builtins__"] = module_builtins
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    exec(compile(source, filename, "exec"), module.__dict__)
+    return module
+
+
+@contextmanager
+def nki_import_alias():
+    """Make ``import nki`` (and nki.language, nki.isa) resolve to this simulator until the block exits."""
+    saved = {key: sys.modules.get(key) for key in _SUBMODULES}
+    sys.modules.update(_SUBMODULES)
+    try:
+        yield _SELF
+    finally:
+        for key, previous in saved.items():
+            if previous is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = previous

@@ -1,0 +1,663 @@
+"""Simulator stage: ``nki.isa`` — one function per ISA instruction, dst first, returning nothing.
+
+Input: NkiTensor operands (dst first) and instruction attributes. Output: dst (and reduce results) written
+in place, every hardware rule of nki-spec.md §1.6 checked (NkiValidationError naming the rule, the values and
+the instruction), and one InstructionRecord per instruction appended to the kernel trace. Engines compute in
+fp32 and round to the destination dtype; matmul accumulates in PSUM with the first-write-overwrites rule.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from neuron_compile.runtime.simulator import ops as _ops
+from neuron_compile.runtime.simulator.errors import NkiNotSimulatedError, NkiValidationError
+from neuron_compile.runtime.simulator.memory import current
+from neuron_compile.runtime.simulator.rules import (
+    FLOAT32,
+    cast_to,
+    check_no_psum_on_gpsimd,
+    check_same_free,
+    check_same_partitions,
+    check_tile,
+    engine_name,
+    fp32_tile,
+    is_float,
+    record,
+    require_buffers,
+    require_tensor,
+    scalar_or_vector,
+    store,
+)
+
+__all__ = [
+    "NkiValidationError", "engine", "reduce_cmd", "dge_mode", "oob_mode", "nc_version", "matmul_perf_mode",
+    "get_nc_version", "nc_matmul", "nc_transpose", "activation", "activation_reduce", "tensor_tensor",
+    "tensor_scalar", "tensor_reduce", "tensor_copy", "memset", "iota", "affine_select", "dma_copy",
+    "dma_transpose", "bn_stats", "bn_aggr", "tensor_tensor_scan", "reciprocal", "tensor_partition_reduce",
+]
+
+
+class engine(enum.IntEnum):  # noqa: N801 - NKI's enum names
+    unknown = 0
+    tensor = 1
+    scalar = 2
+    gpsimd = 3
+    dma = 4
+    vector = 5
+    sync = 6
+
+
+class reduce_cmd(enum.IntEnum):  # noqa: N801
+    idle = 0
+    reset = 1
+    reduce = 2
+    reset_reduce = 3
+    load_reduce = 4
+
+
+class dge_mode(enum.IntEnum):  # noqa: N801
+    unknown = 0
+    swdge = 1
+    hwdge = 2
+    none = 3
+
+
+class oob_mode(enum.IntEnum):  # noqa: N801
+    error = 0
+    skip = 1
+
+
+class matmul_perf_mode(enum.IntEnum):  # noqa: N801
+    none = 0
+    double_row = 1
+
+
+class nc_version(enum.IntEnum):  # noqa: N801
+    gen2 = 2
+    gen3 = 3
+    gen4 = 4
+
+
+def get_nc_version() -> nc_version:
+    return nc_version[current().target.nc_version]
+
+
+_MATMUL_INPUT_DTYPES = {"float8_e4m3", "float8_e5m2", "float8_e4m3fn", "bfloat16", "float16", "float32"}
+
+
+def _contiguous_free(t) -> bool:
+    # the free part of an on-chip view (one partition's elements) occupies consecutive addresses
+    from neuron_compile.runtime.simulator.tensor import _is_contiguous
+
+    return _is_contiguous(t.shape[1:], t.strides[1:])
+
+
+def _check_psum_bank(op: str, role: str, t) -> None:
+    """A matmul output must lie within one 2 KiB PSUM bank per partition."""
+    bank = current().target.psum_bank_bytes
+    if t.free_size * t.itemsize > bank:
+        raise NkiValidationError(
+            "err_psum_tile_exceeds_bank",
+            f"{role} {t.name} {t.shape} {t.dtype.name} needs {t.free_size * t.itemsize} bytes per partition; a "
+            f"PSUM tile written by the tensor engine must fit one bank ({bank} bytes)",
+            op,
+        )
+    in_partition = t.offset % t.storage.partition_stride
+    last = in_partition + sum((n - 1) * s for n, s in zip(t.shape[1:], t.strides[1:]) if s > 0)
+    if (in_partition * t.itemsize) // bank != (last * t.itemsize) // bank:
+        raise NkiValidationError(
+            "err_psum_tile_exceeds_bank",
+            f"{role} {t.name} spans PSUM bytes [{in_partition * t.itemsize}, {last * t.itemsize}] of each partition, "
+            f"crossing a {bank}-byte bank boundary",
+            op,
+        )
+
+
+def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
+              accumulate=None, tile_position=(), tile_size=(), perf_mode=None, mask=None):
+    """dst[M, N] (PSUM) = stationary[K, M].T @ moving[K, N]; first write overwrites, later writes accumulate."""
+    op = "nc_matmul"
+    target = current().target
+    dst, stationary, moving = (require_tensor(op, r, t) for r, t in
+                               (("dst", dst), ("stationary", stationary), ("moving", moving)))
+    require_buffers(op, "dst", dst, ("psum",), "err_matmul_dst_not_psum")
+    require_buffers(op, "stationary", stationary, ("sbuf",), "err_matmul_input_not_sbuf")
+    require_buffers(op, "moving", moving, ("sbuf",), "err_matmul_input_not_sbuf")
+    for role, t in (("dst", dst), ("stationary", stationary), ("moving", moving)):
+        check_tile(op, role, t)
+    check_same_partitions(op, stationary, moving, "stationary", "moving")
+    k, m, n = stationary.partitions, stationary.free_size, moving.free_size
+    if m > target.gemm_stationary_fmax:
+        raise NkiValidationError(
+            "err_matmul_stationary_fmax",
+            f"stationary free size {m} exceeds gemm_stationary_fmax {target.gemm_stationary_fmax}", op,
+        )
+    if n > target.gemm_moving_fmax:
+        raise NkiValidationError(
+            "err_matmul_moving_fmax", f"moving free size {n} exceeds gemm_moving_fmax {target.gemm_moving_fmax}", op
+        )
+    for role, t in (("stationary", stationary), ("moving", moving)):
+        if t.dtype.name not in _MATMUL_INPUT_DTYPES:
+            raise NkiValidationError(
+                "err_matmul_input_dtype", f"{role} dtype {t.dtype.name} not in {sorted(_MATMUL_INPUT_DTYPES)}", op
+            )
+    if (stationary.dtype == FLOAT32) != (moving.dtype == FLOAT32):
+        raise NkiValidationError(
+            "err_matmul_fp32_mixed",
+            f"if one matmul input is float32 both must be: stationary {stationary.dtype.name}, moving "
+            f"{moving.dtype.name}", op,
+        )
+    allowed_dst = {"float32"} | ({"bfloat16"} if target.nc_version == "gen4" else set())
+    if is_transpose:
+        allowed_dst |= {stationary.dtype.name}
+    if dst.dtype.name not in allowed_dst:
+        raise NkiValidationError(
+            "err_matmul_dst_dtype", f"dst dtype {dst.dtype.name} not allowed on {target.name}: {sorted(allowed_dst)}",
+            op,
+        )
+    if dst.partitions != m or dst.free_size != n:
+        raise NkiValidationError(
+            "err_matmul_shape",
+            f"dst {dst.shape} must have {m} partitions (stationary free size) and {n} elements per partition "
+            f"(moving free size); stationary {stationary.shape}, moving {moving.shape}", op,
+        )
+    _check_psum_bank(op, "dst", dst)
+    product = fp32_tile(stationary).T @ fp32_tile(moving)
+    flags = dst.matmul_flags()
+    if accumulate is False:
+        result = product
+    elif accumulate is True or flags.all():
+        result = fp32_tile(dst) + product
+    elif not flags.any():
+        result = product
+    else:
+        result = np.where(flags.reshape(m, n), fp32_tile(dst) + product, product)
+    dst.write(cast_to(result, dst.dtype).reshape(dst.shape))
+    flags[...] = True
+    record(op, "tensor", dst, [("stationary", stationary), ("moving", moving)],
+           {"accumulate": accumulate, "is_transpose": is_transpose,
+            "perf_mode": getattr(perf_mode, "name", perf_mode)}, flops=2 * k * m * n)
+
+
+def nc_transpose(dst, data, engine=None):
+    """dst[F, P] = data[P, F]: TensorE (SBUF -> PSUM, <= 128x128) or VectorE (<= 32x32)."""
+    op = "nc_transpose"
+    target = current().target
+    dst, data = require_tensor(op, "dst", dst), require_tensor(op, "data", data)
+    default = "tensor" if data.kind == "sbuf" and dst.kind == "psum" else "vector"
+    eng = engine_name(engine, default)
+    check_tile(op, "dst", dst)
+    check_tile(op, "data", data)
+    p, f = data.partitions, data.free_size
+    if eng == "tensor":
+        require_buffers(op, "data", data, ("sbuf",), "err_tensor_engine_reads_sbuf")
+        require_buffers(op, "dst", dst, ("psum",), "err_matmul_dst_not_psum")
+        limit = target.partitions
+    else:
+        limit = target.vector_transpose_max
+    if p > limit or f > limit:
+        raise NkiValidationError(
+            "err_size_of_dimension_exceed_arch_limit",
+            f"{eng} engine transpose of data {data.shape} ({p} x {f}) exceeds {limit} x {limit}", op,
+        )
+    if dst.partitions != f or dst.free_size != p:
+        raise NkiValidationError("err_transpose_shape", f"dst {dst.shape} must be ({f}, {p}) for data {data.shape}", op)
+    if dst.dtype != data.dtype:
+        raise NkiValidationError(
+            "err_transpose_dtype", f"dst dtype {dst.dtype.name} must equal data dtype {data.dtype.name}", op
+        )
+    if eng == "tensor":
+        _check_psum_bank(op, "dst", dst)
+    store(dst, data.read().reshape(p, f).T)
+    record(op, eng, dst, [("data", data)])
+
+
+def _check_elementwise(op: str, dst, srcs: list[tuple[str, object]], eng: str) -> None:
+    require_buffers(op, "dst", dst, ("sbuf", "psum"))
+    check_tile(op, "dst", dst)
+    for role, t in srcs:
+        require_buffers(op, role, t, ("sbuf", "psum"))
+        check_tile(op, role, t)
+        check_same_partitions(op, t, dst, role, "dst")
+        check_same_free(op, t, dst, role, "dst")
+    check_no_psum_on_gpsimd(op, eng, ("dst", dst), *srcs)
+
+
+def _apply_activation(op: str, func, data, bias, scale) -> tuple[np.ndarray, object, object]:
+    p = data.partitions
+    gen2 = current().target.nc_version == "gen2"
+    if bias is not None and gen2 and not hasattr(bias, "shape"):
+        raise NkiValidationError("err_activation_bias_invalid_type", "bias must be a (P, 1) tile on gen2", op)
+    bias_values = scalar_or_vector(op, "bias", bias, p, "err_activation_bias_invalid_type") if bias is not None else None
+    scale_values = scalar_or_vector(op, "scale", scale, p, "err_activation_scale_scalar_or_vector")
+    x = fp32_tile(data)
+    if not (scale_values.ndim == 0 and scale_values == 1):
+        x = x * scale_values
+    if bias_values is not None:
+        x = x + bias_values
+    return func.fn(x).astype(FLOAT32, copy=False), bias_values, scale_values
+
+
+def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None):
+    """dst = op(data * scale + bias) on ScalarE; optional add-reduction along the free dim into reduce_res."""
+    name = "activation"
+    dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
+    func = _ops.resolve(op, name)
+    _check_elementwise(name, dst, [("data", data)], "scalar")
+    y, _, _ = _apply_activation(name, func, data, bias, scale)
+    store(dst, y)
+    srcs = [("data", data), ("bias", bias), ("scale", scale)]
+    if reduce_res is not None:
+        _activation_reduce_into(name, reduce_op, reduce_res, y, data.partitions)
+        srcs.append(("reduce_res", reduce_res))
+    record(name, "scalar", dst, srcs, {"op": func.name, "reduce": reduce_res is not None}, flops=data.size)
+
+
+def _activation_reduce_into(name: str, reduce_op, reduce_res, y: np.ndarray, partitions: int) -> None:
+    reduce = _ops.resolve(reduce_op, name, "reduce_op") if reduce_op is not None else _ops.BINARY["add"]
+    if reduce.name != "add":
+        raise NkiValidationError("err_activation_reduce_op", f"reduce_op must be nl.add, got {reduce.name}", name)
+    reduce_res = require_tensor(name, "reduce_res", reduce_res)
+    if reduce_res.partitions != partitions or reduce_res.free_size != 1:
+        raise NkiValidationError(
+            "err_activation_reduce_res_shape", f"reduce_res {reduce_res.shape} must be ({partitions}, 1)", name
+        )
+    store(reduce_res, y.sum(axis=1, dtype=FLOAT32, keepdims=True))
+
+
+def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0):
+    """activation with a per-partition add-reduction of the result into reduce_res (P, 1)."""
+    name = "activation_reduce"
+    dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
+    func = _ops.resolve(op, name)
+    _check_elementwise(name, dst, [("data", data)], "scalar")
+    y, _, _ = _apply_activation(name, func, data, bias, scale)
+    store(dst, y)
+    _activation_reduce_into(name, reduce_op, reduce_res, y, data.partitions)
+    record(name, "scalar", dst, [("data", data), ("bias", bias), ("scale", scale), ("reduce_res", reduce_res)],
+           {"op": func.name, "reduce": True}, flops=data.size)
+
+
+def _int_values(t) -> np.ndarray:
+    return t.read().reshape(t.partitions, -1)
+
+
+def tensor_tensor(dst, data1, data2, op, engine=None):
+    """dst = op(data1, data2) elementwise (same partitions, same elements per partition)."""
+    name = "tensor_tensor"
+    dst, data1, data2 = (require_tensor(name, r, t) for r, t in (("dst", dst), ("data1", data1), ("data2", data2)))
+    func = _ops.resolve(op, name)
+    if func.kind not in ("arith", "bitvec"):
+        raise NkiValidationError("err_unsupported_op", f"op {func.name} is not a binary ALU operator", name)
+    ints = not is_float(data1.dtype) and not is_float(data2.dtype)
+    default = "gpsimd" if func.name == "power" or (ints and data1.dtype.itemsize == 4) else "vector"
+    eng = engine_name(engine, default)
+    _check_elementwise(name, dst, [("data1", data1), ("data2", data2)], eng)
+    if data1.kind == "psum" and data2.kind == "psum":
+        raise NkiValidationError(
+            "err_tensor_tensor_both_psum", f"data1 {data1.name} and data2 {data2.name} cannot both be in PSUM", name
+        )
+    if func.kind == "bitvec":
+        if not ints or is_float(dst.dtype):
+            raise NkiValidationError(
+                "err_bitvec_op_dtype", f"bitvec op {func.name} needs integer tensors: data1 {data1.dtype.name}, data2 "
+                f"{data2.dtype.name}, dst {dst.dtype.name}", name,
+            )
+        result = func.fn(_int_values(data1), _int_values(data2))
+    elif ints and not is_float(dst.dtype):
+        result = func.fn(_int_values(data1).astype(np.int64), _int_values(data2).astype(np.int64))
+    else:
+        result = func.fn(fp32_tile(data1), fp32_tile(data2))
+    store(dst, result)
+    record(name, eng, dst, [("data1", data1), ("data2", data2)], {"op": func.name}, flops=dst.size)
+
+
+def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False, engine=None):
+    """dst = (data op0 operand0) op1 operand1; operands are scalars or (P, 1) fp32 tiles."""
+    name = "tensor_scalar"
+    dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
+    func0 = _ops.resolve(op0, name, "op0")
+    func1 = _ops.resolve(op1, name, "op1") if op1 is not None else None
+    eng = engine_name(engine, "vector")
+    _check_elementwise(name, dst, [("data", data)], eng)
+    if func1 is not None and (func0.kind == "bitvec") != (func1.kind == "bitvec"):
+        raise NkiValidationError(
+            "err_tensor_scalar_op_kind", f"op0 {func0.name} and op1 {func1.name} must both be bitvec or arithmetic",
+            name,
+        )
+    bitvec = func0.kind == "bitvec"
+    p = data.partitions
+    if bitvec:
+        if is_float(data.dtype):
+            raise NkiValidationError("err_bitvec_op_dtype", f"bitvec op {func0.name} on {data.dtype.name} data", name)
+        x = _int_values(data)
+        operands = [_int_operand(name, r, v, p) for r, v in (("operand0", operand0), ("operand1", operand1))]
+    else:
+        x = fp32_tile(data)
+        operands = [
+            scalar_or_vector(name, "operand0", operand0, p, "err_tensor_scalar_operand_dtype"),
+            scalar_or_vector(name, "operand1", operand1, p, "err_tensor_scalar_operand_dtype") if func1 else None,
+        ]
+    x = func0.fn(operands[0], x) if reverse0 else func0.fn(x, operands[0])
+    if func1 is not None:
+        x = func1.fn(operands[1], x) if reverse1 else func1.fn(x, operands[1])
+    store(dst, x)
+    record(name, eng, dst, [("data", data), ("operand0", operand0), ("operand1", operand1)],
+           {"op0": func0.name, "op1": func1.name if func1 else None, "op": func0.name}, flops=dst.size)
+
+
+def _int_operand(name: str, role: str, value, partitions: int):
+    if value is None:
+        return None
+    if hasattr(value, "shape"):
+        return _int_values(value)
+    if isinstance(value, float) and not float(value).is_integer():
+        raise NkiValidationError("err_tensor_scalar_operand_dtype", f"bitvec {role} must be an integer, got {value}", name)
+    return np.int32(value)
+
+
+def _reduce_axes(name: str, data, axis) -> tuple[int, ...]:
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    axes = tuple(sorted(int(a) % data.ndim for a in axes))
+    expected = tuple(range(data.ndim - len(axes), data.ndim))
+    if not axes or 0 in axes or axes != expected:
+        raise NkiValidationError(
+            "err_reduce_axis",
+            f"axis {axis} of data {data.shape}: reduction axes must be free dims and the last contiguous dims "
+            f"ending at the final dim (e.g. {tuple(range(1, data.ndim))[-1:]} or {tuple(range(1, data.ndim))})",
+            name,
+        )
+    return axes
+
+
+def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False):
+    """dst = reduce(op) of data over the last free axes (VectorE, fp32)."""
+    name = "tensor_reduce"
+    dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
+    func = _ops.resolve(op, name)
+    if func.reduce_ufunc is None:
+        raise NkiValidationError("err_unsupported_reduce_op", f"{func.name} is not a legal reduction op", name)
+    require_buffers(name, "data", data, ("sbuf", "psum"))
+    require_buffers(name, "dst", dst, ("sbuf", "psum"))
+    check_tile(name, "data", data)
+    check_tile(name, "dst", dst)
+    check_same_partitions(name, data, dst, "data", "dst")
+    axes = _reduce_axes(name, data, axis)
+    kept = int(np.prod(data.shape[1:data.ndim - len(axes)], dtype=np.int64))
+    if dst.free_size != kept:
+        raise NkiValidationError(
+            "err_reduce_dst_shape",
+            f"dst {dst.shape} must hold {kept} elements per partition after reducing axes {axes} of {data.shape}", name,
+        )
+    values = data.read()
+    ints = func.kind == "bitvec"
+    values = values if ints else values.astype(FLOAT32, copy=False)
+    result = func.reduce_ufunc.reduce(values, axis=axes)
+    if func.name.startswith("logical"):
+        result = result.astype(FLOAT32)
+    if negate:
+        result = -result
+    store(dst, result)
+    record(name, "vector", dst, [("data", data)], {"op": func.name, "negate": negate}, flops=data.size)
+
+
+def tensor_copy(dst, src, engine=None):
+    """dst = src (same partitions, same elements per partition); bit exact if dtypes match, else via fp32."""
+    name = "tensor_copy"
+    dst, src = require_tensor(name, "dst", dst), require_tensor(name, "src", src)
+    eng = engine_name(engine, "vector")
+    _check_elementwise(name, dst, [("src", src)], eng)
+    values = src.read() if src.dtype == dst.dtype or not is_float(src.dtype) else fp32_tile(src)
+    store(dst, values.reshape(dst.shape) if values.size == dst.size else values)
+    record(name, eng, dst, [("src", src)])
+
+
+def memset(dst, value, engine=None):
+    """dst[...] = value; the value must match dst's dtype (an int for integer tensors)."""
+    name = "memset"
+    dst = require_tensor(name, "dst", dst)
+    eng = engine_name(engine, "vector")
+    require_buffers(name, "dst", dst, ("sbuf", "psum"))
+    check_tile(name, "dst", dst)
+    check_no_psum_on_gpsimd(name, eng, ("dst", dst))
+    if not is_float(dst.dtype) and isinstance(value, (float, np.floating)) and not isinstance(value, bool):
+        raise NkiValidationError(
+            "err_memset_value_dtype", f"value {value!r} is a float but dst {dst.name} is {dst.dtype.name}", name
+        )
+    fill = np.asarray(value, dtype=FLOAT32 if is_float(dst.dtype) else np.int64)
+    store(dst, np.broadcast_to(fill, dst.shape))
+    record(name, eng, dst, [], {"value": value})
+
+
+def _affine_values(name: str, dst, pattern, offset, channel_multiplier) -> np.ndarray:
+    pattern = [(int(s), int(n)) for s, n in pattern]
+    if len(pattern) > 4:
+        raise NkiValidationError("err_pattern_rank", f"pattern {pattern} has more than 4 free dims", name)
+    count = int(np.prod([n for _, n in pattern], dtype=np.int64))
+    if count != dst.free_size:
+        raise NkiValidationError(
+            "err_pattern_size", f"pattern {pattern} has {count} elements, dst {dst.shape} has {dst.free_size} per partition",
+            name,
+        )
+    values = np.full((dst.partitions,) + tuple(n for _, n in pattern), int(offset), dtype=np.int64)
+    values += (np.arange(dst.partitions, dtype=np.int64) * int(channel_multiplier)).reshape((-1,) + (1,) * len(pattern))
+    for dim, (step, size) in enumerate(pattern):
+        shape = [1] * (len(pattern) + 1)
+        shape[dim + 1] = size
+        values += (np.arange(size, dtype=np.int64) * step).reshape(shape)
+    return values.reshape(dst.partitions, -1)
+
+
+def iota(dst, pattern, offset=0, channel_multiplier=0):
+    """dst[c, ...] = offset + c * channel_multiplier + sum(step_i * index_i), computed in int32 (GpSimd)."""
+    name = "iota"
+    dst = require_tensor(name, "dst", dst)
+    require_buffers(name, "dst", dst, ("sbuf",))
+    check_tile(name, "dst", dst)
+    store(dst, _affine_values(name, dst, pattern, offset, channel_multiplier).astype(np.int32))
+    record(name, "gpsimd", dst, [], {"pattern": pattern})
+
+
+def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op=None, offset=0):
+    """dst = where(cmp_op(affine_value, 0), on_true_tile, on_false_value) (GpSimd, SBUF)."""
+    name = "affine_select"
+    dst, on_true = require_tensor(name, "dst", dst), require_tensor(name, "on_true_tile", on_true_tile)
+    cmp = _ops.resolve(cmp_op if cmp_op is not None else "equal", name, "cmp_op")
+    for role, t in (("dst", dst), ("on_true_tile", on_true)):
+        require_buffers(name, role, t, ("sbuf",))
+        check_tile(name, role, t)
+    check_same_partitions(name, on_true, dst, "on_true_tile", "dst")
+    check_same_free(name, on_true, dst, "on_true_tile", "dst")
+    if not isinstance(on_false_value, (int, float, np.integer, np.floating)):
+        raise NkiValidationError("err_affine_select_false_value", f"on_false_value must be a scalar, got {on_false_value!r}", name)
+    affine = _affine_values(name, dst, pattern, offset, channel_multiplier).astype(FLOAT32)
+    predicate = cmp.fn(affine, np.float32(0)).astype(bool)
+    store(dst, np.where(predicate, fp32_tile(on_true), np.float32(on_false_value)))
+    record(name, "gpsimd", dst, [("on_true_tile", on_true)], {"op": cmp.name})
+
+
+def dma_copy(dst, src, oob_mode=None, dge_mode=None, engine=None, mask=None):
+    """dst = src between HBM and SBUF (either way) or within one; never PSUM; dtype cast via fp32."""
+    name = "dma_copy"
+    dst, src = require_tensor(name, "dst", dst), require_tensor(name, "src", src)
+    if src.kind == "psum":
+        raise NkiValidationError("err_dma_from_psum", f"DMA cannot read PSUM: src {src.name} is in PSUM", name)
+    if dst.kind == "psum":
+        raise NkiValidationError("err_dma_to_psum", f"DMA cannot write PSUM: dst {dst.name} is in PSUM", name)
+    check_tile(name, "dst", dst, compute=False)
+    check_tile(name, "src", src, compute=False)
+    if dst.size != src.size:
+        raise NkiValidationError(
+            "err_dma_shape_mismatch", f"DMA copy in/out shape must match: dst {dst.shape} ({dst.size} elements), "
+            f"src {src.shape} ({src.size} elements)", name,
+        )
+    mode = getattr(dge_mode, "name", dge_mode)
+    if mode == "hwdge" and dst.dtype != src.dtype:
+        raise NkiValidationError(
+            "err_dma_hwdge_dtype", f"hwdge DMA needs equal dtypes, got src {src.dtype.name}, dst {dst.dtype.name} "
+            "(use .view())", name,
+        )
+    values = src.read()
+    if values.dtype != dst.dtype and is_float(values.dtype) and is_float(dst.dtype):
+        values = values.astype(FLOAT32)
+    if getattr(oob_mode, "name", oob_mode) == "skip" and (src.indirect is not None or dst.indirect is not None):
+        _dma_skip_oob(dst, src, values)
+    else:
+        store(dst, values.reshape(dst.shape) if values.shape != dst.shape else values)
+    record(name, "dma", dst, [("src", src)],
+           {"dge_mode": mode, "indirect": src.indirect is not None or dst.indirect is not None})
+
+
+def _dma_skip_oob(dst, src, values) -> None:
+    """oob_mode=skip: indirect rows whose offsets fall outside the tensor are not transferred."""
+    side = src if src.indirect is not None else dst
+    index = side.element_indices()
+    valid = (index >= 0) & (index < side.storage.data.size)
+    flat = side._flat()
+    if side is src:
+        out = dst.read().copy()
+        out[valid.reshape(out.shape) if valid.size == out.size else valid] = flat[index[valid]].astype(out.dtype)
+        store(dst, out)
+    else:
+        flat[index[valid]] = cast_to(values.reshape(index.shape)[valid], dst.dtype)
+
+
+def dma_transpose(dst, src, axes=None):
+    """dst = src transposed (HBM -> SBUF or SBUF -> SBUF), 2- or 4-byte dtypes, dst shape = transposed src."""
+    name = "dma_transpose"
+    dst, src = require_tensor(name, "dst", dst), require_tensor(name, "src", src)
+    require_buffers(name, "src", src, ("hbm", "sbuf"))
+    require_buffers(name, "dst", dst, ("sbuf",))
+    check_tile(name, "dst", dst, compute=False)
+    if src.itemsize not in (2, 4):
+        raise NkiValidationError("err_dma_transpose_dtype", f"dtype {src.dtype.name} is not 2 or 4 bytes", name)
+    axes = tuple(axes) if axes is not None else tuple(reversed(range(src.ndim)))
+    expected = tuple(src.shape[a] for a in axes)
+    if dst.shape != expected:
+        raise NkiValidationError(
+            "err_dma_transpose_shape", f"dst shape {dst.shape} must equal transposed src shape {expected}", name
+        )
+    store(dst, src.read().transpose(axes))
+    record(name, "dma", dst, [("src", src)], {"transpose": True})
+
+
+def bn_stats(dst, data):
+    """Per-partition statistics of data (free size <= bn_stats_fmax): (count, mean, M2) of even, odd elements."""
+    name = "bn_stats"
+    dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
+    check_tile(name, "data", data)
+    check_tile(name, "dst", dst)
+    check_same_partitions(name, data, dst, "data", "dst")
+    limit = current().target.bn_stats_fmax
+    if data.free_size > limit:
+        raise NkiValidationError("err_bn_stats_fmax", f"data free size {data.free_size} exceeds bn_stats_fmax {limit}", name)
+    if dst.free_size != 6:
+        raise NkiValidationError("err_bn_stats_dst_shape", f"dst {dst.shape} must hold 6 elements per partition", name)
+    x = fp32_tile(data)
+    stats = []
+    for half in (x[:, 0::2], x[:, 1::2]):
+        count = half.shape[1]
+        mean = half.mean(axis=1, dtype=FLOAT32) if count else np.zeros(x.shape[0], FLOAT32)
+        m2 = ((half - mean[:, None]) ** 2).sum(axis=1, dtype=FLOAT32)
+        stats += [np.full(x.shape[0], count, FLOAT32), mean, m2]
+    store(dst, np.stack(stats, axis=1))
+    record(name, "vector", dst, [("data", data)], flops=data.size)
+
+
+def bn_aggr(dst, data):
+    """Combine bn_stats groups (P, 6*k) into (mean, variance) per partition (Chan's parallel formula)."""
+    name = "bn_aggr"
+    dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
+    check_tile(name, "data", data)
+    check_tile(name, "dst", dst)
+    check_same_partitions(name, data, dst, "data", "dst")
+    if data.free_size % 3 or dst.free_size != 2:
+        raise NkiValidationError(
+            "err_bn_aggr_shape", f"data {data.shape} must hold bn_stats groups (3k elements) and dst {dst.shape} 2", name
+        )
+    groups = fp32_tile(data).reshape(data.partitions, -1, 3)
+    count, mean, m2 = groups[..., 0], groups[..., 1], groups[..., 2]
+    total = count.sum(axis=1)
+    safe_total = np.where(total > 0, total, 1)
+    grand_mean = (count * mean).sum(axis=1) / safe_total
+    grand_m2 = (m2 + count * (mean - grand_mean[:, None]) ** 2).sum(axis=1)
+    store(dst, np.stack([grand_mean, grand_m2 / safe_total], axis=1))
+    record(name, "vector", dst, [("data", data)], flops=data.size)
+
+
+def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False):
+    """r[:, i] = op1(op0(data0[:, i], r[:, i-1]), data1[:, i]) with r[:, -1] = initial (fp32, per partition)."""
+    name = "tensor_tensor_scan"
+    dst, data0, data1 = (require_tensor(name, r, t) for r, t in (("dst", dst), ("data0", data0), ("data1", data1)))
+    func0, func1 = _ops.resolve(op0, name, "op0"), _ops.resolve(op1, name, "op1")
+    _check_elementwise(name, dst, [("data0", data0), ("data1", data1)], "vector")
+    if data0.kind == "psum" and data1.kind == "psum":
+        raise NkiValidationError("err_tensor_tensor_both_psum", "data0 and data1 cannot both be in PSUM", name)
+    p = data0.partitions
+    state = scalar_or_vector(name, "initial", initial, p, "err_scan_initial")
+    a, b = fp32_tile(data0), fp32_tile(data1)
+    state = np.broadcast_to(state, (p, 1))[:, 0].astype(FLOAT32)
+    out = np.empty_like(a)
+    if func0.name == "add" and func1.name == "add" and not (reverse0 or reverse1):
+        # r_i = a_i + r_{i-1} + b_i: a running sum, vectorized (same left-to-right fp32 order)
+        out[:] = np.cumsum(np.concatenate([state[:, None], a + b], axis=1), axis=1, dtype=FLOAT32)[:, 1:]
+    else:
+        for i in range(a.shape[1]):
+            inner = func0.fn(state, a[:, i]) if reverse0 else func0.fn(a[:, i], state)
+            state = (func1.fn(b[:, i], inner) if reverse1 else func1.fn(inner, b[:, i])).astype(FLOAT32)
+            out[:, i] = state
+    store(dst, out)
+    record(name, "vector", dst, [("data0", data0), ("data1", data1)], {"op0": func0.name, "op1": func1.name},
+           flops=2 * data0.size)
+
+
+def reciprocal(dst, data, engine=None):
+    """dst = 1 / data (fp32)."""
+    name = "reciprocal"
+    dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
+    eng = engine_name(engine, "vector")
+    _check_elementwise(name, dst, [("data", data)], eng)
+    with np.errstate(divide="ignore"):
+        store(dst, np.float32(1) / fp32_tile(data))
+    record(name, eng, dst, [("data", data)], flops=data.size)
+
+
+def tensor_partition_reduce(dst, op, data):
+    """dst[0, :] = reduce(op) of data across its partitions (GpSimd)."""
+    name = "tensor_partition_reduce"
+    dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
+    func = _ops.resolve(op, name)
+    for role, t in (("dst", dst), ("data", data)):
+        require_buffers(name, role, t, ("sbuf",), "err_gpsimd_psum_access")
+        check_tile(name, role, t)
+    check_same_free(name, data, dst, "data", "dst")
+    if func.reduce_ufunc is None or dst.partitions != 1:
+        raise NkiValidationError(
+            "err_partition_reduce", f"op {func.name} / dst {dst.shape}: need a reduction op and a 1-partition dst", name
+        )
+    values = fp32_tile(data) if func.kind != "bitvec" else _int_values(data)
+    store(dst, func.reduce_ufunc.reduce(values, axis=0, keepdims=True))
+    record(name, "gpsimd", dst, [("data", data)], {"op": func.name}, flops=data.size)
+
+
+_NOT_SIMULATED = {
+    "nc_matmul_mx", "activate2", "scalar_tensor_tensor", "tensor_scalar_reduce", "tensor_scalar_cumulative",
+    "tensor_copy_predicated", "exponential", "quantize_mx", "dropout", "range_select", "select_reduce",
+    "sequence_bounds", "local_gather", "nc_n_gather", "dma_compute", "max8", "nc_find_index8", "nc_match_replace8",
+    "nc_stream_shuffle", "register_alloc", "register_move", "register_load", "register_store", "core_barrier",
+    "sendrecv", "rng", "rand2", "rand_set_state", "rand_get_state", "set_rng_seed", "nonzero_with_count", "topk",
+    "dma_engine",
+}
+
+
+def __getattr__(name: str):
+    if name in _NOT_SIMULATED:
+        def not_simulated(*args, **kwargs):
+            raise NkiNotSimulatedError(f"nki.isa.{name}")
+
+        not_simulated.__name__ = name
+        return not_simulated
+    raise AttributeError(f"module 'nki.isa' has no attribute {name!r}")

@@ -1,0 +1,366 @@
+"""Simulator stage: ``nki.language`` — buffers, dtypes, tensor creation, loops, launch ids and the
+convenience wrappers (load/store/matmul/elementwise/reductions) that lower to ``nki.isa`` instructions.
+
+Input: NKI kernel code calling ``nl.*``. Output: new NkiTensors (SBUF tiles unless stated) computed by the
+ISA instructions the wrappers lower to, so the trace and every hardware rule apply to wrappers as well.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from neuron_compile.runtime.simulator import isa as _isa
+from neuron_compile.runtime.simulator import ops as _ops
+from neuron_compile.runtime.simulator.errors import NkiNotSimulatedError, NkiValidationError
+from neuron_compile.runtime.simulator.memory import allocate, current, hbm, private_hbm, psum, sbuf, shared_hbm
+from neuron_compile.runtime.simulator.rules import is_float
+from neuron_compile.runtime.simulator.tensor import DynSlice, NkiTensor
+
+__all__ = ["sbuf", "psum", "hbm", "private_hbm", "shared_hbm", "ndarray", "zeros", "ones", "full", "zeros_like",
+           "empty_like", "ds", "load", "store", "copy", "load_transpose2d", "matmul", "transpose", "tile_size",
+           "affine_range", "sequential_range", "static_range", "program_id", "num_programs", "program_ndim",
+           "device_print", "sum", "max", "min", "mean", "prod", "var", "all"]
+
+# ------------------------------------------------------------------------------------------------ dtypes
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+float8_e4m3 = np.dtype(ml_dtypes.float8_e4m3)
+float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
+float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
+float16 = np.dtype(np.float16)
+float32 = np.dtype(np.float32)
+tfloat32 = np.dtype(np.float32)  # simulated as fp32 (tf32 rounding happens inside TensorE)
+int8, int16, int32 = np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32)
+uint8, uint16, uint32 = np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32)
+bool_ = np.dtype(np.uint8)  # NKI's bool_ is a byte
+
+# operator objects double as the elementwise functions (nl.add(x, y), op=nl.add)
+globals().update(_ops.ALL_OPS)
+max_ = _ops.BINARY["maximum"]
+
+
+# ------------------------------------------------------------------------------------------------ creation
+def ndarray(shape, dtype, buffer=sbuf, name: str = "", address=None) -> NkiTensor:
+    """An uninitialized tensor (NaN-filled floats, 4-filled ints, as the official simulator does)."""
+    return allocate(shape, dtype, buffer, name)
+
+
+def full(shape, fill_value, dtype, buffer=sbuf, name: str = "") -> NkiTensor:
+    tensor = allocate(shape, dtype, buffer, name)
+    if tensor.on_chip:
+        _isa.memset(tensor, int(fill_value) if not is_float(tensor.dtype) else fill_value)
+    else:
+        tensor.write(np.asarray(fill_value).astype(tensor.dtype))
+    return tensor
+
+
+def zeros(shape, dtype, buffer=sbuf, name: str = "") -> NkiTensor:
+    return full(shape, 0, dtype, buffer, name)
+
+
+def ones(shape, dtype, buffer=sbuf, name: str = "") -> NkiTensor:
+    return full(shape, 1, dtype, buffer, name)
+
+
+def zeros_like(x: NkiTensor, dtype=None, buffer=None, name: str = "") -> NkiTensor:
+    return zeros(x.shape, dtype or x.dtype, buffer or x.buffer, name)
+
+
+def empty_like(x: NkiTensor, dtype=None, buffer=None, name: str = "") -> NkiTensor:
+    return ndarray(x.shape, dtype or x.dtype, buffer or x.buffer, name)
+
+
+def ds(start, size, step: int = 1) -> DynSlice:
+    return DynSlice(start, size, step)
+
+
+# ------------------------------------------------------------------------------------------------ loops, ids
+def affine_range(*args, **kwargs):
+    return range(*args)
+
+
+sequential_range = affine_range
+static_range = affine_range
+
+
+def program_id(axis: int = 0) -> int:
+    if axis != 0:
+        raise NkiValidationError("err_program_axis", f"program_id axis {axis}: kernels launch on one axis (LNC)")
+    return current().program_id
+
+
+def num_programs(axes=None) -> int:
+    return current().num_programs
+
+
+def program_ndim() -> int:
+    return 1
+
+
+def device_print(prefix, x) -> None:
+    print(prefix, np.asarray(x) if isinstance(x, NkiTensor) else x)
+
+
+class _TileSize:
+    """``nl.tile_size``: hardware tile limits of the current target."""
+
+    @property
+    def pmax(self):
+        return current().target.partitions
+
+    @property
+    def psum_bank_fmax(self):
+        return current().target.psum_bank_bytes // 4
+
+    psum_fmax = psum_bank_fmax
+
+    @property
+    def psum_bank_fmax_bytes(self):
+        return current().target.psum_bank_bytes
+
+    @property
+    def psum_num_banks(self):
+        return current().target.psum_banks
+
+    @property
+    def gemm_stationary_fmax(self):
+        return current().target.gemm_stationary_fmax
+
+    @property
+    def gemm_moving_fmax(self):
+        return current().target.gemm_moving_fmax
+
+    @property
+    def bn_stats_fmax(self):
+        return current().target.bn_stats_fmax
+
+    @property
+    def sbuf_size_bytes(self):
+        return current().target.sbuf_bytes_per_partition
+
+    total_available_sbuf_size = sbuf_size_bytes
+
+    @property
+    def sbuf_fmax(self):
+        return current().target.sbuf_fmax
+
+    @property
+    def sbuf_fmax_bytes(self):
+        return current().target.sbuf_bytes_per_partition
+
+    psum_min_align = 4
+    sbuf_min_align = 4
+
+
+tile_size = _TileSize()
+
+
+# ------------------------------------------------------------------------------------------------ movement
+def _on_chip_shape(shape) -> tuple[int, ...]:
+    return tuple(shape) if len(shape) >= 2 else (1,) + tuple(shape)
+
+
+def load(src: NkiTensor, dtype=None, mask=None) -> NkiTensor:
+    """A new SBUF tile holding ``src`` (one dma_copy)."""
+    tile = allocate(_on_chip_shape(src.shape), dtype or src.dtype, sbuf)
+    _isa.dma_copy(tile, src)
+    return tile
+
+
+def store(dst: NkiTensor, value: NkiTensor, mask=None) -> None:
+    """dst = value by DMA; a PSUM value is first copied to SBUF (DMA cannot read PSUM)."""
+    if value.kind == "psum":
+        staged = allocate(value.shape, value.dtype, sbuf)
+        _isa.tensor_copy(staged, value)
+        value = staged
+    _isa.dma_copy(dst, value)
+
+
+def copy(x: NkiTensor, dtype=None) -> NkiTensor:
+    out = allocate(x.shape, dtype or x.dtype, sbuf)
+    _isa.tensor_copy(out, x)
+    return out
+
+
+def load_transpose2d(src: NkiTensor, dtype=None) -> NkiTensor:
+    if src.ndim != 2:
+        raise NkiValidationError("err_exceed_max_supported_dimension", f"load_transpose2d of rank {src.ndim} {src.shape}")
+    tile = allocate((src.shape[1], src.shape[0]), src.dtype, sbuf)
+    _isa.dma_transpose(tile, src)
+    return copy(tile, dtype) if dtype is not None and np.dtype(dtype) != tile.dtype else tile
+
+
+def transpose(x: NkiTensor, dtype=None) -> NkiTensor:
+    """x.T into a new PSUM tile through TensorE (2-D, x in SBUF)."""
+    if x.ndim != 2:
+        raise NkiValidationError("err_exceed_max_supported_dimension", f"transpose of rank {x.ndim} {x.shape}")
+    out = allocate((x.shape[1], x.shape[0]), x.dtype, psum)
+    _isa.nc_transpose(out, x)
+    return out
+
+
+def matmul(x: NkiTensor, y: NkiTensor, transpose_x: bool = False) -> NkiTensor:
+    """x @ y (x.T @ y with transpose_x) into a new fp32 PSUM tile."""
+    if transpose_x:
+        stationary = x
+    else:
+        transposed = transpose(x)
+        stationary = allocate(transposed.shape, transposed.dtype, sbuf)
+        _isa.tensor_copy(stationary, transposed)
+    out = allocate((stationary.free_size, y.free_size), float32, psum)
+    _isa.nc_matmul(out, stationary, y)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ elementwise
+def _weak_dtype(value) -> np.dtype:
+    if isinstance(value, NkiTensor):
+        return value.dtype
+    if isinstance(value, bool):
+        return uint8
+    return int32 if isinstance(value, (int, np.integer)) else float32
+
+
+def promote(a: np.dtype, b: np.dtype) -> np.dtype:
+    """NKI type promotion (nki.api.shared.rst)."""
+    if a == b:
+        return a
+    fa, fb = is_float(a), is_float(b)
+    if fa != fb:
+        return a if fa else b
+    names = {a.name, b.name}
+    if names == {"float16", "bfloat16"}:
+        return float32
+    if names <= {"float8_e4m3", "float8_e5m2", "float8_e4m3fn"}:
+        return bfloat16
+    if names == {"int32", "uint32"}:
+        return float32
+    if fa:
+        return a if a.itemsize > b.itemsize else b
+    if a.kind != b.kind:
+        # signed with unsigned: the next wider signed type ((int8, uint8) -> int16), at most int32
+        return int16 if max(a.itemsize, b.itemsize) == 1 else int32
+    return a if a.itemsize > b.itemsize else b
+
+
+def _is_scalar(value) -> bool:
+    return isinstance(value, (bool, int, float, np.integer, np.floating))
+
+
+def apply_op(op: _ops.Op, *args, dtype=None, **kwargs) -> NkiTensor:
+    """``nl.<op>(...)``: a new SBUF tile computed by the matching ISA instruction."""
+    if op.kind in ("unary", "bitvec_unary"):
+        (x,) = args
+        out = allocate(x.shape, dtype or x.dtype, sbuf)
+        if op.kind == "bitvec_unary":
+            _isa.tensor_scalar(out, x, _ops.BINARY["bitwise_xor"], -1)
+        else:
+            _isa.activation(out, op, x)
+        return out
+    x, y = args
+    if _is_scalar(x) and _is_scalar(y):
+        raise NkiValidationError("err_expected_tensor", f"nl.{op.name} needs at least one tile operand")
+    out_dtype = np.dtype(dtype) if dtype is not None else promote(_weak_dtype(x), _weak_dtype(y))
+    if _is_scalar(x) or _is_scalar(y):
+        tile, scalar, reverse = (y, x, True) if _is_scalar(x) else (x, y, False)
+        out = allocate(tile.shape, out_dtype, sbuf)
+        _isa.tensor_scalar(out, tile, op, scalar, reverse0=reverse)
+        return out
+    if x.shape == y.shape:
+        out = allocate(x.shape, out_dtype, sbuf)
+        _isa.tensor_tensor(out, x, y, op)
+        return out
+    # free-dim broadcast of a (P, 1) column: tensor_scalar with a vector operand (fp32 per the ISA rule)
+    if x.partitions == y.partitions and (x.free_size == 1 or y.free_size == 1):
+        tile, column, reverse = (y, x, True) if x.free_size == 1 else (x, y, False)
+        if column.dtype != float32:
+            column = copy(column, float32)
+        out = allocate(tile.shape, out_dtype, sbuf)
+        _isa.tensor_scalar(out, tile, op, column, reverse0=reverse)
+        return out
+    raise NkiValidationError(
+        "err_shape_mismatch",
+        f"nl.{op.name} operands {x.shape} and {y.shape}: shapes must match, or one must be a (P, 1) column "
+        "(partition-dim broadcasting is not supported)",
+    )
+
+
+def where(condition: NkiTensor, x, y, dtype=None) -> NkiTensor:
+    """condition ? x : y, as condition * x + (1 - condition) * y on VectorE."""
+    picked_x = apply_op(_ops.BINARY["multiply"], condition, x, dtype=float32)
+    inverse = apply_op(_ops.BINARY["subtract"], 1.0, condition, dtype=float32)
+    picked_y = apply_op(_ops.BINARY["multiply"], inverse, y, dtype=float32)
+    return apply_op(_ops.BINARY["add"], picked_x, picked_y, dtype=dtype or promote(_weak_dtype(x), _weak_dtype(y)))
+
+
+# ------------------------------------------------------------------------------------------------ reductions
+def _reduce(op_name: str, x: NkiTensor, axis, dtype, keepdims: bool, negate: bool = False) -> NkiTensor:
+    axes = _isa._reduce_axes(f"nl.{op_name}", x, axis)
+    kept = x.shape[: x.ndim - len(axes)]
+    shape = kept + (1,) * len(axes) if keepdims else kept
+    out = allocate(_on_chip_shape(shape) if len(shape) >= 2 else (shape[0], 1), dtype or x.dtype, sbuf)
+    _isa.tensor_reduce(out, _ops.ALL_OPS[op_name], x, axes, negate=negate, keepdims=keepdims)
+    return out
+
+
+def _reduced_count(x: NkiTensor, axis) -> int:
+    axes = _isa._reduce_axes("nl.mean", x, axis)
+    return int(np.prod([x.shape[a] for a in axes]))
+
+
+def sum(x, axis, dtype=None, keepdims=False, mask=None):  # noqa: A001 - NKI's name
+    return _reduce("add", x, axis, dtype, keepdims)
+
+
+def max(x, axis, dtype=None, keepdims=False, mask=None):  # noqa: A001
+    return _reduce("maximum", x, axis, dtype, keepdims)
+
+
+def min(x, axis, dtype=None, keepdims=False, mask=None):  # noqa: A001
+    return _reduce("minimum", x, axis, dtype, keepdims)
+
+
+def prod(x, axis, dtype=None, keepdims=False, mask=None):
+    return _reduce("multiply", x, axis, dtype, keepdims)
+
+
+def all(x, axis, dtype=None, keepdims=False, mask=None):  # noqa: A001
+    return _reduce("logical_and", x, axis, dtype, keepdims)
+
+
+def mean(x, axis, dtype=None, keepdims=False, mask=None):
+    total = _reduce("add", x, axis, float32, keepdims)
+    out = allocate(total.shape, dtype or x.dtype, sbuf)
+    _isa.tensor_scalar(out, total, _ops.BINARY["multiply"], 1.0 / _reduced_count(x, axis))
+    return out
+
+
+def var(x, axis, dtype=None, keepdims=False, mask=None):
+    """Population variance over the free dims: mean of squares minus square of mean... computed as
+    mean((x - mean)^2) for accuracy; all free dims must be reduced (the mean is a (P, 1) operand)."""
+    axes = _isa._reduce_axes("nl.var", x, axis)
+    if len(axes) != x.ndim - 1:
+        raise NkiNotSimulatedError("nki.language.var over a subset of the free dims")
+    center = mean(x, axis, float32)
+    diff = allocate(x.shape, float32, sbuf)
+    _isa.tensor_scalar(diff, x, _ops.BINARY["subtract"], center)
+    squared = allocate(x.shape, float32, sbuf)
+    _isa.tensor_tensor(squared, diff, diff, _ops.BINARY["multiply"])
+    return mean(squared, axis, dtype or x.dtype, keepdims)
+
+
+_NOT_SIMULATED = {
+    "rand", "random_seed", "shared_constant", "shared_identity_matrix", "gather_flattened", "softmax", "rms_norm",
+    "dropout", "fori_loop", "while_loop", "dynamic_range", "no_reorder", "broadcast_to", "expand_dims", "fmod",
+    "mod", "prelu", "bypass",
+}
+
+
+def __getattr__(name: str):
+    if name in _NOT_SIMULATED:
+        def not_simulated(*args, **kwargs):
+            raise NkiNotSimulatedError(f"nki.language.{name}")
+
+        not_simulated.__name__ = name
+        return not_simulated
+    raise AttributeError(f"module 'nki.language' has no attribute {name!r}")

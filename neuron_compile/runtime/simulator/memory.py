@@ -1,0 +1,148 @@
+"""Simulator stage: the running kernel's context and on-chip memory allocation.
+
+Input: allocation requests (shape, dtype, buffer) from ``nl.ndarray`` & co. Output: NaN-filled (ints: 4)
+NkiTensors, with SBUF bytes per partition and PSUM banks accounted against the target. A buffer is released
+when its last Python reference dies (``weakref.finalize``), so allocating inside a loop works as on hardware,
+where the allocator reuses the space of tiles that are no longer live.
+
+The ``KernelContext`` also holds the instruction trace, the target and the program id of the current launch.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from neuron_compile.runtime.simulator.errors import NkiCapacityError, NkiValidationError
+from neuron_compile.runtime.simulator.hardware import Target, get_target
+from neuron_compile.runtime.simulator.tensor import Buffer, NkiTensor, new_storage_tensor
+from neuron_compile.runtime.simulator.trace import InstructionRecord
+
+UNINITIALIZED_INT = 4  # the official simulator's fill value for integer buffers
+
+sbuf = Buffer("sbuf", "sbuf")
+psum = Buffer("psum", "psum")
+hbm = Buffer("hbm", "hbm")
+private_hbm = Buffer("private_hbm", "hbm")
+shared_hbm = Buffer("shared_hbm", "hbm")
+
+
+@dataclass
+class KernelContext:
+    target: Target
+    program_id: int = 0
+    num_programs: int = 1
+    trace: list[InstructionRecord] = field(default_factory=list)
+    sbuf_live_bytes: int = 0  # per partition
+    psum_live_banks: int = 0
+    sbuf_peak_bytes: int = 0
+    psum_peak_banks: int = 0
+    outputs_allocated: list[NkiTensor] = field(default_factory=list)
+    # nl.shared_hbm tensors of an earlier program of the same launch: program i's k-th output allocation
+    # returns the k-th of them, since on hardware all LNC programs write one shared output
+    shared_reuse: list[NkiTensor] = field(default_factory=list)
+    launched: bool = False  # False for the throwaway context used outside any kernel
+
+
+_current: list[KernelContext] = []
+
+
+def current() -> KernelContext:
+    """The running kernel's context; outside a kernel, a throwaway one on the default target."""
+    if not _current:
+        _current.append(KernelContext(get_target()))
+    return _current[-1]
+
+
+@contextmanager
+def kernel_context(context: KernelContext):
+    _current.append(context)
+    try:
+        yield context
+    finally:
+        _current.remove(context)
+
+
+def _release_sbuf(context: KernelContext, nbytes: int) -> None:
+    context.sbuf_live_bytes -= nbytes
+
+
+def _release_psum(context: KernelContext, banks: int) -> None:
+    context.psum_live_banks -= banks
+
+
+def _fill_value(dtype: np.dtype):
+    return np.nan if dtype.kind == "f" or dtype.name.startswith(("bfloat", "float")) else UNINITIALIZED_INT
+
+
+def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
+    """A new uninitialized tensor (NaN / 4 filled) in ``buffer``, accounted against the target's capacity."""
+    shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    dtype = np.dtype(dtype)
+    if not isinstance(buffer, Buffer):
+        raise NkiValidationError("err_unsupported_memory", f"buffer must be nl.sbuf/psum/hbm/shared_hbm, got {buffer!r}")
+    if dtype.itemsize > 4 or dtype.kind == "c":
+        raise NkiValidationError("err_unsupported_dtype", f"dtype {dtype.name} is not a Neuron dtype (no 64-bit types)")
+    context = current()
+    name = name or f"{buffer.name}_{len(context.trace)}_{id(shape) % 10000}"
+    if buffer.kind in ("sbuf", "psum"):
+        if len(shape) < 2:
+            raise NkiValidationError(
+                "err_leading_dimension_of_tensor_must_be_partition",
+                f"on-chip tensor {name} needs a partition dim and a free dim, got shape {shape}",
+            )
+        if shape[0] > context.target.partitions:
+            raise NkiValidationError(
+                "err_num_partition_exceed_arch_limit",
+                f"Size of partition dimension {shape[0]} of {name} exceeds architecture limitation of "
+                f"{context.target.partitions}.",
+            )
+    if buffer is shared_hbm and len(context.outputs_allocated) < len(context.shared_reuse):
+        shared = context.shared_reuse[len(context.outputs_allocated)]
+        if shared.shape == shape and shared.dtype == dtype:
+            context.outputs_allocated.append(shared)
+            return shared
+    data = np.full(math.prod(shape), _fill_value(dtype), dtype=dtype)
+    tensor = new_storage_tensor(data, buffer, shape, name)
+    bytes_per_partition = math.prod(shape[1:]) * dtype.itemsize
+    if buffer.kind == "sbuf":
+        available = context.target.sbuf_bytes_per_partition - context.sbuf_live_bytes
+        if bytes_per_partition > available:
+            raise NkiCapacityError(
+                "sbuf_capacity",
+                f"allocating {name} {shape} {dtype.name} needs {bytes_per_partition} bytes per partition, "
+                f"{available} of {context.target.sbuf_bytes_per_partition} available",
+            )
+        context.sbuf_live_bytes += bytes_per_partition
+        context.sbuf_peak_bytes = max(context.sbuf_peak_bytes, context.sbuf_live_bytes)
+        weakref.finalize(tensor.storage, _release_sbuf, context, bytes_per_partition)
+    elif buffer.kind == "psum":
+        # a PSUM tensor occupies whole 2 KiB banks
+        banks = math.ceil(bytes_per_partition / context.target.psum_bank_bytes)
+        available = context.target.psum_banks - context.psum_live_banks
+        if banks > available:
+            raise NkiCapacityError(
+                "psum_capacity",
+                f"allocating {name} {shape} {dtype.name} needs {banks} PSUM bank(s) "
+                f"({bytes_per_partition} bytes per partition), {available} of {context.target.psum_banks} free",
+            )
+        context.psum_live_banks += banks
+        context.psum_peak_banks = max(context.psum_peak_banks, context.psum_live_banks)
+        weakref.finalize(tensor.storage, _release_psum, context, banks)
+    elif buffer is shared_hbm:
+        context.outputs_allocated.append(tensor)
+    return tensor
+
+
+def hbm_input(array: np.ndarray, name: str) -> NkiTensor:
+    """A kernel argument: an HBM tensor over a copy of ``array``'s values (row-major)."""
+    array = np.ascontiguousarray(array)
+    if array.dtype.itemsize > 4 or array.dtype.kind == "c":
+        raise NkiValidationError(
+            "err_unsupported_dtype", f"kernel argument {name} has dtype {array.dtype.name}: no 64-bit types on Neuron"
+        )
+    return new_storage_tensor(array.reshape(-1).copy(), hbm, array.shape, name)

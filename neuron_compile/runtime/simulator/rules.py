@@ -1,0 +1,185 @@
+"""Simulator stage: the shared checks and bookkeeping of every ISA instruction.
+
+Input: the operands of one instruction (NkiTensors, scalars). Output: NkiValidationError for a broken rule of
+nki-spec.md §1.6 (rule id, values, instruction), the fp32 values the engines compute on, the rounded store
+into the destination, and the InstructionRecord appended to the kernel trace.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from neuron_compile.runtime.simulator.errors import NkiValidationError
+from neuron_compile.runtime.simulator.memory import current
+from neuron_compile.runtime.simulator.tensor import NkiTensor
+from neuron_compile.runtime.simulator.trace import InstructionRecord, OperandInfo
+
+FLOAT32 = np.dtype(np.float32)
+
+
+def is_float(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype.kind == "V" or dtype.name.startswith(("bfloat", "float"))
+
+
+def require_tensor(op: str, role: str, value) -> NkiTensor:
+    if not isinstance(value, NkiTensor):
+        raise NkiValidationError("err_expected_tensor", f"{role} must be an nl.ndarray tile, got {type(value).__name__}", op)
+    return value
+
+
+def require_buffers(op: str, role: str, tensor: NkiTensor, allowed: tuple[str, ...], rule: str = "err_unsupported_memory"):
+    if tensor.kind not in allowed:
+        raise NkiValidationError(
+            rule, f"{role} {tensor.name} is in {tensor.buffer}, expected one of {', '.join(allowed)}", op
+        )
+
+
+def check_tile(op: str, role: str, tensor: NkiTensor, compute: bool = True) -> None:
+    """Partition count, start partition (compute engines only) and free size of an on-chip operand."""
+    if not tensor.on_chip:
+        return
+    target = current().target
+    partitions = tensor.partitions
+    if partitions > target.partitions:
+        raise NkiValidationError(
+            "err_num_partition_exceed_arch_limit",
+            f"Size of partition dimension {partitions} of {role} {tensor.name} exceeds architecture limitation of "
+            f"{target.partitions}.",
+            op,
+        )
+    if not compute:
+        return
+    start = tensor.start_partition
+    if partitions > 64:
+        legal = (0,)
+    elif partitions > 32:
+        legal = (0, 64)
+    else:
+        legal = (0, 32, 64, 96)
+    if start not in legal:
+        raise NkiValidationError(
+            "err_start_partition",
+            f"{role} {tensor.name} accesses {partitions} partitions starting at partition {start}; an access of "
+            f"{partitions} partitions must start at one of {legal}",
+            op,
+        )
+    limit = target.psum_fmax if tensor.kind == "psum" else target.sbuf_fmax
+    if tensor.free_size > limit:
+        raise NkiValidationError(
+            "err_free_size_exceed_arch_limit",
+            f"{role} {tensor.name} has {tensor.free_size} elements per partition; the limit on {tensor.buffer} "
+            f"is {limit}",
+            op,
+        )
+
+
+def check_same_partitions(op: str, a: NkiTensor, b: NkiTensor, a_role: str, b_role: str) -> None:
+    if a.partitions != b.partitions:
+        raise NkiValidationError(
+            "err_num_partition_mismatch",
+            f"{a_role} {a.name} has {a.partitions} partitions, {b_role} {b.name} has {b.partitions}",
+            op,
+        )
+
+
+def check_same_free(op: str, a: NkiTensor, b: NkiTensor, a_role: str, b_role: str) -> None:
+    if a.free_size != b.free_size:
+        raise NkiValidationError(
+            "err_num_elements_mismatch",
+            f"{a_role} {a.name} {a.shape} has {a.free_size} elements per partition, {b_role} {b.name} {b.shape} "
+            f"has {b.free_size}",
+            op,
+        )
+
+
+def check_no_psum_on_gpsimd(op: str, engine: str, *tensors: tuple[str, NkiTensor]) -> None:
+    if engine != "gpsimd":
+        return
+    for role, tensor in tensors:
+        if isinstance(tensor, NkiTensor) and tensor.kind == "psum":
+            raise NkiValidationError(
+                "err_gpsimd_psum_access", f"GpSimd cannot access PSUM, but {role} {tensor.name} is in PSUM", op
+            )
+
+
+def fp32_tile(tensor: NkiTensor) -> np.ndarray:
+    """The values of an on-chip tile as fp32 of shape (P, free)."""
+    values = tensor.read()
+    if values.dtype != FLOAT32:
+        values = values.astype(FLOAT32)
+    return values.reshape(tensor.partitions, -1)
+
+
+def cast_to(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Round engine results to the destination dtype (float -> int rounds to nearest, saturating)."""
+    if values.dtype == dtype:
+        return values
+    if dtype.kind in "iub" and values.dtype.kind == "f":
+        info = np.iinfo(dtype) if dtype.kind != "b" else None
+        with np.errstate(invalid="ignore"):
+            values = np.rint(values)
+            if info is not None:
+                values = np.clip(np.nan_to_num(values), info.min, info.max)
+    return values.astype(dtype)
+
+
+def store(dst: NkiTensor, values: np.ndarray) -> None:
+    """Write computed values (any shape with dst's element count) into dst, rounded to dst's dtype."""
+    values = cast_to(np.asarray(values), dst.dtype)
+    dst.write(values.reshape(dst.shape))
+    flags = dst.matmul_flags()
+    if flags is not None:  # a non-matmul write ends the matmul accumulation group of these PSUM elements
+        flags[...] = False
+
+
+def operand(role: str, tensor: NkiTensor) -> OperandInfo:
+    shape = tensor.shape
+    partitions = shape[0] if len(shape) > 1 or tensor.on_chip else 1
+    free = tensor.size // partitions if partitions else 0
+    return OperandInfo(
+        role=role, buffer=tensor.kind, shape=shape, dtype=tensor.dtype.name, itemsize=tensor.itemsize,
+        partitions=partitions, free_elems=free,
+        innermost_stride_bytes=abs(tensor.strides[-1]) * tensor.itemsize if len(shape) > 1 or not tensor.on_chip
+        else tensor.itemsize,
+    )
+
+
+def record(name: str, engine: str, dst: NkiTensor | None, srcs: list[tuple[str, object]], attrs: dict | None = None,
+           flops: int = 0) -> None:
+    infos = tuple(operand(role, t) for role, t in srcs if isinstance(t, NkiTensor))
+    current().trace.append(
+        InstructionRecord(name=name, engine=engine, dst=operand("dst", dst) if dst is not None else None, srcs=infos,
+                          attrs=attrs or {}, flops=int(flops))
+    )
+
+
+def scalar_or_vector(op: str, role: str, value, partitions: int, rule: str, require_fp32: bool = True):
+    """A scalar operand, or a (P, 1) tile broadcast along the free dim, as fp32 numpy (shape () or (P, 1))."""
+    if isinstance(value, NkiTensor):
+        if not value.on_chip or value.partitions != partitions or value.free_size != 1:
+            raise NkiValidationError(
+                rule, f"{role} must be a scalar or a ({partitions}, 1) tile, got {value.name} {value.shape} in "
+                f"{value.buffer}", op,
+            )
+        if require_fp32 and value.dtype != FLOAT32:
+            raise NkiValidationError(
+                rule.replace("invalid_type", "dtype") if "invalid_type" in rule else rule,
+                f"{role} tile {value.name} must be float32, got {value.dtype.name}", op,
+            )
+        return fp32_tile(value)
+    if isinstance(value, (bool, int, float, np.integer, np.floating)):
+        return np.float32(value)
+    raise NkiValidationError(rule, f"{role} must be a scalar or a ({partitions}, 1) tile, got {value!r}", op)
+
+
+_ENGINE_NAMES = {1: "tensor", 2: "scalar", 3: "gpsimd", 4: "dma", 5: "vector", 6: "sync"}
+
+
+def engine_name(engine, default: str) -> str:
+    if engine is None:
+        return default
+    value = getattr(engine, "value", engine)
+    if isinstance(value, str):
+        return value
+    name = _ENGINE_NAMES.get(int(value))
+    return name or default

@@ -1,0 +1,397 @@
+"""Simulator stage: NkiTensor, a strided view over a flat numpy storage (nki's NkiTensor).
+
+Input: a ``Storage`` (one allocation: flat numpy array, memory kind, partition stride) plus shape, element
+strides and element offset. Output: views (indexing, reshape, permute, broadcast, ``.ap()``, ``view(dtype)``)
+that share the storage, and ``read()`` / ``write()`` that move whole tiles through numpy ``as_strided`` views,
+so an instruction costs a few vectorized numpy calls whatever its size.
+
+Element address of a view: ``flat[offset + sum(index_d * stride_d)]`` (SDK ``nki/deep-dives/nki-aps.rst``).
+On-chip (SBUF/PSUM) storages are laid out ``[partition, free...]`` row-major; dim 0 of every on-chip view is
+the partition dim, whose stride is the storage's ``partition_stride``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from neuron_compile.runtime.simulator.errors import NkiValidationError
+
+ON_CHIP = ("sbuf", "psum")
+
+
+class Buffer:
+    """A memory kind (nl.sbuf, nl.psum, nl.hbm, nl.private_hbm, nl.shared_hbm)."""
+
+    __slots__ = ("name", "kind")
+
+    def __init__(self, name: str, kind: str):
+        self.name = name
+        self.kind = kind  # "sbuf" | "psum" | "hbm": what the cost model and the rules see
+
+    def __repr__(self) -> str:
+        return f"nl.{self.name}"
+
+
+class DynSlice:
+    """``nl.ds(start, size)``: a slice given by start and size."""
+
+    __slots__ = ("start", "size", "step")
+
+    def __init__(self, start: int, size: int, step: int = 1):
+        self.start, self.size, self.step = int(start), int(size), int(step)
+
+    def __repr__(self) -> str:
+        return f"ds({self.start}, {self.size})"
+
+
+class Storage:
+    """One allocation. ``matmul_written`` (PSUM only) marks the elements a matmul accumulation group owns."""
+
+    __slots__ = ("data", "buffer", "name", "partition_stride", "matmul_written", "__weakref__")
+
+    def __init__(self, data: np.ndarray, buffer: Buffer, name: str, partition_stride: int):
+        self.data = data
+        self.buffer = buffer
+        self.name = name
+        self.partition_stride = partition_stride
+        self.matmul_written = np.zeros(data.shape, dtype=bool) if buffer.kind == "psum" else None
+
+
+def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+class NkiTensor:
+    """A view of a Storage. Strides and offset are in elements of ``dtype``."""
+
+    __slots__ = ("storage", "shape", "strides", "offset", "dtype", "indirect", "__weakref__")
+
+    def __init__(self, storage: Storage, shape, strides, offset: int = 0, dtype=None, indirect=None):
+        self.storage = storage
+        self.shape = tuple(int(s) for s in shape)
+        self.strides = tuple(int(s) for s in strides)
+        self.offset = int(offset)
+        self.dtype = np.dtype(dtype) if dtype is not None else storage.data.dtype
+        # (index_tensor, dim) for an indirect (vector_offset) access pattern on HBM, else None
+        self.indirect = indirect
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def buffer(self) -> Buffer:
+        return self.storage.buffer
+
+    @property
+    def kind(self) -> str:
+        return self.storage.buffer.kind
+
+    @property
+    def on_chip(self) -> bool:
+        return self.storage.buffer.kind in ON_CHIP
+
+    @property
+    def name(self) -> str:
+        return self.storage.name
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def partitions(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def free_size(self) -> int:
+        """Elements per partition."""
+        return math.prod(self.shape[1:])
+
+    @property
+    def start_partition(self) -> int:
+        return self.offset // self.storage.partition_stride if self.on_chip else 0
+
+    def __repr__(self) -> str:
+        return f"NkiTensor({self.name}, {self.buffer}, shape={self.shape}, dtype={self.dtype.name})"
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    # ---------------------------------------------------------------- data movement
+    def _check_bounds(self) -> None:
+        if self.size == 0:
+            return
+        low = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s < 0)
+        high = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s > 0)
+        limit = self.storage.data.size
+        if low < 0 or high >= limit:
+            raise NkiValidationError(
+                "err_tensor_access_out_of_bound",
+                f"view of {self.name} (shape {self.shape}, strides {self.strides}, offset {self.offset}) reaches "
+                f"elements [{low}, {high}] of a tensor with {limit} elements",
+            )
+
+    def _flat(self) -> np.ndarray:
+        data = self.storage.data
+        return data if data.dtype == self.dtype else data.view(self.dtype)
+
+    def _strided(self) -> np.ndarray:
+        flat = self._flat()
+        item = flat.itemsize
+        base = flat[self.offset:] if self.offset else flat
+        return as_strided(base, self.shape, tuple(s * item for s in self.strides), writeable=True)
+
+    def element_indices(self) -> np.ndarray:
+        """Flat element index of every element of the view (used for indirect access and PSUM flags)."""
+        index = np.full(self.shape, self.offset, dtype=np.int64)
+        for dim, (size, stride) in enumerate(zip(self.shape, self.strides)):
+            shape = [1] * self.ndim
+            shape[dim] = size
+            if self.indirect is not None and dim == self.indirect[1]:
+                values = self.indirect[0].read().reshape(-1).astype(np.int64)
+                if values.size != size:
+                    raise NkiValidationError(
+                        "err_indirect_offset_shape",
+                        f"vector_offset has {values.size} offsets but dim {dim} of the pattern has {size} entries",
+                    )
+                index = index + (values * stride).reshape(shape)
+            else:
+                index = index + (np.arange(size, dtype=np.int64) * stride).reshape(shape)
+        return index
+
+    def _indirect_indices(self) -> np.ndarray:
+        index = self.element_indices()
+        limit = self.storage.data.size
+        if index.size and (index.min() < 0 or index.max() >= limit):
+            raise NkiValidationError(
+                "err_tensor_access_out_of_bound",
+                f"indirect access into {self.name} reaches elements [{index.min()}, {index.max()}] "
+                f"of a tensor with {limit} elements",
+            )
+        return index
+
+    def read(self) -> np.ndarray:
+        """The view's values as a numpy array of ``self.dtype`` (a copy-free view where possible)."""
+        if self.indirect is not None:
+            return self._flat()[self._indirect_indices()]
+        self._check_bounds()
+        return self._strided()
+
+    def write(self, values) -> None:
+        """Store ``values`` (already of ``self.dtype``, broadcastable to the view's shape)."""
+        if self.indirect is not None:
+            self._flat()[self._indirect_indices()] = values
+            return
+        self._check_bounds()
+        self._strided()[...] = values
+
+    def matmul_flags(self) -> np.ndarray | None:
+        """The PSUM "written by matmul" flags of this view (a writeable strided view), None off PSUM."""
+        flags = self.storage.matmul_written
+        if flags is None:
+            return None
+        if self.dtype.itemsize != self.storage.data.itemsize:
+            raise NkiValidationError("err_psum_view_dtype", "PSUM views must keep the allocation's element size")
+        base = flags[self.offset:] if self.offset else flags
+        return as_strided(base, self.shape, tuple(s for s in self.strides), writeable=True)
+
+    # ---------------------------------------------------------------- views
+    def _view(self, shape, strides, offset, dtype=None, indirect=None) -> NkiTensor:
+        return NkiTensor(self.storage, shape, strides, offset, dtype or self.dtype, indirect)
+
+    def __getitem__(self, key) -> NkiTensor:
+        if not isinstance(key, tuple):
+            key = (key,)
+        if any(k is Ellipsis for k in key):
+            at = next(i for i, k in enumerate(key) if k is Ellipsis)
+            fill = self.ndim - (len(key) - 1)
+            key = key[:at] + (slice(None),) * fill + key[at + 1:]
+        if len(key) > self.ndim:
+            raise NkiValidationError(
+                "err_too_many_indices", f"{len(key)} indices for {self.name} of rank {self.ndim} (shape {self.shape})"
+            )
+        key = key + (slice(None),) * (self.ndim - len(key))
+        shape, strides, offset = [], [], self.offset
+        for dim, (k, size, stride) in enumerate(zip(key, self.shape, self.strides)):
+            if isinstance(k, DynSlice):
+                if k.start < 0 or k.size < 0 or k.start + (k.size - 1) * k.step >= size and k.size > 0:
+                    raise NkiValidationError(
+                        "err_tensor_access_out_of_bound",
+                        f"nl.ds({k.start}, {k.size}) on dim {dim} of {self.name} with size {size}",
+                    )
+                offset += k.start * stride
+                shape.append(k.size)
+                strides.append(stride * k.step)
+            elif isinstance(k, slice):
+                if k.stop is not None and (k.step or 1) > 0 and k.stop > size:
+                    raise NkiValidationError(
+                        "err_tensor_access_out_of_bound",
+                        f"slice {k.start}:{k.stop} on dim {dim} of {self.name} with size {size}",
+                    )
+                start, _, step = k.indices(size)
+                count = len(range(*k.indices(size)))
+                offset += start * stride
+                shape.append(count)
+                strides.append(stride * step)
+            else:
+                index = int(k)
+                if index < -size or index >= size:
+                    raise NkiValidationError(
+                        "err_tensor_access_out_of_bound", f"index {index} on dim {dim} of {self.name} with size {size}"
+                    )
+                index %= size
+                offset += index * stride
+                if self.on_chip and dim == 0:  # on-chip keeps the partition dim
+                    shape.append(1)
+                    strides.append(stride)
+        if self.on_chip and len(shape) < 2:
+            shape.append(1)
+            strides.append(1)
+        if not shape:
+            shape, strides = [1], [1]
+        return self._view(shape, strides, offset)
+
+    def reshape(self, shape) -> NkiTensor:
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        if -1 in shape:
+            known = math.prod(s for s in shape if s != -1)
+            shape = tuple(self.size // known if s == -1 else s for s in shape)
+        if math.prod(shape) != self.size:
+            raise NkiValidationError("err_reshape_size", f"cannot reshape {self.shape} ({self.size} elements) to {shape}")
+        if self.on_chip and shape[0] != self.shape[0]:
+            raise NkiValidationError(
+                "err_leading_dimension_of_tensor_must_be_partition",
+                f"reshape of on-chip {self.name} from {self.shape} to {shape} changes the partition dim",
+            )
+        if self.on_chip:
+            if not _is_contiguous(self.shape[1:], self.strides[1:]):
+                raise NkiValidationError("err_reshape_non_contiguous", f"reshape of non-contiguous view {self}")
+            strides = (self.strides[0],) + _row_major_strides(shape[1:])
+        else:
+            if not _is_contiguous(self.shape, self.strides):
+                raise NkiValidationError("err_reshape_non_contiguous", f"reshape of non-contiguous view {self}")
+            strides = _row_major_strides(shape)
+        return self._view(shape, strides, self.offset)
+
+    def permute(self, dims) -> NkiTensor:
+        dims = tuple(dims)
+        if sorted(dims) != list(range(self.ndim)):
+            raise NkiValidationError("err_permute_dims", f"permute dims {dims} for rank {self.ndim}")
+        if self.on_chip and dims[0] != 0:
+            raise NkiValidationError(
+                "err_leading_dimension_of_tensor_must_be_partition",
+                f"permute {dims} of on-chip {self.name} moves the partition dim",
+            )
+        return self._view([self.shape[d] for d in dims], [self.strides[d] for d in dims], self.offset)
+
+    def broadcast(self, dim: int, size: int) -> NkiTensor:
+        if self.shape[dim] != 1:
+            raise NkiValidationError("err_broadcast_non_unit", f"broadcast of dim {dim} of size {self.shape[dim]}")
+        if self.on_chip and dim == 0:
+            raise NkiValidationError(
+                "err_leading_dimension_of_tensor_must_be_partition", "broadcast along the partition dim"
+            )
+        shape, strides = list(self.shape), list(self.strides)
+        shape[dim], strides[dim] = size, 0
+        return self._view(shape, strides, self.offset)
+
+    def broadcast_to(self, shape) -> NkiTensor:
+        view = self
+        for dim, (have, want) in enumerate(zip(self.shape, shape)):
+            if have != want:
+                view = view.broadcast(dim, want)
+        return view
+
+    def expand_dim(self, dim: int) -> NkiTensor:
+        if self.on_chip and dim == 0:
+            raise NkiValidationError("err_leading_dimension_of_tensor_must_be_partition", "expand_dim at dim 0")
+        shape, strides = list(self.shape), list(self.strides)
+        shape.insert(dim, 1)
+        strides.insert(dim, 1)
+        return self._view(shape, strides, self.offset)
+
+    def squeeze_dim(self, dim: int) -> NkiTensor:
+        if self.shape[dim] != 1:
+            raise NkiValidationError("err_squeeze_non_unit", f"squeeze of dim {dim} of size {self.shape[dim]}")
+        if self.on_chip and (dim == 0 or self.ndim <= 2):
+            raise NkiValidationError(
+                "err_leading_dimension_of_tensor_must_be_partition", f"squeeze_dim({dim}) of on-chip {self.shape}"
+            )
+        shape, strides = list(self.shape), list(self.strides)
+        del shape[dim], strides[dim]
+        return self._view(shape, strides, self.offset)
+
+    def view(self, dtype) -> NkiTensor:
+        dtype = np.dtype(dtype)
+        if dtype.itemsize != self.storage.data.itemsize:
+            raise NkiValidationError(
+                "err_view_dtype_size",
+                f"view({dtype.name}) of {self.name} ({self.storage.data.dtype.name}): element sizes "
+                f"{dtype.itemsize} and {self.storage.data.itemsize} differ (only same-size reinterpretation is simulated)",
+            )
+        return self._view(self.shape, self.strides, self.offset, dtype)
+
+    def ap(self, pattern, offset: int = 0, scalar_offset=None, vector_offset=None, indirect_dim: int = 0,
+           dtype=None) -> NkiTensor:
+        """Access pattern view: ``[[stride, count], ...]`` over this tensor's storage, from its offset."""
+        pattern = [(int(p[0]), int(p[1])) for p in pattern]
+        if not pattern:
+            raise NkiValidationError("err_ap_empty", f"empty access pattern on {self.name}")
+        if self.on_chip and pattern[0][0] != self.storage.partition_stride:
+            raise NkiValidationError(
+                "err_ap_partition_step",
+                f"first [step, num] of an access pattern on {self.buffer} is the partition dim: step must be "
+                f"{self.storage.partition_stride} (free elements per partition of {self.name}), got {pattern[0][0]}",
+            )
+        start = self.offset + int(offset)
+        if scalar_offset is not None:
+            start += int(scalar_offset) * math.prod(self.shape[indirect_dim + 1:])
+        indirect = None
+        if vector_offset is not None:
+            if self.on_chip:
+                raise NkiValidationError("err_indirect_on_chip", "vector_offset is only supported on HBM tensors")
+            if not (isinstance(vector_offset, NkiTensor) and vector_offset.on_chip):
+                raise NkiValidationError("err_indirect_offset_buffer", "vector_offset must be an SBUF tile (P, 1)")
+            indirect = (vector_offset, int(indirect_dim))
+        return self._view([c for _, c in pattern], [s for s, _ in pattern], start, dtype, indirect)
+
+    def get_pattern(self) -> list[list[int]]:
+        return [[s, n] for s, n in zip(self.strides, self.shape)]
+
+    def is_contiguous(self) -> bool:
+        return _is_contiguous(self.shape, self.strides)
+
+    # numpy interop for debugging (device_print, tests)
+    def __array__(self, dtype=None, copy=None):
+        values = np.array(self.read())
+        return values.astype(dtype) if dtype is not None else values
+
+
+def _is_contiguous(shape, strides) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def new_storage_tensor(data: np.ndarray, buffer: Buffer, shape, name: str) -> NkiTensor:
+    """A tensor over all of a fresh flat storage ``data`` with the given (row-major) shape."""
+    shape = tuple(int(s) for s in shape)
+    partition_stride = math.prod(shape[1:]) if buffer.kind in ON_CHIP else 1
+    storage = Storage(data, buffer, name, partition_stride)
+    return NkiTensor(storage, shape, _row_major_strides(shape), 0)
