@@ -1,0 +1,245 @@
+"""Codegen stage helper: IR expression trees -> NKI instruction lines on SBUF tiles.
+
+Input: an ``ir.Expr`` and a ``TileScope`` (which tile slice the kernel is working on and how each operand is
+loaded). Output: lines of NKI source (``nisa.*`` calls, dst first), plus the tile allocations they need.
+Every value is computed in an fp32 tile (the engines compute in fp32 anyway); ``cast`` rounds into a tile of
+its dtype; a store stages through a tile of the buffer's dtype when they differ. Equal subexpressions are
+computed once per scope.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from neuron_compile import ir
+
+NL_DTYPES = {"float32": "nl.float32", "bfloat16": "nl.bfloat16", "bool": "nl.uint8"}
+
+TENSOR_TENSOR_OPS = {
+    "add": "nl.add",
+    "sub": "nl.subtract",
+    "mul": "nl.multiply",
+    "maximum": "nl.maximum",
+    "minimum": "nl.minimum",
+    "eq": "nl.equal",
+    "ne": "nl.not_equal",
+    "lt": "nl.less",
+    "le": "nl.less_equal",
+    "gt": "nl.greater",
+    "ge": "nl.greater_equal",
+}
+# op(scalar, tile) == MIRRORED[op](tile, scalar)
+MIRRORED = {"add": "add", "mul": "mul", "maximum": "maximum", "minimum": "minimum", "eq": "eq", "ne": "ne",
+            "lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
+ACTIVATIONS = {
+    "exp": "nl.exp",
+    "log": "nl.log",
+    "sqrt": "nl.sqrt",
+    "rsqrt": "nl.rsqrt",
+    "tanh": "nl.tanh",
+    "sigmoid": "nl.sigmoid",
+    "relu": "nl.relu",
+    "abs": "nl.abs",
+    "silu": "nl.silu",
+    "erf": "nl.erf",
+    "gelu": "nl.gelu",
+    "gelu_tanh": "nl.gelu_apprx_tanh",
+    "reciprocal": "nl.reciprocal",
+}
+SCALAR_FOLDS = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "maximum": max,
+    "minimum": min,
+}
+
+
+class ExpressionError(RuntimeError):
+    """An expression the codegen cannot emit (the message names the op)."""
+
+
+@dataclasses.dataclass
+class TileAllocator:
+    """Kernel-level SBUF tile declarations, each allocated once at the top of the kernel."""
+
+    partitions: int
+    lines: list[str] = dataclasses.field(default_factory=list)
+    count: int = 0
+
+    def new(self, stem: str, free: int, dtype: str = "float32") -> str:
+        self.count += 1
+        name = f"{stem}_{self.count}"
+        self.lines.append(f"{name} = nl.ndarray(({self.partitions}, {free}), dtype={NL_DTYPES[dtype]}, buffer=nl.sbuf)")
+        return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """An operand during emission: a tile (name, dtype) or a Python float."""
+
+    tile: str | None = None
+    dtype: str = "float32"
+    value: float | None = None
+
+
+class TileScope:
+    """One tile-shaped working set: ``slice_text`` like ``[0:rows, 0:cols]`` over tiles of ``free`` elements.
+
+    ``load_source(load)`` returns the HBM access pattern text for a load in this scope and, for loads with more
+    than one free dim, the SBUF destination pattern; ``result`` is the Ref that ``ir.Result()`` stands for.
+    """
+
+    def __init__(self, allocator: TileAllocator, free: int, slice_text: str, load_pattern, result: Ref | None = None):
+        self.allocator, self.free, self.slice_text = allocator, free, slice_text
+        self.load_pattern, self.result = load_pattern, result
+        self.memo: dict = {}
+        self.tiles: dict[tuple, str] = {}
+
+    def tile(self, dtype: str = "float32", key=None) -> str:
+        # One tile per (scope, expression): loop iterations overwrite it, the code stays straight-line.
+        if key is not None and key in self.tiles:
+            return self.tiles[key]
+        name = self.allocator.new("t" if dtype == "float32" else f"t_{dtype}", self.free, dtype)
+        if key is not None:
+            self.tiles[key] = name
+        return name
+
+    def ref_text(self, ref: Ref) -> str:
+        return f"{ref.tile}{self.slice_text}"
+
+
+def emit(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref:
+    """Append the instructions computing ``expr`` to ``lines``; return where the value is."""
+    if expr in scope.memo:
+        return scope.memo[expr]
+    ref = _emit_uncached(expr, scope, lines)
+    scope.memo[expr] = ref
+    return ref
+
+
+def _emit_uncached(expr, scope, lines) -> Ref:
+    if isinstance(expr, ir.Scalar):
+        return Ref(value=float(expr.value))
+    if isinstance(expr, ir.Result):
+        if scope.result is None:
+            raise ExpressionError("result() used outside a kernel that produces one")
+        return scope.result
+    if isinstance(expr, ir.Load):
+        dtype = expr.dtype
+        name = scope.tile(dtype, key=("load", expr))
+        dst, src = scope.load_pattern(expr, name)
+        lines.append(f"nisa.dma_copy(dst={dst}, src={src})")
+        return Ref(tile=name, dtype=dtype)
+    args = [emit(arg, scope, lines) for arg in expr.args]
+    return _emit_op(expr, args, scope, lines)
+
+
+def _fold(op: str, args: list[Ref]) -> Ref | None:
+    if all(arg.value is not None for arg in args) and op in SCALAR_FOLDS:
+        return Ref(value=float(SCALAR_FOLDS[op](*(arg.value for arg in args))))
+    return None
+
+
+def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -> Ref:
+    op = expr.op
+    folded = _fold(op, args)
+    if folded is not None:
+        return folded
+    text = scope.ref_text
+    if op == "cast":
+        (source,) = args
+        dst = scope.tile(expr.dtype)
+        if source.value is not None:
+            lines.append(f"nisa.memset(dst={dst}{scope.slice_text}, value={source.value!r})")
+        else:
+            lines.append(f"nisa.tensor_copy(dst={dst}{scope.slice_text}, src={text(source)})")
+        return Ref(tile=dst, dtype=expr.dtype)
+    if any(arg.value is not None for arg in args) and all(arg.value is not None for arg in args):
+        raise ExpressionError(f"{op} of constants only")
+    dst = scope.tile()
+    out = Ref(tile=dst)
+    dst_text = f"{dst}{scope.slice_text}"
+    if op in ACTIVATIONS:
+        lines.append(f"nisa.activation(dst={dst_text}, op={ACTIVATIONS[op]}, data={text(args[0])})")
+    elif op == "neg":
+        lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(args[0])}, op0=nl.multiply, operand0=-1.0)")
+    elif op == "div":
+        numerator, denominator = args
+        if denominator.value is not None:
+            lines.append(
+                f"nisa.tensor_scalar(dst={dst_text}, data={text(numerator)}, op0=nl.multiply, "
+                f"operand0={1.0 / denominator.value if denominator.value else float('inf')!r})"
+            )
+            if not denominator.value:
+                raise ExpressionError("division by the constant 0")
+        else:
+            lines.append(f"nisa.activation(dst={dst_text}, op=nl.reciprocal, data={text(denominator)})")
+            if numerator.value is not None:
+                lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={dst_text}, op0=nl.multiply, "
+                             f"operand0={numerator.value!r})")
+            else:
+                lines.append(f"nisa.tensor_tensor(dst={dst_text}, data1={text(numerator)}, data2={dst_text}, "
+                             "op=nl.multiply)")
+    elif op == "pow":
+        base, exponent = args
+        if base.value is not None or exponent.value is None:
+            raise ExpressionError("pow needs a tensor base and a number exponent")
+        if exponent.value == 2.0:
+            lines.append(f"nisa.tensor_tensor(dst={dst_text}, data1={text(base)}, data2={text(base)}, op=nl.multiply)")
+        elif exponent.value == 1.0:
+            lines.append(f"nisa.tensor_copy(dst={dst_text}, src={text(base)})")
+        else:
+            lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(base)}, op0=nl.power, "
+                         f"operand0={exponent.value!r})")
+    elif op == "where":
+        _emit_where(args, dst_text, scope, lines)
+    elif op in TENSOR_TENSOR_OPS:
+        a, b = args
+        if a.value is None and b.value is None:
+            lines.append(f"nisa.tensor_tensor(dst={dst_text}, data1={text(a)}, data2={text(b)}, "
+                         f"op={TENSOR_TENSOR_OPS[op]})")
+        elif b.value is not None:
+            lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(a)}, op0={TENSOR_TENSOR_OPS[op]}, "
+                         f"operand0={b.value!r})")
+        elif op == "sub":  # constant - tile == tile * -1 + constant
+            lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(b)}, op0=nl.multiply, operand0=-1.0, "
+                         f"op1=nl.add, operand1={a.value!r})")
+        else:
+            lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(b)}, "
+                         f"op0={TENSOR_TENSOR_OPS[MIRRORED[op]]}, operand0={a.value!r})")
+    else:
+        raise ExpressionError(f"no NKI instruction sequence for op {op!r}")
+    return out
+
+
+def _emit_where(args, dst_text, scope, lines) -> None:
+    condition, on_true, on_false = args
+    if condition.value is not None:
+        raise ExpressionError("where with a constant condition")
+    # dst = on_false, then copy on_true over it where the condition holds.
+    if on_false.value is not None:
+        lines.append(f"nisa.memset(dst={dst_text}, value={on_false.value!r})")
+    else:
+        lines.append(f"nisa.tensor_copy(dst={dst_text}, src={scope.ref_text(on_false)})")
+    if on_true.value is not None:
+        true_tile = scope.tile()
+        lines.append(f"nisa.memset(dst={true_tile}{scope.slice_text}, value={on_true.value!r})")
+        on_true = Ref(tile=true_tile)
+    lines.append(
+        f"nisa.tensor_copy_predicated(dst={dst_text}, src={scope.ref_text(on_true)}, "
+        f"predicate={scope.ref_text(condition)})"
+    )
+
+
+def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str]) -> str:
+    """The SBUF tile slice (of ``store_dtype``) holding ``value``, ready to DMA out."""
+    if value.value is not None:
+        tile = scope.tile(store_dtype)
+        lines.append(f"nisa.memset(dst={tile}{scope.slice_text}, value={value.value!r})")
+        return f"{tile}{scope.slice_text}"
+    if value.dtype == store_dtype:
+        return scope.ref_text(value)
+    tile = scope.tile(store_dtype)
+    lines.append(f"nisa.tensor_copy(dst={tile}{scope.slice_text}, src={scope.ref_text(value)})")
+    return f"{tile}{scope.slice_text}"

@@ -1,0 +1,271 @@
+"""Codegen stage: a fused IR node and its TilePlan -> the source text of one standalone NKI kernel module.
+
+Input: ``ir.Node``, ``TilePlan``, the kernel's name and its HBM input buffers. Output: ``KernelSource`` (name,
+source, parameter buffer names, output buffer names). The module imports ``nki``, ``nki.language as nl`` and
+``nki.isa as nisa`` and defines one ``@nki.jit`` function taking flat 1-D HBM tensors (one per buffer it
+reads) and returning its ``nl.shared_hbm`` outputs. This is the only module that uses jinja2; templates call
+the helpers defined here (``hbm_tile``, ``block``...), never compute indices themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from pathlib import Path
+
+import jinja2
+
+from neuron_compile import ir
+from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope, emit, emit_store
+from neuron_compile.passes.tiling import LoopDim, TilePlan
+
+TEMPLATES = Path(__file__).parent / "templates"
+REDUCE_OPS = {"sum": "nl.add", "mean": "nl.add", "var": "nl.add", "max": "nl.maximum", "min": "nl.minimum",
+              "prod": "nl.multiply"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSource:
+    name: str
+    source: str
+    parameters: tuple[str, ...] = ()  # HBM buffers the kernel reads, in argument order
+    outputs: tuple[ir.Buffer, ...] = ()  # buffers it returns, in order
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)), keep_trailing_newline=True, trim_blocks=True,
+        lstrip_blocks=True, undefined=jinja2.StrictUndefined,
+    )
+
+
+def block(lines: list[str], indent: int) -> str:
+    """``lines`` as one text block indented by ``indent`` levels (four spaces each)."""
+    pad = "    " * indent
+    return "\n".join(pad + line for line in lines)
+
+
+def _offset_text(base: int, terms: list[tuple[str, int]]) -> str:
+    parts = [str(base)] if base or not terms else []
+    parts += [f"{var} * {stride}" if stride != 1 else var for var, stride in terms if stride != 0]
+    return " + ".join(parts) or "0"
+
+
+class Patterns:
+    """Access patterns of one kernel: HBM layouts walked by the plan's loop variables.
+
+    Loop variables: ``o<i>`` outer indices, ``p0`` the partition tile start (``rows`` rows), ``f0`` the free
+    tile start (``cols`` columns).
+    """
+
+    def __init__(self, plan: TilePlan):
+        self.plan = plan
+
+    def outer_terms(self, layout: ir.Layout) -> list[tuple[str, int]]:
+        return [(f"o{i}", dim.stride(layout)) for i, dim in enumerate(self.plan.outer)]
+
+    def hbm(self, tensor: str, layout: ir.Layout, free: list[tuple[LoopDim, str]], chunked_free: bool) -> str:
+        """``tensor.ap(...)`` for a [rows, free...] tile; ``chunked_free`` adds ``f0`` for the first free dim."""
+        partition = self.plan.partition
+        terms = self.outer_terms(layout) + [("p0", partition.stride(layout))]
+        if chunked_free and free:
+            terms.append(("f0", free[0][0].stride(layout)))
+        entries = [f"[{partition.stride(layout)}, rows]"] + [f"[{dim.stride(layout)}, {count}]" for dim, count in free]
+        return f"{tensor}.ap([{', '.join(entries)}], offset={_offset_text(layout.offset, terms)})"
+
+
+def _render(template: str, **context) -> str:
+    return _environment().get_template(template).render(block=block, **context)
+
+
+def _output_lines(stores) -> list[str]:
+    return [
+        f"{store.buffer.name} = nl.ndarray(({store.buffer.layout.span()},), dtype={NL_DTYPES[store.buffer.dtype]}, "
+        "buffer=nl.shared_hbm)"
+        for store in stores
+    ]
+
+
+def _store_lines(stores, scope: TileScope, patterns: Patterns, free, chunked_free, lines: list[str]) -> None:
+    for store in stores:
+        value = emit(store.expr, scope, lines)
+        tile = emit_store(store.buffer.dtype, value, scope, lines)
+        dst = patterns.hbm(store.buffer.name, store.layout, free, chunked_free)
+        lines.append(f"nisa.dma_copy(dst={dst}, src={tile})")
+
+
+def _docstring(node: ir.Node, plan: TilePlan) -> str:
+    return f"{ir.format_node(node)}\n\nTile plan: {plan.describe()}"
+
+
+def render_kernel(node: ir.Node, plan: TilePlan, name: str, parameters: list[str]) -> KernelSource:
+    if isinstance(node, ir.Pointwise):
+        source = _render_pointwise(node, plan, name, parameters)
+    elif isinstance(node, ir.Reduction):
+        source = _render_reduction(node, plan, name, parameters)
+    elif isinstance(node, ir.RowNormalize):
+        source = _render_row_normalize(node, plan, name, parameters)
+    else:
+        source = _render_matmul(node, plan, name, parameters)
+    return KernelSource(name, source, tuple(parameters), tuple(store.buffer for store in node.stores))
+
+
+def _common(node, plan, name, parameters, **extra) -> dict:
+    return dict(
+        name=name, parameters=parameters, docstring=_docstring(node, plan), plan=plan,
+        outputs=_output_lines(node.stores), returns=", ".join(store.buffer.name for store in node.stores), **extra,
+    )
+
+
+def _render_pointwise(node: ir.Pointwise, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    patterns = Patterns(plan)
+    allocator = TileAllocator(plan.partition.tile)
+    free = [(plan.free[0], "cols")]
+
+    def load_pattern(load: ir.Load, tile: str):
+        return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, True)
+
+    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern)
+    body: list[str] = []
+    _store_lines(node.stores, scope, patterns, free, True, body)
+    return _render("pointwise.py.j2", **_common(node, plan, name, parameters, allocations=allocator.lines, body=body))
+
+
+def _reduction_scopes(node, plan: TilePlan, allocator: TileAllocator, patterns: Patterns):
+    """(prologue scope over [rows, row chunk], epilogue scope over [rows, 1], free dims, chunked?)."""
+    chunked = plan.free[0].tile < plan.free[0].size
+    row_free = plan.free[0].tile * math.prod(dim.size for dim in plan.free[1:])
+    free = [(plan.free[0], "cols")] + [(dim, str(dim.size)) for dim in plan.free[1:]]
+
+    def prologue_pattern(load: ir.Load, tile: str):
+        # A DMA fills the tile row-major, so several free dims land flattened in one [rows, row] slice.
+        return f"{tile}[0:rows, 0:{width}]", patterns.hbm(load.buffer, load.layout, free, chunked)
+
+    width = "cols" if len(free) == 1 else str(row_free)
+    prologue = TileScope(allocator, row_free, f"[0:rows, 0:{width}]", prologue_pattern)
+    return prologue, row_free, free, chunked
+
+
+def _render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    patterns = Patterns(plan)
+    allocator = TileAllocator(plan.partition.tile)
+    prologue, row_free, free, chunked = _reduction_scopes(node, plan, allocator, patterns)
+    count = math.prod(node.domain[d] for d in node.reduce_dims)
+    accumulator = allocator.new("acc", 1)
+    partial = allocator.new("partial", 1) if chunked else accumulator
+    reduce_op = REDUCE_OPS[node.op]
+
+    chunk_lines: list[str] = []
+    value = emit(node.prologue, prologue, chunk_lines)
+    if value.tile is None:
+        raise ValueError(f"{node.name}: a reduction of a constant")
+    data = prologue.ref_text(value)
+    chunk_lines.append(f"nisa.tensor_reduce(dst={partial}[0:rows, 0:1], op={reduce_op}, data={data}, axis=1, "
+                       "keepdims=True)")
+    if chunked:
+        chunk_lines += [
+            "if f0 == 0:",
+            f"    nisa.tensor_copy(dst={accumulator}[0:rows, 0:1], src={partial}[0:rows, 0:1])",
+            "else:",
+            f"    nisa.tensor_tensor(dst={accumulator}[0:rows, 0:1], data1={accumulator}[0:rows, 0:1], "
+            f"data2={partial}[0:rows, 0:1], op={reduce_op})",
+        ]
+    finish: list[str] = []
+    acc = f"{accumulator}[0:rows, 0:1]"
+    if node.op == "mean":
+        finish.append(f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, operand0={1.0 / count!r})")
+    elif node.op == "var":
+        scale = 1.0 / (count - node.correction) if count > node.correction else float("nan")
+        centered, squares = allocator.new("centered", row_free), allocator.new("squares", row_free)
+        window = prologue.slice_text
+        finish += [
+            f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, operand0={1.0 / count!r})",
+            f"nisa.tensor_scalar(dst={centered}{window}, data={data}, op0=nl.subtract, operand0={acc})",
+            f"nisa.tensor_tensor(dst={squares}{window}, data1={centered}{window}, data2={centered}{window}, "
+            "op=nl.multiply)",
+            f"nisa.tensor_reduce(dst={acc}, op=nl.add, data={squares}{window}, axis=1, keepdims=True)",
+            f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, operand0={scale!r})",
+        ]
+    epilogue = _epilogue_scope(allocator, patterns, Ref(tile=accumulator))
+    _store_lines(node.stores, epilogue, patterns, [(LoopDim(1, None), "1")], False, finish)
+    context = _common(node, plan, name, parameters, allocations=allocator.lines, chunk_body=chunk_lines,
+                      finish_body=finish, chunked=chunked)
+    return _render("reduction.py.j2", **context)
+
+
+def _epilogue_scope(allocator: TileAllocator, patterns: Patterns, result: Ref) -> TileScope:
+    one = [(LoopDim(1, None), "1")]
+
+    def pattern(load: ir.Load, tile: str):
+        return f"{tile}[0:rows, 0:1]", patterns.hbm(load.buffer, load.layout, one, False)
+
+    return TileScope(allocator, 1, "[0:rows, 0:1]", pattern, result)
+
+
+def _render_row_normalize(node: ir.RowNormalize, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    patterns = Patterns(plan)
+    allocator = TileAllocator(plan.partition.tile)
+    prologue, row_free, free, chunked = _reduction_scopes(node, plan, allocator, patterns)
+    body: list[str] = []
+    value = emit(node.prologue, prologue, body)
+    data = prologue.ref_text(value)
+    window = prologue.slice_text
+    row_max, negated_max, row_sum = (allocator.new(stem, 1) for stem in ("row_max", "negated_max", "row_sum"))
+    exps, result = allocator.new("exps", row_free), allocator.new("softmax", row_free)
+    body += [
+        f"nisa.tensor_reduce(dst={row_max}[0:rows, 0:1], op=nl.maximum, data={data}, axis=1, keepdims=True)",
+        f"nisa.tensor_scalar(dst={negated_max}[0:rows, 0:1], data={row_max}[0:rows, 0:1], op0=nl.multiply, "
+        "operand0=-1.0)",
+        f"nisa.activation(dst={exps}{window}, op=nl.exp, data={data}, bias={negated_max}[0:rows, 0:1])",
+        f"nisa.tensor_reduce(dst={row_sum}[0:rows, 0:1], op=nl.add, data={exps}{window}, axis=1, keepdims=True)",
+    ]
+    if node.op == "softmax":
+        body += [
+            f"nisa.activation(dst={row_sum}[0:rows, 0:1], op=nl.reciprocal, data={row_sum}[0:rows, 0:1])",
+            f"nisa.tensor_scalar(dst={result}{window}, data={exps}{window}, op0=nl.multiply, "
+            f"operand0={row_sum}[0:rows, 0:1])",
+        ]
+    else:  # x - max - log(sum(exp(x - max)))
+        body += [
+            f"nisa.activation(dst={row_sum}[0:rows, 0:1], op=nl.log, data={row_sum}[0:rows, 0:1])",
+            f"nisa.tensor_scalar(dst={result}{window}, data={data}, op0=nl.subtract, operand0={row_max}[0:rows, 0:1], "
+            f"op1=nl.subtract, operand1={row_sum}[0:rows, 0:1])",
+        ]
+    scope = TileScope(allocator, row_free, window, prologue.load_pattern, Ref(tile=result))
+    scope.tiles = prologue.tiles  # reuse the loaded tiles of operands read again by the epilogue
+    _store_lines(node.stores, scope, patterns, free, False, body)
+    return _render("row_normalize.py.j2", **_common(node, plan, name, parameters, allocations=allocator.lines,
+                                                    body=body))
+
+
+def _render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    patterns = Patterns(plan)
+    allocator = TileAllocator(plan.partition.tile)
+    dtype = node.a.dtype
+    a, b = node.a.layout, node.b.layout
+    # a is (batch, M, K): the stationary tile is a^T [K chunk on partitions, M tile free].
+    stationary_src = (
+        f"{node.a.buffer}.ap([[{a.strides[2]}, kk], [{a.strides[1]}, rows]], "
+        f"offset={_offset_text(a.offset, [('o0', a.strides[0]), ('p0', a.strides[1]), ('k0', a.strides[2])])})"
+    )
+    moving_src = (
+        f"{node.b.buffer}.ap([[{b.strides[1]}, kk], [{b.strides[2]}, cols]], "
+        f"offset={_offset_text(b.offset, [('o0', b.strides[0]), ('k0', b.strides[1]), ('f0', b.strides[2])])})"
+    )
+    free = [(plan.free[0], "cols")]
+
+    def load_pattern(load: ir.Load, tile: str):
+        return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, True)
+
+    product = allocator.new("product", plan.free[0].tile)
+    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=product))
+    epilogue: list[str] = []
+    _store_lines(node.stores, scope, patterns, free, True, epilogue)
+    context = _common(
+        node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue, product=product,
+        stationary_src=stationary_src, moving_src=moving_src, operand_dtype=NL_DTYPES[dtype],
+        k=node.k, k_tile=plan.k_tile, k_tiles=plan.k_tiles,
+    )
+    return _render("matmul.py.j2", **context)

@@ -1,0 +1,230 @@
+"""Kernel IR: the data the lowering stage produces and fusion, tiling and codegen consume.
+
+Input: nothing (definitions). Output: frozen, hashable, printable dataclasses.
+
+* ``Layout`` is an access pattern into one flat HBM buffer: ``flat[offset + sum(index_d * stride_d)]``; a
+  broadcast dim has stride 0. ``Layout.index_expr()`` states it as a sympy expression.
+* Expression trees (``Load``, ``Scalar``, ``Op``, ``Result``) describe per-element math over a node's iteration
+  domain; they are data, not closures, so they print and hash.
+* IR nodes (``Pointwise``, ``Reduction``, ``RowNormalize``, ``MatMul``) each write one or more ``Store``s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import sympy
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes, strides and offset (in elements) of a view onto a flat buffer."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int = 0
+
+    def index_expr(self) -> sympy.Expr:
+        """The flat element index as a sympy expression in the iteration indices i0, i1, ..."""
+        indices = sympy.symbols(f"i0:{len(self.shape)}", integer=True, nonnegative=True)
+        return sympy.Integer(self.offset) + sum((i * s for i, s in zip(indices, self.strides)), sympy.Integer(0))
+
+    def span(self) -> int:
+        """Elements of the flat buffer this layout can touch (highest index + 1)."""
+        if any(size == 0 for size in self.shape):
+            return self.offset
+        return self.offset + 1 + sum((size - 1) * abs(stride) for size, stride in zip(self.shape, self.strides))
+
+    def __str__(self) -> str:
+        return f"ap(shape={list(self.shape)}, strides={list(self.strides)}, offset={self.offset})"
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One HBM tensor a kernel writes (or a graph input): its name, dtype and the layout eager gives it."""
+
+    name: str
+    dtype: str  # "float32" | "bfloat16" | "bool"
+    layout: Layout
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.layout.shape)
+
+
+# ---------------------------------------------------------------- expressions
+
+
+@dataclass(frozen=True)
+class Load:
+    """Read ``buffer`` through ``layout``; the layout's shape is the reading node's iteration domain."""
+
+    buffer: str
+    layout: Layout
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"load({self.buffer}, {self.layout})"
+
+
+@dataclass(frozen=True)
+class Scalar:
+    value: float
+
+    def __str__(self) -> str:
+        return repr(self.value)
+
+
+@dataclass(frozen=True)
+class Result:
+    """The value the node's main operation produced (reduction row value, softmax row, matmul tile)."""
+
+    def __str__(self) -> str:
+        return "result"
+
+
+@dataclass(frozen=True)
+class Op:
+    """An elementwise operation; ``dtype`` is set only for ``cast``."""
+
+    op: str
+    args: tuple
+    dtype: str | None = None
+
+    def __str__(self) -> str:
+        inner = ", ".join(str(arg) for arg in self.args)
+        return f"{self.op}[{self.dtype}]({inner})" if self.dtype else f"{self.op}({inner})"
+
+
+Expr = Load | Scalar | Result | Op
+
+
+def loads_of(expr: Expr) -> list[Load]:
+    """Every Load leaf of ``expr``, in order of first appearance, without duplicates."""
+    found: dict[Load, None] = {}
+
+    def visit(node):
+        if isinstance(node, Load):
+            found[node] = None
+        elif isinstance(node, Op):
+            for arg in node.args:
+                visit(arg)
+
+    visit(expr)
+    return list(found)
+
+
+def map_leaves(expr: Expr, fn) -> Expr:
+    """Rebuild ``expr`` with ``fn`` applied to every Load and Result leaf."""
+    if isinstance(expr, (Load, Result)):
+        return fn(expr)
+    if isinstance(expr, Op):
+        return replace(expr, args=tuple(map_leaves(arg, fn) for arg in expr.args))
+    return expr
+
+
+def uses_result(expr: Expr) -> bool:
+    if isinstance(expr, Result):
+        return True
+    return isinstance(expr, Op) and any(uses_result(arg) for arg in expr.args)
+
+
+# ---------------------------------------------------------------- nodes
+
+
+@dataclass(frozen=True)
+class Store:
+    """Write ``expr`` to ``buffer``; ``layout`` is the buffer's layout restated in the node's domain."""
+
+    buffer: Buffer
+    expr: Expr
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class Pointwise:
+    """Elementwise over ``domain`` (the output shape)."""
+
+    name: str
+    domain: tuple[int, ...]
+    stores: tuple[Store, ...]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """Reduce ``prologue`` (over ``domain``, the input shape) along ``reduce_dims`` with ``op``.
+
+    ``op`` is sum | max | min | prod | mean | var. Stores read ``Result()`` (the reduced value) and loads whose
+    layouts have stride 0 on the reduced dims; they are evaluated once per kept index.
+    """
+
+    name: str
+    domain: tuple[int, ...]
+    reduce_dims: tuple[int, ...]
+    op: str
+    prologue: Expr
+    stores: tuple[Store, ...]
+    correction: float = 0.0  # var only
+
+
+@dataclass(frozen=True)
+class RowNormalize:
+    """softmax | log_softmax of ``prologue`` along ``dim``; stores read ``Result()`` over the whole domain."""
+
+    name: str
+    domain: tuple[int, ...]
+    dim: int
+    op: str
+    prologue: Expr
+    stores: tuple[Store, ...]
+
+
+@dataclass(frozen=True)
+class MatMul:
+    """``a @ b`` over domain (batch, M, N); ``a`` is (batch, M, K), ``b`` is (batch, K, N) (batch may be 1, stride 0).
+
+    Stores read ``Result()`` (the fp32 product tile) plus loads over (batch, M, N) — the epilogue.
+    """
+
+    name: str
+    domain: tuple[int, int, int]
+    k: int
+    a: Load
+    b: Load
+    stores: tuple[Store, ...]
+
+
+Node = Pointwise | Reduction | RowNormalize | MatMul
+
+
+def node_loads(node: Node) -> list[Load]:
+    """Every buffer read of ``node``."""
+    exprs = [store.expr for store in node.stores]
+    if isinstance(node, (Reduction, RowNormalize)):
+        exprs.append(node.prologue)
+    found = [load for expr in exprs for load in loads_of(expr)]
+    if isinstance(node, MatMul):
+        found += [node.a, node.b]
+    return list(dict.fromkeys(found))
+
+
+def format_node(node: Node) -> str:
+    """A readable multi-line dump of one node."""
+    head = f"{type(node).__name__} {node.name} domain={list(node.domain)}"
+    if isinstance(node, Reduction):
+        head += f" {node.op} over {list(node.reduce_dims)}\n  prologue: {node.prologue}"
+    elif isinstance(node, RowNormalize):
+        head += f" {node.op} over {node.dim}\n  prologue: {node.prologue}"
+    elif isinstance(node, MatMul):
+        head += f" K={node.k}\n  a: {node.a}\n  b: {node.b}"
+    lines = [head] + [f"  {store.buffer.name} = {store.expr}" for store in node.stores]
+    return "\n".join(lines)

@@ -1,0 +1,153 @@
+"""Kernel pipeline: one NKI region (an FX GraphModule of ATen ops) -> launched kernels.
+
+Input: ``compile_region(gm, example_inputs, config)`` — a partition submodule with concrete shapes, its example
+inputs (real or fake tensors) and the backend Config. Output: ``CompiledRegion``, a callable that takes the
+region's torch tensors, launches its kernels in order on the simulator and returns one torch tensor per graph
+output with eager's dtype, shape and strides (outputs that are views of inputs need no kernel).
+
+Stages: FakeTensor propagation (when meta["val"] is missing) -> lowering -> fusion -> tiling -> rendering ->
+``simulator.load_module``. Every failure is a ``LoweringError`` that names the op or kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from neuron_compile import ir
+from neuron_compile.codegen.render import KernelSource, render_kernel
+from neuron_compile.lowering.registry import LoweringError, lower_graph
+from neuron_compile.passes.fusion import fuse
+from neuron_compile.passes.tiling import TilingError, plan_kernel
+from neuron_compile.runtime import stats
+from neuron_compile.runtime.simulator.hardware import get_target
+
+NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "bool": np.uint8}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bool": torch.bool}
+
+
+def _propagate_meta(gm: torch.fx.GraphModule, example_inputs) -> None:
+    """Fill meta['val'] with FakeTensors where tracing did not (ShapeProp over fake copies of the inputs)."""
+    nodes = [node for node in gm.graph.nodes if node.op not in ("output",)]
+    if all(isinstance(node.meta.get("val"), torch.Tensor) or node.op == "placeholder" for node in nodes) and all(
+        "val" in node.meta for node in nodes if node.op == "placeholder"
+    ):
+        return
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    fakes = [value for value in example_inputs if isinstance(value, FakeTensor)]
+    if fakes:
+        FakeTensorProp(gm, mode=fakes[0].fake_mode).propagate_dont_convert_inputs(*example_inputs)
+    else:
+        FakeTensorProp(gm, mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(*example_inputs)
+
+
+def _to_numpy_flat(tensor: torch.Tensor, buffer: ir.Buffer) -> np.ndarray:
+    """The storage span a buffer's layouts read, from the tensor's storage offset, as a flat numpy array."""
+    span = buffer.layout.span()
+    flat = torch.as_strided(tensor.detach(), (span,), (1,), tensor.storage_offset()).cpu()
+    if buffer.dtype == "bfloat16":
+        return flat.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if buffer.dtype == "bool":
+        return flat.numpy().view(np.uint8)
+    return flat.numpy()
+
+
+def _to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+    if dtype == "bool":
+        return torch.from_numpy(np.ascontiguousarray(array).astype(np.bool_))
+    return torch.from_numpy(np.ascontiguousarray(array).astype(np.float32, copy=False))
+
+
+@dataclasses.dataclass
+class Kernel:
+    source: KernelSource
+    function: object
+
+
+class CompiledRegion:
+    """The region's kernels, ready to launch. Call with the region's tensors; returns a tuple of outputs."""
+
+    def __init__(self, inputs, kernels, outputs, nki_nodes, target, decisions):
+        self.inputs: list[ir.Buffer] = inputs
+        self._kernels: list[Kernel] = kernels
+        self.outputs = outputs  # TensorValue per graph output
+        self.nki_nodes = nki_nodes
+        self.target = target
+        self.fusion_decisions: list[str] = decisions
+
+    @property
+    def kernels(self) -> list[KernelSource]:
+        return [kernel.source for kernel in self._kernels]
+
+    def __call__(self, *tensors: torch.Tensor):
+        from neuron_compile.runtime import simulator
+
+        if len(tensors) != len(self.inputs):
+            raise LoweringError(f"region expects {len(self.inputs)} inputs, got {len(tensors)}")
+        arrays: dict[str, np.ndarray] = {}
+        storage: dict[str, torch.Tensor] = {}
+        for buffer, tensor in zip(self.inputs, tensors):
+            if tuple(tensor.shape) != buffer.layout.shape or tuple(tensor.stride()) != buffer.layout.strides:
+                raise LoweringError(
+                    f"input {buffer.name}: compiled for shape {list(buffer.layout.shape)} strides "
+                    f"{list(buffer.layout.strides)}, called with {list(tensor.shape)} {list(tensor.stride())}"
+                )
+            arrays[buffer.name] = _to_numpy_flat(tensor, buffer)
+            storage[buffer.name] = torch.as_strided(tensor, (buffer.layout.span(),), (1,), tensor.storage_offset())
+        for kernel in self._kernels:
+            args = [arrays[name] for name in kernel.source.parameters]
+            run = simulator.run_kernel(kernel.function, args, target=self.target)
+            for buffer, array in zip(kernel.source.outputs, run.outputs):
+                arrays[buffer.name] = np.asarray(array).reshape(-1)
+            report = run.report
+            stats.add(
+                kernels_launched=1, hbm_bytes=int(report.hbm_bytes_read + report.hbm_bytes_written),
+                flops=int(report.flops), est_time_s=float(report.est_time_s), roofline_s=float(report.roofline_s),
+            )
+        results = []
+        for value in self.outputs:
+            if value.buffer not in storage:
+                storage[value.buffer] = _to_torch(arrays[value.buffer], value.dtype)
+            base = storage[value.buffer]
+            results.append(torch.as_strided(base, value.layout.shape, value.layout.strides, value.layout.offset))
+        return tuple(results)
+
+
+def _target(config):
+    name = getattr(config, "target", None) if config is not None else None
+    return get_target(name)
+
+
+def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> CompiledRegion:
+    """Lower, fuse, tile, render and load ``gm``'s kernels (see the module docstring)."""
+    from neuron_compile.runtime import simulator
+
+    _propagate_meta(gm, list(example_inputs))
+    target = _target(config)
+    lowered = lower_graph(gm)
+    region_outputs = {value.buffer for value in lowered.outputs}
+    fused = fuse(lowered.nodes, region_outputs)
+    kernels = []
+    input_names = {buffer.name for buffer in lowered.inputs}
+    for index, node in enumerate(fused.kernels):
+        name = f"{type(node).__name__.lower()}_kernel_{index}"
+        try:
+            plan = plan_kernel(node, target)
+        except TilingError as error:
+            raise LoweringError(f"kernel {name}: shape beyond tiling: {error}") from error
+        parameters = sorted({load.buffer for load in ir.node_loads(node)})
+        try:
+            source = render_kernel(node, plan, name, parameters)
+        except Exception as error:
+            raise LoweringError(f"kernel {name} ({node.name}) could not be rendered: {error}") from error
+        module = simulator.load_module(source.source, name)
+        kernels.append(Kernel(source, getattr(module, name)))
+    del input_names
+    return CompiledRegion(lowered.inputs, kernels, lowered.outputs, lowered.aten_nodes, target, fused.decisions)

@@ -1,0 +1,57 @@
+"""Lowering stage, movement family: views cost no kernel; cat becomes a copy kernel.
+
+Input: an ATen FX node. Output: for view ops, a ``TensorValue`` that reads the producer's buffer through the
+node's own sizes, strides and storage offset (from ``meta["val"]``: that is exactly an NKI access pattern);
+clone is a pointwise copy (pointwise.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from neuron_compile import ir
+from neuron_compile.lowering.registry import TensorValue, register_lowering
+
+aten = torch.ops.aten
+
+VIEW_OPS = (
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.expand.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.unsqueeze.default,
+    aten.alias.default,
+    aten.as_strided.default,
+)
+
+
+RESHAPES = (aten.reshape.default, aten._unsafe_view.default)
+
+
+def _check_view(node: torch.fx.Node) -> str | None:
+    # A reshape of a non-contiguous tensor may copy; its result then owns new storage that we cannot view.
+    source = node.args[0].meta.get("val")
+    if source is None:
+        return f"{node.target}: its input has no meta['val']"
+    if node.target in RESHAPES and not source.is_contiguous():
+        return f"{node.target}: a reshape of a non-contiguous tensor needs a copy"
+    return None
+
+
+@register_lowering(*VIEW_OPS, check=_check_view)
+def lower_view(ctx, node):
+    base = ctx.value(node.args[0])
+    result = node.meta["val"]
+    if node.target not in RESHAPES:
+        return ctx.view_of(node, base)
+    # A reshape of a contiguous tensor: the same elements with contiguous strides, whatever storage tracing gave.
+    layout = ir.Layout(tuple(result.shape), ir.contiguous_strides(tuple(result.shape)), base.layout.offset)
+    return TensorValue(base.buffer, layout, base.dtype)

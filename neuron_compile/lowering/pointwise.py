@@ -1,0 +1,215 @@
+"""Lowering stage, pointwise family: arithmetic, unary math, comparisons, where, clamp, casts, clone.
+
+Input: an ATen FX node. Output: one ``ir.Pointwise`` node over the output shape, whose single store writes a
+fresh buffer with eager's strides; operands are broadcast Loads (stride 0 on broadcast dims) or Scalars.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from neuron_compile import ir
+from neuron_compile.lowering.registry import (
+    LoweringContext,
+    TensorValue,
+    dtype_name,
+    load,
+    register_lowering,
+)
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def emit_pointwise(ctx: LoweringContext, node: torch.fx.Node, expr: ir.Expr) -> TensorValue:
+    """Emit a Pointwise node computing ``expr`` over ``node``'s output shape into a fresh buffer."""
+    buffer = ctx.output_buffer(node, "pointwise")
+    if buffer.dtype == "bfloat16" and not (isinstance(expr, ir.Op) and expr.op == "cast") and not isinstance(
+        expr, ir.Load
+    ):
+        # Eager rounds every bf16 op's result; rounding here too keeps fused chains faithful to eager.
+        expr = ir.Op("cast", (expr,), dtype="bfloat16")
+    shape = buffer.layout.shape
+    ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), shape, (ir.Store(buffer, expr, buffer.layout),)))
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
+def _shape(node: torch.fx.Node) -> tuple[int, ...]:
+    return tuple(node.meta["val"].shape)
+
+
+def _operand(ctx, node, arg):
+    return load(ctx, arg, _shape(node))
+
+
+def _with_alpha(ctx, node, operand):
+    alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
+    return operand if alpha == 1 else ir.Op("mul", (operand, ir.Scalar(float(alpha))))
+
+
+BINARY = {
+    aten.mul.Tensor: "mul",
+    aten.mul.Scalar: "mul",
+    aten.div.Tensor: "div",
+    aten.div.Scalar: "div",
+    aten.maximum.default: "maximum",
+    aten.minimum.default: "minimum",
+    aten.pow.Tensor_Scalar: "pow",
+    aten.eq.Tensor: "eq",
+    aten.eq.Scalar: "eq",
+    aten.ne.Tensor: "ne",
+    aten.ne.Scalar: "ne",
+    aten.lt.Tensor: "lt",
+    aten.lt.Scalar: "lt",
+    aten.le.Tensor: "le",
+    aten.le.Scalar: "le",
+    aten.gt.Tensor: "gt",
+    aten.gt.Scalar: "gt",
+    aten.ge.Tensor: "ge",
+    aten.ge.Scalar: "ge",
+}
+
+UNARY = {
+    aten.neg.default: "neg",
+    aten.exp.default: "exp",
+    aten.log.default: "log",
+    aten.sqrt.default: "sqrt",
+    aten.rsqrt.default: "rsqrt",
+    aten.tanh.default: "tanh",
+    aten.sigmoid.default: "sigmoid",
+    aten.relu.default: "relu",
+    aten.abs.default: "abs",
+    aten.reciprocal.default: "reciprocal",
+    aten.silu.default: "silu",
+    aten.erf.default: "erf",
+}
+
+
+def _check_scalars(node: torch.fx.Node) -> str | None:
+    for arg in node.args:
+        if isinstance(arg, (complex, str)) or (isinstance(arg, torch.fx.Node) and arg.meta.get("val") is None):
+            return f"{node.target}: unsupported operand {arg!r}"
+    return None
+
+
+def _check_div(node: torch.fx.Node) -> str | None:
+    if node.kwargs.get("rounding_mode") is not None:
+        return f"{node.target}: rounding_mode={node.kwargs['rounding_mode']!r} (only true division)"
+    return _check_scalars(node)
+
+
+def _check_pow(node: torch.fx.Node) -> str | None:
+    exponent = node.args[1]
+    if not isinstance(exponent, (int, float)):
+        return f"{node.target}: exponent {exponent!r} is not a number"
+    return None
+
+
+@register_lowering(*BINARY, check=_check_scalars)
+def lower_binary(ctx, node):
+    a, b = (_operand(ctx, node, arg) for arg in node.args[:2])
+    return emit_pointwise(ctx, node, ir.Op(BINARY[node.target], (a, b)))
+
+
+register_lowering(aten.div.Tensor, aten.div.Scalar, check=_check_div)(lower_binary)
+register_lowering(aten.pow.Tensor_Scalar, check=_check_pow)(lower_binary)
+
+
+@register_lowering(aten.add.Tensor, aten.add.Scalar, check=_check_scalars)
+def lower_add(ctx, node):
+    a = _operand(ctx, node, node.args[0])
+    b = _with_alpha(ctx, node, _operand(ctx, node, node.args[1]))
+    return emit_pointwise(ctx, node, ir.Op("add", (a, b)))
+
+
+@register_lowering(aten.sub.Tensor, aten.sub.Scalar, check=_check_scalars)
+def lower_sub(ctx, node):
+    a = _operand(ctx, node, node.args[0])
+    b = _with_alpha(ctx, node, _operand(ctx, node, node.args[1]))
+    return emit_pointwise(ctx, node, ir.Op("sub", (a, b)))
+
+
+@register_lowering(aten.rsub.Scalar, aten.rsub.Tensor, check=_check_scalars)
+def lower_rsub(ctx, node):
+    a = _operand(ctx, node, node.args[0])
+    b = _operand(ctx, node, node.args[1])
+    return emit_pointwise(ctx, node, ir.Op("sub", (b, _with_alpha(ctx, node, a))))
+
+
+@register_lowering(*UNARY)
+def lower_unary(ctx, node):
+    return emit_pointwise(ctx, node, ir.Op(UNARY[node.target], (_operand(ctx, node, node.args[0]),)))
+
+
+def _check_gelu(node: torch.fx.Node) -> str | None:
+    approximate = node.kwargs.get("approximate", "none")
+    return None if approximate in ("none", "tanh") else f"aten.gelu: approximate={approximate!r}"
+
+
+@register_lowering(aten.gelu.default, check=_check_gelu)
+def lower_gelu(ctx, node):
+    op = "gelu_tanh" if node.kwargs.get("approximate", "none") == "tanh" else "gelu"
+    return emit_pointwise(ctx, node, ir.Op(op, (_operand(ctx, node, node.args[0]),)))
+
+
+def _clamp_expr(expr, low, high):
+    if low is not None:
+        expr = ir.Op("maximum", (expr, ir.Scalar(float(low))))
+    if high is not None:
+        expr = ir.Op("minimum", (expr, ir.Scalar(float(high))))
+    return expr
+
+
+def _check_clamp(node: torch.fx.Node) -> str | None:
+    bounds = list(node.args[1:]) + list(node.kwargs.values())
+    if any(isinstance(bound, torch.fx.Node) for bound in bounds):
+        return f"{node.target}: tensor bounds (only number bounds)"
+    return None
+
+
+@register_lowering(aten.clamp.default, check=_check_clamp)
+def lower_clamp(ctx, node):
+    low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+    high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+    return emit_pointwise(ctx, node, _clamp_expr(_operand(ctx, node, node.args[0]), low, high))
+
+
+@register_lowering(aten.clamp_min.default, check=_check_clamp)
+def lower_clamp_min(ctx, node):
+    return emit_pointwise(ctx, node, _clamp_expr(_operand(ctx, node, node.args[0]), node.args[1], None))
+
+
+@register_lowering(aten.clamp_max.default, check=_check_clamp)
+def lower_clamp_max(ctx, node):
+    return emit_pointwise(ctx, node, _clamp_expr(_operand(ctx, node, node.args[0]), None, node.args[1]))
+
+
+def _check_where(node: torch.fx.Node) -> str | None:
+    # A select needs nisa.tensor_copy_predicated, which the simulator does not model yet; an arithmetic blend
+    # (c * a + (1 - c) * b) would turn the masked -inf of attention masks into NaN.
+    return f"{node.target}: needs nisa.tensor_copy_predicated (not simulated)"
+
+
+@register_lowering(aten.where.self, check=_check_where)
+def lower_where(ctx, node):
+    condition, a, b = (_operand(ctx, node, arg) for arg in node.args[:3])
+    return emit_pointwise(ctx, node, ir.Op("where", (condition, a, b)))
+
+
+def _check_to_copy(node: torch.fx.Node) -> str | None:
+    allowed = {"dtype", "layout", "device", "memory_format", "non_blocking", "pin_memory"}
+    extra = set(node.kwargs) - allowed
+    if extra:
+        return f"{node.target}: unsupported arguments {sorted(extra)}"
+    return None
+
+
+@register_lowering(aten._to_copy.default, prims.convert_element_type.default, check=_check_to_copy)
+def lower_cast(ctx, node):
+    out_dtype = dtype_name(node.meta["val"].dtype)
+    return emit_pointwise(ctx, node, ir.Op("cast", (_operand(ctx, node, node.args[0]),), dtype=out_dtype))
+
+
+@register_lowering(aten.clone.default)
+def lower_clone(ctx, node):
+    return emit_pointwise(ctx, node, _operand(ctx, node, node.args[0]))

@@ -1,0 +1,123 @@
+"""Lowering stage, reduction family: sum, mean, amax, amin, prod, var over any dims; softmax and log_softmax.
+
+Input: an ATen FX node. Output: an ``ir.Reduction`` over the input shape (its store layout has stride 0 on the
+reduced dims, so the store is evaluated once per kept index), or an ``ir.RowNormalize`` for softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from neuron_compile import ir
+from neuron_compile.lowering.registry import LoweringContext, TensorValue, load, register_lowering
+
+aten = torch.ops.aten
+
+
+def normalize_dims(dims, rank: int) -> tuple[int, ...]:
+    """ATen's dim argument (None, int, list; negative allowed; empty = all) as sorted positive dims."""
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return tuple(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    return tuple(sorted({d % rank if rank else 0 for d in dims}))
+
+
+def store_layout_in_domain(out: ir.Layout, domain: tuple[int, ...], reduce_dims: tuple[int, ...]) -> ir.Layout:
+    """The output layout restated over the input domain: kept dims keep their strides, reduced dims get 0.
+
+    The output has either the input's rank (keepdim: size 1 on reduced dims) or the reduced dims dropped.
+    """
+    keepdim = len(out.shape) == len(domain)
+    strides, out_dim = [], 0
+    for dim in range(len(domain)):
+        if dim in reduce_dims:
+            strides.append(0)
+            out_dim += keepdim
+        else:
+            strides.append(out.strides[out_dim])
+            out_dim += 1
+    return ir.Layout(domain, tuple(strides), out.offset)
+
+
+def emit_reduction(ctx: LoweringContext, node, source, dims, op: str, correction: float = 0.0) -> TensorValue:
+    source_value = ctx.value(source)
+    domain = source_value.layout.shape
+    reduce_dims = normalize_dims(dims, len(domain))
+    buffer = ctx.output_buffer(node, op)
+    store = ir.Store(buffer, ir.Result(), store_layout_in_domain(buffer.layout, domain, reduce_dims))
+    prologue = load(ctx, source, domain)
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, op, prologue, (store,), correction))
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
+def _argument(node, index, name, default):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _check_reduction(node: torch.fx.Node) -> str | None:
+    source = node.args[0].meta["val"]
+    if source.dim() == 0:
+        return f"{node.target}: reduction of a 0-d tensor"
+    if node.kwargs.get("dtype") is not None and node.kwargs["dtype"] not in (torch.float32, torch.bfloat16):
+        return f"{node.target}: dtype={node.kwargs['dtype']}"
+    return None
+
+
+@register_lowering(aten.sum.dim_IntList, aten.sum.default, check=_check_reduction)
+def lower_sum(ctx, node):
+    return emit_reduction(ctx, node, node.args[0], _argument(node, 1, "dim", None), "sum")
+
+
+@register_lowering(aten.mean.dim, aten.mean.default, check=_check_reduction)
+def lower_mean(ctx, node):
+    return emit_reduction(ctx, node, node.args[0], _argument(node, 1, "dim", None), "mean")
+
+
+@register_lowering(aten.amax.default, check=_check_reduction)
+def lower_amax(ctx, node):
+    return emit_reduction(ctx, node, node.args[0], _argument(node, 1, "dim", None), "max")
+
+
+@register_lowering(aten.amin.default, check=_check_reduction)
+def lower_amin(ctx, node):
+    return emit_reduction(ctx, node, node.args[0], _argument(node, 1, "dim", None), "min")
+
+
+@register_lowering(aten.prod.dim_int, aten.prod.default, check=_check_reduction)
+def lower_prod(ctx, node):
+    return emit_reduction(ctx, node, node.args[0], _argument(node, 1, "dim", None), "prod")
+
+
+def _check_var(node: torch.fx.Node) -> str | None:
+    correction = node.kwargs.get("correction", 1)
+    if not isinstance(correction, (int, float)):
+        return f"{node.target}: correction={correction!r}"
+    return _check_reduction(node)
+
+
+@register_lowering(aten.var.correction, check=_check_var)
+def lower_var(ctx, node):
+    correction = node.kwargs.get("correction", 1)
+    correction = 1.0 if correction is None else float(correction)
+    return emit_reduction(ctx, node, node.args[0], _argument(node, 1, "dim", None), "var", correction)
+
+
+def _check_softmax(node: torch.fx.Node) -> str | None:
+    if node.args[2]:
+        return f"{node.target}: half_to_float=True"
+    return None if node.args[0].meta["val"].dim() > 0 else f"{node.target}: softmax of a 0-d tensor"
+
+
+@register_lowering(aten._softmax.default, aten._log_softmax.default, check=_check_softmax)
+def lower_softmax(ctx, node):
+    source = node.args[0]
+    domain = ctx.value(source).layout.shape
+    dim = node.args[1] % len(domain)
+    op = "softmax" if node.target is aten._softmax.default else "log_softmax"
+    buffer = ctx.output_buffer(node, op)
+    store = ir.Store(buffer, ir.Result(), buffer.layout)
+    ctx.emit(ir.RowNormalize(ctx.fresh_name("kernel"), domain, dim, op, load(ctx, source, domain), (store,)))
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)

@@ -1,0 +1,216 @@
+"""Lowering stage: the one registry of ATen lowerings, and the driver that walks a graph through it.
+
+Input: a torch.fx.GraphModule of ATen ops with ``meta["val"]`` on every node. Output: ``LoweredRegion`` — the
+IR nodes (in graph order), the graph-input buffers and, for every graph output, the buffer and layout it is
+read from. ``unsupported_reason(node)`` answers the partitioner: None if the node can be lowered, else why not.
+
+Each family module registers its ops with ``@register_lowering(aten.x, ...)``; a lowering takes
+``(ctx, node)`` and returns a ``TensorValue`` (or raises ``LoweringError``). A lowering may attach a
+``check(node) -> str | None`` for node-specific limits (dims, dtypes, tiling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+from neuron_compile import ir
+
+SUPPORTED_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.bool: "bool"}
+
+
+class LoweringError(RuntimeError):
+    """An op (or a shape of it) the NKI lowering cannot handle; the message names the op and the rule."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweringRule:
+    lower: Callable
+    check: Callable | None = None
+
+
+_LOWERINGS: dict = {}
+
+
+def register_lowering(*ops, check: Callable | None = None):
+    """Register ``fn(ctx, node) -> TensorValue`` for each ATen OpOverload in ``ops``."""
+
+    def decorate(fn):
+        for op in ops:
+            _LOWERINGS[op] = LoweringRule(fn, check)
+        return fn
+
+    return decorate
+
+
+def registered_ops() -> list:
+    _ensure_families_loaded()
+    return list(_LOWERINGS)
+
+
+def _ensure_families_loaded() -> None:
+    # Importing the family modules fills the registry (each uses @register_lowering at import time).
+    from neuron_compile.lowering import matmul, movement, pointwise, reduction  # noqa: F401
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in SUPPORTED_DTYPES:
+        raise LoweringError(f"dtype {str(dtype).removeprefix('torch.')} is not supported (float32, bfloat16, bool)")
+    return SUPPORTED_DTYPES[dtype]
+
+
+def _tensor_metas(node: torch.fx.Node) -> list:
+    metas = []
+    for arg in [*node.args, *node.kwargs.values(), node]:
+        items = arg if isinstance(arg, (list, tuple)) else [arg]
+        for item in items:
+            value = item.meta.get("val") if isinstance(item, torch.fx.Node) else None
+            if isinstance(value, torch.Tensor):
+                metas.append(value)
+    return metas
+
+
+def unsupported_reason(node: torch.fx.Node) -> str | None:
+    """None if ``node`` has an NKI lowering for its dtypes and shapes, else the reason it runs eagerly."""
+    _ensure_families_loaded()
+    if node.op != "call_function":
+        return f"not an ATen call ({node.op})"
+    rule = _LOWERINGS.get(node.target)
+    if rule is None:
+        return f"no lowering for {node.target}"
+    if not isinstance(node.meta.get("val"), torch.Tensor):
+        return f"{node.target}: no tensor meta['val'] (multi-output or untyped node)"
+    for meta in _tensor_metas(node):
+        if meta.dtype not in SUPPORTED_DTYPES:
+            return f"dtype {str(meta.dtype).removeprefix('torch.')}"
+        if meta.numel() == 0:
+            return "empty tensor (numel 0)"
+        if meta.dim() > 5:
+            return f"rank {meta.dim()} beyond the 5-D limit"
+    if rule.check is not None:
+        return rule.check(node)
+    return None
+
+
+# ---------------------------------------------------------------- lowering context
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorValue:
+    """What an FX node evaluates to: a buffer read through a layout (views only change the layout)."""
+
+    buffer: str
+    layout: ir.Layout
+    dtype: str
+
+
+@dataclasses.dataclass
+class LoweredRegion:
+    inputs: list[ir.Buffer]  # one per placeholder, in order; layouts relative to the input's storage offset
+    nodes: list[ir.Node]
+    outputs: list[TensorValue]
+    aten_nodes: int  # ATen call nodes lowered
+
+
+class LoweringContext:
+    """Per-graph state the lowerings share: node values, fresh buffer names, the nodes emitted so far."""
+
+    def __init__(self):
+        self.values: dict[torch.fx.Node, TensorValue] = {}
+        self.nodes: list[ir.Node] = []
+        self.buffers: dict[str, ir.Buffer] = {}
+        self.storage_base: dict[str, int] = {}  # buffer -> the meta storage offset its layouts are relative to
+        self._counter = 0
+
+    def fresh_name(self, stem: str) -> str:
+        self._counter += 1
+        return f"{stem}_{self._counter}"
+
+    def value(self, arg) -> TensorValue:
+        if not isinstance(arg, torch.fx.Node) or arg not in self.values:
+            raise LoweringError(f"expected a tensor operand, got {arg!r}")
+        return self.values[arg]
+
+    def output_buffer(self, node: torch.fx.Node, stem: str) -> ir.Buffer:
+        """A fresh HBM buffer with exactly the sizes and strides eager gives ``node``'s result."""
+        meta = node.meta["val"]
+        layout = ir.Layout(tuple(meta.shape), tuple(meta.stride()), 0)
+        buffer = ir.Buffer(self.fresh_name(stem), dtype_name(meta.dtype), layout)
+        self.buffers[buffer.name] = buffer
+        self.storage_base[buffer.name] = meta.storage_offset()
+        return buffer
+
+    def view_of(self, node: torch.fx.Node, base: TensorValue) -> TensorValue:
+        """``node`` (a view op) as a new layout on ``base``'s buffer, from its meta sizes/strides/offset."""
+        meta = node.meta["val"]
+        offset = meta.storage_offset() - self.storage_base[base.buffer]
+        return TensorValue(base.buffer, ir.Layout(tuple(meta.shape), tuple(meta.stride()), offset), base.dtype)
+
+    def emit(self, node: ir.Node) -> None:
+        self.nodes.append(node)
+
+
+def broadcast_layout(layout: ir.Layout, shape: tuple[int, ...]) -> ir.Layout:
+    """``layout`` expanded to ``shape`` by numpy broadcasting rules (new and size-1 dims get stride 0)."""
+    pad = len(shape) - len(layout.shape)
+    if pad < 0:
+        raise LoweringError(f"cannot broadcast shape {list(layout.shape)} to {list(shape)}")
+    sizes = (1,) * pad + layout.shape
+    strides = (0,) * pad + layout.strides
+    out = []
+    for size, stride, target in zip(sizes, strides, shape):
+        if size == target:
+            out.append(stride if size != 1 else 0)
+        elif size == 1:
+            out.append(0)
+        else:
+            raise LoweringError(f"cannot broadcast shape {list(layout.shape)} to {list(shape)}")
+    return ir.Layout(tuple(shape), tuple(out), layout.offset)
+
+
+def load(ctx: LoweringContext, arg, shape: tuple[int, ...]) -> ir.Expr:
+    """An operand as an expression over a domain of ``shape``: a broadcast Load, or a Scalar."""
+    if isinstance(arg, bool):
+        return ir.Scalar(float(arg))
+    if isinstance(arg, (int, float)):
+        return ir.Scalar(float(arg))
+    value = ctx.value(arg)
+    return ir.Load(value.buffer, broadcast_layout(value.layout, shape), value.dtype)
+
+
+def lower_graph(gm: torch.fx.GraphModule) -> LoweredRegion:
+    """Lower every ATen node of ``gm`` (whose nodes carry meta['val']) to IR."""
+    _ensure_families_loaded()
+    ctx = LoweringContext()
+    inputs, outputs, aten_nodes = [], [], 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            meta = node.meta.get("val")
+            if not isinstance(meta, torch.Tensor):
+                raise LoweringError(f"graph input {node.name} is not a tensor ({type(meta).__name__})")
+            layout = ir.Layout(tuple(meta.shape), tuple(meta.stride()), 0)
+            buffer = ir.Buffer(node.name, dtype_name(meta.dtype), layout)
+            ctx.buffers[buffer.name] = buffer
+            ctx.storage_base[buffer.name] = meta.storage_offset()
+            ctx.values[node] = TensorValue(buffer.name, layout, buffer.dtype)
+            inputs.append(buffer)
+        elif node.op == "call_function":
+            reason = unsupported_reason(node)
+            if reason is not None:
+                raise LoweringError(f"{node.target} ({node.name}): {reason}")
+            ctx.values[node] = _LOWERINGS[node.target].lower(ctx, node)
+            aten_nodes += 1
+        elif node.op == "output":
+            results = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+            for arg in results:
+                outputs.append(ctx.value(arg))
+        else:
+            raise LoweringError(f"unsupported FX node kind {node.op} ({node.name})")
+    return LoweredRegion(inputs, ctx.nodes, outputs, aten_nodes)
+
+
+def numel(shape) -> int:
+    return math.prod(shape)

@@ -1,0 +1,196 @@
+"""Tiling stage: a ``TilePlan`` per fused kernel, under the target's limits.
+
+Input: one fused IR node and a hardware ``Target``. Output: ``TilePlan`` — the kernel's loop nest as
+``LoopDim``s (outer loops, the partition dim in chunks of <= 128, free dims in chunks sized to the SBUF budget;
+matmul: M in 128-row stationary tiles, N in 512-column moving tiles, K in 128-deep chunks), plus how each
+layout maps onto it. Ragged edges are smaller last tiles: the loops step by the tile size and the kernel
+slices ``min(tile, size - start)``. Raises ``TilingError`` when a shape does not fit (e.g. a softmax row wider
+than SBUF), naming the rule and the values.
+
+Dims are first collapsed (as TensorIterator does): size-1 dims are dropped and neighbours that are contiguous
+with each other in every layout the kernel touches are merged, so most kernels become one 2-D [rows, cols]
+space whatever their rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from neuron_compile import ir
+
+FP32_BYTES = 4
+MAX_FREE_TILE = 4096  # elements per partition per tile: >= 2 KiB / partition DMA transfers, small enough to unroll
+SBUF_SHARE = 0.75  # of the per-partition SBUF the tiles of one kernel may use (headroom for the allocator)
+
+
+class TilingError(RuntimeError):
+    """A kernel's shape does not fit the target's on-chip limits; the message names the rule and the values."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopDim:
+    """One dim of the kernel's loop nest: ``size`` elements walked in steps of ``tile``.
+
+    ``source`` is the IR domain dim whose stride it uses (times ``multiplier``); None for a synthetic
+    size-1 dim (stride 0).
+    """
+
+    size: int
+    source: int | None
+    multiplier: int = 1
+    tile: int = 1
+
+    def stride(self, layout: ir.Layout) -> int:
+        return 0 if self.source is None else layout.strides[self.source] * self.multiplier
+
+    @property
+    def count(self) -> int:
+        return math.ceil(self.size / self.tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+    """Loop nest of one kernel. ``outer`` are per-element loops, ``partition`` the SBUF partition dim,
+    ``free`` the per-partition dims of a tile (pointwise: one; reductions: the reduced dims)."""
+
+    kind: str  # pointwise | reduction | row_normalize | matmul
+    outer: tuple[LoopDim, ...]
+    partition: LoopDim
+    free: tuple[LoopDim, ...]
+    tiles_per_iteration: int  # SBUF tiles the body keeps live (for the budget)
+    k_tile: int = 0  # matmul only
+    k_tiles: int = 0
+
+    def describe(self) -> str:
+        def fmt(dim):
+            return f"{dim.size}/{dim.tile}"
+
+        outer = ", ".join(fmt(d) for d in self.outer) or "-"
+        free = ", ".join(fmt(d) for d in self.free)
+        text = f"{self.kind}: outer [{outer}] partition {fmt(self.partition)} free [{free}]"
+        return text + (f" K {self.k_tiles}x{self.k_tile}" if self.kind == "matmul" else "")
+
+
+def _mergeable(layouts, outer: int, inner: int, sizes) -> bool:
+    return all(layout.strides[outer] == layout.strides[inner] * sizes[inner] for layout in layouts)
+
+
+def collapse(domain: tuple[int, ...], dims: list[int], layouts: list[ir.Layout]) -> list[LoopDim]:
+    """Domain ``dims`` (in loop order) as LoopDims: size-1 dims dropped, contiguous neighbours merged."""
+    kept = [dim for dim in dims if domain[dim] != 1]
+    merged: list[LoopDim] = []
+    for dim in kept:
+        if merged and _mergeable(layouts, merged[-1].source, dim, domain) and merged[-1].multiplier == 1:
+            merged[-1] = LoopDim(merged[-1].size * domain[dim], dim)
+        else:
+            merged.append(LoopDim(domain[dim], dim))
+    return merged
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
+
+
+def _free_tile(size: int, tiles: int, target) -> int:
+    budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE) // (max(tiles, 1) * FP32_BYTES)
+    return max(1, min(size, MAX_FREE_TILE, budget))
+
+
+def count_tiles(exprs: list[ir.Expr]) -> int:
+    """SBUF tiles an expression body needs: one per distinct load and per distinct operation, plus staging."""
+    seen: set = set()
+
+    def visit(expr):
+        if expr in seen or isinstance(expr, (ir.Scalar, ir.Result)):
+            return
+        seen.add(expr)
+        if isinstance(expr, ir.Op):
+            for arg in expr.args:
+                visit(arg)
+
+    for expr in exprs:
+        visit(expr)
+    return len(seen) + 2 * len(exprs) + 2
+
+
+def plan_pointwise(node: ir.Pointwise, target) -> TilePlan:
+    layouts = [store.layout for store in node.stores]
+    layouts += [load.layout for store in node.stores for load in ir.loads_of(store.expr)]
+    dims = collapse(node.domain, list(range(len(node.domain))), layouts)
+    if not dims:
+        dims = [LoopDim(1, None)]
+    if len(dims) == 1:
+        # One long dim: split it so that rows fill the partitions (a divisor keeps the split exact).
+        only = dims[0]
+        rows = _largest_divisor_at_most(only.size, target.partitions)
+        cols = only.size // rows
+        dims = [LoopDim(rows, only.source, cols * only.multiplier), LoopDim(cols, only.source, only.multiplier)]
+    tiles = count_tiles([store.expr for store in node.stores])
+    partition = dataclasses.replace(dims[-2], tile=min(dims[-2].size, target.partitions))
+    free = dataclasses.replace(dims[-1], tile=_free_tile(dims[-1].size, tiles, target))
+    return TilePlan("pointwise", tuple(dims[:-2]), partition, (free,), tiles)
+
+
+def _row_dims(node, reduce_dims, layouts, target) -> tuple[list[LoopDim], list[LoopDim]]:
+    kept = collapse(node.domain, [d for d in range(len(node.domain)) if d not in reduce_dims], layouts)
+    reduced = collapse(node.domain, list(reduce_dims), layouts)
+    return kept or [LoopDim(1, None)], reduced or [LoopDim(1, None)]
+
+
+def plan_reduction(node: ir.Reduction | ir.RowNormalize, target) -> TilePlan:
+    reduce_dims = node.reduce_dims if isinstance(node, ir.Reduction) else (node.dim,)
+    layouts = [load.layout for load in ir.loads_of(node.prologue)]
+    layouts += [store.layout for store in node.stores]
+    layouts += [load.layout for store in node.stores for load in ir.loads_of(store.expr)]
+    kept, reduced = _row_dims(node, reduce_dims, layouts, target)
+    if len(reduced) > 3:
+        raise TilingError(
+            f"{node.name}: reduced dims {[d.size for d in reduced]} need {len(reduced)} free access-pattern "
+            "entries after merging; the DMA access pattern allows at most 3 with the partition entry"
+        )
+    exprs = [node.prologue] + [store.expr for store in node.stores]
+    tiles = count_tiles(exprs) + 4
+    row = math.prod(d.size for d in reduced)
+    budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE) // (tiles * FP32_BYTES)
+    whole_row = row <= budget
+    kind = "reduction" if isinstance(node, ir.Reduction) else "row_normalize"
+    if not whole_row and (kind == "row_normalize" or node.op == "var" or len(reduced) > 1):
+        raise TilingError(
+            f"{node.name}: a {getattr(node, 'op', kind)} row of {row} elements x {tiles} tiles x {FP32_BYTES} B "
+            f"exceeds the SBUF budget of {budget} elements per partition "
+            f"({target.sbuf_bytes_per_partition} B per partition on {target.name})"
+        )
+    free = [dataclasses.replace(d, tile=d.size) for d in reduced]
+    if not whole_row:  # one reduced dim, walked in chunks whose partials are combined
+        free = [dataclasses.replace(reduced[0], tile=min(budget, MAX_FREE_TILE))]
+    partition = dataclasses.replace(kept[-1], tile=min(kept[-1].size, target.partitions))
+    return TilePlan(kind, tuple(kept[:-1]), partition, tuple(free), tiles)
+
+
+def plan_matmul(node: ir.MatMul, target) -> TilePlan:
+    batch, m, n = node.domain
+    itemsize = 2 if node.a.dtype == "bfloat16" else 4
+    k_tile = min(node.k, target.partitions)
+    k_tiles = math.ceil(node.k / k_tile)
+    resident = k_tiles * target.gemm_stationary_fmax * itemsize
+    if resident > target.sbuf_bytes_per_partition * SBUF_SHARE / 2:
+        raise TilingError(
+            f"{node.name}: K={node.k} needs {k_tiles} resident stationary tiles ({resident} B per partition), over "
+            f"half the SBUF budget ({target.sbuf_bytes_per_partition} B per partition on {target.name})"
+        )
+    outer = (LoopDim(batch, 0, 1, 1),)
+    partition = LoopDim(m, 1, 1, min(m, target.gemm_stationary_fmax))
+    free = (LoopDim(n, 2, 1, min(n, target.gemm_moving_fmax)),)
+    tiles = count_tiles([store.expr for store in node.stores])
+    return TilePlan("matmul", outer, partition, free, tiles, k_tile, k_tiles)
+
+
+def plan_kernel(node: ir.Node, target) -> TilePlan:
+    if isinstance(node, ir.Pointwise):
+        return plan_pointwise(node, target)
+    if isinstance(node, (ir.Reduction, ir.RowNormalize)):
+        return plan_reduction(node, target)
+    if isinstance(node, ir.MatMul):
+        return plan_matmul(node, target)
+    raise TilingError(f"no tiling for {type(node).__name__}")

@@ -1,0 +1,54 @@
+"""Shared helpers for the lowering tests: trace a function to ATen, compile it as one region, compare to eager.
+
+Tolerances (stated once, used by every lowering test):
+* float32: rtol 1e-5, atol 1e-5. The engines compute in fp32 like eager, but division is reciprocal-then-
+  multiply (up to 1.5 ulp) and reductions sum in a different order than ATen's vectorized loops.
+* bfloat16: rtol 2e-2, atol 2e-2. bf16 keeps 8 significant bits (one rounding is up to 2**-9 = 0.2 %); a fused
+  kernel keeps fp32 intermediates where eager rounds after every op, so the two can differ by a few roundings,
+  and cancellation (x - mean) magnifies a rounding into the absolute term.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from neuron_compile.kernel_pipeline import compile_region
+from neuron_compile.passes.decompose import decomposition_table
+
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.bool: (0, 0)}
+
+
+def trace(fn, *inputs) -> torch.fx.GraphModule:
+    # The wrapper fixes the arity: functions with optional parameters (F.silu) would otherwise confuse make_fx.
+    return make_fx(lambda *args: fn(*args), decomposition_table=decomposition_table())(*inputs)
+
+
+def as_tuple(value):
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def compile_and_run(fn, *inputs):
+    gm = trace(fn, *inputs)
+    region = compile_region(gm, list(inputs))
+    return region, region(*inputs)
+
+
+def check_against_eager(fn, *inputs, tolerances=None):
+    """Compile ``fn`` as one region, run it on the simulator and compare each output with eager PyTorch."""
+    region, outputs = compile_and_run(fn, *inputs)
+    expected = as_tuple(fn(*inputs))
+    assert len(outputs) == len(expected)
+    for got, want in zip(outputs, expected):
+        assert got.dtype == want.dtype, (got.dtype, want.dtype)
+        assert got.shape == want.shape, (got.shape, want.shape)
+        assert got.stride() == want.stride(), (got.stride(), want.stride())
+        rtol, atol = (tolerances or TOLERANCES)[want.dtype]
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    return region
+
+
+def random_tensor(shape, dtype=torch.float32, seed=0, low=-2.0, high=2.0):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.rand(shape, generator=generator) * (high - low) + low
+    return values.to(dtype)

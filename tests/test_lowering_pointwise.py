@@ -1,0 +1,129 @@
+"""Pointwise lowerings, compiled and launched on the simulator, against eager PyTorch (see lowering_harness)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowering_harness import check_against_eager, random_tensor, trace
+from neuron_compile.lowering import unsupported_reason
+
+SIZES = st.sampled_from([1, 2, 5, 127, 128, 129])
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+
+
+def _shape(draw, rank):
+    shape = [draw(SIZES) for _ in range(rank)]
+    while len(shape) > 1 and torch.Size(shape).numel() > 40_000:
+        shape[0] = 1 if shape[0] > 1 else shape[0]
+        shape = shape[1:] if shape[0] == 1 and len(shape) > 2 else shape
+    return tuple(shape)
+
+
+@st.composite
+def shapes(draw, max_rank=4):
+    return _shape(draw, draw(st.integers(1, max_rank)))
+
+
+UNARY = {
+    "exp": torch.exp,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "relu": torch.relu,
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "silu": torch.nn.functional.silu,
+    "erf": torch.erf,
+    "square": lambda x: x * x,
+    "pow3": lambda x: x**3,
+}
+POSITIVE_UNARY = {"log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal}
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=shapes(), dtype=DTYPES, name=st.sampled_from(sorted(UNARY)))
+def test_unary_matches_eager(shape, dtype, name):
+    check_against_eager(UNARY[name], random_tensor(shape, dtype))
+
+
+@settings(max_examples=8, deadline=None)
+@given(shape=shapes(3), dtype=DTYPES, name=st.sampled_from(sorted(POSITIVE_UNARY)))
+def test_positive_domain_unary_matches_eager(shape, dtype, name):
+    check_against_eager(POSITIVE_UNARY[name], random_tensor(shape, dtype, low=0.1, high=4.0))
+
+
+BINARY = {
+    "add": lambda a, b: a + b,
+    "sub_alpha": lambda a, b: torch.sub(a, b, alpha=2),
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / (b.abs() + 0.5),
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+}
+
+
+@st.composite
+def broadcast_pair(draw):
+    shape = draw(shapes(4))
+    # The second operand drops leading dims and sets some dims to 1: numpy broadcasting.
+    start = draw(st.integers(0, len(shape) - 1))
+    other = tuple(1 if draw(st.booleans()) else size for size in shape[start:])
+    if draw(st.booleans()):
+        return shape, other
+    return other, shape
+
+
+@settings(max_examples=20, deadline=None)
+@given(pair=broadcast_pair(), dtype=DTYPES, name=st.sampled_from(sorted(BINARY)))
+def test_broadcast_binary_matches_eager(pair, dtype, name):
+    a, b = random_tensor(pair[0], dtype, seed=1), random_tensor(pair[1], dtype, seed=2)
+    check_against_eager(BINARY[name], a, b)
+
+
+@settings(max_examples=10, deadline=None)
+@given(shape=shapes(3), dtype=DTYPES)
+def test_scalars_and_clamp_match_eager(shape, dtype):
+    def fn(x):
+        return (x * 3.0 - 1.5, 2.0 - x, 1.0 / (x.abs() + 1), x / 4, x.clamp(-0.5, 0.75), x.clamp_min(0.1),
+                torch.rsub(x, 1.0))
+
+    check_against_eager(fn, random_tensor(shape, dtype))
+
+
+@settings(max_examples=10, deadline=None)
+@given(pair=broadcast_pair())
+def test_comparisons_store_bool(pair):
+    a, b = random_tensor(pair[0], seed=3), random_tensor(pair[1], seed=4)
+    check_against_eager(lambda a, b: (a > b, a <= b, a == a, a != b, a < 0.5), a, b)
+
+
+@pytest.mark.parametrize("source,target", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_casts_match_eager(source, target):
+    x = random_tensor((129, 33), source)
+    check_against_eager(lambda x: (x.to(target), (x.to(target) * 3).to(source)), x)
+
+
+def test_large_tiles_ragged_in_both_axes():
+    # 300 rows (3 partition tiles, the last one ragged) x 5000 columns (two free tiles of 4096, one ragged).
+    x, y = random_tensor((300, 5000), seed=5), random_tensor((5000,), seed=6)
+    check_against_eager(lambda x, y: torch.tanh(x) * y + 1, x, y)
+
+
+def test_five_dims_with_a_transposed_input():
+    x = random_tensor((2, 3, 4, 5, 6), seed=7)
+    y = random_tensor((6, 5, 4, 3, 2), seed=8).permute(4, 3, 2, 1, 0)
+    check_against_eager(lambda x, y: x * y + x, x, y)
+
+
+def test_unsupported_reasons_name_the_rule():
+    gm = trace(lambda x, i: (torch.sort(x)[0], x.to(torch.int64), torch.where(x > 0, x, 0.0)), torch.randn(4, 4),
+               torch.zeros(4, dtype=torch.int64))
+    reasons = {node.name: unsupported_reason(node) for node in gm.graph.nodes if node.op == "call_function"}
+    assert reasons["sort"] == "no lowering for aten.sort.default"
+    assert reasons["_to_copy"] == "dtype int64"
+    assert "tensor_copy_predicated" in reasons["where"]
+    assert reasons["gt"] is None
