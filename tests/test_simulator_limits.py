@@ -1,0 +1,183 @@
+"""Every hardware / language rule the simulator enforces: a kernel that breaks it raises the named error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from neuron_compile.runtime import simulator as nki
+from neuron_compile.runtime.simulator.errors import NkiCapacityError, NkiNotSimulatedError, NkiValidationError
+
+nl = nki.language
+nisa = nki.isa
+
+
+def sbuf(shape, dtype=nl.float32, value=1.0):
+    tile = nl.ndarray(shape, dtype)
+    nisa.memset(tile, value if np.dtype(dtype).kind == "f" or dtype == nl.bfloat16 else int(value))
+    return tile
+
+
+def psum(shape, dtype=nl.float32):
+    return nl.ndarray(shape, dtype, buffer=nl.psum)
+
+
+def hbm(shape, dtype=nl.float32):
+    return nl.ndarray(shape, dtype, buffer=nl.shared_hbm)
+
+
+# rule id -> (kernel body breaking exactly that rule, a value the message must name)
+CASES = {
+    "err_num_partition_exceed_arch_limit": (lambda: nl.ndarray((129, 4), nl.float32), "129"),
+    "err_num_partition_mismatch": (lambda: nisa.nc_matmul(psum((4, 8)), sbuf((16, 4)), sbuf((32, 8))), "16"),
+    "err_matmul_stationary_fmax": (lambda: nisa.nc_matmul(psum((128, 8)), sbuf((8, 129)), sbuf((8, 8))), "129"),
+    "err_matmul_moving_fmax": (lambda: nisa.nc_matmul(psum((8, 513)), sbuf((8, 8)), sbuf((8, 513))), "513"),
+    "err_matmul_dst_not_psum": (lambda: nisa.nc_matmul(sbuf((8, 8)), sbuf((8, 8)), sbuf((8, 8))), "sbuf"),
+    "err_matmul_input_not_sbuf": (lambda: nisa.nc_matmul(psum((8, 8)), psum((8, 8)), sbuf((8, 8))), "psum"),
+    "err_matmul_fp32_mixed": (
+        lambda: nisa.nc_matmul(psum((8, 8)), sbuf((8, 8)), sbuf((8, 8), nl.bfloat16)), "bfloat16"),
+    "err_matmul_input_dtype": (
+        lambda: nisa.nc_matmul(psum((8, 8)), sbuf((8, 8), nl.int8), sbuf((8, 8), nl.int8)), "int8"),
+    "err_matmul_dst_dtype": (
+        lambda: nisa.nc_matmul(psum((8, 8), nl.bfloat16), sbuf((8, 8), nl.bfloat16), sbuf((8, 8), nl.bfloat16)),
+        "bfloat16"),
+    "err_matmul_shape": (lambda: nisa.nc_matmul(psum((8, 16)), sbuf((8, 8)), sbuf((8, 8))), "(8, 16)"),
+    "err_psum_tile_exceeds_bank": (
+        lambda: nisa.nc_matmul(psum((8, 1024))[:, 256:768], sbuf((8, 8)), sbuf((8, 512))), "bank"),
+    "err_free_size_exceed_arch_limit": (
+        lambda: nisa.tensor_copy(nl.ndarray((2, 70000), nl.int8), sbuf((2, 70000), nl.int8, 1)), "70000"),
+    "err_tensor_engine_reads_sbuf": (lambda: nisa.nc_transpose(psum((8, 4)), psum((4, 8)), engine=nisa.engine.tensor),
+                                     "psum"),
+    "err_gpsimd_psum_access": (lambda: nisa.tensor_copy(sbuf((4, 4)), psum((4, 4)), engine=nisa.engine.gpsimd),
+                               "PSUM"),
+    "err_dma_from_psum": (lambda: nisa.dma_copy(hbm((4, 4)), psum((4, 4))), "PSUM"),
+    "err_dma_to_psum": (lambda: nisa.dma_copy(psum((4, 4)), sbuf((4, 4))), "PSUM"),
+    "err_reduce_axis": (lambda: nisa.tensor_reduce(sbuf((4, 3)), nl.add, sbuf((4, 3, 5)), axis=1), "(4, 3, 5)"),
+    "err_reduce_dst_shape": (lambda: nisa.tensor_reduce(sbuf((4, 2)), nl.add, sbuf((4, 3, 5)), axis=2), "3"),
+    "err_start_partition": (lambda: nisa.activation(sbuf((8, 4)), nl.exp, sbuf((128, 4))[48:56]), "48"),
+    "err_tensor_scalar_operand_dtype": (
+        lambda: nisa.tensor_scalar(sbuf((4, 4)), sbuf((4, 4)), nl.add, sbuf((4, 1), nl.bfloat16)), "bfloat16"),
+    "err_tensor_scalar_op_kind": (
+        lambda: nisa.tensor_scalar(sbuf((4, 4), nl.int32), sbuf((4, 4), nl.int32), nl.bitwise_and, 1,
+                                   op1=nl.add, operand1=1), "bitwise_and"),
+    "err_memset_value_dtype": (lambda: nisa.memset(nl.ndarray((4, 4), nl.int32), 1.5), "1.5"),
+    "err_num_elements_mismatch": (lambda: nisa.tensor_tensor(sbuf((4, 4)), sbuf((4, 4)), sbuf((4, 5)), nl.add), "5"),
+    "err_dma_shape_mismatch": (lambda: nisa.dma_copy(hbm((4, 4)), sbuf((4, 5))), "20"),
+    "err_tensor_access_out_of_bound": (lambda: sbuf((4, 4))[:, 2:6], "6"),
+    "err_size_of_dimension_exceed_arch_limit": (
+        lambda: nisa.nc_transpose(sbuf((64, 64)), sbuf((64, 64)), engine=nisa.engine.vector), "32"),
+    "err_transpose_dtype": (lambda: nisa.nc_transpose(psum((8, 4), nl.float32), sbuf((4, 8), nl.bfloat16)),
+                            "bfloat16"),
+    "err_tensor_tensor_both_psum": (lambda: nisa.tensor_tensor(sbuf((4, 4)), psum((4, 4)), psum((4, 4)), nl.add),
+                                    "PSUM"),
+    "err_bitvec_op_dtype": (lambda: nisa.tensor_tensor(sbuf((4, 4)), sbuf((4, 4)), sbuf((4, 4)), nl.bitwise_or),
+                            "float32"),
+    "err_activation_bias_invalid_type": (
+        lambda: nisa.activation(sbuf((4, 4)), nl.exp, sbuf((4, 4)), bias=sbuf((4, 2))), "(4, 2)"),
+    "err_activation_scale_scalar_or_vector": (
+        lambda: nisa.activation(sbuf((4, 4)), nl.exp, sbuf((4, 4)), scale=sbuf((2, 1))), "(2, 1)"),
+    "err_activation_reduce_op": (
+        lambda: nisa.activation(sbuf((4, 4)), nl.exp, sbuf((4, 4)), reduce_op=nl.multiply, reduce_res=sbuf((4, 1))),
+        "multiply"),
+    "err_bn_stats_fmax": (lambda: nisa.bn_stats(sbuf((4, 6)), sbuf((4, 513))), "513"),
+    "err_leading_dimension_of_tensor_must_be_partition": (lambda: sbuf((4, 8, 2)).permute((1, 0, 2)), "(1, 0, 2)"),
+    "err_ap_partition_step": (lambda: sbuf((4, 8)).ap([[4, 4], [1, 4]]), "8"),
+    "err_dma_hwdge_dtype": (
+        lambda: nisa.dma_copy(hbm((4, 4), nl.bfloat16), sbuf((4, 4)), dge_mode=nisa.dge_mode.hwdge), "bfloat16"),
+    "err_dma_transpose_shape": (lambda: nisa.dma_transpose(sbuf((4, 8)), hbm((4, 8))), "(8, 4)"),
+    "err_unsupported_memory": (lambda: nisa.tensor_tensor(sbuf((4, 4)), hbm((4, 4)), sbuf((4, 4)), nl.add),
+                               "shared_hbm"),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_breaking_a_rule_raises_it_by_name(rule):
+    body, value = CASES[rule]
+
+    def kernel():
+        body()
+
+    with pytest.raises(NkiValidationError) as info:
+        nki.run_kernel(kernel, [])
+    assert info.value.rule == rule, str(info.value)
+    assert rule in str(info.value) and value in str(info.value)
+
+
+def test_indirect_offsets_out_of_bounds_raise_unless_skipped():
+    table = np.zeros((10, 4), np.float32)
+    index = np.array([[2], [10]], np.int32)
+
+    def kernel(t, idx):
+        offsets = nl.ndarray((2, 1), nl.int32)
+        nisa.dma_copy(offsets, idx)
+        rows = nl.ndarray((2, 4), nl.float32)
+        nisa.dma_copy(rows, t.ap([[4, 2], [1, 4]], vector_offset=offsets, indirect_dim=0))
+
+    with pytest.raises(NkiValidationError, match="err_tensor_access_out_of_bound"):
+        nki.run_kernel(kernel, [table, index])
+
+
+def test_sbuf_capacity_names_buffer_requested_and_available():
+    def kernel():
+        keep = nl.ndarray((128, 50000), nl.float32, name="big")  # 200000 of 212984 bytes per partition
+        nl.ndarray((128, 4000), nl.float32, name="extra")
+        del keep
+
+    with pytest.raises(NkiCapacityError) as info:
+        nki.run_kernel(kernel, [], target="trn2")
+    message = str(info.value)
+    assert info.value.rule == "sbuf_capacity" and "extra" in message and "16000" in message and "12984" in message
+
+
+def test_psum_capacity_counts_whole_banks():
+    def kernel():
+        banks = [nl.ndarray((128, 1), nl.float32, buffer=nl.psum) for _ in range(8)]  # one bank each
+        nl.ndarray((128, 1), nl.float32, buffer=nl.psum, name="ninth")
+        del banks
+
+    with pytest.raises(NkiCapacityError) as info:
+        nki.run_kernel(kernel, [])
+    assert info.value.rule == "psum_capacity" and "ninth" in str(info.value) and "0 of 8" in str(info.value)
+
+
+def test_freed_buffers_return_capacity_so_loops_can_allocate():
+    def kernel():
+        for _ in range(20):
+            nl.ndarray((128, 40000), nl.float32)  # 160 KB per partition, dropped at the end of the iteration
+            nl.ndarray((128, 512), nl.float32, buffer=nl.psum)
+
+    nki.run_kernel(kernel, [])
+
+
+def test_output_must_be_shared_hbm():
+    def kernel():
+        out = nl.ndarray((2, 2), nl.float32, buffer=nl.hbm)
+        return out
+
+    with pytest.raises(NkiValidationError, match="err_output_must_be_shared_hbm"):
+        nki.run_kernel(kernel, [])
+
+
+def test_64_bit_inputs_are_rejected():
+    with pytest.raises(NkiValidationError, match="err_unsupported_dtype.*float64"):
+        nki.run_kernel(lambda x: None, [np.zeros((2, 2))])
+
+
+def test_lnc_must_be_one_or_two():
+    kernel = nki.jit(lambda: None)
+    with pytest.raises(NkiValidationError, match="err_lnc"):
+        kernel[3]()
+
+
+@pytest.mark.parametrize("name", ["nisa.max8", "nisa.scalar_tensor_tensor", "nl.softmax", "nl.fori_loop"])
+def test_unsimulated_nki_names_raise_not_simulated(name):
+    module = nisa if name.startswith("nisa") else nl
+    function = getattr(module, name.split(".")[1])
+    with pytest.raises(NkiNotSimulatedError) as info:
+        function()
+    assert info.value.rule == "not_simulated" and name.split(".")[1] in str(info.value)
+
+
+def test_unknown_names_are_attribute_errors():
+    with pytest.raises(AttributeError):
+        nisa.not_an_instruction  # noqa: B018
