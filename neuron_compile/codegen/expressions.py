@@ -10,6 +10,7 @@ computed once per scope.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from neuron_compile import ir
 
@@ -53,6 +54,11 @@ SCALAR_FOLDS = {
     "maximum": max,
     "minimum": min,
 }
+
+
+def number(value: float) -> str:
+    """A float literal that is valid Python source (nan and inf have no literal)."""
+    return f"float('{value}')" if math.isnan(value) or math.isinf(value) else repr(float(value))
 
 
 class ExpressionError(RuntimeError):
@@ -151,7 +157,7 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
         (source,) = args
         dst = scope.tile(expr.dtype)
         if source.value is not None:
-            lines.append(f"nisa.memset(dst={dst}{scope.slice_text}, value={source.value!r})")
+            lines.append(f"nisa.memset(dst={dst}{scope.slice_text}, value={number(source.value)})")
         else:
             lines.append(f"nisa.tensor_copy(dst={dst}{scope.slice_text}, src={text(source)})")
         return Ref(tile=dst, dtype=expr.dtype)
@@ -167,17 +173,15 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
     elif op == "div":
         numerator, denominator = args
         if denominator.value is not None:
-            lines.append(
-                f"nisa.tensor_scalar(dst={dst_text}, data={text(numerator)}, op0=nl.multiply, "
-                f"operand0={1.0 / denominator.value if denominator.value else float('inf')!r})"
-            )
-            if not denominator.value:
-                raise ExpressionError("division by the constant 0")
+            # x / 0 is x * inf in IEEE arithmetic (inf with the sign of x, nan for 0 / 0), as eager gives.
+            factor = 1.0 / denominator.value if denominator.value else math.copysign(math.inf, denominator.value)
+            lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(numerator)}, op0=nl.multiply, "
+                         f"operand0={number(factor)})")
         else:
             lines.append(f"nisa.activation(dst={dst_text}, op=nl.reciprocal, data={text(denominator)})")
             if numerator.value is not None:
                 lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={dst_text}, op0=nl.multiply, "
-                             f"operand0={numerator.value!r})")
+                             f"operand0={number(numerator.value)})")
             else:
                 lines.append(f"nisa.tensor_tensor(dst={dst_text}, data1={text(numerator)}, data2={dst_text}, "
                              "op=nl.multiply)")
@@ -191,7 +195,7 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
             lines.append(f"nisa.tensor_copy(dst={dst_text}, src={text(base)})")
         else:
             lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(base)}, op0=nl.power, "
-                         f"operand0={exponent.value!r})")
+                         f"operand0={number(exponent.value)})")
     elif op == "where":
         _emit_where(args, dst_text, scope, lines)
     elif op in TENSOR_TENSOR_OPS:
@@ -201,15 +205,15 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
                          f"op={TENSOR_TENSOR_OPS[op]})")
         elif b.value is not None:
             lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(a)}, op0={TENSOR_TENSOR_OPS[op]}, "
-                         f"operand0={b.value!r})")
+                         f"operand0={number(b.value)})")
         elif op == "sub":  # constant - tile == tile * -1 + constant
             lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(b)}, op0=nl.multiply, operand0=-1.0, "
-                         f"op1=nl.add, operand1={a.value!r})")
+                         f"op1=nl.add, operand1={number(a.value)})")
         else:
             lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(b)}, "
-                         f"op0={TENSOR_TENSOR_OPS[MIRRORED[op]]}, operand0={a.value!r})")
+                         f"op0={TENSOR_TENSOR_OPS[MIRRORED[op]]}, operand0={number(a.value)})")
     else:
-        raise ExpressionError(f"no NKI instruction sequence for op {op!r}")
+        raise ExpressionError(f"no NKI instruction sequence for op {op}")
     return out
 
 
@@ -219,12 +223,12 @@ def _emit_where(args, dst_text, scope, lines) -> None:
         raise ExpressionError("where with a constant condition")
     # dst = on_false, then copy on_true over it where the condition holds.
     if on_false.value is not None:
-        lines.append(f"nisa.memset(dst={dst_text}, value={on_false.value!r})")
+        lines.append(f"nisa.memset(dst={dst_text}, value={number(on_false.value)})")
     else:
         lines.append(f"nisa.tensor_copy(dst={dst_text}, src={scope.ref_text(on_false)})")
     if on_true.value is not None:
         true_tile = scope.tile()
-        lines.append(f"nisa.memset(dst={true_tile}{scope.slice_text}, value={on_true.value!r})")
+        lines.append(f"nisa.memset(dst={true_tile}{scope.slice_text}, value={number(on_true.value)})")
         on_true = Ref(tile=true_tile)
     lines.append(
         f"nisa.tensor_copy_predicated(dst={dst_text}, src={scope.ref_text(on_true)}, "
@@ -236,7 +240,7 @@ def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str])
     """The SBUF tile slice (of ``store_dtype``) holding ``value``, ready to DMA out."""
     if value.value is not None:
         tile = scope.tile(store_dtype)
-        lines.append(f"nisa.memset(dst={tile}{scope.slice_text}, value={value.value!r})")
+        lines.append(f"nisa.memset(dst={tile}{scope.slice_text}, value={number(value.value)})")
         return f"{tile}{scope.slice_text}"
     if value.dtype == store_dtype:
         return scope.ref_text(value)

@@ -17,7 +17,7 @@ from pathlib import Path
 import jinja2
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope, emit, emit_store
+from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope, emit, emit_store, number
 from neuron_compile.passes.tiling import LoopDim, TilePlan
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -148,6 +148,28 @@ def _reduction_scopes(node, plan: TilePlan, allocator: TileAllocator, patterns: 
     return prologue, row_free, free, chunked
 
 
+def _reduce_pass(node, prologue: TileScope, transform, reduce_op: str, accumulator: str, partial: str,
+                 chunked: bool) -> list[str]:
+    """One walk over the row: prologue, optional per-element ``transform``, reduce, combine chunk partials."""
+    lines: list[str] = []
+    prologue.memo = {}  # a second pass re-emits the loads (same tiles) because a chunked row was overwritten
+    value = emit(node.prologue, prologue, lines)
+    if value.tile is None:
+        raise ValueError(f"{node.name}: a reduction of a constant")
+    data = transform(prologue.ref_text(value), lines) if transform else prologue.ref_text(value)
+    target = partial if chunked else accumulator
+    lines.append(f"nisa.tensor_reduce(dst={target}[0:rows, 0:1], op={reduce_op}, data={data}, axis=1, keepdims=True)")
+    if chunked:
+        lines += [
+            "if f0 == 0:",
+            f"    nisa.tensor_copy(dst={accumulator}[0:rows, 0:1], src={partial}[0:rows, 0:1])",
+            "else:",
+            f"    nisa.tensor_tensor(dst={accumulator}[0:rows, 0:1], data1={accumulator}[0:rows, 0:1], "
+            f"data2={partial}[0:rows, 0:1], op={reduce_op})",
+        ]
+    return lines
+
+
 def _render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
     patterns = Patterns(plan)
     allocator = TileAllocator(plan.partition.tile)
@@ -155,43 +177,33 @@ def _render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters:
     count = math.prod(node.domain[d] for d in node.reduce_dims)
     accumulator = allocator.new("acc", 1)
     partial = allocator.new("partial", 1) if chunked else accumulator
-    reduce_op = REDUCE_OPS[node.op]
-
-    chunk_lines: list[str] = []
-    value = emit(node.prologue, prologue, chunk_lines)
-    if value.tile is None:
-        raise ValueError(f"{node.name}: a reduction of a constant")
-    data = prologue.ref_text(value)
-    chunk_lines.append(f"nisa.tensor_reduce(dst={partial}[0:rows, 0:1], op={reduce_op}, data={data}, axis=1, "
-                       "keepdims=True)")
-    if chunked:
-        chunk_lines += [
-            "if f0 == 0:",
-            f"    nisa.tensor_copy(dst={accumulator}[0:rows, 0:1], src={partial}[0:rows, 0:1])",
-            "else:",
-            f"    nisa.tensor_tensor(dst={accumulator}[0:rows, 0:1], data1={accumulator}[0:rows, 0:1], "
-            f"data2={partial}[0:rows, 0:1], op={reduce_op})",
-        ]
-    finish: list[str] = []
     acc = f"{accumulator}[0:rows, 0:1]"
+    passes = [(_reduce_pass(node, prologue, None, REDUCE_OPS[node.op], accumulator, partial, chunked), [])]
     if node.op == "mean":
-        finish.append(f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, operand0={1.0 / count!r})")
+        passes[0][1].append(f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, operand0={1.0 / count!r})")
     elif node.op == "var":
+        # Two passes, as the numerically stable definition: mean first, then the mean of squared deviations.
         scale = 1.0 / (count - node.correction) if count > node.correction else float("nan")
+        mean = allocator.new("mean", 1)
         centered, squares = allocator.new("centered", row_free), allocator.new("squares", row_free)
         window = prologue.slice_text
-        finish += [
-            f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, operand0={1.0 / count!r})",
-            f"nisa.tensor_scalar(dst={centered}{window}, data={data}, op0=nl.subtract, operand0={acc})",
-            f"nisa.tensor_tensor(dst={squares}{window}, data1={centered}{window}, data2={centered}{window}, "
-            "op=nl.multiply)",
-            f"nisa.tensor_reduce(dst={acc}, op=nl.add, data={squares}{window}, axis=1, keepdims=True)",
-            f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, operand0={scale!r})",
-        ]
+        passes[0][1].append(
+            f"nisa.tensor_scalar(dst={mean}[0:rows, 0:1], data={acc}, op0=nl.multiply, operand0={1.0 / count!r})"
+        )
+
+        def squared_deviation(data: str, lines: list[str]) -> str:
+            lines.append(f"nisa.tensor_scalar(dst={centered}{window}, data={data}, op0=nl.subtract, "
+                         f"operand0={mean}[0:rows, 0:1])")
+            lines.append(f"nisa.tensor_tensor(dst={squares}{window}, data1={centered}{window}, "
+                         f"data2={centered}{window}, op=nl.multiply)")
+            return f"{squares}{window}"
+
+        second = _reduce_pass(node, prologue, squared_deviation, "nl.add", accumulator, partial, chunked)
+        passes.append((second, [f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, "
+                                f"operand0={number(scale)})"]))
     epilogue = _epilogue_scope(allocator, patterns, Ref(tile=accumulator))
-    _store_lines(node.stores, epilogue, patterns, [(LoopDim(1, None), "1")], False, finish)
-    context = _common(node, plan, name, parameters, allocations=allocator.lines, chunk_body=chunk_lines,
-                      finish_body=finish, chunked=chunked)
+    _store_lines(node.stores, epilogue, patterns, [(LoopDim(1, None), "1")], False, passes[-1][1])
+    context = _common(node, plan, name, parameters, allocations=allocator.lines, passes=passes, chunked=chunked)
     return _render("reduction.py.j2", **context)
 
 

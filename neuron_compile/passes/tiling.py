@@ -155,7 +155,7 @@ def plan_reduction(node: ir.Reduction | ir.RowNormalize, target) -> TilePlan:
     budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE) // (tiles * FP32_BYTES)
     whole_row = row <= budget
     kind = "reduction" if isinstance(node, ir.Reduction) else "row_normalize"
-    if not whole_row and (kind == "row_normalize" or node.op == "var" or len(reduced) > 1):
+    if not whole_row and (kind == "row_normalize" or len(reduced) > 1):
         raise TilingError(
             f"{node.name}: a {getattr(node, 'op', kind)} row of {row} elements x {tiles} tiles x {FP32_BYTES} B "
             f"exceeds the SBUF budget of {budget} elements per partition "

@@ -1,0 +1,82 @@
+"""Reduction lowerings (sum, mean, amax, amin, prod, var; softmax, log_softmax) on the simulator vs eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
+from neuron_compile.kernel_pipeline import compile_region
+from neuron_compile.lowering import LoweringError
+
+SIZES = st.sampled_from([1, 2, 5, 127, 128, 129])
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+
+
+@st.composite
+def shape_and_dims(draw, max_rank=4):
+    rank = draw(st.integers(1, max_rank))
+    shape = [draw(SIZES) for _ in range(rank)]
+    while torch.Size(shape).numel() > 30_000:
+        shape[shape.index(max(shape))] = 5
+    dims = draw(st.lists(st.integers(0, rank - 1), min_size=1, max_size=rank, unique=True))
+    return tuple(shape), sorted(dims)
+
+
+REDUCTIONS = {
+    "sum": lambda x, dims, keep: x.sum(dims, keepdim=keep),
+    "mean": lambda x, dims, keep: x.mean(dims, keepdim=keep),
+    "amax": lambda x, dims, keep: x.amax(dims, keepdim=keep),
+    "amin": lambda x, dims, keep: x.amin(dims, keepdim=keep),
+    "var": lambda x, dims, keep: x.var(dims, keepdim=keep),
+    "var_biased": lambda x, dims, keep: x.var(dims, keepdim=keep, correction=0),
+}
+
+
+@pytest.mark.filterwarnings("ignore:var\\(\\): degrees of freedom")  # var of one element is nan, as eager
+@settings(max_examples=25, deadline=None)
+@given(case=shape_and_dims(), dtype=DTYPES, name=st.sampled_from(sorted(REDUCTIONS)), keep=st.booleans())
+def test_reductions_over_any_dims_match_eager(case, dtype, name, keep):
+    shape, dims = case
+    check_against_eager(lambda x: REDUCTIONS[name](x, dims, keep), random_tensor(shape, dtype))
+
+
+def test_prod_and_full_reductions():
+    x = random_tensor((5, 7, 3), low=0.5, high=1.5)
+    check_against_eager(lambda x: (x.prod(1), x.prod(), x.sum(), x.mean(), x.amax()), x)
+
+
+def test_long_rows_reduce_in_chunks_with_partials():
+    # 70000 columns do not fit one SBUF tile per partition: the kernel carries partial sums across chunks.
+    x = random_tensor((3, 70_000), seed=2)
+    region = check_against_eager(lambda x: (x.sum(1), x.amax(1)), x, tolerances={torch.float32: (1e-4, 1e-3)})
+    assert any("if f0 == 0:" in kernel.source for kernel in region.kernels)
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=shape_and_dims(3), dtype=DTYPES, log=st.booleans())
+def test_softmax_over_any_dim_matches_eager(case, dtype, log):
+    shape, dims = case
+    fn = torch.log_softmax if log else torch.softmax
+    check_against_eager(lambda x: fn(x * 3, dims[0]), random_tensor(shape, dtype))
+
+
+def test_softmax_of_a_transposed_input():
+    x = random_tensor((129, 40), seed=3).t()
+    check_against_eager(lambda x: torch.softmax(x, -1), x)
+
+
+def test_softmax_row_too_wide_for_sbuf_is_a_lowering_error():
+    x = random_tensor((2, 100_000))
+    gm = trace(lambda x: torch.softmax(x, -1), x)
+    with pytest.raises(LoweringError, match="shape beyond tiling.*SBUF budget"):
+        compile_region(gm, [x])
+
+
+def test_mean_epilogue_and_square_prologue_fuse_into_one_kernel():
+    x = random_tensor((256, 64), seed=4)
+    region, _ = compile_and_run(lambda x: torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6), x)
+    assert len(region.kernels) == 1
+    check_against_eager(lambda x: torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6), x)
