@@ -7,6 +7,8 @@ ISA instructions the wrappers lower to, so the trace and every hardware rule app
 
 from __future__ import annotations
 
+import builtins
+
 import ml_dtypes
 import numpy as np
 
@@ -239,7 +241,7 @@ def promote(a: np.dtype, b: np.dtype) -> np.dtype:
         return a if a.itemsize > b.itemsize else b
     if a.kind != b.kind:
         # signed with unsigned: the next wider signed type ((int8, uint8) -> int16), at most int32
-        return int16 if max(a.itemsize, b.itemsize) == 1 else int32
+        return int16 if builtins.max(a.itemsize, b.itemsize) == 1 else int32
     return a if a.itemsize > b.itemsize else b
 
 
