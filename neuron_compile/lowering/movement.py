@@ -29,7 +29,6 @@ VIEW_OPS = (
     aten.squeeze.dims,
     aten.unsqueeze.default,
     aten.alias.default,
-    aten.as_strided.default,
 )
 
 
@@ -46,12 +45,29 @@ def _check_view(node: torch.fx.Node) -> str | None:
     return None
 
 
+def _offset_delta(node: torch.fx.Node, base: ir.Layout) -> int:
+    """Elements a slice or select moves the start by (meta['val'] storage offsets are not reliable: tracing
+    may fakeify every intermediate on its own storage)."""
+    if node.target is aten.slice.Tensor:
+        dim = node.args[1] if len(node.args) > 1 else 0
+        start = node.args[2] if len(node.args) > 2 else 0
+        dim %= len(base.shape)
+        start = 0 if start is None else start
+        start = max(0, min(start + base.shape[dim] if start < 0 else start, base.shape[dim]))
+        return start * base.strides[dim]
+    if node.target is aten.select.int:
+        dim, index = node.args[1] % len(base.shape), node.args[2]
+        return (index % base.shape[dim]) * base.strides[dim]
+    return 0
+
+
 @register_lowering(*VIEW_OPS, check=_check_view)
 def lower_view(ctx, node):
     base = ctx.value(node.args[0])
     result = node.meta["val"]
     if node.target not in RESHAPES:
-        return ctx.view_of(node, base)
+        offset = base.layout.offset + _offset_delta(node, base.layout)
+        return TensorValue(base.buffer, ir.Layout(tuple(result.shape), tuple(result.stride()), offset), base.dtype)
     # A reshape of a contiguous tensor: the same elements with contiguous strides, whatever storage tracing gave.
     layout = ir.Layout(tuple(result.shape), ir.contiguous_strides(tuple(result.shape)), base.layout.offset)
     return TensorValue(base.buffer, layout, base.dtype)

@@ -122,7 +122,6 @@ class LoweringContext:
         self.values: dict[torch.fx.Node, TensorValue] = {}
         self.nodes: list[ir.Node] = []
         self.buffers: dict[str, ir.Buffer] = {}
-        self.storage_base: dict[str, int] = {}  # buffer -> the meta storage offset its layouts are relative to
         self._counter = 0
 
     def fresh_name(self, stem: str) -> str:
@@ -140,14 +139,7 @@ class LoweringContext:
         layout = ir.Layout(tuple(meta.shape), tuple(meta.stride()), 0)
         buffer = ir.Buffer(self.fresh_name(stem), dtype_name(meta.dtype), layout)
         self.buffers[buffer.name] = buffer
-        self.storage_base[buffer.name] = meta.storage_offset()
         return buffer
-
-    def view_of(self, node: torch.fx.Node, base: TensorValue) -> TensorValue:
-        """``node`` (a view op) as a new layout on ``base``'s buffer, from its meta sizes/strides/offset."""
-        meta = node.meta["val"]
-        offset = meta.storage_offset() - self.storage_base[base.buffer]
-        return TensorValue(base.buffer, ir.Layout(tuple(meta.shape), tuple(meta.stride()), offset), base.dtype)
 
     def emit(self, node: ir.Node) -> None:
         self.nodes.append(node)
@@ -194,7 +186,6 @@ def lower_graph(gm: torch.fx.GraphModule) -> LoweredRegion:
             layout = ir.Layout(tuple(meta.shape), tuple(meta.stride()), 0)
             buffer = ir.Buffer(node.name, dtype_name(meta.dtype), layout)
             ctx.buffers[buffer.name] = buffer
-            ctx.storage_base[buffer.name] = meta.storage_offset()
             ctx.values[node] = TensorValue(buffer.name, layout, buffer.dtype)
             inputs.append(buffer)
         elif node.op == "call_function":

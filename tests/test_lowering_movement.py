@@ -1,0 +1,74 @@
+"""Movement lowerings: views cost no kernel (they become access patterns), copies are kernels; vs eager."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lowering_harness import check_against_eager, compile_and_run, random_tensor
+from neuron_compile.lowering import unsupported_reason
+
+
+def test_views_of_inputs_need_no_kernel_and_keep_eager_strides():
+    x = random_tensor((4, 6, 8))
+
+    def views(x):
+        return x.permute(2, 0, 1), x[1:3, ::2], x.select(1, 2), x.unsqueeze(0), x.view(24, 8), x[:, :1].squeeze(1)
+
+    region, outputs = compile_and_run(views, x)
+    assert region.kernels == [] and region.nki_nodes >= 6
+    check_against_eager(views, x)
+    # A view of an input is still a view of it: it shares the input's storage.
+    assert outputs[0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+VIEW_CHAINS = {
+    "transpose": lambda x: x.transpose(0, -1),
+    "slice": lambda x: x[..., 1:],
+    "step_slice": lambda x: x[::2],
+    "select": lambda x: x.select(0, x.shape[0] - 1).unsqueeze(0),
+    "expand": lambda x: x[:1].expand(x.shape),
+    "flip_dims": lambda x: x.permute(*reversed(range(x.dim()))).contiguous().permute(*reversed(range(x.dim()))),
+}
+
+
+@st.composite
+def shapes(draw):
+    rank = draw(st.integers(2, 5))
+    sizes = st.sampled_from([2, 3, 5, 129]) if rank <= 2 else st.sampled_from([2, 3, 5])
+    return tuple(draw(sizes) for _ in range(rank))
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=shapes(), name=st.sampled_from(sorted(VIEW_CHAINS)), dtype=st.sampled_from([torch.float32,
+                                                                                         torch.bfloat16]))
+def test_views_feeding_pointwise_read_through_access_patterns(shape, name, dtype):
+    x = random_tensor(shape, dtype)
+    check_against_eager(lambda x: (VIEW_CHAINS[name](x) * 2 + 1, VIEW_CHAINS[name](x)), x)
+
+
+def test_clone_of_a_permute_is_one_copy_kernel_with_contiguous_output():
+    x = random_tensor((129, 70))
+    region, _ = compile_and_run(lambda x: x.t().contiguous(), x)
+    assert len(region.kernels) == 1
+    check_against_eager(lambda x: x.t().contiguous(), x)
+
+
+def test_reshape_of_a_kernel_output_is_free():
+    x = random_tensor((6, 20))
+    region, _ = compile_and_run(lambda x: (x * 2).reshape(3, 40).sum(0), x)
+    check_against_eager(lambda x: (x * 2).reshape(3, 40).sum(0), x)
+
+
+def test_reshape_needing_a_copy_is_unsupported():
+    # Tracing decomposes reshape into clone + _unsafe_view; a raw aten.reshape of a transposed tensor may copy.
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    reshape = graph.call_function(torch.ops.aten.reshape.default, (x, [-1]))
+    with FakeTensorMode():
+        x.meta["val"] = torch.empty(3, 4).t()
+        reshape.meta["val"] = x.meta["val"].reshape(-1)
+    assert "needs a copy" in unsupported_reason(reshape)
