@@ -96,12 +96,9 @@ def _collect_launches(simulator, runs: list) -> Iterator[None]:
         simulator.launch_hooks.remove(runs.append)
 
 
-def _kernel_name(run, index: int) -> str:
-    for attribute in ("kernel_name", "name"):
-        name = getattr(run, attribute, None)
-        if isinstance(name, str) and name:
-            return name
-    return f"kernel {index}"
+def _launch_title(run, index: int) -> str:
+    name = getattr(run, "kernel_name", None) or getattr(run, "name", None)
+    return f"== launch {index}: {name}" if isinstance(name, str) and name else f"== launch {index}"
 
 
 def format_launch_reports(runs: Sequence) -> str:
@@ -109,8 +106,7 @@ def format_launch_reports(runs: Sequence) -> str:
     from neuron_compile.runtime.simulator import cost
 
     reports = [run.report for run in runs]
-    blocks = [f"== launch {i + 1}: {_kernel_name(run, i + 1)}\n{report.format()}"
-              for i, (run, report) in enumerate(zip(runs, reports))]
+    blocks = [f"{_launch_title(run, i + 1)}\n{report.format()}" for i, (run, report) in enumerate(zip(runs, reports))]
     if len(reports) > 1:
         blocks.append(f"== total of {len(reports)} launches\n{cost.sum_reports(reports).format()}")
     if not reports:

@@ -53,6 +53,36 @@ ADD_SCRIPT = textwrap.dedent(
 )
 
 
+# The public docs' quick-start shape: nl.load / nl.add / nl.store wrappers, launched through nki.simulate.
+WRAPPER_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import sys
+
+    import numpy as np
+
+    import nki
+    import nki.language as nl
+
+
+    @nki.jit
+    def add_kernel(a_ptr, b_ptr):
+        a = nl.load(a_ptr)
+        b = nl.load(b_ptr)
+        out = nl.ndarray(a_ptr.shape, dtype=a_ptr.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.add(a, b))
+        return out
+
+
+    rows, cols, seed = (int(arg) for arg in sys.argv[1:4])
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((rows, cols), dtype=np.float32)
+    b = rng.standard_normal((rows, cols), dtype=np.float32)
+    print(json.dumps(np.asarray(nki.simulate(add_kernel)(a, b)).tolist()))
+    """
+)
+
+
 def expected_sum(rows: int, cols: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((rows, cols), dtype=np.float32)
@@ -99,6 +129,15 @@ def test_simulate_report_prints_each_launch(add_script, capsys):
     assert f"HBM read {3 * 128 * 32 * 4 / 2**20:.2f} MiB" not in report  # reads are a and b, not the output
     assert f"HBM read {2 * 128 * 32 * 4 / 2**20:.2f} MiB" in report
     assert os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE") == target_before  # --target only for the run
+
+
+def test_simulate_runs_language_wrapper_script(tmp_path, capsys):
+    script = tmp_path / "quickstart.py"
+    script.write_text(WRAPPER_SCRIPT)
+    assert cli.main(["simulate", "--report", str(script), "128", "40", "5"]) == 0
+    stdout = capsys.readouterr().out
+    np.testing.assert_array_equal(first_line_array(stdout), expected_sum(128, 40, 5))
+    assert "== launch 1\ncost report (" in stdout
 
 
 def test_simulate_report_totals_several_launches(tmp_path, capsys):

@@ -154,7 +154,7 @@ class CostReport:
         bound = "compute" if self._compute_bound else "memory"
         lines += [
             f"  HBM read {_mib(self.hbm_bytes_read)}, written {_mib(self.hbm_bytes_written)}; "
-            f"{self.flops / 1e9:.3f} GFLOP ({self.achieved_flops_per_s / 1e12:.2f} TFLOP/s at the estimate)",
+            f"{_si(self.flops)}FLOP ({_si(self.achieved_flops_per_s)}FLOP/s at the estimate)",
             f"  estimated {self.est_time_s * 1e6:.2f} us (engines overlapped, bottleneck {self.bottleneck}); "
             f"serial {self.serial_time_s * 1e6:.2f} us",
             f"  roofline {self.roofline_s * 1e6:.2f} us ({bound}-bound); utilization {self.utilization:.1%}",
@@ -166,6 +166,14 @@ class CostReport:
     @property
     def _compute_bound(self) -> bool:
         return self.roofline_compute_s >= self.roofline_memory_s
+
+
+def _si(value: float) -> str:
+    """1.5e12 -> '1.50 T', 2048 -> '2.05 k'."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {prefix}"
+    return f"{value:.0f} "
 
 
 def _mib(nbytes: int) -> str:
