@@ -1,0 +1,118 @@
+"""Fusion: which nodes share a kernel, why the others do not, and that random fused graphs still match eager."""
+
+from __future__ import annotations
+
+import networkx as nx
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
+from neuron_compile import ir
+from neuron_compile.lowering import lower_graph
+from neuron_compile.passes.fusion import can_fuse, fuse
+
+
+def _fused(fn, *inputs):
+    lowered = lower_graph(trace(fn, *inputs))
+    return lowered, fuse(lowered.nodes, {value.buffer for value in lowered.outputs})
+
+
+def test_pointwise_chain_is_one_kernel_with_only_the_output_stored():
+    x, y = random_tensor((64, 32)), random_tensor((32,))
+    lowered, result = _fused(lambda x, y: torch.sigmoid(x * y + 1) - x, x, y)
+    assert len(lowered.nodes) == 4 and len(result.kernels) == 1
+    assert [store.buffer.name for store in result.kernels[0].stores] == [lowered.outputs[0].buffer]
+
+
+def test_intermediate_needed_outside_is_stored_too():
+    def fn(x):
+        doubled = x * 2
+        return doubled, doubled.exp()
+
+    x = random_tensor((16, 8))
+    _, result = _fused(fn, x)
+    assert len(result.kernels) == 1 and len(result.kernels[0].stores) == 2
+    check_against_eager(fn, x)
+
+
+def test_read_through_a_transpose_does_not_fuse_and_says_why():
+    x = random_tensor((16, 16))
+    _, result = _fused(lambda x: (x * 2).t() + x, x)
+    assert len(result.kernels) == 2
+    assert any("view that changes the index map" in decision for decision in result.decisions)
+    check_against_eager(lambda x: (x * 2).t() + x, x)
+
+
+def test_softmax_prologue_and_epilogue_fuse():
+    x = random_tensor((33, 65))
+    _, result = _fused(lambda x: torch.softmax(x * 0.5, -1) * 3, x)
+    assert len(result.kernels) == 1 and isinstance(result.kernels[0], ir.RowNormalize)
+
+
+def test_reduction_prologue_with_outside_consumer_stays_separate():
+    def fn(x):
+        shifted = x + 1
+        return shifted, shifted.sum(0)
+
+    x = random_tensor((8, 8))
+    _, result = _fused(fn, x)
+    assert len(result.kernels) == 2
+    assert any("needed outside the kernel" in decision for decision in result.decisions)
+
+
+def test_can_fuse_rejects_a_matmul_consumer():
+    x = random_tensor((8, 8))
+    lowered = lower_graph(trace(lambda x: torch.mm(x + 1, x), x))
+    assert "start their own kernel" in can_fuse(lowered.nodes[0], lowered.nodes[1], set())
+
+
+def test_no_fusion_creates_a_cycle():
+    # b depends on a, c on a reduction of a; fusing c into a's group would need the reduction inside it.
+    x = random_tensor((8, 8))
+    lowered, result = _fused(lambda x: (x.exp() + x.exp().sum(0, keepdim=True)), x)
+    writers = {store.buffer.name: i for i, kernel in enumerate(result.kernels) for store in kernel.stores}
+    graph = nx.DiGraph()
+    for i, kernel in enumerate(result.kernels):
+        graph.add_node(i)
+        for load in ir.node_loads(kernel):
+            if load.buffer in writers:
+                graph.add_edge(writers[load.buffer], i)
+    assert nx.is_directed_acyclic_graph(graph)
+    assert all(writers[load.buffer] < i for i, kernel in enumerate(result.kernels) for load in ir.node_loads(kernel)
+               if load.buffer in writers)
+    check_against_eager(lambda x: (x.exp() + x.exp().sum(0, keepdim=True)), x)
+
+
+UNARY_STEPS = [torch.exp, torch.tanh, torch.relu, torch.sigmoid, lambda v: v * 0.5, lambda v: v - 1.0,
+               lambda v: v.clamp(-1, 1), lambda v: v.abs()]
+BINARY_STEPS = [torch.add, torch.mul, torch.maximum, torch.sub]
+REDUCE_STEPS = [lambda v: v.sum(-1, keepdim=True), lambda v: v.amax(0), lambda v: v.mean(-1, keepdim=True),
+                lambda v: torch.softmax(v, -1)]
+
+
+@st.composite
+def programs(draw):
+    return [(draw(st.sampled_from(["unary", "binary", "reduce"])), draw(st.integers(0, 7)), draw(st.integers(0, 9)))
+            for _ in range(draw(st.integers(1, 6)))]
+
+
+def _run_program(program, x, y):
+    values = [x, y]
+    for kind, op, pick in program:
+        a = values[pick % len(values)]
+        if kind == "unary":
+            values.append(UNARY_STEPS[op](a))
+        elif kind == "binary":
+            values.append(BINARY_STEPS[op % 4](a, values[(pick + 1) % len(values)]))
+        else:
+            values.append(REDUCE_STEPS[op % 4](a))
+    return tuple(values[2:])
+
+
+@settings(max_examples=25, deadline=None)
+@given(program=programs(), rows=st.sampled_from([1, 5, 129]), cols=st.sampled_from([1, 7, 130]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_random_graphs_match_eager(program, rows, cols, dtype):
+    x, y = random_tensor((rows, cols), dtype, seed=1), random_tensor((rows, cols), dtype, seed=2)
+    check_against_eager(lambda x, y: _run_program(program, x, y), x, y)
