@@ -87,6 +87,20 @@ def test_on_chip_ap_broadcast_expand_squeeze_and_dtype_view():
     nki.run_kernel(kernel, [array])
 
 
+def test_dtype_views_of_other_element_sizes_reinterpret_bytes():
+    array = _random((4, 6))
+
+    def kernel(x):
+        t = nl.load(x)
+        halves = t.view(nl.bfloat16)
+        assert halves.shape == (4, 12)
+        assert np.array_equal(np.array(halves).view(np.uint16), array.view(np.uint16))
+        assert np.array_equal(np.array(t[:, 2:4].view(nl.int8)), array[:, 2:4].view(np.int8))
+        assert np.array_equal(np.array(x.view(nl.uint16)[1:3]), array.view(np.uint16)[1:3])
+
+    nki.run_kernel(kernel, [array])
+
+
 def test_views_share_storage_so_writes_land_in_the_parent():
     def kernel():
         t = nl.zeros((4, 8), nl.float32)

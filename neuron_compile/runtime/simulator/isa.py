@@ -105,7 +105,7 @@ def _check_psum_bank(op: str, role: str, t) -> None:
             f"PSUM tile written by the tensor engine must fit one bank ({bank} bytes)",
             op,
         )
-    in_partition = t.offset % t.storage.partition_stride
+    in_partition = t.offset % t.partition_stride
     last = in_partition + sum((n - 1) * s for n, s in zip(t.shape[1:], t.strides[1:]) if s > 0)
     if (in_partition * t.itemsize) // bank != (last * t.itemsize) // bank:
         raise NkiValidationError(

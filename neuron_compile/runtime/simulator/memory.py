@@ -45,6 +45,7 @@ class KernelContext:
     # nl.shared_hbm tensors of an earlier program of the same launch: program i's k-th output allocation
     # returns the k-th of them, since on hardware all LNC programs write one shared output
     shared_reuse: list[NkiTensor] = field(default_factory=list)
+    allocations: int = 0  # numbers unnamed tensors in error messages
     launched: bool = False  # False for the throwaway context used outside any kernel
 
 
@@ -88,7 +89,8 @@ def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
     if dtype.itemsize > 4 or dtype.kind == "c":
         raise NkiValidationError("err_unsupported_dtype", f"dtype {dtype.name} is not a Neuron dtype (no 64-bit types)")
     context = current()
-    name = name or f"{buffer.name}_{len(context.trace)}_{id(shape) % 10000}"
+    context.allocations += 1
+    name = name or f"{buffer.name}_{context.allocations}"
     if buffer.kind in ("sbuf", "psum"):
         if len(shape) < 2:
             raise NkiValidationError(

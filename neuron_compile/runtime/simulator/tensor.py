@@ -121,8 +121,14 @@ class NkiTensor:
         return math.prod(self.shape[1:])
 
     @property
+    def partition_stride(self) -> int:
+        """Elements of this view's dtype per partition of the allocation."""
+        storage = self.storage
+        return storage.partition_stride * storage.data.itemsize // self.itemsize
+
+    @property
     def start_partition(self) -> int:
-        return self.offset // self.storage.partition_stride if self.on_chip else 0
+        return self.offset // self.partition_stride if self.on_chip else 0
 
     def __repr__(self) -> str:
         return f"NkiTensor({self.name}, {self.buffer}, shape={self.shape}, dtype={self.dtype.name})"
@@ -136,7 +142,7 @@ class NkiTensor:
             return
         low = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s < 0)
         high = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s > 0)
-        limit = self.storage.data.size
+        limit = self.storage.data.nbytes // self.itemsize
         if low < 0 or high >= limit:
             raise NkiValidationError(
                 "err_tensor_access_out_of_bound",
@@ -174,7 +180,7 @@ class NkiTensor:
 
     def _indirect_indices(self) -> np.ndarray:
         index = self.element_indices()
-        limit = self.storage.data.size
+        limit = self.storage.data.nbytes // self.itemsize
         if index.size and (index.min() < 0 or index.max() >= limit):
             raise NkiValidationError(
                 "err_tensor_access_out_of_bound",
@@ -335,14 +341,21 @@ class NkiTensor:
         return self._view(shape, strides, self.offset)
 
     def view(self, dtype) -> NkiTensor:
+        """Reinterpret the bytes as ``dtype``; a size change rescales the contiguous innermost dim."""
         dtype = np.dtype(dtype)
-        if dtype.itemsize != self.storage.data.itemsize:
+        if dtype.itemsize == self.itemsize:
+            return self._view(self.shape, self.strides, self.offset, dtype)
+        old, new = self.itemsize, dtype.itemsize
+        last_bytes = self.shape[-1] * old
+        aligned = all((s * old) % new == 0 for s in self.strides[:-1]) and (self.offset * old) % new == 0
+        if self.strides[-1] != 1 or last_bytes % new or not aligned or self.indirect is not None:
             raise NkiValidationError(
                 "err_view_dtype_size",
-                f"view({dtype.name}) of {self.name} ({self.storage.data.dtype.name}): element sizes "
-                f"{dtype.itemsize} and {self.storage.data.itemsize} differ (only same-size reinterpretation is simulated)",
+                f"view({dtype.name}) of {self.name} {self.shape} {self.dtype.name}: a change of element size needs a "
+                f"contiguous innermost dim whose bytes ({last_bytes}) and strides divide by {new}",
             )
-        return self._view(self.shape, self.strides, self.offset, dtype)
+        strides = tuple(s * old // new for s in self.strides[:-1]) + (1,)
+        return self._view(self.shape[:-1] + (last_bytes // new,), strides, self.offset * old // new, dtype)
 
     def ap(self, pattern, offset: int = 0, scalar_offset=None, vector_offset=None, indirect_dim: int = 0,
            dtype=None) -> NkiTensor:
@@ -350,11 +363,11 @@ class NkiTensor:
         pattern = [(int(p[0]), int(p[1])) for p in pattern]
         if not pattern:
             raise NkiValidationError("err_ap_empty", f"empty access pattern on {self.name}")
-        if self.on_chip and pattern[0][0] != self.storage.partition_stride:
+        if self.on_chip and pattern[0][0] != self.partition_stride:
             raise NkiValidationError(
                 "err_ap_partition_step",
                 f"first [step, num] of an access pattern on {self.buffer} is the partition dim: step must be "
-                f"{self.storage.partition_stride} (free elements per partition of {self.name}), got {pattern[0][0]}",
+                f"{self.partition_stride} (free elements per partition of {self.name}), got {pattern[0][0]}",
             )
         start = self.offset + int(offset)
         if scalar_offset is not None:
