@@ -80,3 +80,17 @@ def test_mean_epilogue_and_square_prologue_fuse_into_one_kernel():
     region, _ = compile_and_run(lambda x: torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6), x)
     assert len(region.kernels) == 1
     check_against_eager(lambda x: torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6), x)
+
+
+@settings(max_examples=10, deadline=None)
+@given(rows=SIZES, cols=SIZES, dtype=DTYPES, affine=st.booleans())
+def test_layer_norm_matches_eager(rows, cols, dtype, affine):
+    x = random_tensor((2, rows, cols), dtype, seed=5)
+    weight, bias = random_tensor((cols,), dtype, seed=6), random_tensor((cols,), dtype, seed=7)
+
+    def layer_norm(x, weight, bias):
+        out, mean, rstd = torch.ops.aten.native_layer_norm(x, [cols], weight if affine else None,
+                                                           bias if affine else None, 1e-5)
+        return out, mean, rstd
+
+    check_against_eager(layer_norm, x, weight, bias)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable
 
 import torch
@@ -30,17 +31,18 @@ class LoweringError(RuntimeError):
 class LoweringRule:
     lower: Callable
     check: Callable | None = None
+    multi_output: bool = False  # the op returns a tuple of tensors, picked by getitem nodes
 
 
 _LOWERINGS: dict = {}
 
 
-def register_lowering(*ops, check: Callable | None = None):
-    """Register ``fn(ctx, node) -> TensorValue`` for each ATen OpOverload in ``ops``."""
+def register_lowering(*ops, check: Callable | None = None, multi_output: bool = False):
+    """Register ``fn(ctx, node) -> TensorValue`` (a tuple of them if ``multi_output``) for each ATen op."""
 
     def decorate(fn):
         for op in ops:
-            _LOWERINGS[op] = LoweringRule(fn, check)
+            _LOWERINGS[op] = LoweringRule(fn, check, multi_output)
         return fn
 
     return decorate
@@ -53,7 +55,7 @@ def registered_ops() -> list:
 
 def _ensure_families_loaded() -> None:
     # Importing the family modules fills the registry (each uses @register_lowering at import time).
-    from neuron_compile.lowering import matmul, movement, pointwise, reduction  # noqa: F401
+    from neuron_compile.lowering import matmul, movement, normalization, pointwise, reduction  # noqa: F401
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -68,8 +70,9 @@ def _tensor_metas(node: torch.fx.Node) -> list:
         items = arg if isinstance(arg, (list, tuple)) else [arg]
         for item in items:
             value = item.meta.get("val") if isinstance(item, torch.fx.Node) else None
-            if isinstance(value, torch.Tensor):
-                metas.append(value)
+            for tensor in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(tensor, torch.Tensor):
+                    metas.append(tensor)
     return metas
 
 
@@ -81,7 +84,9 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
     rule = _LOWERINGS.get(node.target)
     if rule is None:
         return f"no lowering for {node.target}"
-    if not isinstance(node.meta.get("val"), torch.Tensor):
+    value = node.meta.get("val")
+    is_tensor_tuple = isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value)
+    if not (isinstance(value, torch.Tensor) or (rule.multi_output and is_tensor_tuple)):
         return f"{node.target}: no tensor meta['val'] (multi-output or untyped node)"
     for meta in _tensor_metas(node):
         if meta.dtype not in SUPPORTED_DTYPES:
@@ -135,7 +140,10 @@ class LoweringContext:
 
     def output_buffer(self, node: torch.fx.Node, stem: str) -> ir.Buffer:
         """A fresh HBM buffer with exactly the sizes and strides eager gives ``node``'s result."""
-        meta = node.meta["val"]
+        return self.new_buffer(node.meta["val"], stem)
+
+    def new_buffer(self, meta: torch.Tensor, stem: str) -> ir.Buffer:
+        """A fresh HBM buffer with the sizes, strides and dtype of the (fake) tensor ``meta``."""
         layout = ir.Layout(tuple(meta.shape), tuple(meta.stride()), 0)
         buffer = ir.Buffer(self.fresh_name(stem), dtype_name(meta.dtype), layout)
         self.buffers[buffer.name] = buffer
@@ -188,6 +196,11 @@ def lower_graph(gm: torch.fx.GraphModule) -> LoweredRegion:
             ctx.buffers[buffer.name] = buffer
             ctx.values[node] = TensorValue(buffer.name, layout, buffer.dtype)
             inputs.append(buffer)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            produced = ctx.values.get(node.args[0])
+            if not isinstance(produced, tuple):
+                raise LoweringError(f"getitem ({node.name}) of a node that is not a lowered multi-output op")
+            ctx.values[node] = produced[node.args[1]]
         elif node.op == "call_function":
             reason = unsupported_reason(node)
             if reason is not None:
