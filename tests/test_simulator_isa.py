@@ -240,6 +240,17 @@ def test_nc_matmul_first_write_overwrites_later_accumulate():
     np.testing.assert_allclose(after_memset, golden, rtol=1e-5, atol=1e-5)
 
 
+def test_nc_matmul_in_a_pe_array_tile_computes_the_same_product():
+    s, mv = _random((64, 32), F32, 25), _random((64, 100), F32, 26)
+
+    def kernel(a, b):
+        acc = nl.ndarray((32, 100), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(acc, _load(a), _load(b), tile_position=(64, 0), tile_size=(64, 64))
+        return _store(acc)
+
+    np.testing.assert_allclose(_run(kernel, s, mv), s.T @ mv, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("engine, shape", [("tensor", (128, 96)), ("tensor", (5, 1)), ("vector", (32, 17))])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nc_transpose_engines(engine, shape, dtype):

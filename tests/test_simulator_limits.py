@@ -44,6 +44,9 @@ CASES = {
     "err_matmul_shape": (lambda: nisa.nc_matmul(psum((8, 16)), sbuf((8, 8)), sbuf((8, 8))), "(8, 16)"),
     "err_psum_tile_exceeds_bank": (
         lambda: nisa.nc_matmul(psum((8, 1024))[:, 256:768], sbuf((8, 8)), sbuf((8, 512))), "bank"),
+    "err_matmul_tile_position": (
+        lambda: nisa.nc_matmul(psum((8, 8)), sbuf((8, 8)), sbuf((8, 8)), tile_position=(32, 0), tile_size=(64, 64)),
+        "32"),
     "err_free_size_exceed_arch_limit": (
         lambda: nisa.tensor_copy(nl.ndarray((2, 70000), nl.int8), sbuf((2, 70000), nl.int8, 1)), "70000"),
     "err_tensor_engine_reads_sbuf": (lambda: nisa.nc_transpose(psum((8, 4)), psum((4, 8)), engine=nisa.engine.tensor),

@@ -94,7 +94,9 @@ def _collect_outputs(result) -> list[NkiTensor]:
         for item in result:
             outputs.extend(_collect_outputs(item))
         return outputs
-    raise NkiValidationError("err_kernel_output", f"a kernel returns nl.shared_hbm tensors, got {type(result).__name__}")
+    raise NkiValidationError(
+        "err_kernel_output", f"a kernel returns nl.shared_hbm tensors, got {type(result).__name__}"
+    )
 
 
 def _check_output(tensor: NkiTensor) -> None:

@@ -88,11 +88,25 @@ def get_nc_version() -> nc_version:
 _MATMUL_INPUT_DTYPES = {"float8_e4m3", "float8_e5m2", "float8_e4m3fn", "bfloat16", "float16", "float32"}
 
 
-def _contiguous_free(t) -> bool:
-    # the free part of an on-chip view (one partition's elements) occupies consecutive addresses
-    from neuron_compile.runtime.simulator.tensor import _is_contiguous
-
-    return _is_contiguous(t.shape[1:], t.strides[1:])
+def _check_tiling(op: str, stationary, tile_position, tile_size) -> None:
+    """PE-array tiling: (row, col) sizes of 128 / 64 (/ 32 on gen3+), positions multiples of the size."""
+    if not tile_position and not tile_size:
+        return
+    if not tile_position or not tile_size or len(tile_position) != 2 or len(tile_size) != 2:
+        raise NkiValidationError(
+            "err_matmul_tile_position",
+            f"tile_position {tile_position} and tile_size {tile_size} must both be (row, col) pairs", op,
+        )
+    legal = (128, 64, 32) if current().target.nc_version != "gen2" else (128, 64)
+    for what, position, size, used in (("row", tile_position[0], tile_size[0], stationary.partitions),
+                                       ("col", tile_position[1], tile_size[1], stationary.free_size)):
+        if size not in legal or position % size or position + size > 128 or used > size:
+            raise NkiValidationError(
+                "err_matmul_tile_position",
+                f"{what} tile size {size} (legal {legal}) at position {position} for {used} stationary "
+                f"{'partitions' if what == 'row' else 'columns'}: the position must be a multiple of the size, "
+                "the tile must lie in the 128x128 array and hold the operand", op,
+            )
 
 
 def _check_psum_bank(op: str, role: str, t) -> None:
@@ -165,6 +179,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             f"(moving free size); stationary {stationary.shape}, moving {moving.shape}", op,
         )
     _check_psum_bank(op, "dst", dst)
+    _check_tiling(op, stationary, tile_position, tile_size)
     product = fp32_tile(stationary).T @ fp32_tile(moving)
     flags = dst.matmul_flags()
     if accumulate is False:
@@ -231,7 +246,9 @@ def _apply_activation(op: str, func, data, bias, scale) -> tuple[np.ndarray, obj
     gen2 = current().target.nc_version == "gen2"
     if bias is not None and gen2 and not hasattr(bias, "shape"):
         raise NkiValidationError("err_activation_bias_invalid_type", "bias must be a (P, 1) tile on gen2", op)
-    bias_values = scalar_or_vector(op, "bias", bias, p, "err_activation_bias_invalid_type") if bias is not None else None
+    bias_values = None
+    if bias is not None:
+        bias_values = scalar_or_vector(op, "bias", bias, p, "err_activation_bias_invalid_type")
     scale_values = scalar_or_vector(op, "scale", scale, p, "err_activation_scale_scalar_or_vector")
     x = fp32_tile(data)
     if not (scale_values.ndim == 0 and scale_values == 1):
@@ -355,7 +372,9 @@ def _int_operand(name: str, role: str, value, partitions: int):
     if hasattr(value, "shape"):
         return _int_values(value)
     if isinstance(value, float) and not float(value).is_integer():
-        raise NkiValidationError("err_tensor_scalar_operand_dtype", f"bitvec {role} must be an integer, got {value}", name)
+        raise NkiValidationError(
+            "err_tensor_scalar_operand_dtype", f"bitvec {role} must be an integer, got {value}", name
+        )
     return np.int32(value)
 
 
@@ -439,8 +458,8 @@ def _affine_values(name: str, dst, pattern, offset, channel_multiplier) -> np.nd
     count = int(np.prod([n for _, n in pattern], dtype=np.int64))
     if count != dst.free_size:
         raise NkiValidationError(
-            "err_pattern_size", f"pattern {pattern} has {count} elements, dst {dst.shape} has {dst.free_size} per partition",
-            name,
+            "err_pattern_size",
+            f"pattern {pattern} has {count} elements, dst {dst.shape} has {dst.free_size} per partition", name,
         )
     values = np.full((dst.partitions,) + tuple(n for _, n in pattern), int(offset), dtype=np.int64)
     values += (np.arange(dst.partitions, dtype=np.int64) * int(channel_multiplier)).reshape((-1,) + (1,) * len(pattern))
@@ -472,7 +491,9 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
     check_same_partitions(name, on_true, dst, "on_true_tile", "dst")
     check_same_free(name, on_true, dst, "on_true_tile", "dst")
     if not isinstance(on_false_value, (int, float, np.integer, np.floating)):
-        raise NkiValidationError("err_affine_select_false_value", f"on_false_value must be a scalar, got {on_false_value!r}", name)
+        raise NkiValidationError(
+            "err_affine_select_false_value", f"on_false_value must be a scalar, got {on_false_value!r}", name
+        )
     affine = _affine_values(name, dst, pattern, offset, channel_multiplier).astype(FLOAT32)
     predicate = cmp.fn(affine, np.float32(0)).astype(bool)
     store(dst, np.where(predicate, fp32_tile(on_true), np.float32(on_false_value)))
@@ -553,7 +574,9 @@ def bn_stats(dst, data):
     check_same_partitions(name, data, dst, "data", "dst")
     limit = current().target.bn_stats_fmax
     if data.free_size > limit:
-        raise NkiValidationError("err_bn_stats_fmax", f"data free size {data.free_size} exceeds bn_stats_fmax {limit}", name)
+        raise NkiValidationError(
+            "err_bn_stats_fmax", f"data free size {data.free_size} exceeds bn_stats_fmax {limit}", name
+        )
     if dst.free_size != 6:
         raise NkiValidationError("err_bn_stats_dst_shape", f"dst {dst.shape} must hold 6 elements per partition", name)
     x = fp32_tile(data)
@@ -576,7 +599,8 @@ def bn_aggr(dst, data):
     check_same_partitions(name, data, dst, "data", "dst")
     if data.free_size % 3 or dst.free_size != 2:
         raise NkiValidationError(
-            "err_bn_aggr_shape", f"data {data.shape} must hold bn_stats groups (3k elements) and dst {dst.shape} 2", name
+            "err_bn_aggr_shape",
+            f"data {data.shape} must hold bn_stats groups (3k elements) and dst {dst.shape} 2", name,
         )
     groups = fp32_tile(data).reshape(data.partitions, -1, 3)
     count, mean, m2 = groups[..., 0], groups[..., 1], groups[..., 2]

@@ -186,7 +186,9 @@ def copy(x: NkiTensor, dtype=None) -> NkiTensor:
 
 def load_transpose2d(src: NkiTensor, dtype=None) -> NkiTensor:
     if src.ndim != 2:
-        raise NkiValidationError("err_exceed_max_supported_dimension", f"load_transpose2d of rank {src.ndim} {src.shape}")
+        raise NkiValidationError(
+            "err_exceed_max_supported_dimension", f"load_transpose2d of rank {src.ndim} {src.shape}"
+        )
     tile = allocate((src.shape[1], src.shape[0]), src.dtype, sbuf)
     _isa.dma_transpose(tile, src)
     return copy(tile, dtype) if dtype is not None and np.dtype(dtype) != tile.dtype else tile

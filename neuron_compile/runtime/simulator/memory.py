@@ -85,7 +85,9 @@ def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
     shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
     dtype = np.dtype(dtype)
     if not isinstance(buffer, Buffer):
-        raise NkiValidationError("err_unsupported_memory", f"buffer must be nl.sbuf/psum/hbm/shared_hbm, got {buffer!r}")
+        raise NkiValidationError(
+            "err_unsupported_memory", f"buffer must be nl.sbuf/psum/hbm/shared_hbm, got {buffer!r}"
+        )
     if dtype.itemsize > 4 or dtype.kind == "c":
         raise NkiValidationError("err_unsupported_dtype", f"dtype {dtype.name} is not a Neuron dtype (no 64-bit types)")
     context = current()

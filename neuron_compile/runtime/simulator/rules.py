@@ -23,11 +23,14 @@ def is_float(dtype: np.dtype) -> bool:
 
 def require_tensor(op: str, role: str, value) -> NkiTensor:
     if not isinstance(value, NkiTensor):
-        raise NkiValidationError("err_expected_tensor", f"{role} must be an nl.ndarray tile, got {type(value).__name__}", op)
+        raise NkiValidationError(
+            "err_expected_tensor", f"{role} must be an nl.ndarray tile, got {type(value).__name__}", op
+        )
     return value
 
 
-def require_buffers(op: str, role: str, tensor: NkiTensor, allowed: tuple[str, ...], rule: str = "err_unsupported_memory"):
+def require_buffers(op: str, role: str, tensor: NkiTensor, allowed: tuple[str, ...],
+                    rule: str = "err_unsupported_memory") -> None:
     if tensor.kind not in allowed:
         raise NkiValidationError(
             rule, f"{role} {tensor.name} is in {tensor.buffer}, expected one of {', '.join(allowed)}", op

@@ -276,7 +276,9 @@ class NkiTensor:
             known = math.prod(s for s in shape if s != -1)
             shape = tuple(self.size // known if s == -1 else s for s in shape)
         if math.prod(shape) != self.size:
-            raise NkiValidationError("err_reshape_size", f"cannot reshape {self.shape} ({self.size} elements) to {shape}")
+            raise NkiValidationError(
+                "err_reshape_size", f"cannot reshape {self.shape} ({self.size} elements) to {shape}"
+            )
         if self.on_chip and shape[0] != self.shape[0]:
             raise NkiValidationError(
                 "err_leading_dimension_of_tensor_must_be_partition",
