@@ -27,6 +27,8 @@ def tiled_add_kernel(a, b):
     rows, cols = a.shape
     ROWS_PER_TILE = nl.tile_size.pmax  # 128 partitions
     COLS_PER_TILE = min(cols, 2048)  # 8 KiB of fp32 per partition: large enough for efficient DMA
+    assert rows % ROWS_PER_TILE == 0, f"rows={rows} must be a multiple of {ROWS_PER_TILE}"
+    assert cols % COLS_PER_TILE == 0, f"cols={cols} must be at most, or a multiple of, {COLS_PER_TILE}"
     out = nl.ndarray((rows, cols), dtype=a.dtype, buffer=nl.shared_hbm)
 
     for r in nl.affine_range(rows // ROWS_PER_TILE):
@@ -114,6 +116,7 @@ def softmax_kernel(x):
     """softmax(x, axis=-1) for [rows, cols] fp32, rows a multiple of 128, cols <= 64K elements."""
     rows, cols = x.shape
     P = nl.tile_size.pmax
+    assert rows % P == 0, f"rows={rows} must be a multiple of {P}"
     out = nl.ndarray((rows, cols), dtype=x.dtype, buffer=nl.shared_hbm)
 
     for r in nl.affine_range(rows // P):
