@@ -203,11 +203,27 @@ class MatMul:
     stores: tuple[Store, ...]
 
 
-Node = Pointwise | Reduction | RowNormalize | MatMul
+@dataclass(frozen=True)
+class Concat:
+    """Copy each part (a Pointwise over its input's shape) into its slice of one output buffer (aten.cat)."""
+
+    name: str
+    domain: tuple[int, ...]
+    parts: tuple[Pointwise, ...]
+    output: Buffer
+
+    @property
+    def stores(self) -> tuple[Store, ...]:
+        return (Store(self.output, Result(), self.output.layout),)
+
+
+Node = Pointwise | Reduction | RowNormalize | MatMul | Concat
 
 
 def node_loads(node: Node) -> list[Load]:
     """Every buffer read of ``node``."""
+    if isinstance(node, Concat):
+        return list(dict.fromkeys(load for part in node.parts for load in node_loads(part)))
     exprs = [store.expr for store in node.stores]
     if isinstance(node, (Reduction, RowNormalize)):
         exprs.append(node.prologue)
@@ -226,5 +242,7 @@ def format_node(node: Node) -> str:
         head += f" {node.op} over {node.dim}\n  prologue: {node.prologue}"
     elif isinstance(node, MatMul):
         head += f" K={node.k}\n  a: {node.a}\n  b: {node.b}"
+    if isinstance(node, Concat):
+        return "\n".join([head] + [format_node(part) for part in node.parts])
     lines = [head] + [f"  {store.buffer.name} = {store.expr}" for store in node.stores]
     return "\n".join(lines)

@@ -72,3 +72,23 @@ def test_reshape_needing_a_copy_is_unsupported():
         x.meta["val"] = torch.empty(3, 4).t()
         reshape.meta["val"] = x.meta["val"].reshape(-1)
     assert "needs a copy" in unsupported_reason(reshape)
+
+
+@settings(max_examples=15, deadline=None)
+@given(shape=shapes(), pieces=st.integers(1, 3), data=st.data(), dtype=st.sampled_from([torch.float32,
+                                                                                         torch.bfloat16]))
+def test_cat_matches_eager(shape, pieces, data, dtype):
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    tensors = []
+    for index in range(pieces):
+        piece = list(shape)
+        piece[dim] = data.draw(st.sampled_from([1, 2, 3]))
+        tensors.append(random_tensor(tuple(piece), dtype, seed=index))
+    check_against_eager(lambda *parts: torch.cat([part * 2 for part in parts], dim), *tensors)
+
+
+def test_cat_of_views_is_one_kernel():
+    x = random_tensor((130, 6))
+    region, _ = compile_and_run(lambda x: torch.cat([x[:, :2], x.t()[:3].t(), x], 1), x)
+    assert len(region.kernels) == 1
+    check_against_eager(lambda x: torch.cat([x[:, :2], x.t()[:3].t(), x], 1), x)

@@ -107,6 +107,8 @@ def render_kernel(node: ir.Node, plan: TilePlan, name: str, parameters: list[str
         source = _render_reduction(node, plan, name, parameters)
     elif isinstance(node, ir.RowNormalize):
         source = _render_row_normalize(node, plan, name, parameters)
+    elif isinstance(node, ir.Concat):
+        source = _render_concat(node, plan, name, parameters)
     else:
         source = _render_matmul(node, plan, name, parameters)
     return KernelSource(name, source, tuple(parameters), tuple(store.buffer for store in node.stores))
@@ -119,9 +121,8 @@ def _common(node, plan, name, parameters, **extra) -> dict:
     )
 
 
-def _render_pointwise(node: ir.Pointwise, plan: TilePlan, name: str, parameters: list[str]) -> str:
+def _pointwise_body(node: ir.Pointwise, plan: TilePlan, allocator: TileAllocator) -> list[str]:
     patterns = Patterns(plan)
-    allocator = TileAllocator(plan.partition.tile)
     free = [(plan.free[0], "cols")]
 
     def load_pattern(load: ir.Load, tile: str):
@@ -130,7 +131,24 @@ def _render_pointwise(node: ir.Pointwise, plan: TilePlan, name: str, parameters:
     scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern)
     body: list[str] = []
     _store_lines(node.stores, scope, patterns, free, True, body)
+    return body
+
+
+def _render_pointwise(node: ir.Pointwise, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    allocator = TileAllocator(plan.partition.tile)
+    body = _pointwise_body(node, plan, allocator)
     return _render("pointwise.py.j2", **_common(node, plan, name, parameters, allocations=allocator.lines, body=body))
+
+
+def _render_concat(node: ir.Concat, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    allocations, parts = [], []
+    for part, part_plan in zip(node.parts, plan.parts):
+        allocator = TileAllocator(part_plan.partition.tile)
+        allocator.count = len(allocations)  # distinct tile names across parts
+        body = _pointwise_body(part, part_plan, allocator)
+        allocations += allocator.lines
+        parts.append(dict(plan=part_plan, body=body, depth=len(part_plan.outer) + 1))
+    return _render("concat.py.j2", **_common(node, plan, name, parameters, allocations=allocations, parts=parts))
 
 
 def _reduction_scopes(node, plan: TilePlan, allocator: TileAllocator, patterns: Patterns):

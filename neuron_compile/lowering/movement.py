@@ -2,7 +2,7 @@
 
 Input: an ATen FX node. Output: for view ops, a ``TensorValue`` that reads the producer's buffer through the
 node's own sizes, strides and storage offset (from ``meta["val"]``: that is exactly an NKI access pattern);
-clone is a pointwise copy (pointwise.py).
+clone is a pointwise copy (pointwise.py); cat is an ``ir.Concat``, one copy loop per input into its slice.
 """
 
 from __future__ import annotations
@@ -71,3 +71,21 @@ def lower_view(ctx, node):
     # A reshape of a contiguous tensor: the same elements with contiguous strides, whatever storage tracing gave.
     layout = ir.Layout(tuple(result.shape), ir.contiguous_strides(tuple(result.shape)), base.layout.offset)
     return TensorValue(base.buffer, layout, base.dtype)
+
+
+@register_lowering(aten.cat.default)
+def lower_cat(ctx, node):
+    tensors = node.args[0]
+    output = ctx.output_buffer(node, "cat")
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(output.layout.shape)
+    parts, start = [], 0
+    for tensor in tensors:
+        value = ctx.value(tensor)
+        shape = value.layout.shape
+        # The part's slice of the output: the output's strides, moved ``start`` along the cat dim.
+        target = ir.Layout(shape, output.layout.strides, output.layout.offset + start * output.layout.strides[dim])
+        source = ir.Load(value.buffer, value.layout, value.dtype)
+        parts.append(ir.Pointwise(ctx.fresh_name("part"), shape, (ir.Store(output, source, target),)))
+        start += shape[dim]
+    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), output.layout.shape, tuple(parts), output))
+    return TensorValue(output.name, output.layout, output.dtype)

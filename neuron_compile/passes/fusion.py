@@ -58,6 +58,8 @@ def can_fuse(group: ir.Node, consumer: ir.Node, outside_readers: set[str]) -> st
 
     ``outside_readers`` are the group's buffers that something other than ``consumer`` still reads.
     """
+    if isinstance(group, ir.Concat):
+        return "a concat kernel takes no epilogue"
     if isinstance(consumer, ir.Pointwise):
         converted = [_to_group_domain(store.layout, group) for store in consumer.stores]
         if any(layout is None for layout in converted):
@@ -113,7 +115,9 @@ def merge(group: ir.Node, consumer: ir.Node) -> ir.Node:
     return dataclasses.replace(consumer, prologue=prologue)
 
 
-def _prune(node: ir.Node, needed: set[str]) -> ir.Node:
+def _prune(node: ir.Node, needed: set[str]) -> ir.Node | None:
+    if isinstance(node, ir.Concat):
+        return node if node.output.name in needed else None
     kept = tuple(store for store in node.stores if store.buffer.name in needed)
     return dataclasses.replace(node, stores=kept)
 
@@ -166,4 +170,4 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str]) -> FusionResult:
             if group_of.get(buffer) is not None:
                 needed.add(buffer)
     kernels = [_prune(groups[group_id], needed) for group_id in nx.topological_sort(dag)]
-    return FusionResult([kernel for kernel in kernels if kernel.stores], decisions)
+    return FusionResult([kernel for kernel in kernels if kernel is not None and kernel.stores], decisions)

@@ -61,6 +61,7 @@ class TilePlan:
     tiles_per_iteration: int  # SBUF tiles the body keeps live (for the budget)
     k_tile: int = 0  # matmul only
     k_tiles: int = 0
+    parts: tuple[TilePlan, ...] = ()  # concat only: one pointwise plan per input
 
     def describe(self) -> str:
         def fmt(dim):
@@ -69,6 +70,8 @@ class TilePlan:
         outer = ", ".join(fmt(d) for d in self.outer) or "-"
         free = ", ".join(fmt(d) for d in self.free)
         text = f"{self.kind}: outer [{outer}] partition {fmt(self.partition)} free [{free}]"
+        if self.kind == "concat":
+            return "concat: " + "; ".join(part.describe() for part in self.parts)
         return text + (f" K {self.k_tiles}x{self.k_tile}" if self.kind == "matmul" else "")
 
 
@@ -193,4 +196,8 @@ def plan_kernel(node: ir.Node, target) -> TilePlan:
         return plan_reduction(node, target)
     if isinstance(node, ir.MatMul):
         return plan_matmul(node, target)
+    if isinstance(node, ir.Concat):
+        parts = tuple(plan_pointwise(part, target) for part in node.parts)
+        synthetic = LoopDim(1, None)
+        return TilePlan("concat", (), synthetic, (synthetic,), max(p.tiles_per_iteration for p in parts), parts=parts)
     raise TilingError(f"no tiling for {type(node).__name__}")
