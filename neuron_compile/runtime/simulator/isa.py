@@ -131,7 +131,7 @@ def _check_psum_bank(op: str, role: str, t) -> None:
 
 
 def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
-              accumulate=None, tile_position=(), tile_size=(), perf_mode=None, mask=None):
+              accumulate=None, tile_position=(), tile_size=(), perf_mode=None, mask=None, name=None):
     """dst[M, N] (PSUM) = stationary[K, M].T @ moving[K, N]; first write overwrites, later writes accumulate."""
     op = "nc_matmul"
     target = current().target
@@ -197,7 +197,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             "perf_mode": getattr(perf_mode, "name", perf_mode)}, flops=2 * k * m * n)
 
 
-def nc_transpose(dst, data, engine=None):
+def nc_transpose(dst, data, engine=None, name=None):
     """dst[F, P] = data[P, F]: TensorE (SBUF -> PSUM, <= 128x128) or VectorE (<= 32x32)."""
     op = "nc_transpose"
     target = current().target
@@ -258,7 +258,7 @@ def _apply_activation(op: str, func, data, bias, scale) -> tuple[np.ndarray, obj
     return func.fn(x).astype(FLOAT32, copy=False), bias_values, scale_values
 
 
-def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None):
+def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None, name=None):
     """dst = op(data * scale + bias) on ScalarE; optional add-reduction along the free dim into reduce_res."""
     name = "activation"
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
@@ -285,7 +285,7 @@ def _activation_reduce_into(name: str, reduce_op, reduce_res, y: np.ndarray, par
     store(reduce_res, y.sum(axis=1, dtype=FLOAT32, keepdims=True))
 
 
-def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0):
+def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
     """activation with a per-partition add-reduction of the result into reduce_res (P, 1)."""
     name = "activation_reduce"
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
@@ -302,7 +302,7 @@ def _int_values(t) -> np.ndarray:
     return t.read().reshape(t.partitions, -1)
 
 
-def tensor_tensor(dst, data1, data2, op, engine=None):
+def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
     """dst = op(data1, data2) elementwise (same partitions, same elements per partition)."""
     name = "tensor_tensor"
     dst, data1, data2 = (require_tensor(name, r, t) for r, t in (("dst", dst), ("data1", data1), ("data2", data2)))
@@ -332,7 +332,8 @@ def tensor_tensor(dst, data1, data2, op, engine=None):
     record(name, eng, dst, [("data1", data1), ("data2", data2)], {"op": func.name}, flops=dst.size)
 
 
-def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False, engine=None):
+def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False, engine=None,
+                  name=None):
     """dst = (data op0 operand0) op1 operand1; operands are scalars or (P, 1) fp32 tiles."""
     name = "tensor_scalar"
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
@@ -392,7 +393,7 @@ def _reduce_axes(name: str, data, axis) -> tuple[int, ...]:
     return axes
 
 
-def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False):
+def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     """dst = reduce(op) of data over the last free axes (VectorE, fp32)."""
     name = "tensor_reduce"
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
@@ -423,7 +424,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False):
     record(name, "vector", dst, [("data", data)], {"op": func.name, "negate": negate}, flops=data.size)
 
 
-def tensor_copy(dst, src, engine=None):
+def tensor_copy(dst, src, engine=None, name=None):
     """dst = src (same partitions, same elements per partition); bit exact if dtypes match, else via fp32."""
     name = "tensor_copy"
     dst, src = require_tensor(name, "dst", dst), require_tensor(name, "src", src)
@@ -434,7 +435,7 @@ def tensor_copy(dst, src, engine=None):
     record(name, eng, dst, [("src", src)])
 
 
-def memset(dst, value, engine=None):
+def memset(dst, value, engine=None, name=None):
     """dst[...] = value; the value must match dst's dtype (an int for integer tensors)."""
     name = "memset"
     dst = require_tensor(name, "dst", dst)
@@ -470,7 +471,7 @@ def _affine_values(name: str, dst, pattern, offset, channel_multiplier) -> np.nd
     return values.reshape(dst.partitions, -1)
 
 
-def iota(dst, pattern, offset=0, channel_multiplier=0):
+def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     """dst[c, ...] = offset + c * channel_multiplier + sum(step_i * index_i), computed in int32 (GpSimd)."""
     name = "iota"
     dst = require_tensor(name, "dst", dst)
@@ -480,7 +481,7 @@ def iota(dst, pattern, offset=0, channel_multiplier=0):
     record(name, "gpsimd", dst, [], {"pattern": pattern})
 
 
-def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op=None, offset=0):
+def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op=None, offset=0, name=None):
     """dst = where(cmp_op(affine_value, 0), on_true_tile, on_false_value) (GpSimd, SBUF)."""
     name = "affine_select"
     dst, on_true = require_tensor(name, "dst", dst), require_tensor(name, "on_true_tile", on_true_tile)
@@ -500,7 +501,7 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
     record(name, "gpsimd", dst, [("on_true_tile", on_true)], {"op": cmp.name})
 
 
-def dma_copy(dst, src, oob_mode=None, dge_mode=None, engine=None, mask=None):
+def dma_copy(dst, src, priority=None, oob_mode=None, dge_mode=None, engine=None, mask=None, name=None):
     """dst = src between HBM and SBUF (either way) or within one; never PSUM; dtype cast via fp32."""
     name = "dma_copy"
     dst, src = require_tensor(name, "dst", dst), require_tensor(name, "src", src)
@@ -546,7 +547,7 @@ def _dma_skip_oob(dst, src, values) -> None:
         flat[index[valid]] = cast_to(values.reshape(index.shape)[valid], dst.dtype)
 
 
-def dma_transpose(dst, src, axes=None):
+def dma_transpose(dst, src, axes=None, priority=None, dge_mode=None, oob_mode=None, name=None):
     """dst = src transposed (HBM -> SBUF or SBUF -> SBUF), 2- or 4-byte dtypes, dst shape = transposed src."""
     name = "dma_transpose"
     dst, src = require_tensor(name, "dst", dst), require_tensor(name, "src", src)
@@ -565,7 +566,7 @@ def dma_transpose(dst, src, axes=None):
     record(name, "dma", dst, [("src", src)], {"transpose": True})
 
 
-def bn_stats(dst, data):
+def bn_stats(dst, data, name=None):
     """Per-partition statistics of data (free size <= bn_stats_fmax): (count, mean, M2) of even, odd elements."""
     name = "bn_stats"
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
@@ -590,7 +591,7 @@ def bn_stats(dst, data):
     record(name, "vector", dst, [("data", data)], flops=data.size)
 
 
-def bn_aggr(dst, data):
+def bn_aggr(dst, data, name=None):
     """Combine bn_stats groups (P, 6*k) into (mean, variance) per partition (Chan's parallel formula)."""
     name = "bn_aggr"
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
@@ -612,7 +613,7 @@ def bn_aggr(dst, data):
     record(name, "vector", dst, [("data", data)], flops=data.size)
 
 
-def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False):
+def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False, name=None):
     """r[:, i] = op1(op0(data0[:, i], r[:, i-1]), data1[:, i]) with r[:, -1] = initial (fp32, per partition)."""
     name = "tensor_tensor_scan"
     dst, data0, data1 = (require_tensor(name, r, t) for r, t in (("dst", dst), ("data0", data0), ("data1", data1)))
@@ -638,7 +639,7 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
            flops=2 * data0.size)
 
 
-def reciprocal(dst, data, engine=None):
+def reciprocal(dst, data, engine=None, name=None):
     """dst = 1 / data (fp32)."""
     name = "reciprocal"
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
@@ -649,7 +650,7 @@ def reciprocal(dst, data, engine=None):
     record(name, eng, dst, [("data", data)], flops=data.size)
 
 
-def tensor_partition_reduce(dst, op, data):
+def tensor_partition_reduce(dst, op, data, name=None):
     """dst[0, :] = reduce(op) of data across its partitions (GpSimd)."""
     name = "tensor_partition_reduce"
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
