@@ -57,8 +57,11 @@ Whole-kernel model and its limits. ``est_time_s`` is the busy time of the busies
 (TensorE, VectorE, ScalarE, GpSimd, the DMA pool) are assumed to overlap perfectly, as a well-pipelined kernel
 (loads of tile i+1 during compute on tile i) does. It ignores dependency stalls (an engine waiting for
 another's result), the pipeline fill and drain, semaphore and instruction-issue costs, the ~100-cycle
-static overhead of dependent back-to-back small VectorE instructions, and SBUF bank conflicts, so it is a
-lower bound of a real run; ``serial_time_s`` (every engine's time added up, no overlap) is the upper bound.
+static overhead of dependent back-to-back small VectorE instructions (the trace does not say which
+instructions depend on which), SBUF bank conflicts, software-DGE descriptor generation on GpSimd and the
+~600 ns HWDGE issue cost, so it is a lower bound of a real run; ``serial_time_s`` (every engine's time added
+up, no overlap) is the upper bound. A launch with lnc=2 records both programs in one trace, which is costed
+as if one NeuronCore ran it all.
 ``roofline_s = max(FLOPs / TensorE peak for the dtype, HBM bytes / HBM bandwidth)``, where the HBM bandwidth
 of one NeuronCore is its sustained DMA bandwidth (trn2: 368 GB/s, and the chip's 2.9 TB/s shared by 8 cores is
 362 GB/s each), and FLOPs off TensorE are counted at the bf16 TensorE peak (an optimistic bound, harmless since
