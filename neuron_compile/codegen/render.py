@@ -270,20 +270,36 @@ def _render_row_normalize(node: ir.RowNormalize, plan: TilePlan, name: str, para
                                                     body=body))
 
 
+def _needs_transpose(partition_stride: int, free_stride: int) -> bool:
+    """Whether a tile is better loaded with its dims swapped (contiguous rows) and transposed on TensorE.
+
+    A DMA whose innermost run is one element costs a burst per element; loading rows and transposing on
+    TensorE (nc_transpose into PSUM, copy back to SBUF) does not.
+    """
+    return abs(partition_stride) == 1 and abs(free_stride) != 1
+
+
 def _render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
     patterns = Patterns(plan)
     allocator = TileAllocator(plan.partition.tile)
     dtype = node.a.dtype
     a, b = node.a.layout, node.b.layout
     # a is (batch, M, K): the stationary tile is a^T [K chunk on partitions, M tile free].
-    stationary_src = (
-        f"{node.a.buffer}.ap([[{a.strides[2]}, kk], [{a.strides[1]}, rows]], "
-        f"offset={_offset_text(a.offset, [('o0', a.strides[0]), ('p0', a.strides[1]), ('k0', a.strides[2])])})"
-    )
-    moving_src = (
-        f"{node.b.buffer}.ap([[{b.strides[1]}, kk], [{b.strides[2]}, cols]], "
-        f"offset={_offset_text(b.offset, [('o0', b.strides[0]), ('k0', b.strides[1]), ('f0', b.strides[2])])})"
-    )
+    stationary_offset = _offset_text(a.offset, [("o0", a.strides[0]), ("p0", a.strides[1]), ("k0", a.strides[2])])
+    transpose_stationary = _needs_transpose(a.strides[2], a.strides[1])
+    if transpose_stationary:  # a's rows [M tile, K chunk] are contiguous
+        stationary_src = f"{node.a.buffer}.ap([[{a.strides[1]}, rows], [{a.strides[2]}, kk]], offset={stationary_offset})"
+    else:
+        stationary_src = f"{node.a.buffer}.ap([[{a.strides[2]}, kk], [{a.strides[1]}, rows]], offset={stationary_offset})"
+    # b is (batch, K, N): the moving tile is [K chunk on partitions, N tile free].
+    transpose_moving = _needs_transpose(b.strides[2], b.strides[1])
+    if transpose_moving:  # b^T's rows [N block of 128, K chunk] are contiguous (x @ W.T with W stored [N, K])
+        offset = _offset_text(b.offset, [("o0", b.strides[0]), ("k0", b.strides[1]), ("f0", b.strides[2]),
+                                         ("n1", b.strides[2])])
+        moving_src = f"{node.b.buffer}.ap([[{b.strides[2]}, nn], [{b.strides[1]}, kk]], offset={offset})"
+    else:
+        offset = _offset_text(b.offset, [("o0", b.strides[0]), ("k0", b.strides[1]), ("f0", b.strides[2])])
+        moving_src = f"{node.b.buffer}.ap([[{b.strides[1]}, kk], [{b.strides[2]}, cols]], offset={offset})"
     free = [(plan.free[0], "cols")]
 
     def load_pattern(load: ir.Load, tile: str):
@@ -296,6 +312,7 @@ def _render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[
     context = _common(
         node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue, product=product,
         stationary_src=stationary_src, moving_src=moving_src, operand_dtype=NL_DTYPES[dtype],
-        k=node.k, k_tile=plan.k_tile, k_tiles=plan.k_tiles,
+        k=node.k, k_tile=plan.k_tile, k_tiles=plan.k_tiles, transpose_stationary=transpose_stationary,
+        transpose_moving=transpose_moving, transpose_block=min(plan.free[0].tile, 128),
     )
     return _render("matmul.py.j2", **context)
