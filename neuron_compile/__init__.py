@@ -13,7 +13,8 @@ if AWS ``torch_neuronx`` already owns ``"neuron"``) and gives ``stats()``, ``res
   config) had to be compiled / was already compiled.
 - ``recompiles``: misses after a graph's first signature (dynamic shapes seeing new sizes).
 - ``regions_compiled`` / ``region_compile_failures``: NKI regions compiled into kernels / that failed to
-  compile and ran eagerly (per signature).
+  compile and ran eagerly (per signature); ``region_run_failures``: compiled regions that failed when run
+  and run eagerly from then on.
 - ``nki_nodes`` / ``fallback_nodes``: ATen nodes placed in NKI kernels / run eagerly (per signature);
   ``fallback_reasons`` is a Counter of ``"<op>: <reason>"`` for the eager ones.
 - ``kernels_launched``, ``hbm_bytes``, ``flops``, ``est_time_s``, ``roofline_s``: kernel launches and the

@@ -256,6 +256,16 @@ def test_dynamic_shapes_specialize_per_signature(fake_regions):
     assert all(type(dim) is int for shapes in fake_regions for shape in shapes for dim in shape)
 
 
+def test_dynamic_shapes_through_the_real_pipeline(lowerings):
+    fn = torch.compile(pointwise, backend="neuron", dynamic=True)
+    for rows in (3, 130, 3):  # 130: more rows than the 128 partitions, a ragged second tile
+        x, y = torch.randn(rows, 4), torch.randn(rows, 4)
+        torch.testing.assert_close(fn(x, y), pointwise(x, y), **LOWERED_TOLERANCE)
+    counters = neuron_compile.stats()
+    assert (counters["graphs_compiled"], counters["cache_misses"], counters["cache_hits"]) == (1, 2, 1)
+    check_kernels_ran("lowerings")
+
+
 def test_mark_dynamic(fake_regions):
     x = torch.randn(6, 4)
     torch._dynamo.mark_dynamic(x, 0)
