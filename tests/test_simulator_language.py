@@ -347,3 +347,14 @@ def test_kernel_report_is_the_cost_model():
     report = run.report
     assert report is run.report  # computed once
     assert report.hbm_bytes > 0
+
+
+def test_launch_restores_the_blas_thread_count():
+    from neuron_compile.runtime.simulator import blas_threads
+
+    if blas_threads._OPENBLAS is None:
+        pytest.skip("numpy does not use OpenBLAS here")
+    get_threads = blas_threads._OPENBLAS[0]
+    before, inside = get_threads(), []
+    nki.run_kernel(lambda: inside.append(get_threads()), [])
+    assert inside == [1] and get_threads() == before

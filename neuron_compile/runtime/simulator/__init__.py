@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from neuron_compile.runtime.simulator import isa, language
+from neuron_compile.runtime.simulator.blas_threads import single_threaded_blas
 from neuron_compile.runtime.simulator.errors import NkiCapacityError, NkiNotSimulatedError, NkiValidationError
 from neuron_compile.runtime.simulator.hardware import Target, get_target
 from neuron_compile.runtime.simulator.memory import KernelContext, hbm_input, kernel_context
@@ -125,13 +126,14 @@ def _launch(fn, args, kwargs, target: Target, lnc: int) -> tuple[KernelRun, obje
     trace: list[InstructionRecord] = []
     shared_outputs: list[NkiTensor] = []
     result = None
-    for pid in range(lnc):
-        context = KernelContext(target=target, program_id=pid, num_programs=lnc, trace=trace,
-                                shared_reuse=shared_outputs, launched=True)
-        with kernel_context(context):
-            result = fn(*hbm_args, **hbm_kwargs)
-        if not shared_outputs:
-            shared_outputs.extend(context.outputs_allocated)
+    with single_threaded_blas():  # thousands of small matmuls: threads cost more than they give
+        for pid in range(lnc):
+            context = KernelContext(target=target, program_id=pid, num_programs=lnc, trace=trace,
+                                    shared_reuse=shared_outputs, launched=True)
+            with kernel_context(context):
+                result = fn(*hbm_args, **hbm_kwargs)
+            if not shared_outputs:
+                shared_outputs.extend(context.outputs_allocated)
     outputs = _collect_outputs(result)
     for tensor in outputs:
         _check_output(tensor)
