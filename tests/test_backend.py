@@ -62,6 +62,7 @@ class EagerRegion:
             node.op == "call_function" and node.target is not operator.getitem for node in gm.graph.nodes
         )
         self.kernels = [types.SimpleNamespace(name="kernel_0", source=f"# {len(example_inputs)} inputs\n{gm.code}")]
+        self.fusion_decisions = ["fused mul into add: matching index"]
 
     def __call__(self, *tensors):
         return tuple(self.gm(*tensors))
@@ -147,6 +148,8 @@ def test_regions_are_compiled_counted_and_recorded(fake_regions):
     assert "aten.mul.Tensor" in record.aten_graph and "nki_region_0" in record.partitioned_graph
     assert [kernel.region for kernel in record.kernels] == ["nki_region_0"]
     assert "nki_region_0" in str(record) and "== kernel kernel_0 (nki_region_0) ==" in str(record)
+    assert record.fusion_decisions == {"nki_region_0": ["fused mul into add: matching index"]}
+    assert "== fusion decisions (nki_region_0) ==\nfused mul into add: matching index" in str(record)
 
 
 @pytest.fixture

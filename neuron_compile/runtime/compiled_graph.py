@@ -65,6 +65,8 @@ class CompiledGraphRecord:
     report: PartitionReport
     kernels: list[KernelRecord] = dataclasses.field(default_factory=list)
     failures: list[str] = dataclasses.field(default_factory=list)  # one message per region that fell back
+    # Per region, the fusion pass's decisions (why nodes were or were not fused), when the region reports them.
+    fusion_decisions: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         parts = [
@@ -76,6 +78,8 @@ class CompiledGraphRecord:
             self.partitioned_graph,
         ]
         parts += [f"!! {failure}" for failure in self.failures]
+        for region, decisions in self.fusion_decisions.items():
+            parts += [f"== fusion decisions ({region}) ==", *decisions]
         for kernel in self.kernels:
             parts += [f"== kernel {kernel.name} ({kernel.region}) ==", kernel.source]
         return "\n".join(parts)
@@ -228,6 +232,9 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
         else:
             stats.add(regions_compiled=1, nki_nodes=int(getattr(region, "nki_nodes", 0)))
             record.kernels += [KernelRecord(name, kernel.name, kernel.source) for kernel in region.kernels]
+            decisions = getattr(region, "fusion_decisions", None)  # optional in the CompiledRegion interface
+            if decisions:
+                record.fusion_decisions[name] = [str(decision) for decision in decisions]
         setattr(top, name, RegionModule(name, region, submodule, expected, record))
     top.recompile()
     with _records_lock:
