@@ -117,3 +117,27 @@ def test_small_transfers_make_a_kernel_overhead_bound():
     assert reports["narrow"].bottleneck == reports["wide"].bottleneck == "dma"
     assert reports["narrow"].utilization < 0.25
     assert reports["wide"].utilization > 0.8
+
+
+@simulator.jit
+def copy_through_sbuf_kernel(x, transpose):
+    """HBM -> SBUF -> HBM; with transpose=True the load reads x.T through a strided access pattern."""
+    source = x.permute((1, 0)) if transpose else x
+    tile = nl.ndarray(source.shape, dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=source)
+    out = nl.ndarray(source.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=tile)
+    return out
+
+
+def test_transposing_through_a_strided_dma_costs_more_than_a_contiguous_load():
+    x = np.random.default_rng(2).standard_normal((128, 1024), dtype=np.float32)[:, :128].copy()
+    reports = {}
+    for transpose in (False, True):
+        run = simulator.run_kernel(copy_through_sbuf_kernel, (x, transpose), target="trn2")
+        np.testing.assert_array_equal(run.outputs[0], x.T if transpose else x)
+        load = run.trace[0]
+        assert load.srcs[0].innermost_stride_bytes == (128 * 4 if transpose else 4)
+        reports[transpose] = run.report
+    assert reports[True].hbm_bytes == reports[False].hbm_bytes  # the same bytes, moved less efficiently
+    assert reports[True].est_time_s > 2 * reports[False].est_time_s
