@@ -127,3 +127,16 @@ def test_unsupported_reasons_name_the_rule():
     assert reasons["_to_copy"] == "dtype int64"
     assert "tensor_copy_predicated" in reasons["where"]
     assert reasons["gt"] is None
+
+
+@settings(max_examples=10, deadline=None)
+@given(shape=shapes(3), dtype=DTYPES, name=st.sampled_from(["gelu", "silu", "softplus", "mish"]))
+def test_activation_backward_and_kept_activations_match_eager(shape, dtype, name):
+    aten = torch.ops.aten
+    functions = {
+        "gelu": lambda g, x: aten.gelu_backward(g, x),
+        "silu": lambda g, x: aten.silu_backward(g, x),
+        "softplus": lambda g, x: aten.softplus(x) * g,
+        "mish": lambda g, x: aten.mish(x) + g,
+    }
+    check_against_eager(functions[name], random_tensor(shape, dtype, seed=1), random_tensor(shape, dtype, seed=2))

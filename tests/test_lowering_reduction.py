@@ -94,3 +94,17 @@ def test_layer_norm_matches_eager(rows, cols, dtype, affine):
         return out, mean, rstd
 
     check_against_eager(layer_norm, x, weight, bias)
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=shape_and_dims(3), dtype=DTYPES, log=st.booleans())
+def test_softmax_backward_matches_eager(case, dtype, log):
+    shape, dims = case
+    aten = torch.ops.aten
+
+    def backward(grad, x):
+        if log:
+            return aten._log_softmax_backward_data(grad, aten._log_softmax(x, dims[0], False), dims[0], dtype)
+        return aten._softmax_backward_data(grad, aten._softmax(x, dims[0], False), dims[0], dtype)
+
+    check_against_eager(backward, random_tensor(shape, dtype, seed=1), random_tensor(shape, dtype, seed=2))

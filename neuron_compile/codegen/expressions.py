@@ -46,6 +46,10 @@ ACTIVATIONS = {
     "gelu": "nl.gelu",
     "gelu_tanh": "nl.gelu_apprx_tanh",
     "reciprocal": "nl.reciprocal",
+    "gelu_dx": "nl.gelu_dx",
+    "silu_dx": "nl.silu_dx",
+    "softplus": "nl.softplus",
+    "mish": "nl.mish",
 }
 SCALAR_FOLDS = {
     "add": lambda a, b: a + b,

@@ -213,3 +213,40 @@ def lower_cast(ctx, node):
 @register_lowering(aten.clone.default)
 def lower_clone(ctx, node):
     return emit_pointwise(ctx, node, _operand(ctx, node, node.args[0]))
+
+
+def _check_gelu_backward(node: torch.fx.Node) -> str | None:
+    approximate = node.kwargs.get("approximate", "none")
+    # The Scalar engine has the exact gelu derivative (gelu_dx) but none for the tanh approximation.
+    return None if approximate == "none" else f"aten.gelu_backward: approximate={approximate!r} (no gelu tanh_dx)"
+
+
+@register_lowering(aten.gelu_backward.default, check=_check_gelu_backward)
+def lower_gelu_backward(ctx, node):
+    grad, x = (_operand(ctx, node, arg) for arg in node.args[:2])
+    return emit_pointwise(ctx, node, ir.Op("mul", (grad, ir.Op("gelu_dx", (x,)))))
+
+
+@register_lowering(aten.silu_backward.default)
+def lower_silu_backward(ctx, node):
+    grad, x = (_operand(ctx, node, arg) for arg in node.args[:2])
+    return emit_pointwise(ctx, node, ir.Op("mul", (grad, ir.Op("silu_dx", (x,)))))
+
+
+def _check_softplus(node: torch.fx.Node) -> str | None:
+    beta = node.args[1] if len(node.args) > 1 else node.kwargs.get("beta", 1)
+    threshold = node.args[2] if len(node.args) > 2 else node.kwargs.get("threshold", 20)
+    # log(1 + exp(x)) equals x in fp32 beyond 20, so only the default beta / threshold match eager exactly.
+    if beta != 1 or threshold < 20:
+        return f"aten.softplus: beta={beta}, threshold={threshold} (only beta=1, threshold>=20)"
+    return None
+
+
+@register_lowering(aten.softplus.default, check=_check_softplus)
+def lower_softplus(ctx, node):
+    return emit_pointwise(ctx, node, ir.Op("softplus", (_operand(ctx, node, node.args[0]),)))
+
+
+@register_lowering(aten.mish.default)
+def lower_mish(ctx, node):
+    return emit_pointwise(ctx, node, ir.Op("mish", (_operand(ctx, node, node.args[0]),)))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.registry import LoweringContext, TensorValue, load, register_lowering
+from neuron_compile.lowering.pointwise import emit_pointwise
+from neuron_compile.lowering.registry import LoweringContext, TensorValue, broadcast_layout, load, register_lowering
 
 aten = torch.ops.aten
 
@@ -121,3 +122,30 @@ def lower_softmax(ctx, node):
     store = ir.Store(buffer, ir.Result(), buffer.layout)
     ctx.emit(ir.RowNormalize(ctx.fresh_name("kernel"), domain, dim, op, load(ctx, source, domain), (store,)))
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
+def _check_softmax_backward(node: torch.fx.Node) -> str | None:
+    return None if node.args[1].meta["val"].dim() > 0 else f"{node.target}: 0-d tensors"
+
+
+@register_lowering(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default,
+                   check=_check_softmax_backward)
+def lower_softmax_backward(ctx, node):
+    """softmax: out * (grad - sum(grad * out)); log_softmax: grad - exp(out) * sum(grad), along ``dim``."""
+    grad_arg, output_arg, dim = node.args[:3]
+    domain = ctx.value(grad_arg).layout.shape
+    dim %= len(domain)
+    grad, output = load(ctx, grad_arg, domain), load(ctx, output_arg, domain)
+    softmax = node.target is aten._softmax_backward_data.default
+    # The row sums stay fp32 (eager accumulates bf16 rows in fp32 too); a fake tensor gives sizes and strides.
+    row_meta = node.meta["val"].sum(dim, keepdim=True, dtype=torch.float32)
+    row_sum = ctx.new_buffer(row_meta, "row_sum")
+    prologue = ir.Op("mul", (grad, output)) if softmax else grad
+    store = ir.Store(row_sum, ir.Result(), store_layout_in_domain(row_sum.layout, domain, (dim,)))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, (dim,), "sum", prologue, (store,)))
+    row = ir.Load(row_sum.name, broadcast_layout(row_sum.layout, domain), row_sum.dtype)
+    if softmax:
+        expr = ir.Op("mul", (output, ir.Op("sub", (grad, row))))
+    else:
+        expr = ir.Op("sub", (grad, ir.Op("mul", (ir.Op("exp", (output,)), row))))
+    return emit_pointwise(ctx, node, expr)
