@@ -136,15 +136,15 @@ def store(dst: NkiTensor, values: np.ndarray) -> None:
 
 
 def operand(role: str, tensor: NkiTensor) -> OperandInfo:
-    shape = tensor.shape
-    partitions = shape[0] if len(shape) > 1 or tensor.on_chip else 1
-    free = tensor.size // partitions if partitions else 0
-    return OperandInfo(
-        role=role, buffer=tensor.kind, shape=shape, dtype=tensor.dtype.name, itemsize=tensor.itemsize,
-        partitions=partitions, free_elems=free,
-        innermost_stride_bytes=abs(tensor.strides[-1]) * tensor.itemsize if len(shape) > 1 or not tensor.on_chip
-        else tensor.itemsize,
-    )
+    fields = tensor.operand_fields
+    if fields is None:  # computed once per view: instructions reuse the same tiles many times
+        shape = tensor.shape
+        partitions = shape[0] if len(shape) > 1 or tensor.on_chip else 1
+        free = tensor.size // partitions if partitions else 0
+        stride = abs(tensor.strides[-1]) * tensor.itemsize if len(shape) > 1 or not tensor.on_chip else tensor.itemsize
+        fields = (tensor.kind, shape, tensor.dtype.name, tensor.itemsize, partitions, free, stride)
+        tensor.operand_fields = fields
+    return OperandInfo(role, *fields)
 
 
 def record(name: str, engine: str, dst: NkiTensor | None, srcs: list[tuple[str, object]], attrs: dict | None = None,

@@ -2,8 +2,8 @@
 
 Input: a ``Storage`` (one allocation: flat numpy array, memory kind, partition stride) plus shape, element
 strides and element offset. Output: views (indexing, reshape, permute, broadcast, ``.ap()``, ``view(dtype)``)
-that share the storage, and ``read()`` / ``write()`` that move whole tiles through numpy ``as_strided`` views,
-so an instruction costs a few vectorized numpy calls whatever its size.
+that share the storage, and ``read()`` / ``write()`` that move whole tiles through strided numpy views (built
+once per view), so an instruction costs a few vectorized numpy calls whatever its size.
 
 Element address of a view: ``flat[offset + sum(index_d * stride_d)]`` (SDK ``nki/deep-dives/nki-aps.rst``).
 On-chip (SBUF/PSUM) storages are laid out ``[partition, free...]`` row-major; dim 0 of every on-chip view is
@@ -71,7 +71,8 @@ def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 class NkiTensor:
     """A view of a Storage. Strides and offset are in elements of ``dtype``."""
 
-    __slots__ = ("storage", "shape", "strides", "offset", "dtype", "indirect", "__weakref__")
+    __slots__ = ("storage", "shape", "strides", "offset", "dtype", "indirect", "_array", "operand_fields",
+                 "__weakref__")
 
     def __init__(self, storage: Storage, shape, strides, offset: int = 0, dtype=None, indirect=None):
         self.storage = storage
@@ -81,7 +82,8 @@ class NkiTensor:
         self.dtype = np.dtype(dtype) if dtype is not None else storage.data.dtype
         # (index_tensor, dim) for an indirect (vector_offset) access pattern on HBM, else None
         self.indirect = indirect
-
+        self._array = None  # the numpy view, built on first access (a view's geometry never changes)
+        self.operand_fields = None  # cache of rules.operand()
     # ---------------------------------------------------------------- properties
     @property
     def buffer(self) -> Buffer:
@@ -155,10 +157,15 @@ class NkiTensor:
         return data if data.dtype == self.dtype else data.view(self.dtype)
 
     def _strided(self) -> np.ndarray:
-        flat = self._flat()
-        item = flat.itemsize
-        base = flat[self.offset:] if self.offset else flat
-        return as_strided(base, self.shape, tuple(s * item for s in self.strides), writeable=True)
+        array = self._array
+        if array is None:
+            self._check_bounds()
+            flat = self._flat()
+            item = flat.itemsize
+            array = np.ndarray(self.shape, self.dtype, buffer=flat, offset=self.offset * item,
+                               strides=tuple(s * item for s in self.strides))
+            self._array = array
+        return array
 
     def element_indices(self) -> np.ndarray:
         """Flat element index of every element of the view (used for indirect access and PSUM flags)."""
@@ -193,7 +200,6 @@ class NkiTensor:
         """The view's values as a numpy array of ``self.dtype`` (a copy-free view where possible)."""
         if self.indirect is not None:
             return self._flat()[self._indirect_indices()]
-        self._check_bounds()
         return self._strided()
 
     def write(self, values) -> None:
@@ -201,7 +207,6 @@ class NkiTensor:
         if self.indirect is not None:
             self._flat()[self._indirect_indices()] = values
             return
-        self._check_bounds()
         self._strided()[...] = values
 
     def matmul_flags(self) -> np.ndarray | None:
