@@ -92,3 +92,8 @@ def test_cat_of_views_is_one_kernel():
     region, _ = compile_and_run(lambda x: torch.cat([x[:, :2], x.t()[:3].t(), x], 1), x)
     assert len(region.kernels) == 1
     check_against_eager(lambda x: torch.cat([x[:, :2], x.t()[:3].t(), x], 1), x)
+
+
+def test_cat_skips_an_empty_cache():
+    past, new = random_tensor((2, 0, 8)), random_tensor((2, 3, 8))
+    check_against_eager(lambda past, new: torch.cat([past, new], 1), past, new)

@@ -82,6 +82,8 @@ def lower_cat(ctx, node):
     for tensor in tensors:
         value = ctx.value(tensor)
         shape = value.layout.shape
+        if 0 in shape:  # contributes nothing (also the legacy 1-D empty tensor cat accepts)
+            continue
         # The part's slice of the output: the output's strides, moved ``start`` along the cat dim.
         target = ir.Layout(shape, output.layout.strides, output.layout.offset + start * output.layout.strides[dim])
         source = ir.Load(value.buffer, value.layout, value.dtype)

@@ -88,10 +88,12 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
     is_tensor_tuple = isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value)
     if not (isinstance(value, torch.Tensor) or (rule.multi_output and is_tensor_tuple)):
         return f"{node.target}: no tensor meta['val'] (multi-output or untyped node)"
+    result = node.meta["val"]
     for meta in _tensor_metas(node):
         if meta.dtype not in SUPPORTED_DTYPES:
             return f"dtype {str(meta.dtype).removeprefix('torch.')}"
-        if meta.numel() == 0:
+        # cat skips empty inputs (an empty KV cache); every other op needs elements to tile.
+        if meta.numel() == 0 and (node.target is not torch.ops.aten.cat.default or meta is result):
             return "empty tensor (numel 0)"
         if meta.dim() > 5:
             return f"rank {meta.dim()} beyond the 5-D limit"
