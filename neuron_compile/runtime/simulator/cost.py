@@ -50,6 +50,8 @@ DMA (nanoseconds; 16 engines per NeuronCore, each serving 128/16 = 8 partitions,
   element-strided or broadcast access) costs a whole burst per element. This is why a transpose through a
   strided DMA is slow and a TensorE or dma_transpose is not.
 * dma_transpose runs at 90% of DMA throughput HBM->SBUF and 50% SBUF->SBUF (trn2 guide).
+* [I] An HBM->HBM copy moves its bytes through the core's HBM bandwidth twice (a read and a write), so it
+  is charged double, consistently with the roofline, which counts HBM bytes read plus written.
 * DMA busy time = max(sum of engine occupancy / 16 engines, the longest single transfer's latency): the 16
   engines are load-balanced (transfers round-robin over queues) and a kernel lasts at least one transfer.
 
@@ -374,6 +376,8 @@ def dma_transfer_time(record: InstructionRecord, target: Target) -> DmaTime:
     engines_used = max(1, min(target.dma_engines, math.ceil(partitions / partitions_per_engine)))
     run_bytes = min((_contiguous_run_bytes(o) for o in operands), default=nbytes)
     traffic = _burst_inflated_bytes(nbytes, run_bytes)
+    if all(o.buffer == "hbm" for o in operands):
+        traffic *= 2  # [I] HBM -> HBM: the bytes cross the core's HBM bandwidth twice (read, then write)
     engine_bytes_per_ns = target.dma_bytes_per_s / target.dma_engines / 1e9
     if record.name == "dma_transpose":
         source = record.srcs[0].buffer if record.srcs else "hbm"
