@@ -261,7 +261,9 @@ def test_bigger_matmul_never_costs_less(k, m, n, extra, dtype):
 
 def test_hbm_to_hbm_copy_crosses_hbm_twice():
     shape = (128, 2048)
-    hbm_to_hbm = InstructionRecord("dma_copy", "dma", tile("dst", shape, buffer="hbm"), (tile("src", shape, buffer="hbm"),))
+    hbm_to_hbm = InstructionRecord(
+        "dma_copy", "dma", tile("dst", shape, buffer="hbm"), (tile("src", shape, buffer="hbm"),)
+    )
     load = cost.dma_transfer_time(dma(shape, "float32"), TRN2)
     copy = cost.dma_transfer_time(hbm_to_hbm, TRN2)
     overhead = TRN2.dma_fixed_overhead_ns
