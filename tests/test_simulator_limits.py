@@ -47,6 +47,11 @@ CASES = {
     "err_matmul_tile_position": (
         lambda: nisa.nc_matmul(psum((8, 8)), sbuf((8, 8)), sbuf((8, 8)), tile_position=(32, 0), tile_size=(64, 64)),
         "32"),
+    "err_matmul_accumulate_uninitialized": (
+        lambda: nisa.nc_matmul(psum((8, 8)), sbuf((8, 8)), sbuf((8, 8)), accumulate=True), "64 of 64"),
+    "err_tensor_scalar_scalar_engine_ops": (
+        lambda: nisa.tensor_scalar(sbuf((4, 4)), sbuf((4, 4)), nl.subtract, 1.0, engine=nisa.engine.scalar),
+        "subtract"),
     "err_free_size_exceed_arch_limit": (
         lambda: nisa.tensor_copy(nl.ndarray((2, 70000), nl.int8), sbuf((2, 70000), nl.int8, 1)), "70000"),
     "err_tensor_engine_reads_sbuf": (lambda: nisa.nc_transpose(psum((8, 4)), psum((4, 8)), engine=nisa.engine.tensor),
@@ -158,6 +163,14 @@ def test_output_must_be_shared_hbm():
         return out
 
     with pytest.raises(NkiValidationError, match="err_output_must_be_shared_hbm"):
+        nki.run_kernel(kernel, [])
+
+
+def test_outputs_must_be_written():
+    def kernel():
+        return nl.ndarray((2, 2), nl.float32, buffer=nl.shared_hbm, name="forgotten")
+
+    with pytest.raises(NkiValidationError, match="err_tensor_output_not_written_to.*forgotten"):
         nki.run_kernel(kernel, [])
 
 

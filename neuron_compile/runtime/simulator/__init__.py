@@ -106,6 +106,10 @@ def _check_output(tensor: NkiTensor) -> None:
             "err_output_must_be_shared_hbm",
             f"kernel output {tensor.name} is in {tensor.buffer}; kernel outputs must be nl.shared_hbm",
         )
+    if not tensor.storage.written:
+        raise NkiValidationError(
+            "err_tensor_output_not_written_to", f"kernel output {tensor.name} {tensor.shape} is never written"
+        )
 
 
 def _output_array(tensor: NkiTensor) -> np.ndarray:

@@ -182,6 +182,12 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     _check_tiling(op, stationary, tile_position, tile_size)
     product = fp32_tile(stationary).T @ fp32_tile(moving)
     flags = dst.matmul_flags()
+    if accumulate is True and not flags.all():
+        raise NkiValidationError(
+            "err_matmul_accumulate_uninitialized",
+            f"accumulate=True into {int(flags.size - flags.sum())} of {flags.size} elements of dst {dst.name} that no "
+            "matmul wrote first (undefined on hardware; use accumulate=None or False for the first K tile)", op,
+        )
     if accumulate is False:
         result = product
     elif accumulate is True or flags.all():
@@ -332,6 +338,9 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
     record(name, eng, dst, [("data1", data1), ("data2", data2)], {"op": func.name}, flops=dst.size)
 
 
+_SCALAR_ENGINE_PAIRS = {("multiply", "add"), ("multiply", None), ("add", None)}
+
+
 def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False, engine=None,
                   name=None):
     """dst = (data op0 operand0) op1 operand1; operands are scalars or (P, 1) fp32 tiles."""
@@ -346,6 +355,13 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
             "err_tensor_scalar_op_kind", f"op0 {func0.name} and op1 {func1.name} must both be bitvec or arithmetic",
             name,
         )
+    if eng == "scalar" and current().target.nc_version == "gen3":
+        pair = (func0.name, func1.name if func1 else None)
+        if pair not in _SCALAR_ENGINE_PAIRS:
+            raise NkiValidationError(
+                "err_tensor_scalar_scalar_engine_ops",
+                f"op0/op1 {pair} on the Scalar engine of trn2: only {sorted(_SCALAR_ENGINE_PAIRS, key=str)}", name,
+            )
     bitvec = func0.kind == "bitvec"
     p = data.partitions
     if bitvec:
@@ -545,6 +561,7 @@ def _dma_skip_oob(dst, src, values) -> None:
         store(dst, out)
     else:
         flat[index[valid]] = cast_to(values.reshape(index.shape)[valid], dst.dtype)
+        dst.storage.written = True
 
 
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=None, oob_mode=None, name=None):

@@ -50,7 +50,7 @@ class DynSlice:
 class Storage:
     """One allocation. ``matmul_written`` (PSUM only) marks the elements a matmul accumulation group owns."""
 
-    __slots__ = ("data", "buffer", "name", "partition_stride", "matmul_written", "__weakref__")
+    __slots__ = ("data", "buffer", "name", "partition_stride", "matmul_written", "written", "__weakref__")
 
     def __init__(self, data: np.ndarray, buffer: Buffer, name: str, partition_stride: int):
         self.data = data
@@ -58,6 +58,7 @@ class Storage:
         self.name = name
         self.partition_stride = partition_stride
         self.matmul_written = np.zeros(data.shape, dtype=bool) if buffer.kind == "psum" else None
+        self.written = False  # any instruction wrote into it (kernel outputs must be written)
 
 
 def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -204,6 +205,7 @@ class NkiTensor:
 
     def write(self, values) -> None:
         """Store ``values`` (already of ``self.dtype``, broadcastable to the view's shape)."""
+        self.storage.written = True
         if self.indirect is not None:
             self._flat()[self._indirect_indices()] = values
             return
