@@ -519,3 +519,26 @@ def test_long_regions_are_named_by_their_first_ops():
     assert compiled_graph.describe_region("nki_region_3", ops) == (
         "NKI region nki_region_3 (" + ", ".join(ops[:8]) + " and 2 more)"
     )
+
+
+@pytest.mark.parametrize("placement", ["all_eager", "lowerings"])
+def test_batch_norm_training_updates_running_stats(placement, request):
+    """A training graph that mutates module buffers (running mean / var) as well as computing gradients."""
+    request.getfixturevalue(placement)
+    tolerance = tolerance_for(placement)
+    torch.manual_seed(0)
+    eager_model, compiled_model = nn.BatchNorm1d(6), nn.BatchNorm1d(6)
+    compiled = torch.compile(compiled_model, backend="neuron")
+    for _ in range(2):
+        x = torch.randn(8, 6)
+        projection = torch.randn(8, 6)
+        eager_out, compiled_out = eager_model(x), compiled(x)
+        (eager_out * projection).sum().backward()
+        (compiled_out * projection).sum().backward()
+        torch.testing.assert_close(compiled_out, eager_out, **tolerance)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(compiled_model, name), getattr(eager_model, name), **tolerance, msg=name)
+    for name in ("weight", "bias"):
+        grad = getattr(eager_model, name).grad
+        assert_gradient_is_meaningful(grad, name)
+        torch.testing.assert_close(getattr(compiled_model, name).grad, grad, **tolerance, msg=name)

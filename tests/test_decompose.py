@@ -33,6 +33,10 @@ KEPT_FOR_EXACTNESS = {
         lambda x: F.layer_norm(x, (x.shape[-1],)),
         {aten.native_layer_norm.default, aten.native_layer_norm_backward.default},
     ),
+    "batch_norm": (
+        lambda x: F.batch_norm(x, None, None, training=True),
+        {aten.native_batch_norm_backward.default},
+    ),
     "cross_entropy": (
         lambda x: F.cross_entropy(x, torch.arange(x.shape[0]) % x.shape[1]),
         {aten.nll_loss_forward.default, aten.nll_loss_backward.default},

@@ -3,7 +3,7 @@
 Input: nothing (a constant). Output: ``decomposition_table()``, a dict ``OpOverload -> decomposition``: the core
 ATen decompositions minus ``KEPT_WHOLE``, the ops that stay whole in the ATen graph:
 
-- softmax, log_softmax, layer norm, the NLL loss (cross-entropy's second half) and scaled-dot-product
+- softmax, log_softmax, layer norm, batch norm, the NLL loss (cross-entropy's second half) and scaled-dot-product
   attention, and their backward ops: each is one fused row-reduction or attention kernel; decomposing it
   would scatter it into a dozen pointwise and reduction nodes that the fusion pass would have to re-discover;
 - silu, softplus, mish and the gelu / silu derivatives: each is a single ``nisa.activation`` function
@@ -29,6 +29,7 @@ KEPT_WHOLE = (
     aten._softmax_backward_data.default,
     aten._log_softmax_backward_data.default,
     aten.native_layer_norm_backward.default,
+    aten.native_batch_norm_backward.default,
     aten.nll_loss_forward.default,
     aten.nll_loss_backward.default,
     aten.scaled_dot_product_attention.default,
