@@ -89,6 +89,8 @@ def _coerce(name: str, value: object, source: str) -> object:
             return int(value)
         except (TypeError, ValueError):
             raise ValueError(f"{source} must be an integer, got {value!r}") from None
+    if name in ("cache_dir", "dump_dir") and isinstance(value, os.PathLike):
+        value = os.fspath(value)
     if not isinstance(value, str):
         # ValueError, like every other bad option value, so callers catch one exception type for bad config.
         raise ValueError(f"{source} must be a string, got {type(value).__name__} {value!r}")  # noqa: TRY004

@@ -90,3 +90,9 @@ def test_patch_validates_before_entering():
     with pytest.raises(ValueError, match="unknown neuron_compile option"), config.patch(nonsense=1):
         pass
     assert config.get() == Config.from_env()
+
+
+def test_directories_accept_paths(tmp_path):
+    assert Config().replace(dump_dir=tmp_path, cache_dir=tmp_path / "cache") == Config(
+        dump_dir=str(tmp_path), cache_dir=str(tmp_path / "cache")
+    )
