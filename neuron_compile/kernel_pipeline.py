@@ -116,7 +116,9 @@ class CompiledRegion:
             if value.buffer not in storage:
                 storage[value.buffer] = _to_torch(arrays[value.buffer], value.dtype)
             base = storage[value.buffer]
-            results.append(torch.as_strided(base, value.layout.shape, value.layout.strides, value.layout.offset))
+            # as_strided's offset is absolute in the storage; layouts are relative to the buffer's first element.
+            offset = base.storage_offset() + value.layout.offset
+            results.append(torch.as_strided(base, value.layout.shape, value.layout.strides, offset))
         return tuple(results)
 
 

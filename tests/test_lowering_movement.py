@@ -97,3 +97,11 @@ def test_cat_of_views_is_one_kernel():
 def test_cat_skips_an_empty_cache():
     past, new = random_tensor((2, 0, 8)), random_tensor((2, 3, 8))
     check_against_eager(lambda past, new: torch.cat([past, new], 1), past, new)
+
+
+def test_inputs_with_a_storage_offset():
+    whole = random_tensor((10, 12))
+    x = whole[3:, 2:]  # storage offset 38, row stride 12
+    region, outputs = compile_and_run(lambda x: (x[1:, 1:], x * 2, x.t()[2]), x)
+    check_against_eager(lambda x: (x[1:, 1:], x * 2, x.t()[2]), x)
+    assert outputs[0].storage_offset() == x[1:, 1:].storage_offset()

@@ -288,9 +288,10 @@ def _render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[
     stationary_offset = _offset_text(a.offset, [("o0", a.strides[0]), ("p0", a.strides[1]), ("k0", a.strides[2])])
     transpose_stationary = _needs_transpose(a.strides[2], a.strides[1])
     if transpose_stationary:  # a's rows [M tile, K chunk] are contiguous
-        stationary_src = f"{node.a.buffer}.ap([[{a.strides[1]}, rows], [{a.strides[2]}, kk]], offset={stationary_offset})"
+        entries = f"[[{a.strides[1]}, rows], [{a.strides[2]}, kk]]"
     else:
-        stationary_src = f"{node.a.buffer}.ap([[{a.strides[2]}, kk], [{a.strides[1]}, rows]], offset={stationary_offset})"
+        entries = f"[[{a.strides[2]}, kk], [{a.strides[1]}, rows]]"
+    stationary_src = f"{node.a.buffer}.ap({entries}, offset={stationary_offset})"
     # b is (batch, K, N): the moving tile is [K chunk on partitions, N tile free].
     transpose_moving = _needs_transpose(b.strides[2], b.strides[1])
     if transpose_moving:  # b^T's rows [N block of 128, K chunk] are contiguous (x @ W.T with W stored [N, K])

@@ -111,7 +111,10 @@ def merge(group: ir.Node, consumer: ir.Node) -> ir.Node:
             for store in consumer.stores
         )
         return dataclasses.replace(group, stores=group.stores + new_stores)
-    prologue = ir.map_leaves(consumer.prologue, lambda leaf: stores[leaf.buffer].expr if leaf.buffer in stores else leaf)
+    def inline_producer(leaf):
+        return stores[leaf.buffer].expr if isinstance(leaf, ir.Load) and leaf.buffer in stores else leaf
+
+    prologue = ir.map_leaves(consumer.prologue, inline_producer)
     return dataclasses.replace(consumer, prologue=prologue)
 
 
