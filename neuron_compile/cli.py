@@ -72,8 +72,10 @@ def _script_environment(script: str, script_args: Sequence[str], target: str | N
     afterwards so that ``main`` can be called repeatedly in one process (tests do)."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     saved_target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
+    modules_before = set(sys.modules)
+    script_dir = os.path.dirname(os.path.abspath(script))
     sys.argv = [script, *script_args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.path.insert(0, script_dir)
     if target:
         os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = target
     try:
@@ -85,6 +87,16 @@ def _script_environment(script: str, script_args: Sequence[str], target: str | N
             os.environ.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
         else:
             os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = saved_target
+        _forget_script_modules(script_dir, set(sys.modules) - modules_before)
+
+
+def _forget_script_modules(script_dir: str, new_modules: set[str]) -> None:
+    """Drop the modules the script imported from its own directory, so that a second run in this process
+    (main() called again) imports the script's siblings afresh instead of reusing stale ones."""
+    for name in new_modules:
+        path = getattr(sys.modules.get(name), "__file__", None) or ""
+        if os.path.abspath(path).startswith(script_dir + os.sep):
+            del sys.modules[name]
 
 
 @contextlib.contextmanager

@@ -149,6 +149,20 @@ def test_simulate_report_totals_several_launches(tmp_path, capsys):
     assert "== total of 2 launches" in stdout and "2 launches" in stdout
 
 
+def test_script_imports_its_sibling_modules(tmp_path, capsys):
+    (tmp_path / "kernels.py").write_text(ADD_SCRIPT.split("rows, cols, seed")[0])  # the kernel, as a module
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import json, sys\nimport numpy as np\nfrom kernels import add_kernel\n"
+        "a = np.arange(128 * 8, dtype=np.float32).reshape(128, 8)\n"
+        "print(json.dumps(np.asarray(add_kernel(a, a)).tolist()))\n"
+    )
+    assert cli.main(["simulate", "--force-simulator", str(script)]) == 0
+    a = np.arange(128 * 8, dtype=np.float32).reshape(128, 8)
+    np.testing.assert_array_equal(first_line_array(capsys.readouterr().out), a + a)
+    assert "kernels" not in sys.modules  # the script's own modules do not outlive the run
+
+
 def test_script_exit_status_is_returned(tmp_path, capsys):
     script = tmp_path / "exits.py"
     script.write_text("import sys\nprint(sys.argv[1:])\nsys.exit(int(sys.argv[1]))\n")
