@@ -96,6 +96,22 @@ def test_tensor_scalar_two_ops_scalar_and_vector_operands(p, f, dtype, reverse, 
     np.testing.assert_array_equal(_run(kernel, a, column), golden)
 
 
+@settings(max_examples=15, deadline=None)
+@given(p=partitions, f=free_sizes, dtype=dtypes, reverse0=st.booleans(), reverse1=st.booleans())
+def test_scalar_tensor_tensor(p, f, dtype, reverse0, reverse1):
+    a, b = _random((p, f), dtype, 27), _random((p, f), dtype, 28)
+    column = _random((p, 1), F32, 29)
+
+    def kernel(x, y, c):
+        out = nl.ndarray((p, f), dtype)
+        nisa.scalar_tensor_tensor(out, _load(x), nl.subtract, _load(c), nl.multiply, _load(y), reverse0=reverse0,
+                                  reverse1=reverse1)
+        return _store(out)
+
+    first = column - a.astype(F32) if reverse0 else a.astype(F32) - column
+    np.testing.assert_array_equal(_run(kernel, a, b, column), (first * b.astype(F32)).astype(dtype))
+
+
 ACTIVATIONS = {
     "exp": np.exp, "tanh": np.tanh, "relu": lambda x: np.maximum(x, 0), "square": np.square,
     "sigmoid": lambda x: 1 / (1 + np.exp(-x)), "silu": lambda x: x / (1 + np.exp(-x)),

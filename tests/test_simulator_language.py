@@ -79,7 +79,8 @@ def test_on_chip_ap_broadcast_expand_squeeze_and_dtype_view():
         assert np.array_equal(np.array(t.ap([[6, 4], [2, 3]], offset=1)), array[:, 1::2])
         column = t[:, 0]
         assert np.array_equal(np.array(column.broadcast(1, 5)), np.repeat(array[:, :1], 5, axis=1))
-        assert t.expand_dim(1).shape == (4, 1, 6)
+        assert t.expand_dim(1).shape == (4, 1, 6) and nl.expand_dims(t, 2).shape == (4, 6, 1)
+        assert np.array_equal(np.array(nl.broadcast_to(column, (4, 3))), np.repeat(array[:, :1], 3, axis=1))
         assert t.expand_dim(1).squeeze_dim(1).shape == (4, 6)
         bits = t.view(nl.int32)
         assert np.array_equal(np.array(bits), array.view(np.int32))

@@ -35,8 +35,8 @@ from neuron_compile.runtime.simulator.rules import (
 __all__ = [
     "NkiValidationError", "engine", "reduce_cmd", "dge_mode", "oob_mode", "nc_version", "matmul_perf_mode",
     "get_nc_version", "nc_matmul", "nc_transpose", "activation", "activation_reduce", "tensor_tensor",
-    "tensor_scalar", "tensor_reduce", "tensor_copy", "memset", "iota", "affine_select", "dma_copy",
-    "dma_transpose", "bn_stats", "bn_aggr", "tensor_tensor_scan", "reciprocal", "tensor_partition_reduce",
+    "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce", "tensor_copy", "memset", "iota", "affine_select",
+    "dma_copy", "dma_transpose", "bn_stats", "bn_aggr", "tensor_tensor_scan", "reciprocal", "tensor_partition_reduce",
 ]
 
 
@@ -383,6 +383,28 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
            {"op0": func0.name, "op1": func1.name if func1 else None, "op": func0.name}, flops=dst.size)
 
 
+def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, engine=None,
+                         name=None):
+    """dst = (data op0 operand0) op1 operand1: operand0 a scalar or (P, 1) fp32 tile, operand1 a tile like data."""
+    name = "scalar_tensor_tensor"
+    dst, data, other = (require_tensor(name, r, t) for r, t in (("dst", dst), ("data", data), ("operand1", operand1)))
+    func0, func1 = _ops.resolve(op0, name, "op0"), _ops.resolve(op1, name, "op1")
+    eng = engine_name(engine, "vector")
+    _check_elementwise(name, dst, [("data", data), ("operand1", other)], eng)
+    if data.kind == "psum" and other.kind == "psum":
+        raise NkiValidationError("err_tensor_tensor_both_psum", "data and operand1 cannot both be in PSUM", name)
+    if "bitvec" in (func0.kind, func1.kind):
+        raise NkiValidationError("err_unsupported_op", f"bitvec ops {func0.name}/{func1.name} are not simulated here",
+                                 name)
+    scalar = scalar_or_vector(name, "operand0", operand0, data.partitions, "err_tensor_scalar_operand_dtype")
+    x = fp32_tile(data)
+    x = func0.fn(scalar, x) if reverse0 else func0.fn(x, scalar)
+    y = fp32_tile(other)
+    store(dst, func1.fn(y, x) if reverse1 else func1.fn(x, y))
+    record(name, eng, dst, [("data", data), ("operand0", operand0), ("operand1", other)],
+           {"op0": func0.name, "op1": func1.name}, flops=2 * dst.size)
+
+
 def _int_operand(name: str, role: str, value, partitions: int):
     if value is None:
         return None
@@ -686,7 +708,7 @@ def tensor_partition_reduce(dst, op, data, name=None):
 
 
 _NOT_SIMULATED = {
-    "nc_matmul_mx", "activate2", "scalar_tensor_tensor", "tensor_scalar_reduce", "tensor_scalar_cumulative",
+    "nc_matmul_mx", "activate2", "tensor_scalar_reduce", "tensor_scalar_cumulative",
     "tensor_copy_predicated", "exponential", "quantize_mx", "dropout", "range_select", "select_reduce",
     "sequence_bounds", "local_gather", "nc_n_gather", "dma_compute", "max8", "nc_find_index8", "nc_match_replace8",
     "nc_stream_shuffle", "register_alloc", "register_move", "register_load", "register_store", "core_barrier",

@@ -216,6 +216,17 @@ def matmul(x: NkiTensor, y: NkiTensor, transpose_x: bool = False) -> NkiTensor:
     return out
 
 
+def broadcast_to(x: NkiTensor, shape) -> NkiTensor:
+    """A stride-0 view of ``x`` with size-1 dims stretched to ``shape`` (same rank; not the partition dim)."""
+    if len(shape) != x.ndim:
+        raise NkiValidationError("err_broadcast_rank", f"broadcast_to {tuple(shape)} must keep the rank of {x.shape}")
+    return x.broadcast_to(tuple(shape))
+
+
+def expand_dims(x: NkiTensor, axis: int) -> NkiTensor:
+    return x.expand_dim(axis)
+
+
 # ------------------------------------------------------------------------------------------------ elementwise
 def _weak_dtype(value) -> np.dtype:
     if isinstance(value, NkiTensor):
@@ -355,7 +366,7 @@ def var(x, axis, dtype=None, keepdims=False, mask=None):
 
 _NOT_SIMULATED = {
     "rand", "random_seed", "shared_constant", "shared_identity_matrix", "gather_flattened", "softmax", "rms_norm",
-    "dropout", "fori_loop", "while_loop", "dynamic_range", "no_reorder", "broadcast_to", "expand_dims", "fmod",
+    "dropout", "fori_loop", "while_loop", "dynamic_range", "no_reorder", "fmod",
     "mod", "prelu", "bypass",
 }
 
