@@ -28,8 +28,8 @@ scalar_tensor_tensor                  2N (N for bf16 subtract -> multiply)
 dynamic-address copies                max(600, N)
 ====================================  ==============================================================
 
-Adjustments, all from the same sources: MIN_II bounds every instruction from below, it being the minimum
-initiation interval of any engine; an SBUF/PSUM operand whose innermost free stride exceeds 16 bytes halves
+Adjustments: [I] MIN_II bounds every instruction from below (tensor_reduce and scalar_tensor_tensor too),
+it being the engines' minimum initiation interval; from the sources again, an SBUF/PSUM operand whose innermost free stride exceeds 16 bytes halves
 the streaming bandwidth, so it doubles the N term; trn2's VectorE "performance mode" speeds bf16/fp16
 SBUF-only tensor_copy / tensor_scalar / tensor_tensor by 2-4x, of which we take the conservative end,
 vector_elems_per_cycle_bf16 / vector_elems_per_cycle_other (2 on trn2, 1 on trn1). Instructions the SDK gives
@@ -62,7 +62,7 @@ another's result), the pipeline fill and drain, semaphore and instruction-issue 
 static overhead of dependent back-to-back small VectorE instructions (the trace does not say which
 instructions depend on which), SBUF bank conflicts, software-DGE descriptor generation on GpSimd and the
 ~600 ns HWDGE issue cost, so it is a lower bound of a real run; ``serial_time_s`` (every engine's time added
-up, no overlap) is the upper bound. A launch with lnc=2 records both programs in one trace, which is costed
+up, no overlap) is the other end of the range. A launch with lnc=2 records both programs in one trace, which is costed
 as if one NeuronCore ran it all.
 ``roofline_s = max(FLOPs / TensorE peak for the dtype, HBM bytes / HBM bandwidth)``, where the HBM bandwidth
 of one NeuronCore is its sustained DMA bandwidth (trn2: 368 GB/s, and the chip's 2.9 TB/s shared by 8 cores is
