@@ -542,3 +542,9 @@ def test_batch_norm_training_updates_running_stats(placement, request):
         grad = getattr(eager_model, name).grad
         assert_gradient_is_meaningful(grad, name)
         torch.testing.assert_close(getattr(compiled_model, name).grad, grad, **tolerance, msg=name)
+
+
+def test_every_stats_key_is_documented():
+    documented = neuron_compile.__doc__
+    missing = [key for key in neuron_compile.stats() if f"``{key}``" not in documented]
+    assert not missing, f"stats keys missing from the neuron_compile docstring: {missing}"
