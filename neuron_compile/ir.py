@@ -190,13 +190,14 @@ class RowNormalize:
 
 @dataclass(frozen=True)
 class MatMul:
-    """``a @ b`` over domain (batch, M, N); ``a`` is (batch, M, K), ``b`` is (batch, K, N) (batch may be 1, stride 0).
+    """``a @ b`` over domain (*batch, M, N); ``a`` is (*batch, M, K), ``b`` is (*batch, K, N); mm has one size-1,
+    stride-0 batch dim.
 
-    Stores read ``Result()`` (the fp32 product tile) plus loads over (batch, M, N) — the epilogue.
+    Stores read ``Result()`` (the fp32 product tile) plus loads over (*batch, M, N) — the epilogue.
     """
 
     name: str
-    domain: tuple[int, int, int]
+    domain: tuple[int, ...]
     k: int
     a: Load
     b: Load

@@ -285,22 +285,25 @@ def _render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[
     dtype = node.a.dtype
     a, b = node.a.layout, node.b.layout
     # a is (batch, M, K): the stationary tile is a^T [K chunk on partitions, M tile free].
-    stationary_offset = _offset_text(a.offset, [("o0", a.strides[0]), ("p0", a.strides[1]), ("k0", a.strides[2])])
-    transpose_stationary = _needs_transpose(a.strides[2], a.strides[1])
+    batch = len(node.domain) - 2
+    a_batch = [(f"o{i}", a.strides[i]) for i in range(batch)]
+    b_batch = [(f"o{i}", b.strides[i]) for i in range(batch)]
+    a_m, a_k, b_k, b_n = a.strides[batch], a.strides[batch + 1], b.strides[batch], b.strides[batch + 1]
+    stationary_offset = _offset_text(a.offset, a_batch + [("p0", a_m), ("k0", a_k)])
+    transpose_stationary = _needs_transpose(a_k, a_m)
     if transpose_stationary:  # a's rows [M tile, K chunk] are contiguous
-        entries = f"[[{a.strides[1]}, rows], [{a.strides[2]}, kk]]"
+        entries = f"[[{a_m}, rows], [{a_k}, kk]]"
     else:
-        entries = f"[[{a.strides[2]}, kk], [{a.strides[1]}, rows]]"
+        entries = f"[[{a_k}, kk], [{a_m}, rows]]"
     stationary_src = f"{node.a.buffer}.ap({entries}, offset={stationary_offset})"
     # b is (batch, K, N): the moving tile is [K chunk on partitions, N tile free].
-    transpose_moving = _needs_transpose(b.strides[2], b.strides[1])
+    transpose_moving = _needs_transpose(b_n, b_k)
     if transpose_moving:  # b^T's rows [N block of 128, K chunk] are contiguous (x @ W.T with W stored [N, K])
-        offset = _offset_text(b.offset, [("o0", b.strides[0]), ("k0", b.strides[1]), ("f0", b.strides[2]),
-                                         ("n1", b.strides[2])])
-        moving_src = f"{node.b.buffer}.ap([[{b.strides[2]}, nn], [{b.strides[1]}, kk]], offset={offset})"
+        offset = _offset_text(b.offset, b_batch + [("k0", b_k), ("f0", b_n), ("n1", b_n)])
+        moving_src = f"{node.b.buffer}.ap([[{b_n}, nn], [{b_k}, kk]], offset={offset})"
     else:
-        offset = _offset_text(b.offset, [("o0", b.strides[0]), ("k0", b.strides[1]), ("f0", b.strides[2])])
-        moving_src = f"{node.b.buffer}.ap([[{b.strides[1]}, kk], [{b.strides[2]}, cols]], offset={offset})"
+        offset = _offset_text(b.offset, b_batch + [("k0", b_k), ("f0", b_n)])
+        moving_src = f"{node.b.buffer}.ap([[{b_k}, kk], [{b_n}, cols]], offset={offset})"
     free = [(plan.free[0], "cols")]
 
     def load_pattern(load: ir.Load, tile: str):

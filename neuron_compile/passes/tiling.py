@@ -172,7 +172,7 @@ def plan_reduction(node: ir.Reduction | ir.RowNormalize, target) -> TilePlan:
 
 
 def plan_matmul(node: ir.MatMul, target) -> TilePlan:
-    batch, m, n = node.domain
+    *batch, m, n = node.domain
     itemsize = 2 if node.a.dtype == "bfloat16" else 4
     k_tile = min(node.k, target.partitions)
     k_tiles = math.ceil(node.k / k_tile)
@@ -182,9 +182,9 @@ def plan_matmul(node: ir.MatMul, target) -> TilePlan:
             f"{node.name}: K={node.k} needs {k_tiles} resident stationary tiles ({resident} B per partition), over "
             f"half the SBUF budget ({target.sbuf_bytes_per_partition} B per partition on {target.name})"
         )
-    outer = (LoopDim(batch, 0, 1, 1),)
-    partition = LoopDim(m, 1, 1, min(m, target.gemm_stationary_fmax))
-    free = (LoopDim(n, 2, 1, min(n, target.gemm_moving_fmax)),)
+    outer = tuple(LoopDim(size, dim, 1, 1) for dim, size in enumerate(batch))
+    partition = LoopDim(m, len(batch), 1, min(m, target.gemm_stationary_fmax))
+    free = (LoopDim(n, len(batch) + 1, 1, min(n, target.gemm_moving_fmax)),)
     tiles = count_tiles([store.expr for store in node.stores])
     return TilePlan("matmul", outer, partition, free, tiles, k_tile, k_tiles)
 
