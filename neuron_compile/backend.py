@@ -41,9 +41,7 @@ def neuron_backend(
     options = dict(options or {})
     effective = config.get().replace(options)  # reject unknown keys and bad values now, at compile time
     if effective.bucket:
-        log.warning(
-            "neuron_compile: bucket=%d is accepted but not applied yet: shapes are not padded", effective.bucket
-        )
+        _warn_bucket_not_applied(effective.bucket)
     compilers = {
         kind: functools.partial(compile_aten_graph, kind=kind, options=options)
         for kind in ("forward", "backward", "inference")
@@ -57,6 +55,11 @@ def neuron_backend(
         keep_inference_input_mutations=True,
     )
     return aot_backend(gm, example_inputs)
+
+
+@functools.cache
+def _warn_bucket_not_applied(bucket: int) -> None:
+    log.warning("neuron_compile: bucket=%d is accepted but not applied yet: shapes are not padded", bucket)
 
 
 def _owner_of(name: str) -> str | None:
