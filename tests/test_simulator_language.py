@@ -359,3 +359,27 @@ def test_launch_restores_the_blas_thread_count():
     before, inside = get_threads(), []
     nki.run_kernel(lambda: inside.append(get_threads()), [])
     assert inside == [1] and get_threads() == before
+
+
+def test_a_kernel_writing_an_input_mutates_the_callers_array():
+    cache = np.zeros((6, 4), F32)
+    update = _random((2, 4), F32, 30)
+    cache_torch = torch.zeros(6, 4)
+
+    def index_copy(c, u):
+        rows = nl.load(u)
+        nisa.dma_copy(c[3:5, :], rows)
+
+    nki.run_kernel(index_copy, [cache, update])
+    nki.run_kernel(index_copy, [cache_torch, update])
+    golden = np.zeros((6, 4), F32)
+    golden[3:5] = update
+    np.testing.assert_array_equal(cache, golden)
+    np.testing.assert_array_equal(cache_torch.numpy(), golden)
+    untouched = np.zeros((6, 4), F32)
+
+    def read_only(c, u):
+        nl.load(c)
+
+    nki.run_kernel(read_only, [untouched, update])
+    assert (untouched == 0).all()

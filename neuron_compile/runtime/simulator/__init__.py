@@ -85,6 +85,22 @@ def _kernel_argument(value, name: str):
     return value
 
 
+def _write_back_mutated_inputs(originals: list, tensors: list) -> None:
+    """A kernel that writes into an input HBM tensor mutates the caller's array, as on the device."""
+    for original, tensor in zip(originals, tensors):
+        if isinstance(tensor, (list, tuple)) and isinstance(original, (list, tuple)):
+            _write_back_mutated_inputs(list(original), list(tensor))
+        elif isinstance(tensor, NkiTensor) and tensor.storage.written:
+            values = tensor.storage.data.reshape(tensor.shape)
+            if isinstance(original, np.ndarray) and original.flags.writeable:
+                np.copyto(original, values.astype(original.dtype, copy=False))
+            elif _is_torch(original):
+                import torch
+
+                with torch.no_grad():
+                    original.copy_(_to_torch(values).to(original.dtype))
+
+
 def _collect_outputs(result) -> list[NkiTensor]:
     if result is None:
         return []
@@ -138,6 +154,7 @@ def _launch(fn, args, kwargs, target: Target, lnc: int) -> tuple[KernelRun, obje
                 result = fn(*hbm_args, **hbm_kwargs)
             if not shared_outputs:
                 shared_outputs.extend(context.outputs_allocated)
+    _write_back_mutated_inputs([*args, *kwargs.values()], [*hbm_args, *hbm_kwargs.values()])
     outputs = _collect_outputs(result)
     for tensor in outputs:
         _check_output(tensor)

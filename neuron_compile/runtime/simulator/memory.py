@@ -144,9 +144,9 @@ def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
 
 def hbm_input(array: np.ndarray, name: str) -> NkiTensor:
     """A kernel argument: an HBM tensor over a copy of ``array``'s values (row-major)."""
-    array = np.ascontiguousarray(array)
     if array.dtype.itemsize > 4 or array.dtype.kind == "c":
         raise NkiValidationError(
             "err_unsupported_dtype", f"kernel argument {name} has dtype {array.dtype.name}: no 64-bit types on Neuron"
         )
-    return new_storage_tensor(array.reshape(-1).copy(), hbm, array.shape, name)
+    # a private row-major copy: the kernel sees HBM, the caller's array changes only by write-back
+    return new_storage_tensor(np.array(array, order="C").reshape(-1), hbm, array.shape, name)
