@@ -186,6 +186,7 @@ class RowNormalize:
     op: str
     prologue: Expr
     stores: tuple[Store, ...]
+    causal: bool = False  # mask column j > row i of the last two dims to -inf first (attention's is_causal)
 
 
 @dataclass(frozen=True)

@@ -242,6 +242,12 @@ def _render_row_normalize(node: ir.RowNormalize, plan: TilePlan, name: str, para
     value = emit(node.prologue, prologue, body)
     data = prologue.ref_text(value)
     window = prologue.slice_text
+    if node.causal:
+        # Keep column j of query row p0 + c where (p0 + c) - j >= 0; the rest becomes -inf before the softmax.
+        masked = allocator.new("causal", row_free)
+        body.append(f"nisa.affine_select(dst={masked}{window}, pattern=[[-1, cols]], channel_multiplier=1, "
+                    f"on_true_tile={data}, on_false_value=float('-inf'), cmp_op=nl.greater_equal, offset=p0)")
+        data = f"{masked}{window}"
     row_max, negated_max, row_sum = (allocator.new(stem, 1) for stem in ("row_max", "negated_max", "row_sum"))
     exps, result = allocator.new("exps", row_free), allocator.new("softmax", row_free)
     body += [

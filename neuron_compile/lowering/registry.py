@@ -55,7 +55,7 @@ def registered_ops() -> list:
 
 def _ensure_families_loaded() -> None:
     # Importing the family modules fills the registry (each uses @register_lowering at import time).
-    from neuron_compile.lowering import matmul, movement, normalization, pointwise, reduction  # noqa: F401
+    from neuron_compile.lowering import attention, matmul, movement, normalization, pointwise, reduction  # noqa: F401
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -148,6 +148,12 @@ class LoweringContext:
         """A fresh HBM buffer with the sizes, strides and dtype of the (fake) tensor ``meta``."""
         layout = ir.Layout(tuple(meta.shape), tuple(meta.stride()), 0)
         buffer = ir.Buffer(self.fresh_name(stem), dtype_name(meta.dtype), layout)
+        self.buffers[buffer.name] = buffer
+        return buffer
+
+    def scratch_buffer(self, shape: tuple[int, ...], dtype: str, stem: str) -> ir.Buffer:
+        """A fresh contiguous HBM buffer for an intermediate no FX node stands for."""
+        buffer = ir.Buffer(self.fresh_name(stem), dtype, ir.Layout(tuple(shape), ir.contiguous_strides(shape), 0))
         self.buffers[buffer.name] = buffer
         return buffer
 

@@ -136,7 +136,13 @@ def plan_pointwise(node: ir.Pointwise, target) -> TilePlan:
 
 
 def _row_dims(node, reduce_dims, layouts, target) -> tuple[list[LoopDim], list[LoopDim]]:
-    kept = collapse(node.domain, [d for d in range(len(node.domain)) if d not in reduce_dims], layouts)
+    kept_dims = [d for d in range(len(node.domain)) if d not in reduce_dims]
+    if getattr(node, "causal", False):
+        # The causal mask needs the query index on partitions, so the query dim is never merged away.
+        query = kept_dims[-1]
+        kept = collapse(node.domain, kept_dims[:-1], layouts) + [LoopDim(node.domain[query], query)]
+        return kept, collapse(node.domain, list(reduce_dims), layouts) or [LoopDim(1, None)]
+    kept = collapse(node.domain, kept_dims, layouts)
     reduced = collapse(node.domain, list(reduce_dims), layouts)
     return kept or [LoopDim(1, None)], reduced or [LoopDim(1, None)]
 

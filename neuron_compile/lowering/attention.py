@@ -1,0 +1,123 @@
+"""Lowering stage, attention: scaled-dot-product attention (kept whole by the front end's decompositions).
+
+Input: an ATen FX node (``aten.scaled_dot_product_attention`` or its CPU flash variant). Output: three IR
+nodes — scores = q @ k^T * scale (+ additive mask) as a MatMul with an epilogue, the row softmax (a
+RowNormalize, with the causal mask applied on chip), and probabilities @ v as a MatMul — and the output value
+(a 1-tuple plus an unused logsumexp slot for the flash variant).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from neuron_compile import ir
+from neuron_compile.lowering.registry import TensorValue, broadcast_layout, register_lowering
+
+aten = torch.ops.aten
+FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+SDPA = aten.scaled_dot_product_attention.default
+
+
+def _options(node: torch.fx.Node) -> dict:
+    names = ("dropout_p", "is_causal") if node.target is FLASH else ("attn_mask", "dropout_p", "is_causal", "scale")
+    options = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+    options.update(dict(zip(names, node.args[3:])))
+    options.update(node.kwargs)
+    return options
+
+
+def _check_attention(node: torch.fx.Node) -> str | None:
+    options = _options(node)
+    q, k, v = (arg.meta["val"] for arg in node.args[:3])
+    if options["dropout_p"]:
+        return f"{node.target}: dropout_p={options['dropout_p']} (no dropout in kernels)"
+    grouped = q.dim() >= 3 and k.shape == v.shape and k.shape[-3] > 0 and q.shape[-3] % k.shape[-3] == 0
+    same_batch = q.shape[:-3] == k.shape[:-3] == v.shape[:-3]
+    if q.dim() < 3 or not same_batch or not grouped:
+        return f"{node.target}: batch/head dims differ: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16):
+        return f"{node.target}: dtypes {q.dtype}, {k.dtype}, {v.dtype} (one of float32, bfloat16)"
+    mask = options["attn_mask"]
+    if mask is not None and (not isinstance(mask, torch.fx.Node) or mask.meta["val"].dtype == torch.bool):
+        return f"{node.target}: a boolean attn_mask needs a predicated select (only additive float masks)"
+    if mask is not None and options["is_causal"]:
+        return f"{node.target}: attn_mask together with is_causal"
+    if node.target is FLASH:
+        for user in node.users:
+            if user.target is operator.getitem and user.args[1] == 1 and user.users:
+                return f"{node.target}: its logsumexp output is used"
+    return None
+
+
+@register_lowering(FLASH, check=_check_attention, multi_output=True)
+def lower_flash_attention(ctx, node):
+    return (_lower(ctx, node, node.meta["val"][0]), None)
+
+
+@register_lowering(SDPA, check=_check_attention)
+def lower_attention(ctx, node):
+    return _lower(ctx, node, node.meta["val"])
+
+
+def _swap_last(layout: ir.Layout) -> ir.Layout:
+    shape, strides = list(layout.shape), list(layout.strides)
+    shape[-2:], strides[-2:] = shape[:-3:-1], strides[:-3:-1]
+    return ir.Layout(tuple(shape), tuple(strides), layout.offset)
+
+
+def _split_heads(layout: ir.Layout, kv_heads: int, group: int) -> ir.Layout:
+    """[..., H, S, D] as [..., H_kv, group, S, D]: query head h uses key/value head h // group."""
+    *lead, heads, seq, depth = layout.shape
+    *lead_strides, head_stride, seq_stride, depth_stride = layout.strides
+    return ir.Layout((*lead, kv_heads, group, seq, depth),
+                     (*lead_strides, head_stride * group, head_stride, seq_stride, depth_stride), layout.offset)
+
+
+def _share_heads(layout: ir.Layout, group: int) -> ir.Layout:
+    """[..., H_kv, S, D] broadcast (stride 0) over a group dim: [..., H_kv, group, S, D]."""
+    shape, strides = list(layout.shape), list(layout.strides)
+    shape.insert(-2, group)
+    strides.insert(-2, 0)
+    return ir.Layout(tuple(shape), tuple(strides), layout.offset)
+
+
+def _lower(ctx, node, out_meta) -> TensorValue:
+    options = _options(node)
+    q, k, v = (ctx.value(arg) for arg in node.args[:3])
+    out = ctx.new_buffer(out_meta, "attention")
+    out_layout = out.layout
+    unsplit_scores = (*q.layout.shape[:-1], k.layout.shape[-2])  # [..., H, Sq, Sk] as eager broadcasts masks to
+    kv_heads = k.layout.shape[-3]
+    group = q.layout.shape[-3] // kv_heads
+    if group > 1:  # grouped-query attention: a group dim, stride 0 in k and v, instead of repeating them
+        q = TensorValue(q.buffer, _split_heads(q.layout, kv_heads, group), q.dtype)
+        k = TensorValue(k.buffer, _share_heads(k.layout, group), k.dtype)
+        v = TensorValue(v.buffer, _share_heads(v.layout, group), v.dtype)
+        out_layout = _split_heads(out.layout, kv_heads, group)
+    *batch, queries, depth = q.layout.shape
+    keys = k.layout.shape[-2]
+    scale = options["scale"] if options["scale"] is not None else 1.0 / math.sqrt(depth)
+    score_domain = (*batch, queries, keys)
+    scores = ctx.scratch_buffer(score_domain, "float32", "scores")
+    expr = ir.Op("mul", (ir.Result(), ir.Scalar(float(scale))))
+    if options["attn_mask"] is not None:
+        mask = ctx.value(options["attn_mask"])
+        mask_layout = broadcast_layout(mask.layout, unsplit_scores)
+        if group > 1:
+            mask_layout = _split_heads(mask_layout, kv_heads, group)
+        expr = ir.Op("add", (expr, ir.Load(mask.buffer, broadcast_layout(mask_layout, score_domain), mask.dtype)))
+    ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), score_domain, depth, ir.Load(q.buffer, q.layout, q.dtype),
+                       ir.Load(k.buffer, _swap_last(k.layout), k.dtype), (ir.Store(scores, expr, scores.layout),)))
+    # The probabilities feed TensorE again, so they take the operands' dtype (fp32 and bf16 cannot mix).
+    probabilities = ctx.scratch_buffer(score_domain, q.dtype, "probabilities")
+    ctx.emit(ir.RowNormalize(ctx.fresh_name("kernel"), score_domain, len(score_domain) - 1, "softmax",
+                             ir.Load(scores.name, scores.layout, "float32"),
+                             (ir.Store(probabilities, ir.Result(), probabilities.layout),),
+                             causal=bool(options["is_causal"])))
+    ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), out_layout.shape, keys,
+                       ir.Load(probabilities.name, probabilities.layout, q.dtype), ir.Load(v.buffer, v.layout, v.dtype),
+                       (ir.Store(out, ir.Result(), out_layout),)))
+    return TensorValue(out.name, out.layout, out.dtype)
