@@ -379,6 +379,26 @@ def test_reciprocal_and_partition_reduce():
     np.testing.assert_array_equal(column_max[0], a.max(axis=0))
 
 
+@settings(max_examples=10, deadline=None)
+@given(p=partitions, f=st.sampled_from([8, 9, 100, 512]))
+def test_max8_and_find_index8_give_top_values_and_their_first_index(p, f):
+    rng = np.random.default_rng(p * 1000 + f)
+    a = rng.permutation(np.arange(p * f, dtype=F32)).reshape(p, f)  # distinct values: the indices are unique
+
+    def kernel(x):
+        tx = _load(x)
+        top = nl.ndarray((p, 8), nl.float32)
+        nisa.max8(top, tx)
+        where = nl.ndarray((p, 8), nl.uint32)
+        nisa.nc_find_index8(where, tx, top)
+        return _store(top), _store(where)
+
+    top, where = _run(kernel, a)
+    order = np.argsort(-a, axis=1)[:, :8]
+    np.testing.assert_array_equal(top, np.take_along_axis(a, order, axis=1))
+    np.testing.assert_array_equal(where, order)
+
+
 def test_trace_records_engine_operands_and_flops():
     s, mv = _random((64, 32), nl.bfloat16, 23), _random((64, 256), nl.bfloat16, 24)
 

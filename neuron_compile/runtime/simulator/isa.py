@@ -15,15 +15,26 @@ import numpy as np
 from neuron_compile.runtime.simulator import ops as _ops
 from neuron_compile.runtime.simulator.errors import NkiNotSimulatedError, NkiValidationError
 from neuron_compile.runtime.simulator.memory import current
+from neuron_compile.runtime.simulator.isa_dma import dma_copy, dma_transpose
+from neuron_compile.runtime.simulator.isa_stats import (
+    bn_aggr,
+    bn_stats,
+    max8,
+    nc_find_index8,
+    tensor_partition_reduce,
+    tensor_tensor_scan,
+)
 from neuron_compile.runtime.simulator.rules import (
     FLOAT32,
     cast_to,
+    check_elementwise,
     check_no_psum_on_gpsimd,
     check_same_free,
     check_same_partitions,
     check_tile,
     engine_name,
     fp32_tile,
+    int_values,
     is_float,
     record,
     require_buffers,
@@ -37,6 +48,7 @@ __all__ = [
     "get_nc_version", "nc_matmul", "nc_transpose", "activation", "activation_reduce", "tensor_tensor",
     "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce", "tensor_copy", "memset", "iota", "affine_select",
     "dma_copy", "dma_transpose", "bn_stats", "bn_aggr", "tensor_tensor_scan", "reciprocal", "tensor_partition_reduce",
+    "max8", "nc_find_index8",
 ]
 
 
@@ -236,17 +248,6 @@ def nc_transpose(dst, data, engine=None, name=None):
     record(op, eng, dst, [("data", data)])
 
 
-def _check_elementwise(op: str, dst, srcs: list[tuple[str, object]], eng: str) -> None:
-    require_buffers(op, "dst", dst, ("sbuf", "psum"))
-    check_tile(op, "dst", dst)
-    for role, t in srcs:
-        require_buffers(op, role, t, ("sbuf", "psum"))
-        check_tile(op, role, t)
-        check_same_partitions(op, t, dst, role, "dst")
-        check_same_free(op, t, dst, role, "dst")
-    check_no_psum_on_gpsimd(op, eng, ("dst", dst), *srcs)
-
-
 def _apply_activation(op: str, func, data, bias, scale) -> tuple[np.ndarray, object, object]:
     p = data.partitions
     gen2 = current().target.nc_version == "gen2"
@@ -269,7 +270,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     name = "activation"
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
     func = _ops.resolve(op, name)
-    _check_elementwise(name, dst, [("data", data)], "scalar")
+    check_elementwise(name, dst, [("data", data)], "scalar")
     y, _, _ = _apply_activation(name, func, data, bias, scale)
     store(dst, y)
     srcs = [("data", data), ("bias", bias), ("scale", scale)]
@@ -296,16 +297,12 @@ def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0
     name = "activation_reduce"
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
     func = _ops.resolve(op, name)
-    _check_elementwise(name, dst, [("data", data)], "scalar")
+    check_elementwise(name, dst, [("data", data)], "scalar")
     y, _, _ = _apply_activation(name, func, data, bias, scale)
     store(dst, y)
     _activation_reduce_into(name, reduce_op, reduce_res, y, data.partitions)
     record(name, "scalar", dst, [("data", data), ("bias", bias), ("scale", scale), ("reduce_res", reduce_res)],
            {"op": func.name, "reduce": True}, flops=data.size)
-
-
-def _int_values(t) -> np.ndarray:
-    return t.read().reshape(t.partitions, -1)
 
 
 def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
@@ -318,7 +315,7 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
     ints = not is_float(data1.dtype) and not is_float(data2.dtype)
     default = "gpsimd" if func.name == "power" or (ints and data1.dtype.itemsize == 4) else "vector"
     eng = engine_name(engine, default)
-    _check_elementwise(name, dst, [("data1", data1), ("data2", data2)], eng)
+    check_elementwise(name, dst, [("data1", data1), ("data2", data2)], eng)
     if data1.kind == "psum" and data2.kind == "psum":
         raise NkiValidationError(
             "err_tensor_tensor_both_psum", f"data1 {data1.name} and data2 {data2.name} cannot both be in PSUM", name
@@ -329,9 +326,9 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
                 "err_bitvec_op_dtype", f"bitvec op {func.name} needs integer tensors: data1 {data1.dtype.name}, data2 "
                 f"{data2.dtype.name}, dst {dst.dtype.name}", name,
             )
-        result = func.fn(_int_values(data1), _int_values(data2))
+        result = func.fn(int_values(data1), int_values(data2))
     elif ints and not is_float(dst.dtype):
-        result = func.fn(_int_values(data1).astype(np.int64), _int_values(data2).astype(np.int64))
+        result = func.fn(int_values(data1).astype(np.int64), int_values(data2).astype(np.int64))
     else:
         result = func.fn(fp32_tile(data1), fp32_tile(data2))
     store(dst, result)
@@ -349,7 +346,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     func0 = _ops.resolve(op0, name, "op0")
     func1 = _ops.resolve(op1, name, "op1") if op1 is not None else None
     eng = engine_name(engine, "vector")
-    _check_elementwise(name, dst, [("data", data)], eng)
+    check_elementwise(name, dst, [("data", data)], eng)
     if func1 is not None and (func0.kind == "bitvec") != (func1.kind == "bitvec"):
         raise NkiValidationError(
             "err_tensor_scalar_op_kind", f"op0 {func0.name} and op1 {func1.name} must both be bitvec or arithmetic",
@@ -367,7 +364,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     if bitvec:
         if is_float(data.dtype):
             raise NkiValidationError("err_bitvec_op_dtype", f"bitvec op {func0.name} on {data.dtype.name} data", name)
-        x = _int_values(data)
+        x = int_values(data)
         operands = [_int_operand(name, r, v, p) for r, v in (("operand0", operand0), ("operand1", operand1))]
     else:
         x = fp32_tile(data)
@@ -390,7 +387,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     dst, data, other = (require_tensor(name, r, t) for r, t in (("dst", dst), ("data", data), ("operand1", operand1)))
     func0, func1 = _ops.resolve(op0, name, "op0"), _ops.resolve(op1, name, "op1")
     eng = engine_name(engine, "vector")
-    _check_elementwise(name, dst, [("data", data), ("operand1", other)], eng)
+    check_elementwise(name, dst, [("data", data), ("operand1", other)], eng)
     if data.kind == "psum" and other.kind == "psum":
         raise NkiValidationError("err_tensor_tensor_both_psum", "data and operand1 cannot both be in PSUM", name)
     if "bitvec" in (func0.kind, func1.kind):
@@ -409,7 +406,7 @@ def _int_operand(name: str, role: str, value, partitions: int):
     if value is None:
         return None
     if hasattr(value, "shape"):
-        return _int_values(value)
+        return int_values(value)
     if isinstance(value, float) and not float(value).is_integer():
         raise NkiValidationError(
             "err_tensor_scalar_operand_dtype", f"bitvec {role} must be an integer, got {value}", name
@@ -467,7 +464,7 @@ def tensor_copy(dst, src, engine=None, name=None):
     name = "tensor_copy"
     dst, src = require_tensor(name, "dst", dst), require_tensor(name, "src", src)
     eng = engine_name(engine, "vector")
-    _check_elementwise(name, dst, [("src", src)], eng)
+    check_elementwise(name, dst, [("src", src)], eng)
     values = src.read() if src.dtype == dst.dtype or not is_float(src.dtype) else fp32_tile(src)
     store(dst, values.reshape(dst.shape) if values.size == dst.size else values)
     record(name, eng, dst, [("src", src)])
@@ -539,178 +536,21 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
     record(name, "gpsimd", dst, [("on_true_tile", on_true)], {"op": cmp.name})
 
 
-def dma_copy(dst, src, priority=None, oob_mode=None, dge_mode=None, engine=None, mask=None, name=None):
-    """dst = src between HBM and SBUF (either way) or within one; never PSUM; dtype cast via fp32."""
-    name = "dma_copy"
-    dst, src = require_tensor(name, "dst", dst), require_tensor(name, "src", src)
-    if src.kind == "psum":
-        raise NkiValidationError("err_dma_from_psum", f"DMA cannot read PSUM: src {src.name} is in PSUM", name)
-    if dst.kind == "psum":
-        raise NkiValidationError("err_dma_to_psum", f"DMA cannot write PSUM: dst {dst.name} is in PSUM", name)
-    check_tile(name, "dst", dst, compute=False)
-    check_tile(name, "src", src, compute=False)
-    if dst.size != src.size:
-        raise NkiValidationError(
-            "err_dma_shape_mismatch", f"DMA copy in/out shape must match: dst {dst.shape} ({dst.size} elements), "
-            f"src {src.shape} ({src.size} elements)", name,
-        )
-    mode = getattr(dge_mode, "name", dge_mode)
-    if mode == "hwdge" and dst.dtype != src.dtype:
-        raise NkiValidationError(
-            "err_dma_hwdge_dtype", f"hwdge DMA needs equal dtypes, got src {src.dtype.name}, dst {dst.dtype.name} "
-            "(use .view())", name,
-        )
-    values = src.read()
-    if values.dtype != dst.dtype and is_float(values.dtype) and is_float(dst.dtype):
-        values = values.astype(FLOAT32)
-    if getattr(oob_mode, "name", oob_mode) == "skip" and (src.indirect is not None or dst.indirect is not None):
-        _dma_skip_oob(dst, src, values)
-    else:
-        store(dst, values.reshape(dst.shape) if values.shape != dst.shape else values)
-    record(name, "dma", dst, [("src", src)],
-           {"dge_mode": mode, "indirect": src.indirect is not None or dst.indirect is not None})
-
-
-def _dma_skip_oob(dst, src, values) -> None:
-    """oob_mode=skip: indirect rows whose offsets fall outside the tensor are not transferred."""
-    side = src if src.indirect is not None else dst
-    index = side.element_indices()
-    valid = (index >= 0) & (index < side.storage.data.size)
-    flat = side._flat()
-    if side is src:
-        out = dst.read().copy()
-        out[valid.reshape(out.shape) if valid.size == out.size else valid] = flat[index[valid]].astype(out.dtype)
-        store(dst, out)
-    else:
-        flat[index[valid]] = cast_to(values.reshape(index.shape)[valid], dst.dtype)
-        dst.storage.written = True
-
-
-def dma_transpose(dst, src, axes=None, priority=None, dge_mode=None, oob_mode=None, name=None):
-    """dst = src transposed (HBM -> SBUF or SBUF -> SBUF), 2- or 4-byte dtypes, dst shape = transposed src."""
-    name = "dma_transpose"
-    dst, src = require_tensor(name, "dst", dst), require_tensor(name, "src", src)
-    require_buffers(name, "src", src, ("hbm", "sbuf"))
-    require_buffers(name, "dst", dst, ("sbuf",))
-    check_tile(name, "dst", dst, compute=False)
-    if src.itemsize not in (2, 4):
-        raise NkiValidationError("err_dma_transpose_dtype", f"dtype {src.dtype.name} is not 2 or 4 bytes", name)
-    axes = tuple(axes) if axes is not None else tuple(reversed(range(src.ndim)))
-    expected = tuple(src.shape[a] for a in axes)
-    if dst.shape != expected:
-        raise NkiValidationError(
-            "err_dma_transpose_shape", f"dst shape {dst.shape} must equal transposed src shape {expected}", name
-        )
-    store(dst, src.read().transpose(axes))
-    record(name, "dma", dst, [("src", src)], {"transpose": True})
-
-
-def bn_stats(dst, data, name=None):
-    """Per-partition statistics of data (free size <= bn_stats_fmax): (count, mean, M2) of even, odd elements."""
-    name = "bn_stats"
-    dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
-    check_tile(name, "data", data)
-    check_tile(name, "dst", dst)
-    check_same_partitions(name, data, dst, "data", "dst")
-    limit = current().target.bn_stats_fmax
-    if data.free_size > limit:
-        raise NkiValidationError(
-            "err_bn_stats_fmax", f"data free size {data.free_size} exceeds bn_stats_fmax {limit}", name
-        )
-    if dst.free_size != 6:
-        raise NkiValidationError("err_bn_stats_dst_shape", f"dst {dst.shape} must hold 6 elements per partition", name)
-    x = fp32_tile(data)
-    stats = []
-    for half in (x[:, 0::2], x[:, 1::2]):
-        count = half.shape[1]
-        mean = half.mean(axis=1, dtype=FLOAT32) if count else np.zeros(x.shape[0], FLOAT32)
-        m2 = ((half - mean[:, None]) ** 2).sum(axis=1, dtype=FLOAT32)
-        stats += [np.full(x.shape[0], count, FLOAT32), mean, m2]
-    store(dst, np.stack(stats, axis=1))
-    record(name, "vector", dst, [("data", data)], flops=data.size)
-
-
-def bn_aggr(dst, data, name=None):
-    """Combine bn_stats groups (P, 6*k) into (mean, variance) per partition (Chan's parallel formula)."""
-    name = "bn_aggr"
-    dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
-    check_tile(name, "data", data)
-    check_tile(name, "dst", dst)
-    check_same_partitions(name, data, dst, "data", "dst")
-    if data.free_size % 3 or dst.free_size != 2:
-        raise NkiValidationError(
-            "err_bn_aggr_shape",
-            f"data {data.shape} must hold bn_stats groups (3k elements) and dst {dst.shape} 2", name,
-        )
-    groups = fp32_tile(data).reshape(data.partitions, -1, 3)
-    count, mean, m2 = groups[..., 0], groups[..., 1], groups[..., 2]
-    total = count.sum(axis=1)
-    safe_total = np.where(total > 0, total, 1)
-    grand_mean = (count * mean).sum(axis=1) / safe_total
-    grand_m2 = (m2 + count * (mean - grand_mean[:, None]) ** 2).sum(axis=1)
-    store(dst, np.stack([grand_mean, grand_m2 / safe_total], axis=1))
-    record(name, "vector", dst, [("data", data)], flops=data.size)
-
-
-def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False, name=None):
-    """r[:, i] = op1(op0(data0[:, i], r[:, i-1]), data1[:, i]) with r[:, -1] = initial (fp32, per partition)."""
-    name = "tensor_tensor_scan"
-    dst, data0, data1 = (require_tensor(name, r, t) for r, t in (("dst", dst), ("data0", data0), ("data1", data1)))
-    func0, func1 = _ops.resolve(op0, name, "op0"), _ops.resolve(op1, name, "op1")
-    _check_elementwise(name, dst, [("data0", data0), ("data1", data1)], "vector")
-    if data0.kind == "psum" and data1.kind == "psum":
-        raise NkiValidationError("err_tensor_tensor_both_psum", "data0 and data1 cannot both be in PSUM", name)
-    p = data0.partitions
-    state = scalar_or_vector(name, "initial", initial, p, "err_scan_initial")
-    a, b = fp32_tile(data0), fp32_tile(data1)
-    state = np.broadcast_to(state, (p, 1))[:, 0].astype(FLOAT32)
-    out = np.empty_like(a)
-    if func0.name == "add" and func1.name == "add" and not (reverse0 or reverse1):
-        # r_i = a_i + r_{i-1} + b_i: a running sum, vectorized (same left-to-right fp32 order)
-        out[:] = np.cumsum(np.concatenate([state[:, None], a + b], axis=1), axis=1, dtype=FLOAT32)[:, 1:]
-    else:
-        for i in range(a.shape[1]):
-            inner = func0.fn(state, a[:, i]) if reverse0 else func0.fn(a[:, i], state)
-            state = (func1.fn(b[:, i], inner) if reverse1 else func1.fn(inner, b[:, i])).astype(FLOAT32)
-            out[:, i] = state
-    store(dst, out)
-    record(name, "vector", dst, [("data0", data0), ("data1", data1)], {"op0": func0.name, "op1": func1.name},
-           flops=2 * data0.size)
-
-
 def reciprocal(dst, data, engine=None, name=None):
     """dst = 1 / data (fp32)."""
     name = "reciprocal"
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
     eng = engine_name(engine, "vector")
-    _check_elementwise(name, dst, [("data", data)], eng)
+    check_elementwise(name, dst, [("data", data)], eng)
     with np.errstate(divide="ignore"):
         store(dst, np.float32(1) / fp32_tile(data))
     record(name, eng, dst, [("data", data)], flops=data.size)
 
 
-def tensor_partition_reduce(dst, op, data, name=None):
-    """dst[0, :] = reduce(op) of data across its partitions (GpSimd)."""
-    name = "tensor_partition_reduce"
-    dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
-    func = _ops.resolve(op, name)
-    for role, t in (("dst", dst), ("data", data)):
-        require_buffers(name, role, t, ("sbuf",), "err_gpsimd_psum_access")
-        check_tile(name, role, t)
-    check_same_free(name, data, dst, "data", "dst")
-    if func.reduce_ufunc is None or dst.partitions != 1:
-        raise NkiValidationError(
-            "err_partition_reduce", f"op {func.name} / dst {dst.shape}: need a reduction op and a 1-partition dst", name
-        )
-    values = fp32_tile(data) if func.kind != "bitvec" else _int_values(data)
-    store(dst, func.reduce_ufunc.reduce(values, axis=0, keepdims=True))
-    record(name, "gpsimd", dst, [("data", data)], {"op": func.name}, flops=data.size)
-
-
 _NOT_SIMULATED = {
     "nc_matmul_mx", "activate2", "tensor_scalar_reduce", "tensor_scalar_cumulative",
     "tensor_copy_predicated", "exponential", "quantize_mx", "dropout", "range_select", "select_reduce",
-    "sequence_bounds", "local_gather", "nc_n_gather", "dma_compute", "max8", "nc_find_index8", "nc_match_replace8",
+    "sequence_bounds", "local_gather", "nc_n_gather", "dma_compute", "nc_match_replace8",
     "nc_stream_shuffle", "register_alloc", "register_move", "register_load", "register_store", "core_barrier",
     "sendrecv", "rng", "rand2", "rand_set_state", "rand_get_state", "set_rng_seed", "nonzero_with_count", "topk",
     "dma_engine",

@@ -186,3 +186,18 @@ def engine_name(engine, default: str) -> str:
         return value
     name = _ENGINE_NAMES.get(int(value))
     return name or default
+
+
+def check_elementwise(op: str, dst, srcs: list[tuple[str, object]], eng: str) -> None:
+    require_buffers(op, "dst", dst, ("sbuf", "psum"))
+    check_tile(op, "dst", dst)
+    for role, t in srcs:
+        require_buffers(op, role, t, ("sbuf", "psum"))
+        check_tile(op, role, t)
+        check_same_partitions(op, t, dst, role, "dst")
+        check_same_free(op, t, dst, role, "dst")
+    check_no_psum_on_gpsimd(op, eng, ("dst", dst), *srcs)
+
+
+def int_values(t) -> np.ndarray:
+    return t.read().reshape(t.partitions, -1)

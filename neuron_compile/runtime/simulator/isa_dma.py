@@ -1,0 +1,86 @@
+"""Simulator stage: the DMA instructions of ``nki.isa`` (dma_copy, dma_transpose).
+
+Input: HBM / SBUF views (incl. indirect ``vector_offset`` access patterns). Output: dst written, with the DMA
+rules checked (never PSUM, equal element counts, hwdge needs equal dtypes, transpose shapes) and one "dma"
+InstructionRecord per transfer.
+"""
+
+from __future__ import annotations
+
+from neuron_compile.runtime.simulator.errors import NkiValidationError
+from neuron_compile.runtime.simulator.rules import (
+    FLOAT32,
+    cast_to,
+    check_tile,
+    is_float,
+    record,
+    require_buffers,
+    require_tensor,
+    store,
+)
+
+
+def dma_copy(dst, src, priority=None, oob_mode=None, dge_mode=None, engine=None, mask=None, name=None):
+    """dst = src between HBM and SBUF (either way) or within one; never PSUM; dtype cast via fp32."""
+    name = "dma_copy"
+    dst, src = require_tensor(name, "dst", dst), require_tensor(name, "src", src)
+    if src.kind == "psum":
+        raise NkiValidationError("err_dma_from_psum", f"DMA cannot read PSUM: src {src.name} is in PSUM", name)
+    if dst.kind == "psum":
+        raise NkiValidationError("err_dma_to_psum", f"DMA cannot write PSUM: dst {dst.name} is in PSUM", name)
+    check_tile(name, "dst", dst, compute=False)
+    check_tile(name, "src", src, compute=False)
+    if dst.size != src.size:
+        raise NkiValidationError(
+            "err_dma_shape_mismatch", f"DMA copy in/out shape must match: dst {dst.shape} ({dst.size} elements), "
+            f"src {src.shape} ({src.size} elements)", name,
+        )
+    mode = getattr(dge_mode, "name", dge_mode)
+    if mode == "hwdge" and dst.dtype != src.dtype:
+        raise NkiValidationError(
+            "err_dma_hwdge_dtype", f"hwdge DMA needs equal dtypes, got src {src.dtype.name}, dst {dst.dtype.name} "
+            "(use .view())", name,
+        )
+    values = src.read()
+    if values.dtype != dst.dtype and is_float(values.dtype) and is_float(dst.dtype):
+        values = values.astype(FLOAT32)
+    if getattr(oob_mode, "name", oob_mode) == "skip" and (src.indirect is not None or dst.indirect is not None):
+        _dma_skip_oob(dst, src, values)
+    else:
+        store(dst, values.reshape(dst.shape) if values.shape != dst.shape else values)
+    record(name, "dma", dst, [("src", src)],
+           {"dge_mode": mode, "indirect": src.indirect is not None or dst.indirect is not None})
+
+
+def _dma_skip_oob(dst, src, values) -> None:
+    """oob_mode=skip: indirect rows whose offsets fall outside the tensor are not transferred."""
+    side = src if src.indirect is not None else dst
+    index = side.element_indices()
+    valid = (index >= 0) & (index < side.storage.data.size)
+    flat = side._flat()
+    if side is src:
+        out = dst.read().copy()
+        out[valid.reshape(out.shape) if valid.size == out.size else valid] = flat[index[valid]].astype(out.dtype)
+        store(dst, out)
+    else:
+        flat[index[valid]] = cast_to(values.reshape(index.shape)[valid], dst.dtype)
+        dst.storage.written = True
+
+
+def dma_transpose(dst, src, axes=None, priority=None, dge_mode=None, oob_mode=None, name=None):
+    """dst = src transposed (HBM -> SBUF or SBUF -> SBUF), 2- or 4-byte dtypes, dst shape = transposed src."""
+    name = "dma_transpose"
+    dst, src = require_tensor(name, "dst", dst), require_tensor(name, "src", src)
+    require_buffers(name, "src", src, ("hbm", "sbuf"))
+    require_buffers(name, "dst", dst, ("sbuf",))
+    check_tile(name, "dst", dst, compute=False)
+    if src.itemsize not in (2, 4):
+        raise NkiValidationError("err_dma_transpose_dtype", f"dtype {src.dtype.name} is not 2 or 4 bytes", name)
+    axes = tuple(axes) if axes is not None else tuple(reversed(range(src.ndim)))
+    expected = tuple(src.shape[a] for a in axes)
+    if dst.shape != expected:
+        raise NkiValidationError(
+            "err_dma_transpose_shape", f"dst shape {dst.shape} must equal transposed src shape {expected}", name
+        )
+    store(dst, src.read().transpose(axes))
+    record(name, "dma", dst, [("src", src)], {"transpose": True})
