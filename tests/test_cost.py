@@ -103,6 +103,13 @@ def test_bf16_fast_paths_on_trn1_have_no_performance_mode():
     assert cost.instruction_cycles(vector("memset", dtype="bfloat16", srcs=0, value=0), TRN1)[1] == 256
     stt = vector("scalar_tensor_tensor", dtype="bfloat16", srcs=2, op0="subtract", op1="multiply")
     assert cost.instruction_cycles(stt, TRN1)[1] == 512
+    # a (P, 1) operand0 is fp32 by rule; the fast path depends on the two tensors only
+    with_vector_operand = InstructionRecord(
+        "scalar_tensor_tensor", "vector", tile("dst", (128, 512), "bfloat16"),
+        (tile("data", (128, 512), "bfloat16"), tile("operand0", (128, 1)), tile("operand1", (128, 512), "bfloat16")),
+        attrs={"op0": "subtract", "op1": "multiply"},
+    )
+    assert cost.instruction_cycles(with_vector_operand, TRN1)[1] == 512
 
 
 def test_trn2_vector_performance_mode_speeds_bf16_sbuf_copies_only():

@@ -282,7 +282,8 @@ def _memset_cycles(record: InstructionRecord, n: int) -> float:
 
 def _scalar_tensor_tensor_cycles(record: InstructionRecord, n: int) -> float:
     op0, op1 = _op_name(record.attrs.get("op0")), _op_name(record.attrs.get("op1"))
-    bf16 = all(src.dtype == "bfloat16" for src in record.srcs)
+    tiles = [src for src in record.srcs if src.free_elems > 1]  # not the fp32 scalar / (P, 1) operand0
+    bf16 = bool(tiles) and all(src.dtype == "bfloat16" for src in tiles)
     return n if bf16 and op0 == "subtract" and op1 == "multiply" else 2 * n
 
 
