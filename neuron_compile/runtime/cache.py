@@ -8,6 +8,7 @@ later address an on-disk cache (NEURON_COMPILE_CACHE); today entries live in mem
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import threading
@@ -19,6 +20,7 @@ import torch
 from neuron_compile.config import Config
 
 Entry = TypeVar("Entry")
+MAX_ENTRIES = 256  # compiled signatures kept per graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,24 +69,43 @@ def signature_of(args: Sequence[object]) -> tuple[TensorSignature | ScalarSignat
 
 
 class DispatchCache(Generic[Entry]):
-    """In-memory ``GraphKey -> Entry`` map with a double-checked, locked compile on a miss."""
+    """In-memory ``GraphKey -> Entry`` map with a double-checked, locked compile on a miss.
 
-    def __init__(self):
-        self._entries: dict[GraphKey, Entry] = {}
-        self._lock = threading.Lock()
+    At most ``max_entries`` signatures are kept (least recently used evicted first), so a graph called with
+    ever-new shapes does not hold every compiled version forever; an evicted signature compiles again.
+    """
+
+    def __init__(self, max_entries: int = MAX_ENTRIES):
+        self.max_entries = max_entries
+        self._entries: collections.OrderedDict[GraphKey, Entry] = collections.OrderedDict()
+        self._entries_lock = threading.Lock()  # guards the map; held only briefly
+        self._compile_lock = threading.Lock()  # one compile at a time per graph: compiles are rare
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get_or_compile(self, key: GraphKey, compile_entry: Callable[[], Entry]) -> tuple[Entry, bool]:
-        """``(entry, compiled_now)``. A failed compile is not cached: the next call retries."""
-        entry = self._entries.get(key)
-        if entry is not None:
-            return entry, False
-        with self._lock:
+    def __contains__(self, key: GraphKey) -> bool:
+        return key in self._entries
+
+    def _lookup(self, key: GraphKey) -> Entry | None:
+        with self._entries_lock:
             entry = self._entries.get(key)
             if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def get_or_compile(self, key: GraphKey, compile_entry: Callable[[], Entry]) -> tuple[Entry, bool]:
+        """``(entry, compiled_now)``. A failed compile is not cached: the next call retries."""
+        entry = self._lookup(key)
+        if entry is not None:
+            return entry, False
+        with self._compile_lock:
+            entry = self._lookup(key)
+            if entry is not None:  # another thread compiled it while this one waited
                 return entry, False
             entry = compile_entry()
-            self._entries[key] = entry
+            with self._entries_lock:
+                self._entries[key] = entry
+                while len(self._entries) > self.max_entries:
+                    self._entries.popitem(last=False)
             return entry, True
