@@ -43,6 +43,8 @@ class NodePlacement:
 
 @dataclasses.dataclass(frozen=True)
 class PartitionReport:
+    """One ``NodePlacement`` per call_function node, in graph order; ``str()`` is the table the dump shows."""
+
     placements: tuple[NodePlacement, ...]
 
     @property
