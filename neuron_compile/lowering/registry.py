@@ -85,7 +85,7 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
     if rule is None:
         return f"no lowering for {node.target}"
     value = node.meta.get("val")
-    is_tensor_tuple = isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value)
+    is_tensor_tuple = isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) or v is None for v in value)
     if not (isinstance(value, torch.Tensor) or (rule.multi_output and is_tensor_tuple)):
         return f"{node.target}: no tensor meta['val'] (multi-output or untyped node)"
     result = node.meta["val"]
