@@ -417,6 +417,18 @@ def test_trace_records_engine_operands_and_flops():
     assert {r.engine for r in trace} == {"dma", "tensor", "vector"}
 
 
+def test_dma_trace_counts_hbm_side_in_the_sbuf_partitions():
+    x = _random((4, 32, 16), F32, 31)
+
+    def kernel(a):
+        tile = nl.ndarray((128, 16), nl.float32)
+        nisa.dma_copy(tile, a)  # 3-D HBM source spread over 128 partitions
+        return _store(tile)
+
+    load = nki.run_kernel(kernel, [x]).trace[0]
+    assert load.srcs[0].partitions == 128 and load.srcs[0].free_elems == 16 and load.dst.partitions == 128
+
+
 def test_get_nc_version_follows_target():
     def kernel():
         version = nisa.get_nc_version()

@@ -49,7 +49,8 @@ def dma_copy(dst, src, priority=None, oob_mode=None, dge_mode=None, engine=None,
     else:
         store(dst, values.reshape(dst.shape) if values.shape != dst.shape else values)
     record(name, "dma", dst, [("src", src)],
-           {"dge_mode": mode, "indirect": src.indirect is not None or dst.indirect is not None})
+           {"dge_mode": mode, "indirect": src.indirect is not None or dst.indirect is not None},
+           hbm_partitions=_on_chip_partitions(dst, src))
 
 
 def _dma_skip_oob(dst, src, values) -> None:
@@ -83,4 +84,12 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=None, oob_mode=No
             "err_dma_transpose_shape", f"dst shape {dst.shape} must equal transposed src shape {expected}", name
         )
     store(dst, src.read().transpose(axes))
-    record(name, "dma", dst, [("src", src)], {"transpose": True})
+    record(name, "dma", dst, [("src", src)], {"transpose": True}, hbm_partitions=dst.partitions)
+
+
+def _on_chip_partitions(dst, src) -> int | None:
+    """The partitions a DMA spreads over (the SBUF side's), which is how the DMA engines split the transfer."""
+    for side in (dst, src):
+        if side.on_chip:
+            return side.partitions
+    return None

@@ -135,7 +135,8 @@ def store(dst: NkiTensor, values: np.ndarray) -> None:
         flags[...] = False
 
 
-def operand(role: str, tensor: NkiTensor) -> OperandInfo:
+def operand(role: str, tensor: NkiTensor, hbm_partitions: int | None = None) -> OperandInfo:
+    """Trace descriptor of one operand; ``hbm_partitions`` is the on-chip side's partition count of a DMA."""
     fields = tensor.operand_fields
     if fields is None:  # computed once per view: instructions reuse the same tiles many times
         shape = tensor.shape
@@ -144,15 +145,18 @@ def operand(role: str, tensor: NkiTensor) -> OperandInfo:
         stride = abs(tensor.strides[-1]) * tensor.itemsize if len(shape) > 1 or not tensor.on_chip else tensor.itemsize
         fields = (tensor.kind, shape, tensor.dtype.name, tensor.itemsize, partitions, free, stride)
         tensor.operand_fields = fields
+    if hbm_partitions and not tensor.on_chip and tensor.size % hbm_partitions == 0:
+        kind, shape, dtype, itemsize, _, _, stride = fields
+        return OperandInfo(role, kind, shape, dtype, itemsize, hbm_partitions, tensor.size // hbm_partitions, stride)
     return OperandInfo(role, *fields)
 
 
 def record(name: str, engine: str, dst: NkiTensor | None, srcs: list[tuple[str, object]], attrs: dict | None = None,
-           flops: int = 0) -> None:
-    infos = tuple(operand(role, t) for role, t in srcs if isinstance(t, NkiTensor))
+           flops: int = 0, hbm_partitions: int | None = None) -> None:
+    infos = tuple(operand(role, t, hbm_partitions) for role, t in srcs if isinstance(t, NkiTensor))
+    dst_info = operand("dst", dst, hbm_partitions) if dst is not None else None
     current().trace.append(
-        InstructionRecord(name=name, engine=engine, dst=operand("dst", dst) if dst is not None else None, srcs=infos,
-                          attrs=attrs or {}, flops=int(flops))
+        InstructionRecord(name=name, engine=engine, dst=dst_info, srcs=infos, attrs=attrs or {}, flops=int(flops))
     )
 
 
