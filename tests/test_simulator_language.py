@@ -3,6 +3,7 @@ reductions, launch ids and the launcher API (jit, run_kernel, load_module, nki_i
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -188,6 +189,53 @@ def test_binary_elementwise_functions_tile_tile_scalar_and_column(name):
     np.testing.assert_allclose(right, golden(x, F32(1.5)).astype(F32), rtol=1e-6)
     np.testing.assert_allclose(left, golden(F32(2.0), x).astype(F32), rtol=1e-6)
     np.testing.assert_allclose(col, golden(x, column).astype(F32), rtol=1e-6)
+
+
+_erf = np.vectorize(math.erf)
+DERIVATIVES = {  # name -> the function it differentiates (float64), checked by central differences
+    "gelu_dx": lambda x: 0.5 * x * (1 + _erf(x / np.sqrt(2))),
+    "silu_dx": lambda x: x / (1 + np.exp(-x)),
+    "erf_dx": _erf,
+    "gelu_apprx_sigmoid_dx": lambda x: x / (1 + np.exp(-1.702 * x)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DERIVATIVES))
+def test_derivative_activations_match_finite_differences(name):
+    x = np.linspace(-3, 3, 64, dtype=F32).reshape(2, 32)
+
+    def kernel(a):
+        return _store(getattr(nl, name)(nl.load(a)))
+
+    h = 1e-5
+    fn = DERIVATIVES[name]
+    golden = (fn(x.astype(np.float64) + h) - fn(x.astype(np.float64) - h)) / (2 * h)
+    np.testing.assert_allclose(nki.run_kernel(kernel, [x]).outputs[0], golden, atol=2e-5)
+
+
+def test_bitwise_functions_on_integer_tiles():
+    a = np.arange(24, dtype=np.int32).reshape(4, 6)
+    b = np.full((4, 6), 5, dtype=np.int32)
+
+    def kernel(x, y):
+        tx, ty = nl.load(x), nl.load(y)
+        return (_store(nl.bitwise_and(tx, ty)), _store(nl.bitwise_or(tx, ty)), _store(nl.bitwise_xor(tx, ty)),
+                _store(nl.left_shift(tx, 2)), _store(nl.right_shift(tx, 1)), _store(nl.invert(tx)))
+
+    outputs = nki.run_kernel(kernel, [a, b]).outputs
+    goldens = [a & b, a | b, a ^ b, a << 2, a >> 1, ~a]
+    for got, want in zip(outputs, goldens):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_nl_softmax_wrapper():
+    x = _random((70, 33), F32, 11, -4, 4)
+
+    def kernel(a):
+        return _store(nl.softmax(nl.load(a), axis=-1))
+
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(nki.run_kernel(kernel, [x]).outputs[0], e / e.sum(axis=1, keepdims=True), rtol=1e-6)
 
 
 def test_type_promotion_of_wrappers():

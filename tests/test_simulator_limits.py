@@ -185,7 +185,7 @@ def test_lnc_must_be_one_or_two():
         kernel[3]()
 
 
-@pytest.mark.parametrize("name", ["nisa.nc_match_replace8", "nisa.activate2", "nl.softmax", "nl.fori_loop"])
+@pytest.mark.parametrize("name", ["nisa.nc_match_replace8", "nisa.activate2", "nl.rms_norm", "nl.fori_loop"])
 def test_unsimulated_nki_names_raise_not_simulated(name):
     module = nisa if name.startswith("nisa") else nl
     function = getattr(module, name.split(".")[1])

@@ -364,8 +364,26 @@ def var(x, axis, dtype=None, keepdims=False, mask=None):
     return mean(squared, axis, dtype or x.dtype, keepdims)
 
 
+def softmax(x: NkiTensor, axis=-1, dtype=None) -> NkiTensor:
+    """softmax over the last free dim, as the Neuron compiler lowers it: max, exp(x - max) with a running sum,
+    reciprocal, multiply."""
+    if axis not in (-1, x.ndim - 1) or x.ndim != 2:
+        raise NkiNotSimulatedError(f"nki.language.softmax over axis {axis} of a rank-{x.ndim} tile")
+    p, f = x.shape
+    neg_max = allocate((p, 1), float32, sbuf)
+    _isa.tensor_reduce(neg_max, _ops.BINARY["maximum"], x, axis=1, negate=True)
+    exps = allocate((p, f), float32, sbuf)
+    total = allocate((p, 1), float32, sbuf)
+    _isa.activation(exps, _ops.UNARY["exp"], x, bias=neg_max, reduce_op=_ops.BINARY["add"], reduce_res=total)
+    inverse = allocate((p, 1), float32, sbuf)
+    _isa.reciprocal(inverse, total)
+    out = allocate((p, f), dtype or x.dtype, sbuf)
+    _isa.tensor_scalar(out, exps, _ops.BINARY["multiply"], inverse)
+    return out
+
+
 _NOT_SIMULATED = {
-    "rand", "random_seed", "shared_constant", "shared_identity_matrix", "gather_flattened", "softmax", "rms_norm",
+    "rand", "random_seed", "shared_constant", "shared_identity_matrix", "gather_flattened", "rms_norm",
     "dropout", "fori_loop", "while_loop", "dynamic_range", "no_reorder", "fmod",
     "mod", "prelu", "bypass",
 }
