@@ -17,6 +17,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import neuron_compile
@@ -313,7 +315,8 @@ def test_buffer_mutation_in_module(fake_regions):
 # With the real lowerings, regions run as NKI kernels on the simulator: fp32 arithmetic, but matmuls accumulate
 # K in PSUM tiles and reductions run in a different order than ATen's CPU kernels. Each reordered fp32 sum of K
 # terms is off by at most ~K ulp (K <= 64 here: ~8e-6 relative); a training step chains a few of them, so 1e-4
-# relative (and 1e-5 absolute, for gradients near zero) leaves margin without hiding a wrong kernel.
+# relative (and 1e-5 absolute, for gradients near zero) leaves margin without hiding a wrong kernel. Transcendental
+# functions (exp, tanh, sigmoid) are numpy's fp32 ones, a few ulp from ATen's; chains of <= 6 stay well inside.
 LOWERED_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 EXACT = {"rtol": 0.0, "atol": 0.0}
 PLACEMENTS = ["all_eager", "fake_regions", "lowerings"]
@@ -548,3 +551,37 @@ def test_every_stats_key_is_documented():
     documented = neuron_compile.__doc__
     missing = [key for key in neuron_compile.stats() if f"``{key}``" not in documented]
     assert not missing, f"stats keys missing from the neuron_compile docstring: {missing}"
+
+
+UNARY = [torch.exp, torch.tanh, torch.relu, torch.neg, torch.sigmoid]
+BINARY = [operator.add, operator.mul, operator.sub]
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    program=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 100), st.integers(0, 100)), min_size=1, max_size=6),
+    rows=st.sampled_from([1, 3, 127, 129]),
+    cols=st.sampled_from([1, 5, 64]),
+    reduce=st.booleans(),
+)
+def test_random_pointwise_graphs_through_the_real_pipeline(program, rows, cols, reduce):
+    """Random DAGs of pointwise ops (plus an optional row sum) on ragged shapes, end to end, vs eager."""
+
+    def random_graph(a, b):
+        values = [a, b]
+        for op_index, left, right in program:
+            first, second = values[left % len(values)], values[right % len(values)]
+            if op_index < len(UNARY):
+                values.append(UNARY[op_index](first))
+            else:
+                values.append(BINARY[op_index - len(UNARY)](first, second))
+        return values[-1].sum(-1) if reduce else values[-1]
+
+    torch._dynamo.reset()
+    neuron_compile.reset_stats()
+    x, y = torch.randn(rows, cols), torch.randn(rows, cols)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", neuron_compile.NeuronCompileWarning)  # fallbacks are allowed, wrong is not
+        got = torch.compile(random_graph, backend="neuron")(x, y)
+    torch.testing.assert_close(got, random_graph(x, y), **LOWERED_TOLERANCE)
+    check_kernels_ran("lowerings")
