@@ -139,6 +139,26 @@ def test_activation_scale_bias_and_reduce(p, f, dtype, op):
     np.testing.assert_allclose(total[:, 0], exact.sum(axis=1), rtol=1e-4, atol=1e-4)
 
 
+def test_activation_reduce_cmd_accumulates_across_instructions():
+    x = _random((16, 96), F32, 32)
+
+    def kernel(a):
+        ta = _load(a)
+        out = nl.ndarray((16, 96), nl.float32)
+        total = nl.ndarray((16, 1), nl.float32)
+        first = nl.ndarray((16, 1), nl.float32)
+        nisa.activation(out[:, 0:32], nl.exp, ta[:, 0:32], reduce_cmd=nisa.reduce_cmd.reset_reduce,
+                        reduce_res=first)
+        nisa.activation(out[:, 32:64], nl.exp, ta[:, 32:64], reduce_cmd=nisa.reduce_cmd.reduce)
+        nisa.activation(out[:, 64:96], nl.exp, ta[:, 64:96], reduce_op=nl.add, reduce_cmd=nisa.reduce_cmd.reduce,
+                        reduce_res=total)
+        return _store(first), _store(total)
+
+    first, total = _run(kernel, x)
+    np.testing.assert_allclose(first[:, 0], np.exp(x[:, :32]).sum(axis=1), rtol=1e-5)
+    np.testing.assert_allclose(total[:, 0], np.exp(x).sum(axis=1), rtol=1e-5)
+
+
 def test_activation_gelu_and_erf_match_math_erf():
     import math
 

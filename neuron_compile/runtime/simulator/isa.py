@@ -274,10 +274,40 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     y, _, _ = _apply_activation(name, func, data, bias, scale)
     store(dst, y)
     srcs = [("data", data), ("bias", bias), ("scale", scale)]
-    if reduce_res is not None:
+    command = getattr(reduce_cmd, "name", reduce_cmd) or "idle"
+    if command != "idle":
+        _accumulate_reduce_registers(name, command, reduce_op, reduce_res, y)
+    elif reduce_res is not None:
         _activation_reduce_into(name, reduce_op, reduce_res, y, data.partitions)
+    if reduce_res is not None:
         srcs.append(("reduce_res", reduce_res))
-    record(name, "scalar", dst, srcs, {"op": func.name, "reduce": reduce_res is not None}, flops=data.size)
+    reduces = reduce_res is not None or command != "idle"
+    record(name, "scalar", dst, srcs, {"op": func.name, "reduce": reduces, "reduce_cmd": command}, flops=data.size)
+
+
+def _accumulate_reduce_registers(name: str, command: str, reduce_op, reduce_res, y: np.ndarray) -> None:
+    """ScalarE's per-partition accumulator registers: reset / reduce / reset_reduce / load_reduce, which let one
+    sum span several activation instructions (e.g. the free-dim chunks of a long row)."""
+    registers = current().reduce_registers
+    p = y.shape[0]
+    if command in ("reset", "reset_reduce"):
+        registers[:p] = 0
+    if command == "load_reduce":
+        if reduce_res is None:
+            raise NkiValidationError("err_activation_reduce_res_shape", "load_reduce needs reduce_res to load", name)
+        registers[:p] = fp32_tile(require_tensor(name, "reduce_res", reduce_res))[:, 0]
+    if command in ("reduce", "reset_reduce", "load_reduce"):
+        reduce = _ops.resolve(reduce_op, name, "reduce_op") if reduce_op is not None else _ops.BINARY["add"]
+        if reduce.name != "add":
+            raise NkiValidationError("err_activation_reduce_op", f"reduce_op must be nl.add, got {reduce.name}", name)
+        registers[:p] += y.sum(axis=1, dtype=FLOAT32)
+    if reduce_res is not None:
+        reduce_res = require_tensor(name, "reduce_res", reduce_res)
+        if reduce_res.partitions != p or reduce_res.free_size != 1:
+            raise NkiValidationError(
+                "err_activation_reduce_res_shape", f"reduce_res {reduce_res.shape} must be ({p}, 1)", name
+            )
+        store(reduce_res, registers[:p, None])
 
 
 def _activation_reduce_into(name: str, reduce_op, reduce_res, y: np.ndarray, partitions: int) -> None:

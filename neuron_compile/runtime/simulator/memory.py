@@ -46,6 +46,8 @@ class KernelContext:
     # returns the k-th of them, since on hardware all LNC programs write one shared output
     shared_reuse: list[NkiTensor] = field(default_factory=list)
     allocations: int = 0  # numbers unnamed tensors in error messages
+    # ScalarE accumulator registers (one per partition) driven by activation's reduce_cmd
+    reduce_registers: np.ndarray = field(default_factory=lambda: np.zeros(128, dtype=np.float32))
     launched: bool = False  # False for the throwaway context used outside any kernel
 
 
