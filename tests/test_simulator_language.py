@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from neuron_compile.runtime import simulator as nki
@@ -101,6 +101,31 @@ def test_dtype_views_of_other_element_sizes_reinterpret_bytes():
         assert np.array_equal(np.array(x.view(nl.uint16)[1:3]), array.view(np.uint16)[1:3])
 
     nki.run_kernel(kernel, [array])
+
+
+@settings(max_examples=25, deadline=None)
+@given(p=st.integers(1, 16), f=st.integers(4, 64), data=st.data())
+def test_on_chip_access_patterns_address_flat_storage(p, f, data):
+    """view[c, j, k] = flat[offset + c * f + j * s1 + k * s2], checked against numpy as_strided."""
+    s1, n1 = data.draw(st.integers(0, 8)), data.draw(st.integers(1, 4))
+    s2, n2 = data.draw(st.integers(0, 3)), data.draw(st.integers(1, 4))
+    reach = s1 * (n1 - 1) + s2 * (n2 - 1)
+    assume(reach < f)  # stay inside each partition's f elements
+    offset = data.draw(st.integers(0, f - 1 - reach))
+    array = np.arange(p * f, dtype=F32).reshape(p, f)
+    seen = {}
+
+    def kernel(x):
+        tile = nl.load(x)
+        seen["view"] = np.array(tile.ap([[f, p], [s1, n1], [s2, n2]], offset=offset))
+        with pytest.raises(NkiValidationError, match="err_tensor_access_out_of_bound"):
+            tile.ap([[f, p], [s1, n1], [s2, n2]], offset=offset + p * f).read()
+
+    nki.run_kernel(kernel, [array])
+    item = array.itemsize
+    strides = (f * item, s1 * item, s2 * item)
+    golden = np.lib.stride_tricks.as_strided(array.reshape(-1)[offset:], (p, n1, n2), strides)
+    np.testing.assert_array_equal(seen["view"], golden)
 
 
 def test_views_share_storage_so_writes_land_in_the_parent():
