@@ -65,6 +65,8 @@ CASES = {
     "err_start_partition": (lambda: nisa.activation(sbuf((8, 4)), nl.exp, sbuf((128, 4))[48:56]), "48"),
     "err_tensor_scalar_operand_dtype": (
         lambda: nisa.tensor_scalar(sbuf((4, 4)), sbuf((4, 4)), nl.add, sbuf((4, 1), nl.bfloat16)), "bfloat16"),
+    "err_tensor_scalar_operand_shape": (
+        lambda: nisa.tensor_scalar(sbuf((4, 4)), sbuf((4, 4)), nl.add, sbuf((4, 2))), "(4, 2)"),
     "err_tensor_scalar_op_kind": (
         lambda: nisa.tensor_scalar(sbuf((4, 4), nl.int32), sbuf((4, 4), nl.int32), nl.bitwise_and, 1,
                                    op1=nl.add, operand1=1), "bitwise_and"),

@@ -248,7 +248,8 @@ def nc_transpose(dst, data, engine=None, name=None):
     record(op, eng, dst, [("data", data)])
 
 
-def _apply_activation(op: str, func, data, bias, scale) -> tuple[np.ndarray, object, object]:
+def _apply_activation(op: str, func, data, bias, scale) -> np.ndarray:
+    """op(data * scale + bias) in fp32, shape (P, free)."""
     p = data.partitions
     gen2 = current().target.nc_version == "gen2"
     if bias is not None and gen2 and not hasattr(bias, "shape"):
@@ -262,7 +263,7 @@ def _apply_activation(op: str, func, data, bias, scale) -> tuple[np.ndarray, obj
         x = x * scale_values
     if bias_values is not None:
         x = x + bias_values
-    return func.fn(x).astype(FLOAT32, copy=False), bias_values, scale_values
+    return func.fn(x).astype(FLOAT32, copy=False)
 
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None, name=None):
@@ -271,7 +272,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
     func = _ops.resolve(op, name)
     check_elementwise(name, dst, [("data", data)], "scalar")
-    y, _, _ = _apply_activation(name, func, data, bias, scale)
+    y = _apply_activation(name, func, data, bias, scale)
     store(dst, y)
     srcs = [("data", data), ("bias", bias), ("scale", scale)]
     command = getattr(reduce_cmd, "name", reduce_cmd) or "idle"
@@ -328,7 +329,7 @@ def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
     func = _ops.resolve(op, name)
     check_elementwise(name, dst, [("data", data)], "scalar")
-    y, _, _ = _apply_activation(name, func, data, bias, scale)
+    y = _apply_activation(name, func, data, bias, scale)
     store(dst, y)
     _activation_reduce_into(name, reduce_op, reduce_res, y, data.partitions)
     record(name, "scalar", dst, [("data", data), ("bias", bias), ("scale", scale), ("reduce_res", reduce_res)],
@@ -365,6 +366,8 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
     record(name, eng, dst, [("data1", data1), ("data2", data2)], {"op": func.name}, flops=dst.size)
 
 
+# (shape rule, require fp32, dtype rule) of a tensor_scalar-style operand
+_OPERAND_RULES = ("err_tensor_scalar_operand_shape", True, "err_tensor_scalar_operand_dtype")
 _SCALAR_ENGINE_PAIRS = {("multiply", "add"), ("multiply", None), ("add", None)}
 
 
@@ -399,8 +402,8 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     else:
         x = fp32_tile(data)
         operands = [
-            scalar_or_vector(name, "operand0", operand0, p, "err_tensor_scalar_operand_dtype"),
-            scalar_or_vector(name, "operand1", operand1, p, "err_tensor_scalar_operand_dtype") if func1 else None,
+            scalar_or_vector(name, "operand0", operand0, p, *_OPERAND_RULES),
+            scalar_or_vector(name, "operand1", operand1, p, *_OPERAND_RULES) if func1 else None,
         ]
     x = func0.fn(operands[0], x) if reverse0 else func0.fn(x, operands[0])
     if func1 is not None:
@@ -423,7 +426,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     if "bitvec" in (func0.kind, func1.kind):
         raise NkiValidationError("err_unsupported_op", f"bitvec ops {func0.name}/{func1.name} are not simulated here",
                                  name)
-    scalar = scalar_or_vector(name, "operand0", operand0, data.partitions, "err_tensor_scalar_operand_dtype")
+    scalar = scalar_or_vector(name, "operand0", operand0, data.partitions, *_OPERAND_RULES)
     x = fp32_tile(data)
     x = func0.fn(scalar, x) if reverse0 else func0.fn(x, scalar)
     y = fp32_tile(other)

@@ -160,7 +160,8 @@ def record(name: str, engine: str, dst: NkiTensor | None, srcs: list[tuple[str, 
     )
 
 
-def scalar_or_vector(op: str, role: str, value, partitions: int, rule: str, require_fp32: bool = True):
+def scalar_or_vector(op: str, role: str, value, partitions: int, rule: str, require_fp32: bool = True,
+                     dtype_rule: str | None = None):
     """A scalar operand, or a (P, 1) tile broadcast along the free dim, as fp32 numpy (shape () or (P, 1))."""
     if isinstance(value, NkiTensor):
         if not value.on_chip or value.partitions != partitions or value.free_size != 1:
@@ -170,8 +171,7 @@ def scalar_or_vector(op: str, role: str, value, partitions: int, rule: str, requ
             )
         if require_fp32 and value.dtype != FLOAT32:
             raise NkiValidationError(
-                rule.replace("invalid_type", "dtype") if "invalid_type" in rule else rule,
-                f"{role} tile {value.name} must be float32, got {value.dtype.name}", op,
+                dtype_rule or rule, f"{role} tile {value.name} must be float32, got {value.dtype.name}", op
             )
         return fp32_tile(value)
     if isinstance(value, (bool, int, float, np.integer, np.floating)):
