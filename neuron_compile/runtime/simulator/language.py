@@ -19,11 +19,6 @@ from neuron_compile.runtime.simulator.memory import allocate, current, hbm, priv
 from neuron_compile.runtime.simulator.rules import is_float
 from neuron_compile.runtime.simulator.tensor import DynSlice, NkiTensor
 
-__all__ = ["sbuf", "psum", "hbm", "private_hbm", "shared_hbm", "ndarray", "zeros", "ones", "full", "zeros_like",
-           "empty_like", "ds", "load", "store", "copy", "load_transpose2d", "matmul", "transpose", "tile_size",
-           "affine_range", "sequential_range", "static_range", "program_id", "num_programs", "program_ndim",
-           "device_print", "sum", "max", "min", "mean", "prod", "var", "all"]
-
 # ------------------------------------------------------------------------------------------------ dtypes
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float8_e4m3 = np.dtype(ml_dtypes.float8_e4m3)
@@ -38,7 +33,6 @@ bool_ = np.dtype(np.uint8)  # NKI's bool_ is a byte
 
 # operator objects double as the elementwise functions (nl.add(x, y), op=nl.add)
 globals().update(_ops.ALL_OPS)
-max_ = _ops.BINARY["maximum"]
 
 
 # ------------------------------------------------------------------------------------------------ creation
@@ -387,6 +381,15 @@ _NOT_SIMULATED = {
     "dropout", "fori_loop", "while_loop", "dynamic_range", "no_reorder", "fmod",
     "mod", "prelu", "bypass",
 }
+
+
+# star imports get the NKI names (dtypes, buffers, operators, functions), not this module's imports
+__all__ = sorted(
+    key for key, value in globals().items()
+    if not key.startswith("_") and key not in {"annotations", "builtins", "ml_dtypes", "np", "allocate", "current",
+                                                "is_float", "promote", "apply_op", "DynSlice", "NkiTensor",
+                                                "NkiNotSimulatedError", "NkiValidationError"}
+)
 
 
 def __getattr__(name: str):
