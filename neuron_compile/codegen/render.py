@@ -297,16 +297,17 @@ def _render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[
     a_m, a_k, b_k, b_n = a.strides[batch], a.strides[batch + 1], b.strides[batch], b.strides[batch + 1]
     stationary_offset = _offset_text(a.offset, a_batch + [("p0", a_m), ("k0", a_k)])
     transpose_stationary = _needs_transpose(a_k, a_m)
-    if transpose_stationary:  # a's rows [M tile, K chunk] are contiguous
-        entries = f"[[{a_m}, rows], [{a_k}, kk]]"
+    if transpose_stationary:  # a's rows [M tile, all of K] are contiguous
+        stationary_offset = _offset_text(a.offset, a_batch + [("p0", a_m)])
+        entries = f"[[{a_m}, rows], [{a_k}, {node.k}]]"
     else:
         entries = f"[[{a_k}, kk], [{a_m}, rows]]"
     stationary_src = f"{node.a.buffer}.ap({entries}, offset={stationary_offset})"
     # b is (batch, K, N): the moving tile is [K chunk on partitions, N tile free].
-    transpose_moving = _needs_transpose(b_n, b_k)
+    transpose_moving = _needs_transpose(b_k, b_n)
     if transpose_moving:  # b^T's rows [N block of 128, K chunk] are contiguous (x @ W.T with W stored [N, K])
-        offset = _offset_text(b.offset, b_batch + [("k0", b_k), ("f0", b_n), ("n1", b_n)])
-        moving_src = f"{node.b.buffer}.ap([[{b_n}, nn], [{b_k}, kk]], offset={offset})"
+        offset = _offset_text(b.offset, b_batch + [("f0", b_n), ("n1", b_n)])
+        moving_src = f"{node.b.buffer}.ap([[{b_n}, nn], [{b_k}, {node.k}]], offset={offset})"
     else:
         offset = _offset_text(b.offset, b_batch + [("k0", b_k), ("f0", b_n)])
         moving_src = f"{node.b.buffer}.ap([[{b_k}, kk], [{b_n}, cols]], offset={offset})"

@@ -182,10 +182,11 @@ def plan_matmul(node: ir.MatMul, target) -> TilePlan:
     itemsize = 2 if node.a.dtype == "bfloat16" else 4
     k_tile = min(node.k, target.partitions)
     k_tiles = math.ceil(node.k / k_tile)
-    resident = k_tiles * target.gemm_stationary_fmax * itemsize
+    # Resident per partition: the a^T tiles, the b tiles of one N block, and whole rows of a and b^T.
+    resident = k_tiles * (target.gemm_stationary_fmax + target.gemm_moving_fmax) * itemsize + 2 * node.k * itemsize
     if resident > target.sbuf_bytes_per_partition * SBUF_SHARE / 2:
         raise TilingError(
-            f"{node.name}: K={node.k} needs {k_tiles} resident stationary tiles ({resident} B per partition), over "
+            f"{node.name}: K={node.k} needs {k_tiles} resident operand tiles ({resident} B per partition), over "
             f"half the SBUF budget ({target.sbuf_bytes_per_partition} B per partition on {target.name})"
         )
     outer = tuple(LoopDim(size, dim, 1, 1) for dim, size in enumerate(batch))
