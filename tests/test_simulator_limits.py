@@ -159,6 +159,18 @@ def test_freed_buffers_return_capacity_so_loops_can_allocate():
     nki.run_kernel(kernel, [])
 
 
+def test_kernel_run_reports_peak_on_chip_usage():
+    def kernel():
+        a = nl.ndarray((128, 1000), nl.float32)  # 4000 bytes per partition
+        b = nl.ndarray((64, 10), nl.bfloat16)  # 20
+        p = nl.ndarray((128, 600), nl.float32, buffer=nl.psum)  # 2400 bytes: two banks
+        del a, b, p
+        nl.ndarray((128, 10), nl.float32)
+
+    run = nki.run_kernel(kernel, [])
+    assert run.sbuf_peak_bytes == 4020 and run.psum_peak_banks == 2
+
+
 def test_output_must_be_shared_hbm():
     def kernel():
         out = nl.ndarray((2, 2), nl.float32, buffer=nl.hbm)

@@ -44,6 +44,8 @@ class KernelRun:
     outputs: list[np.ndarray]
     trace: list[InstructionRecord]
     target: Target
+    sbuf_peak_bytes: int = 0  # most SBUF bytes per partition live at once (any program of the launch)
+    psum_peak_banks: int = 0  # most PSUM banks live at once
 
     @functools.cached_property
     def report(self):
@@ -146,6 +148,7 @@ def _launch(fn, args, kwargs, target: Target, lnc: int) -> tuple[KernelRun, obje
     trace: list[InstructionRecord] = []
     shared_outputs: list[NkiTensor] = []
     result = None
+    sbuf_peak = psum_peak = 0
     with single_threaded_blas():  # thousands of small matmuls: threads cost more than they give
         for pid in range(lnc):
             context = KernelContext(target=target, program_id=pid, num_programs=lnc, trace=trace,
@@ -154,12 +157,14 @@ def _launch(fn, args, kwargs, target: Target, lnc: int) -> tuple[KernelRun, obje
                 result = fn(*hbm_args, **hbm_kwargs)
             if not shared_outputs:
                 shared_outputs.extend(context.outputs_allocated)
+            sbuf_peak = max(sbuf_peak, context.sbuf_peak_bytes)
+            psum_peak = max(psum_peak, context.psum_peak_banks)
     _write_back_mutated_inputs([*args, *kwargs.values()], [*hbm_args, *hbm_kwargs.values()])
     outputs = _collect_outputs(result)
     for tensor in outputs:
         _check_output(tensor)
     arrays = [_output_array(t) for t in outputs]
-    run = KernelRun(outputs=arrays, trace=trace, target=target)
+    run = KernelRun(outputs=arrays, trace=trace, target=target, sbuf_peak_bytes=sbuf_peak, psum_peak_banks=psum_peak)
     for hook in list(launch_hooks):
         hook(run)
     return run, result
