@@ -240,7 +240,7 @@ class NkiTensor:
         shape, strides, offset = [], [], self.offset
         for dim, (k, size, stride) in enumerate(zip(key, self.shape, self.strides)):
             if isinstance(k, DynSlice):
-                if k.start < 0 or k.size < 0 or k.start + (k.size - 1) * k.step >= size and k.size > 0:
+                if k.start < 0 or k.size < 0 or (k.size > 0 and k.start + (k.size - 1) * k.step >= size):
                     raise NkiValidationError(
                         "err_tensor_access_out_of_bound",
                         f"nl.ds({k.start}, {k.size}) on dim {dim} of {self.name} with size {size}",
@@ -256,6 +256,12 @@ class NkiTensor:
                     )
                 start, _, step = k.indices(size)
                 count = len(range(*k.indices(size)))
+                if self.on_chip and dim == 0 and step != 1 and count > 1:
+                    raise NkiValidationError(
+                        "err_partition_range_not_contiguous",
+                        f"slice with step {step} of the partition dim of {self.name}: an access must cover "
+                        "consecutive partitions (step 1)",
+                    )
                 offset += start * stride
                 shape.append(count)
                 strides.append(stride * step)
