@@ -74,6 +74,7 @@ CASES = {
     "err_num_elements_mismatch": (lambda: nisa.tensor_tensor(sbuf((4, 4)), sbuf((4, 4)), sbuf((4, 5)), nl.add), "5"),
     "err_dma_shape_mismatch": (lambda: nisa.dma_copy(hbm((4, 4)), sbuf((4, 5))), "20"),
     "err_tensor_access_out_of_bound": (lambda: sbuf((4, 4))[:, 2:6], "6"),
+    "err_unsupported_advanced_indexing": (lambda: sbuf((8, 4))[:, [0, 2]], "[0, 2]"),
     "err_partition_range_not_contiguous": (lambda: sbuf((8, 4))[::2], "step 2"),
     "err_size_of_dimension_exceed_arch_limit": (
         lambda: nisa.nc_transpose(sbuf((64, 64)), sbuf((64, 64)), engine=nisa.engine.vector), "32"),

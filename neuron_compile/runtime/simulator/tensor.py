@@ -266,6 +266,12 @@ class NkiTensor:
                 shape.append(count)
                 strides.append(stride * step)
             else:
+                if not isinstance(k, (int, np.integer)):
+                    raise NkiValidationError(
+                        "err_unsupported_advanced_indexing",
+                        f"index {k!r} on dim {dim} of {self.name}: only ints, slices, nl.ds and ... index a tensor "
+                        "(gather through .ap(vector_offset=...) and dma_copy)",
+                    )
                 index = int(k)
                 if index < -size or index >= size:
                     raise NkiValidationError(
