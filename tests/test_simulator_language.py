@@ -382,12 +382,13 @@ def test_run_kernel_with_plain_function_and_launch_hooks():
 KERNEL_SOURCE = '''
 import nki
 import nki.language as nl
+import nki.typing as nt
 from nki import isa as nisa
 from nki.language import ds
 
 
 @nki.jit
-def scale_kernel(x, factor):
+def scale_kernel(x: nt.tensor[3, 5, nl.float32], factor):
     out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
     tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=tile, src=x[ds(0, x.shape[0]), :])

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from neuron_compile.runtime.simulator import isa, language
+from neuron_compile.runtime.simulator import nki_typing as typing
 from neuron_compile.runtime.simulator.blas_threads import single_threaded_blas
 from neuron_compile.runtime.simulator.errors import NkiCapacityError, NkiNotSimulatedError, NkiValidationError
 from neuron_compile.runtime.simulator.hardware import Target, get_target
@@ -30,7 +31,7 @@ from neuron_compile.runtime.simulator.memory import KernelContext, hbm_input, ke
 from neuron_compile.runtime.simulator.tensor import NkiTensor
 from neuron_compile.runtime.simulator.trace import InstructionRecord
 
-__all__ = ["jit", "simulate", "language", "isa", "run_kernel", "load_module", "nki_import_alias", "KernelRun",
+__all__ = ["jit", "simulate", "language", "isa", "typing", "run_kernel", "load_module", "nki_import_alias", "KernelRun",
            "Kernel", "launch_hooks", "NkiValidationError", "NkiCapacityError", "NkiNotSimulatedError"]
 
 # Callables receiving every KernelRun after a launch (the CLI's --report registers one).
@@ -243,7 +244,7 @@ def run_kernel(fn, args, *, target: Target | str | None = None, lnc: int = 1) ->
 
 # ------------------------------------------------------------------------------------------------ imports
 _SELF = sys.modules[__name__]
-_SUBMODULES = {"nki": _SELF, "nki.language": language, "nki.isa": isa}
+_SUBMODULES = {"nki": _SELF, "nki.language": language, "nki.isa": isa, "nki.typing": typing}
 
 
 def _alias_import(name, globals=None, locals=None, fromlist=(), level=0):  # noqa: A002 - __import__ signature
