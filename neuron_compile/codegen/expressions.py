@@ -77,6 +77,13 @@ class TileAllocator:
     lines: list[str] = dataclasses.field(default_factory=list)
     count: int = 0
 
+    def new_psum(self, stem: str, free: int) -> str:
+        """A one-partition fp32 PSUM row (cross-partition results land there)."""
+        self.count += 1
+        name = f"{stem}_{self.count}"
+        self.lines.append(f"{name} = nl.ndarray((1, {free}), dtype=nl.float32, buffer=nl.psum)")
+        return name
+
     def new(self, stem: str, free: int, dtype: str = "float32") -> str:
         self.count += 1
         name = f"{stem}_{self.count}"

@@ -103,6 +103,8 @@ def _docstring(node: ir.Node, plan: TilePlan) -> str:
 def render_kernel(node: ir.Node, plan: TilePlan, name: str, parameters: list[str]) -> KernelSource:
     if isinstance(node, ir.Pointwise):
         source = _render_pointwise(node, plan, name, parameters)
+    elif isinstance(node, ir.Reduction) and plan.kind == "column_reduction":
+        source = _render_column_reduction(node, plan, name, parameters)
     elif isinstance(node, ir.Reduction):
         source = _render_reduction(node, plan, name, parameters)
     elif isinstance(node, ir.RowNormalize):
@@ -219,6 +221,15 @@ def _render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters:
         second = _reduce_pass(node, prologue, squared_deviation, "nl.add", accumulator, partial, chunked)
         passes.append((second, [f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, "
                                 f"operand0={number(scale)})"]))
+    if plan.cross_partition:
+        # Every partition holds a partial of the one result: transpose them into a row and reduce that.
+        spread = allocator.new_psum("partials_row", plan.partition.tile)
+        passes[-1][1].extend([
+            f"nisa.nc_transpose(dst={spread}[0:1, 0:rows], data={acc})",
+            f"nisa.tensor_reduce(dst={accumulator}[0:1, 0:1], op={REDUCE_OPS[node.op]}, data={spread}[0:1, 0:rows], "
+            "axis=1, keepdims=True)",
+            "rows = 1",
+        ])
     epilogue = _epilogue_scope(allocator, patterns, Ref(tile=accumulator))
     _store_lines(node.stores, epilogue, patterns, [(LoopDim(1, None), "1")], False, passes[-1][1])
     context = _common(node, plan, name, parameters, allocations=allocator.lines, passes=passes, chunked=chunked)
@@ -327,3 +338,35 @@ def _render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[
         transpose_moving=transpose_moving, transpose_block=min(plan.free[0].tile, 128),
     )
     return _render("matmul.py.j2", **context)
+
+
+def _render_column_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    """Sum over strided leading dims: ones[rows, 1].T @ tile[rows, cols] accumulates column sums in PSUM."""
+    patterns = Patterns(plan)
+    allocator = TileAllocator(plan.partition.tile)
+    free = [(plan.free[0], "cols")]
+
+    def load_pattern(load: ir.Load, tile: str):
+        return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, True)
+
+    prologue = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern)
+    body: list[str] = []
+    value = emit(node.prologue, prologue, body)
+    # TensorE needs both operands fp32 or both bf16: the ones take the data's dtype (products by 1 are exact).
+    if value.dtype not in ("float32", "bfloat16") or value.tile is None:
+        staged = allocator.new("moving", plan.free[0].tile)
+        body.append(f"nisa.tensor_copy(dst={staged}[0:rows, 0:cols], src={prologue.ref_text(value)})")
+        value = Ref(tile=staged)
+    body.append(f"nisa.nc_matmul(dst=column_sums[0:1, 0:cols], stationary=ones[0:rows, 0:1], "
+                f"moving={prologue.ref_text(value)}, accumulate=p0 > 0)")
+    result = allocator.new("sums", plan.free[0].tile)
+    count = math.prod(node.domain[d] for d in node.reduce_dims)
+    finish = ["rows = 1", f"nisa.tensor_copy(dst={result}[0:1, 0:cols], src=column_sums[0:1, 0:cols])"]
+    if node.op == "mean":
+        finish.append(f"nisa.tensor_scalar(dst={result}[0:1, 0:cols], data={result}[0:1, 0:cols], op0=nl.multiply, "
+                      f"operand0={1.0 / count!r})")
+    epilogue = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=result))
+    _store_lines(node.stores, epilogue, patterns, free, True, finish)
+    context = _common(node, plan, name, parameters, allocations=allocator.lines, body=body, finish=finish,
+                      ones_dtype=NL_DTYPES[value.dtype])
+    return _render("column_reduction.py.j2", **context)

@@ -62,6 +62,7 @@ class TilePlan:
     k_tile: int = 0  # matmul only
     k_tiles: int = 0
     parts: tuple[TilePlan, ...] = ()  # concat only: one pointwise plan per input
+    cross_partition: bool = False  # reduction only: the reduced dim is spread over partitions too
 
     def describe(self) -> str:
         def fmt(dim):
@@ -170,11 +171,35 @@ def plan_reduction(node: ir.Reduction | ir.RowNormalize, target) -> TilePlan:
             f"exceeds the SBUF budget of {budget} elements per partition "
             f"({target.sbuf_bytes_per_partition} B per partition on {target.name})"
         )
+    if kind == "reduction" and node.op in ("sum", "mean") and _columns_are_contiguous(node, kept, reduced):
+        # Kept dims contiguous, reduced dims strided (a sum over the batch): reduced rows go on partitions and
+        # TensorE sums them against a ones vector, instead of element-strided DMAs.
+        partition = dataclasses.replace(reduced[0], tile=min(reduced[0].size, target.partitions))
+        free = (dataclasses.replace(kept[-1], tile=min(kept[-1].size, target.gemm_moving_fmax)),)
+        return TilePlan("column_reduction", tuple(kept[:-1]), partition, free, tiles)
+    cross_partition = False
+    if kind == "reduction" and node.op != "var" and kept[-1].source is None and len(reduced) == 1:
+        # Nothing kept (a full reduction): spread the row over partitions, reduce across them at the end.
+        rows = _largest_divisor_at_most(reduced[0].size, target.partitions)
+        if rows > 1:
+            cols = reduced[0].size // rows
+            kept = [LoopDim(rows, reduced[0].source, cols * reduced[0].multiplier)]
+            reduced = [LoopDim(cols, reduced[0].source, reduced[0].multiplier)]
+            row, whole_row, cross_partition = cols, cols <= budget, True
     free = [dataclasses.replace(d, tile=d.size) for d in reduced]
     if not whole_row:  # one reduced dim, walked in chunks whose partials are combined
         free = [dataclasses.replace(reduced[0], tile=min(budget, MAX_FREE_TILE))]
     partition = dataclasses.replace(kept[-1], tile=min(kept[-1].size, target.partitions))
-    return TilePlan(kind, tuple(kept[:-1]), partition, tuple(free), tiles)
+    return TilePlan(kind, tuple(kept[:-1]), partition, tuple(free), tiles, cross_partition=cross_partition)
+
+
+def _columns_are_contiguous(node: ir.Reduction, kept: list[LoopDim], reduced: list[LoopDim]) -> bool:
+    if len(reduced) != 1 or kept[-1].source is None or reduced[0].source is None:
+        return False
+    loads = ir.loads_of(node.prologue)
+    return bool(loads) and all(kept[-1].stride(load.layout) in (0, 1) for load in loads) and any(
+        kept[-1].stride(load.layout) == 1 and reduced[0].stride(load.layout) != 1 for load in loads
+    )
 
 
 def plan_matmul(node: ir.MatMul, target) -> TilePlan:
