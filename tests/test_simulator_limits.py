@@ -115,6 +115,32 @@ def test_breaking_a_rule_raises_it_by_name(rule):
     assert rule in str(info.value) and value in str(info.value)
 
 
+def test_reusing_a_read_psum_tile_needs_explicit_overwrite():
+    def reuse(accumulate_first):
+        def kernel():
+            a, b = sbuf((8, 8)), sbuf((8, 8))
+            acc = psum((8, 8))
+            out = sbuf((8, 8))
+            for _ in range(2):  # two output tiles through one PSUM tile allocated outside the loop
+                nisa.nc_matmul(acc, a, b, accumulate=accumulate_first)
+                nisa.nc_matmul(acc, a, b)
+                nisa.tensor_copy(out, acc)
+            return _store(out)
+
+        return kernel
+
+    with pytest.raises(NkiValidationError) as info:
+        nki.run_kernel(reuse(None), [])
+    assert info.value.rule == "err_matmul_accumulate_after_read"
+    np.testing.assert_array_equal(nki.run_kernel(reuse(False), []).outputs[0], np.full((8, 8), 16.0))
+
+
+def _store(tile):
+    out = hbm(tile.shape, tile.dtype)
+    nisa.dma_copy(out, tile)
+    return out
+
+
 def test_indirect_offsets_out_of_bounds_raise_unless_skipped():
     table = np.zeros((10, 4), np.float32)
     index = np.array([[2], [10]], np.int32)

@@ -194,6 +194,14 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     _check_tiling(op, stationary, tile_position, tile_size)
     product = fp32_tile(stationary).T @ fp32_tile(moving)
     flags = dst.matmul_flags()
+    consumed = dst.psum_flags(dst.storage.matmul_read)
+    if accumulate is None and (flags & consumed).any():
+        raise NkiValidationError(
+            "err_matmul_accumulate_after_read",
+            f"matmul into dst {dst.name} would accumulate onto a result another instruction already read (a PSUM "
+            "tile reused across output tiles); allocate the PSUM tile inside the loop or pass accumulate=False for "
+            "the first K tile", op,
+        )
     if accumulate is True and not flags.all():
         raise NkiValidationError(
             "err_matmul_accumulate_uninitialized",
@@ -203,16 +211,21 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if accumulate is False:
         result = product
     elif accumulate is True or flags.all():
-        result = fp32_tile(dst) + product
+        result = _psum_values(dst, m, n) + product
     elif not flags.any():
         result = product
     else:
-        result = np.where(flags.reshape(m, n), fp32_tile(dst) + product, product)
+        result = np.where(flags.reshape(m, n), _psum_values(dst, m, n) + product, product)
     dst.write(cast_to(result, dst.dtype).reshape(dst.shape))
     flags[...] = True
+    consumed[...] = False
     record(op, "tensor", dst, [("stationary", stationary), ("moving", moving)],
            {"accumulate": accumulate, "is_transpose": is_transpose,
             "perf_mode": getattr(perf_mode, "name", perf_mode)}, flops=2 * k * m * n)
+
+
+def _psum_values(dst, m: int, n: int) -> np.ndarray:
+    return dst.peek().astype(FLOAT32).reshape(m, n)
 
 
 def nc_transpose(dst, data, engine=None, name=None):

@@ -48,9 +48,11 @@ class DynSlice:
 
 
 class Storage:
-    """One allocation. ``matmul_written`` (PSUM only) marks the elements a matmul accumulation group owns."""
+    """One allocation. ``matmul_written`` (PSUM only) marks the elements a matmul accumulation group owns;
+    ``matmul_read`` those of them another instruction has read since (the group's result was consumed)."""
 
-    __slots__ = ("data", "buffer", "name", "partition_stride", "matmul_written", "written", "__weakref__")
+    __slots__ = ("data", "buffer", "name", "partition_stride", "matmul_written", "matmul_read", "written",
+                 "__weakref__")
 
     def __init__(self, data: np.ndarray, buffer: Buffer, name: str, partition_stride: int):
         self.data = data
@@ -58,6 +60,7 @@ class Storage:
         self.name = name
         self.partition_stride = partition_stride
         self.matmul_written = np.zeros(data.shape, dtype=bool) if buffer.kind == "psum" else None
+        self.matmul_read = np.zeros(data.shape, dtype=bool) if buffer.kind == "psum" else None
         self.written = False  # any instruction wrote into it (kernel outputs must be written)
 
 
@@ -201,6 +204,12 @@ class NkiTensor:
         """The view's values as a numpy array of ``self.dtype`` (a copy-free view where possible)."""
         if self.indirect is not None:
             return self._flat()[self._indirect_indices()]
+        if self.storage.matmul_read is not None:
+            self.psum_flags(self.storage.matmul_read)[...] = True
+        return self._strided()
+
+    def peek(self) -> np.ndarray:
+        """read() for the tensor engine's own read-accumulate-write of PSUM (not a consumer of the result)."""
         return self._strided()
 
     def write(self, values) -> None:
@@ -213,7 +222,10 @@ class NkiTensor:
 
     def matmul_flags(self) -> np.ndarray | None:
         """The PSUM "written by matmul" flags of this view (a writeable strided view), None off PSUM."""
-        flags = self.storage.matmul_written
+        return self.psum_flags(self.storage.matmul_written)
+
+    def psum_flags(self, flags: np.ndarray | None) -> np.ndarray | None:
+        """A per-element flag array of the storage, viewed like this tensor."""
         if flags is None:
             return None
         if self.dtype.itemsize != self.storage.data.itemsize:
