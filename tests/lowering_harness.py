@@ -34,10 +34,18 @@ def compile_and_run(fn, *inputs):
     return region, region(*inputs)
 
 
-def check_against_eager(fn, *inputs, tolerances=None):
-    """Compile ``fn`` as one region, run it on the simulator and compare each output with eager PyTorch."""
+def check_against_eager(fn, *inputs, tolerances=None, fp32_reference=False):
+    """Compile ``fn`` as one region, run it on the simulator and compare each output with eager PyTorch.
+
+    ``fp32_reference`` runs eager on float32 copies of the inputs and rounds its outputs to the compiled dtypes:
+    for ops whose eager bf16 CPU kernels accumulate in bf16, where the kernels accumulate in fp32 by design.
+    """
     region, outputs = compile_and_run(fn, *inputs)
-    expected = as_tuple(fn(*inputs))
+    if fp32_reference:
+        upcast = [value.float() if value.dtype == torch.bfloat16 else value for value in inputs]
+        expected = tuple(out.to(got.dtype) for out, got in zip(as_tuple(fn(*upcast)), outputs))
+    else:
+        expected = as_tuple(fn(*inputs))
     assert len(outputs) == len(expected)
     for got, want in zip(outputs, expected):
         assert got.dtype == want.dtype, (got.dtype, want.dtype)

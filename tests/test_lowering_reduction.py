@@ -118,15 +118,19 @@ def test_layer_norm_backward_matches_eager(rows, cols, dtype, mask):
     x, grad = random_tensor((3, rows, cols), dtype, seed=8), random_tensor((3, rows, cols), dtype, seed=9)
     weight, bias = random_tensor((cols,), dtype, seed=10), random_tensor((cols,), dtype, seed=11)
     aten = torch.ops.aten
+    # The saved statistics are inputs (as in a real backward graph), the same values for both sides.
+    _, mean, rstd = aten.native_layer_norm(x.float(), [cols], None, None, 1e-5)
+    mean, rstd = mean.to(dtype), rstd.to(dtype)
 
-    def backward(grad, x, weight, bias):
-        _, mean, rstd = aten.native_layer_norm(x, [cols], weight, bias, 1e-5)
+    def backward(grad, x, mean, rstd, weight, bias):
         results = aten.native_layer_norm_backward(grad, x, [cols], mean, rstd, weight, bias, list(mask))
         return tuple(result for result in results if result is not None)
 
-    # The weight/bias gradients sum 3 * rows products: fp32 summation order differs from ATen's.
-    check_against_eager(backward, grad, x, weight, bias, tolerances={torch.float32: (1e-4, 1e-4),
-                                                                     torch.bfloat16: (2e-2, 2e-2)})
+    # The weight/bias gradients sum 3 * rows products: fp32 summation order differs from ATen's. Eager's bf16
+    # CPU kernel sums grad_bias in bf16 (0.1 off for 381 terms), so bf16 is checked against fp32 eager.
+    check_against_eager(backward, grad, x, mean, rstd, weight, bias,
+                        tolerances={torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)},
+                        fp32_reference=dtype == torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

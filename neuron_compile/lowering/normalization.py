@@ -36,16 +36,20 @@ def lower_layer_norm(ctx, node):
     def row_store(buffer, expr):
         return ir.Store(buffer, expr, store_layout_in_domain(buffer.layout, domain, reduce_dims))
 
+    # The normalize step reads fp32 copies of the statistics: with bf16 outputs, x - round(mean) would cancel
+    # catastrophically on near-constant rows (eager keeps them in fp32 internally too).
+    row_shape = tuple(1 if dim in reduce_dims else size for dim, size in enumerate(domain))
+    mean_fp32, rstd_fp32 = (ctx.scratch_buffer(row_shape, "float32", stem) for stem in ("mean_fp32", "rstd_fp32"))
     ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "mean", prologue,
-                          (row_store(mean, ir.Result()),)))
+                          (row_store(mean, ir.Result()), row_store(mean_fp32, ir.Result()))))
     inverse_std = ir.Op("rsqrt", (ir.Op("add", (ir.Result(), ir.Scalar(float(eps)))),))
     ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "var", prologue,
-                          (row_store(rstd, inverse_std),), correction=0.0))
+                          (row_store(rstd, inverse_std), row_store(rstd_fp32, inverse_std)), correction=0.0))
 
     def broadcast(buffer):
         return ir.Load(buffer.name, broadcast_layout(buffer.layout, domain), buffer.dtype)
 
-    normalized = ir.Op("mul", (ir.Op("sub", (prologue, broadcast(mean))), broadcast(rstd)))
+    normalized = ir.Op("mul", (ir.Op("sub", (prologue, broadcast(mean_fp32))), broadcast(rstd_fp32)))
     if weight is not None:
         normalized = ir.Op("mul", (normalized, load(ctx, weight, domain)))
     if bias is not None:
