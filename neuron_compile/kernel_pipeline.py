@@ -30,11 +30,9 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bool": to
 
 
 def _propagate_meta(gm: torch.fx.GraphModule, example_inputs) -> None:
-    """Fill meta['val'] with FakeTensors where tracing did not (ShapeProp over fake copies of the inputs)."""
-    nodes = [node for node in gm.graph.nodes if node.op not in ("output",)]
-    if all(isinstance(node.meta.get("val"), torch.Tensor) or node.op == "placeholder" for node in nodes) and all(
-        "val" in node.meta for node in nodes if node.op == "placeholder"
-    ):
+    """Fill meta['val'] with FakeTensors where tracing did not (FakeTensorProp over the example inputs)."""
+    computing = [node for node in gm.graph.nodes if node.op in ("placeholder", "call_function")]
+    if all("val" in node.meta for node in computing):
         return
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -137,7 +135,6 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> Com
     region_outputs = {value.buffer for value in lowered.outputs}
     fused = fuse(lowered.nodes, region_outputs)
     kernels = []
-    input_names = {buffer.name for buffer in lowered.inputs}
     for index, node in enumerate(fused.kernels):
         name = f"{type(node).__name__.lower()}_kernel_{index}"
         try:
@@ -151,5 +148,4 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> Com
             raise LoweringError(f"kernel {name} ({node.name}) could not be rendered: {error}") from error
         module = simulator.load_module(source.source, name)
         kernels.append(Kernel(source, getattr(module, name)))
-    del input_names
     return CompiledRegion(lowered.inputs, kernels, lowered.outputs, lowered.aten_nodes, target, fused.decisions)

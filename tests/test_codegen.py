@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lowering_harness import check_against_eager, compile_and_run, random_tensor
+from neuron_compile.kernel_pipeline import compile_region
 from neuron_compile import ir
 from neuron_compile.passes.tiling import TilingError, plan_kernel
 from neuron_compile.runtime import stats
@@ -83,3 +84,12 @@ def test_ir_is_hashable_and_prints_sympy_indices():
     expr = ir.Op("add", (ir.Load("x", layout, "float32"), ir.Scalar(1.0)))
     assert hash(expr) == hash(ir.Op("add", (ir.Load("x", layout, "float32"), ir.Scalar(1.0))))
     assert str(expr) == "add(load(x, ap(shape=[4, 5], strides=[5, 1], offset=3)), 1.0)"
+
+
+def test_compile_region_propagates_shapes_when_meta_is_missing():
+    # A symbolically traced graph has no meta['val']: compile_region runs FakeTensorProp on the example inputs.
+    gm = torch.fx.symbolic_trace(lambda x, y: torch.ops.aten.add.Tensor(torch.ops.aten.mul.Tensor(x, y), 1.0))
+    x, y = random_tensor((5, 7), seed=1), random_tensor((7,), seed=2)
+    region = compile_region(gm, [x, y])
+    (out,) = region(x, y)
+    torch.testing.assert_close(out, x * y + 1.0, rtol=1e-5, atol=1e-5)

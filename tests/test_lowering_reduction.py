@@ -13,6 +13,9 @@ from neuron_compile.lowering import LoweringError
 from neuron_compile.runtime import stats
 
 SIZES = st.sampled_from([1, 2, 5, 127, 128, 129])
+# A reduction of N fp32 terms summed in another order than ATen's differs by up to ~N * 2**-24 of sum(|x|):
+# for the <= 30000-element rows drawn here that is 1e-4 (bf16 as in lowering_harness).
+REDUCTION_TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 
 
@@ -41,7 +44,8 @@ REDUCTIONS = {
 @given(case=shape_and_dims(), dtype=DTYPES, name=st.sampled_from(sorted(REDUCTIONS)), keep=st.booleans())
 def test_reductions_over_any_dims_match_eager(case, dtype, name, keep):
     shape, dims = case
-    check_against_eager(lambda x: REDUCTIONS[name](x, dims, keep), random_tensor(shape, dtype))
+    check_against_eager(lambda x: REDUCTIONS[name](x, dims, keep), random_tensor(shape, dtype),
+                        tolerances=REDUCTION_TOLERANCES)
 
 
 def test_prod_and_full_reductions():
