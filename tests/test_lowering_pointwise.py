@@ -140,3 +140,10 @@ def test_activation_backward_and_kept_activations_match_eager(shape, dtype, name
         "mish": lambda g, x: aten.mish(x) + g,
     }
     check_against_eager(functions[name], random_tensor(shape, dtype, seed=1), random_tensor(shape, dtype, seed=2))
+
+
+def test_constants_are_memset_kernels():
+    def fn(x):
+        return torch.full((129, 3), 2.5), torch.zeros_like(x) + x, torch.ones(5, dtype=torch.bfloat16)
+
+    check_against_eager(fn, random_tensor((4, 6)))

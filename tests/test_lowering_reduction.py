@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
 from neuron_compile.kernel_pipeline import compile_region
-from neuron_compile.lowering import LoweringError
+from neuron_compile.lowering import LoweringError, unsupported_reason
 from neuron_compile.runtime import stats
 
 SIZES = st.sampled_from([1, 2, 5, 127, 128, 129])
@@ -73,10 +73,12 @@ def test_softmax_of_a_transposed_input():
     check_against_eager(lambda x: torch.softmax(x, -1), x)
 
 
-def test_softmax_row_too_wide_for_sbuf_is_a_lowering_error():
+def test_softmax_row_too_wide_for_sbuf_is_an_unsupported_reason_and_a_lowering_error():
     x = random_tensor((2, 100_000))
     gm = trace(lambda x: torch.softmax(x, -1), x)
-    with pytest.raises(LoweringError, match="shape beyond tiling.*SBUF budget"):
+    node = next(node for node in gm.graph.nodes if node.target is torch.ops.aten._softmax.default)
+    assert "shape beyond tiling: a softmax row of 100000 elements" in unsupported_reason(node)
+    with pytest.raises(LoweringError, match="shape beyond tiling"):
         compile_region(gm, [x])
 
 

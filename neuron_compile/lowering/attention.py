@@ -14,6 +14,7 @@ import operator
 import torch
 
 from neuron_compile import ir
+from neuron_compile.lowering.reduction import softmax_row_reason
 from neuron_compile.lowering.registry import TensorValue, broadcast_layout, register_lowering
 
 aten = torch.ops.aten
@@ -45,6 +46,9 @@ def _check_attention(node: torch.fx.Node) -> str | None:
         return f"{node.target}: a boolean attn_mask needs a predicated select (only additive float masks)"
     if mask is not None and options["is_causal"]:
         return f"{node.target}: attn_mask together with is_causal"
+    row_reason = softmax_row_reason(node, k.shape[-2])
+    if row_reason:
+        return row_reason
     if node.target is FLASH:
         for user in node.users:
             if user.target is operator.getitem and user.args[1] == 1 and user.users:

@@ -250,3 +250,20 @@ def lower_softplus(ctx, node):
 @register_lowering(aten.mish.default)
 def lower_mish(ctx, node):
     return emit_pointwise(ctx, node, ir.Op("mish", (_operand(ctx, node, node.args[0]),)))
+
+
+def _check_full(node: torch.fx.Node) -> str | None:
+    if node.meta["val"].dtype not in (torch.float32, torch.bfloat16):
+        return f"{node.target}: dtype {node.meta['val'].dtype} (a memset needs a float fill for float tiles)"
+    value = _fill_value(node)
+    return None if isinstance(value, (int, float)) else f"{node.target}: fill value {value!r}"
+
+
+def _fill_value(node: torch.fx.Node):
+    return node.args[0] if node.target is aten.scalar_tensor.default else node.args[1]
+
+
+@register_lowering(aten.full.default, aten.full_like.default, aten.scalar_tensor.default, check=_check_full)
+def lower_full(ctx, node):
+    # full_like's meta['val'] already has the strides eager gives it (it follows its input's layout).
+    return emit_pointwise(ctx, node, ir.Scalar(float(_fill_value(node))))

@@ -106,10 +106,27 @@ def lower_var(ctx, node):
     return emit_reduction(ctx, node, node.args[0], _argument(node, 1, "dim", None), "var", correction)
 
 
+# A softmax row lives whole in SBUF: about 8 fp32 row tiles (input, exps, result, epilogue) per partition.
+SOFTMAX_ROW_TILES = 8
+
+
+def softmax_row_reason(node: torch.fx.Node, row: int) -> str | None:
+    """The shape-beyond-tiling reason for a softmax row of ``row`` elements, if it cannot fit SBUF."""
+    from neuron_compile.runtime.simulator.hardware import get_target
+
+    budget = int(get_target().sbuf_bytes_per_partition * 0.75) // (SOFTMAX_ROW_TILES * 4)
+    if row > budget:
+        return f"{node.target}: shape beyond tiling: a softmax row of {row} elements exceeds {budget} per partition"
+    return None
+
+
 def _check_softmax(node: torch.fx.Node) -> str | None:
     if node.args[2]:
         return f"{node.target}: half_to_float=True"
-    return None if node.args[0].meta["val"].dim() > 0 else f"{node.target}: softmax of a 0-d tensor"
+    source = node.args[0].meta["val"]
+    if source.dim() == 0:
+        return f"{node.target}: softmax of a 0-d tensor"
+    return softmax_row_reason(node, source.shape[node.args[1] % source.dim()])
 
 
 @register_lowering(aten._softmax.default, aten._log_softmax.default, check=_check_softmax)
