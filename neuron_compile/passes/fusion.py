@@ -63,6 +63,10 @@ def can_fuse(group: ir.Node, consumer: ir.Node, outside_readers: set[str]) -> st
     if isinstance(consumer, ir.Pointwise):
         converted = [_to_group_domain(store.layout, group) for store in consumer.stores]
         if any(layout is None for layout in converted):
+            if isinstance(group, ir.Reduction):
+                reduced = [size for dim, size in enumerate(group.domain) if dim not in group.reduce_dims]
+                return (f"domain {list(consumer.domain)} is not the reduction's output {reduced}: the result is "
+                        "broadcast back over the reduced dims, which needs the whole row first")
             return f"domains differ: {list(consumer.domain)} vs {list(group.domain)}"
         stores = {store.buffer.name: store for store in group.stores}
         for load_ in ir.node_loads(consumer):
