@@ -101,7 +101,7 @@ def _run_program(program, x, y):
     values = [x, y]
     for kind, op, pick in program:
         a = values[pick % len(values)]
-        if kind == "unary":
+        if kind == "unary" or (kind == "reduce" and a.dim() < 2):  # keep reductions to tensors with rows
             values.append(UNARY_STEPS[op](a))
         elif kind == "binary":
             values.append(BINARY_STEPS[op % 4](a, values[(pick + 1) % len(values)]))

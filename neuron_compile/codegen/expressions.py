@@ -98,6 +98,7 @@ class Ref:
     tile: str | None = None
     dtype: str = "float32"
     value: float | None = None
+    vector: bool = False  # a (P, 1) per-row value (a reduction result) rather than a full tile
 
 
 class TileScope:
@@ -113,17 +114,21 @@ class TileScope:
         self.memo: dict = {}
         self.tiles: dict[tuple, str] = {}
 
-    def tile(self, dtype: str = "float32", key=None) -> str:
+    def tile(self, dtype: str = "float32", key=None, vector: bool = False) -> str:
         # One tile per (scope, expression): loop iterations overwrite it, the code stays straight-line.
         if key is not None and key in self.tiles:
             return self.tiles[key]
-        name = self.allocator.new("t" if dtype == "float32" else f"t_{dtype}", self.free, dtype)
+        name = self.allocator.new("t" if dtype == "float32" else f"t_{dtype}", 1 if vector else self.free, dtype)
         if key is not None:
             self.tiles[key] = name
         return name
 
     def ref_text(self, ref: Ref) -> str:
-        return f"{ref.tile}{self.slice_text}"
+        return f"{ref.tile}[0:rows, 0:1]" if ref.vector else f"{ref.tile}{self.slice_text}"
+
+    def operand_text(self, ref: Ref) -> str:
+        """A tensor_scalar operand: a number literal or a (P, 1) row-vector slice."""
+        return number(ref.value) if ref.value is not None else self.ref_text(ref)
 
 
 def emit(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref:
@@ -158,25 +163,34 @@ def _fold(op: str, args: list[Ref]) -> Ref | None:
     return None
 
 
+def _is_constant(ref: Ref, other: Ref) -> bool:
+    """Whether ``ref`` can be a tensor_scalar operand next to ``other``: a number, or a (P, 1) row vector
+    beside a full tile."""
+    return ref.value is not None or (ref.vector and other.tile is not None and not other.vector)
+
+
 def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -> Ref:
     op = expr.op
     folded = _fold(op, args)
     if folded is not None:
         return folded
+    tiles = [arg for arg in args if arg.tile is not None]
+    # Only (P, 1) row vectors (a reduction's result, before it meets a full tile): compute on [rows, 1].
+    vector = bool(tiles) and all(arg.vector for arg in tiles)
     text = scope.ref_text
+    operand = scope.operand_text
     if op == "cast":
         (source,) = args
-        dst = scope.tile(expr.dtype)
+        dst = scope.tile(expr.dtype, vector=vector)
+        dst_text = scope.ref_text(Ref(tile=dst, vector=vector))
         if source.value is not None:
-            lines.append(f"nisa.memset(dst={dst}{scope.slice_text}, value={number(source.value)})")
+            lines.append(f"nisa.memset(dst={dst_text}, value={number(source.value)})")
         else:
-            lines.append(f"nisa.tensor_copy(dst={dst}{scope.slice_text}, src={text(source)})")
-        return Ref(tile=dst, dtype=expr.dtype)
-    if any(arg.value is not None for arg in args) and all(arg.value is not None for arg in args):
-        raise ExpressionError(f"{op} of constants only")
-    dst = scope.tile()
-    out = Ref(tile=dst)
-    dst_text = f"{dst}{scope.slice_text}"
+            lines.append(f"nisa.tensor_copy(dst={dst_text}, src={text(source)})")
+        return Ref(tile=dst, dtype=expr.dtype, vector=vector)
+    dst = scope.tile(vector=vector)
+    out = Ref(tile=dst, vector=vector)
+    dst_text = text(out)
     if op in ACTIVATIONS:
         lines.append(f"nisa.activation(dst={dst_text}, op={ACTIVATIONS[op]}, data={text(args[0])})")
     elif op == "neg":
@@ -188,11 +202,16 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
             factor = 1.0 / denominator.value if denominator.value else math.copysign(math.inf, denominator.value)
             lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(numerator)}, op0=nl.multiply, "
                          f"operand0={number(factor)})")
+        elif _is_constant(denominator, numerator):  # tile / row vector: multiply by the vector's reciprocal
+            inverse = Ref(tile=scope.tile(vector=True), vector=True)
+            lines.append(f"nisa.activation(dst={text(inverse)}, op=nl.reciprocal, data={text(denominator)})")
+            lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(numerator)}, op0=nl.multiply, "
+                         f"operand0={text(inverse)})")
         else:
             lines.append(f"nisa.activation(dst={dst_text}, op=nl.reciprocal, data={text(denominator)})")
-            if numerator.value is not None:
+            if _is_constant(numerator, denominator):
                 lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={dst_text}, op0=nl.multiply, "
-                             f"operand0={number(numerator.value)})")
+                             f"operand0={operand(numerator)})")
             else:
                 lines.append(f"nisa.tensor_tensor(dst={dst_text}, data1={text(numerator)}, data2={dst_text}, "
                              "op=nl.multiply)")
@@ -208,21 +227,23 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
             lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(base)}, op0=nl.power, "
                          f"operand0={number(exponent.value)})")
     elif op == "where":
+        if any(arg.vector for arg in tiles) and not vector:
+            raise ExpressionError("where mixing row vectors and tiles")
         _emit_where(args, dst_text, scope, lines)
     elif op in TENSOR_TENSOR_OPS:
         a, b = args
-        if a.value is None and b.value is None:
+        if _is_constant(b, a):
+            lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(a)}, op0={TENSOR_TENSOR_OPS[op]}, "
+                         f"operand0={operand(b)})")
+        elif _is_constant(a, b) and op == "sub":  # constant - tile == tile * -1 + constant
+            lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(b)}, op0=nl.multiply, operand0=-1.0, "
+                         f"op1=nl.add, operand1={operand(a)})")
+        elif _is_constant(a, b):
+            lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(b)}, "
+                         f"op0={TENSOR_TENSOR_OPS[MIRRORED[op]]}, operand0={operand(a)})")
+        else:
             lines.append(f"nisa.tensor_tensor(dst={dst_text}, data1={text(a)}, data2={text(b)}, "
                          f"op={TENSOR_TENSOR_OPS[op]})")
-        elif b.value is not None:
-            lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(a)}, op0={TENSOR_TENSOR_OPS[op]}, "
-                         f"operand0={number(b.value)})")
-        elif op == "sub":  # constant - tile == tile * -1 + constant
-            lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(b)}, op0=nl.multiply, operand0=-1.0, "
-                         f"op1=nl.add, operand1={number(a.value)})")
-        else:
-            lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(b)}, "
-                         f"op0={TENSOR_TENSOR_OPS[MIRRORED[op]]}, operand0={number(a.value)})")
     else:
         raise ExpressionError(f"no NKI instruction sequence for op {op}")
     return out
@@ -253,6 +274,8 @@ def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str])
         tile = scope.tile(store_dtype)
         lines.append(f"nisa.memset(dst={tile}{scope.slice_text}, value={number(value.value)})")
         return f"{tile}{scope.slice_text}"
+    if value.vector and scope.slice_text != "[0:rows, 0:1]":
+        raise ExpressionError("a row vector stored over a full row (fusion should have kept it apart)")
     if value.dtype == store_dtype:
         return scope.ref_text(value)
     tile = scope.tile(store_dtype)
