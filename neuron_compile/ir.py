@@ -164,7 +164,9 @@ class Reduction:
     """Reduce ``prologue`` (over ``domain``, the input shape) along ``reduce_dims`` with ``op``.
 
     ``op`` is sum | max | min | prod | mean | var. Stores read ``Result()`` (the reduced value) and loads whose
-    layouts have stride 0 on the reduced dims; they are evaluated once per kept index.
+    layouts have stride 0 on the reduced dims; they are evaluated once per kept index. ``row_stores`` are
+    fused consumers over the whole domain (rms norm's ``x * rsqrt(mean(x * x) + eps)``): they read the row
+    still in SBUF, with ``Result()`` broadcast along it.
     """
 
     name: str
@@ -174,6 +176,7 @@ class Reduction:
     prologue: Expr
     stores: tuple[Store, ...]
     correction: float = 0.0  # var only
+    row_stores: tuple[Store, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,8 @@ def node_loads(node: Node) -> list[Load]:
     exprs = [store.expr for store in node.stores]
     if isinstance(node, (Reduction, RowNormalize)):
         exprs.append(node.prologue)
+    if isinstance(node, Reduction):
+        exprs += [store.expr for store in node.row_stores]
     found = [load for expr in exprs for load in loads_of(expr)]
     if isinstance(node, MatMul):
         found += [node.a, node.b]
@@ -247,4 +252,5 @@ def format_node(node: Node) -> str:
     if isinstance(node, Concat):
         return "\n".join([head] + [format_node(part) for part in node.parts])
     lines = [head] + [f"  {store.buffer.name} = {store.expr}" for store in node.stores]
+    lines += [f"  {store.buffer.name} (over the row) = {store.expr}" for store in getattr(node, "row_stores", ())]
     return "\n".join(lines)

@@ -179,6 +179,12 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
     vector = bool(tiles) and all(arg.vector for arg in tiles)
     text = scope.ref_text
     operand = scope.operand_text
+    if op == "cast" and vector and expr.dtype != "float32":
+        # Round the row vector to the dtype, then keep it fp32: tensor_scalar operands must be fp32.
+        rounded, widened = scope.tile(expr.dtype, vector=True), scope.tile(vector=True)
+        lines.append(f"nisa.tensor_copy(dst={rounded}[0:rows, 0:1], src={text(args[0])})")
+        lines.append(f"nisa.tensor_copy(dst={widened}[0:rows, 0:1], src={rounded}[0:rows, 0:1])")
+        return Ref(tile=widened, vector=True)
     if op == "cast":
         (source,) = args
         dst = scope.tile(expr.dtype, vector=vector)

@@ -113,13 +113,17 @@ def render_kernel(node: ir.Node, plan: TilePlan, name: str, parameters: list[str
         source = _render_concat(node, plan, name, parameters)
     else:
         source = _render_matmul(node, plan, name, parameters)
-    return KernelSource(name, source, tuple(parameters), tuple(store.buffer for store in node.stores))
+    return KernelSource(name, source, tuple(parameters), tuple(store.buffer for store in _stores(node)))
+
+
+def _stores(node: ir.Node) -> tuple[ir.Store, ...]:
+    return tuple(node.stores) + tuple(getattr(node, "row_stores", ()))
 
 
 def _common(node, plan, name, parameters, **extra) -> dict:
     return dict(
         name=name, parameters=parameters, docstring=_docstring(node, plan), plan=plan,
-        outputs=_output_lines(node.stores), returns=", ".join(store.buffer.name for store in node.stores), **extra,
+        outputs=_output_lines(_stores(node)), returns=", ".join(store.buffer.name for store in _stores(node)), **extra,
     )
 
 
@@ -232,6 +236,12 @@ def _render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters:
         ])
     epilogue = _epilogue_scope(allocator, patterns, Ref(tile=accumulator))
     _store_lines(node.stores, epilogue, patterns, [(LoopDim(1, None), "1")], False, passes[-1][1])
+    if node.row_stores:
+        # The row is still in SBUF: the fused consumers read it, with the reduced value as a (P, 1) operand.
+        row = TileScope(allocator, row_free, prologue.slice_text, prologue.load_pattern,
+                        Ref(tile=accumulator, vector=True))
+        row.tiles, row.memo = prologue.tiles, dict(prologue.memo)
+        _store_lines(node.row_stores, row, patterns, free, False, passes[-1][1])
     context = _common(node, plan, name, parameters, allocations=allocator.lines, passes=passes, chunked=chunked)
     return _render("reduction.py.j2", **context)
 

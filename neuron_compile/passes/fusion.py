@@ -26,8 +26,15 @@ class FusionResult:
     decisions: list[str]
 
 
+ROW_FUSION_MAX_ROW = 2048  # elements of a reduced row a row epilogue may keep in SBUF (well inside the budget)
+
+
+def _all_stores(node: ir.Node) -> tuple[ir.Store, ...]:
+    return tuple(node.stores) + tuple(getattr(node, "row_stores", ()))
+
+
 def _writers(node: ir.Node) -> set[str]:
-    return {store.buffer.name for store in node.stores}
+    return {store.buffer.name for store in _all_stores(node)}
 
 
 def _reads(node: ir.Node) -> set[str]:
@@ -62,6 +69,14 @@ def can_fuse(group: ir.Node, consumer: ir.Node, outside_readers: set[str]) -> st
         return "a concat kernel takes no epilogue"
     if isinstance(consumer, ir.Pointwise):
         converted = [_to_group_domain(store.layout, group) for store in consumer.stores]
+        if any(layout is None for layout in converted) and isinstance(group, ir.Reduction):
+            if consumer.domain == group.domain:
+                return _row_fusion_reason(group, consumer)
+            reduced = [size for dim, size in enumerate(group.domain) if dim not in group.reduce_dims]
+            return (f"domain {list(consumer.domain)} is not the reduction's output {reduced}: the result is "
+                    "broadcast back over the reduced dims, which needs the whole row first")
+        if getattr(group, "row_stores", ()):
+            return "the reduction already has a row epilogue; its reduced outputs take no other epilogue"
         if any(layout is None for layout in converted):
             if isinstance(group, ir.Reduction):
                 reduced = [size for dim, size in enumerate(group.domain) if dim not in group.reduce_dims]
@@ -92,6 +107,35 @@ def can_fuse(group: ir.Node, consumer: ir.Node, outside_readers: set[str]) -> st
     return f"{type(consumer).__name__} nodes start their own kernel"
 
 
+def _ops_of(expr: ir.Expr) -> set[str]:
+    if isinstance(expr, ir.Op):
+        return {expr.op}.union(*(_ops_of(arg) for arg in expr.args))
+    return set()
+
+
+def _row_fusion_reason(group: ir.Reduction, consumer: ir.Pointwise) -> str | None:
+    """None if ``consumer`` (over the reduction's whole domain) may become a row epilogue of ``group``."""
+    row = 1
+    for dim in group.reduce_dims:
+        row *= group.domain[dim]
+    if row > ROW_FUSION_MAX_ROW:
+        return f"a row epilogue would keep a {row}-element row in SBUF (limit {ROW_FUSION_MAX_ROW})"
+    stores = {store.buffer.name: store for store in _all_stores(group)}
+    varying = False
+    for load_ in ir.node_loads(consumer):
+        if load_.buffer in stores:
+            if load_.layout != stores[load_.buffer].layout:
+                return f"{load_.buffer} is read through a view that changes the index map"
+            varying |= any(store is stores[load_.buffer] for store in getattr(group, "row_stores", ()))
+        else:
+            varying |= any(load_.layout.strides[dim] != 0 for dim in group.reduce_dims)
+    if not varying:
+        return "the consumer is constant along the row (a broadcast of the reduced value)"
+    if "where" in set().union(*(_ops_of(store.expr) for store in consumer.stores)):
+        return "where in a row epilogue"
+    return None
+
+
 def _inline(expr: ir.Expr, stores: dict[str, ir.Store], group: ir.Node, result: ir.Expr | None) -> ir.Expr:
     """Replace loads of the group's stored buffers by their expressions; restate other loads in group domain."""
 
@@ -108,7 +152,15 @@ def _inline(expr: ir.Expr, stores: dict[str, ir.Store], group: ir.Node, result: 
 
 def merge(group: ir.Node, consumer: ir.Node) -> ir.Node:
     """``consumer`` merged into ``group`` (``can_fuse`` said yes)."""
-    stores = {store.buffer.name: store for store in group.stores}
+    stores = {store.buffer.name: store for store in _all_stores(group)}
+    if isinstance(group, ir.Reduction) and isinstance(consumer, ir.Pointwise) and consumer.domain == group.domain \
+            and any(_to_group_domain(store.layout, group) is None for store in consumer.stores):
+        inlined = tuple(
+            ir.Store(store.buffer, ir.map_leaves(store.expr, lambda leaf: stores[leaf.buffer].expr if isinstance(
+                leaf, ir.Load) and leaf.buffer in stores else leaf), store.layout)
+            for store in consumer.stores
+        )
+        return dataclasses.replace(group, row_stores=group.row_stores + inlined)
     if isinstance(consumer, ir.Pointwise):
         new_stores = tuple(
             ir.Store(store.buffer, _inline(store.expr, stores, group, None), _to_group_domain(store.layout, group))
@@ -126,6 +178,9 @@ def _prune(node: ir.Node, needed: set[str]) -> ir.Node | None:
     if isinstance(node, ir.Concat):
         return node if node.output.name in needed else None
     kept = tuple(store for store in node.stores if store.buffer.name in needed)
+    if isinstance(node, ir.Reduction):
+        rows = tuple(store for store in node.row_stores if store.buffer.name in needed)
+        return dataclasses.replace(node, stores=kept, row_stores=rows)
     return dataclasses.replace(node, stores=kept)
 
 
@@ -177,4 +232,4 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str]) -> FusionResult:
             if group_of.get(buffer) is not None:
                 needed.add(buffer)
     kernels = [_prune(groups[group_id], needed) for group_id in nx.topological_sort(dag)]
-    return FusionResult([kernel for kernel in kernels if kernel is not None and kernel.stores], decisions)
+    return FusionResult([kernel for kernel in kernels if kernel is not None and _all_stores(kernel)], decisions)

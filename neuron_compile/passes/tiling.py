@@ -152,33 +152,37 @@ def plan_reduction(node: ir.Reduction | ir.RowNormalize, target) -> TilePlan:
     reduce_dims = node.reduce_dims if isinstance(node, ir.Reduction) else (node.dim,)
     layouts = [load.layout for load in ir.loads_of(node.prologue)]
     layouts += [store.layout for store in node.stores]
+    row_stores = getattr(node, "row_stores", ())
     layouts += [load.layout for store in node.stores for load in ir.loads_of(store.expr)]
+    layouts += [store.layout for store in row_stores]
+    layouts += [load.layout for store in row_stores for load in ir.loads_of(store.expr)]
     kept, reduced = _row_dims(node, reduce_dims, layouts, target)
     if len(reduced) > 3:
         raise TilingError(
             f"{node.name}: reduced dims {[d.size for d in reduced]} need {len(reduced)} free access-pattern "
             "entries after merging; the DMA access pattern allows at most 3 with the partition entry"
         )
-    exprs = [node.prologue] + [store.expr for store in node.stores]
+    exprs = [node.prologue] + [store.expr for store in node.stores] + [store.expr for store in row_stores]
     tiles = count_tiles(exprs) + 4
     row = math.prod(d.size for d in reduced)
     budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE) // (tiles * FP32_BYTES)
     whole_row = row <= budget
     kind = "reduction" if isinstance(node, ir.Reduction) else "row_normalize"
-    if not whole_row and (kind == "row_normalize" or len(reduced) > 1):
+    if not whole_row and (kind == "row_normalize" or len(reduced) > 1 or row_stores):
         raise TilingError(
             f"{node.name}: a {getattr(node, 'op', kind)} row of {row} elements x {tiles} tiles x {FP32_BYTES} B "
             f"exceeds the SBUF budget of {budget} elements per partition "
             f"({target.sbuf_bytes_per_partition} B per partition on {target.name})"
         )
-    if kind == "reduction" and node.op in ("sum", "mean") and _columns_are_contiguous(node, kept, reduced):
+    plain = kind == "reduction" and not row_stores  # a row epilogue needs the row on the free axis
+    if plain and node.op in ("sum", "mean") and _columns_are_contiguous(node, kept, reduced):
         # Kept dims contiguous, reduced dims strided (a sum over the batch): reduced rows go on partitions and
         # TensorE sums them against a ones vector, instead of element-strided DMAs.
         partition = dataclasses.replace(reduced[0], tile=min(reduced[0].size, target.partitions))
         free = (dataclasses.replace(kept[-1], tile=min(kept[-1].size, target.gemm_moving_fmax)),)
         return TilePlan("column_reduction", tuple(kept[:-1]), partition, free, tiles)
     cross_partition = False
-    if kind == "reduction" and node.op != "var" and kept[-1].source is None and len(reduced) == 1:
+    if plain and node.op != "var" and kept[-1].source is None and len(reduced) == 1:
         # Nothing kept (a full reduction): spread the row over partitions, reduce across them at the end.
         rows = _largest_divisor_at_most(reduced[0].size, target.partitions)
         if rows > 1:
