@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
+from lowering_harness import check_against_eager, random_tensor, trace
 from neuron_compile import ir
 from neuron_compile.lowering import lower_graph
 from neuron_compile.passes.fusion import can_fuse, fuse

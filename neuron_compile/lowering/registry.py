@@ -12,7 +12,6 @@ Each family module registers its ops with ``@register_lowering(aten.x, ...)``; a
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 from collections.abc import Callable
 
@@ -49,6 +48,7 @@ def register_lowering(*ops, check: Callable | None = None, multi_output: bool = 
 
 
 def registered_ops() -> list:
+    """Every ATen op with a lowering (for coverage reports such as the op-info sweep)."""
     _ensure_families_loaded()
     return list(_LOWERINGS)
 
@@ -222,7 +222,3 @@ def lower_graph(gm: torch.fx.GraphModule) -> LoweredRegion:
         else:
             raise LoweringError(f"unsupported FX node kind {node.op} ({node.name})")
     return LoweredRegion(inputs, ctx.nodes, outputs, aten_nodes)
-
-
-def numel(shape) -> int:
-    return math.prod(shape)
