@@ -88,7 +88,9 @@ def test_no_fusion_creates_a_cycle():
 UNARY_STEPS = [torch.sigmoid, torch.tanh, torch.relu, torch.sigmoid, lambda v: v * 0.5, lambda v: v - 1.0,
                lambda v: v.clamp(-1, 1), lambda v: v.abs()]
 BINARY_STEPS = [torch.add, torch.mul, torch.maximum, torch.sub]
-REDUCE_STEPS = [lambda v: v.sum(-1, keepdim=True), lambda v: v.amax(0), lambda v: v.mean(-1, keepdim=True),
+# Row sums are scaled by the row length: a plain sum of 130 cancelling bf16 terms carries ~0.3 of rounding
+# noise (in eager too), beyond any fixed tolerance; the scaled sum still runs the sum lowering and its epilogue.
+REDUCE_STEPS = [lambda v: v.sum(-1, keepdim=True) / v.shape[-1], lambda v: v.amax(0), lambda v: v.mean(-1, keepdim=True),
                 lambda v: torch.softmax(v, -1)]
 
 

@@ -151,3 +151,16 @@ def test_leading_dim_and_full_reductions_use_tensor_engine_and_stay_near_rooflin
         after = stats.snapshot()
         assert len(region.kernels) == 1 and instruction in region.kernels[0].source
         assert after["est_time_s"] - before["est_time_s"] < 2 * (after["roofline_s"] - before["roofline_s"])
+
+
+def test_unchunkable_long_rows_are_unsupported_reasons():
+    # Reducing dims 0 and 2 of a (60, 3, 70) tensor: they do not merge, and 4200 elements is a long row.
+    gm = trace(lambda x: x.sum([0, 2]), random_tensor((60, 3, 70)))
+    node = next(node for node in gm.graph.nodes if node.target is torch.ops.aten.sum.dim_IntList)
+    assert "shape beyond tiling: a row of 4200 elements over 2 non-mergeable dims" in unsupported_reason(node)
+
+
+def test_full_reduction_of_a_transposed_tensor_walks_memory_order():
+    x = random_tensor((130, 3, 17), seed=13).permute(2, 0, 1)
+    region = check_against_eager(lambda x: (x.sum(), x.amax(), x.var([0, 1, 2])), x, tolerances=REDUCTION_TOLERANCES)
+    assert len(region.kernels) == 3  # each a chunked walk over one merged dim, none rejected

@@ -6,6 +6,8 @@ reduced dims, so the store is evaluated once per kept index), or an ``ir.RowNorm
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from neuron_compile import ir
@@ -58,12 +60,33 @@ def _argument(node, index, name, default):
     return node.kwargs.get(name, default)
 
 
+# Rows longer than this that cannot be walked in chunks (several reduced dims that do not merge) may not fit
+# SBUF once fused; the tiling pass has the exact budget, this is the partitioner's conservative early answer.
+UNCHUNKED_ROW_LIMIT = 2048
+
+
 def _check_reduction(node: torch.fx.Node) -> str | None:
     source = node.args[0].meta["val"]
     if source.dim() == 0:
         return f"{node.target}: reduction of a 0-d tensor"
     if node.kwargs.get("dtype") is not None and node.kwargs["dtype"] not in (torch.float32, torch.bfloat16):
         return f"{node.target}: dtype={node.kwargs['dtype']}"
+    return _row_shape_reason(node, source, normalize_dims(_argument(node, 1, "dim", None), source.dim()))
+
+
+def _row_shape_reason(node: torch.fx.Node, source: torch.Tensor, reduce_dims: tuple[int, ...]) -> str | None:
+    from neuron_compile.passes.tiling import collapse, reduced_dims_in_memory_order
+
+    shape = tuple(source.shape)
+    layout = ir.Layout(shape, tuple(source.stride()))
+    reduced = collapse(shape, reduced_dims_in_memory_order(reduce_dims, layout), [layout])
+    row = math.prod(dim.size for dim in reduced)
+    if len(reduced) > 3:
+        return (f"{node.target}: shape beyond tiling: reduced dims merge into {len(reduced)} access-pattern "
+                "entries (max 3)")
+    if len(reduced) > 1 and row > UNCHUNKED_ROW_LIMIT:
+        return (f"{node.target}: shape beyond tiling: a row of {row} elements over {len(reduced)} non-mergeable dims "
+                f"(chunked walks need one reduced dim; limit {UNCHUNKED_ROW_LIMIT} otherwise)")
     return None
 
 

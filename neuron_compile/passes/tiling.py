@@ -136,7 +136,18 @@ def plan_pointwise(node: ir.Pointwise, target) -> TilePlan:
     return TilePlan("pointwise", tuple(dims[:-2]), partition, (free,), tiles)
 
 
+def reduced_dims_in_memory_order(reduce_dims, layout: ir.Layout | None) -> list[int]:
+    """Reduced dims outermost-stride first: the reduction is commutative, so walking them in memory order lets
+    a transposed input merge back into one contiguous run."""
+    if layout is None:
+        return list(reduce_dims)
+    return sorted(reduce_dims, key=lambda dim: -abs(layout.strides[dim]))
+
+
 def _row_dims(node, reduce_dims, layouts, target) -> tuple[list[LoopDim], list[LoopDim]]:
+    if isinstance(node, ir.Reduction):
+        loads = ir.loads_of(node.prologue)
+        reduce_dims = reduced_dims_in_memory_order(reduce_dims, loads[0].layout if loads else None)
     kept_dims = [d for d in range(len(node.domain)) if d not in reduce_dims]
     if getattr(node, "causal", False):
         # The causal mask needs the query index on partitions, so the query dim is never merged away.
