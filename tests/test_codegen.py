@@ -93,3 +93,13 @@ def test_compile_region_propagates_shapes_when_meta_is_missing():
     region = compile_region(gm, [x, y])
     (out,) = region(x, y)
     torch.testing.assert_close(out, x * y + 1.0, rtol=1e-5, atol=1e-5)
+
+
+def test_per_row_operands_load_one_element_per_partition():
+    # s is constant along each row: one DMA element per partition and a (P, 1) tensor_scalar operand, not a
+    # broadcast DMA that moves every repeated element.
+    x, s = random_tensor((300, 200), seed=3), random_tensor((300, 1), seed=4)
+    region = check_against_eager(lambda x, s: (x - s) * s, x, s)
+    source = region.kernels[0].source
+    assert "src=arg1_1.ap([[1, rows], [0, 1]]" in source and "operand0=t_" in source
+    assert "nisa.tensor_tensor" not in source

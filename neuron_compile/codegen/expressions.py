@@ -108,9 +108,12 @@ class TileScope:
     than one free dim, the SBUF destination pattern; ``result`` is the Ref that ``ir.Result()`` stands for.
     """
 
-    def __init__(self, allocator: TileAllocator, free: int, slice_text: str, load_pattern, result: Ref | None = None):
+    def __init__(self, allocator: TileAllocator, free: int, slice_text: str, load_pattern, result: Ref | None = None,
+                 vector_pattern=None):
         self.allocator, self.free, self.slice_text = allocator, free, slice_text
         self.load_pattern, self.result = load_pattern, result
+        # vector_pattern(load, tile) -> (dst, src) for loads constant along the free axis, else None
+        self.vector_pattern = vector_pattern
         self.memo: dict = {}
         self.tiles: dict[tuple, str] = {}
 
@@ -149,6 +152,14 @@ def _emit_uncached(expr, scope, lines) -> Ref:
         return scope.result
     if isinstance(expr, ir.Load):
         dtype = expr.dtype
+        if scope.vector_pattern is not None and dtype != "bool":
+            # Constant along the free axis (a per-row statistic): one element per partition, not a broadcast
+            # DMA that moves every repeated element; ops take it as a (P, 1) operand. Kept fp32 for them.
+            name = scope.tile(key=("vector", expr), vector=True)
+            patterns = scope.vector_pattern(expr, name)
+            if patterns is not None:
+                lines.append(f"nisa.dma_copy(dst={patterns[0]}, src={patterns[1]})")
+                return Ref(tile=name, vector=True)
         name = scope.tile(dtype, key=("load", expr))
         dst, src = scope.load_pattern(expr, name)
         lines.append(f"nisa.dma_copy(dst={dst}, src={src})")
@@ -281,7 +292,12 @@ def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str])
         lines.append(f"nisa.memset(dst={tile}{scope.slice_text}, value={number(value.value)})")
         return f"{tile}{scope.slice_text}"
     if value.vector and scope.slice_text != "[0:rows, 0:1]":
-        raise ExpressionError("a row vector stored over a full row (fusion should have kept it apart)")
+        # A row vector stored over a full tile (an expand materialized): broadcast it with 0 + vector.
+        tile = scope.tile()
+        lines.append(f"nisa.memset(dst={tile}{scope.slice_text}, value=0.0)")
+        lines.append(f"nisa.tensor_scalar(dst={tile}{scope.slice_text}, data={tile}{scope.slice_text}, "
+                     f"op0=nl.add, operand0={scope.ref_text(value)})")
+        value = Ref(tile=tile)
     if value.dtype == store_dtype:
         return scope.ref_text(value)
     tile = scope.tile(store_dtype)

@@ -134,7 +134,12 @@ def _pointwise_body(node: ir.Pointwise, plan: TilePlan, allocator: TileAllocator
     def load_pattern(load: ir.Load, tile: str):
         return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, True)
 
-    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern)
+    def vector_pattern(load: ir.Load, tile: str):
+        if plan.free[0].stride(load.layout) != 0:
+            return None
+        return f"{tile}[0:rows, 0:1]", patterns.hbm(load.buffer, load.layout, [(LoopDim(1, None), "1")], False)
+
+    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, vector_pattern=vector_pattern)
     body: list[str] = []
     _store_lines(node.stores, scope, patterns, free, True, body)
     return body
