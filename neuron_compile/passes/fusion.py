@@ -6,8 +6,10 @@ reason every considered producer/consumer pair was or was not fused (the dump sh
 
 Rules (after Inductor's): a pointwise node joins the group that produces one of its operands when it reads
 that operand with the producer's own index map ("matching index") over the same domain — a pointwise chain,
-a reduction/softmax epilogue, or a matmul epilogue; a reduction or softmax absorbs a pointwise producer group
-as its prologue when nothing else needs that group's outputs. No fusion may create a cycle in the group DAG.
+a reduction/softmax epilogue, or a matmul epilogue; a pointwise node over a reduction's whole input domain
+that reads the reduced value broadcast back becomes a row epilogue (rms norm: the row is still in SBUF); a
+reduction or softmax absorbs a pointwise producer group as its prologue when nothing else needs that group's
+outputs. No fusion may create a cycle in the group DAG.
 A producer's store is kept only if its buffer is still read outside the group or is a region output.
 """
 

@@ -9,7 +9,9 @@ than SBUF), naming the rule and the values.
 
 Dims are first collapsed (as TensorIterator does): size-1 dims are dropped and neighbours that are contiguous
 with each other in every layout the kernel touches are merged, so most kernels become one 2-D [rows, cols]
-space whatever their rank.
+space whatever their rank. Two reduction layouts avoid element-strided DMAs: a sum over strided leading dims
+puts the reduced rows on partitions and sums them on TensorE ("column_reduction"), and a reduction that keeps
+nothing spreads its row over the partitions and finishes across them (``cross_partition``).
 """
 
 from __future__ import annotations
