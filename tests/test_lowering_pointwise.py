@@ -120,13 +120,26 @@ def test_five_dims_with_a_transposed_input():
 
 
 def test_unsupported_reasons_name_the_rule():
-    gm = trace(lambda x, i: (torch.sort(x)[0], x.to(torch.int64), torch.where(x > 0, x, 0.0)), torch.randn(4, 4),
-               torch.zeros(4, dtype=torch.int64))
+    gm = trace(lambda x, i: (torch.sort(x)[0], x.to(torch.int64), torch.div(x, 2, rounding_mode="floor")),
+               torch.randn(4, 4), torch.zeros(4, dtype=torch.int64))
     reasons = {node.name: unsupported_reason(node) for node in gm.graph.nodes if node.op == "call_function"}
     assert reasons["sort"] == "no lowering for aten.sort.default"
     assert reasons["_to_copy"] == "dtype int64"
-    assert "tensor_copy_predicated" in reasons["where"]
-    assert reasons["gt"] is None
+    assert reasons["div"] == "no lowering for aten.div.Tensor_mode"  # floor division has no lowering
+
+
+@settings(max_examples=10, deadline=None)
+@given(pair=broadcast_pair(), dtype=DTYPES)
+def test_where_is_an_exact_select(pair, dtype):
+    x, y = random_tensor(pair[0], dtype, seed=5), random_tensor(pair[1], dtype, seed=6)
+    x.view(-1)[0] = float("inf")
+    y.view(-1)[-1] = float("nan")
+
+    def fn(x, y):
+        # the masked -inf / nan / inf of the unselected side must not leak into the result
+        return torch.where(x > y, x, y), torch.where(y < 0.5, float("-inf"), x), torch.where(x > 0, 1.0, 0.0) * y
+
+    check_against_eager(fn, x, y)
 
 
 @settings(max_examples=10, deadline=None)

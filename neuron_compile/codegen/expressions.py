@@ -14,7 +14,7 @@ import math
 
 from neuron_compile import ir
 
-NL_DTYPES = {"float32": "nl.float32", "bfloat16": "nl.bfloat16", "bool": "nl.uint8"}
+NL_DTYPES = {"float32": "nl.float32", "bfloat16": "nl.bfloat16", "bool": "nl.uint8", "int32": "nl.int32"}
 
 TENSOR_TENSOR_OPS = {
     "add": "nl.add",
@@ -244,8 +244,8 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
             lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(base)}, op0=nl.power, "
                          f"operand0={number(exponent.value)})")
     elif op == "where":
-        if any(arg.vector for arg in tiles) and not vector:
-            raise ExpressionError("where mixing row vectors and tiles")
+        if vector:
+            raise ExpressionError("where of row vectors only")
         _emit_where(args, dst_text, scope, lines)
     elif op in TENSOR_TENSOR_OPS:
         a, b = args
@@ -266,23 +266,41 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
     return out
 
 
+def _fp32_tile(ref: Ref, scope: TileScope, lines: list[str]) -> str:
+    """``ref`` as an fp32 full-tile slice (numbers are memset, other dtypes widened)."""
+    if ref.tile is not None and ref.dtype == "float32" and not ref.vector:
+        return scope.ref_text(ref)
+    tile = f"{scope.tile()}{scope.slice_text}"
+    if ref.value is not None:
+        lines.append(f"nisa.memset(dst={tile}, value={number(ref.value)})")
+    elif ref.vector:
+        lines.append(f"nisa.memset(dst={tile}, value=0.0)")
+        lines.append(f"nisa.tensor_scalar(dst={tile}, data={tile}, op0=nl.add, operand0={scope.ref_text(ref)})")
+    else:
+        lines.append(f"nisa.tensor_copy(dst={tile}, src={scope.ref_text(ref)})")
+    return tile
+
+
 def _emit_where(args, dst_text, scope, lines) -> None:
+    """dst = b ^ ((a ^ b) & mask) on the fp32 bit patterns, mask = 0 - (condition != 0): an exact select
+    (inf and nan pass through untouched; an arithmetic blend c * a + (1 - c) * b would make 0 * inf = nan)."""
     condition, on_true, on_false = args
     if condition.value is not None:
         raise ExpressionError("where with a constant condition")
-    # dst = on_false, then copy on_true over it where the condition holds.
-    if on_false.value is not None:
-        lines.append(f"nisa.memset(dst={dst_text}, value={number(on_false.value)})")
-    else:
-        lines.append(f"nisa.tensor_copy(dst={dst_text}, src={scope.ref_text(on_false)})")
-    if on_true.value is not None:
-        true_tile = scope.tile()
-        lines.append(f"nisa.memset(dst={true_tile}{scope.slice_text}, value={number(on_true.value)})")
-        on_true = Ref(tile=true_tile)
-    lines.append(
-        f"nisa.tensor_copy_predicated(dst={dst_text}, src={scope.ref_text(on_true)}, "
-        f"predicate={scope.ref_text(condition)})"
-    )
+    true_tile, false_tile = _fp32_tile(on_true, scope, lines), _fp32_tile(on_false, scope, lines)
+    window = scope.slice_text
+    condition_int, zero, mask, bits = (scope.tile("int32") for _ in range(4))
+    lines += [
+        f"nisa.tensor_copy(dst={condition_int}{window}, src={_fp32_tile(condition, scope, lines)})",
+        f"nisa.memset(dst={zero}{window}, value=0)",
+        f"nisa.tensor_tensor(dst={mask}{window}, data1={zero}{window}, data2={condition_int}{window}, "
+        "op=nl.subtract)",
+        f"nisa.tensor_tensor(dst={bits}{window}, data1={true_tile}.view(nl.int32), "
+        f"data2={false_tile}.view(nl.int32), op=nl.bitwise_xor)",
+        f"nisa.tensor_tensor(dst={bits}{window}, data1={bits}{window}, data2={mask}{window}, op=nl.bitwise_and)",
+        f"nisa.tensor_tensor(dst={dst_text}.view(nl.int32), data1={false_tile}.view(nl.int32), "
+        f"data2={bits}{window}, op=nl.bitwise_xor)",
+    ]
 
 
 def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str]) -> str:

@@ -184,14 +184,9 @@ def lower_clamp_max(ctx, node):
     return emit_pointwise(ctx, node, _clamp_expr(_operand(ctx, node, node.args[0]), None, node.args[1]))
 
 
-def _check_where(node: torch.fx.Node) -> str | None:
-    # A select needs nisa.tensor_copy_predicated, which the simulator does not model yet; an arithmetic blend
-    # (c * a + (1 - c) * b) would turn the masked -inf of attention masks into NaN.
-    return f"{node.target}: needs nisa.tensor_copy_predicated (not simulated)"
-
-
-@register_lowering(aten.where.self, check=_check_where)
+@register_lowering(aten.where.self, check=_check_scalars)
 def lower_where(ctx, node):
+    # An exact select on the bit patterns (codegen/expressions.py): masked -inf and nan pass through.
     condition, a, b = (_operand(ctx, node, arg) for arg in node.args[:3])
     return emit_pointwise(ctx, node, ir.Op("where", (condition, a, b)))
 
