@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
@@ -44,8 +44,12 @@ REDUCTIONS = {
 @given(case=shape_and_dims(), dtype=DTYPES, name=st.sampled_from(sorted(REDUCTIONS)), keep=st.booleans())
 def test_reductions_over_any_dims_match_eager(case, dtype, name, keep):
     shape, dims = case
-    check_against_eager(lambda x: REDUCTIONS[name](x, dims, keep), random_tensor(shape, dtype),
-                        tolerances=REDUCTION_TOLERANCES)
+    x = random_tensor(shape, dtype)
+    gm = trace(lambda x: REDUCTIONS[name](x, dims, keep), x)
+    reasons = [unsupported_reason(node) for node in gm.graph.nodes if node.op == "call_function"]
+    # Long rows over dims that do not merge are declined up front (the partitioner keeps them eager).
+    assume(all(reason is None for reason in reasons))
+    check_against_eager(lambda x: REDUCTIONS[name](x, dims, keep), x, tolerances=REDUCTION_TOLERANCES)
 
 
 def test_prod_and_full_reductions():
