@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowering_harness import check_against_eager, random_tensor, trace
+from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
 from neuron_compile.lowering import unsupported_reason
 
 SIZES = st.sampled_from([1, 2, 5, 127, 128, 129])
@@ -160,3 +160,13 @@ def test_constants_are_memset_kernels():
         return torch.full((129, 3), 2.5), torch.zeros_like(x) + x, torch.ones(5, dtype=torch.bfloat16)
 
     check_against_eager(fn, random_tensor((4, 6)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cast_to_bool_is_a_truth_test(dtype):
+    # Found by the OpInfo sweep: a numeric cast rounded 0.3 to False; eager's bool() is `x != 0` (nan -> True).
+    values = torch.tensor([0.0, -0.0, 0.3, -0.2, 1e-3, 1.5, float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    x = values.repeat(15, 1)  # 135 rows: more than one partition tile
+    eager, compiled = x.bool(), compile_and_run(lambda t: t.bool(), x)[1][0]
+    assert compiled.dtype == torch.bool
+    assert torch.equal(compiled, eager)

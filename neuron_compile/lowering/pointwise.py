@@ -202,7 +202,11 @@ def _check_to_copy(node: torch.fx.Node) -> str | None:
 @register_lowering(aten._to_copy.default, prims.convert_element_type.default, check=_check_to_copy)
 def lower_cast(ctx, node):
     out_dtype = dtype_name(node.meta["val"].dtype)
-    return emit_pointwise(ctx, node, ir.Op("cast", (_operand(ctx, node, node.args[0]),), dtype=out_dtype))
+    source = _operand(ctx, node, node.args[0])
+    if node.meta["val"].dtype == torch.bool:
+        # To bool is a truth test, not a numeric conversion: 0.3 -> True and nan -> True, as eager does.
+        return emit_pointwise(ctx, node, ir.Op("ne", (source, ir.Scalar(0.0))))
+    return emit_pointwise(ctx, node, ir.Op("cast", (source,), dtype=out_dtype))
 
 
 @register_lowering(aten.clone.default)
