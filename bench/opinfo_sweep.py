@@ -3,7 +3,9 @@
 For each op and dtype we take the first ``--samples`` sample inputs, run the op eagerly and compiled (fresh
 Dynamo state per op, so the recompile limit never turns later ops silently eager), and classify the op:
 
-- correct: every sample that eager runs gives the same result compiled (NaN-equal, dtype tolerances below);
+- correct: every sample that eager runs gives the same result compiled (NaN-equal, dtype tolerances below;
+  for bf16, a result off eager but no further from a float64 reference than eager's own is accepted and
+  listed; the empty* ops return uninitialized memory, so only their shape, dtype and strides are compared);
 - fully lowered: every ATen node of every sample ran in NKI kernels; partly: some did; not at all: none did.
 
 Random ops are wrapped in ``wrapper_set_seed`` upstream, which Dynamo cannot trace: we call the op directly
@@ -28,6 +30,9 @@ import torch
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
 
 import neuron_compile  # noqa: E402
+
+# bf16 (op names) whose result differed from eager but was at least as close to a float64 reference.
+accepted_by_reference: set[str] = set()
 
 TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 
@@ -55,6 +60,48 @@ def _same(expected, actual, dtype) -> str | None:
         except AssertionError as error:
             return str(error).splitlines()[0]
     return None
+
+
+# Ops whose outputs are uninitialized memory in eager too: only shape, dtype and strides can be compared.
+UNINITIALIZED_OUTPUT = ("empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided")
+
+
+def _same_metadata(expected, actual) -> str | None:
+    expected_tensors, actual_tensors = _flatten(expected), _flatten(actual)
+    if len(expected_tensors) != len(actual_tensors):
+        return f"returned {len(actual_tensors)} tensors, eager {len(expected_tensors)}"
+    for want, got in zip(expected_tensors, actual_tensors):
+        if (got.shape, got.dtype, got.stride()) != (want.shape, want.dtype, want.stride()):
+            return f"metadata {got.shape} {got.dtype} {got.stride()} vs eager {want.shape} {want.dtype} {want.stride()}"
+    return None
+
+
+def _to_float64(value):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.double()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_float64(item) for item in value)
+    return value
+
+
+def _as_accurate_as_eager(op, sample, expected, actual) -> bool:
+    """bf16 only: eager's native kernels may round once where the decomposed graph rounds per op. Accept a
+    result that is no further from a float64 reference than eager's own result is (cancellation cases)."""
+    try:
+        reference = op.op(_to_float64(sample.input), *_to_float64(sample.args), **sample.kwargs)
+    except Exception:  # noqa: BLE001 - no float64 reference: keep the strict verdict
+        return False
+    pairs = list(zip(_flatten(expected), _flatten(actual), _flatten(reference)))
+    if not pairs or len(pairs) != len(_flatten(expected)):
+        return False
+    for want, got, ref in pairs:
+        if not want.is_floating_point() or got.shape != ref.shape:
+            return False
+        eager_error = (want.double() - ref).abs().nan_to_num(0.0).max().item() if want.numel() else 0.0
+        our_error = (got.double() - ref).abs().nan_to_num(0.0).max().item() if got.numel() else 0.0
+        if our_error > eager_error or (got.isnan() != want.isnan()).any():
+            return False
+    return True
 
 
 def _call(op, sample):
@@ -94,7 +141,13 @@ def sweep_op(op, dtype, max_samples: int):
         nki_nodes += stats["nki_nodes"]
         fallback_nodes += stats["fallback_nodes"]
         reasons.update(stats["fallback_reasons"])
-        problem = _same(expected, actual, dtype)
+        if op.name in UNINITIALIZED_OUTPUT:
+            problem = _same_metadata(expected, actual)
+        else:
+            problem = _same(expected, actual, dtype)
+            if problem and dtype == torch.bfloat16 and _as_accurate_as_eager(op, sample, expected, actual):
+                accepted_by_reference.add(op.name)
+                problem = None
         if problem:
             mismatch = mismatch or problem
     if ran == 0:
@@ -152,6 +205,10 @@ def main(argv=None) -> int:
     print("\nTop fallback reasons (ATen nodes, all samples):")
     for reason, count in all_reasons.most_common(20):
         print(f"  {count:6d}  {reason}")
+    if accepted_by_reference:
+        print(f"\nbf16 results off eager but at least as close to float64 as eager ({len(accepted_by_reference)}): "
+              + ", ".join(sorted(accepted_by_reference)))
+    print(f"Uninitialized-output ops compared by shape, dtype and strides only: {', '.join(UNINITIALIZED_OUTPUT)}")
     wrong = [r for r in rows if r[3] == "wrong"]
     if wrong:
         print(f"\nWrong results ({len(wrong)}):")
