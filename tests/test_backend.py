@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from random_programs import programs, run_program
 from torch import nn
 
 import neuron_compile
@@ -553,13 +554,9 @@ def test_every_stats_key_is_documented():
     assert not missing, f"stats keys missing from the neuron_compile docstring: {missing}"
 
 
-UNARY = [torch.exp, torch.tanh, torch.relu, torch.neg, torch.sigmoid]
-BINARY = [operator.add, operator.mul, operator.sub]
-
-
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(
-    program=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 100), st.integers(0, 100)), min_size=1, max_size=6),
+    program=programs(max_size=6),
     rows=st.sampled_from([1, 3, 127, 129]),
     cols=st.sampled_from([1, 5, 64]),
     reduce=st.booleans(),
@@ -568,13 +565,7 @@ def test_random_pointwise_graphs_through_the_real_pipeline(program, rows, cols, 
     """Random DAGs of pointwise ops (plus an optional row sum) on ragged shapes, end to end, vs eager."""
 
     def random_graph(a, b):
-        values = [a, b]
-        for op_index, left, right in program:
-            first, second = values[left % len(values)], values[right % len(values)]
-            if op_index < len(UNARY):
-                values.append(UNARY[op_index](first))
-            else:
-                values.append(BINARY[op_index - len(UNARY)](first, second))
+        values = run_program(program, a, b)
         return values[-1].sum(-1) if reduce else values[-1]
 
     torch._dynamo.reset()

@@ -1,10 +1,10 @@
 """passes/partition: regions vs eager nodes, reasons, purity, and that the partitioned graph computes the same."""
 
-import operator
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from random_programs import programs, run_program
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from neuron_compile.passes.partition import REGION_PREFIX, partition_graph
@@ -104,26 +104,16 @@ def test_a_raising_predicate_makes_the_node_eager():
     assert result.report.eager[0].reason == "unsupported_reason raised KeyError: 'oops'"
 
 
-UNARY = [torch.exp, torch.tanh, torch.relu, torch.neg, torch.sigmoid]
-BINARY = [operator.add, operator.mul, operator.sub]
-
-
 @settings(max_examples=20, deadline=None)
 @given(
-    program=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 100), st.integers(0, 100)), min_size=1, max_size=8),
+    program=programs(max_size=8),
     supported=st.sets(st.sampled_from(["exp", "tanh", "relu", "neg", "sigmoid", "add", "mul", "sub"])),
 )
 def test_random_graphs_partition_without_changing_results(program, supported):
     """Any support pattern over a random DAG gives an acyclic partitioned graph that computes the same."""
 
     def fn(a, b):
-        values = [a, b]
-        for op_index, left, right in program:
-            first, second = values[left % len(values)], values[right % len(values)]
-            if op_index < len(UNARY):
-                values.append(UNARY[op_index](first))
-            else:
-                values.append(BINARY[op_index - len(UNARY)](first, second))
+        values = run_program(program, a, b)
         return values[-1], values[len(values) // 2]
 
     x, y = torch.randn(3, 5), torch.randn(3, 5)
