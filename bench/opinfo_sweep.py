@@ -6,7 +6,9 @@ Dynamo state per op, so the recompile limit never turns later ops silently eager
 - correct: every sample that eager runs gives the same result compiled (NaN-equal, dtype tolerances below;
   for bf16, a result off eager but no further from a float64 reference than eager's own is accepted and
   listed; the empty* ops return uninitialized memory, so only their shape, dtype and strides are compared);
-- fully lowered: every ATen node of every sample ran in NKI kernels; partly: some did; not at all: none did.
+- fully lowered: every ATen node of every sample ran in NKI kernels; partly: some did; not at all: none did;
+  no ATen node: nothing reached the backend (the op is an alias or a random op, or Dynamo broke the graph) — counted
+  in the total, never as lowered.
 
 Random ops are wrapped in ``wrapper_set_seed`` upstream, which Dynamo cannot trace: we call the op directly
 and seed before both runs. Prints one table and the top fallback reasons.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import sys
 import time
@@ -161,6 +164,7 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=3, help="sample inputs per op and dtype")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--verbose", action="store_true", help="print one line per op")
+    parser.add_argument("--rows", metavar="FILE", help="also write one JSON line per (op, dtype) with its fallback reasons")
     args = parser.parse_args(argv)
     os.environ.setdefault("NEURON_COMPILE_FALLBACK", "silent")
     warnings.simplefilter("ignore")
@@ -169,6 +173,7 @@ def main(argv=None) -> int:
 
     started = time.time()
     rows = []
+    row_records: list[dict] = []
     all_reasons: collections.Counter = collections.Counter()
     for op in op_db:
         if wanted and op.name not in wanted:
@@ -184,16 +189,22 @@ def main(argv=None) -> int:
                 lowering = "full"
             elif nki > 0:
                 lowering = "partial"
+            elif fallback == 0:
+                lowering = "no nodes"  # no ATen node reached the backend (alias-only, random ops, graph breaks)
             else:
                 lowering = "none"
             rows.append((op.name, op.variant_test_name, dtype, status, lowering, problem))
+            if args.rows:
+                row_records.append(dict(op=op.name, variant=op.variant_test_name, dtype=str(dtype), status=status,
+                                        lowering=lowering, problem=problem, nki_nodes=nki, fallback_nodes=fallback,
+                                        reasons=dict(reasons)))
             if args.verbose:
                 print(f"{op.name:32s} {str(dtype):15s} {status:8s} {lowering:8s} {problem or ''}", flush=True)
 
     print(f"\nOpInfo sweep: {len(rows)} (op, dtype) pairs in {time.time() - started:.0f} s, "
           f"up to {args.samples} samples each\n")
-    print("| dtype | pairs run | correct | wrong | fully lowered | partly | not lowered |")
-    print("|---|---|---|---|---|---|---|")
+    print("| dtype | pairs run | correct | wrong | fully lowered | partly | not lowered | no ATen node |")
+    print("|---|---|---|---|---|---|---|---|")
     for dtype in dtypes:
         run = [r for r in rows if r[2] == dtype and r[4] != "-"]
         count = collections.Counter(r[3] for r in run)
@@ -201,7 +212,7 @@ def main(argv=None) -> int:
         n = len(run) or 1
         print(f"| {str(dtype).replace('torch.', '')} | {len(run)} | {count['correct']} ({100 * count['correct'] / n:.1f}%) "
               f"| {count['wrong']} | {lowering['full']} ({100 * lowering['full'] / n:.1f}%) "
-              f"| {lowering['partial']} | {lowering['none']} |")
+              f"| {lowering['partial']} | {lowering['none']} | {lowering['no nodes']} |")
     print("\nTop fallback reasons (ATen nodes, all samples):")
     for reason, count in all_reasons.most_common(20):
         print(f"  {count:6d}  {reason}")
@@ -209,6 +220,9 @@ def main(argv=None) -> int:
         print(f"\nbf16 results off eager but at least as close to float64 as eager ({len(accepted_by_reference)}): "
               + ", ".join(sorted(accepted_by_reference)))
     print(f"Uninitialized-output ops compared by shape, dtype and strides only: {', '.join(UNINITIALIZED_OUTPUT)}")
+    if args.rows:
+        with open(args.rows, "w") as handle:
+            handle.writelines(json.dumps(record) + "\n" for record in row_records)
     wrong = [r for r in rows if r[3] == "wrong"]
     if wrong:
         print(f"\nWrong results ({len(wrong)}):")
