@@ -170,3 +170,14 @@ def test_cast_to_bool_is_a_truth_test(dtype):
     eager, compiled = x.bool(), compile_and_run(lambda t: t.bool(), x)[1][0]
     assert compiled.dtype == torch.bool
     assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool])
+@pytest.mark.parametrize("name", ["isnan", "logical_not"])
+def test_predicates_are_exact_on_special_values(dtype, name):
+    values = torch.tensor([0.0, -0.0, 0.3, -2.0, float("nan"), float("inf"), -float("inf"), 1e-30, 7.0])
+    x = values.repeat(15, 1).to(dtype)  # 135 rows: more than one partition tile
+    fn = getattr(torch, name)
+    compiled = compile_and_run(fn, x)[1][0]
+    assert compiled.dtype == torch.bool
+    assert torch.equal(compiled, fn(x))

@@ -209,6 +209,19 @@ def lower_cast(ctx, node):
     return emit_pointwise(ctx, node, ir.Op("cast", (source,), dtype=out_dtype))
 
 
+@register_lowering(aten.isnan.default)
+def lower_isnan(ctx, node):
+    # nan is the only value not equal to itself (IEEE compare on the Vector engine): exact, no range limits.
+    x = _operand(ctx, node, node.args[0])
+    return emit_pointwise(ctx, node, ir.Op("ne", (x, x)))
+
+
+@register_lowering(aten.logical_not.default)
+def lower_logical_not(ctx, node):
+    # A truth test inverted: x == 0 (nan is truthy, so logical_not(nan) is False, as eager gives).
+    return emit_pointwise(ctx, node, ir.Op("eq", (_operand(ctx, node, node.args[0]), ir.Scalar(0.0))))
+
+
 @register_lowering(aten.clone.default)
 def lower_clone(ctx, node):
     return emit_pointwise(ctx, node, _operand(ctx, node, node.args[0]))
