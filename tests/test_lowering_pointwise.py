@@ -162,11 +162,16 @@ def test_constants_are_memset_kernels():
     check_against_eager(fn, random_tensor((4, 6)))
 
 
+def _special_values(dtype):
+    """Signed zeros, small and large magnitudes, nan and infinities, over 135 rows (more than one partition tile)."""
+    values = torch.tensor([0.0, -0.0, 0.3, -0.2, 1e-3, 1e-30, 1.5, -2.0, float("nan"), float("inf"), -float("inf")])
+    return values.repeat(15, 1).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cast_to_bool_is_a_truth_test(dtype):
     # Found by the OpInfo sweep: a numeric cast rounded 0.3 to False; eager's bool() is `x != 0` (nan -> True).
-    values = torch.tensor([0.0, -0.0, 0.3, -0.2, 1e-3, 1.5, float("nan"), float("inf"), -float("inf")], dtype=dtype)
-    x = values.repeat(15, 1)  # 135 rows: more than one partition tile
+    x = _special_values(dtype)
     eager, compiled = x.bool(), compile_and_run(lambda t: t.bool(), x)[1][0]
     assert compiled.dtype == torch.bool
     assert torch.equal(compiled, eager)
@@ -175,8 +180,7 @@ def test_cast_to_bool_is_a_truth_test(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool])
 @pytest.mark.parametrize("name", ["isnan", "logical_not"])
 def test_predicates_are_exact_on_special_values(dtype, name):
-    values = torch.tensor([0.0, -0.0, 0.3, -2.0, float("nan"), float("inf"), -float("inf"), 1e-30, 7.0])
-    x = values.repeat(15, 1).to(dtype)  # 135 rows: more than one partition tile
+    x = _special_values(dtype)
     fn = getattr(torch, name)
     compiled = compile_and_run(fn, x)[1][0]
     assert compiled.dtype == torch.bool
