@@ -172,8 +172,7 @@ def main(argv=None) -> int:
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
 
     started = time.time()
-    rows = []
-    row_records: list[dict] = []
+    rows: list[dict] = []  # one per (op, dtype): the table, the wrong list and --rows all read these
     all_reasons: collections.Counter = collections.Counter()
     for op in op_db:
         if wanted and op.name not in wanted:
@@ -193,11 +192,9 @@ def main(argv=None) -> int:
                 lowering = "no nodes"  # no ATen node reached the backend (alias-only, random ops, graph breaks)
             else:
                 lowering = "none"
-            rows.append((op.name, op.variant_test_name, dtype, status, lowering, problem))
-            if args.rows:
-                row_records.append(dict(op=op.name, variant=op.variant_test_name, dtype=str(dtype), status=status,
-                                        lowering=lowering, problem=problem, nki_nodes=nki, fallback_nodes=fallback,
-                                        reasons=dict(reasons)))
+            rows.append(dict(op=op.name, variant=op.variant_test_name, dtype=str(dtype), status=status,
+                             lowering=lowering, problem=problem, nki_nodes=nki, fallback_nodes=fallback,
+                             reasons=dict(reasons)))
             if args.verbose:
                 print(f"{op.name:32s} {str(dtype):15s} {status:8s} {lowering:8s} {problem or ''}", flush=True)
 
@@ -206,9 +203,9 @@ def main(argv=None) -> int:
     print("| dtype | pairs run | correct | wrong | fully lowered | partly | not lowered | no ATen node |")
     print("|---|---|---|---|---|---|---|---|")
     for dtype in dtypes:
-        run = [r for r in rows if r[2] == dtype and r[4] != "-"]
-        count = collections.Counter(r[3] for r in run)
-        lowering = collections.Counter(r[4] for r in run)
+        run = [r for r in rows if r["dtype"] == str(dtype) and r["lowering"] != "-"]
+        count = collections.Counter(r["status"] for r in run)
+        lowering = collections.Counter(r["lowering"] for r in run)
         n = len(run) or 1
         print(f"| {str(dtype).replace('torch.', '')} | {len(run)} | {count['correct']} ({100 * count['correct'] / n:.1f}%) "
               f"| {count['wrong']} | {lowering['full']} ({100 * lowering['full'] / n:.1f}%) "
@@ -222,12 +219,12 @@ def main(argv=None) -> int:
     print(f"Uninitialized-output ops compared by shape, dtype and strides only: {', '.join(UNINITIALIZED_OUTPUT)}")
     if args.rows:
         with open(args.rows, "w") as handle:
-            handle.writelines(json.dumps(record) + "\n" for record in row_records)
-    wrong = [r for r in rows if r[3] == "wrong"]
+            handle.writelines(json.dumps(row) + "\n" for row in rows)
+    wrong = [r for r in rows if r["status"] == "wrong"]
     if wrong:
         print(f"\nWrong results ({len(wrong)}):")
-        for name, variant, dtype, _, _, problem in wrong[:40]:
-            print(f"  {name}{'.' + variant if variant else ''} {dtype}: {problem}")
+        for row in wrong[:40]:
+            print(f"  {row['op']}{'.' + row['variant'] if row['variant'] else ''} {row['dtype']}: {row['problem']}")
     return 1 if wrong else 0
 
 
