@@ -72,8 +72,9 @@ class Kernel:
 class CompiledRegion:
     """The region's kernels, ready to launch. Call with the region's tensors; returns a tuple of outputs."""
 
-    def __init__(self, inputs, kernels, outputs, nki_nodes, target, decisions):
+    def __init__(self, inputs, kernels, outputs, nki_nodes, target, decisions, buffers=None):
         self.inputs: list[ir.Buffer] = inputs
+        self.buffers: dict[str, ir.Buffer] = buffers or {}  # for buffers no kernel writes (empty tensors)
         self._kernels: list[Kernel] = kernels
         self.outputs = outputs  # TensorValue per graph output
         self.nki_nodes = nki_nodes
@@ -100,7 +101,8 @@ class CompiledRegion:
             arrays[buffer.name] = _to_numpy_flat(tensor, buffer)
             storage[buffer.name] = torch.as_strided(tensor, (buffer.layout.span(),), (1,), tensor.storage_offset())
         for kernel in self._kernels:
-            args = [arrays[name] for name in kernel.source.parameters]
+            args = [arrays[name] if name in arrays else self._unwritten(name, arrays)
+                    for name in kernel.source.parameters]
             run = simulator.run_kernel(kernel.function, args, target=self.target)
             for buffer, array in zip(kernel.source.outputs, run.outputs):
                 arrays[buffer.name] = np.asarray(array).reshape(-1)
@@ -112,12 +114,23 @@ class CompiledRegion:
         results = []
         for value in self.outputs:
             if value.buffer not in storage:
-                storage[value.buffer] = _to_torch(arrays[value.buffer], value.dtype)
+                array = arrays[value.buffer] if value.buffer in arrays else self._unwritten(value.buffer, arrays)
+                storage[value.buffer] = _to_torch(array, value.dtype)
             base = storage[value.buffer]
             # as_strided's offset is absolute in the storage; layouts are relative to the buffer's first element.
             offset = base.storage_offset() + value.layout.offset
             results.append(torch.as_strided(base, value.layout.shape, value.layout.strides, offset))
         return tuple(results)
+
+    def _unwritten(self, name: str, arrays: dict) -> np.ndarray:
+        """A buffer no kernel writes (aten.empty, a numel-0 result): NaN-filled like every new simulator buffer
+        (uninitialized in eager too); bool buffers are zeros."""
+        buffer = self.buffers.get(name)
+        if buffer is None:
+            raise LoweringError(f"buffer {name} is read before any kernel writes it")
+        fill = 0 if buffer.dtype == "bool" else np.nan
+        arrays[name] = np.full(buffer.layout.span(), fill, dtype=NUMPY_DTYPES[buffer.dtype])
+        return arrays[name]
 
 
 def _target(config):
@@ -148,4 +161,6 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> Com
             raise LoweringError(f"kernel {name} ({node.name}) could not be rendered: {error}") from error
         module = simulator.load_module(source.source, name)
         kernels.append(Kernel(source, getattr(module, name)))
-    return CompiledRegion(lowered.inputs, kernels, lowered.outputs, lowered.aten_nodes, target, fused.decisions)
+    return CompiledRegion(
+        lowered.inputs, kernels, lowered.outputs, lowered.aten_nodes, target, fused.decisions, lowered.buffers
+    )

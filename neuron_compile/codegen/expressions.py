@@ -186,6 +186,13 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
     if folded is not None:
         return folded
     tiles = [arg for arg in args if arg.tile is not None]
+    if not tiles and op != "cast":
+        # Every operand is a number and the op does not fold (abs of full()'s value, say): the instruction
+        # needs a tile to read, so the first number is memset into one.
+        first = Ref(tile=scope.tile())
+        lines.append(f"nisa.memset(dst={scope.ref_text(first)}, value={number(args[0].value)})")
+        args = [first, *args[1:]]
+        tiles = [first]
     # Only (P, 1) row vectors (a reduction's result, before it meets a full tile): compute on [rows, 1].
     vector = bool(tiles) and all(arg.vector for arg in tiles)
     text = scope.ref_text

@@ -46,12 +46,31 @@ def store_layout_in_domain(out: ir.Layout, domain: tuple[int, ...], reduce_dims:
 def emit_reduction(ctx: LoweringContext, node, source, dims, op: str, correction: float = 0.0) -> TensorValue:
     source_value = ctx.value(source)
     domain = source_value.layout.shape
+    if not domain:
+        return _reduce_0d(ctx, node, source, op, correction)
     reduce_dims = normalize_dims(dims, len(domain))
     buffer = ctx.output_buffer(node, op)
     store = ir.Store(buffer, ir.Result(), store_layout_in_domain(buffer.layout, domain, reduce_dims))
     prologue = load(ctx, source, domain)
     ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, op, prologue, (store,), correction))
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
+def _reduce_0d(ctx: LoweringContext, node, source, op: str, correction: float) -> TensorValue:
+    """A reduction of a 0-d tensor reduces one element: an elementwise copy, with eager's edge cases.
+
+    sum and mean add onto +0.0 (eager's sum of -0.0 is +0.0); max, min and prod return the element itself.
+    var of one element divides (x - x)^2 by max(0, 1 - correction): 0 (nan for inf or nan) when that is
+    positive, else 0 / 0 = nan whatever x is.
+    """
+    x = load(ctx, source, ())
+    if op in ("sum", "mean"):
+        expr = ir.Op("add", (x, ir.Scalar(0.0)))
+    elif op == "var":
+        expr = ir.Op("mul", (ir.Op("sub", (x, x)), ir.Scalar(0.0))) if 1.0 - correction > 0 else ir.Scalar(math.nan)
+    else:
+        expr = x
+    return emit_pointwise(ctx, node, expr)
 
 
 def _argument(node, index, name, default):
@@ -67,10 +86,10 @@ UNCHUNKED_ROW_LIMIT = 2048
 
 def _check_reduction(node: torch.fx.Node) -> str | None:
     source = node.args[0].meta["val"]
-    if source.dim() == 0:
-        return f"{node.target}: reduction of a 0-d tensor"
     if node.kwargs.get("dtype") is not None and node.kwargs["dtype"] not in (torch.float32, torch.bfloat16):
         return f"{node.target}: dtype={node.kwargs['dtype']}"
+    if source.dim() == 0:
+        return None  # one element: emit_reduction lowers it as a copy
     return _row_shape_reason(node, source, normalize_dims(_argument(node, 1, "dim", None), source.dim()))
 
 

@@ -56,6 +56,7 @@ def registered_ops() -> list:
 def _ensure_families_loaded() -> None:
     # Importing the family modules fills the registry (each uses @register_lowering at import time).
     from neuron_compile.lowering import attention, matmul, movement, normalization, pointwise, reduction  # noqa: F401
+    from neuron_compile.lowering import creation  # noqa: F401
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -76,6 +77,14 @@ def _tensor_metas(node: torch.fx.Node) -> list:
     return metas
 
 
+def produces_no_elements(node: torch.fx.Node) -> bool:
+    """Whether every tensor ``node`` returns has numel 0 (such a node is lowered to a buffer, no instructions)."""
+    value = node.meta.get("val")
+    values = value if isinstance(value, (list, tuple)) else [value]
+    tensors = [v for v in values if v is not None]
+    return bool(tensors) and all(isinstance(v, torch.Tensor) and v.numel() == 0 for v in tensors)
+
+
 def unsupported_reason(node: torch.fx.Node) -> str | None:
     """None if ``node`` has an NKI lowering for its dtypes and shapes, else the reason it runs eagerly."""
     _ensure_families_loaded()
@@ -88,15 +97,19 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
     is_tensor_tuple = isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) or v is None for v in value)
     if not (isinstance(value, torch.Tensor) or (rule.multi_output and is_tensor_tuple)):
         return f"{node.target}: no tensor meta['val'] (multi-output or untyped node)"
-    result = node.meta["val"]
+    empty_result = produces_no_elements(node)
     for meta in _tensor_metas(node):
         if meta.dtype not in SUPPORTED_DTYPES:
             return f"dtype {str(meta.dtype).removeprefix('torch.')}"
-        # cat skips empty inputs (an empty KV cache); every other op needs elements to tile.
-        if meta.numel() == 0 and (node.target is not torch.ops.aten.cat.default or meta is result):
-            return "empty tensor (numel 0)"
+        # An empty result needs no instructions (lower_graph gives it a buffer and no kernel); cat skips empty
+        # inputs (an empty KV cache); an empty input of a non-empty result needs the op's identity (mm with
+        # K = 0 is zeros), which is not modelled.
+        if meta.numel() == 0 and not empty_result and node.target is not torch.ops.aten.cat.default:
+            return "empty tensor (numel 0) feeding a non-empty result"
         if meta.dim() > 5:
             return f"rank {meta.dim()} beyond the 5-D limit"
+    if empty_result:
+        return None  # the op's own limits concern elements it would compute; there are none
     if rule.check is not None:
         return rule.check(node)
     return None
@@ -120,6 +133,8 @@ class LoweredRegion:
     nodes: list[ir.Node]
     outputs: list[TensorValue]
     aten_nodes: int  # ATen call nodes lowered
+    # Every buffer the region names; those no kernel writes (empty tensors, numel-0 results) start NaN-filled.
+    buffers: dict[str, ir.Buffer] = dataclasses.field(default_factory=dict)
 
 
 class LoweringContext:
@@ -213,7 +228,10 @@ def lower_graph(gm: torch.fx.GraphModule) -> LoweredRegion:
             reason = unsupported_reason(node)
             if reason is not None:
                 raise LoweringError(f"{node.target} ({node.name}): {reason}")
-            ctx.values[node] = _LOWERINGS[node.target].lower(ctx, node)
+            if produces_no_elements(node):
+                ctx.values[node] = _empty_value(ctx, node)
+            else:
+                ctx.values[node] = _LOWERINGS[node.target].lower(ctx, node)
             aten_nodes += 1
         elif node.op == "output":
             results = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
@@ -221,4 +239,17 @@ def lower_graph(gm: torch.fx.GraphModule) -> LoweredRegion:
                 outputs.append(ctx.value(arg))
         else:
             raise LoweringError(f"unsupported FX node kind {node.op} ({node.name})")
-    return LoweredRegion(inputs, ctx.nodes, outputs, aten_nodes)
+    return LoweredRegion(inputs, ctx.nodes, outputs, aten_nodes, dict(ctx.buffers))
+
+
+def _empty_value(ctx: LoweringContext, node: torch.fx.Node):
+    """A numel-0 result: a fresh buffer with eager's sizes and strides that no instruction writes."""
+    value = node.meta["val"]
+    if isinstance(value, (list, tuple)):
+        return tuple(_empty_tensor_value(ctx, v) if v is not None else None for v in value)
+    return _empty_tensor_value(ctx, value)
+
+
+def _empty_tensor_value(ctx: LoweringContext, meta: torch.Tensor) -> TensorValue:
+    buffer = ctx.new_buffer(meta, "empty")
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)

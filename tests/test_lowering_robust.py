@@ -1,0 +1,119 @@
+"""Robustness lowerings against eager: numel-0 results, uninitialized (empty*) tensors, ops on constants only.
+
+A numel-0 result is a buffer with eager's sizes and strides and no instructions; an empty input of a non-empty
+result keeps a reason; empty* tensors compare by metadata (their contents are uninitialized in eager too).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
+
+from neuron_compile.lowering.registry import unsupported_reason
+
+
+def _node(gm, target):
+    return next(node for node in gm.graph.nodes if node.target is target)
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 129), (2, 0, 5)])
+def test_numel_0_pointwise_results_need_no_kernel(shape):
+    x = random_tensor(shape)
+    region = check_against_eager(lambda t: torch.sigmoid(torch.exp(t) * 2.0 + 1.0), x)
+    assert region.kernels == []
+    assert region.nki_nodes >= 3
+
+
+def test_numel_0_result_keeps_eager_strides():
+    x = random_tensor((4, 0, 3)).transpose(0, 2)
+    region, (out,) = compile_and_run(lambda t: t * 2.0, x)
+    want = x * 2.0
+    assert (out.shape, out.stride()) == (want.shape, want.stride())
+
+
+def test_numel_0_beside_non_empty_output():
+    x, y = random_tensor((0, 5)), random_tensor((3, 129), seed=1)
+    check_against_eager(lambda a, b: (a.abs(), torch.rsqrt(b.abs() + 1.0)), x, y)
+
+
+def test_empty_input_of_non_empty_result_keeps_a_reason():
+    a, b = random_tensor((3, 0)), random_tensor((0, 4), seed=1)
+    gm = trace(torch.mm, a, b)
+    assert "numel 0" in unsupported_reason(_node(gm, torch.ops.aten.mm.default))
+    gm = trace(lambda t: t.sum(1), a)
+    assert "numel 0" in unsupported_reason(_node(gm, torch.ops.aten.sum.dim_IntList))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda t: torch.empty(3, 129),
+        lambda t: torch.empty_like(t),
+        lambda t: torch.empty_like(t.transpose(0, 1)),
+        lambda t: torch.empty_permuted((2, 3, 4), (2, 0, 1)),
+        lambda t: t.new_empty((5, 7)),
+        lambda t: t.new_empty_strided((4, 3), (1, 4)),
+        lambda t: torch.empty_strided((2, 3), (1, 2)),
+    ],
+)
+def test_empty_tensors_have_eager_metadata_and_no_kernel(fn):
+    x = random_tensor((6, 4))
+    region, outputs = compile_and_run(fn, x)
+    want = fn(x)
+    (got,) = outputs
+    assert region.kernels == []
+    assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+
+
+def test_kernel_reading_an_empty_tensor_sees_nan():
+    # Uninitialized memory: the region NaN-fills it, as the simulator does every new buffer (never stale data).
+    x = random_tensor((3, 129))
+    region, (out,) = compile_and_run(lambda t: torch.empty_like(t) + t, x)
+    assert len(region.kernels) == 1
+    assert out.isnan().all()
+
+
+def test_empty_sparse_layout_is_refused():
+    gm = trace(lambda t: torch.empty(2, 3) * t, random_tensor((2, 3)))
+    node = _node(gm, torch.ops.aten.empty.memory_format)
+    node.meta["val"] = torch.empty(2, 3).to_sparse()
+    assert "layout" in unsupported_reason(node)
+
+
+@pytest.mark.parametrize("value", [0.4, -0.6, float("inf"), float("-inf"), float("nan"), -0.0])
+def test_activation_of_a_constant_only_expression(value):
+    # lerp's decomposition: abs(full(weight)) >= 0.5 selects the formula; every operand of abs is a number.
+    x, y = random_tensor((5, 129)), random_tensor((5, 129), seed=1)
+    check_against_eager(lambda a, b: torch.lerp(a, b, value), x, y)
+    check_against_eager(lambda a: a + torch.full((), value).abs().exp(), x)
+
+
+ZERO_D_VALUES = [3.5, -0.0, float("inf"), float("-inf"), float("nan"), 1e30]
+
+
+@pytest.mark.parametrize("value", ZERO_D_VALUES)
+@pytest.mark.parametrize(
+    "fn",
+    [
+        torch.sum,
+        torch.mean,
+        torch.amax,
+        torch.amin,
+        torch.prod,
+        lambda t: t.sum(dim=0, keepdim=True),
+        lambda t: t.mean(dim=-1),
+        lambda t: t.amax(dim=[]),
+        lambda t: torch.var(t, correction=0),
+        lambda t: torch.var(t, correction=0.5),
+        lambda t: torch.var(t),
+        lambda t: torch.var(t, correction=2),
+    ],
+)
+def test_reduction_of_a_0d_tensor_is_a_copy(fn, value):
+    check_against_eager(fn, torch.tensor(value))
+
+
+def test_reduction_of_a_0d_tensor_casts_to_the_requested_dtype():
+    check_against_eager(lambda t: torch.sum(t, dtype=torch.float32), torch.tensor(1.0078125, dtype=torch.bfloat16))
+    check_against_eager(lambda t: torch.sum(t, dtype=torch.bfloat16), torch.tensor(1.0078125))
