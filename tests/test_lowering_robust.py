@@ -37,12 +37,12 @@ def test_numel_0_beside_non_empty_output():
     check_against_eager(lambda a, b: (a.abs(), torch.rsqrt(b.abs() + 1.0)), x, y)
 
 
-def test_empty_input_of_non_empty_result_keeps_a_reason():
-    a, b = random_tensor((3, 0)), random_tensor((0, 4), seed=1)
-    gm = trace(torch.mm, a, b)
-    assert "numel 0" in unsupported_reason(_node(gm, torch.ops.aten.mm.default))
-    gm = trace(lambda t: t.sum(1), a)
-    assert "numel 0" in unsupported_reason(_node(gm, torch.ops.aten.sum.dim_IntList))
+def test_empty_input_of_non_empty_result_without_identity_keeps_a_reason():
+    # amax has no identity (eager raises on an empty row): a node like that must keep its reason.
+    gm = trace(lambda t: t.sum(1), random_tensor((3, 0)))
+    node = _node(gm, torch.ops.aten.sum.dim_IntList)
+    node.target = torch.ops.aten.amax.default
+    assert "numel 0" in unsupported_reason(node)
 
 
 @pytest.mark.parametrize(
@@ -117,3 +117,45 @@ def test_reduction_of_a_0d_tensor_is_a_copy(fn, value):
 def test_reduction_of_a_0d_tensor_casts_to_the_requested_dtype():
     check_against_eager(lambda t: torch.sum(t, dtype=torch.float32), torch.tensor(1.0078125, dtype=torch.bfloat16))
     check_against_eager(lambda t: torch.sum(t, dtype=torch.bfloat16), torch.tensor(1.0078125))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda t: t.sum(1),
+        lambda t: t.sum(),
+        lambda t: t.sum(dim=(0, 1)),
+        lambda t: t.prod(1),
+        lambda t: t.mean(1, keepdim=True),
+        lambda t: t.mean(),
+        lambda t: torch.var(t, 1),
+        lambda t: torch.var(t, 1, correction=0),
+        lambda t: t.sum(1, dtype=torch.bfloat16),
+    ],
+)
+def test_reduction_over_no_elements_is_its_identity(fn):
+    check_against_eager(fn, random_tensor((129, 0)))
+
+
+@pytest.mark.parametrize("m, n", [(1, 1), (3, 4), (129, 513)])
+def test_matmul_with_k_0_is_zeros_or_scaled_bias(m, n):
+    a, b = random_tensor((m, 0)), random_tensor((0, n), seed=1)
+    bias = random_tensor((n,), seed=2)
+    bias[0] = float("nan")
+    check_against_eager(torch.mm, a, b)
+    check_against_eager(lambda x, y: torch.bmm(x.expand(2, m, 0), y.expand(2, 0, n)), a, b)
+    check_against_eager(lambda c, x, y: torch.addmm(c, x, y), bias, a, b)
+    check_against_eager(lambda c, x, y: torch.addmm(c, x, y, beta=0.5, alpha=2.0), bias, a, b)
+    check_against_eager(lambda c, x, y: torch.addmm(c, x, y, beta=0.0), bias, a, b)
+
+
+def test_new_empty_of_an_empty_tensor():
+    x = random_tensor((0, 3))
+    region, (out,) = compile_and_run(lambda t: t.new_empty_strided((4, 3), (1, 4)), x)
+    assert (out.shape, out.stride()) == ((4, 3), (1, 4))
+
+
+def test_addmm_k_0_with_infinite_alpha_keeps_a_reason():
+    a, b, bias = random_tensor((3, 0)), random_tensor((0, 4), seed=1), random_tensor((4,), seed=2)
+    gm = trace(lambda c, x, y: torch.addmm(c, x, y, alpha=float("inf")), bias, a, b)
+    assert "alpha" in unsupported_reason(_node(gm, torch.ops.aten.addmm.default))

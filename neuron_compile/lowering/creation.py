@@ -1,17 +1,31 @@
-"""Lowering stage, creation family: tensors whose contents eager leaves uninitialized (empty, empty_like, ...).
+"""Lowering stage, creation family: tensors whose contents eager leaves uninitialized (empty, empty_like, ...),
+and the identities of ops whose non-empty result is computed from an empty input (mm with K = 0 is zeros).
 
 Input: an ATen FX node (aten.empty.memory_format, aten.empty_permuted, aten.empty_strided, aten.new_empty,
 aten.new_empty_strided). Output: a ``TensorValue`` over a fresh HBM buffer with exactly eager's sizes and strides
 (from the node's fake value) and no instructions: eager's memory is uninitialized, and the region NaN-fills
 buffers no kernel writes, as the simulator does for every new buffer. A later kernel that writes the buffer
 (a copy or fill into it) is lowered as its own node.
+
+Identities (``register_empty_input_lowering``; an ``ir.Pointwise`` of numbers over the result): a sum over no
+elements is 0, a prod 1, a mean or var nan (0 / 0), mm / bmm with K = 0 zeros, addmm ``beta * bias`` (bias
+ignored when beta is 0, as eager does). amax / amin of nothing raise in eager, so they never get here.
 """
 
 from __future__ import annotations
 
 import torch
 
-from neuron_compile.lowering.registry import TensorValue, register_lowering
+import math
+
+from neuron_compile import ir
+from neuron_compile.lowering.pointwise import emit_pointwise
+from neuron_compile.lowering.registry import (
+    TensorValue,
+    broadcast_layout,
+    register_empty_input_lowering,
+    register_lowering,
+)
 
 aten = torch.ops.aten
 
@@ -34,3 +48,50 @@ def _check_empty(node: torch.fx.Node) -> str | None:
 def lower_empty(ctx, node):
     buffer = ctx.output_buffer(node, "empty")
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
+# new_empty(_strided) read their input only for its dtype: an empty input changes nothing.
+register_empty_input_lowering(aten.new_empty.default, aten.new_empty_strided.default, check=_check_empty)(lower_empty)
+
+IDENTITY = {
+    aten.sum.default: 0.0,
+    aten.sum.dim_IntList: 0.0,
+    aten.prod.default: 1.0,
+    aten.prod.dim_int: 1.0,
+    aten.mean.default: math.nan,
+    aten.mean.dim: math.nan,
+    aten.var.correction: math.nan,
+    aten.mm.default: 0.0,
+    aten.bmm.default: 0.0,
+}
+
+
+def _check_identity(node) -> str | None:
+    dtype = node.kwargs.get("dtype")
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+        return f"{node.target}: dtype={dtype}"
+    return None
+
+
+@register_empty_input_lowering(*IDENTITY, check=_check_identity)
+def lower_identity(ctx, node):
+    return emit_pointwise(ctx, node, ir.Scalar(IDENTITY[node.target]))
+
+
+def _check_addmm(node) -> str | None:
+    alpha = node.kwargs.get("alpha", 1)
+    if not math.isfinite(float(alpha)):  # alpha * (a @ b) with an empty K: inf * 0 is not modelled
+        return f"{node.target}: alpha={alpha} with K = 0"
+    return None
+
+
+@register_empty_input_lowering(aten.addmm.default, check=_check_addmm)
+def lower_addmm_k0(ctx, node):
+    """addmm with K = 0: ``beta * bias`` broadcast to the result (zeros if beta is 0, even over nan bias)."""
+    bias, beta = node.args[0], float(node.kwargs.get("beta", 1))
+    shape = tuple(node.meta["val"].shape)
+    if beta == 0:
+        return emit_pointwise(ctx, node, ir.Scalar(0.0))
+    value = ctx.value(bias)
+    bias_load = ir.Load(value.buffer, broadcast_layout(value.layout, shape), value.dtype)
+    return emit_pointwise(ctx, node, ir.Op("mul", (bias_load, ir.Scalar(beta))))

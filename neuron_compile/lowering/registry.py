@@ -34,6 +34,8 @@ class LoweringRule:
 
 
 _LOWERINGS: dict = {}
+# Lowerings for a non-empty result computed from an empty input (mm with K = 0 is zeros): the op's identity.
+_EMPTY_INPUT_LOWERINGS: dict = {}
 
 
 def register_lowering(*ops, check: Callable | None = None, multi_output: bool = False):
@@ -42,6 +44,17 @@ def register_lowering(*ops, check: Callable | None = None, multi_output: bool = 
     def decorate(fn):
         for op in ops:
             _LOWERINGS[op] = LoweringRule(fn, check, multi_output)
+        return fn
+
+    return decorate
+
+
+def register_empty_input_lowering(*ops, check: Callable | None = None):
+    """Register ``fn(ctx, node)`` for ``ops`` when an input has numel 0 but the result does not."""
+
+    def decorate(fn):
+        for op in ops:
+            _EMPTY_INPUT_LOWERINGS[op] = LoweringRule(fn, check)
         return fn
 
     return decorate
@@ -65,9 +78,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return SUPPORTED_DTYPES[dtype]
 
 
-def _tensor_metas(node: torch.fx.Node) -> list:
+def _tensor_metas(node: torch.fx.Node, with_result: bool = True) -> list:
     metas = []
-    for arg in [*node.args, *node.kwargs.values(), node]:
+    for arg in [*node.args, *node.kwargs.values(), *([node] if with_result else [])]:
         items = arg if isinstance(arg, (list, tuple)) else [arg]
         for item in items:
             value = item.meta.get("val") if isinstance(item, torch.fx.Node) else None
@@ -75,6 +88,11 @@ def _tensor_metas(node: torch.fx.Node) -> list:
                 if isinstance(tensor, torch.Tensor):
                     metas.append(tensor)
     return metas
+
+
+def reads_an_empty_tensor(node: torch.fx.Node) -> bool:
+    """Whether a tensor argument of ``node`` has numel 0."""
+    return any(meta.numel() == 0 for meta in _tensor_metas(node, with_result=False))
 
 
 def produces_no_elements(node: torch.fx.Node) -> bool:
@@ -98,18 +116,22 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
     if not (isinstance(value, torch.Tensor) or (rule.multi_output and is_tensor_tuple)):
         return f"{node.target}: no tensor meta['val'] (multi-output or untyped node)"
     empty_result = produces_no_elements(node)
+    identity = _EMPTY_INPUT_LOWERINGS.get(node.target)
     for meta in _tensor_metas(node):
         if meta.dtype not in SUPPORTED_DTYPES:
             return f"dtype {str(meta.dtype).removeprefix('torch.')}"
         # An empty result needs no instructions (lower_graph gives it a buffer and no kernel); cat skips empty
         # inputs (an empty KV cache); an empty input of a non-empty result needs the op's identity (mm with
-        # K = 0 is zeros), which is not modelled.
-        if meta.numel() == 0 and not empty_result and node.target is not torch.ops.aten.cat.default:
+        # K = 0 is zeros): only ops registered with register_empty_input_lowering have one.
+        skips_empty = identity is not None or node.target is torch.ops.aten.cat.default
+        if meta.numel() == 0 and not empty_result and not skips_empty:
             return "empty tensor (numel 0) feeding a non-empty result"
         if meta.dim() > 5:
             return f"rank {meta.dim()} beyond the 5-D limit"
     if empty_result:
         return None  # the op's own limits concern elements it would compute; there are none
+    if identity is not None and reads_an_empty_tensor(node):
+        return identity.check(node) if identity.check is not None else None
     if rule.check is not None:
         return rule.check(node)
     return None
@@ -230,6 +252,8 @@ def lower_graph(gm: torch.fx.GraphModule) -> LoweredRegion:
                 raise LoweringError(f"{node.target} ({node.name}): {reason}")
             if produces_no_elements(node):
                 ctx.values[node] = _empty_value(ctx, node)
+            elif node.target in _EMPTY_INPUT_LOWERINGS and reads_an_empty_tensor(node):
+                ctx.values[node] = _EMPTY_INPUT_LOWERINGS[node.target].lower(ctx, node)
             else:
                 ctx.values[node] = _LOWERINGS[node.target].lower(ctx, node)
             aten_nodes += 1
