@@ -1,8 +1,13 @@
-"""Lowering stage, normalization family: aten.native_layer_norm (kept whole by the front end's decompositions).
+"""Lowering stage, normalization family: native_layer_norm (and its backward), native_group_norm.
 
 Input: an ATen FX node. Output: three IR nodes — the row mean (a Reduction), the row rstd (a biased-variance
 Reduction with ``rsqrt(var + eps)`` as its epilogue) and the normalize-and-affine Pointwise that reads both
 broadcast along the normalized dims — and the (out, mean, rstd) tuple that getitem nodes pick from.
+
+Group norm is the same three nodes over a regrouped domain: the channel dim C of the (N, C, *spatial) input is
+split by the access pattern into (G, C / G) (strides ``C/G * stride_C`` and ``stride_C``), so each (N, G) pair
+is one row over (C / G, *spatial), and the per-channel weight and bias are loads with stride 0 on the rows'
+spatial dims.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.reduction import store_layout_in_domain
+from neuron_compile.lowering.reduction import _row_shape_reason, store_layout_in_domain
 from neuron_compile.lowering.registry import TensorValue, broadcast_layout, load, register_lowering
 
 aten = torch.ops.aten
@@ -104,3 +109,79 @@ def lower_layer_norm_backward(ctx, node):
             ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, leading, "sum", prologue, (store,)))
             outputs[index] = buffer
     return tuple(None if b is None else TensorValue(b.name, b.layout, b.dtype) for b in outputs)
+
+
+# rsqrt(var + eps) runs on the Scalar engine, valid on [2**-87, 2**97] (nki-spec 1.5): eps >= 2**-87 keeps the
+# lower end; var + eps > 2**97 needs |x - mean| > 2**48, far beyond what a normalization layer sees.
+MIN_EPS = 2.0**-87
+
+
+def _group_domain(layout: ir.Layout, groups: int) -> ir.Layout:
+    """The (N, C, *spatial) layout as (N, G, C / G, *spatial): the channel split is one more access-pattern dim."""
+    size_n, channels, *spatial = layout.shape
+    stride_n, stride_c, *spatial_strides = layout.strides
+    per_group = channels // groups
+    return ir.Layout((size_n, groups, per_group, *spatial), (stride_n, per_group * stride_c, stride_c, *spatial_strides),
+                     layout.offset)
+
+
+def _check_group_norm(node: torch.fx.Node) -> str | None:
+    source, weight, bias, _, channels, _, groups, eps = node.args[:8]
+    meta = source.meta["val"]
+    if not isinstance(eps, (int, float)) or eps < MIN_EPS:
+        return f"{node.target}: eps={eps!r} (rsqrt(var + eps) needs eps >= 2**-87, its valid input range)"
+    if meta.dim() < 2 or not isinstance(groups, int) or groups <= 0 or meta.shape[1] % groups:
+        return f"{node.target}: input {list(meta.shape)} with {groups} groups"
+    if meta.dim() + 1 > 6:
+        return f"{node.target}: rank {meta.dim()} input regroups to rank {meta.dim() + 1} (5-D limit)"
+    for arg in (weight, bias):
+        if arg is not None and arg.meta["val"].dtype != meta.dtype:
+            return f"{node.target}: weight/bias dtype {arg.meta['val'].dtype} differs from input {meta.dtype}"
+    grouped = _group_domain(ir.Layout(tuple(meta.shape), tuple(meta.stride())), groups)
+    fake = torch.empty_strided(grouped.shape, grouped.strides, device="meta")
+    return _row_shape_reason(node, fake, tuple(range(2, len(grouped.shape))))
+
+
+@register_lowering(aten.native_group_norm.default, check=_check_group_norm, multi_output=True)
+def lower_group_norm(ctx, node):
+    """out = (x - mean) * rstd * weight[c] + bias[c], mean and rstd = 1 / sqrt(var + eps) per (n, group)."""
+    source_arg, weight, bias, _, _, _, groups, eps = node.args[:8]
+    source = ctx.value(source_arg)
+    grouped = _group_domain(source.layout, groups)
+    domain = grouped.shape
+    reduce_dims = tuple(range(2, len(domain)))
+    out_meta, mean_meta, rstd_meta = node.meta["val"]
+    out, mean, rstd = (ctx.new_buffer(meta, stem) for meta, stem in
+                       ((out_meta, "group_norm"), (mean_meta, "mean"), (rstd_meta, "rstd")))
+    prologue = ir.Load(source.buffer, grouped, source.dtype)
+
+    def row_store(buffer, expr):
+        return ir.Store(buffer, expr, store_layout_in_domain(buffer.layout, domain, reduce_dims))
+
+    # fp32 copies of the statistics for the normalize step, as in layer norm (bf16 mean would cancel badly).
+    row_shape = domain[:2]
+    mean_fp32, rstd_fp32 = (ctx.scratch_buffer(row_shape, "float32", stem) for stem in ("mean_fp32", "rstd_fp32"))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "mean", prologue,
+                          (row_store(mean, ir.Result()), row_store(mean_fp32, ir.Result()))))
+    inverse_std = ir.Op("rsqrt", (ir.Op("add", (ir.Result(), ir.Scalar(float(eps)))),))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "var", prologue,
+                          (row_store(rstd, inverse_std), row_store(rstd_fp32, inverse_std)), correction=0.0))
+
+    def per_row(buffer):
+        return ir.Load(buffer.name, store_layout_in_domain(buffer.layout, domain, reduce_dims), buffer.dtype)
+
+    def per_channel(arg):
+        value = ctx.value(arg)
+        (stride,) = value.layout.strides
+        per_group = domain[2]
+        strides = (0, per_group * stride, stride) + (0,) * (len(domain) - 3)
+        return ir.Load(value.buffer, ir.Layout(domain, strides, value.layout.offset), value.dtype)
+
+    normalized = ir.Op("mul", (ir.Op("sub", (prologue, per_row(mean_fp32))), per_row(rstd_fp32)))
+    if weight is not None:
+        normalized = ir.Op("mul", (normalized, per_channel(weight)))
+    if bias is not None:
+        normalized = ir.Op("add", (normalized, per_channel(bias)))
+    ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), domain, (ir.Store(out, normalized, _group_domain(out.layout,
+                                                                                                       groups)),)))
+    return tuple(TensorValue(buffer.name, buffer.layout, buffer.dtype) for buffer in (out, mean, rstd))

@@ -1,0 +1,56 @@
+"""Normalization lowerings (group norm, batch norm) on the simulator vs eager, and their declined arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowering_harness import check_against_eager, random_tensor, trace
+from neuron_compile.lowering.registry import unsupported_reason
+
+aten = torch.ops.aten
+DTYPES = [torch.float32, torch.bfloat16]
+# A row of C / G * HxW elements summed in a different order than ATen's kernel: a few ulps of the row mean.
+NORM_TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def _group_norm(shape, groups, eps=1e-5, affine=True):
+    def fn(x, weight, bias):
+        hw = x[0, 0].numel()
+        return tuple(aten.native_group_norm(x, weight if affine else None, bias if affine else None, shape[0],
+                                            shape[1], hw, groups, eps))
+
+    return fn
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, groups", [((1, 6, 3), 2), ((2, 4), 4), ((3, 256, 5, 7), 32), ((1, 129, 1, 1), 3),
+                                            ((2, 130, 3, 4, 2), 5), ((2, 128, 1), 1)])
+def test_group_norm_matches_eager(shape, groups, dtype):
+    x = random_tensor(shape, dtype, seed=1)
+    weight, bias = random_tensor((shape[1],), dtype, seed=2), random_tensor((shape[1],), dtype, seed=3)
+    region = check_against_eager(_group_norm(shape, groups), x, weight, bias, tolerances=NORM_TOLERANCES)
+    assert region.kernels
+
+
+def test_group_norm_channels_last_no_affine_and_large_offset():
+    x = random_tensor((2, 12, 3, 4), seed=4).contiguous(memory_format=torch.channels_last)
+    weight, bias = random_tensor((12,), seed=5), random_tensor((12,), seed=6)
+    check_against_eager(_group_norm((2, 12, 3, 4), 4), x, weight, bias)
+    check_against_eager(_group_norm((2, 12, 3, 4), 3, affine=False), x, weight, bias)
+    # rows off zero with a large eps (the OpInfo sample's 0.5). Further off (+1000) the fp32 row mean itself is
+    # a few ulps of 1000 from eager's, which x - mean turns into 1e-4 absolute (layer norm shares that).
+    shifted = random_tensor((2, 6, 40), seed=7) + 10.0
+    check_against_eager(_group_norm((2, 6, 40), 2, eps=0.5), shifted, weight[:6], bias[:6])
+
+
+def _group_norm_node(fn, *inputs):
+    gm = trace(fn, *inputs)
+    return next(node for node in gm.graph.nodes if node.target is aten.native_group_norm.default)
+
+
+def test_group_norm_declines_eps_below_the_rsqrt_range():
+    x, weight, bias = random_tensor((2, 4, 3)), random_tensor((4,)), random_tensor((4,))
+    node = _group_norm_node(_group_norm((2, 4, 3), 2, eps=0.0), x, weight, bias)
+    assert "rsqrt(var + eps) needs eps >= 2**-87" in unsupported_reason(node)
+    assert unsupported_reason(_group_norm_node(_group_norm((2, 4, 3), 2), x, weight, bias)) is None
