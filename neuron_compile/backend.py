@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from neuron_compile import config
+from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.passes.decompose import decomposition_table
+from neuron_compile.passes.partition import op_name
+from neuron_compile.runtime import stats
 from neuron_compile.runtime.compiled_graph import compile_aten_graph
 
 log = logging.getLogger("neuron_compile")
@@ -54,7 +58,29 @@ def neuron_backend(
         decompositions=decomposition_table(),
         keep_inference_input_mutations=True,
     )
-    return aot_backend(gm, example_inputs)
+    try:
+        return aot_backend(gm, example_inputs)
+    except NeuronCompileError:  # a region failed under fallback=raise: already explained
+        raise
+    except Exception as error:  # noqa: BLE001 -- tracing to ATen failed (data-dependent ops): run the graph eagerly
+        return _run_eagerly(gm, effective, error)
+
+
+def _run_eagerly(gm: torch.fx.GraphModule, effective: config.Config, error: Exception):
+    """aot_autograd could not trace ``gm`` (e.g. ``.item()`` feeding a shape): Config.fallback decides, and every
+    call of the Dynamo graph runs eagerly; its nodes are counted once as fallbacks, with the reason."""
+    first_line = (str(error).strip().splitlines() or [""])[0][:200]
+    message = f"aot_autograd could not trace the graph: {type(error).__name__}: {first_line}"
+    if effective.fallback == "raise":
+        raise NeuronCompileError(f"{message} (NEURON_COMPILE_FALLBACK=raise)") from error
+    if effective.fallback == "warn":
+        warnings.warn(f"{message}; running it eagerly", NeuronCompileWarning, stacklevel=2)
+    log.debug("%s", message)
+    reason = f"its graph could not be traced to ATen ({type(error).__name__})"
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            stats.add_fallback(op_name(node) if node.op == "call_function" else str(node.target), reason)
+    return gm.forward
 
 
 @functools.cache

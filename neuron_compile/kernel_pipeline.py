@@ -98,6 +98,13 @@ class CompiledRegion:
                     f"input {buffer.name}: compiled for shape {list(buffer.layout.shape)} strides "
                     f"{list(buffer.layout.strides)}, called with {list(tensor.shape)} {list(tensor.stride())}"
                 )
+            if tensor.dtype != TORCH_DTYPES[buffer.dtype]:
+                # A fake tensor whose dtype differs from eager's (bf16 batch-norm running stats) must not be
+                # reinterpreted: say so, and the region runs eagerly.
+                raise LoweringError(
+                    f"input {buffer.name}: compiled for dtype {buffer.dtype}, called with {tensor.dtype} (the traced "
+                    "dtype differs from the one eager produced)"
+                )
             arrays[buffer.name] = _to_numpy_flat(tensor, buffer)
             storage[buffer.name] = torch.as_strided(tensor, (buffer.layout.span(),), (1,), tensor.storage_offset())
         for kernel in self._kernels:

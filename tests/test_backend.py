@@ -576,3 +576,19 @@ def test_random_pointwise_graphs_through_the_real_pipeline(program, rows, cols, 
         got = torch.compile(random_graph, backend="neuron")(x, y)
     torch.testing.assert_close(got, random_graph(x, y), **LOWERED_TOLERANCE)
     check_kernels_ran("lowerings")
+
+
+def test_graph_aot_autograd_cannot_trace_runs_eagerly_with_a_reason():
+    # take of a 0-d tensor with a 0-d index is data-dependent while tracing to ATen (DataDependentOutputException).
+    x, index = torch.tensor(1.5), torch.tensor(0)
+
+    def fn(t):
+        return torch.take(t, index) * 2.0
+
+    out = torch.compile(fn, backend="neuron", options={"fallback": "silent"})(x)
+    assert torch.equal(out, fn(x))
+    reasons = neuron_compile.stats()["fallback_reasons"]
+    assert any("could not be traced to ATen" in reason for reason in reasons), reasons
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="aot_autograd could not trace the graph"):
+        torch.compile(fn, backend="neuron", options={"fallback": "raise"})(x)

@@ -159,3 +159,14 @@ def test_addmm_k_0_with_infinite_alpha_keeps_a_reason():
     a, b, bias = random_tensor((3, 0)), random_tensor((0, 4), seed=1), random_tensor((4,), seed=2)
     gm = trace(lambda c, x, y: torch.addmm(c, x, y, alpha=float("inf")), bias, a, b)
     assert "alpha" in unsupported_reason(_node(gm, torch.ops.aten.addmm.default))
+
+
+def test_region_called_with_another_dtype_than_traced_raises_a_named_error():
+    x = random_tensor((4, 5))
+    gm = trace(lambda t: t * 2.0, x)
+    from neuron_compile.kernel_pipeline import compile_region
+    from neuron_compile.lowering.registry import LoweringError
+
+    region = compile_region(gm, [x])
+    with pytest.raises(LoweringError, match="compiled for dtype float32, called with torch.bfloat16"):
+        region(x.to(torch.bfloat16))
