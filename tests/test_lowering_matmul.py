@@ -6,11 +6,13 @@ different order than ATen's blocked kernel differs by up to about K * 2**-24 rel
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowering_harness import check_against_eager, compile_and_run, random_tensor
+from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
+from neuron_compile.lowering.registry import unsupported_reason
 from neuron_compile.runtime import stats
 
 MATMUL_TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
@@ -67,3 +69,46 @@ def test_linear_transposes_on_tensor_engine_and_stays_near_roofline():
     after = stats.snapshot()
     assert region.kernels[0].source.count("nisa.nc_transpose") == 2
     assert after["est_time_s"] - before["est_time_s"] < 3 * (after["roofline_s"] - before["roofline_s"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, k, bias_shape", [(5, 10, (5,)), (1, 1, ()), (129, 127, (1,)), (128, 300, (128,))])
+def test_addmv_matches_eager(rows, k, bias_shape, dtype):
+    mat, vec = random_tensor((rows, k), dtype, seed=18), random_tensor((k,), dtype, seed=19)
+    bias = random_tensor(bias_shape, dtype, seed=20)
+    check_against_eager(torch.addmv, bias, mat, vec, tolerances=MATMUL_TOLERANCES)
+    check_against_eager(lambda b, m, v: torch.addmv(b, m, v, beta=0.2, alpha=0.6), bias, mat, vec,
+                        tolerances=MATMUL_TOLERANCES)
+
+
+def test_addmv_strided_operands_and_beta_zero_ignores_nan_bias():
+    mat = random_tensor((40, 9), seed=21).t()  # (9, 40), column-major
+    vec = random_tensor((80,), seed=22)[::2]
+    bias = torch.full((9,), float("nan"))
+    check_against_eager(lambda b, m, v: torch.addmv(b, m, v, beta=0.0, alpha=2.0), bias, mat, vec,
+                        tolerances=MATMUL_TOLERANCES)
+    c = torch.full((17, 9), float("inf"))
+    a, b = random_tensor((17, 33), seed=23), random_tensor((33, 9), seed=24)
+    check_against_eager(lambda c, a, b: torch.addmm(c, a, b, beta=0), c, a, b, tolerances=MATMUL_TOLERANCES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch, rows, k, cols, bias_shape", [(5, 5, 5, 10, (5, 10)), (1, 1, 1, 1, ()),
+                                                              (3, 129, 64, 130, (130,)), (2, 7, 128, 3, (7, 1))])
+def test_addbmm_matches_eager(batch, rows, k, cols, bias_shape, dtype):
+    batch1, batch2 = random_tensor((batch, rows, k), dtype, seed=25), random_tensor((batch, k, cols), dtype, seed=26)
+    bias = random_tensor(bias_shape, dtype, seed=27)
+    check_against_eager(lambda s, x, y: torch.addbmm(s, x, y, beta=0.6, alpha=0.2), bias, batch1, batch2,
+                        tolerances=MATMUL_TOLERANCES)
+
+
+def test_addbmm_declines_mixed_dtypes():
+    bias, batch1 = random_tensor((2, 3)), random_tensor((2, 2, 4))
+    batch2 = random_tensor((2, 4, 3), torch.bfloat16)
+    gm = trace(lambda s, x, y: torch.addbmm(s, x, y.float()), bias, batch1, batch2)
+    node = next(node for node in gm.graph.nodes if node.target is torch.ops.aten.addbmm.default)
+    assert unsupported_reason(node) is None
+    gm = trace(lambda s, x, y: torch.ops.aten.addbmm(s, x, y), bias, batch1, batch2.float())
+    node = next(node for node in gm.graph.nodes if node.target is torch.ops.aten.addbmm.default)
+    node.args[2].meta["val"] = node.args[2].meta["val"].to(torch.bfloat16)
+    assert "mixed operand dtypes" in unsupported_reason(node)
