@@ -170,3 +170,28 @@ def test_region_called_with_another_dtype_than_traced_raises_a_named_error():
     region = compile_region(gm, [x])
     with pytest.raises(LoweringError, match="compiled for dtype float32, called with torch.bfloat16"):
         region(x.to(torch.bfloat16))
+
+
+def test_lifted_constant_tensor_is_copied():
+    # Through the backend: the constant is a get_attr outside the region, so the region reads it as an input.
+    import neuron_compile
+
+    def fn(t):
+        return t * torch.tensor([1.5, float("nan"), -0.0, 2.0])
+
+    x = random_tensor((3, 4))
+    torch._dynamo.reset()
+    neuron_compile.reset_stats()
+    out = torch.compile(fn, backend="neuron", options={"fallback": "raise"})(x)
+    torch.testing.assert_close(out, fn(x), rtol=0, atol=0, equal_nan=True)
+    stats = neuron_compile.stats()
+    assert stats["fallback_nodes"] == 0 and stats["nki_nodes"] >= 2, stats
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool])
+def test_functional_copy_broadcasts_and_casts_src(dtype):
+    target = torch.zeros((129, 5), dtype=dtype)
+    source = random_tensor((5,), seed=3)
+    source[0], source[1] = float("nan"), 0.0
+    check_against_eager(lambda a, b: torch.ops.aten.copy.default(a, b), target, source)

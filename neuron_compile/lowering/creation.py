@@ -23,6 +23,8 @@ from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import (
     TensorValue,
     broadcast_layout,
+    dtype_name,
+    load,
     register_empty_input_lowering,
     register_lowering,
 )
@@ -95,3 +97,20 @@ def lower_addmm_k0(ctx, node):
     value = ctx.value(bias)
     bias_load = ir.Load(value.buffer, broadcast_layout(value.layout, shape), value.dtype)
     return emit_pointwise(ctx, node, ir.Op("mul", (bias_load, ir.Scalar(beta))))
+
+
+@register_lowering(aten.lift_fresh_copy.default)
+def lower_fresh_copy(ctx, node):
+    """A fresh copy of a constant tensor lifted into the graph (``torch.tensor(...)`` in the traced function)."""
+    return emit_pointwise(ctx, node, load(ctx, node.args[0], tuple(node.meta["val"].shape)))
+
+
+@register_lowering(aten.copy.default)
+def lower_copy(ctx, node):
+    """Functional copy(self, src): ``src`` broadcast to ``self``'s shape and cast to its dtype; self's values are
+    not read. To bool is a truth test (nan -> True), as eager's copy does."""
+    shape, dtype = tuple(node.meta["val"].shape), node.meta["val"].dtype
+    source = load(ctx, node.args[1], shape)
+    if dtype == torch.bool:
+        return emit_pointwise(ctx, node, ir.Op("ne", (source, ir.Scalar(0.0))))
+    return emit_pointwise(ctx, node, ir.Op("cast", (source,), dtype=dtype_name(dtype)))
