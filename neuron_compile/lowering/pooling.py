@@ -1,0 +1,175 @@
+"""Lowering stage, pooling family: avg_pool2d and avg_pool3d (avg_pool1d arrives as avg_pool2d of an unsqueeze).
+
+Input: an ATen FX node. Output: up to four IR nodes —
+
+* with padding (or a ceil_mode window running past the input), a zero-padded copy of the input: an
+  ``ir.Concat`` whose parts are the interior copy and zero bands around it (no load ever leaves the input);
+* when the divisor differs between windows (padding not counted, or a ceil_mode overhang), the per-window
+  element count, as the same window sum over a padded 0/1 mask (the count is separable, so the mask needs only
+  the pooled dims);
+* the window sum: an ``ir.Reduction`` over the domain (*leading, *out, *kernel) whose load walks the padded
+  input through an unfold access pattern (out dim stride = pool stride * input stride, kernel dim stride =
+  input stride), its store dividing by the count (or the constant divisor) as eager does.
+
+The divisor follows ATen's CPU kernel: a window clipped to the padded extent [-pad, size + pad) when padding
+counts, to the input [0, size) when it does not, or ``divisor_override``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from neuron_compile import ir
+from neuron_compile.lowering.reduction import _row_shape_reason, store_layout_in_domain
+from neuron_compile.lowering.registry import TensorValue, register_lowering
+
+aten = torch.ops.aten
+
+
+def _expand(value, dims: int, default=None) -> list[int]:
+    if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
+        value = default
+    if isinstance(value, int):
+        return [value] * dims
+    value = list(value)
+    return value * dims if len(value) == 1 else value
+
+
+def _pool_arguments(node: torch.fx.Node, dims: int) -> dict:
+    """ATen's avg_pool{2,3}d arguments, with the output sizes from the node's meta and per-dim window counts."""
+    names = ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
+    defaults = (None, None, None, 0, False, True, None)
+    values = {name: node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+              for i, (name, default) in enumerate(zip(names, defaults))}
+    kernel = _expand(values["kernel_size"], dims)
+    stride = _expand(values["stride"], dims, kernel)
+    padding = _expand(values["padding"], dims)
+    sizes = list(node.args[0].meta["val"].shape[-dims:])
+    outs = list(node.meta["val"].shape[-dims:])
+    # Padded extent each dim needs: the left padding, the input, and whatever the last window reaches.
+    totals = [max(p + n, (o - 1) * s + k) for p, n, o, s, k in zip(padding, sizes, outs, stride, kernel)]
+    counted = []  # per dim, the padded-coordinate range whose elements the divisor counts
+    for p, n, total in zip(padding, sizes, totals):
+        counted.append((0, min(total, n + 2 * p)) if values["count_include_pad"] else (p, p + n))
+    counts = [[max(0, min(o * s + k, hi) - max(o * s, lo)) for o in range(out)]
+              for out, s, k, (lo, hi) in zip(outs, stride, kernel, counted)]
+    inside = [[max(0, min(o * s + k, p + n) - max(o * s, p)) for o in range(out)]
+              for out, s, k, p, n in zip(outs, stride, kernel, padding, sizes)]
+    return dict(values, kernel=kernel, stride=stride, padding=padding, sizes=sizes, outs=outs, totals=totals,
+                counted=counted, counts=counts, inside=inside)
+
+
+def _check_avg_pool(dims: int):
+    def check(node: torch.fx.Node) -> str | None:
+        meta = node.args[0].meta["val"]
+        if meta.dim() not in (dims + 1, dims + 2):
+            return f"{node.target}: rank {meta.dim()} input"
+        args = _pool_arguments(node, dims)
+        if not all(len(args[key]) == dims for key in ("kernel", "stride", "padding")):
+            return f"{node.target}: kernel/stride/padding do not have {dims} entries"
+        override = args["divisor_override"]
+        if override is not None and (not isinstance(override, int) or override == 0):
+            return f"{node.target}: divisor_override={override!r}"
+        if any(count == 0 for per_dim in args["inside"] for count in per_dim):
+            # ATen writes 0 for a window that holds no input element; we would divide a zero sum instead.
+            return f"{node.target}: a window lies wholly in the padding"
+        window = (*meta.shape[:-dims], *args["outs"], *args["kernel"])
+        fake = torch.empty(window, device="meta")
+        return _row_shape_reason(node, fake, tuple(range(len(window) - dims, len(window))))
+
+    return check
+
+
+def _padded_copy(ctx, value: TensorValue, lead: tuple[int, ...], sizes, padding, totals, dtype: str,
+                 fill=None) -> ir.Buffer:
+    """A contiguous buffer of shape (*lead, *totals): ``value`` (or the constant ``fill``) at offset ``padding``
+    in each pooled dim, zero elsewhere. Zero bands: for pooled dim d, the slabs before and after the interior
+    along d, over the interior of the dims before d and the whole extent of the dims after it."""
+    shape = (*lead, *totals)
+    buffer = ctx.scratch_buffer(shape, dtype, "padded")
+    strides = buffer.layout.strides
+    nlead = len(lead)
+    parts = []
+
+    def part(starts, extents, expr):
+        offset = sum(start * stride for start, stride in zip(starts, strides))
+        target = ir.Layout(tuple(extents), strides, offset)
+        parts.append(ir.Pointwise(ctx.fresh_name("part"), tuple(extents), (ir.Store(buffer, expr, target),)))
+
+    interior_starts = [0] * nlead + list(padding)
+    interior_extents = [*lead, *sizes]
+    source = ir.Scalar(float(fill)) if fill is not None else ir.Load(value.buffer, value.layout, value.dtype)
+    part(interior_starts, interior_extents, source)
+    for d in range(len(sizes)):
+        axis = nlead + d
+        for start, extent in ((0, padding[d]), (padding[d] + sizes[d], totals[d] - padding[d] - sizes[d])):
+            if extent <= 0:
+                continue
+            starts = interior_starts[:axis] + [start] + [0] * (len(shape) - axis - 1)
+            extents = interior_extents[:axis] + [extent] + list(shape[axis + 1:])
+            part(starts, extents, ir.Scalar(0.0))
+    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), shape, tuple(parts), buffer))
+    return buffer
+
+
+def _windows(layout: ir.Layout, nlead: int, stride, outs, kernel) -> ir.Layout:
+    """The unfold view: (*lead, *out, *kernel) over a (*lead, *pooled) layout."""
+    lead_strides, pooled = layout.strides[:nlead], layout.strides[nlead:]
+    return ir.Layout((*layout.shape[:nlead], *outs, *kernel),
+                     (*lead_strides, *(s * st for s, st in zip(stride, pooled)), *pooled), layout.offset)
+
+
+def _lower_avg_pool(ctx, node, dims: int):
+    args = _pool_arguments(node, dims)
+    source = ctx.value(node.args[0])
+    lead = source.layout.shape[:-dims]
+    nlead = len(lead)
+    kernel, stride, padding, sizes, outs, totals = (args[key] for key in
+                                                    ("kernel", "stride", "padding", "sizes", "outs", "totals"))
+    needs_padding = any(padding) or any(t > n for t, n in zip(totals, sizes))
+    if needs_padding:
+        padded = _padded_copy(ctx, source, lead, sizes, padding, totals, source.dtype)
+        data = ir.Layout(padded.layout.shape, padded.layout.strides, 0)
+        data_buffer, data_dtype = padded.name, padded.dtype
+    else:
+        data, data_buffer, data_dtype = source.layout, source.buffer, source.dtype
+    domain = (*lead, *outs, *kernel)
+    reduce_dims = tuple(range(nlead + dims, len(domain)))
+    window_load = ir.Load(data_buffer, _windows(data, nlead, stride, outs, kernel), data_dtype)
+
+    if args["divisor_override"] is not None:
+        divisor = ir.Scalar(float(args["divisor_override"]))
+    elif all(len(set(per_dim)) == 1 for per_dim in args["counts"]):
+        divisor = ir.Scalar(float(math.prod(per_dim[0] for per_dim in args["counts"])))
+    else:
+        # Per-window counts: the window sum of a 0/1 mask over the pooled dims that marks the counted range.
+        starts = [lo for lo, _ in args["counted"]]
+        extents = [hi - lo for lo, hi in args["counted"]]
+        mask = _padded_copy(ctx, None, (), extents, starts, totals, "float32", fill=1.0)
+        count_domain = (*outs, *kernel)
+        count = ctx.scratch_buffer(tuple(outs), "float32", "window_count")
+        store = ir.Store(count, ir.Result(), store_layout_in_domain(count.layout, count_domain,
+                                                                    tuple(range(dims, 2 * dims))))
+        ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), count_domain, tuple(range(dims, 2 * dims)), "sum",
+                              ir.Load(mask.name, _windows(mask.layout, 0, stride, outs, kernel), "float32"), (store,)))
+        count_layout = ir.Layout(domain, (0,) * nlead + count.layout.strides + (0,) * dims)
+        divisor = ir.Load(count.name, count_layout, "float32")
+    out = ctx.output_buffer(node, "avg_pool")
+    store = ir.Store(out, ir.Op("div", (ir.Result(), divisor)),
+                     store_layout_in_domain(out.layout, domain, reduce_dims))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "sum", window_load, (store,)))
+    return TensorValue(out.name, out.layout, out.dtype)
+
+
+@register_lowering(aten.avg_pool2d.default, check=_check_avg_pool(2))
+def lower_avg_pool2d(ctx, node):
+    return _lower_avg_pool(ctx, node, 2)
+
+
+@register_lowering(aten.avg_pool3d.default, check=_check_avg_pool(3))
+def lower_avg_pool3d(ctx, node):
+    return _lower_avg_pool(ctx, node, 3)
+
+
