@@ -19,7 +19,7 @@ import torch
 
 from neuron_compile import ir
 from neuron_compile.codegen.render import KernelSource, render_kernel
-from neuron_compile.lowering.registry import LoweringError, lower_graph
+from neuron_compile.lowering.registry import SUPPORTED_DTYPES, LoweringError, lower_graph
 from neuron_compile.passes.fusion import fuse
 from neuron_compile.passes.tiling import TilingError, plan_kernel
 from neuron_compile.runtime import stats
@@ -93,12 +93,16 @@ class CompiledRegion:
         arrays: dict[str, np.ndarray] = {}
         storage: dict[str, torch.Tensor] = {}
         for buffer, tensor in zip(self.inputs, tensors):
-            if tuple(tensor.shape) != buffer.layout.shape or tuple(tensor.stride()) != buffer.layout.strides:
+            # An empty tensor has no element to read: its strides (which eager picks freely) do not matter.
+            strides_matter = tensor.numel() > 0
+            if tuple(tensor.shape) != buffer.layout.shape or (
+                strides_matter and tuple(tensor.stride()) != buffer.layout.strides
+            ):
                 raise LoweringError(
                     f"input {buffer.name}: compiled for shape {list(buffer.layout.shape)} strides "
                     f"{list(buffer.layout.strides)}, called with {list(tensor.shape)} {list(tensor.stride())}"
                 )
-            if tensor.dtype != TORCH_DTYPES[buffer.dtype]:
+            if SUPPORTED_DTYPES.get(tensor.dtype) != buffer.dtype:
                 # A fake tensor whose dtype differs from eager's (bf16 batch-norm running stats) must not be
                 # reinterpreted: say so, and the region runs eagerly.
                 raise LoweringError(

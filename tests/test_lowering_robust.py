@@ -195,3 +195,14 @@ def test_functional_copy_broadcasts_and_casts_src(dtype):
     source = random_tensor((5,), seed=3)
     source[0], source[1] = float("nan"), 0.0
     check_against_eager(lambda a, b: torch.ops.aten.copy.default(a, b), target, source)
+
+
+def test_empty_input_with_other_strides_than_traced():
+    # eye's decomposition traces an empty (0, 1) mask with strides (1, 1); eager hands it over as (1, 0).
+    x = random_tensor((0, 1))
+    gm = trace(lambda t: t * 2.0, x)
+    from neuron_compile.kernel_pipeline import compile_region
+
+    region = compile_region(gm, [x])
+    (out,) = region(torch.empty_strided((0, 1), (1, 0)))
+    assert out.shape == (0, 1)
