@@ -206,3 +206,16 @@ def test_empty_input_with_other_strides_than_traced():
     region = compile_region(gm, [x])
     (out,) = region(torch.empty_strided((0, 1), (1, 0)))
     assert out.shape == (0, 1)
+
+
+@pytest.mark.parametrize("shape, dims", [((2, 3, 1, 2, 2, 3), (0, 1, 4, 2, 5, 3)), ((2,) * 8, (7, 0, 6, 1, 5, 2, 4, 3))])
+def test_permuted_copy_of_rank_6_to_8(shape, dims):
+    # pixel_shuffle is a 6-D view -> permute -> clone; the unmergeable dims become outer loops.
+    x = random_tensor(shape)
+    check_against_eager(lambda t: (t.permute(dims) * 1.5).contiguous(), x)
+    check_against_eager(lambda t: torch.nn.functional.pixel_shuffle(t, 2), random_tensor((1, 8, 3, 5), seed=4))
+
+
+def test_rank_beyond_the_limit_keeps_a_reason():
+    gm = trace(lambda t: t * 2.0, random_tensor((1,) * 9))
+    assert "rank 9 beyond the 8-D limit" in unsupported_reason(_node(gm, torch.ops.aten.mul.Tensor))

@@ -22,6 +22,11 @@ from neuron_compile import ir
 SUPPORTED_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.bool: "bool"}
 
 
+# Tensors of higher rank run eagerly. Tiling collapses mergeable dims and walks the rest as outer loops, so rank
+# itself is not a hardware limit; 8 bounds the loop nests a kernel unrolls (pixel_shuffle needs 6).
+MAX_RANK = 8
+
+
 class LoweringError(RuntimeError):
     """An op (or a shape of it) the NKI lowering cannot handle; the message names the op and the rule."""
 
@@ -126,8 +131,8 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
         skips_empty = identity is not None or node.target is torch.ops.aten.cat.default
         if meta.numel() == 0 and not empty_result and not skips_empty:
             return "empty tensor (numel 0) feeding a non-empty result"
-        if meta.dim() > 5:
-            return f"rank {meta.dim()} beyond the 5-D limit"
+        if meta.dim() > MAX_RANK:
+            return f"rank {meta.dim()} beyond the {MAX_RANK}-D limit"
     if empty_result:
         return None  # the op's own limits concern elements it would compute; there are none
     if identity is not None and reads_an_empty_tensor(node):
