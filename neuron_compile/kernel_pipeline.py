@@ -135,11 +135,11 @@ class CompiledRegion:
 
     def _unwritten(self, name: str, arrays: dict) -> np.ndarray:
         """A buffer no kernel writes (aten.empty, a numel-0 result): NaN-filled like every new simulator buffer
-        (uninitialized in eager too); bool buffers are zeros."""
+        (uninitialized in eager too); bool and integer buffers are zeros (they have no nan)."""
         buffer = self.buffers.get(name)
         if buffer is None:
             raise LoweringError(f"buffer {name} is read before any kernel writes it")
-        fill = 0 if buffer.dtype == "bool" else np.nan
+        fill = np.nan if buffer.dtype in ("float32", "bfloat16") else 0
         arrays[name] = np.full(buffer.layout.span(), fill, dtype=NUMPY_DTYPES[buffer.dtype])
         return arrays[name]
 
