@@ -12,6 +12,8 @@ spatial dims.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from neuron_compile import ir
@@ -185,3 +187,70 @@ def lower_group_norm(ctx, node):
     ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), domain, (ir.Store(out, normalized, _group_domain(out.layout,
                                                                                                        groups)),)))
     return tuple(TensorValue(buffer.name, buffer.layout, buffer.dtype) for buffer in (out, mean, rstd))
+
+
+def _check_batch_norm_training(node: torch.fx.Node) -> str | None:
+    source, weight, bias, running_mean, running_var, training, momentum, eps = node.args[:8]
+    meta = source.meta["val"]
+    if training is not True:
+        return f"{node.target}: training={training!r} (its statistic outputs are empty tensors)"
+    if not isinstance(eps, (int, float)) or eps < MIN_EPS:
+        return f"{node.target}: eps={eps!r} (rsqrt(var + eps) needs eps >= 2**-87, its valid input range)"
+    if not isinstance(momentum, (int, float)):
+        return f"{node.target}: momentum={momentum!r}"
+    if meta.dim() < 2:
+        return f"{node.target}: rank {meta.dim()} input"
+    if meta.numel() // meta.shape[1] < 2:
+        return f"{node.target}: one value per channel (the unbiased running variance divides by 0)"
+    reduce_dims = tuple(dim for dim in range(meta.dim()) if dim != 1)
+    return _row_shape_reason(node, meta, reduce_dims)
+
+
+@register_lowering(aten._native_batch_norm_legit_functional.default, check=_check_batch_norm_training,
+                   multi_output=True)
+def lower_batch_norm_training(ctx, node):
+    """Per channel c over (N, *spatial): out = (x - mean) * rstd * weight + bias, rstd = 1 / sqrt(var + eps) with
+    the biased var; the new running stats are (1 - momentum) * running + momentum * stat, the variance's unbiased
+    (times n / (n - 1)) as in eager."""
+    source_arg, weight, bias, mean_arg, var_arg, _, momentum, eps = node.args[:8]
+    domain = ctx.value(source_arg).layout.shape
+    reduce_dims = tuple(dim for dim in range(len(domain)) if dim != 1)
+    count = math.prod(size for dim, size in enumerate(domain) if dim != 1)
+    out_meta, save_mean_meta, save_rstd_meta, new_mean_meta, new_var_meta = node.meta["val"]
+    out = ctx.new_buffer(out_meta, "batch_norm")
+    save_mean, save_rstd = ctx.new_buffer(save_mean_meta, "save_mean"), ctx.new_buffer(save_rstd_meta, "save_rstd")
+    new_mean, new_var = ctx.new_buffer(new_mean_meta, "running_mean"), ctx.new_buffer(new_var_meta, "running_var")
+    prologue = load(ctx, source_arg, domain)
+
+    def per_channel(layout):  # a (C,) layout restated over the domain: stride 0 on the reduced dims
+        return store_layout_in_domain(layout, domain, reduce_dims)
+
+    def channel_store(buffer, expr):
+        return ir.Store(buffer, expr, per_channel(buffer.layout))
+
+    def channel_load(arg):
+        value = ctx.value(arg)
+        return ir.Load(value.buffer, per_channel(value.layout), value.dtype)
+
+    def running_update(arg, statistic):
+        kept = ir.Op("mul", (channel_load(arg), ir.Scalar(1.0 - float(momentum))))
+        return ir.Op("add", (kept, ir.Op("mul", (statistic, ir.Scalar(float(momentum))))))
+
+    mean_fp32, rstd_fp32 = (ctx.scratch_buffer((domain[1],), "float32", stem) for stem in ("mean_fp32", "rstd_fp32"))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "mean", prologue,
+                          (channel_store(save_mean, ir.Result()), channel_store(mean_fp32, ir.Result()),
+                           channel_store(new_mean, running_update(mean_arg, ir.Result())))))
+    inverse_std = ir.Op("rsqrt", (ir.Op("add", (ir.Result(), ir.Scalar(float(eps)))),))
+    unbiased = ir.Op("mul", (ir.Result(), ir.Scalar(count / (count - 1))))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "var", prologue,
+                          (channel_store(save_rstd, inverse_std), channel_store(rstd_fp32, inverse_std),
+                           channel_store(new_var, running_update(var_arg, unbiased))), correction=0.0))
+    normalized = ir.Op("mul", (ir.Op("sub", (prologue, ir.Load(mean_fp32.name, per_channel(mean_fp32.layout),
+                                                                 "float32"))),
+                               ir.Load(rstd_fp32.name, per_channel(rstd_fp32.layout), "float32")))
+    if weight is not None:
+        normalized = ir.Op("mul", (normalized, channel_load(weight)))
+    if bias is not None:
+        normalized = ir.Op("add", (normalized, channel_load(bias)))
+    ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), domain, (ir.Store(out, normalized, out.layout),)))
+    return tuple(TensorValue(b.name, b.layout, b.dtype) for b in (out, save_mean, save_rstd, new_mean, new_var))
