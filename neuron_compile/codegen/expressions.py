@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 
 from neuron_compile import ir
 
@@ -251,9 +252,9 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
             lines.append(f"nisa.tensor_scalar(dst={dst_text}, data={text(base)}, op0=nl.power, "
                          f"operand0={number(exponent.value)})")
     elif op == "where":
-        if vector:
-            raise ExpressionError("where of row vectors only")
-        _emit_where(args, dst_text, scope, lines)
+        _emit_where(args, dst_text, vector, scope, lines)
+    elif op == "copysign":
+        _emit_copysign(args, dst_text, vector, scope, lines)
     elif op in TENSOR_TENSOR_OPS:
         a, b = args
         if _is_constant(b, a):
@@ -280,25 +281,28 @@ def _fp32_tile(ref: Ref, scope: TileScope, lines: list[str]) -> str:
     tile = f"{scope.tile()}{scope.slice_text}"
     if ref.value is not None:
         lines.append(f"nisa.memset(dst={tile}, value={number(ref.value)})")
-    elif ref.vector:
-        lines.append(f"nisa.memset(dst={tile}, value=0.0)")
+    elif ref.vector:  # broadcast as -0.0 + vector: -0.0 is the exact additive identity (0.0 + -0.0 is +0.0)
+        lines.append(f"nisa.memset(dst={tile}, value=-0.0)")
         lines.append(f"nisa.tensor_scalar(dst={tile}, data={tile}, op0=nl.add, operand0={scope.ref_text(ref)})")
     else:
         lines.append(f"nisa.tensor_copy(dst={tile}, src={scope.ref_text(ref)})")
     return tile
 
 
-def _emit_where(args, dst_text, scope, lines) -> None:
+def _emit_where(args, dst_text, vector, scope, lines) -> None:
     """dst = b ^ ((a ^ b) & mask) on the fp32 bit patterns, mask = 0 - (condition != 0): an exact select
-    (inf and nan pass through untouched; an arithmetic blend c * a + (1 - c) * b would make 0 * inf = nan)."""
+    (inf and nan pass through untouched; an arithmetic blend c * a + (1 - c) * b would make 0 * inf = nan).
+    Over (P, 1) row vectors (every operand constant along the free axis, e.g. a one-column domain) it works on
+    [rows, 1] slices."""
     condition, on_true, on_false = args
     if condition.value is not None:
         raise ExpressionError("where with a constant condition")
-    true_tile, false_tile = _fp32_tile(on_true, scope, lines), _fp32_tile(on_false, scope, lines)
-    window = scope.slice_text
-    condition_int, zero, mask, bits = (scope.tile("int32") for _ in range(4))
+    true_tile = _fp32_text(on_true, vector, scope, lines)
+    false_tile = _fp32_text(on_false, vector, scope, lines)
+    window = "[0:rows, 0:1]" if vector else scope.slice_text
+    condition_int, zero, mask, bits = (scope.tile("int32", vector=vector) for _ in range(4))
     lines += [
-        f"nisa.tensor_copy(dst={condition_int}{window}, src={_fp32_tile(condition, scope, lines)})",
+        f"nisa.tensor_copy(dst={condition_int}{window}, src={_fp32_text(condition, vector, scope, lines)})",
         f"nisa.memset(dst={zero}{window}, value=0)",
         f"nisa.tensor_tensor(dst={mask}{window}, data1={zero}{window}, data2={condition_int}{window}, "
         "op=nl.subtract)",
@@ -310,6 +314,50 @@ def _emit_where(args, dst_text, scope, lines) -> None:
     ]
 
 
+SIGN_BIT = -(2**31)  # 0x80000000 as an int32 operand
+MAGNITUDE_BITS = 2**31 - 1  # 0x7fffffff
+
+
+def _fp32_text(ref: Ref, vector: bool, scope: TileScope, lines: list[str]) -> str:
+    """``ref`` as an fp32 slice of the kind (full tile or (P, 1) row vector) being computed."""
+    if not vector:
+        return _fp32_tile(ref, scope, lines)
+    if ref.tile is not None:
+        return scope.ref_text(ref)  # row vectors are always kept fp32
+    tile = f"{scope.tile(vector=True)}[0:rows, 0:1]"
+    lines.append(f"nisa.memset(dst={tile}, value={number(ref.value)})")
+    return tile
+
+
+def _emit_copysign(args, dst_text, vector, scope, lines) -> None:
+    """dst = |magnitude| with the sign bit of ``sign``, on the fp32 bit patterns (int32 views, Vector engine
+    bitvec ops): exact for -0.0, inf and nan (nan's sign bit is copied as eager's copysign does)."""
+    magnitude, sign = args
+    window = "[0:rows, 0:1]" if vector else scope.slice_text
+    out_bits = f"{dst_text}.view(nl.int32)"
+    if sign.value is not None:  # a number's sign: clear the sign bit, then set it if the number is negative
+        mag = _fp32_text(magnitude, vector, scope, lines)
+        set_sign = ", op1=nl.bitwise_or, operand1=" + str(SIGN_BIT) if math.copysign(1.0, sign.value) < 0 else ""
+        lines.append(f"nisa.tensor_scalar(dst={out_bits}, data={mag}.view(nl.int32), op0=nl.bitwise_and, "
+                     f"operand0={MAGNITUDE_BITS}{set_sign})")
+        return
+    sign_text = _fp32_text(sign, vector, scope, lines)
+    if magnitude.value is not None:  # the sign bit of ``sign`` or'ed with the number's magnitude bits
+        bits = struct.unpack("<i", struct.pack("<f", abs(magnitude.value)))[0]
+        lines.append(f"nisa.tensor_scalar(dst={out_bits}, data={sign_text}.view(nl.int32), op0=nl.bitwise_and, "
+                     f"operand0={SIGN_BIT}, op1=nl.bitwise_or, operand1={bits})")
+        return
+    mag = _fp32_text(magnitude, vector, scope, lines)
+    mag_bits, sign_bits = (f"{scope.tile('int32', vector=vector)}{window}" for _ in range(2))
+    lines += [
+        f"nisa.tensor_scalar(dst={mag_bits}, data={mag}.view(nl.int32), op0=nl.bitwise_and, "
+        f"operand0={MAGNITUDE_BITS})",
+        f"nisa.tensor_scalar(dst={sign_bits}, data={sign_text}.view(nl.int32), op0=nl.bitwise_and, "
+        f"operand0={SIGN_BIT})",
+        f"nisa.tensor_tensor(dst={out_bits}, data1={mag_bits}, data2={sign_bits}, op=nl.bitwise_or)",
+    ]
+
+
 def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str]) -> str:
     """The SBUF tile slice (of ``store_dtype``) holding ``value``, ready to DMA out."""
     if value.value is not None:
@@ -317,9 +365,10 @@ def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str])
         lines.append(f"nisa.memset(dst={tile}{scope.slice_text}, value={number(value.value)})")
         return f"{tile}{scope.slice_text}"
     if value.vector and scope.slice_text != "[0:rows, 0:1]":
-        # A row vector stored over a full tile (an expand materialized): broadcast it with 0 + vector.
+        # A row vector stored over a full tile (an expand materialized): broadcast it with -0.0 + vector (the
+        # exact additive identity: 0.0 + -0.0 would give +0.0 where eager keeps -0.0).
         tile = scope.tile()
-        lines.append(f"nisa.memset(dst={tile}{scope.slice_text}, value=0.0)")
+        lines.append(f"nisa.memset(dst={tile}{scope.slice_text}, value=-0.0)")
         lines.append(f"nisa.tensor_scalar(dst={tile}{scope.slice_text}, data={tile}{scope.slice_text}, "
                      f"op0=nl.add, operand0={scope.ref_text(value)})")
         value = Ref(tile=tile)
