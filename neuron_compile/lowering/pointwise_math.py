@@ -1,0 +1,369 @@
+"""Lowering stage, pointwise math family: rounding, sign bits, logical ops, nan-aware min/max, tensor clamps,
+exp/log variants and the elu / hardtanh / leaky_relu activations with their backward ops.
+
+Input: an ATen FX node. Output: one ``ir.Pointwise`` (through ``emit_pointwise``) whose expression tree only uses
+instructions that are exact or used inside their valid input ranges (nki-spec §1.5): rounding is fp32 ALU
+arithmetic (the 2**23 trick) and bit operations, never an approximate activation; every ``log`` and
+``reciprocal`` argument is kept inside its range by a select before the instruction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from neuron_compile import ir
+from neuron_compile.lowering.pointwise import emit_pointwise
+from neuron_compile.lowering.registry import load, register_lowering
+
+aten = torch.ops.aten
+
+# 2**23: every fp32 of magnitude >= 2**23 is an integer; below it, (a + 2**23) - 2**23 rounds a >= 0 to an
+# integer half to even (the sum lies in [2**23, 2**24), where the fp32 spacing is exactly 1).
+TWO_23 = 8388608.0
+LN2 = math.log(2.0)
+INF = math.inf
+
+
+def _expr(value) -> ir.Expr:
+    return value if isinstance(value, (ir.Op, ir.Load, ir.Scalar, ir.Result)) else ir.Scalar(float(value))
+
+
+def _op(name: str, *args) -> ir.Op:
+    return ir.Op(name, tuple(_expr(arg) for arg in args))
+
+
+def add(a, b):
+    return _op("add", a, b)
+
+
+def sub(a, b):
+    return _op("sub", a, b)
+
+
+def mul(a, b):
+    return _op("mul", a, b)
+
+
+def div(a, b):
+    return _op("div", a, b)
+
+
+def where(condition, a, b):
+    return _op("where", condition, a, b)
+
+
+def both(a, b):  # logical and of two 0/1 predicates
+    return _op("mul", a, b)
+
+
+def either(a, b):  # logical or of two 0/1 predicates
+    return _op("maximum", a, b)
+
+
+def _compare(name):
+    return lambda a, b: _op(name, a, b)
+
+
+gt, lt, ge, le, eq, ne = (_compare(name) for name in ("gt", "lt", "ge", "le", "eq", "ne"))
+
+
+def absolute(x):
+    return _op("abs", x)
+
+
+def copysign(magnitude, sign):
+    return _op("copysign", magnitude, sign)
+
+
+def exp(x):
+    return _op("exp", x)
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _operand(ctx, node, arg):
+    return load(ctx, arg, tuple(node.meta["val"].shape))
+
+
+def _x(ctx, node):
+    return _operand(ctx, node, node.args[0])
+
+
+# ---------------------------------------------------------------- rounding and sign
+
+
+def round_half_even(x):
+    """torch.round: exact for every fp32. |x| < 2**23 rounds through the 2**23 trick on |x| and takes x's sign
+    back (so -0.4 -> -0.0); |x| >= 2**23, inf and nan (the compare is false) are already their own rounding."""
+    magnitude = absolute(x)
+    rounded = sub(add(magnitude, TWO_23), TWO_23)
+    return where(lt(magnitude, TWO_23), copysign(rounded, x), x)
+
+
+def floor(x):
+    # round(x) is within 1/2 of x: one step down where it rounded up. Signs: x >= +0 gives >= +0 (t - 0 keeps
+    # +0); x <= -0 gives -0.0 - 0 = -0.0 or a negative integer, as eager.
+    rounded = round_half_even(x)
+    return where(lt(absolute(x), TWO_23), sub(rounded, gt(rounded, x)), x)
+
+
+def ceil(x):
+    # ceil(x) = -floor(-x): negation is exact and keeps signed zeros right (ceil(-0.3) = -0.0).
+    return _op("neg", floor(_op("neg", x)))
+
+
+def trunc(x):
+    magnitude = absolute(x)
+    rounded = sub(add(magnitude, TWO_23), TWO_23)
+    toward_zero = sub(rounded, gt(rounded, magnitude))
+    return where(lt(magnitude, TWO_23), copysign(toward_zero, x), x)
+
+
+def sign(x):
+    # (x > 0) - (x < 0), eager's formula: sign(nan) = 0, sign(-0.0) = +0.0.
+    return sub(gt(x, 0.0), lt(x, 0.0))
+
+
+@register_lowering(aten.round.default)
+def lower_round(ctx, node):
+    return emit_pointwise(ctx, node, round_half_even(_x(ctx, node)))
+
+
+def _check_round_decimals(node: torch.fx.Node) -> str | None:
+    decimals = _arg(node, 1, "decimals", 0)
+    if decimals < 0:
+        # eager divides by 10**-decimals before rounding; a reciprocal multiply is off by an ulp there and an ulp
+        # across a .5 boundary moves the result by a whole 10**-decimals (2500 -> 3000 instead of 2000).
+        return f"aten.round.decimals: decimals={decimals} (negative decimals need a correctly rounded division)"
+    if 10.0**decimals > 2.0**24:
+        return f"aten.round.decimals: decimals={decimals} (10**decimals is not an exact fp32)"
+    return None
+
+
+@register_lowering(aten.round.decimals, check=_check_round_decimals)
+def lower_round_decimals(ctx, node):
+    # eager: nearbyint(x * 10**d) / 10**d. The product is the same single fp32 multiply as eager's; the final
+    # division is a reciprocal multiply (<= 1.5 ulp, the harness's stated division error).
+    scale = 10.0 ** _arg(node, 1, "decimals", 0)
+    x = _x(ctx, node)
+    if scale == 1.0:
+        return emit_pointwise(ctx, node, round_half_even(x))
+    return emit_pointwise(ctx, node, div(round_half_even(mul(x, scale)), scale))
+
+
+@register_lowering(aten.floor.default)
+def lower_floor(ctx, node):
+    return emit_pointwise(ctx, node, floor(_x(ctx, node)))
+
+
+@register_lowering(aten.ceil.default)
+def lower_ceil(ctx, node):
+    return emit_pointwise(ctx, node, ceil(_x(ctx, node)))
+
+
+@register_lowering(aten.trunc.default)
+def lower_trunc(ctx, node):
+    return emit_pointwise(ctx, node, trunc(_x(ctx, node)))
+
+
+@register_lowering(aten.sign.default, aten.sgn.default)
+def lower_sign(ctx, node):
+    return emit_pointwise(ctx, node, sign(_x(ctx, node)))
+
+
+@register_lowering(aten.signbit.default)
+def lower_signbit(ctx, node):
+    # The sign bit itself (signbit(-0.0) and signbit(-nan) are True): 1.0 carrying x's sign bit, compared to 0.
+    return emit_pointwise(ctx, node, lt(copysign(1.0, _x(ctx, node)), 0.0))
+
+
+@register_lowering(aten.copysign.Tensor, aten.copysign.Scalar)
+def lower_copysign(ctx, node):
+    magnitude, sign_source = (_operand(ctx, node, arg) for arg in node.args[:2])
+    return emit_pointwise(ctx, node, copysign(magnitude, sign_source))
+
+
+# ---------------------------------------------------------------- logical ops, nan-aware min / max, clamps
+
+
+def _truth(value):
+    return ne(value, 0.0)  # nan is truthy, as eager's bool()
+
+
+LOGICAL = {
+    aten.logical_and.default: lambda a, b: both(_truth(a), _truth(b)),
+    aten.logical_or.default: lambda a, b: either(_truth(a), _truth(b)),
+    aten.logical_xor.default: lambda a, b: ne(_truth(a), _truth(b)),
+}
+
+
+@register_lowering(*LOGICAL)
+def lower_logical(ctx, node):
+    a, b = (_operand(ctx, node, arg) for arg in node.args[:2])
+    return emit_pointwise(ctx, node, LOGICAL[node.target](a, b))
+
+
+@register_lowering(aten.fmax.default, aten.fmin.default)
+def lower_fmax_fmin(ctx, node):
+    # nan-ignoring: a nan operand yields the other one (nan only when both are); else the plain maximum/minimum.
+    a, b = (_operand(ctx, node, arg) for arg in node.args[:2])
+    plain = _op("maximum" if node.target is aten.fmax.default else "minimum", a, b)
+    return emit_pointwise(ctx, node, where(ne(a, a), b, where(ne(b, b), a, plain)))
+
+
+def _clamp(x, low, high):
+    # min(max(x, low), high): eager's order (low > high gives high); nl.maximum / nl.minimum propagate nan, so a
+    # nan in x or in either bound gives nan, as eager's clamp.Tensor.
+    if low is not None:
+        x = _op("maximum", x, low)
+    if high is not None:
+        x = _op("minimum", x, high)
+    return x
+
+
+@register_lowering(aten.clamp.Tensor)
+def lower_clamp_tensor(ctx, node):
+    low, high = _arg(node, 1, "min", None), _arg(node, 2, "max", None)
+    bounds = [None if bound is None else _operand(ctx, node, bound) for bound in (low, high)]
+    return emit_pointwise(ctx, node, _clamp(_x(ctx, node), *bounds))
+
+
+@register_lowering(aten.clamp_min.Tensor)
+def lower_clamp_min_tensor(ctx, node):
+    return emit_pointwise(ctx, node, _clamp(_x(ctx, node), _operand(ctx, node, node.args[1]), None))
+
+
+@register_lowering(aten.clamp_max.Tensor)
+def lower_clamp_max_tensor(ctx, node):
+    return emit_pointwise(ctx, node, _clamp(_x(ctx, node), None, _operand(ctx, node, node.args[1])))
+
+
+@register_lowering(aten.isinf.default)
+def lower_isinf(ctx, node):
+    x = _x(ctx, node)
+    return emit_pointwise(ctx, node, either(eq(x, INF), eq(x, -INF)))
+
+
+# ---------------------------------------------------------------- exp / log variants
+
+
+def safe_log(u):
+    """log(u) for every fp32 u, with the Scalar engine's log only ever fed [2**-64, 2**64] (nki-spec §1.5).
+
+    Large u are scaled by 2**-64 and small positive ones by 2**100 (exact power-of-two multiplies; 2**-149 *
+    2**100 = 2**-49), the exponent added back as a multiple of ln 2. 0 -> -inf, negatives and nan -> nan,
+    inf -> inf are selected, and the log instruction sees 1.0 in their place."""
+    big, small = gt(u, 2.0**63), lt(u, 2.0**-63)
+    scaled = where(big, mul(u, 2.0**-64), where(small, mul(u, 2.0**100), u))
+    offset = where(big, 64 * LN2, where(small, -100 * LN2, 0.0))
+    finite_positive = both(gt(u, 0.0), lt(u, INF))  # false for nan
+    core = add(_op("log", where(finite_positive, scaled, 1.0)), offset)
+    special = where(eq(u, 0.0), -INF, where(eq(u, INF), INF, math.nan))
+    return where(finite_positive, core, special)
+
+
+def expm1(x):
+    """exp(x) - 1 without the cancellation near 0: Kahan's u = exp(x); (u - 1) * x / log(u) for |x| < 1/2
+    (u - 1 is exact there by Sterbenz, u in [0.6, 1.65] is a valid log input, log(u) != 0 unless u == 1, where
+    the answer is x itself); exp(x) - 1 elsewhere, which is accurate once |exp(x) - 1| >= 0.39."""
+    near_zero = lt(absolute(x), 0.5)
+    clamped = _op("minimum", _op("maximum", x, -0.5), 0.5)
+    u = exp(clamped)
+    log_u = _op("log", u)
+    kahan = mul(sub(u, 1.0), div(clamped, where(eq(u, 1.0), 1.0, log_u)))
+    return where(near_zero, where(eq(u, 1.0), clamped, kahan), sub(exp(x), 1.0))
+
+
+def log1p(x):
+    """log(1 + x) without losing x's low bits: u = 1 + x; log(u) * x / (u - 1) corrects u's rounding (exact
+    u - 1 by Sterbenz near 1); u == 1 gives x. For |u| >= 2**24 the correction is 1 to an ulp and skipped, so
+    the reciprocal of u - 1 stays inside ±[2**-24, 2**24]."""
+    u = add(x, 1.0)
+    u_minus_1 = sub(u, 1.0)
+    moderate = lt(absolute(u), 2.0**24)  # false for nan and infinities
+    ratio = where(moderate, div(x, where(eq(u_minus_1, 0.0), 1.0, u_minus_1)), 1.0)
+    return where(eq(u, 1.0), x, mul(safe_log(u), ratio))
+
+
+@register_lowering(aten.expm1.default)
+def lower_expm1(ctx, node):
+    return emit_pointwise(ctx, node, expm1(_x(ctx, node)))
+
+
+@register_lowering(aten.log1p.default)
+def lower_log1p(ctx, node):
+    return emit_pointwise(ctx, node, log1p(_x(ctx, node)))
+
+
+@register_lowering(aten.exp2.default)
+def lower_exp2(ctx, node):
+    # exp(x ln 2): the product's rounding (2**-24 relative) grows to |x| ln 2 * 2**-24 in the result, under
+    # 5.3e-6 relative over |x| <= 128 (beyond, 2**x over- or underflows fp32 anyway).
+    return emit_pointwise(ctx, node, exp(mul(_x(ctx, node), LN2)))
+
+
+@register_lowering(aten.log2.default, aten.log10.default)
+def lower_log2_log10(ctx, node):
+    base = 2.0 if node.target is aten.log2.default else 10.0
+    return emit_pointwise(ctx, node, mul(safe_log(_x(ctx, node)), 1.0 / math.log(base)))
+
+
+# ---------------------------------------------------------------- activations and their backward ops
+
+
+def _check_numbers(*positions):
+    def check(node: torch.fx.Node) -> str | None:
+        for index in positions:
+            if index < len(node.args) and not isinstance(node.args[index], (int, float)):
+                return f"{node.target}: argument {index} is {node.args[index]!r}, not a number"
+        return None
+
+    return check
+
+
+def _elu_parameters(node, first):
+    alpha, scale, input_scale = (float(_arg(node, first + i, name, 1.0))
+                                 for i, name in enumerate(("alpha", "scale", "input_scale")))
+    return alpha, scale, input_scale
+
+
+@register_lowering(aten.elu.default, check=_check_numbers(1, 2, 3))
+def lower_elu(ctx, node):
+    # eager: x > 0 ? x * scale : expm1(x * input_scale) * alpha * scale (nan takes the expm1 side: nan).
+    alpha, scale, input_scale = _elu_parameters(node, 1)
+    x = _x(ctx, node)
+    negative = mul(expm1(mul(x, input_scale)), alpha * scale)
+    return emit_pointwise(ctx, node, where(gt(x, 0.0), mul(x, scale), negative))
+
+
+@register_lowering(aten.hardtanh.default, check=_check_numbers(1, 2))
+def lower_hardtanh(ctx, node):
+    low, high = float(_arg(node, 1, "min_val", -1.0)), float(_arg(node, 2, "max_val", 1.0))
+    return emit_pointwise(ctx, node, _clamp(_x(ctx, node), ir.Scalar(low), ir.Scalar(high)))
+
+
+@register_lowering(aten.leaky_relu.default, check=_check_numbers(1))
+def lower_leaky_relu(ctx, node):
+    slope = float(_arg(node, 1, "negative_slope", 0.01))
+    x = _x(ctx, node)
+    return emit_pointwise(ctx, node, where(gt(x, 0.0), x, mul(x, slope)))
+
+
+# elu_backward and hardtanh_backward are left to their decompositions: eager's kernels give a nan input different
+# gradients in vectorized lanes and in the scalar tail (nan vs grad), so no single formula equals eager.
+@register_lowering(aten.leaky_relu_backward.default, check=_check_numbers(2))
+def lower_leaky_relu_backward(ctx, node):
+    grad, x = (_operand(ctx, node, arg) for arg in node.args[:2])
+    return emit_pointwise(ctx, node, where(gt(x, 0.0), grad, mul(grad, float(node.args[2]))))
+
+
+@register_lowering(aten.threshold_backward.default, check=_check_numbers(2))
+def lower_threshold_backward(ctx, node):
+    grad, x = (_operand(ctx, node, arg) for arg in node.args[:2])
+    return emit_pointwise(ctx, node, where(le(x, float(node.args[2])), 0.0, grad))
