@@ -72,9 +72,10 @@ class Kernel:
 class CompiledRegion:
     """The region's kernels, ready to launch. Call with the region's tensors; returns a tuple of outputs."""
 
-    def __init__(self, inputs, kernels, outputs, nki_nodes, target, decisions, buffers=None):
+    def __init__(self, inputs, kernels, outputs, nki_nodes, target, decisions, buffers=None, mutations=()):
         self.inputs: list[ir.Buffer] = inputs
         self.buffers: dict[str, ir.Buffer] = buffers or {}  # for buffers no kernel writes (empty tensors)
+        self.mutations = list(mutations)  # (input buffer name, TensorValue) pairs: copy_ into a graph input
         self._kernels: list[Kernel] = kernels
         self.outputs = outputs  # TensorValue per graph output
         self.nki_nodes = nki_nodes
@@ -122,6 +123,12 @@ class CompiledRegion:
                 kernels_launched=1, hbm_bytes=int(report.hbm_bytes_read + report.hbm_bytes_written),
                 flops=int(report.flops), est_time_s=float(report.est_time_s), roofline_s=float(report.roofline_s),
             )
+        for name, value in self.mutations:
+            # On the device the kernel's store targets the input's HBM directly; the simulator's kernel outputs are
+            # fresh arrays, so the stored view is written into the input tensor here, once every kernel ran.
+            written = _to_torch(arrays[value.buffer], value.dtype)
+            target = tensors[[buffer.name for buffer in self.inputs].index(name)]
+            target.copy_(torch.as_strided(written, value.layout.shape, value.layout.strides, value.layout.offset))
         results = []
         for value in self.outputs:
             if value.buffer not in storage:
@@ -156,7 +163,7 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> Com
     _propagate_meta(gm, list(example_inputs))
     target = _target(config)
     lowered = lower_graph(gm)
-    region_outputs = {value.buffer for value in lowered.outputs}
+    region_outputs = {value.buffer for value in lowered.outputs} | {value.buffer for _, value in lowered.mutations}
     fused = fuse(lowered.nodes, region_outputs)
     kernels = []
     for index, node in enumerate(fused.kernels):
@@ -173,5 +180,6 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> Com
         module = simulator.load_module(source.source, name)
         kernels.append(Kernel(source, getattr(module, name)))
     return CompiledRegion(
-        lowered.inputs, kernels, lowered.outputs, lowered.aten_nodes, target, fused.decisions, lowered.buffers
+        lowered.inputs, kernels, lowered.outputs, lowered.aten_nodes, target, fused.decisions, lowered.buffers,
+        lowered.mutations,
     )

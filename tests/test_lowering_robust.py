@@ -219,3 +219,52 @@ def test_permuted_copy_of_rank_6_to_8(shape, dims):
 def test_rank_beyond_the_limit_keeps_a_reason():
     gm = trace(lambda t: t * 2.0, random_tensor((1,) * 9))
     assert "rank 9 beyond the 8-D limit" in unsupported_reason(_node(gm, torch.ops.aten.mul.Tensor))
+
+
+def _compiled_stats(fn, *inputs):
+    import neuron_compile
+
+    torch._dynamo.reset()
+    neuron_compile.reset_stats()
+    out = torch.compile(fn, backend="neuron", options={"fallback": "raise"})(*inputs)
+    stats = neuron_compile.stats()
+    torch._dynamo.reset()
+    return out, stats
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_into_a_graph_input_writes_the_input(dtype):
+    # aot_autograd keeps input mutations as a final copy_ (batch norm's running stats): the region writes them.
+    def fn(stats, x):
+        stats.mul_(0.5).add_(x.sum(0))
+        return x * 2.0
+
+    x = random_tensor((129, 7), dtype=dtype)
+    stats, expected_stats = random_tensor((7,), dtype=dtype, seed=1), None
+    expected_stats = stats.clone()
+    expected = fn(expected_stats, x)
+    out, counts = _compiled_stats(fn, stats, x)
+    torch.testing.assert_close(out, expected, equal_nan=True)
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+    torch.testing.assert_close(stats, expected_stats, rtol=rtol, atol=atol)
+    assert counts["fallback_nodes"] == 0, counts
+
+
+def test_copy_into_a_strided_input_leaves_the_gaps():
+    base = random_tensor((6, 8))
+    expected_base = base.clone()
+
+    def fn(view):
+        view.copy_(torch.full_like(view, 3.0))
+        return view.sum()
+
+    fn(expected_base[:, ::2])
+    out, counts = _compiled_stats(fn, base[:, ::2])
+    torch.testing.assert_close(base, expected_base)
+    assert counts["fallback_nodes"] == 0, counts
+
+
+def test_copy_into_a_non_input_keeps_a_reason():
+    x = random_tensor((3, 4))
+    gm = trace(lambda t: torch.ops.aten.copy_.default(t * 2.0, t), x)
+    assert "not a graph input" in unsupported_reason(_node(gm, torch.ops.aten.copy_.default))

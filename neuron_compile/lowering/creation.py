@@ -114,3 +114,28 @@ def lower_copy(ctx, node):
     if dtype == torch.bool:
         return emit_pointwise(ctx, node, ir.Op("ne", (source, ir.Scalar(0.0))))
     return emit_pointwise(ctx, node, ir.Op("cast", (source,), dtype=dtype_name(dtype)))
+
+
+def _check_copy_into_input(node: torch.fx.Node) -> str | None:
+    """copy_(self, src) is lowered only as aot_autograd emits input mutations: self is a graph input, nothing
+    uses the copy_'s result, and every other reader of self comes before it (so it reads the old value, as
+    the region's kernels do: the input is written after all of them)."""
+    destination = node.args[0]
+    if not isinstance(destination, torch.fx.Node) or destination.op != "placeholder":
+        return f"{node.target}: the destination is not a graph input"
+    if node.users:
+        return f"{node.target}: its result is used"
+    order = {n: index for index, n in enumerate(node.graph.nodes)}
+    if any(order[user] > order[node] for user in destination.users if user is not node):
+        return f"{node.target}: the input is read after it is written"
+    if sum(1 for user in destination.users if user.target is aten.copy_.default) > 1:
+        return f"{node.target}: the input is written twice"
+    return None
+
+
+@register_lowering(aten.copy_.default, check=_check_copy_into_input)
+def lower_copy_into_input(ctx, node):
+    """The copied value as a kernel output with the input's layout; the region writes it into the input."""
+    value = lower_copy(ctx, node)
+    ctx.mutations.append((ctx.value(node.args[0]).buffer, value))
+    return value

@@ -162,6 +162,8 @@ class LoweredRegion:
     aten_nodes: int  # ATen call nodes lowered
     # Every buffer the region names; those no kernel writes (empty tensors, numel-0 results) start NaN-filled.
     buffers: dict[str, ir.Buffer] = dataclasses.field(default_factory=dict)
+    # (graph-input buffer, value): after the kernels the input tensor holds the value (copy_ into an input).
+    mutations: list[tuple[str, TensorValue]] = dataclasses.field(default_factory=list)
 
 
 class LoweringContext:
@@ -172,6 +174,7 @@ class LoweringContext:
         self.nodes: list[ir.Node] = []
         self.buffers: dict[str, ir.Buffer] = {}
         self._counter = 0
+        self.mutations: list[tuple[str, TensorValue]] = []
 
     def fresh_name(self, stem: str) -> str:
         self._counter += 1
@@ -268,7 +271,7 @@ def lower_graph(gm: torch.fx.GraphModule) -> LoweredRegion:
                 outputs.append(ctx.value(arg))
         else:
             raise LoweringError(f"unsupported FX node kind {node.op} ({node.name})")
-    return LoweredRegion(inputs, ctx.nodes, outputs, aten_nodes, dict(ctx.buffers))
+    return LoweredRegion(inputs, ctx.nodes, outputs, aten_nodes, dict(ctx.buffers), list(ctx.mutations))
 
 
 def _empty_value(ctx: LoweringContext, node: torch.fx.Node):

@@ -29,6 +29,8 @@ log = logging.getLogger("neuron_compile")
 
 REGION_PREFIX = "nki_region_"
 UnsupportedReason = Callable[[torch.fx.Node], "str | None"]
+# Mutating ops a region may hold; the registry's check decides each node (copy_ into a graph input it owns).
+LOWERED_MUTATIONS = (torch.ops.aten.copy_.default,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +107,7 @@ def registry_unsupported_reason() -> UnsupportedReason:
 def _placement_reason(node: torch.fx.Node, unsupported_reason: UnsupportedReason) -> str | None:
     """None if ``node`` may join an NKI region, else why not."""
     target = node.target
-    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable and target not in LOWERED_MUTATIONS:
         # In-place writes into graph inputs (keep_inference_input_mutations) must hit the real input tensor.
         return f"{op_name(node)} mutates its input in place; mutations stay eager"
     try:
