@@ -86,7 +86,7 @@ class CompiledRegion:
     def kernels(self) -> list[KernelSource]:
         return [kernel.source for kernel in self._kernels]
 
-    def __call__(self, *tensors: torch.Tensor):
+    def __call__(self, *tensors: torch.Tensor, validate=None):
         from neuron_compile.runtime import simulator
 
         if len(tensors) != len(self.inputs):
@@ -123,12 +123,6 @@ class CompiledRegion:
                 kernels_launched=1, hbm_bytes=int(report.hbm_bytes_read + report.hbm_bytes_written),
                 flops=int(report.flops), est_time_s=float(report.est_time_s), roofline_s=float(report.roofline_s),
             )
-        for name, value in self.mutations:
-            # On the device the kernel's store targets the input's HBM directly; the simulator's kernel outputs are
-            # fresh arrays, so the stored view is written into the input tensor here, once every kernel ran.
-            written = _to_torch(arrays[value.buffer], value.dtype)
-            target = tensors[[buffer.name for buffer in self.inputs].index(name)]
-            target.copy_(torch.as_strided(written, value.layout.shape, value.layout.strides, value.layout.offset))
         results = []
         for value in self.outputs:
             if value.buffer not in storage:
@@ -138,6 +132,14 @@ class CompiledRegion:
             # as_strided's offset is absolute in the storage; layouts are relative to the buffer's first element.
             offset = base.storage_offset() + value.layout.offset
             results.append(torch.as_strided(base, value.layout.shape, value.layout.strides, offset))
+        if validate is not None:
+            validate(tuple(results))  # before any input is written: a failure here can still fall back eagerly
+        for name, value in self.mutations:
+            # On the device the kernel's store targets the input's HBM directly; the simulator's kernel outputs are
+            # fresh arrays, so the stored view is written into the input tensor here, once every kernel ran.
+            written = _to_torch(arrays[value.buffer], value.dtype)
+            target = tensors[[buffer.name for buffer in self.inputs].index(name)]
+            target.copy_(torch.as_strided(written, value.layout.shape, value.layout.strides, value.layout.offset))
         return tuple(results)
 
     def _unwritten(self, name: str, arrays: dict) -> np.ndarray:

@@ -268,3 +268,27 @@ def test_copy_into_a_non_input_keeps_a_reason():
     x = random_tensor((3, 4))
     gm = trace(lambda t: torch.ops.aten.copy_.default(t * 2.0, t), x)
     assert "not a graph input" in unsupported_reason(_node(gm, torch.ops.aten.copy_.default))
+
+
+def test_region_failing_its_output_check_leaves_the_mutated_input_for_eager(monkeypatch):
+    # stats <- stats * 0.5 + x.sum(0): written twice (region, then the eager rerun) it would be wrong.
+    import neuron_compile
+    from neuron_compile.runtime import compiled_graph
+
+    def broken_check(outputs, expected, region):
+        raise neuron_compile.NeuronCompileError("test: output check fails")
+
+    monkeypatch.setattr(compiled_graph, "_check_outputs", broken_check)
+
+    def fn(stats, x):
+        stats.mul_(0.5).add_(x.sum(0))
+        return x * 2.0
+
+    x, stats = random_tensor((129, 7)), random_tensor((7,), seed=1)
+    expected_stats = stats.clone()
+    expected = fn(expected_stats, x)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="neuron", options={"fallback": "silent"})(stats, x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(stats, expected_stats)

@@ -166,12 +166,20 @@ class RegionModule(torch.nn.Module):
         )
         self.node_ops = [placement.op for placement in record.report.regions[name]]  # one entry per node
 
+    def _check(self, outputs) -> None:
+        _check_outputs(outputs, self.expected, self.region_name)
+
     def forward(self, *tensors):
         if self.compiled is None:
             return self.eager(*tensors)
         try:
-            outputs = tuple(self.compiled(*tensors))
-            _check_outputs(outputs, self.expected, self.region_name)
+            if getattr(self.compiled, "mutations", None):
+                # The region writes graph inputs: check its outputs before it does, so that an eager rerun
+                # after a failure reads the inputs unchanged.
+                outputs = tuple(self.compiled(*tensors, validate=self._check))
+            else:
+                outputs = tuple(self.compiled(*tensors))
+                self._check(outputs)
             return outputs
         except Exception as error:  # noqa: BLE001 -- any kernel failure falls back, per Config.fallback
             message = (
