@@ -222,7 +222,27 @@ class Concat:
         return (Store(self.output, Result(), self.output.layout),)
 
 
-Node = Pointwise | Reduction | RowNormalize | MatMul | Concat
+@dataclass(frozen=True)
+class Gather:
+    """``out = source`` with its dim ``dim`` replaced by ``index``'s dims: ``out[a, j..., b] = source[a,
+    index[j...], b]`` (index_select, embedding, index.Tensor with one index); one indirect DMA per index tile.
+    Indices outside the valid range make the kernel fail (never a read of another element).
+
+    ``source`` reads the source through its own shape, ``index`` (an int32 buffer) through the index shape
+    (at least 1-D); the one store writes ``Result()`` over the domain ``source.shape[:dim] + index.shape +
+    source.shape[dim + 1:]``.
+    """
+
+    name: str
+    domain: tuple[int, ...]
+    dim: int
+    source: Load
+    index: Load
+    stores: tuple[Store, ...]
+    wrap_negative: bool = False  # index.Tensor wraps idx < 0 to idx + size; index_select and embedding raise
+
+
+Node = Pointwise | Reduction | RowNormalize | MatMul | Concat | Gather
 
 
 def node_loads(node: Node) -> list[Load]:
@@ -237,6 +257,8 @@ def node_loads(node: Node) -> list[Load]:
     found = [load for expr in exprs for load in loads_of(expr)]
     if isinstance(node, MatMul):
         found += [node.a, node.b]
+    if isinstance(node, Gather):
+        found += [node.source, node.index]
     return list(dict.fromkeys(found))
 
 

@@ -25,8 +25,9 @@ from neuron_compile.passes.tiling import TilingError, plan_kernel
 from neuron_compile.runtime import stats
 from neuron_compile.runtime.simulator.hardware import get_target
 
-NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "bool": np.uint8}
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bool": torch.bool}
+NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "bool": np.uint8, "int32": np.int32}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bool": torch.bool, "int32": torch.int32}
+INT32_RANGE = (-(2**31), 2**31 - 1)
 
 
 def _propagate_meta(gm: torch.fx.GraphModule, example_inputs) -> None:
@@ -52,6 +53,14 @@ def _to_numpy_flat(tensor: torch.Tensor, buffer: ir.Buffer) -> np.ndarray:
         return flat.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     if buffer.dtype == "bool":
         return flat.numpy().view(np.uint8)
+    if buffer.dtype == "int32":
+        # int64 is narrowed to the int32 kernel dtype only when every value fits; otherwise the region fails
+        # here and the call runs eagerly (a silent wrap would be a wrong answer).
+        if flat.dtype == torch.int64 and flat.numel() and (
+            int(flat.min()) < INT32_RANGE[0] or int(flat.max()) > INT32_RANGE[1]
+        ):
+            raise LoweringError(f"input {buffer.name}: int64 values beyond int32, the kernel dtype")
+        return flat.to(torch.int32).numpy()
     return flat.numpy()
 
 
@@ -60,6 +69,8 @@ def _to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
     if dtype == "bool":
         return torch.from_numpy(np.ascontiguousarray(array).astype(np.bool_))
+    if dtype == "int32":
+        return torch.from_numpy(np.ascontiguousarray(array).astype(np.int32, copy=False))
     return torch.from_numpy(np.ascontiguousarray(array).astype(np.float32, copy=False))
 
 
@@ -170,6 +181,12 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> Com
     kernels = []
     for index, node in enumerate(fused.kernels):
         name = f"{type(node).__name__.lower()}_kernel_{index}"
+        if isinstance(node, ir.Gather):  # an indirect-DMA kernel with its own fixed tiling (codegen/gather.py)
+            from neuron_compile.codegen.gather import render_gather
+
+            source = render_gather(node, name, sorted({load.buffer for load in ir.node_loads(node)}), target)
+            kernels.append(Kernel(source, getattr(simulator.load_module(source.source, name), name)))
+            continue
         try:
             plan = plan_kernel(node, target)
         except TilingError as error:

@@ -19,7 +19,13 @@ import torch
 
 from neuron_compile import ir
 
-SUPPORTED_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.bool: "bool"}
+SUPPORTED_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.bool: "bool",
+                    torch.int32: "int32", torch.int64: "int32"}
+# Integer tensors get an int32 kernel dtype (NKI has no int64: int64 inputs are narrowed at the region boundary,
+# only when every value fits). Vector/Scalar engines compute in fp32, so only ops in INTEGER_OPS (views, and
+# lowerings that keep integer values exact, e.g. gather indices) may touch them; the rest stay eager.
+INTEGER_DTYPES = (torch.int32, torch.int64)
+INTEGER_OPS: set = set()
 
 
 # Tensors of higher rank run eagerly. Tiling collapses mergeable dims and walks the rest as outer loops, so rank
@@ -74,12 +80,17 @@ def registered_ops() -> list:
 def _ensure_families_loaded() -> None:
     # Importing the family modules fills the registry (each uses @register_lowering at import time).
     from neuron_compile.lowering import attention, matmul, movement, normalization, pointwise, reduction  # noqa: F401
+    from neuron_compile.lowering import pointwise_math  # noqa: F401
     from neuron_compile.lowering import creation  # noqa: F401
+    from neuron_compile.lowering import convolution, pooling  # noqa: F401
+    from neuron_compile.lowering import indexing  # noqa: F401
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     if dtype not in SUPPORTED_DTYPES:
-        raise LoweringError(f"dtype {str(dtype).removeprefix('torch.')} is not supported (float32, bfloat16, bool)")
+        raise LoweringError(
+            f"dtype {str(dtype).removeprefix('torch.')} is not supported (float32, bfloat16, bool, int32, int64)"
+        )
     return SUPPORTED_DTYPES[dtype]
 
 
@@ -123,7 +134,7 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
     empty_result = produces_no_elements(node)
     identity = _EMPTY_INPUT_LOWERINGS.get(node.target)
     for meta in _tensor_metas(node):
-        if meta.dtype not in SUPPORTED_DTYPES:
+        if meta.dtype not in SUPPORTED_DTYPES or (meta.dtype in INTEGER_DTYPES and node.target not in INTEGER_OPS):
             return f"dtype {str(meta.dtype).removeprefix('torch.')}"
         # An empty result needs no instructions (lower_graph gives it a buffer and no kernel); cat skips empty
         # inputs (an empty KV cache); an empty input of a non-empty result needs the op's identity (mm with

@@ -1,0 +1,107 @@
+"""Lowering stage, indexing family: gathers through the indirect DMA (index_select, embedding, index.Tensor).
+
+Input: an ATen FX node whose index operand is an int32/int64 tensor (int32 kernel dtype, registry.py). Output:
+one ``ir.Gather`` writing a fresh buffer with eager's strides (rendered by codegen/gather.py). Negative indices
+wrap as in eager (index.Tensor only; index_select and embedding reject them); an out-of-range index makes the kernel's DMA fail its bounds check, so the region falls back
+to eager, which raises IndexError. Views of integer tensors are free like float views (they only change the
+access pattern), so they join INTEGER_OPS here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from neuron_compile import ir
+from neuron_compile.codegen.gather import OUT_OF_RANGE_ROW
+from neuron_compile.lowering.movement import VIEW_OPS
+from neuron_compile.lowering.registry import INTEGER_DTYPES, INTEGER_OPS, TensorValue, register_lowering
+
+aten = torch.ops.aten
+
+GATHER_FREE_BYTES = 64 * 1024  # one gathered row tile per partition: well inside the SBUF partition budget
+GATHER_MAX_ITERATIONS = 4096  # outer loop iterations x index tiles (a long Python loop in the simulator)
+FP32_EXACT = 2**24  # integers the fp32 engines hold exactly (the index wrap and range test run there)
+FLOAT_SOURCES = (torch.float32, torch.bfloat16)
+
+INTEGER_OPS.update(VIEW_OPS)
+
+
+def _gather_operands(node: torch.fx.Node):
+    """(source node, dim, index node) of a gather node, or a reason string."""
+    if node.target is aten.index_select.default:
+        source, dim, index = node.args[:3]
+        return source, dim, index
+    if node.target is aten.embedding.default:
+        weight, index = node.args[:2]
+        return weight, 0, index
+    source, indices = node.args[:2]
+    tensors = [(position, item) for position, item in enumerate(indices) if item is not None]
+    if len(tensors) != 1:
+        return f"{node.target}: {len(tensors)} index tensors (only one)"
+    position, index = tensors[0]
+    return source, position, index
+
+
+def _check_gather(node: torch.fx.Node) -> str | None:
+    operands = _gather_operands(node)
+    if isinstance(operands, str):
+        return operands
+    source, dim, index = operands
+    if not isinstance(source, torch.fx.Node) or not isinstance(index, torch.fx.Node):
+        return f"{node.target}: operands must be tensors"
+    source_val, index_val = source.meta["val"], index.meta["val"]
+    if source_val.dtype not in FLOAT_SOURCES:
+        return f"{node.target}: source dtype {source_val.dtype} (only float32, bfloat16 sources)"
+    if index_val.dtype not in INTEGER_DTYPES:
+        return f"{node.target}: index dtype {index_val.dtype} (only int32, int64; bool masks are not gathers)"
+    if source_val.dim() == 0:
+        return f"{node.target}: 0-d source"
+    if node.target is aten.embedding.default and source_val.dim() != 2:
+        return f"{node.target}: weight of rank {source_val.dim()} (only 2-D)"
+    dim = dim % source_val.dim()
+    size, stride = source_val.shape[dim], source_val.stride()[dim]
+    if size >= FP32_EXACT:
+        return f"{node.target}: dim size {size} >= 2^24 (the index arithmetic runs in fp32)"
+    if stride == 0 and size > 1:
+        return f"{node.target}: gathered dim has stride 0 (an expanded source)"
+    span = source_val.storage_offset() + 1 + sum((s - 1) * abs(t) for s, t in zip(source_val.shape, source_val.stride()))
+    if span >= OUT_OF_RANGE_ROW:
+        return f"{node.target}: source spans {span} elements (>= 2^30, out-of-range redirect would land inside)"
+    trailing = source_val.shape[dim + 1:]
+    if len(trailing) > 3:
+        return f"{node.target}: {len(trailing)} dims after the gathered one (access pattern has 4 dims at most)"
+    free_bytes = math.prod(trailing) * source_val.element_size()
+    if free_bytes > GATHER_FREE_BYTES:
+        return f"{node.target}: gathered rows of {free_bytes} bytes (> {GATHER_FREE_BYTES} per partition)"
+    index_shape = tuple(index_val.shape) or (1,)
+    iterations = math.prod(source_val.shape[:dim]) * math.prod(index_shape[:-1]) * math.ceil(index_shape[-1] / 128)
+    if iterations > GATHER_MAX_ITERATIONS:
+        return f"{node.target}: {iterations} gather tiles (> {GATHER_MAX_ITERATIONS})"
+    return None
+
+
+@register_lowering(aten.index_select.default, aten.embedding.default, aten.index.Tensor, check=_check_gather)
+def lower_gather(ctx, node):
+    source_node, dim, index_node = _gather_operands(node)
+    source, index = ctx.value(source_node), ctx.value(index_node)
+    dim = dim % len(source.layout.shape)
+    index_layout = index.layout
+    if not index_layout.shape:  # a 0-d index is a one-element index dim
+        index_layout = ir.Layout((1,), (0,), index_layout.offset)
+    buffer = ctx.output_buffer(node, "gather")
+    domain = source.layout.shape[:dim] + index_layout.shape + source.layout.shape[dim + 1:]
+    out_layout = buffer.layout
+    if out_layout.shape != domain:  # the 0-d index dropped its dim from the output: restate it with size 1
+        out_layout = ir.Layout(domain, out_layout.strides[:dim] + (0,) + out_layout.strides[dim:], out_layout.offset)
+    gather = ir.Gather(
+        ctx.fresh_name("kernel"), domain, dim, ir.Load(source.buffer, source.layout, source.dtype),
+        ir.Load(index.buffer, index_layout, index.dtype), (ir.Store(buffer, ir.Result(), out_layout),),
+        wrap_negative=node.target is aten.index.Tensor,
+    )
+    ctx.emit(gather)
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
+INTEGER_OPS.update((aten.index_select.default, aten.embedding.default, aten.index.Tensor))

@@ -1,0 +1,111 @@
+"""Indexing lowerings (index_select, embedding, index.Tensor gathers) and the int32 kernel dtype, vs eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lowering_harness import check_against_eager, random_tensor, trace
+
+from neuron_compile.kernel_pipeline import compile_region
+from neuron_compile.lowering import unsupported_reason
+
+
+def _indices(count, size, seed, dtype=torch.int64):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, size, (count,), generator=generator).to(dtype)
+
+
+@pytest.mark.parametrize("count", [1, 127, 128, 129])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_index_select_rows(count, dtype):
+    x = random_tensor((40, 7), seed=count)
+    check_against_eager(lambda a, i: torch.index_select(a, 0, i), x, _indices(count, 40, count, dtype))
+
+
+def test_index_select_inner_dim_repeated_and_0d_and_bf16():
+    x = random_tensor((3, 9, 5), seed=1)
+    check_against_eager(lambda a, i: torch.index_select(a, 1, i), x, torch.tensor([8, 0, 8, 8, 3]))
+    check_against_eager(lambda a, i: torch.index_select(a, 2, i), x, torch.tensor(4))
+    check_against_eager(lambda a, i: torch.index_select(a, 0, i), x.to(torch.bfloat16), torch.tensor([2, 0]))
+
+
+def test_index_select_strided_source():
+    x = random_tensor((12, 20), seed=2).t()  # (20, 12), strides (1, 20)
+    check_against_eager(lambda a, i: torch.index_select(a, 0, i), x, _indices(130, 20, 3))
+
+
+def test_embedding_2d_indices_and_special_values():
+    weight = random_tensor((50, 600), seed=4)
+    weight[3] = torch.tensor([float("inf"), float("nan"), -0.0] * 200)
+    indices = _indices(2 * 129, 50, 5).reshape(2, 129)
+    indices[1, 7] = 3
+    check_against_eager(lambda w, i: torch.nn.functional.embedding(i, w), weight, indices)
+
+
+def test_index_tensor_wraps_negative_indices():
+    x = random_tensor((6, 10), seed=6)
+    check_against_eager(lambda a, i: a[:, i], x, torch.tensor([[1, -1], [-10, 9]]))
+    check_against_eager(lambda a, i: a[i], x, torch.tensor([-6, 5, 0, -1]))
+
+
+def test_int32_view_of_index_is_free():
+    x = random_tensor((8, 3), seed=7)
+    region = check_against_eager(lambda a, i: a[i.view(-1)], x, torch.tensor([[1, 2], [7, -8]], dtype=torch.int32))
+    assert region.nki_nodes == 2  # the view and the gather
+
+
+def _run_compiled(fn, *inputs, fallback):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="neuron", options={"fallback": fallback})(*inputs)
+
+
+@pytest.mark.parametrize("bad", [10, -1, 2**31 - 1, -(2**31)])
+def test_out_of_range_index_raises_like_eager(bad):
+    x = random_tensor((10, 4), seed=8)
+    index = torch.tensor([0, bad, 3])
+    with pytest.raises(IndexError):
+        torch.index_select(x, 0, index)
+    with pytest.raises(IndexError):
+        _run_compiled(lambda a, i: torch.index_select(a, 0, i), x, index, fallback="silent")
+    region = compile_region(trace(lambda a, i: torch.index_select(a, 0, i), x, torch.tensor([0, 1, 2])), [x, index])
+    with pytest.raises(Exception, match="err_tensor_access_out_of_bound"):  # the kernel never reads garbage
+        region(x, index)
+
+
+def test_out_of_range_inner_dim_never_reads_the_next_row():
+    # Column 4 of row r is element 5 * r + 4 + 1 = row r + 1's column 0 in memory: must still raise.
+    x = random_tensor((3, 4), seed=9)
+    region = compile_region(trace(lambda a, i: torch.index_select(a, 1, i), x, torch.tensor([0])), [x, torch.tensor([0])])
+    with pytest.raises(Exception, match="err_tensor_access_out_of_bound"):
+        region(x, torch.tensor([4]))
+    with pytest.raises(IndexError):
+        _run_compiled(lambda a, i: a[:, i], x, torch.tensor([-5]), fallback="silent")
+
+
+def test_int64_values_beyond_int32_run_eagerly():
+    x = random_tensor((10, 4), seed=10)
+    index = torch.tensor([2**40, 1])
+    gm = trace(lambda a, i: torch.index_select(a, 0, i), x, torch.tensor([0, 1]))
+    region = compile_region(gm, [x, index])
+    with pytest.raises(Exception, match="beyond int32"):
+        region(x, index)
+    with pytest.raises(IndexError):  # eager's own error, through the eager fallback
+        _run_compiled(lambda a, i: torch.index_select(a, 0, i), x, index, fallback="silent")
+
+
+def test_unsupported_reasons():
+    x = random_tensor((4, 3), seed=11)
+
+    def reasons(fn, *inputs):
+        gm = trace(fn, *inputs)
+        return [unsupported_reason(node) for node in gm.graph.nodes if node.op == "call_function"]
+
+    assert reasons(lambda a, i: a + i, x, torch.tensor([1, 2, 3])) == ["dtype int64"]  # int arithmetic stays eager
+    (reason,) = reasons(lambda a, i: torch.index_select(a, 0, i), x.to(torch.int32), torch.tensor([1]))
+    assert "source dtype" in reason
+    (reason,) = reasons(lambda a, i: torch.index_select(a, 0, i), random_tensor((4, 20000)), torch.tensor([1]))
+    assert "bytes" in reason
+    (reason,) = reasons(lambda a, i, j: a[i, j], x, torch.tensor([1]), torch.tensor([0]))
+    assert "2 index tensors" in reason
+    (reason,) = reasons(lambda a, i: torch.index_select(a, 0, i), torch.zeros(1).expand(2**24), torch.tensor([1]))
+    assert "2^24" in reason
