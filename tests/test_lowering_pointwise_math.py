@@ -201,3 +201,35 @@ def test_training_graph_of_elu_and_leaky_relu_is_lowered():
     fn(eager_x).sum().backward()
     compiled(x).sum().backward()
     torch.testing.assert_close(x.grad, eager_x.grad, rtol=1e-5, atol=1e-5)
+
+
+INVERSE_AND_HYPERBOLIC = ["erfc", "atan", "atanh", "sinh", "cosh"]
+EDGES = [0.999, -0.999, 0.9999999, 1.0, -1.0, 1.0000001, 0.5, 1e-7, 19.9, 20.0, 20.1, 88.0, -88.0, 89.5, 2.0**40,
+         2.0**41, 1e38, 0.75, 16.0, 127.9]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", INVERSE_AND_HYPERBOLIC)
+def test_inverse_and_hyperbolic_functions_match_eager(name, dtype):
+    x = torch.cat([special_values(torch.float32, 2).flatten(), torch.tensor(EDGES),
+                   random_tensor((300,), seed=9, low=-20, high=20), random_tensor((129, 3), seed=10).flatten()])
+    check_against_eager(getattr(torch, name), x.to(dtype))
+
+
+@pytest.mark.parametrize("name", ["sinh", "cosh"])
+def test_hyperbolic_near_overflow_is_the_exact_value(name):
+    # exp(|x|) overflows for |x| > 88.72 but cosh(x) = exp(|x|) / 2 does not until 89.42; eager's scalar loop
+    # (a 1-element tensor) returns that finite value, its vectorized loop inf: we return the finite value.
+    x = torch.tensor([88.8, -89.0, 89.3, 89.41])
+    got = compile_and_run(getattr(torch, name), x)[1][0]
+    want = torch.stack([getattr(torch, name)(value.reshape(1))[0] for value in x])
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+@settings(max_examples=8, deadline=None)
+@given(shape=st.sampled_from(SHAPES), seed=st.integers(0, 1000), scale=st.sampled_from([1e-3, 0.9, 3.0, 1e3, 1e30]),
+       name=st.sampled_from(["atan", "atanh", "sinh", "cosh"]))
+def test_inverse_and_hyperbolic_on_random_ranges(shape, seed, scale, name):
+    scale = min(scale, 80.0) if name in ("sinh", "cosh") else scale
+    check_against_eager(getattr(torch, name), random_tensor(shape, torch.float32, seed, -scale, scale))

@@ -51,6 +51,7 @@ ACTIVATIONS = {
     "silu_dx": "nl.silu_dx",
     "softplus": "nl.softplus",
     "mish": "nl.mish",
+    "arctan": "nl.arctan",  # valid on [-pi/2, pi/2] only: lowering/pointwise_math.py reduces to [-1, 1]
 }
 SCALAR_FOLDS = {
     "add": lambda a, b: a + b,
@@ -274,11 +275,18 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
     return out
 
 
-def _fp32_tile(ref: Ref, scope: TileScope, lines: list[str]) -> str:
-    """``ref`` as an fp32 full-tile slice (numbers are memset, other dtypes widened)."""
+def _scratch(scope: TileScope, role: str, dtype: str = "float32", vector: bool = False) -> str:
+    """A tile private to one instruction sequence (where, copysign): dead once its result is written, so every
+    sequence in the scope shares it; big math expressions then need a few scratch tiles, not a few per op."""
+    return scope.tile(dtype, key=("scratch", role, dtype, vector), vector=vector)
+
+
+def _fp32_tile(ref: Ref, scope: TileScope, lines: list[str], role: str | None = None) -> str:
+    """``ref`` as an fp32 full-tile slice (numbers are memset, other dtypes widened); with ``role``, the widened
+    copy goes to that shared scratch tile."""
     if ref.tile is not None and ref.dtype == "float32" and not ref.vector:
         return scope.ref_text(ref)
-    tile = f"{scope.tile()}{scope.slice_text}"
+    tile = f"{_scratch(scope, role) if role else scope.tile()}{scope.slice_text}"
     if ref.value is not None:
         lines.append(f"nisa.memset(dst={tile}, value={number(ref.value)})")
     elif ref.vector:  # broadcast as -0.0 + vector: -0.0 is the exact additive identity (0.0 + -0.0 is +0.0)
@@ -297,12 +305,12 @@ def _emit_where(args, dst_text, vector, scope, lines) -> None:
     condition, on_true, on_false = args
     if condition.value is not None:
         raise ExpressionError("where with a constant condition")
-    true_tile = _fp32_text(on_true, vector, scope, lines)
-    false_tile = _fp32_text(on_false, vector, scope, lines)
+    true_tile = _fp32_text(on_true, vector, scope, lines, "true")
+    false_tile = _fp32_text(on_false, vector, scope, lines, "false")
     window = "[0:rows, 0:1]" if vector else scope.slice_text
-    condition_int, zero, mask, bits = (scope.tile("int32", vector=vector) for _ in range(4))
+    condition_int, zero, mask, bits = (_scratch(scope, f"int{i}", "int32", vector) for i in range(4))
     lines += [
-        f"nisa.tensor_copy(dst={condition_int}{window}, src={_fp32_text(condition, vector, scope, lines)})",
+        f"nisa.tensor_copy(dst={condition_int}{window}, src={_fp32_text(condition, vector, scope, lines, 'cond')})",
         f"nisa.memset(dst={zero}{window}, value=0)",
         f"nisa.tensor_tensor(dst={mask}{window}, data1={zero}{window}, data2={condition_int}{window}, "
         "op=nl.subtract)",
@@ -318,13 +326,14 @@ SIGN_BIT = -(2**31)  # 0x80000000 as an int32 operand
 MAGNITUDE_BITS = 2**31 - 1  # 0x7fffffff
 
 
-def _fp32_text(ref: Ref, vector: bool, scope: TileScope, lines: list[str]) -> str:
-    """``ref`` as an fp32 slice of the kind (full tile or (P, 1) row vector) being computed."""
+def _fp32_text(ref: Ref, vector: bool, scope: TileScope, lines: list[str], role: str) -> str:
+    """``ref`` as an fp32 slice of the kind (full tile or (P, 1) row vector) being computed (a copy, if needed,
+    in the shared scratch tile of ``role``)."""
     if not vector:
-        return _fp32_tile(ref, scope, lines)
+        return _fp32_tile(ref, scope, lines, role)
     if ref.tile is not None:
         return scope.ref_text(ref)  # row vectors are always kept fp32
-    tile = f"{scope.tile(vector=True)}[0:rows, 0:1]"
+    tile = f"{_scratch(scope, role, vector=True)}[0:rows, 0:1]"
     lines.append(f"nisa.memset(dst={tile}, value={number(ref.value)})")
     return tile
 
@@ -336,19 +345,19 @@ def _emit_copysign(args, dst_text, vector, scope, lines) -> None:
     window = "[0:rows, 0:1]" if vector else scope.slice_text
     out_bits = f"{dst_text}.view(nl.int32)"
     if sign.value is not None:  # a number's sign: clear the sign bit, then set it if the number is negative
-        mag = _fp32_text(magnitude, vector, scope, lines)
+        mag = _fp32_text(magnitude, vector, scope, lines, "true")
         set_sign = ", op1=nl.bitwise_or, operand1=" + str(SIGN_BIT) if math.copysign(1.0, sign.value) < 0 else ""
         lines.append(f"nisa.tensor_scalar(dst={out_bits}, data={mag}.view(nl.int32), op0=nl.bitwise_and, "
                      f"operand0={MAGNITUDE_BITS}{set_sign})")
         return
-    sign_text = _fp32_text(sign, vector, scope, lines)
+    sign_text = _fp32_text(sign, vector, scope, lines, "false")
     if magnitude.value is not None:  # the sign bit of ``sign`` or'ed with the number's magnitude bits
         bits = struct.unpack("<i", struct.pack("<f", abs(magnitude.value)))[0]
         lines.append(f"nisa.tensor_scalar(dst={out_bits}, data={sign_text}.view(nl.int32), op0=nl.bitwise_and, "
                      f"operand0={SIGN_BIT}, op1=nl.bitwise_or, operand1={bits})")
         return
-    mag = _fp32_text(magnitude, vector, scope, lines)
-    mag_bits, sign_bits = (f"{scope.tile('int32', vector=vector)}{window}" for _ in range(2))
+    mag = _fp32_text(magnitude, vector, scope, lines, "true")
+    mag_bits, sign_bits = (f"{_scratch(scope, f'int{i}', 'int32', vector)}{window}" for i in range(2))
     lines += [
         f"nisa.tensor_scalar(dst={mag_bits}, data={mag}.view(nl.int32), op0=nl.bitwise_and, "
         f"operand0={MAGNITUDE_BITS})",

@@ -367,3 +367,72 @@ def lower_leaky_relu_backward(ctx, node):
 def lower_threshold_backward(ctx, node):
     grad, x = (_operand(ctx, node, arg) for arg in node.args[:2])
     return emit_pointwise(ctx, node, where(le(x, float(node.args[2])), 0.0, grad))
+
+
+# ---------------------------------------------------------------- erfc, inverse and hyperbolic functions
+
+
+@register_lowering(aten.erfc.default)
+def lower_erfc(ctx, node):
+    # 1 - erf(x): absolute error ~6e-8 (erf's rounding), inside the fp32 atol 1e-5 everywhere; erfc's relative
+    # accuracy in the far tail (erfc(4) = 1.5e-8) is not kept, the tolerance's absolute term covers it.
+    return emit_pointwise(ctx, node, sub(1.0, _op("erf", _x(ctx, node))))
+
+
+def arctan(x):
+    """atan for every x with the arctan instruction fed only [-1, 1] (its valid range is [-pi/2, pi/2]): for
+    |x| > 1, atan(x) = copysign(pi/2, x) - atan(1/x). Beyond 2**40, 1/x is below pi/2's half ulp: the reciprocal
+    (valid to 2**42) sees a clamped 2**40 instead."""
+    big = gt(absolute(x), 1.0)
+    clamped = copysign(_op("minimum", absolute(x), 2.0**40), x)
+    reduced = where(big, div(-1.0, where(big, clamped, 1.0)), x)
+    return add(_op("arctan", reduced), where(big, copysign(math.pi / 2, x), 0.0))
+
+
+@register_lowering(aten.atan.default)
+def lower_atan(ctx, node):
+    return emit_pointwise(ctx, node, arctan(_x(ctx, node)))
+
+
+@register_lowering(aten.atanh.default)
+def lower_atanh(ctx, node):
+    # atanh(x) = 0.5 * log1p(2x / (1 - x)): no cancellation near 0 (log1p is accurate there), 1 - x is exact for
+    # x >= 0.5 (Sterbenz). x = 1 -> inf; |x| > 1 (and the infinities) -> nan, so the reciprocal of 1 - x only
+    # sees (0, 2].
+    x = _x(ctx, node)
+    inside = lt(absolute(x), 1.0)  # false for nan
+    one_minus = where(inside, sub(1.0, x), 1.0)
+    core = mul(log1p(mul(div(x, one_minus), 2.0)), 0.5)
+    edge = where(eq(x, 1.0), INF, where(eq(x, -1.0), -INF, math.nan))
+    return emit_pointwise(ctx, node, where(inside, core, where(ne(x, x), x, edge)))
+
+
+# ln 2 split so that |x| - LN2_HI is exact for 16 <= |x| < 128 (LN2_HI is a multiple of 2**-17, |x| of 2**-19).
+LN2_HI = round(LN2 * 2**17) / 2**17
+LN2_LO = LN2 - LN2_HI
+
+
+def _half_exp(magnitude):
+    """exp(m) / 2 for m >= 16 without overflowing where exp(m) would (m in (88.7, 89.4]): exp(m - ln 2), with the
+    subtraction exact through the split constant and the small remainder as a multiply by exp(-LN2_LO).
+    This is std::sinh / std::cosh's value, which eager returns for its scalar loop (tensors under 16 elements and
+    the tail); eager's vectorized loop overflows to inf for |x| in (88.72, 89.42], a band where eager disagrees
+    with itself."""
+    return mul(exp(sub(magnitude, LN2_HI)), math.exp(-LN2_LO))
+
+
+@register_lowering(aten.sinh.default)
+def lower_sinh(ctx, node):
+    # (expm1(x) - expm1(-x)) / 2: the two terms have opposite signs near 0, so no cancellation; |x| >= 20 is
+    # copysign(exp(|x|) / 2, x) (exp(-|x|) is below its ulp there).
+    x = _x(ctx, node)
+    small = mul(sub(expm1(x), expm1(_op("neg", x))), 0.5)
+    return emit_pointwise(ctx, node, where(lt(absolute(x), 20.0), small, copysign(_half_exp(absolute(x)), x)))
+
+
+@register_lowering(aten.cosh.default)
+def lower_cosh(ctx, node):
+    x = _x(ctx, node)
+    magnitude = absolute(x)
+    small = mul(add(exp(magnitude), exp(_op("neg", magnitude))), 0.5)
+    return emit_pointwise(ctx, node, where(lt(magnitude, 20.0), small, _half_exp(magnitude)))
