@@ -240,6 +240,9 @@ class Gather:
     index: Load
     stores: tuple[Store, ...]
     wrap_negative: bool = False  # index.Tensor wraps idx < 0 to idx + size; index_select and embedding raise
+    # elements=True is aten.gather: index has the domain's shape and picks one element per output element,
+    # out[..., j, ...] = source[..., index[..., j, ...], ...] along dim (the other coordinates are the output's).
+    elements: bool = False
 
 
 Node = Pointwise | Reduction | RowNormalize | MatMul | Concat | Gather

@@ -109,3 +109,31 @@ def test_unsupported_reasons():
     assert "2 index tensors" in reason
     (reason,) = reasons(lambda a, i: torch.index_select(a, 0, i), torch.zeros(1).expand(2**24), torch.tensor([1]))
     assert "2^24" in reason
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_gather_elements(dim):
+    x = random_tensor((200, 3, 5), seed=12).transpose(0, 1)  # (3, 200, 5), non-contiguous
+    shape = [3, 129, 4]
+    index = torch.randint(0, x.shape[dim], shape, generator=torch.Generator().manual_seed(dim))
+    check_against_eager(lambda a, i: torch.gather(a, dim, i), x, index)
+    check_against_eager(lambda a, i: torch.gather(a, dim, i), x.to(torch.bfloat16), index.to(torch.int32))
+
+
+def test_gather_1d_repeated_and_special_values():
+    x = torch.tensor([float("inf"), float("nan"), -0.0, 1.5, -2.0])
+    check_against_eager(lambda a, i: torch.gather(a, 0, i), x, torch.tensor([2, 2, 1, 0, 4, 4, 1]))
+
+
+@pytest.mark.parametrize("bad", [-1, 5, 2**31 - 1])
+def test_gather_out_of_range_raises(bad):
+    x = random_tensor((4, 5), seed=13)
+    index = torch.tensor([[0, bad], [1, 2]])
+    with pytest.raises(RuntimeError):
+        torch.gather(x, 1, index)
+    region = compile_region(trace(lambda a, i: torch.gather(a, 1, i), x, torch.zeros(2, 2, dtype=torch.int64)),
+                            [x, index])
+    with pytest.raises(Exception, match="err_tensor_access_out_of_bound"):
+        region(x, index)
+    with pytest.raises(RuntimeError):
+        _run_compiled(lambda a, i: torch.gather(a, 1, i), x, index, fallback="silent")

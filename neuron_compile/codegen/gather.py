@@ -27,6 +27,8 @@ def _offset(base: int, terms: list[tuple[str, int]]) -> str:
 
 
 def render_gather(node: ir.Gather, name: str, parameters: list[str], target) -> KernelSource:
+    if node.elements:
+        return render_element_gather(node, name, parameters, target)
     (store,) = node.stores
     source, index, dim = node.source, node.index, node.dim
     size = source.layout.shape[dim]
@@ -88,6 +90,71 @@ def render_gather(node: ir.Gather, name: str, parameters: list[str], target) -> 
     loops, depth = [], 1
     for j in outer:
         loops.append("    " * depth + f"for o{j} in range({out_layout.shape[j]}):")
+        depth += 1
+    loops.append("    " * depth + f"for p0 in range(0, {rows_total}, {tile_rows}):")
+    loops.append("    " * (depth + 1) + f"rows = min({tile_rows}, {rows_total} - p0)")
+    text = _render(
+        "gather.py.j2", name=name, parameters=parameters, docstring=ir.format_node(node),
+        outputs=_output_lines(node.stores), allocations=allocations, loops=loops, body=body, depth=depth + 1,
+        returns=store.buffer.name,
+    )
+    return KernelSource(name, text, tuple(parameters), (store.buffer,))
+
+
+def render_element_gather(node: ir.Gather, name: str, parameters: list[str], target) -> KernelSource:
+    """aten.gather: the domain's last dim on partitions, every other dim an outer loop; per tile the flat source
+    offset of each element is iota(the output coordinates' part) + index * stride(dim), gathered one element
+    per partition by an indirect DMA over the flat source."""
+    (store,) = node.stores
+    source, index, dim = node.source, node.index, node.dim
+    size = source.layout.shape[dim]
+    rank = len(node.domain)
+    part = rank - 1
+    rows_total = node.domain[part]
+    tile_rows = min(target.partitions, rows_total)
+    outer = [j for j in range(rank) if j != part]
+    var = {j: f"o{j}" for j in outer}
+
+    def terms(layout, skip=None):
+        return [(var[j], layout.strides[j]) for j in outer if j != skip]
+
+    src_strides = source.layout.strides
+    base_terms = terms(source.layout, skip=dim) + ([("p0", src_strides[part])] if part != dim else [])
+    channel = src_strides[part] if part != dim else 0
+    window = "[0:rows, 0:1]"
+    body = [
+        f"nisa.dma_copy(dst=raw{window}, src={index.buffer}.ap([[{index.layout.strides[part]}, rows], [1, 1]], "
+        f"offset={_offset(index.layout.offset, terms(index.layout) + [('p0', index.layout.strides[part])])}))",
+        # gather does not wrap negative indices: valid is 0 <= idx < size, bad = (idx < 0) + (idx >= size).
+        f"nisa.tensor_scalar(dst=low{window}, data=raw{window}, op0=nl.less, operand0=0.0)",
+        f"nisa.tensor_scalar(dst=high{window}, data=raw{window}, op0=nl.greater_equal, operand0={float(size)})",
+        f"nisa.tensor_tensor(dst=bad{window}, data1=low{window}, data2=high{window}, op=nl.add)",
+        f"nisa.tensor_scalar(dst=keep{window}, data=bad{window}, op0=nl.multiply, operand0=-1.0, op1=nl.add, "
+        "operand1=1.0)",
+        # Flat offset = the output coordinates' part (exact int32 iota on GpSimd) + idx * stride; for a valid index
+        # it is below the source span < 2^24 (checked), so the fp32 multiply-add is exact; a bad one is zeroed
+        # by keep = 0 and redirected to OUT_OF_RANGE_ROW.
+        f"nisa.iota(base{window}, [[0, 1]], offset={_offset(source.layout.offset, base_terms)}, "
+        f"channel_multiplier={channel})",
+        f"nisa.tensor_scalar(dst=address{window}, data=raw{window}, op0=nl.multiply, operand0={float(src_strides[dim])})",
+        f"nisa.tensor_tensor(dst=address{window}, data1=address{window}, data2=base{window}, op=nl.add)",
+        f"nisa.tensor_tensor(dst=address{window}, data1=address{window}, data2=keep{window}, op=nl.multiply)",
+        f"nisa.tensor_scalar(dst=bad{window}, data=bad{window}, op0=nl.multiply, operand0={float(OUT_OF_RANGE_ROW)})",
+        f"nisa.tensor_tensor(dst=offsets{window}, data1=address{window}, data2=bad{window}, op=nl.add)",
+        f"nisa.dma_copy(dst=gathered{window}, src={source.buffer}.ap([[1, rows], [1, 1]], offset=0, "
+        f"vector_offset=offsets{window}, indirect_dim=0))",
+        f"nisa.dma_copy(dst={store.buffer.name}.ap([[{store.layout.strides[part]}, rows], [1, 1]], "
+        f"offset={_offset(store.layout.offset, terms(store.layout) + [('p0', store.layout.strides[part])])}), "
+        f"src=gathered{window})",
+    ]
+    allocations = [f"{tile} = nl.ndarray(({tile_rows}, 1), dtype=nl.int32, buffer=nl.sbuf)"
+                   for tile in ("raw", "base", "offsets")]
+    allocations += [f"{tile} = nl.ndarray(({tile_rows}, 1), dtype=nl.float32, buffer=nl.sbuf)"
+                    for tile in ("low", "high", "bad", "keep", "address")]
+    allocations.append(f"gathered = nl.ndarray(({tile_rows}, 1), dtype={NL_DTYPES[source.dtype]}, buffer=nl.sbuf)")
+    loops, depth = [], 1
+    for j in outer:
+        loops.append("    " * depth + f"for o{j} in range({node.domain[j]}):")
         depth += 1
     loops.append("    " * depth + f"for p0 in range(0, {rows_total}, {tile_rows}):")
     loops.append("    " * (depth + 1) + f"rows = min({tile_rows}, {rows_total} - p0)")

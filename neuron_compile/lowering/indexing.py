@@ -105,3 +105,40 @@ def lower_gather(ctx, node):
 
 
 INTEGER_OPS.update((aten.index_select.default, aten.embedding.default, aten.index.Tensor))
+
+
+def _check_element_gather(node: torch.fx.Node) -> str | None:
+    source, dim, index = node.args[:3]
+    if node.kwargs.get("sparse_grad", False) or (len(node.args) > 3 and node.args[3]):
+        return f"{node.target}: sparse_grad"
+    source_val, index_val, out = source.meta["val"], index.meta["val"], node.meta["val"]
+    if source_val.dtype not in FLOAT_SOURCES:
+        return f"{node.target}: source dtype {source_val.dtype} (only float32, bfloat16 sources)"
+    if index_val.dtype not in INTEGER_DTYPES:
+        return f"{node.target}: index dtype {index_val.dtype} (only int32, int64)"
+    if out.dim() == 0 or source_val.dim() != out.dim():
+        return f"{node.target}: 0-d operands (only tensors of rank >= 1)"
+    span = source_val.storage_offset() + 1 + sum((s - 1) * abs(t) for s, t in zip(source_val.shape, source_val.stride()))
+    if span >= FP32_EXACT:
+        return f"{node.target}: source spans {span} elements (>= 2^24: flat offsets are computed in fp32)"
+    tiles = math.prod(out.shape[:-1]) * math.ceil(out.shape[-1] / 128)
+    if tiles > GATHER_MAX_ITERATIONS:
+        return f"{node.target}: {tiles} gather tiles (> {GATHER_MAX_ITERATIONS})"
+    return None
+
+
+@register_lowering(aten.gather.default, check=_check_element_gather)
+def lower_element_gather(ctx, node):
+    source, dim, index = node.args[:3]
+    source, index = ctx.value(source), ctx.value(index)
+    buffer = ctx.output_buffer(node, "gather")
+    gather = ir.Gather(
+        ctx.fresh_name("kernel"), buffer.layout.shape, dim % len(buffer.layout.shape),
+        ir.Load(source.buffer, source.layout, source.dtype), ir.Load(index.buffer, index.layout, index.dtype),
+        (ir.Store(buffer, ir.Result(), buffer.layout),), elements=True,
+    )
+    ctx.emit(gather)
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
+INTEGER_OPS.add(aten.gather.default)
