@@ -124,3 +124,32 @@ def test_random_graphs_partition_without_changing_results(program, supported):
         if node.op == "call_function":
             assert (node.name in placed) == (node.target.overloadpacket.__name__ in supported)
     torch.testing.assert_close(result.graph_module(x, y), gm(x, y), rtol=0, atol=0)
+
+
+def test_copy_into_an_input_read_outside_its_region_stays_eager():
+    # The region writes the input after its kernels; a reader left eager could run after it and see the new value.
+    import neuron_compile.passes.partition as partition_module
+
+    graph = torch.fx.Graph()
+    stats, x = graph.placeholder("stats"), graph.placeholder("x")
+    stats.meta["val"], x.meta["val"] = torch.zeros(4), torch.zeros(4)
+    read = graph.call_function(torch.ops.aten.cos.default, (stats,))
+    read.meta["val"] = torch.zeros(4)
+    new = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    new.meta["val"] = torch.zeros(4)
+    write = graph.call_function(torch.ops.aten.copy_.default, (stats, new))
+    write.meta["val"] = torch.zeros(4)
+    graph.output((read,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    def reason(node):
+        return "test: cos is eager" if node.target is torch.ops.aten.cos.default else None
+
+    result = partition_module.partition_graph(gm, reason)
+    placement = {p.node: p for p in result.report.placements}
+    assert placement[write.name].region is None and "read outside" in placement[write.name].reason
+    assert placement[new.name].region is not None
+    # With the reader in a region too, the write joins it.
+    result = partition_module.partition_graph(gm, lambda node: None)
+    placement = {p.node: p for p in result.report.placements}
+    assert placement[write.name].region == placement[read.name].region is not None

@@ -139,6 +139,19 @@ def _compute_reasons(gm: torch.fx.GraphModule, unsupported_reason: UnsupportedRe
     return reasons
 
 
+def _keep_input_writes_after_their_readers(partitions: list, reasons: dict) -> list:
+    """A region writes a graph input (copy_) after all its kernels ran; an eager reader of that input could be
+    scheduled after the region and see the new value. So the copy_ joins a region only with every other reader
+    of its input; otherwise it runs eagerly, in graph order."""
+    for partition in partitions:
+        for node in [node for node in partition.nodes if node.target in LOWERED_MUTATIONS]:
+            readers = [user for user in node.args[0].users if user is not node]
+            if any(reader not in partition.nodes for reader in readers):
+                partition.remove_node(node)
+                reasons[node] = f"{op_name(node)}: its input is also read outside the region that would write it"
+    return [partition for partition in partitions if partition.nodes]
+
+
 def partition_graph(gm: torch.fx.GraphModule, unsupported_reason: UnsupportedReason | None = None) -> PartitionResult:
     """Split ``gm`` into NKI regions and eager nodes. ``unsupported_reason`` defaults to the lowering registry."""
     unsupported_reason = unsupported_reason or registry_unsupported_reason()
@@ -147,7 +160,8 @@ def partition_graph(gm: torch.fx.GraphModule, unsupported_reason: UnsupportedRea
     reasons = _compute_reasons(work, unsupported_reason)
     partitioner = CapabilityBasedPartitioner(work, _RegistrySupport(reasons), allows_single_node_partition=True)
     order = {node: index for index, node in enumerate(work.graph.nodes)}
-    partitions = sorted(partitioner.propose_partitions(), key=lambda part: min(order[node] for node in part.nodes))
+    proposed = _keep_input_writes_after_their_readers(partitioner.propose_partitions(), reasons)
+    partitions = sorted(proposed, key=lambda part: min(order[node] for node in part.nodes))
 
     region_of: dict[str, str] = {}
     for index, partition in enumerate(partitions):
