@@ -396,15 +396,17 @@ def lower_atan(ctx, node):
 
 @register_lowering(aten.atanh.default)
 def lower_atanh(ctx, node):
-    # atanh(x) = 0.5 * log1p(2x / (1 - x)): no cancellation near 0 (log1p is accurate there), 1 - x is exact for
-    # x >= 0.5 (Sterbenz). x = 1 -> inf; |x| > 1 (and the infinities) -> nan, so the reciprocal of 1 - x only
-    # sees (0, 2].
+    # atanh(a) = 0.5 * log1p(2a / (1 - a)) on a = |x| (odd: x's sign put back): no cancellation near 0 (log1p is
+    # accurate there), 1 - a exact for a >= 0.5 (Sterbenz) so a near 1 keeps its digits (on the signed x,
+    # 2x / (1 - x) near -1 rounds onto log1p's pole). |x| = 1 -> +-inf; |x| > 1 (and the infinities) -> nan, so
+    # the reciprocal of 1 - a only sees (0, 1].
     x = _x(ctx, node)
-    inside = lt(absolute(x), 1.0)  # false for nan
-    one_minus = where(inside, sub(1.0, x), 1.0)
-    core = mul(log1p(mul(div(x, one_minus), 2.0)), 0.5)
-    edge = where(eq(x, 1.0), INF, where(eq(x, -1.0), -INF, math.nan))
-    return emit_pointwise(ctx, node, where(inside, core, where(ne(x, x), x, edge)))
+    magnitude = absolute(x)
+    inside = lt(magnitude, 1.0)  # false for nan
+    one_minus = where(inside, sub(1.0, magnitude), 1.0)
+    core = mul(log1p(mul(div(magnitude, one_minus), 2.0)), 0.5)
+    edge = where(eq(magnitude, 1.0), INF, math.nan)
+    return emit_pointwise(ctx, node, copysign(where(inside, core, where(ne(x, x), x, edge)), x))
 
 
 # ln 2 split so that |x| - LN2_HI is exact for 16 <= |x| < 128 (LN2_HI is a multiple of 2**-17, |x| of 2**-19).
@@ -436,3 +438,71 @@ def lower_cosh(ctx, node):
     magnitude = absolute(x)
     small = mul(add(exp(magnitude), exp(_op("neg", magnitude))), 0.5)
     return emit_pointwise(ctx, node, where(lt(magnitude, 20.0), small, _half_exp(magnitude)))
+
+
+def _sqrt_in_range(v):
+    """sqrt(v) for 0 <= v <= 2**100 with the sqrt instruction fed only [2**-100, 2**100] (valid range [2**-116,
+    2**118]): below 2**-100 the root (< 2**-50) is taken as 0, far under any result's ulp where it is added."""
+    positive = gt(v, 2.0**-100)
+    return where(positive, _op("sqrt", where(positive, _op("minimum", v, 2.0**100), 1.0)), 0.0)
+
+
+def _asin_core(t):
+    """asin(t) = atan(t / sqrt((1 - t)(1 + t))) for |t| <= 1/2, where the atan argument is at most 0.58 (the
+    arctan instruction's range is [-pi/2, pi/2]); t is clamped to [-3/4, 3/4] first so that lanes a select
+    discards stay in range too."""
+    clamped = _op("minimum", _op("maximum", t, -0.75), 0.75)
+    root = _op("sqrt", mul(sub(1.0, clamped), add(1.0, clamped)))  # in [0.66, 1]
+    return _op("arctan", div(clamped, root))
+
+
+@register_lowering(aten.asin.default)
+def lower_asin(ctx, node):
+    # |x| <= 1/2: the core form; |x| > 1/2: pi/2 - acos(|x|) = pi/2 - 2 asin(sqrt((1 - |x|) / 2)) with 1 - |x| exact
+    # (Sterbenz), no cancellation near 1; x's sign put back (asin(-0.0) = -0.0). |x| > 1 and nan -> nan.
+    x = _x(ctx, node)
+    magnitude = absolute(x)
+    near_one = sub(math.pi / 2, mul(_asin_core(_sqrt_in_range(mul(sub(1.0, magnitude), 0.5))), 2.0))
+    inside = copysign(where(le(magnitude, 0.5), _asin_core(magnitude), near_one), x)
+    return emit_pointwise(ctx, node, where(le(magnitude, 1.0), inside, math.nan))
+
+
+@register_lowering(aten.acos.default)
+def lower_acos(ctx, node):
+    # |x| <= 1/2: pi/2 - asin(x) (|asin| <= pi/6, no cancellation); x > 1/2: 2 asin(sqrt((1 - x) / 2)); x < -1/2:
+    # pi - 2 asin(sqrt((1 + x) / 2)); 1 -+ x exact there (Sterbenz). |x| > 1 and nan -> nan.
+    x = _x(ctx, node)
+    magnitude = absolute(x)
+    positive = mul(_asin_core(_sqrt_in_range(mul(sub(1.0, x), 0.5))), 2.0)
+    negative = sub(math.pi, mul(_asin_core(_sqrt_in_range(mul(add(1.0, x), 0.5))), 2.0))
+    middle = sub(math.pi / 2, _asin_core(x))
+    inside = where(le(magnitude, 0.5), middle, where(gt(x, 0.0), positive, negative))
+    return emit_pointwise(ctx, node, where(le(magnitude, 1.0), inside, math.nan))
+
+
+BIG_ARGUMENT = 4096.0  # beyond, asinh(x) = log(2x) and acosh(x) = log(2x) to below an ulp (error ~ 1 / (4x**2))
+
+
+@register_lowering(aten.asinh.default)
+def lower_asinh(ctx, node):
+    # asinh(a) = log1p(a + a**2 / (1 + sqrt(1 + a**2))) (no cancellation near 0), log(a) + ln 2 for a >= 4096;
+    # odd, so x's sign is put back. The small form sees a clamped to 4096 (a**2 stays finite, sqrt in range).
+    x = _x(ctx, node)
+    magnitude = absolute(x)
+    clamped = _op("minimum", magnitude, BIG_ARGUMENT)
+    square = mul(clamped, clamped)
+    small = log1p(add(clamped, div(square, add(1.0, _op("sqrt", add(1.0, square))))))
+    result = where(lt(magnitude, BIG_ARGUMENT), small, add(safe_log(magnitude), LN2))
+    return emit_pointwise(ctx, node, copysign(result, x))
+
+
+@register_lowering(aten.acosh.default)
+def lower_acosh(ctx, node):
+    # acosh(x) = log1p((x - 1) + sqrt((x - 1)(x + 1))) (x - 1 exact near 1), log(x) + ln 2 for x >= 4096;
+    # x < 1 and nan -> nan. The small form sees x clamped to [1, 4096].
+    x = _x(ctx, node)
+    clamped = _op("minimum", _op("maximum", x, 1.0), BIG_ARGUMENT)
+    below = sub(clamped, 1.0)
+    small = log1p(add(below, _sqrt_in_range(mul(below, add(clamped, 1.0)))))
+    result = where(lt(x, BIG_ARGUMENT), small, add(safe_log(x), LN2))
+    return emit_pointwise(ctx, node, where(ge(x, 1.0), result, math.nan))
