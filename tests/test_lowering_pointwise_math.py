@@ -234,3 +234,18 @@ def test_inverse_and_hyperbolic_on_random_ranges(shape, seed, scale, name):
     scale = min(scale, 80.0) if name in ("sinh", "cosh") else scale
     low, high = (1.0, 1.0 + scale) if name == "acosh" else (-scale, scale)
     check_against_eager(getattr(torch, name), random_tensor(shape, torch.float32, seed, low, high))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_atan2_over_every_pair_of_special_values(dtype):
+    # signed zeros (atan2(+-0, -0) = +-pi), infinities on either side, nan, subnormals and 3e38 next to 1e-40
+    values = torch.tensor(SPECIAL)
+    y, x = values.repeat_interleave(len(values)), values.repeat(len(values))
+    y = torch.cat([y, random_tensor((300,), seed=11, low=-1e3, high=1e3), random_tensor((129,), seed=12)])
+    x = torch.cat([x, random_tensor((300,), seed=13), random_tensor((129,), seed=14, low=-1e-3, high=1e-3)])
+    got = compile_and_run(torch.atan2, y.to(dtype), x.to(dtype))[1][0]
+    want = torch.atan2(y.to(dtype), x.to(dtype))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance, equal_nan=True)
+    exact = (want == 0) | want.abs().isinf()
+    assert torch.equal(got[exact].signbit(), want[exact].signbit())

@@ -152,6 +152,8 @@ def _emit_uncached(expr, scope, lines) -> Ref:
         if scope.result is None:
             raise ExpressionError("result() used outside a kernel that produces one")
         return scope.result
+    if isinstance(expr, ir.Iota):
+        return _emit_iota(expr, scope, lines)
     if isinstance(expr, ir.Load):
         dtype = expr.dtype
         if scope.vector_pattern is not None and dtype != "bool":
@@ -256,6 +258,8 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
         _emit_where(args, dst_text, vector, scope, lines)
     elif op == "copysign":
         _emit_copysign(args, dst_text, vector, scope, lines)
+    elif op == "inverse_power_of_two":
+        _emit_inverse_power_of_two(args[0], dst_text, vector, scope, lines)
     elif op in TENSOR_TENSOR_OPS:
         a, b = args
         if _is_constant(b, a):
@@ -367,6 +371,20 @@ def _emit_copysign(args, dst_text, vector, scope, lines) -> None:
     ]
 
 
+def _emit_inverse_power_of_two(x, dst_text, vector, scope, lines) -> None:
+    """dst = 2**(127 - E) for x's biased exponent E (x >= 0, E <= 253): x * dst lies in [1, 2) for normal x, an
+    exact rescaling that keeps a reciprocal's input in range. Bits: 0x7f000000 - (bits(x) & 0x7f800000); the
+    subtraction runs in fp32 on the int32 values, exact because both are multiples of 2**23 below 2**31."""
+    window = "[0:rows, 0:1]" if vector else scope.slice_text
+    exponent = f"{_scratch(scope, 'int0', 'int32', vector)}{window}"
+    lines += [
+        f"nisa.tensor_scalar(dst={exponent}, data={_fp32_text(x, vector, scope, lines, 'true')}.view(nl.int32), "
+        "op0=nl.bitwise_and, operand0=2139095040)",
+        f"nisa.tensor_scalar(dst={dst_text}.view(nl.int32), data={exponent}, op0=nl.multiply, operand0=-1.0, "
+        "op1=nl.add, operand1=2130706432.0)",
+    ]
+
+
 def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str]) -> str:
     """The SBUF tile slice (of ``store_dtype``) holding ``value``, ready to DMA out."""
     if value.value is not None:
@@ -386,3 +404,18 @@ def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str])
     tile = scope.tile(store_dtype)
     lines.append(f"nisa.tensor_copy(dst={tile}{scope.slice_text}, src={scope.ref_text(value)})")
     return f"{tile}{scope.slice_text}"
+
+
+def _emit_iota(expr: ir.Iota, scope: TileScope, lines: list[str]) -> Ref:
+    """An int32 tile of affine integers: the access pattern a load through ``expr.layout`` would use becomes the
+    iota's pattern (partition entry -> channel_multiplier, free entries -> pattern, offset -> offset)."""
+    import re
+
+    name = scope.tile("int32", key=("iota", expr))
+    dst, src = scope.load_pattern(ir.Load("iota", expr.layout, "int32"), name)
+    match = re.fullmatch(r"iota\.ap\(\[\[(-?\d+), rows\], (.*)\], offset=(.*)\)", src)
+    if match is None:
+        raise ExpressionError(f"iota over an access pattern it cannot state: {src}")
+    channel, free, offset = match.groups()
+    lines.append(f"nisa.iota({dst}, [{free}], offset={offset}, channel_multiplier={channel})")
+    return Ref(tile=name, dtype="int32")

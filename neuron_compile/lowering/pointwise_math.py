@@ -506,3 +506,25 @@ def lower_acosh(ctx, node):
     small = log1p(add(below, _sqrt_in_range(mul(below, add(clamped, 1.0)))))
     result = where(lt(x, BIG_ARGUMENT), small, add(safe_log(x), LN2))
     return emit_pointwise(ctx, node, where(ge(x, 1.0), result, math.nan))
+
+
+@register_lowering(aten.atan2.default)
+def lower_atan2(ctx, node):
+    """atan2(y, x) from theta = atan(min / max) of the magnitudes (in [0, 1], the arctan instruction's range),
+    then pi/2 - theta where |y| > |x|, pi - theta where x's sign bit is set, and y's sign. Both magnitudes are
+    rescaled by one exact power of two (max into [1, 2)) so the reciprocal sees its valid range; max = 0 gives
+    theta = 0 (atan2(+-0, -0) = +-pi), two infinities theta = pi/4; a nan in either operand gives nan."""
+    y, x = (_operand(ctx, node, arg) for arg in node.args[:2])
+    a, b = absolute(y), absolute(x)
+    larger, smaller = _op("maximum", a, b), _op("minimum", a, b)
+    scale = _op("inverse_power_of_two", _op("minimum", larger, 2.0**126))
+    both_infinite = both(eq(a, INF), eq(b, INF))
+    ordinary = both(gt(larger, 0.0), lt(larger, INF))
+    ratio = where(ordinary, div(mul(smaller, scale), where(ordinary, mul(larger, scale), 1.0)),
+                  where(both_infinite, 1.0, 0.0))
+    theta = _op("arctan", ratio)
+    theta = where(gt(a, b), sub(math.pi / 2, theta), theta)
+    theta = where(lt(copysign(1.0, x), 0.0), sub(math.pi, theta), theta)
+    result = copysign(theta, y)
+    either_nan = either(ne(x, x), ne(y, y))
+    return emit_pointwise(ctx, node, where(either_nan, math.nan, result))
