@@ -152,7 +152,7 @@ def _emit_uncached(expr, scope, lines) -> Ref:
         if scope.result is None:
             raise ExpressionError("result() used outside a kernel that produces one")
         return scope.result
-    if isinstance(expr, ir.Iota):
+    if isinstance(expr, getattr(ir, "Iota", ())):  # ir.Iota arrives with the arange lowering's ir.py change
         return _emit_iota(expr, scope, lines)
     if isinstance(expr, ir.Load):
         dtype = expr.dtype
