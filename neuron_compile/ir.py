@@ -105,7 +105,18 @@ class Op:
         return f"{self.op}[{self.dtype}]({inner})" if self.dtype else f"{self.op}({inner})"
 
 
-Expr = Load | Scalar | Result | Op
+@dataclass(frozen=True)
+class Iota:
+    """The int32 value ``layout.offset + sum(index_d * stride_d)`` at each domain index, computed on chip
+    (nisa.iota, exact on GpSimd); no buffer is read. ``layout``'s shape is the node's domain (arange)."""
+
+    layout: Layout
+
+    def __str__(self) -> str:
+        return f"iota({self.layout})"
+
+
+Expr = Load | Scalar | Result | Op | Iota
 
 
 def loads_of(expr: Expr) -> list[Load]:

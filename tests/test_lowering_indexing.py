@@ -137,3 +137,26 @@ def test_gather_out_of_range_raises(bad):
         region(x, index)
     with pytest.raises(RuntimeError):
         _run_compiled(lambda a, i: torch.gather(a, 1, i), x, index, fallback="silent")
+
+
+@pytest.mark.parametrize("count", [1, 127, 128, 129, 1000])
+def test_arange_float(count):
+    x = random_tensor((count,), seed=count)
+    check_against_eager(lambda a: a + torch.arange(count, dtype=torch.float32), x)
+    if count <= 256:  # beyond, eager's bf16 arange is not the exact value rounded once: declined (reason test)
+        check_against_eager(lambda a: a * torch.arange(-3, count - 3, 1, dtype=torch.bfloat16), x.to(torch.bfloat16))
+
+
+def test_arange_fractional_step_and_reasons():
+    x = random_tensor((20,), seed=14)
+    region = check_against_eager(lambda a: a - torch.arange(-3, 7, 0.5, dtype=torch.float32), x)
+    assert region.nki_nodes == 2
+
+    def reason(fn):
+        gm = trace(fn, x)
+        (node,) = [node for node in gm.graph.nodes if node.target is torch.ops.aten.arange.start_step]
+        return unsupported_reason(node)
+
+    assert "not exact" in reason(lambda a: torch.arange(0, 1, 0.1, dtype=torch.float32))  # 0.1 is inexact
+    assert "not exact" in reason(lambda a: torch.arange(-3, 997, 1, dtype=torch.bfloat16))
+    assert reason(lambda a: torch.arange(0, 5, 1)) == "dtype int64"  # int results stay eager

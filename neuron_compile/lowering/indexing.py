@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from neuron_compile import ir
 from neuron_compile.codegen.gather import OUT_OF_RANGE_ROW
 from neuron_compile.lowering.movement import VIEW_OPS
+from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import INTEGER_DTYPES, INTEGER_OPS, TensorValue, register_lowering
 
 aten = torch.ops.aten
@@ -142,3 +144,46 @@ def lower_element_gather(ctx, node):
 
 
 INTEGER_OPS.add(aten.gather.default)
+
+
+ARANGE_MAX = 2**20  # elements checked against eager at compile time (and far below 2^24, exact as fp32)
+
+
+def _arange_args(node: torch.fx.Node):
+    if node.target is aten.arange.default:
+        return 0, node.args[0], 1
+    start, end = node.args[:2]
+    return start, end, node.args[2] if len(node.args) > 2 else node.kwargs.get("step", 1)
+
+
+def _check_arange(node: torch.fx.Node) -> str | None:
+    out = node.meta["val"]
+    if out.dtype not in FLOAT_SOURCES:
+        return f"{node.target}: dtype {out.dtype} (only float32, bfloat16 results)"
+    start, _, step = _arange_args(node)
+    if not all(isinstance(value, (int, float)) for value in (start, step)):
+        return f"{node.target}: symbolic bounds"
+    count = out.numel()
+    if count > ARANGE_MAX:
+        return f"{node.target}: {count} elements (> {ARANGE_MAX})"
+    # The kernel computes float32(i) * step + start in fp32 (i exact from the int32 iota). Claim it only when
+    # that equals eager bit for bit on every element (eager computes in higher precision, then rounds).
+    index = np.arange(count, dtype=np.float32)
+    ours = index * np.float32(step) + np.float32(start)
+    eager = torch.arange(count, dtype=torch.float64).mul(step).add(start).to(torch.float32).numpy()
+    reference = torch.arange(*_arange_args(node), dtype=torch.float32).numpy()
+    rounded = torch.from_numpy(ours).to(out.dtype)  # a bf16 result is the exact fp32 value rounded once
+    if ours.shape != reference.shape or not (np.array_equal(ours, reference) and np.array_equal(ours, eager)) or (
+        not torch.equal(rounded, torch.arange(*_arange_args(node), dtype=out.dtype))
+    ):
+        return f"{node.target}: start {start}, step {step} not exact (iota * step + start in fp32 differs from eager)"
+    return None
+
+
+@register_lowering(aten.arange.default, aten.arange.start_step, check=_check_arange)
+def lower_arange(ctx, node):
+    start, _, step = _arange_args(node)
+    shape = tuple(node.meta["val"].shape)
+    index = ir.Iota(ir.Layout(shape, ir.contiguous_strides(shape), 0))
+    expr = ir.Op("add", (ir.Op("mul", (index, ir.Scalar(float(step)))), ir.Scalar(float(start))))
+    return emit_pointwise(ctx, node, expr)
