@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -105,3 +106,59 @@ def test_inputs_with_a_storage_offset():
     region, outputs = compile_and_run(lambda x: (x[1:, 1:], x * 2, x.t()[2]), x)
     check_against_eager(lambda x: (x[1:, 1:], x * 2, x.t()[2]), x)
     assert outputs[0].storage_offset() == x[1:, 1:].storage_offset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_chunk_unbind_are_views_and_unbind_copy_copies(dtype):
+    x = random_tensor((6, 129), dtype)
+    region, _ = compile_and_run(lambda x: torch.split(x, [1, 2, 3], 0), x)
+    assert region.kernels == []  # every piece is a view of the input
+    check_against_eager(lambda x: [t * 2 for t in torch.split(x, 50, 1)], x)
+    check_against_eager(lambda x: [t + 1 for t in torch.split(x, [1, 2, 3], -2)], x)
+    check_against_eager(lambda x: [t + 1 for t in torch.chunk(x.t(), 4, -1)], x)
+    y = random_tensor((3, 4, 5), dtype)
+    check_against_eager(lambda y: [t * 3 for t in torch.unbind(y.permute(2, 0, 1), -1)], y)
+    check_against_eager(lambda y: torch.unbind_copy(y.transpose(0, 2), 1), y)
+
+
+@pytest.mark.parametrize("offset", [0, 2, -1, -3, 7])
+@pytest.mark.parametrize("dim1, dim2", [(0, 1), (1, 2), (2, 0), (-1, -2)])
+def test_diagonal_is_a_view_with_summed_strides(offset, dim1, dim2):
+    y = random_tensor((3, 7, 5))
+    region, _ = compile_and_run(lambda y: y.diagonal(offset, dim1, dim2), y)
+    assert region.kernels == []
+    check_against_eager(lambda y: y.diagonal(offset, dim1, dim2) * 1.5, y)
+    check_against_eager(lambda y: y.permute(2, 0, 1).diagonal(offset, dim1, dim2) * 1.5, y)
+
+
+def test_trace_and_diagonal_of_a_large_matrix():
+    x = random_tensor((129, 130), torch.bfloat16)
+    check_against_eager(lambda x: (torch.trace(x.float()), torch.diagonal(x, 1).float() + 1), x)
+
+
+def test_diagonal_of_a_1d_tensor_is_an_unsupported_reason():
+    with FakeTensorMode():
+        graph = torch.fx.Graph()
+        source = graph.placeholder("x")
+        source.meta["val"] = torch.empty(5)
+        node = graph.call_function(torch.ops.aten.diagonal.default, (source,))
+        node.meta["val"] = torch.empty(5)
+    assert "fewer than 2 dims" in unsupported_reason(node)
+
+
+def test_lift_fresh_copy_is_a_copy_kernel():
+    # Dynamo hands constants (masked.* ops' torch.tensor) in as graph inputs: lift_fresh_copy of an input.
+    from neuron_compile.kernel_pipeline import compile_region
+
+    graph = torch.fx.Graph()
+    source = graph.placeholder("x")
+    copy = graph.call_function(torch.ops.aten.lift_fresh_copy.default, (source,))
+    graph.output((copy,))
+    x = random_tensor((129, 3))
+    with FakeTensorMode() as mode:
+        source.meta["val"] = mode.from_tensor(x)
+        copy.meta["val"] = torch.ops.aten.lift_fresh_copy.default(source.meta["val"])
+    region = compile_region(torch.fx.GraphModule({}, graph), [x])
+    (out,) = region(x)
+    assert len(region.kernels) == 1 and out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    torch.testing.assert_close(out, x, rtol=0, atol=0)

@@ -168,3 +168,46 @@ def test_full_reduction_of_a_transposed_tensor_walks_memory_order():
     x = random_tensor((130, 3, 17), seed=13).permute(2, 0, 1)
     region = check_against_eager(lambda x: (x.sum(), x.amax(), x.var([0, 1, 2])), x, tolerances=REDUCTION_TOLERANCES)
     assert len(region.kernels) == 3  # each a chunked walk over one merged dim, none rejected
+
+
+NORM_ORDERS = [2, 1, float("inf"), float("-inf"), 0, 3, 0.5]
+
+
+@pytest.mark.parametrize("order", NORM_ORDERS)
+@pytest.mark.parametrize("shape, dim, keepdim", [((129,), None, False), ((5, 129), -1, True), ((128, 3), 0, False),
+                                                 ((2, 3, 4, 5), (1, -1), False), ((1,), None, True)])
+def test_vector_norm_orders_and_dims_match_eager(order, shape, dim, keepdim):
+    x = random_tensor(shape, seed=len(shape))
+    x.view(-1)[::7] = 0.0  # zeros: counted out by ord 0, 0 ** p for the general order
+    check_against_eager(lambda x: torch.linalg.vector_norm(x, order, dim, keepdim), x,
+                        tolerances=REDUCTION_TOLERANCES)
+
+
+@pytest.mark.parametrize("order", NORM_ORDERS)
+def test_vector_norm_special_values_0d_bf16_and_non_contiguous(order):
+    special = torch.tensor([[1.0, float("inf"), -0.0, 3e30], [float("nan"), -2.0, 0.0, 1e-30], [-1e30, 4.0, 0.5, -7.0]])
+    check_against_eager(lambda x: torch.linalg.vector_norm(x, order, 1), special)
+    check_against_eager(lambda x: torch.linalg.vector_norm(x, order), torch.tensor(-1.5))
+    x = random_tensor((129, 6))
+    check_against_eager(lambda x: torch.linalg.vector_norm(x.t(), order, -1), x, tolerances=REDUCTION_TOLERANCES)
+    check_against_eager(lambda x: torch.linalg.vector_norm(x, order, 0), x.to(torch.bfloat16),
+                        tolerances=REDUCTION_TOLERANCES)
+    check_against_eager(lambda x: torch.linalg.vector_norm(x, order, 0, dtype=torch.float32), x.to(torch.bfloat16),
+                        tolerances=REDUCTION_TOLERANCES)
+
+
+def test_vector_norm_negative_order_is_an_unsupported_reason():
+    gm = trace(lambda x: torch.linalg.vector_norm(x, -2), random_tensor((4, 5)))
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linalg_vector_norm.default)
+    assert "negative orders unsupported" in unsupported_reason(node)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, dim, correction, keepdim", [((129,), None, 1, False), ((5, 129), -1, 0, True),
+                                                             ((128, 3, 2), (0, 2), 1, False), ((1, 4), 0, 0, False)])
+def test_var_mean_and_std_mean_match_eager(dtype, shape, dim, correction, keepdim):
+    x = random_tensor(shape, dtype, seed=3)
+    check_against_eager(lambda x: torch.var_mean(x, dim, correction=correction, keepdim=keepdim), x,
+                        tolerances=REDUCTION_TOLERANCES)
+    check_against_eager(lambda x: torch.std_mean(x.transpose(0, -1), dim, correction=correction), x,
+                        tolerances=REDUCTION_TOLERANCES)

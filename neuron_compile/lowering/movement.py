@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.registry import TensorValue, register_lowering
+from neuron_compile.lowering.registry import TensorValue, load, register_lowering
 
 aten = torch.ops.aten
 
@@ -91,3 +91,81 @@ def lower_cat(ctx, node):
         start += shape[dim]
     ctx.emit(ir.Concat(ctx.fresh_name("kernel"), output.layout.shape, tuple(parts), output))
     return TensorValue(output.name, output.layout, output.dtype)
+
+
+@register_lowering(aten.split_with_sizes.default, aten.split.Tensor, multi_output=True)
+def lower_split(ctx, node):
+    """Each output is a slice of the input along ``dim``: the input's strides, the start moved along it."""
+    base = ctx.value(node.args[0])
+    rank = len(base.layout.shape)
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % rank
+    results, start = [], 0
+    for meta in node.meta["val"]:
+        shape = tuple(meta.shape)
+        offset = base.layout.offset + start * base.layout.strides[dim]
+        results.append(TensorValue(base.buffer, ir.Layout(shape, base.layout.strides, offset), base.dtype))
+        start += shape[dim]
+    return tuple(results)
+
+
+def _check_diagonal(node: torch.fx.Node) -> str | None:
+    return None if node.args[0].meta["val"].dim() >= 2 else f"{node.target}: fewer than 2 dims"
+
+
+@register_lowering(aten.diagonal.default, check=_check_diagonal)
+def lower_diagonal(ctx, node):
+    """A view: the two dims merge into one last dim with stride s1 + s2, starting ``offset`` off the corner."""
+    base = ctx.value(node.args[0])
+    rank = len(base.layout.shape)
+    offset = node.args[1] if len(node.args) > 1 else node.kwargs.get("offset", 0)
+    dim1 = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim1", 0)) % rank
+    dim2 = (node.args[3] if len(node.args) > 3 else node.kwargs.get("dim2", 1)) % rank
+    strides = base.layout.strides
+    start = offset * strides[dim2] if offset >= 0 else -offset * strides[dim1]
+    kept = [d for d in range(rank) if d not in (dim1, dim2)]
+    shape = tuple(node.meta["val"].shape)
+    new_strides = tuple(strides[d] for d in kept) + (strides[dim1] + strides[dim2],)
+    if shape[-1] == 0:
+        start = 0
+    return TensorValue(base.buffer, ir.Layout(shape, new_strides, base.layout.offset + start), base.dtype)
+
+
+@register_lowering(aten.lift_fresh_copy.default)
+def lower_lift_fresh_copy(ctx, node):
+    # A copy of a constant tensor, i.e. a clone: one pointwise copy kernel into eager's layout.
+    from neuron_compile.lowering.pointwise import emit_pointwise
+
+    return emit_pointwise(ctx, node, load(ctx, node.args[0], tuple(node.meta["val"].shape)))
+
+
+def _unbind_dim(node: torch.fx.Node) -> int:
+    rank = node.args[0].meta["val"].dim()
+    return (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank
+
+
+def _check_unbind(node: torch.fx.Node) -> str | None:
+    return None if node.args[0].meta["val"].dim() >= 1 else f"{node.target}: a 0-d tensor"
+
+
+@register_lowering(aten.unbind.int, check=_check_unbind, multi_output=True)
+def lower_unbind(ctx, node):
+    """Each output is a select along ``dim``: the input's strides without that dim, the start moved."""
+    base = ctx.value(node.args[0])
+    dim = _unbind_dim(node)
+    keep = [d for d in range(len(base.layout.shape)) if d != dim]
+    shape, strides = tuple(base.layout.shape[d] for d in keep), tuple(base.layout.strides[d] for d in keep)
+    return tuple(TensorValue(base.buffer, ir.Layout(shape, strides, base.layout.offset + i * base.layout.strides[dim]),
+                             base.dtype) for i in range(base.layout.shape[dim]))
+
+
+@register_lowering(aten.unbind_copy.int, check=_check_unbind, multi_output=True)
+def lower_unbind_copy(ctx, node):
+    """unbind, then one copy kernel per slice into a fresh buffer with eager's layout."""
+    views = lower_unbind(ctx, node)
+    results = []
+    for view, meta in zip(views, node.meta["val"]):
+        buffer = ctx.new_buffer(meta, "unbind")
+        source = ir.Load(view.buffer, view.layout, view.dtype)
+        ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), buffer.layout.shape, (ir.Store(buffer, source, buffer.layout),)))
+        results.append(TensorValue(buffer.name, buffer.layout, buffer.dtype))
+    return tuple(results)

@@ -208,3 +208,92 @@ def lower_softmax_backward(ctx, node):
     else:
         expr = ir.Op("sub", (grad, ir.Op("mul", (ir.Op("exp", (output,)), row))))
     return emit_pointwise(ctx, node, expr)
+
+
+# ---------------------------------------------------------------- vector norms and var_mean
+
+
+def _check_vector_norm(node: torch.fx.Node) -> str | None:
+    source = node.args[0].meta["val"]
+    order = _argument(node, 1, "ord", 2)
+    if not isinstance(order, (int, float)) or isinstance(order, bool):
+        return f"{node.target}: ord={order!r}"
+    if not (math.isinf(order) or order >= 0):
+        # |x| ** p with p < 0 divides by zero on zero elements; eager's inf handling is not worth the risk here.
+        return f"{node.target}: ord={order} (negative orders unsupported)"
+    dtype = node.kwargs.get("dtype")
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+        return f"{node.target}: dtype={dtype}"
+    if source.dim() == 0:
+        return None
+    return _row_shape_reason(node, source, normalize_dims(_argument(node, 2, "dim", None), source.dim()))
+
+
+@register_lowering(aten.linalg_vector_norm.default, check=_check_vector_norm)
+def lower_vector_norm(ctx, node):
+    """ord 2: sqrt(sum(x*x)); 1: sum|x|; inf / -inf: max / min |x|; 0: count of nonzeros; p: sum(|x|^p)^(1/p).
+
+    The reduced value stays fp32 in a scratch buffer and the finishing root is a pointwise node (fused back
+    by the fusion pass when it can be). Eager does not rescale against overflow either, so a plain sum of
+    squares matches it. pow runs on GpSimd (nl.power), which has no restricted input range; sqrt's input is a
+    sum of squares, >= 0.
+    """
+    source = node.args[0]
+    order = float(_argument(node, 1, "ord", 2))
+    domain = ctx.value(source).layout.shape
+    reduce_dims = normalize_dims(_argument(node, 2, "dim", None), len(domain))
+    x = load(ctx, source, domain)
+    magnitude = ir.Op("abs", (x,))
+    if order == 2:
+        prologue, op, finish = ir.Op("mul", (x, x)), "sum", "sqrt"
+    elif order == 1:
+        prologue, op, finish = magnitude, "sum", None
+    elif order == math.inf:
+        prologue, op, finish = magnitude, "max", None
+    elif order == -math.inf:
+        prologue, op, finish = magnitude, "min", None
+    elif order == 0:
+        prologue, op, finish = ir.Op("ne", (x, ir.Scalar(0.0))), "sum", None
+    else:
+        prologue, op, finish = ir.Op("pow", (magnitude, ir.Scalar(order))), "sum", "root"
+    out_shape = tuple(node.meta["val"].shape)
+    if not domain:
+        # A 0-d input is a one-element row: the reduction of one value is the value itself (same math as eager's
+        # one-element reduction, overflow of x*x included).
+        reduced = prologue
+    else:
+        partial = ctx.scratch_buffer(out_shape, "float32", "norm")
+        store = ir.Store(partial, ir.Result(), store_layout_in_domain(partial.layout, domain, reduce_dims))
+        ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, op, prologue, (store,)))
+        reduced = ir.Load(partial.name, partial.layout, partial.dtype)
+    if finish == "sqrt":
+        reduced = ir.Op("sqrt", (reduced,))
+    elif finish == "root":
+        reduced = ir.Op("pow", (reduced, ir.Scalar(1.0 / order)))
+    return emit_pointwise(ctx, node, reduced)
+
+
+def _check_var_mean(node: torch.fx.Node) -> str | None:
+    correction = node.kwargs.get("correction", 1)
+    if correction is not None and not isinstance(correction, (int, float)):
+        return f"{node.target}: correction={correction!r}"
+    return _check_reduction(node)
+
+
+@register_lowering(aten.var_mean.correction, check=_check_var_mean, multi_output=True)
+def lower_var_mean(ctx, node):
+    """Two reductions of the same rows: var (with its correction) and mean, each into eager's layout."""
+    correction = node.kwargs.get("correction", 1)
+    correction = 1.0 if correction is None else float(correction)
+    source = node.args[0]
+    domain = ctx.value(source).layout.shape
+    reduce_dims = normalize_dims(_argument(node, 1, "dim", None), len(domain))
+    results = []
+    for meta, op in zip(node.meta["val"], ("var", "mean")):
+        buffer = ctx.new_buffer(meta, op)
+        store = ir.Store(buffer, ir.Result(), store_layout_in_domain(buffer.layout, domain, reduce_dims))
+        prologue = load(ctx, source, domain)
+        ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, op, prologue, (store,),
+                              correction if op == "var" else 0.0))
+        results.append(TensorValue(buffer.name, buffer.layout, buffer.dtype))
+    return tuple(results)
