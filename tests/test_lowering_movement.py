@@ -162,3 +162,17 @@ def test_lift_fresh_copy_is_a_copy_kernel():
     (out,) = region(x)
     assert len(region.kernels) == 1 and out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     torch.testing.assert_close(out, x, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, dims", [((129,), (0,)), ((5, 129), (1,)), ((130, 7), (0, 1)), ((2, 3, 4), (-1, 0)),
+                                         ((1, 3), (0,)), ((2, 1, 3, 2, 2), (1, 3, 4))])
+def test_flip_reads_backwards_through_negative_strides(dtype, shape, dims):
+    x = random_tensor(shape, dtype)
+    check_against_eager(lambda x: torch.flip(x, dims), x)
+    check_against_eager(lambda x: torch.flip(x.transpose(0, -1), dims) * 2, x)
+
+
+def test_rot90_fliplr_flipud():
+    x = random_tensor((5, 129))
+    check_against_eager(lambda x: (torch.rot90(x, 1, (0, 1)), torch.rot90(x, 2), torch.fliplr(x), torch.flipud(x)), x)

@@ -154,8 +154,8 @@ def lower_unbind(ctx, node):
     dim = _unbind_dim(node)
     keep = [d for d in range(len(base.layout.shape)) if d != dim]
     shape, strides = tuple(base.layout.shape[d] for d in keep), tuple(base.layout.strides[d] for d in keep)
-    return tuple(TensorValue(base.buffer, ir.Layout(shape, strides, base.layout.offset + i * base.layout.strides[dim]),
-                             base.dtype) for i in range(base.layout.shape[dim]))
+    starts = [base.layout.offset + i * base.layout.strides[dim] for i in range(base.layout.shape[dim])]
+    return tuple(TensorValue(base.buffer, ir.Layout(shape, strides, start), base.dtype) for start in starts)
 
 
 @register_lowering(aten.unbind_copy.int, check=_check_unbind, multi_output=True)
@@ -169,3 +169,20 @@ def lower_unbind_copy(ctx, node):
         ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), buffer.layout.shape, (ir.Store(buffer, source, buffer.layout),)))
         results.append(TensorValue(buffer.name, buffer.layout, buffer.dtype))
     return tuple(results)
+
+
+@register_lowering(aten.flip.default)
+def lower_flip(ctx, node):
+    """A copy that reads the input backwards on the flipped dims: a negative stride starting at the last element
+    (access-pattern strides are signed int16 elements, nki-spec §1.6)."""
+    from neuron_compile.lowering.pointwise import emit_pointwise
+
+    base = ctx.value(node.args[0])
+    rank = len(base.layout.shape)
+    dims = {d % rank for d in node.args[1]} if rank else set()
+    strides, offset = list(base.layout.strides), base.layout.offset
+    for d in dims:
+        offset += (base.layout.shape[d] - 1) * strides[d]
+        strides[d] = -strides[d]
+    source = ir.Load(base.buffer, ir.Layout(base.layout.shape, tuple(strides), offset), base.dtype)
+    return emit_pointwise(ctx, node, source)
