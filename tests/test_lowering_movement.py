@@ -176,3 +176,29 @@ def test_flip_reads_backwards_through_negative_strides(dtype, shape, dims):
 def test_rot90_fliplr_flipud():
     x = random_tensor((5, 129))
     check_against_eager(lambda x: (torch.rot90(x, 1, (0, 1)), torch.rot90(x, 2), torch.fliplr(x), torch.flipud(x)), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_ops_and_unfold_match_eager(dtype):
+    x = random_tensor((5, 129), dtype)
+    check_against_eager(lambda x: torch.permute_copy(x, (1, -2)), x)
+    check_against_eager(lambda x: torch.view_copy(x, (129, 5)), x)
+    check_against_eager(lambda x: (torch.narrow_copy(x, 1, 3, 100), torch.narrow_copy(x.t(), -1, 1, 4)), x)
+    check_against_eager(lambda x: torch.ops.aten.copy.default(x, x[0] * 2), x)
+    check_against_eager(lambda x: torch.ops.aten.copy.default(x.float(), x), x)
+    check_against_eager(lambda x: (x.unfold(1, 4, 3) * 2, x.t().unfold(0, 5, 5) + 1, x.unfold(-2, 2, 1) + 1), x)
+
+
+def test_copy_to_bool_is_a_truth_test():
+    x = torch.tensor([0.0, -0.0, 0.3, float("nan"), float("-inf")])
+    check_against_eager(lambda x: torch.ops.aten.copy.default(x > 1, x), x)
+
+
+def test_view_copy_of_a_non_contiguous_tensor_is_an_unsupported_reason():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    node = graph.call_function(torch.ops.aten.view_copy.default, (x, [-1]))
+    with FakeTensorMode():
+        x.meta["val"] = torch.empty(3, 4).t()
+        node.meta["val"] = torch.empty(12)
+    assert "non-contiguous" in unsupported_reason(node)

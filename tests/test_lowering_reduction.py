@@ -211,3 +211,10 @@ def test_var_mean_and_std_mean_match_eager(dtype, shape, dim, correction, keepdi
                         tolerances=REDUCTION_TOLERANCES)
     check_against_eager(lambda x: torch.std_mean(x.transpose(0, -1), dim, correction=correction), x,
                         tolerances=REDUCTION_TOLERANCES)
+
+
+def test_max_and_min_over_everything_propagate_nan():
+    x = random_tensor((129, 5))
+    check_against_eager(lambda x: (torch.max(x), torch.min(x.t()), torch.max(x[:, 1])), x)
+    special = torch.tensor([[1.0, float("nan")], [float("inf"), -1.0]])
+    check_against_eager(lambda x: (torch.max(x), torch.min(x), torch.max(x[1]), torch.min(x[1])), special)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.registry import TensorValue, load, register_lowering
+from neuron_compile.lowering.registry import TensorValue, dtype_name, load, register_lowering
 
 aten = torch.ops.aten
 
@@ -186,3 +186,72 @@ def lower_flip(ctx, node):
         strides[d] = -strides[d]
     source = ir.Load(base.buffer, ir.Layout(base.layout.shape, tuple(strides), offset), base.dtype)
     return emit_pointwise(ctx, node, source)
+
+
+def _copy_of(ctx, node, layout: ir.Layout, base: TensorValue) -> TensorValue:
+    """One copy kernel reading ``base`` through ``layout`` into a fresh buffer with eager's layout."""
+    from neuron_compile.lowering.pointwise import emit_pointwise
+
+    return emit_pointwise(ctx, node, ir.Load(base.buffer, layout, base.dtype))
+
+
+@register_lowering(aten.permute_copy.default)
+def lower_permute_copy(ctx, node):
+    base = ctx.value(node.args[0])
+    rank = len(base.layout.shape)
+    order = [d % rank for d in node.args[1]]
+    layout = ir.Layout(tuple(base.layout.shape[d] for d in order), tuple(base.layout.strides[d] for d in order),
+                       base.layout.offset)
+    return _copy_of(ctx, node, layout, base)
+
+
+def _check_view_copy(node: torch.fx.Node) -> str | None:
+    source = node.args[0].meta.get("val")
+    if source is None or not source.is_contiguous():
+        return f"{node.target}: a view_copy of a non-contiguous tensor"
+    return None
+
+
+@register_lowering(aten.view_copy.default, check=_check_view_copy)
+def lower_view_copy(ctx, node):
+    base = ctx.value(node.args[0])
+    shape = tuple(node.meta["val"].shape)
+    return _copy_of(ctx, node, ir.Layout(shape, ir.contiguous_strides(shape), base.layout.offset), base)
+
+
+@register_lowering(aten.narrow_copy.default)
+def lower_narrow_copy(ctx, node):
+    base = ctx.value(node.args[0])
+    dim = node.args[1] % len(base.layout.shape)
+    start = node.args[2] % base.layout.shape[dim] if node.args[2] < 0 else node.args[2]
+    layout = ir.Layout(tuple(node.meta["val"].shape), base.layout.strides,
+                       base.layout.offset + start * base.layout.strides[dim])
+    return _copy_of(ctx, node, layout, base)
+
+
+@register_lowering(aten.copy.default)
+def lower_copy(ctx, node):
+    """copy(self, src): src broadcast to self's shape and converted to self's dtype (self's values unused)."""
+    from neuron_compile.lowering.pointwise import emit_pointwise
+
+    out_dtype = node.meta["val"].dtype
+    source = load(ctx, node.args[1], tuple(node.meta["val"].shape))
+    if node.args[1].meta["val"].dtype != out_dtype:
+        if out_dtype == torch.bool:
+            return emit_pointwise(ctx, node, ir.Op("ne", (source, ir.Scalar(0.0))))  # a truth test, as eager
+        source = ir.Op("cast", (source,), dtype=dtype_name(out_dtype))
+    return emit_pointwise(ctx, node, source)
+
+
+@register_lowering(aten.unfold.default)
+def lower_unfold(ctx, node):
+    """A view: windows of ``size`` every ``step`` along ``dim`` (stride step * s), the window a new last dim (s)."""
+    base = ctx.value(node.args[0])
+    rank = len(base.layout.shape)
+    dim, step = (node.args[1] % rank if rank else 0), node.args[3]
+    strides = list(base.layout.strides) if rank else []
+    window = strides[dim] if rank else 0
+    if rank:
+        strides[dim] = step * window
+    shape = tuple(node.meta["val"].shape)
+    return TensorValue(base.buffer, ir.Layout(shape, (*strides, window), base.layout.offset), base.dtype)

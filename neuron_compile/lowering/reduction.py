@@ -119,12 +119,12 @@ def lower_mean(ctx, node):
     return emit_reduction(ctx, node, node.args[0], _argument(node, 1, "dim", None), "mean")
 
 
-@register_lowering(aten.amax.default, check=_check_reduction)
+@register_lowering(aten.amax.default, aten.max.default, check=_check_reduction)
 def lower_amax(ctx, node):
     return emit_reduction(ctx, node, node.args[0], _argument(node, 1, "dim", None), "max")
 
 
-@register_lowering(aten.amin.default, check=_check_reduction)
+@register_lowering(aten.amin.default, aten.min.default, check=_check_reduction)
 def lower_amin(ctx, node):
     return emit_reduction(ctx, node, node.args[0], _argument(node, 1, "dim", None), "min")
 
