@@ -251,9 +251,12 @@ class Gather:
     index: Load
     stores: tuple[Store, ...]
     wrap_negative: bool = False  # index.Tensor wraps idx < 0 to idx + size; index_select and embedding raise
-    # elements=True is aten.gather: index has the domain's shape and picks one element per output element,
-    # out[..., j, ...] = source[..., index[..., j, ...], ...] along dim (the other coordinates are the output's).
+    # elements=True: one element per output element (aten.gather, index.Tensor with several indices). Then
+    # ``source``'s layout is restated over the domain (stride 0 on index-driven dims) and ``indices`` holds
+    # (Load over the domain, source stride, source size, wrap negatives) per index: flat offset = source
+    # layout's value + sum(index * stride); ``index`` is the first of them.
     elements: bool = False
+    indices: tuple = ()
 
 
 Node = Pointwise | Reduction | RowNormalize | MatMul | Concat | Gather
@@ -272,7 +275,7 @@ def node_loads(node: Node) -> list[Load]:
     if isinstance(node, MatMul):
         found += [node.a, node.b]
     if isinstance(node, Gather):
-        found += [node.source, node.index]
+        found += [node.source, node.index] + [entry[0] for entry in node.indices]
     return list(dict.fromkeys(found))
 
 

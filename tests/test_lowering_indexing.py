@@ -105,8 +105,8 @@ def test_unsupported_reasons():
     assert "source dtype" in reason
     (reason,) = reasons(lambda a, i: torch.index_select(a, 0, i), random_tensor((4, 20000)), torch.tensor([1]))
     assert "bytes" in reason
-    (reason,) = reasons(lambda a, i, j: a[i, j], x, torch.tensor([1]), torch.tensor([0]))
-    assert "2 index tensors" in reason
+    (reason,) = reasons(lambda a, i, j: a[i, :, j], random_tensor((2, 3, 4)), torch.tensor([1]), torch.tensor([0]))
+    assert "non-adjacent" in reason
     (reason,) = reasons(lambda a, i: torch.index_select(a, 0, i), torch.zeros(1).expand(2**24), torch.tensor([1]))
     assert "2^24" in reason
 
@@ -160,3 +160,24 @@ def test_arange_fractional_step_and_reasons():
     assert "not exact" in reason(lambda a: torch.arange(0, 1, 0.1, dtype=torch.float32))  # 0.1 is inexact
     assert "not exact" in reason(lambda a: torch.arange(-3, 997, 1, dtype=torch.bfloat16))
     assert reason(lambda a: torch.arange(0, 5, 1)) == "dtype int64"  # int results stay eager
+
+
+def test_index_tensor_several_indices_broadcast_and_wrap():
+    x = random_tensor((5, 6, 7), seed=15).transpose(0, 2)  # (7, 6, 5), non-contiguous
+    rows = torch.tensor([[0], [-7], [6]])
+    cols = torch.randint(-6, 6, (1, 129), generator=torch.Generator().manual_seed(3))
+    check_against_eager(lambda a, i, j: a[i, j], x, rows, cols)  # broadcast (3, 129) x trailing 5
+    check_against_eager(lambda a, i, j: a[:, i, j], x, torch.tensor([1, -1, 0]), torch.tensor([4], dtype=torch.int32))
+    check_against_eager(lambda a, i, j, k: a[i, j, k], x, rows, cols, torch.tensor([-5, 4, 0]).view(3, 1))
+
+
+def test_index_tensor_several_indices_out_of_range_raises():
+    x = random_tensor((4, 5), seed=16)
+    for bad in ([0, 5], [-6, 0]):
+        index = torch.tensor(bad)
+        region = compile_region(trace(lambda a, i, j: a[i, j], x, torch.tensor([0, 1]), torch.tensor([0, 1])),
+                                [x, torch.tensor([1, 2]), index])
+        with pytest.raises(Exception, match="err_tensor_access_out_of_bound"):
+            region(x, torch.tensor([1, 2]), index)
+        with pytest.raises(IndexError):
+            _run_compiled(lambda a, i, j: a[i, j], x, torch.tensor([1, 2]), index, fallback="silent")

@@ -102,55 +102,63 @@ def render_gather(node: ir.Gather, name: str, parameters: list[str], target) -> 
 
 
 def render_element_gather(node: ir.Gather, name: str, parameters: list[str], target) -> KernelSource:
-    """aten.gather: the domain's last dim on partitions, every other dim an outer loop; per tile the flat source
-    offset of each element is iota(the output coordinates' part) + index * stride(dim), gathered one element
-    per partition by an indirect DMA over the flat source."""
+    """aten.gather / index.Tensor with several indices: the domain's last dim on partitions, every other dim an
+    outer loop; per tile the flat source offset of each element is iota(the source layout restated over the
+    domain) + sum(index * stride), gathered one element per partition by an indirect DMA over the flat source."""
     (store,) = node.stores
-    source, index, dim = node.source, node.index, node.dim
-    size = source.layout.shape[dim]
+    source = node.source
     rank = len(node.domain)
     part = rank - 1
     rows_total = node.domain[part]
     tile_rows = min(target.partitions, rows_total)
-    outer = [j for j in range(rank) if j != part]
-    var = {j: f"o{j}" for j in outer}
+    outer = list(range(rank - 1))
 
-    def terms(layout, skip=None):
-        return [(var[j], layout.strides[j]) for j in outer if j != skip]
+    def terms(layout):
+        return [(f"o{j}", layout.strides[j]) for j in outer] + [("p0", layout.strides[part])]
 
-    src_strides = source.layout.strides
-    base_terms = terms(source.layout, skip=dim) + ([("p0", src_strides[part])] if part != dim else [])
-    channel = src_strides[part] if part != dim else 0
     window = "[0:rows, 0:1]"
     body = [
-        f"nisa.dma_copy(dst=raw{window}, src={index.buffer}.ap([[{index.layout.strides[part]}, rows], [1, 1]], "
-        f"offset={_offset(index.layout.offset, terms(index.layout) + [('p0', index.layout.strides[part])])}))",
-        # gather does not wrap negative indices: valid is 0 <= idx < size, bad = (idx < 0) + (idx >= size).
-        f"nisa.tensor_scalar(dst=low{window}, data=raw{window}, op0=nl.less, operand0=0.0)",
-        f"nisa.tensor_scalar(dst=high{window}, data=raw{window}, op0=nl.greater_equal, operand0={float(size)})",
-        f"nisa.tensor_tensor(dst=bad{window}, data1=low{window}, data2=high{window}, op=nl.add)",
+        # The output coordinates' part of the offset: exact int32 iota on GpSimd (stride 0 on index-driven dims).
+        f"nisa.iota(base{window}, [[0, 1]], offset={_offset(source.layout.offset, terms(source.layout))}, "
+        f"channel_multiplier={source.layout.strides[part]})",
+        f"nisa.memset(dst=bad{window}, value=0.0)",
+        f"nisa.tensor_copy(dst=address{window}, src=base{window})",
+    ]
+    for index, stride, size, wrap in node.indices:
+        body += [
+            f"nisa.dma_copy(dst=raw{window}, src={index.buffer}.ap([[{index.layout.strides[part]}, rows], [1, 1]], "
+            f"offset={_offset(index.layout.offset, terms(index.layout))}))",
+            # index.Tensor wraps idx < 0 to idx + size (gather does not); then valid is 0 <= idx < size.
+            f"nisa.tensor_scalar(dst=shift{window}, data=raw{window}, op0=nl.less, operand0=0.0, op1=nl.multiply, "
+            f"operand1={float(size) if wrap else 0.0})",
+            f"nisa.tensor_tensor(dst=wrapped{window}, data1=raw{window}, data2=shift{window}, op=nl.add)",
+            f"nisa.tensor_scalar(dst=low{window}, data=wrapped{window}, op0=nl.less, operand0=0.0)",
+            f"nisa.tensor_scalar(dst=high{window}, data=wrapped{window}, op0=nl.greater_equal, "
+            f"operand0={float(size)})",
+            f"nisa.tensor_tensor(dst=bad{window}, data1=bad{window}, data2=low{window}, op=nl.maximum)",
+            f"nisa.tensor_tensor(dst=bad{window}, data1=bad{window}, data2=high{window}, op=nl.maximum)",
+            # For valid indices every partial sum is an integer below the source span < 2^24 (checked): exact fp32.
+            f"nisa.tensor_scalar(dst=wrapped{window}, data=wrapped{window}, op0=nl.multiply, "
+            f"operand0={float(stride)})",
+            f"nisa.tensor_tensor(dst=address{window}, data1=address{window}, data2=wrapped{window}, op=nl.add)",
+        ]
+    body += [
+        # A bad element's address (finite: |idx| < 2^31, stride < 2^24) is zeroed by keep = 0 and redirected to
+        # OUT_OF_RANGE_ROW, beyond the source: the DMA's bounds check fails, never a read of another element.
         f"nisa.tensor_scalar(dst=keep{window}, data=bad{window}, op0=nl.multiply, operand0=-1.0, op1=nl.add, "
         "operand1=1.0)",
-        # Flat offset = the output coordinates' part (exact int32 iota on GpSimd) + idx * stride; for a valid index
-        # it is below the source span < 2^24 (checked), so the fp32 multiply-add is exact; a bad one is zeroed
-        # by keep = 0 and redirected to OUT_OF_RANGE_ROW.
-        f"nisa.iota(base{window}, [[0, 1]], offset={_offset(source.layout.offset, base_terms)}, "
-        f"channel_multiplier={channel})",
-        f"nisa.tensor_scalar(dst=address{window}, data=raw{window}, op0=nl.multiply, operand0={float(src_strides[dim])})",
-        f"nisa.tensor_tensor(dst=address{window}, data1=address{window}, data2=base{window}, op=nl.add)",
         f"nisa.tensor_tensor(dst=address{window}, data1=address{window}, data2=keep{window}, op=nl.multiply)",
         f"nisa.tensor_scalar(dst=bad{window}, data=bad{window}, op0=nl.multiply, operand0={float(OUT_OF_RANGE_ROW)})",
         f"nisa.tensor_tensor(dst=offsets{window}, data1=address{window}, data2=bad{window}, op=nl.add)",
         f"nisa.dma_copy(dst=gathered{window}, src={source.buffer}.ap([[1, rows], [1, 1]], offset=0, "
         f"vector_offset=offsets{window}, indirect_dim=0))",
         f"nisa.dma_copy(dst={store.buffer.name}.ap([[{store.layout.strides[part]}, rows], [1, 1]], "
-        f"offset={_offset(store.layout.offset, terms(store.layout) + [('p0', store.layout.strides[part])])}), "
-        f"src=gathered{window})",
+        f"offset={_offset(store.layout.offset, terms(store.layout))}), src=gathered{window})",
     ]
     allocations = [f"{tile} = nl.ndarray(({tile_rows}, 1), dtype=nl.int32, buffer=nl.sbuf)"
                    for tile in ("raw", "base", "offsets")]
     allocations += [f"{tile} = nl.ndarray(({tile_rows}, 1), dtype=nl.float32, buffer=nl.sbuf)"
-                    for tile in ("low", "high", "bad", "keep", "address")]
+                    for tile in ("shift", "wrapped", "low", "high", "bad", "keep", "address")]
     allocations.append(f"gathered = nl.ndarray(({tile_rows}, 1), dtype={NL_DTYPES[source.dtype]}, buffer=nl.sbuf)")
     loops, depth = [], 1
     for j in outer:

@@ -18,7 +18,13 @@ from neuron_compile import ir
 from neuron_compile.codegen.gather import OUT_OF_RANGE_ROW
 from neuron_compile.lowering.movement import VIEW_OPS
 from neuron_compile.lowering.pointwise import emit_pointwise
-from neuron_compile.lowering.registry import INTEGER_DTYPES, INTEGER_OPS, TensorValue, register_lowering
+from neuron_compile.lowering.registry import (
+    INTEGER_DTYPES,
+    INTEGER_OPS,
+    TensorValue,
+    broadcast_layout,
+    register_lowering,
+)
 
 aten = torch.ops.aten
 
@@ -41,12 +47,14 @@ def _gather_operands(node: torch.fx.Node):
     source, indices = node.args[:2]
     tensors = [(position, item) for position, item in enumerate(indices) if item is not None]
     if len(tensors) != 1:
-        return f"{node.target}: {len(tensors)} index tensors (only one)"
+        return f"{node.target}: {len(tensors)} index tensors"
     position, index = tensors[0]
     return source, position, index
 
 
 def _check_gather(node: torch.fx.Node) -> str | None:
+    if _several_indices(node):
+        return _check_multi_index(node)
     operands = _gather_operands(node)
     if isinstance(operands, str):
         return operands
@@ -84,8 +92,14 @@ def _check_gather(node: torch.fx.Node) -> str | None:
     return None
 
 
+def _several_indices(node: torch.fx.Node) -> bool:
+    return node.target is aten.index.Tensor and sum(item is not None for item in node.args[1]) > 1
+
+
 @register_lowering(aten.index_select.default, aten.embedding.default, aten.index.Tensor, check=_check_gather)
 def lower_gather(ctx, node):
+    if _several_indices(node):
+        return lower_multi_index(ctx, node)
     source_node, dim, index_node = _gather_operands(node)
     source, index = ctx.value(source_node), ctx.value(index_node)
     dim = dim % len(source.layout.shape)
@@ -134,11 +148,70 @@ def lower_element_gather(ctx, node):
     source, dim, index = node.args[:3]
     source, index = ctx.value(source), ctx.value(index)
     buffer = ctx.output_buffer(node, "gather")
-    gather = ir.Gather(
-        ctx.fresh_name("kernel"), buffer.layout.shape, dim % len(buffer.layout.shape),
-        ir.Load(source.buffer, source.layout, source.dtype), ir.Load(index.buffer, index.layout, index.dtype),
-        (ir.Store(buffer, ir.Result(), buffer.layout),), elements=True,
-    )
+    domain = buffer.layout.shape
+    dim = dim % len(domain)
+    # The output coordinates address the source directly on every dim but ``dim``, which the index drives.
+    strides = tuple(0 if d == dim else stride for d, stride in enumerate(source.layout.strides))
+    base = ir.Load(source.buffer, ir.Layout(domain, strides, source.layout.offset), source.dtype)
+    index_load = ir.Load(index.buffer, index.layout, index.dtype)
+    entry = (index_load, source.layout.strides[dim], source.layout.shape[dim], False)
+    gather = ir.Gather(ctx.fresh_name("kernel"), domain, dim, base, index_load,
+                       (ir.Store(buffer, ir.Result(), buffer.layout),), elements=True, indices=(entry,))
+    ctx.emit(gather)
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
+def _multi_index(node: torch.fx.Node):
+    """(position of the first index, index nodes, broadcast shape) of index.Tensor with adjacent indices."""
+    source, indices = node.args[:2]
+    positions = [position for position, item in enumerate(indices) if item is not None]
+    if positions != list(range(positions[0], positions[0] + len(positions))):
+        return f"{node.target}: index tensors on non-adjacent dims (the result's dims move to the front)"
+    shapes = [tuple(indices[position].meta["val"].shape) for position in positions]
+    return positions[0], [indices[position] for position in positions], tuple(torch.broadcast_shapes(*shapes))
+
+
+def _check_multi_index(node: torch.fx.Node) -> str | None:
+    source = node.args[0]
+    source_val, out = source.meta["val"], node.meta["val"]
+    indexed = _multi_index(node)
+    if isinstance(indexed, str):
+        return indexed
+    position, indices, shape = indexed
+    if source_val.dtype not in FLOAT_SOURCES:
+        return f"{node.target}: source dtype {source_val.dtype} (only float32, bfloat16 sources)"
+    if any(index.meta["val"].dtype not in INTEGER_DTYPES for index in indices):
+        return f"{node.target}: index dtypes (only int32, int64; bool masks are not gathers)"
+    expected = tuple(source_val.shape[:position]) + shape + tuple(source_val.shape[position + len(indices):])
+    if out.dim() == 0 or tuple(out.shape) != expected:
+        return f"{node.target}: result shape {list(out.shape)} (only rank >= 1 results of adjacent indices)"
+    span = source_val.storage_offset() + 1 + sum((s - 1) * abs(t) for s, t in zip(source_val.shape, source_val.stride()))
+    if span >= FP32_EXACT:
+        return f"{node.target}: source spans {span} elements (>= 2^24: flat offsets are computed in fp32)"
+    tiles = math.prod(out.shape[:-1]) * math.ceil(out.shape[-1] / 128)
+    if tiles > GATHER_MAX_ITERATIONS:
+        return f"{node.target}: {tiles} gather tiles (> {GATHER_MAX_ITERATIONS})"
+    return None
+
+
+def lower_multi_index(ctx, node):
+    position, indices, shape = _multi_index(node)
+    source = ctx.value(node.args[0])
+    buffer = ctx.output_buffer(node, "gather")
+    domain = buffer.layout.shape
+    count, after = len(indices), len(source.layout.shape) - position - len(indices)
+    strides = source.layout.strides[:position] + (0,) * len(shape) + source.layout.strides[position + count:]
+    base = ir.Load(source.buffer, ir.Layout(domain, strides, source.layout.offset), source.dtype)
+    entries = []
+    for k, index_node in enumerate(indices):
+        index = ctx.value(index_node)
+        spread = broadcast_layout(index.layout, shape)
+        layout = ir.Layout(domain, (0,) * position + spread.strides + (0,) * after, spread.offset)
+        d = position + k
+        entries.append((ir.Load(index.buffer, layout, index.dtype), source.layout.strides[d], source.layout.shape[d],
+                        True))
+    gather = ir.Gather(ctx.fresh_name("kernel"), domain, position, base, entries[0][0],
+                       (ir.Store(buffer, ir.Result(), buffer.layout),), elements=True, indices=tuple(entries))
     ctx.emit(gather)
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
 
