@@ -93,3 +93,22 @@ def test_batch_norm_declines_eval_mode_and_a_single_value_per_channel():
     # The registry already declines it for its empty statistic outputs; the lowering's own check says why too.
     assert unsupported_reason(node) is not None
     assert "training=False" in _check_batch_norm_training(node)
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 2, 4), torch.float32), ((2, 130, 3, 3), torch.float32),
+                                          ((4, 6, 7), torch.bfloat16)])
+def test_batch_norm_eval_mode_decomposes_to_lowered_pointwise_ops(shape, dtype):
+    channels = shape[1]
+    x = random_tensor(shape, dtype, seed=6)
+    weight, bias = random_tensor((channels,), dtype, seed=7), random_tensor((channels,), dtype, seed=8)
+    running_mean = random_tensor((channels,), dtype, seed=9)
+    running_var = random_tensor((channels,), dtype, seed=10, low=0.1, high=3.0)
+
+    def eval_batch_norm(x, weight, bias, running_mean, running_var):
+        # what aot_autograd makes of F.batch_norm(training=False); its two statistic outputs are empty
+        return aten._native_batch_norm_legit_no_training(x, weight, bias, running_mean, running_var, 0.1, 1e-5)[0]
+
+    gm = trace(eval_batch_norm, x, weight, bias, running_mean, running_var)
+    assert not any("batch_norm" in str(node.target) for node in gm.graph.nodes)
+    # One region with every node lowered (compile_region raises on an unsupported node).
+    check_against_eager(eval_batch_norm, x, weight, bias, running_mean, running_var, tolerances=NORM_TOLERANCES)

@@ -43,9 +43,18 @@ KEPT_WHOLE = (
 )
 
 
+# Not in the core table, added from torch._decomp: batch norm in eval mode becomes the pointwise
+# (x - running_mean) * rsqrt-style scaling with the affine (every node lowered), its statistic outputs empty fulls.
+ADDED = (
+    aten._native_batch_norm_legit_no_training.default,
+    aten._native_batch_norm_legit.default,
+)
+
+
 @functools.cache
 def _table() -> dict:
     table = dict(core_aten_decompositions())
+    table.update({op: torch._decomp.decomposition_table[op] for op in ADDED})
     for op in KEPT_WHOLE:
         table.pop(op, None)
     return table
