@@ -166,7 +166,8 @@ def lower_unbind_copy(ctx, node):
     for view, meta in zip(views, node.meta["val"]):
         buffer = ctx.new_buffer(meta, "unbind")
         source = ir.Load(view.buffer, view.layout, view.dtype)
-        ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), buffer.layout.shape, (ir.Store(buffer, source, buffer.layout),)))
+        store = ir.Store(buffer, source, buffer.layout)
+        ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), buffer.layout.shape, (store,)))
         results.append(TensorValue(buffer.name, buffer.layout, buffer.dtype))
     return tuple(results)
 
