@@ -87,18 +87,8 @@ def render_gather(node: ir.Gather, name: str, parameters: list[str], target) -> 
                     for tile in ("shift", "wrapped", "low", "high", "bad", "keep")]
     allocations.append(f"gathered = nl.ndarray(({tile_rows}, {free}), dtype={NL_DTYPES[source.dtype]}, "
                        "buffer=nl.sbuf)")
-    loops, depth = [], 1
-    for j in outer:
-        loops.append("    " * depth + f"for o{j} in range({out_layout.shape[j]}):")
-        depth += 1
-    loops.append("    " * depth + f"for p0 in range(0, {rows_total}, {tile_rows}):")
-    loops.append("    " * (depth + 1) + f"rows = min({tile_rows}, {rows_total} - p0)")
-    text = _render(
-        "gather.py.j2", name=name, parameters=parameters, docstring=ir.format_node(node),
-        outputs=_output_lines(node.stores), allocations=allocations, loops=loops, body=body, depth=depth + 1,
-        returns=store.buffer.name,
-    )
-    return KernelSource(name, text, tuple(parameters), (store.buffer,))
+    return _render_loops(node, name, parameters, allocations, body, [out_layout.shape[j] for j in outer],
+                         rows_total, tile_rows)
 
 
 def render_element_gather(node: ir.Gather, name: str, parameters: list[str], target) -> KernelSource:
@@ -160,12 +150,20 @@ def render_element_gather(node: ir.Gather, name: str, parameters: list[str], tar
     allocations += [f"{tile} = nl.ndarray(({tile_rows}, 1), dtype=nl.float32, buffer=nl.sbuf)"
                     for tile in ("shift", "wrapped", "low", "high", "bad", "keep", "address")]
     allocations.append(f"gathered = nl.ndarray(({tile_rows}, 1), dtype={NL_DTYPES[source.dtype]}, buffer=nl.sbuf)")
+    return _render_loops(node, name, parameters, allocations, body, [node.domain[j] for j in outer],
+                         rows_total, tile_rows)
+
+
+def _render_loops(node: ir.Gather, name: str, parameters: list[str], allocations: list[str], body: list[str],
+                  outer_sizes: list[int], rows_total: int, tile_rows: int) -> KernelSource:
+    """Both gather forms: one loop per outer dim (``o0``, ``o1``, ...), then row tiles of ``tile_rows``."""
     loops, depth = [], 1
-    for j in outer:
-        loops.append("    " * depth + f"for o{j} in range({node.domain[j]}):")
+    for j, size in enumerate(outer_sizes):
+        loops.append("    " * depth + f"for o{j} in range({size}):")
         depth += 1
     loops.append("    " * depth + f"for p0 in range(0, {rows_total}, {tile_rows}):")
     loops.append("    " * (depth + 1) + f"rows = min({tile_rows}, {rows_total} - p0)")
+    (store,) = node.stores
     text = _render(
         "gather.py.j2", name=name, parameters=parameters, docstring=ir.format_node(node),
         outputs=_output_lines(node.stores), allocations=allocations, loops=loops, body=body, depth=depth + 1,
