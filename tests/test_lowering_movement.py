@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lowering_harness import check_against_eager, compile_and_run, random_tensor
+from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
 from neuron_compile.lowering import unsupported_reason
 
 
@@ -202,3 +202,31 @@ def test_view_copy_of_a_non_contiguous_tensor_is_an_unsupported_reason():
         x.meta["val"] = torch.empty(3, 4).t()
         node.meta["val"] = torch.empty(12)
     assert "non-contiguous" in unsupported_reason(node)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape, pad, value",
+    [
+        ((3, 5), (1, 2), 0.5),
+        ((2, 3, 4), (2, 0, 1, 3), -1.0),
+        ((129, 7), (-1, 2, 0, 1), 0.0),  # a negative pad cuts the first column
+        ((4, 6), (-2, -1), 3.0),  # both sides cut
+        ((2, 3, 4, 5), (1, 1, 1, 1, 1, 1), float("inf")),
+        ((1, 600), (0, 0, 130, 1), -0.0),  # padded rows beyond one partition tile, > 512 columns
+    ],
+)
+def test_constant_pad_nd_matches_eager(shape, pad, value, dtype):
+    x = random_tensor(shape, dtype, seed=len(pad))
+    # check_against_eager compiles the graph as one NKI region: a node it could not lower would raise.
+    check_against_eager(lambda t: torch.nn.functional.pad(t, pad, value=value), x)
+
+
+def test_constant_pad_nd_of_a_transposed_input_and_its_reason():
+    x = random_tensor((5, 6)).t()
+    check_against_eager(lambda t: torch.nn.functional.pad(t, (1, 1, 2, 0), value=2.0), x)
+    gm = trace(lambda t: torch.nn.functional.pad(t, (1, 1)), random_tensor((3, 4)))
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.constant_pad_nd.default)
+    assert unsupported_reason(node) is None
+    node.args = (node.args[0], node.args[1], "nan")
+    assert "not a number" in unsupported_reason(node)

@@ -19,7 +19,7 @@ import math
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.pooling import _padded_copy
+from neuron_compile.lowering.movement import padded_copy
 from neuron_compile.lowering.registry import TensorValue, register_lowering
 
 aten = torch.ops.aten
@@ -64,7 +64,7 @@ def lower_convolution(ctx, node):
 
     if any(padding):
         totals = [n + 2 * p for n, p in zip(sizes, padding)]
-        padded = _padded_copy(ctx, source, (*lead, channels), sizes, padding, totals, source.dtype)
+        padded = padded_copy(ctx, source, (*lead, channels), sizes, padding, totals, source.dtype)
         data = ir.Load(padded.name, padded.layout, padded.dtype)
     else:
         data = ir.Load(source.buffer, source.layout, source.dtype)

@@ -172,6 +172,79 @@ def lower_unbind_copy(ctx, node):
     return tuple(results)
 
 
+def padded_copy(ctx, value: TensorValue | None, lead: tuple[int, ...], sizes, padding, totals, dtype: str,
+                fill=None, band_value: float = 0.0, buffer: ir.Buffer | None = None) -> ir.Buffer:
+    """``buffer`` (default: a fresh contiguous one) of shape (*lead, *totals): ``value`` (or the constant ``fill``)
+    at offset ``padding`` in each padded dim, ``band_value`` elsewhere. Bands: for padded dim d, the slabs before
+    and after the interior along d, over the interior of the dims before d and the whole extent of the dims after
+    it, so every element is written exactly once (one Concat: the parts never overlap)."""
+    shape = (*lead, *totals)
+    buffer = buffer if buffer is not None else ctx.scratch_buffer(shape, dtype, "padded")
+    strides = buffer.layout.strides
+    nlead = len(lead)
+    parts = []
+
+    def part(starts, extents, expr):
+        if 0 in extents:
+            return
+        offset = buffer.layout.offset + sum(start * stride for start, stride in zip(starts, strides))
+        target = ir.Layout(tuple(extents), strides, offset)
+        parts.append(ir.Pointwise(ctx.fresh_name("part"), tuple(extents), (ir.Store(buffer, expr, target),)))
+
+    interior_starts = [0] * nlead + list(padding)
+    interior_extents = [*lead, *sizes]
+    source = ir.Scalar(float(fill)) if fill is not None else ir.Load(value.buffer, value.layout, value.dtype)
+    part(interior_starts, interior_extents, source)
+    for d in range(len(sizes)):
+        axis = nlead + d
+        for start, extent in ((0, padding[d]), (padding[d] + sizes[d], totals[d] - padding[d] - sizes[d])):
+            if extent <= 0:
+                continue
+            starts = interior_starts[:axis] + [start] + [0] * (len(shape) - axis - 1)
+            extents = interior_extents[:axis] + [extent] + list(shape[axis + 1:])
+            part(starts, extents, ir.Scalar(float(band_value)))
+    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), shape, tuple(parts), buffer))
+    return buffer
+
+
+def _check_constant_pad(node: torch.fx.Node) -> str | None:
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    if not isinstance(value, (int, float, bool)):
+        return f"aten.constant_pad_nd: pad value {value!r} is not a number"
+    return None
+
+
+@register_lowering(aten.constant_pad_nd.default, check=_check_constant_pad)
+def lower_constant_pad_nd(ctx, node):
+    # pad = (last dim low, last dim high, second-to-last low, ...); a negative pad cuts elements off that side:
+    # slice the input's layout first, then write the (non-negative) bands and the interior into one buffer.
+    value = ctx.value(node.args[0])
+    pad = list(node.args[1])
+    fill = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    rank = len(value.layout.shape)
+    npadded = len(pad) // 2
+    lead = value.layout.shape[: rank - npadded]
+    sizes, offset = list(value.layout.shape), value.layout.offset
+    low = [0] * rank
+    high = [0] * rank
+    for i in range(npadded):
+        dim = rank - 1 - i
+        low[dim], high[dim] = pad[2 * i], pad[2 * i + 1]
+    for dim in range(rank):
+        if low[dim] < 0:
+            offset += -low[dim] * value.layout.strides[dim]
+            sizes[dim] += low[dim]
+        if high[dim] < 0:
+            sizes[dim] += high[dim]
+        sizes[dim] = max(sizes[dim], 0)
+    interior = TensorValue(value.buffer, ir.Layout(tuple(sizes), value.layout.strides, offset), value.dtype)
+    buffer = ctx.output_buffer(node, "pad")
+    padded = list(range(rank - npadded, rank))
+    padded_copy(ctx, interior, tuple(lead), [sizes[d] for d in padded], [max(low[d], 0) for d in padded],
+                list(buffer.layout.shape[rank - npadded:]), buffer.dtype, band_value=fill, buffer=buffer)
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
 @register_lowering(aten.flip.default)
 def lower_flip(ctx, node):
     """A copy that reads the input backwards on the flipped dims: a negative stride starting at the last element

@@ -22,6 +22,7 @@ import math
 import torch
 
 from neuron_compile import ir
+from neuron_compile.lowering.movement import padded_copy
 from neuron_compile.lowering.reduction import _row_shape_reason, store_layout_in_domain
 from neuron_compile.lowering.registry import TensorValue, register_lowering
 
@@ -82,38 +83,6 @@ def _check_avg_pool(dims: int):
     return check
 
 
-def _padded_copy(ctx, value: TensorValue, lead: tuple[int, ...], sizes, padding, totals, dtype: str,
-                 fill=None) -> ir.Buffer:
-    """A contiguous buffer of shape (*lead, *totals): ``value`` (or the constant ``fill``) at offset ``padding``
-    in each pooled dim, zero elsewhere. Zero bands: for pooled dim d, the slabs before and after the interior
-    along d, over the interior of the dims before d and the whole extent of the dims after it."""
-    shape = (*lead, *totals)
-    buffer = ctx.scratch_buffer(shape, dtype, "padded")
-    strides = buffer.layout.strides
-    nlead = len(lead)
-    parts = []
-
-    def part(starts, extents, expr):
-        offset = sum(start * stride for start, stride in zip(starts, strides))
-        target = ir.Layout(tuple(extents), strides, offset)
-        parts.append(ir.Pointwise(ctx.fresh_name("part"), tuple(extents), (ir.Store(buffer, expr, target),)))
-
-    interior_starts = [0] * nlead + list(padding)
-    interior_extents = [*lead, *sizes]
-    source = ir.Scalar(float(fill)) if fill is not None else ir.Load(value.buffer, value.layout, value.dtype)
-    part(interior_starts, interior_extents, source)
-    for d in range(len(sizes)):
-        axis = nlead + d
-        for start, extent in ((0, padding[d]), (padding[d] + sizes[d], totals[d] - padding[d] - sizes[d])):
-            if extent <= 0:
-                continue
-            starts = interior_starts[:axis] + [start] + [0] * (len(shape) - axis - 1)
-            extents = interior_extents[:axis] + [extent] + list(shape[axis + 1:])
-            part(starts, extents, ir.Scalar(0.0))
-    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), shape, tuple(parts), buffer))
-    return buffer
-
-
 def _windows(layout: ir.Layout, nlead: int, stride, outs, kernel) -> ir.Layout:
     """The unfold view: (*lead, *out, *kernel) over a (*lead, *pooled) layout."""
     lead_strides, pooled = layout.strides[:nlead], layout.strides[nlead:]
@@ -130,7 +99,7 @@ def _lower_avg_pool(ctx, node, dims: int):
                                                     ("kernel", "stride", "padding", "sizes", "outs", "totals"))
     needs_padding = any(padding) or any(t > n for t, n in zip(totals, sizes))
     if needs_padding:
-        padded = _padded_copy(ctx, source, lead, sizes, padding, totals, source.dtype)
+        padded = padded_copy(ctx, source, lead, sizes, padding, totals, source.dtype)
         data = ir.Layout(padded.layout.shape, padded.layout.strides, 0)
         data_buffer, data_dtype = padded.name, padded.dtype
     else:
@@ -147,7 +116,7 @@ def _lower_avg_pool(ctx, node, dims: int):
         # Per-window counts: the window sum of a 0/1 mask over the pooled dims that marks the counted range.
         starts = [lo for lo, _ in args["counted"]]
         extents = [hi - lo for lo, hi in args["counted"]]
-        mask = _padded_copy(ctx, None, (), extents, starts, totals, "float32", fill=1.0)
+        mask = padded_copy(ctx, None, (), extents, starts, totals, "float32", fill=1.0)
         count_domain = (*outs, *kernel)
         count = ctx.scratch_buffer(tuple(outs), "float32", "window_count")
         store = ir.Store(count, ir.Result(), store_layout_in_domain(count.layout, count_domain,
