@@ -230,3 +230,35 @@ def test_constant_pad_nd_of_a_transposed_input_and_its_reason():
     assert unsupported_reason(node) is None
     node.args = (node.args[0], node.args[1], "nan")
     assert "not a number" in unsupported_reason(node)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape, repeats, transpose",
+    [((3, 129), (2, 1), False), ((3, 129), (2, 3, 2), False), ((3, 129), (1, 2), True), ((5,), (130,), False)],
+)
+def test_repeat_matches_eager(shape, repeats, transpose, dtype):
+    x = random_tensor(shape, dtype, seed=len(repeats))
+    check_against_eager(lambda t: (t.t() if transpose else t).repeat(*repeats), x)
+
+
+def test_repeat_beyond_the_rank_limit_keeps_a_reason():
+    gm = trace(lambda t: t.repeat(1, 1, 1, 1, 2), random_tensor((2, 3)))
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.repeat.default)
+    assert "limit 8" in unsupported_reason(node)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "src_shape, dim, start, end", [((6, 3), 1, 2, 5), ((2, 7), 0, -2, None), ((2, 7), 0, 0, 2), ((130, 7), 0, 1, 131)]
+)
+def test_slice_scatter_matches_eager(src_shape, dim, start, end, dtype):
+    base = random_tensor((131, 7) if src_shape[0] == 130 else (6, 7), dtype)
+    src = random_tensor(src_shape, dtype, seed=3, low=5.0, high=6.0)  # far from base: a misplaced part shows
+    check_against_eager(lambda a, b: torch.slice_scatter(a, b, dim, start, end), base, src)
+
+
+def test_slice_scatter_with_a_step_keeps_a_reason():
+    gm = trace(lambda a, b: torch.slice_scatter(a, b, 1, 0, 6, 2), random_tensor((4, 6)), random_tensor((4, 3)))
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.slice_scatter.default)
+    assert "step 2" in unsupported_reason(node)

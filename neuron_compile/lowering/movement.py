@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.registry import TensorValue, dtype_name, load, register_lowering
+from neuron_compile.lowering.registry import (
+    MAX_RANK,
+    TensorValue,
+    broadcast_layout,
+    dtype_name,
+    load,
+    register_lowering,
+)
 
 aten = torch.ops.aten
 
@@ -329,3 +336,79 @@ def lower_unfold(ctx, node):
         strides[dim] = step * window
     shape = tuple(node.meta["val"].shape)
     return TensorValue(base.buffer, ir.Layout(shape, (*strides, window), base.layout.offset), base.dtype)
+
+
+def _slice_bounds(node: torch.fx.Node):
+    """(dim, start, end, step) of a slice_scatter, normalized like ATen's slice (clamped to the dim)."""
+    meta = node.args[0].meta["val"]
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % max(meta.dim(), 1)
+    size = meta.shape[dim]
+    start = node.args[3] if len(node.args) > 3 else node.kwargs.get("start")
+    end = node.args[4] if len(node.args) > 4 else node.kwargs.get("end")
+    step = node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1)
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    start, end = min(max(start, 0), size), min(max(end, start), size)
+    return dim, start, end, step
+
+
+def _check_slice_scatter(node: torch.fx.Node) -> str | None:
+    _, _, _, step = _slice_bounds(node)
+    return None if step == 1 else f"aten.slice_scatter: step {step} (only step 1)"
+
+
+@register_lowering(aten.slice_scatter.default, check=_check_slice_scatter)
+def lower_slice_scatter(ctx, node):
+    # out = input with out[..., start:end, ...] = src along dim: three non-overlapping parts of one Concat
+    # (input before the slice, src, input after it), each written exactly once.
+    dim, start, end, _ = _slice_bounds(node)
+    source, src = ctx.value(node.args[0]), ctx.value(node.args[1])
+    buffer = ctx.output_buffer(node, "slice_scatter")
+    shape = buffer.layout.shape
+    parts = []
+    for lo, hi, value, value_start in ((0, start, source, 0), (start, end, src, 0), (end, shape[dim], source, end)):
+        if hi <= lo:
+            continue
+        extents = tuple(hi - lo if d == dim else n for d, n in enumerate(shape))
+        read = ir.Layout(extents, value.layout.strides, value.layout.offset + value_start * value.layout.strides[dim])
+        write = ir.Layout(extents, buffer.layout.strides, buffer.layout.offset + lo * buffer.layout.strides[dim])
+        expr = ir.Load(value.buffer, broadcast_layout(read, extents), value.dtype)
+        if value.dtype != buffer.dtype:
+            expr = ir.Op("cast", (expr,), dtype=buffer.dtype)
+        parts.append(ir.Pointwise(ctx.fresh_name("part"), extents, (ir.Store(buffer, expr, write),)))
+    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), shape, tuple(parts), buffer))
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
+def _repeats(node: torch.fx.Node) -> list[int]:
+    return list(node.args[1])
+
+
+def _check_repeat(node: torch.fx.Node) -> str | None:
+    dims = len(_repeats(node))
+    if 2 * dims > MAX_RANK:
+        return f"aten.repeat: {dims} repeat dims need a {2 * dims}-D copy (limit {MAX_RANK})"
+    return None
+
+
+@register_lowering(aten.repeat.default, check=_check_repeat)
+def lower_repeat(ctx, node):
+    # Output dim k of size r_k * s_k is the pair (copy index, source index): the source read with stride 0 on
+    # the copy index, the output written through its own strides split in two. One copy kernel, no index math.
+    value = ctx.value(node.args[0])
+    repeats = _repeats(node)
+    pad = len(repeats) - len(value.layout.shape)
+    sizes = (1,) * pad + value.layout.shape
+    strides = (0,) * pad + value.layout.strides
+    buffer = ctx.output_buffer(node, "repeat")
+    domain, read_strides, write_strides = [], [], []
+    for repeat, size, stride, out_stride in zip(repeats, sizes, strides, buffer.layout.strides):
+        domain += [repeat, size]
+        read_strides += [0, stride]
+        write_strides += [size * out_stride, out_stride]
+    domain = tuple(domain)
+    read = ir.Layout(domain, tuple(read_strides), value.layout.offset)
+    write = ir.Layout(domain, tuple(write_strides), buffer.layout.offset)
+    expr = ir.Load(value.buffer, broadcast_layout(read, domain), value.dtype)
+    ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), domain, (ir.Store(buffer, expr, write),)))
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
