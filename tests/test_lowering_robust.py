@@ -292,3 +292,16 @@ def test_region_failing_its_output_check_leaves_the_mutated_input_for_eager(monk
     torch._dynamo.reset()
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(stats, expected_stats)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_var_mean_over_no_elements_is_nan(dtype):
+    x = torch.empty((129, 0), dtype=dtype)
+    check_against_eager(lambda t: torch.var_mean(t, dim=1, correction=0), x)
+    check_against_eager(lambda t: torch.var_mean(t, dim=1), x)
+
+
+def test_split_with_an_empty_piece_is_views():
+    x = random_tensor((6, 129))
+    # One region for the whole graph (check_against_eager raises on a node it cannot lower), the empty piece too.
+    check_against_eager(lambda t: [p * 2 for p in torch.split(t, [2, 0, 4], dim=0)], x)

@@ -14,9 +14,9 @@ ignored when beta is 0, as eager does). amax / amin of nothing raise in eager, s
 
 from __future__ import annotations
 
-import torch
-
 import math
+
+import torch
 
 from neuron_compile import ir
 from neuron_compile.lowering.pointwise import emit_pointwise
@@ -85,6 +85,19 @@ def _check_addmm(node) -> str | None:
     if not math.isfinite(float(alpha)):  # alpha * (a @ b) with an empty K: inf * 0 is not modelled
         return f"{node.target}: alpha={alpha} with K = 0"
     return None
+
+
+@register_empty_input_lowering(aten.var_mean.correction)
+def lower_var_mean_of_nothing(ctx, node):
+    """var_mean over no elements: both results nan (0 / 0 for the mean, and eager gives nan for the variance
+    whatever the correction)."""
+    results = []
+    for meta in node.meta["val"]:
+        buffer = ctx.new_buffer(meta, "identity")
+        store = ir.Store(buffer, ir.Scalar(math.nan), buffer.layout)
+        ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), buffer.layout.shape, (store,)))
+        results.append(TensorValue(buffer.name, buffer.layout, buffer.dtype))
+    return tuple(results)
 
 
 @register_empty_input_lowering(aten.addmm.default, check=_check_addmm)

@@ -16,6 +16,7 @@ from neuron_compile.lowering.registry import (
     broadcast_layout,
     dtype_name,
     load,
+    register_empty_input_lowering,
     register_lowering,
 )
 
@@ -113,6 +114,10 @@ def lower_split(ctx, node):
         results.append(TensorValue(base.buffer, ir.Layout(shape, base.layout.strides, offset), base.dtype))
         start += shape[dim]
     return tuple(results)
+
+
+# Some of the pieces may be empty (split sizes of 0): they are views too, no instruction reads them.
+register_empty_input_lowering(aten.split_with_sizes.default, aten.split.Tensor)(lower_split)
 
 
 def _check_diagonal(node: torch.fx.Node) -> str | None:
