@@ -249,3 +249,18 @@ def test_atan2_over_every_pair_of_special_values(dtype):
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance, equal_nan=True)
     exact = (want == 0) | want.abs().isinf()
     assert torch.equal(got[exact].signbit(), want[exact].signbit())
+
+
+def test_bool_fills_and_bitwise_ops_on_bool():
+    x = random_tensor((129, 3))
+    check_against_eager(lambda t: torch.full_like(t, True, dtype=torch.bool), x)
+    check_against_eager(lambda t: torch.full((3, 600), True), x)
+    for op in (torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor):
+        check_against_eager(lambda t, op=op: op(t > 0, t < 1), x)
+
+
+def test_bitwise_ops_on_integers_keep_a_reason():
+    a = torch.arange(6, dtype=torch.int32)
+    gm = trace(lambda t: torch.bitwise_and(t, t), a)
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.bitwise_and.Tensor)
+    assert unsupported_reason(node) == "dtype int32"  # integer tensors reach only views and gathers

@@ -218,3 +218,21 @@ def test_max_and_min_over_everything_propagate_nan():
     check_against_eager(lambda x: (torch.max(x), torch.min(x.t()), torch.max(x[:, 1])), x)
     special = torch.tensor([[1.0, float("nan")], [float("inf"), -1.0]])
     check_against_eager(lambda x: (torch.max(x), torch.min(x), torch.max(x[1]), torch.min(x[1])), special)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool])
+def test_any_and_all_match_eager(dtype):
+    x = random_tensor((129, 7), torch.float32, seed=5)
+    x = torch.where(x > 1.5, x, torch.zeros_like(x))  # mostly zeros: rows with and without a truthy element
+    x[3, 2] = float("nan")  # nan is truthy
+    x = x.to(dtype)
+    check_against_eager(lambda t: torch.any(t), x)
+    check_against_eager(lambda t: torch.any(t, dim=1), x)
+    check_against_eager(lambda t: torch.all(t, dim=0), x)
+    check_against_eager(lambda t: torch.any(t, dim=(0,), keepdim=True), x)
+
+
+def test_any_of_nothing_and_of_a_0d_tensor():
+    check_against_eager(lambda t: torch.any(t, dim=1), torch.empty(4, 0))
+    check_against_eager(lambda t: torch.any(t), torch.tensor(float("nan")))
+    check_against_eager(lambda t: torch.all(t), torch.tensor(0.0))

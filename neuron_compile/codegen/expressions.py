@@ -389,7 +389,16 @@ def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str])
     """The SBUF tile slice (of ``store_dtype``) holding ``value``, ready to DMA out."""
     if value.value is not None:
         tile = scope.tile(store_dtype)
-        lines.append(f"nisa.memset(dst={tile}{scope.slice_text}, value={number(value.value)})")
+        # memset's value must match the tile's dtype (nki-spec §1.3): an int literal for bool and int tiles.
+        if store_dtype == "bool":  # a truth test, as a cast to bool is (nan and inf are True)
+            literal = str(int(value.value != 0))
+        elif store_dtype == "int32":
+            if not math.isfinite(value.value) or value.value != int(value.value):
+                raise ExpressionError(f"constant {value.value} stored to an int32 buffer")
+            literal = str(int(value.value))
+        else:
+            literal = number(value.value)
+        lines.append(f"nisa.memset(dst={tile}{scope.slice_text}, value={literal})")
         return f"{tile}{scope.slice_text}"
     if value.vector and scope.slice_text != "[0:rows, 0:1]":
         # A row vector stored over a full tile (an expand materialized): broadcast it with -0.0 + vector (the

@@ -65,6 +65,9 @@ IDENTITY = {
     aten.var.correction: math.nan,
     aten.mm.default: 0.0,
     aten.bmm.default: 0.0,
+    aten.any.default: 0.0,  # any of nothing is False
+    aten.any.dim: 0.0,
+    aten.any.dims: 0.0,
 }
 
 

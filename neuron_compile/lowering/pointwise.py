@@ -265,8 +265,8 @@ def lower_mish(ctx, node):
 
 
 def _check_full(node: torch.fx.Node) -> str | None:
-    if node.meta["val"].dtype not in (torch.float32, torch.bfloat16):
-        return f"{node.target}: dtype {node.meta['val'].dtype} (a memset needs a float fill for float tiles)"
+    if node.meta["val"].dtype not in (torch.float32, torch.bfloat16, torch.bool):
+        return f"{node.target}: dtype {node.meta['val'].dtype} (float and bool fills only)"
     value = _fill_value(node)
     return None if isinstance(value, (int, float)) else f"{node.target}: fill value {value!r}"
 

@@ -209,6 +209,28 @@ def lower_logical(ctx, node):
     return emit_pointwise(ctx, node, LOGICAL[node.target](a, b))
 
 
+# On bool tensors the bitwise ops are the logical ones (0/1 operands); integer bit patterns are not lowered.
+BITWISE_ON_BOOL = {
+    aten.bitwise_and.Tensor: LOGICAL[aten.logical_and.default],
+    aten.bitwise_or.Tensor: LOGICAL[aten.logical_or.default],
+    aten.bitwise_xor.Tensor: LOGICAL[aten.logical_xor.default],
+}
+
+
+def _check_bool_operands(node: torch.fx.Node) -> str | None:
+    for arg in node.args[:2]:
+        value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+        if not isinstance(value, torch.Tensor) or value.dtype is not torch.bool:
+            return f"{node.target}: only bool tensors (integer bit patterns are not lowered)"
+    return None
+
+
+@register_lowering(*BITWISE_ON_BOOL, check=_check_bool_operands)
+def lower_bitwise_on_bool(ctx, node):
+    a, b = (_operand(ctx, node, arg) for arg in node.args[:2])
+    return emit_pointwise(ctx, node, BITWISE_ON_BOOL[node.target](a, b))
+
+
 @register_lowering(aten.fmax.default, aten.fmin.default)
 def lower_fmax_fmin(ctx, node):
     # nan-ignoring: a nan operand yields the other one (nan only when both are); else the plain maximum/minimum.

@@ -129,6 +129,22 @@ def lower_amin(ctx, node):
     return emit_reduction(ctx, node, node.args[0], _argument(node, 1, "dim", None), "min")
 
 
+@register_lowering(aten.any.default, aten.any.dim, aten.any.dims, check=_check_reduction)
+def lower_any(ctx, node):
+    # A truth test, then a max: any(x) = max(x != 0) (nan is truthy, as in eager); ``all`` reaches us as
+    # not(any(not x)). The 0/1 maximum is exact; the bool store converts it.
+    source = node.args[0]
+    domain = ctx.value(source).layout.shape
+    truth = ir.Op("ne", (load(ctx, source, domain), ir.Scalar(0.0)))
+    if not domain:
+        return emit_pointwise(ctx, node, truth)
+    reduce_dims = normalize_dims(_argument(node, 1, "dim", None), len(domain))
+    buffer = ctx.output_buffer(node, "any")
+    store = ir.Store(buffer, ir.Result(), store_layout_in_domain(buffer.layout, domain, reduce_dims))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "max", truth, (store,), 0.0))
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
 @register_lowering(aten.prod.dim_int, aten.prod.default, check=_check_reduction)
 def lower_prod(ctx, node):
     return emit_reduction(ctx, node, node.args[0], _argument(node, 1, "dim", None), "prod")
