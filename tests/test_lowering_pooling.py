@@ -67,23 +67,32 @@ def test_avg_pool2d_declines_a_window_wholly_in_the_padding():
     assert "wholly in the padding" in unsupported_reason(node)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fn, shape, output_size", [
-    (F.adaptive_avg_pool2d, (1, 8, 8, 8), (5, 7)),
-    (F.adaptive_avg_pool2d, (8, 8, 8), (8, 7)),  # one dim unchanged: a single matmul
-    (F.adaptive_avg_pool2d, (1, 8, 4, 3), (5, 3)),  # upsampling rows: overlapping windows
+    (F.adaptive_avg_pool2d, (1, 8, 8, 8), (4, 2)),
+    (F.adaptive_avg_pool2d, (8, 8, 8), (8, 4)),  # one dim unchanged: windows of one row
     (F.adaptive_avg_pool2d, (2, 130, 9, 9), (3, 3)),
     (F.adaptive_avg_pool2d, (1, 1, 129, 600), (1, 1)),
-    (F.adaptive_avg_pool1d, (3, 8, 8), (5,)),
-    (F.adaptive_avg_pool3d, (1, 2, 5, 6, 7), (3, 2, 4)),
-    (F.adaptive_avg_pool3d, (1, 2, 3, 3, 3), (3, 3, 3)),  # all windows one element: a copy
+    (F.adaptive_avg_pool1d, (3, 8, 8), (4,)),
+    (F.adaptive_avg_pool3d, (1, 2, 6, 6, 8), (3, 2, 4)),
+    (F.adaptive_avg_pool3d, (1, 2, 3, 3, 3), (3, 3, 3)),  # all windows one element
 ])
-def test_adaptive_avg_pool_matches_eager(fn, shape, output_size):
-    x = random_tensor(shape, seed=6)
+def test_adaptive_avg_pool_matches_eager(fn, shape, output_size, dtype):
+    x = random_tensor(shape, dtype, seed=6)
     check_against_eager(lambda x: fn(x, output_size), x)
-    check_against_eager(lambda x: fn(x.transpose(-1, -2), output_size), x)  # non-contiguous
+    if shape[-1] == shape[-2]:
+        check_against_eager(lambda x: fn(x.transpose(-1, -2), output_size), x)  # non-contiguous
 
 
-def test_adaptive_avg_pool_declines_bf16():
-    gm = trace(lambda x: F.adaptive_avg_pool2d(x, (3, 2)), random_tensor((1, 2, 5, 5), torch.bfloat16))
+def test_adaptive_avg_pool_keeps_other_windows_finite():
+    # An inf in one window must not reach the others (a 0-weighted pooling matmul would make them 0 * inf = nan).
+    x = torch.ones(1, 1, 4, 4)
+    x[0, 0, 0, 0] = float("inf")
+    x[0, 0, 3, 3] = float("nan")
+    check_against_eager(lambda t: F.adaptive_avg_pool2d(t, (2, 2)), x)
+
+
+def test_adaptive_avg_pool_declines_uneven_windows():
+    gm = trace(lambda x: F.adaptive_avg_pool2d(x, (3, 2)), random_tensor((1, 2, 5, 5)))
     node = next(node for node in gm.graph.nodes if node.target is torch.ops.aten._adaptive_avg_pool2d.default)
-    assert "fp32 pooling matrices" in unsupported_reason(node)
+    assert "uneven windows" in unsupported_reason(node)

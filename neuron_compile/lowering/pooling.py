@@ -147,88 +147,38 @@ def lower_avg_pool3d(ctx, node):
 # ---------------------------------------------------------------- adaptive average pooling
 
 
-def _adaptive_windows(size: int, out: int) -> list[tuple[int, int]]:
-    """ATen's adaptive windows: [floor(o * size / out), ceil((o + 1) * size / out)) for each output o."""
-    return [((o * size) // out, -((-(o + 1) * size) // out)) for o in range(out)]
-
-
 def _check_adaptive_avg_pool(dims: int):
     def check(node: torch.fx.Node) -> str | None:
         meta = node.args[0].meta["val"]
-        if meta.dtype != torch.float32:
-            # The pooling matrices hold 1 / window length in fp32; nc_matmul cannot mix them with bf16 data.
-            return f"{node.target}: dtype {meta.dtype} (fp32 pooling matrices)"
         if meta.dim() not in (dims + 1, dims + 2):
             return f"{node.target}: rank {meta.dim()} input"
         sizes, outs = list(meta.shape[-dims:]), list(node.meta["val"].shape[-dims:])
-        if max(outs) > 128:
-            return f"{node.target}: output size {outs} (one pooling-matrix part per output row, limit 128)"
+        if any(size % out for size, out in zip(sizes, outs)):
+            # Uneven windows (ATen's [floor(o * I / O), ceil((o + 1) * I / O))) have no single unfold view. A
+            # matmul with a 0 / (1 / len) pooling matrix would cover them, but 0 * inf = nan leaks a non-finite
+            # input into every output of its row (eager keeps the other windows finite): not claimed.
+            return f"{node.target}: input {sizes} not a multiple of output {outs} (uneven windows)"
         return None
 
     return check
 
 
-def _pooling_matrix(ctx, size: int, out: int) -> ir.Buffer:
-    """(out, size) fp32: row o holds 1 / len over its window and 0 elsewhere, written by one Concat of constants."""
-    matrix = ctx.scratch_buffer((out, size), "float32", "pooling_matrix")
-    parts = []
-    for o, (start, end) in enumerate(_adaptive_windows(size, out)):
-        for lo, hi, value in ((0, start, 0.0), (start, end, 1.0 / (end - start)), (end, size, 0.0)):
-            if hi > lo:
-                target = ir.Layout((1, hi - lo), matrix.layout.strides, o * size + lo)
-                parts.append(ir.Pointwise(ctx.fresh_name("part"), (1, hi - lo),
-                                          (ir.Store(matrix, ir.Scalar(value), target),)))
-    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), (out, size), tuple(parts), matrix))
-    return matrix
-
-
 def _lower_adaptive_avg_pool(ctx, node, dims: int):
-    """Separable: each pooled dim d is a matmul with its pooling matrix P_d (out_d, size_d), one dim at a time.
-    For d before the last, P_d is the stationary operand (M = out_d, N = the last dim); for the last dim the data
-    is (M = the dim before it, K = size_d) and P_d^T the moving operand. Intermediates are fp32 scratch."""
+    """Even windows (each pooled size a multiple of its output size): avg_pool with kernel = stride = size / out,
+    no padding — the window sum of an unfold view, divided by the window's element count (uneven windows are
+    declined by the check)."""
     source = ctx.value(node.args[0])
-    rank = len(source.layout.shape)
     out = ctx.output_buffer(node, "adaptive_avg_pool")
-    pooled = [d for d in range(rank - dims, rank) if source.layout.shape[d] != out.layout.shape[d]]
-    current = ir.Load(source.buffer, source.layout, source.dtype)
-    if not pooled:  # every window is one element: a copy
-        ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), out.layout.shape, (ir.Store(out, current, out.layout),)))
-    shape = list(source.layout.shape)
-    for index, d in enumerate(pooled):
-        size, target_size = shape[d], out.layout.shape[d]
-        matrix = _pooling_matrix(ctx, size, target_size)
-        shape[d] = target_size
-        if index == len(pooled) - 1:
-            result, result_layout = out, out.layout
-        else:
-            result = ctx.scratch_buffer(tuple(shape), "float32", "pooled")
-            result_layout = result.layout
-        last = rank - 1
-        if d != last:
-            m_dim, n_dim = d, last
-        else:
-            m_dim, n_dim = last - 1, d
-        batch = [dim for dim in range(rank) if dim not in (m_dim, n_dim) and dim != d]
-        if d != last:
-            batch = [dim for dim in range(rank) if dim not in (d, last)]
-        domain = (*(shape[dim] for dim in batch), shape[m_dim], shape[n_dim])
-        zeros = (0,) * len(batch)
-        data = current.layout.strides
-        if d != last:
-            a = ir.Load(matrix.name, ir.Layout((*domain[:-1], size), (*zeros, size, 1)), "float32")
-            b = ir.Load(current.buffer, ir.Layout((*domain[:-2], size, domain[-1]),
-                                                  (*(data[dim] for dim in batch), data[d], data[last]),
-                                                  current.layout.offset), current.dtype)
-        else:
-            a = ir.Load(current.buffer, ir.Layout((*domain[:-1], size),
-                                                  (*(data[dim] for dim in batch), data[m_dim], data[d]),
-                                                  current.layout.offset), current.dtype)
-            b = ir.Load(matrix.name, ir.Layout((*domain[:-2], size, domain[-1]), (*zeros, 1, size)), "float32")
-        strides = result_layout.strides
-        store_layout = ir.Layout(domain, (*(strides[dim] for dim in batch), strides[m_dim], strides[n_dim]),
-                                 result_layout.offset)
-        ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), domain, size, a, b, (ir.Store(result, ir.Result(), store_layout),)))
-        current = ir.Load(result.name, result_layout, result.dtype)
+    lead = source.layout.shape[:-dims]
+    nlead = len(lead)
+    sizes, outs = source.layout.shape[-dims:], out.layout.shape[-dims:]
+    kernel = tuple(size // o for size, o in zip(sizes, outs))
+    domain = (*lead, *outs, *kernel)
+    reduce_dims = tuple(range(nlead + dims, len(domain)))
+    window_load = ir.Load(source.buffer, _windows(source.layout, nlead, kernel, outs, kernel), source.dtype)
+    store = ir.Store(out, ir.Op("div", (ir.Result(), ir.Scalar(float(math.prod(kernel))))),
+                     store_layout_in_domain(out.layout, domain, reduce_dims))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "sum", window_load, (store,)))
     return TensorValue(out.name, out.layout, out.dtype)
 
 
