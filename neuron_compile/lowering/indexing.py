@@ -123,6 +123,18 @@ def lower_gather(ctx, node):
 INTEGER_OPS.update((aten.index_select.default, aten.embedding.default, aten.index.Tensor))
 
 
+def _element_gather_limits(node: torch.fx.Node, source_val: torch.Tensor, out: torch.Tensor) -> str | None:
+    """The element gather's limits: flat source offsets exact in fp32, and a bounded number of tiles."""
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(source_val.shape, source_val.stride()))
+    span = source_val.storage_offset() + 1 + extent
+    if span >= FP32_EXACT:
+        return f"{node.target}: source spans {span} elements (>= 2^24: flat offsets are computed in fp32)"
+    tiles = math.prod(out.shape[:-1]) * math.ceil(out.shape[-1] / 128)
+    if tiles > GATHER_MAX_ITERATIONS:
+        return f"{node.target}: {tiles} gather tiles (> {GATHER_MAX_ITERATIONS})"
+    return None
+
+
 def _check_element_gather(node: torch.fx.Node) -> str | None:
     source, dim, index = node.args[:3]
     if node.kwargs.get("sparse_grad", False) or (len(node.args) > 3 and node.args[3]):
@@ -134,13 +146,7 @@ def _check_element_gather(node: torch.fx.Node) -> str | None:
         return f"{node.target}: index dtype {index_val.dtype} (only int32, int64)"
     if out.dim() == 0 or source_val.dim() != out.dim():
         return f"{node.target}: 0-d operands (only tensors of rank >= 1)"
-    span = source_val.storage_offset() + 1 + sum((s - 1) * abs(t) for s, t in zip(source_val.shape, source_val.stride()))
-    if span >= FP32_EXACT:
-        return f"{node.target}: source spans {span} elements (>= 2^24: flat offsets are computed in fp32)"
-    tiles = math.prod(out.shape[:-1]) * math.ceil(out.shape[-1] / 128)
-    if tiles > GATHER_MAX_ITERATIONS:
-        return f"{node.target}: {tiles} gather tiles (> {GATHER_MAX_ITERATIONS})"
-    return None
+    return _element_gather_limits(node, source_val, out)
 
 
 @register_lowering(aten.gather.default, check=_check_element_gather)
@@ -185,13 +191,7 @@ def _check_multi_index(node: torch.fx.Node) -> str | None:
     expected = tuple(source_val.shape[:position]) + shape + tuple(source_val.shape[position + len(indices):])
     if out.dim() == 0 or tuple(out.shape) != expected:
         return f"{node.target}: result shape {list(out.shape)} (only rank >= 1 results of adjacent indices)"
-    span = source_val.storage_offset() + 1 + sum((s - 1) * abs(t) for s, t in zip(source_val.shape, source_val.stride()))
-    if span >= FP32_EXACT:
-        return f"{node.target}: source spans {span} elements (>= 2^24: flat offsets are computed in fp32)"
-    tiles = math.prod(out.shape[:-1]) * math.ceil(out.shape[-1] / 128)
-    if tiles > GATHER_MAX_ITERATIONS:
-        return f"{node.target}: {tiles} gather tiles (> {GATHER_MAX_ITERATIONS})"
-    return None
+    return _element_gather_limits(node, source_val, out)
 
 
 def lower_multi_index(ctx, node):

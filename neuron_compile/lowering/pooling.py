@@ -90,6 +90,13 @@ def _windows(layout: ir.Layout, nlead: int, stride, outs, kernel) -> ir.Layout:
                      (*lead_strides, *(s * st for s, st in zip(stride, pooled)), *pooled), layout.offset)
 
 
+def _window_mean(ctx, out: ir.Buffer, domain, reduce_dims, window_load: ir.Load, divisor: ir.Expr) -> TensorValue:
+    """The window sum of ``window_load`` over ``reduce_dims``, divided by ``divisor`` on the way out."""
+    store = ir.Store(out, ir.Op("div", (ir.Result(), divisor)), store_layout_in_domain(out.layout, domain, reduce_dims))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "sum", window_load, (store,)))
+    return TensorValue(out.name, out.layout, out.dtype)
+
+
 def _lower_avg_pool(ctx, node, dims: int):
     args = _pool_arguments(node, dims)
     source = ctx.value(node.args[0])
@@ -125,11 +132,7 @@ def _lower_avg_pool(ctx, node, dims: int):
                               ir.Load(mask.name, _windows(mask.layout, 0, stride, outs, kernel), "float32"), (store,)))
         count_layout = ir.Layout(domain, (0,) * nlead + count.layout.strides + (0,) * dims)
         divisor = ir.Load(count.name, count_layout, "float32")
-    out = ctx.output_buffer(node, "avg_pool")
-    store = ir.Store(out, ir.Op("div", (ir.Result(), divisor)),
-                     store_layout_in_domain(out.layout, domain, reduce_dims))
-    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "sum", window_load, (store,)))
-    return TensorValue(out.name, out.layout, out.dtype)
+    return _window_mean(ctx, ctx.output_buffer(node, "avg_pool"), domain, reduce_dims, window_load, divisor)
 
 
 @register_lowering(aten.avg_pool2d.default, check=_check_avg_pool(2))
@@ -176,10 +179,7 @@ def _lower_adaptive_avg_pool(ctx, node, dims: int):
     domain = (*lead, *outs, *kernel)
     reduce_dims = tuple(range(nlead + dims, len(domain)))
     window_load = ir.Load(source.buffer, _windows(source.layout, nlead, kernel, outs, kernel), source.dtype)
-    store = ir.Store(out, ir.Op("div", (ir.Result(), ir.Scalar(float(math.prod(kernel))))),
-                     store_layout_in_domain(out.layout, domain, reduce_dims))
-    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "sum", window_load, (store,)))
-    return TensorValue(out.name, out.layout, out.dtype)
+    return _window_mean(ctx, out, domain, reduce_dims, window_load, ir.Scalar(float(math.prod(kernel))))
 
 
 @register_lowering(aten._adaptive_avg_pool2d.default, check=_check_adaptive_avg_pool(2))
