@@ -29,6 +29,24 @@ def _check_layer_norm(node: torch.fx.Node) -> str | None:
     return None
 
 
+def _emit_row_statistics(ctx, domain, reduce_dims, prologue, mean: ir.Buffer, rstd: ir.Buffer, eps,
+                         row_shape) -> tuple[ir.Buffer, ir.Buffer]:
+    """The mean and 1 / sqrt(var + eps) of ``prologue`` over ``reduce_dims``, stored into the op's ``mean`` and
+    ``rstd`` outputs and into fp32 scratch copies of ``row_shape``, which the normalize step reads: with bf16
+    outputs, x - round(mean) would cancel catastrophically on near-constant rows (eager keeps them in fp32)."""
+
+    def row_store(buffer, expr):
+        return ir.Store(buffer, expr, store_layout_in_domain(buffer.layout, domain, reduce_dims))
+
+    mean_fp32, rstd_fp32 = (ctx.scratch_buffer(row_shape, "float32", stem) for stem in ("mean_fp32", "rstd_fp32"))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "mean", prologue,
+                          (row_store(mean, ir.Result()), row_store(mean_fp32, ir.Result()))))
+    inverse_std = ir.Op("rsqrt", (ir.Op("add", (ir.Result(), ir.Scalar(float(eps)))),))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "var", prologue,
+                          (row_store(rstd, inverse_std), row_store(rstd_fp32, inverse_std)), correction=0.0))
+    return mean_fp32, rstd_fp32
+
+
 @register_lowering(aten.native_layer_norm.default, check=_check_layer_norm, multi_output=True)
 def lower_layer_norm(ctx, node):
     source, normalized_shape, weight, bias, eps = node.args[:5]
@@ -40,18 +58,8 @@ def lower_layer_norm(ctx, node):
     )
     prologue = load(ctx, source, domain)
 
-    def row_store(buffer, expr):
-        return ir.Store(buffer, expr, store_layout_in_domain(buffer.layout, domain, reduce_dims))
-
-    # The normalize step reads fp32 copies of the statistics: with bf16 outputs, x - round(mean) would cancel
-    # catastrophically on near-constant rows (eager keeps them in fp32 internally too).
     row_shape = tuple(1 if dim in reduce_dims else size for dim, size in enumerate(domain))
-    mean_fp32, rstd_fp32 = (ctx.scratch_buffer(row_shape, "float32", stem) for stem in ("mean_fp32", "rstd_fp32"))
-    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "mean", prologue,
-                          (row_store(mean, ir.Result()), row_store(mean_fp32, ir.Result()))))
-    inverse_std = ir.Op("rsqrt", (ir.Op("add", (ir.Result(), ir.Scalar(float(eps)))),))
-    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "var", prologue,
-                          (row_store(rstd, inverse_std), row_store(rstd_fp32, inverse_std)), correction=0.0))
+    mean_fp32, rstd_fp32 = _emit_row_statistics(ctx, domain, reduce_dims, prologue, mean, rstd, eps, row_shape)
 
     def broadcast(buffer):
         return ir.Load(buffer.name, broadcast_layout(buffer.layout, domain), buffer.dtype)
@@ -123,8 +131,8 @@ def _group_domain(layout: ir.Layout, groups: int) -> ir.Layout:
     size_n, channels, *spatial = layout.shape
     stride_n, stride_c, *spatial_strides = layout.strides
     per_group = channels // groups
-    return ir.Layout((size_n, groups, per_group, *spatial), (stride_n, per_group * stride_c, stride_c, *spatial_strides),
-                     layout.offset)
+    strides = (stride_n, per_group * stride_c, stride_c, *spatial_strides)
+    return ir.Layout((size_n, groups, per_group, *spatial), strides, layout.offset)
 
 
 def _check_group_norm(node: torch.fx.Node) -> str | None:
@@ -157,17 +165,7 @@ def lower_group_norm(ctx, node):
                        ((out_meta, "group_norm"), (mean_meta, "mean"), (rstd_meta, "rstd")))
     prologue = ir.Load(source.buffer, grouped, source.dtype)
 
-    def row_store(buffer, expr):
-        return ir.Store(buffer, expr, store_layout_in_domain(buffer.layout, domain, reduce_dims))
-
-    # fp32 copies of the statistics for the normalize step, as in layer norm (bf16 mean would cancel badly).
-    row_shape = domain[:2]
-    mean_fp32, rstd_fp32 = (ctx.scratch_buffer(row_shape, "float32", stem) for stem in ("mean_fp32", "rstd_fp32"))
-    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "mean", prologue,
-                          (row_store(mean, ir.Result()), row_store(mean_fp32, ir.Result()))))
-    inverse_std = ir.Op("rsqrt", (ir.Op("add", (ir.Result(), ir.Scalar(float(eps)))),))
-    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "var", prologue,
-                          (row_store(rstd, inverse_std), row_store(rstd_fp32, inverse_std)), correction=0.0))
+    mean_fp32, rstd_fp32 = _emit_row_statistics(ctx, domain, reduce_dims, prologue, mean, rstd, eps, domain[:2])
 
     def per_row(buffer):
         return ir.Load(buffer.name, store_layout_in_domain(buffer.layout, domain, reduce_dims), buffer.dtype)

@@ -130,11 +130,6 @@ def sign(x):
     return sub(gt(x, 0.0), lt(x, 0.0))
 
 
-@register_lowering(aten.round.default)
-def lower_round(ctx, node):
-    return emit_pointwise(ctx, node, round_half_even(_x(ctx, node)))
-
-
 def _check_round_decimals(node: torch.fx.Node) -> str | None:
     decimals = _arg(node, 1, "decimals", 0)
     if decimals < 0:
@@ -155,26 +150,6 @@ def lower_round_decimals(ctx, node):
     if scale == 1.0:
         return emit_pointwise(ctx, node, round_half_even(x))
     return emit_pointwise(ctx, node, div(round_half_even(mul(x, scale)), scale))
-
-
-@register_lowering(aten.floor.default)
-def lower_floor(ctx, node):
-    return emit_pointwise(ctx, node, floor(_x(ctx, node)))
-
-
-@register_lowering(aten.ceil.default)
-def lower_ceil(ctx, node):
-    return emit_pointwise(ctx, node, ceil(_x(ctx, node)))
-
-
-@register_lowering(aten.trunc.default)
-def lower_trunc(ctx, node):
-    return emit_pointwise(ctx, node, trunc(_x(ctx, node)))
-
-
-@register_lowering(aten.sign.default, aten.sgn.default)
-def lower_sign(ctx, node):
-    return emit_pointwise(ctx, node, sign(_x(ctx, node)))
 
 
 @register_lowering(aten.signbit.default)
@@ -313,16 +288,6 @@ def log1p(x):
     return where(eq(u, 1.0), x, mul(safe_log(u), ratio))
 
 
-@register_lowering(aten.expm1.default)
-def lower_expm1(ctx, node):
-    return emit_pointwise(ctx, node, expm1(_x(ctx, node)))
-
-
-@register_lowering(aten.log1p.default)
-def lower_log1p(ctx, node):
-    return emit_pointwise(ctx, node, log1p(_x(ctx, node)))
-
-
 @register_lowering(aten.exp2.default)
 def lower_exp2(ctx, node):
     # exp(x ln 2): the product's rounding (2**-24 relative) grows to |x| ln 2 * 2**-24 in the result, under
@@ -409,11 +374,6 @@ def arctan(x):
     clamped = copysign(_op("minimum", absolute(x), 2.0**40), x)
     reduced = where(big, div(-1.0, where(big, clamped, 1.0)), x)
     return add(_op("arctan", reduced), where(big, copysign(math.pi / 2, x), 0.0))
-
-
-@register_lowering(aten.atan.default)
-def lower_atan(ctx, node):
-    return emit_pointwise(ctx, node, arctan(_x(ctx, node)))
 
 
 @register_lowering(aten.atanh.default)
@@ -550,3 +510,22 @@ def lower_atan2(ctx, node):
     result = copysign(theta, y)
     either_nan = either(ne(x, x), ne(y, y))
     return emit_pointwise(ctx, node, where(either_nan, math.nan, result))
+
+
+# Unary ops whose whole lowering is one expression form above, applied to the operand.
+UNARY_FORMS = {
+    aten.round.default: round_half_even,
+    aten.floor.default: floor,
+    aten.ceil.default: ceil,
+    aten.trunc.default: trunc,
+    aten.sign.default: sign,
+    aten.sgn.default: sign,
+    aten.expm1.default: expm1,
+    aten.log1p.default: log1p,
+    aten.atan.default: arctan,
+}
+
+
+@register_lowering(*UNARY_FORMS)
+def lower_unary_form(ctx, node):
+    return emit_pointwise(ctx, node, UNARY_FORMS[node.target](_x(ctx, node)))
