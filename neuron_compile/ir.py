@@ -204,6 +204,21 @@ class RowNormalize:
 
 
 @dataclass(frozen=True)
+class Scan:
+    """A running sum | prod of ``prologue`` along ``dim`` (cumsum, cumprod); stores read ``Result()`` over the
+    whole domain. ``compensated``: also carry each step's fp32 rounding error (eager accumulates fp32 in double).
+    """
+
+    name: str
+    domain: tuple[int, ...]
+    dim: int
+    op: str
+    prologue: Expr
+    stores: tuple[Store, ...]
+    compensated: bool = False
+
+
+@dataclass(frozen=True)
 class MatMul:
     """``a @ b`` over domain (*batch, M, N); ``a`` is (*batch, M, K), ``b`` is (*batch, K, N); mm has one size-1,
     stride-0 batch dim.
@@ -259,7 +274,7 @@ class Gather:
     indices: tuple = ()
 
 
-Node = Pointwise | Reduction | RowNormalize | MatMul | Concat | Gather
+Node = Pointwise | Reduction | RowNormalize | Scan | MatMul | Concat | Gather
 
 
 def node_loads(node: Node) -> list[Load]:
@@ -267,7 +282,7 @@ def node_loads(node: Node) -> list[Load]:
     if isinstance(node, Concat):
         return list(dict.fromkeys(load for part in node.parts for load in node_loads(part)))
     exprs = [store.expr for store in node.stores]
-    if isinstance(node, (Reduction, RowNormalize)):
+    if isinstance(node, (Reduction, RowNormalize, Scan)):
         exprs.append(node.prologue)
     if isinstance(node, Reduction):
         exprs += [store.expr for store in node.row_stores]
@@ -284,7 +299,7 @@ def format_node(node: Node) -> str:
     head = f"{type(node).__name__} {node.name} domain={list(node.domain)}"
     if isinstance(node, Reduction):
         head += f" {node.op} over {list(node.reduce_dims)}\n  prologue: {node.prologue}"
-    elif isinstance(node, RowNormalize):
+    elif isinstance(node, (RowNormalize, Scan)):
         head += f" {node.op} over {node.dim}\n  prologue: {node.prologue}"
     elif isinstance(node, MatMul):
         head += f" K={node.k}\n  a: {node.a}\n  b: {node.b}"

@@ -8,8 +8,9 @@ Rules (after Inductor's): a pointwise node joins the group that produces one of 
 that operand with the producer's own index map ("matching index") over the same domain — a pointwise chain,
 a reduction/softmax epilogue, or a matmul epilogue; a pointwise node over a reduction's whole input domain
 that reads the reduced value broadcast back becomes a row epilogue (rms norm: the row is still in SBUF); a
-reduction or softmax absorbs a pointwise producer group as its prologue when nothing else needs that group's
-outputs. No fusion may create a cycle in the group DAG.
+reduction, softmax or scan absorbs a pointwise producer group as its prologue when nothing else needs that
+group's outputs (a scan's pointwise consumers over its domain become its epilogue, as a softmax's do). No
+fusion may create a cycle in the group DAG.
 A producer's store is kept only if its buffer is still read outside the group or is a region output.
 """
 
@@ -94,7 +95,7 @@ def can_fuse(group: ir.Node, consumer: ir.Node, outside_readers: set[str]) -> st
                 if restated != stores[load_.buffer].layout:
                     return f"{load_.buffer} is read through a view that changes the index map"
         return None
-    if isinstance(consumer, (ir.Reduction, ir.RowNormalize)):
+    if isinstance(consumer, (ir.Reduction, ir.RowNormalize, ir.Scan)):
         if not isinstance(group, ir.Pointwise):
             return f"a {type(consumer).__name__} prologue must be pointwise, not {type(group).__name__}"
         if group.domain != consumer.domain:

@@ -56,7 +56,7 @@ class TilePlan:
     """Loop nest of one kernel. ``outer`` are per-element loops, ``partition`` the SBUF partition dim,
     ``free`` the per-partition dims of a tile (pointwise: one; reductions: the reduced dims)."""
 
-    kind: str  # pointwise | reduction | row_normalize | matmul
+    kind: str  # pointwise | reduction | column_reduction | row_normalize | scan | matmul | concat
     outer: tuple[LoopDim, ...]
     partition: LoopDim
     free: tuple[LoopDim, ...]
@@ -219,6 +219,20 @@ def _columns_are_contiguous(node: ir.Reduction, kept: list[LoopDim], reduced: li
     )
 
 
+SCAN_TILES = 8  # running values and errors (each with a carry column), constants, the compensation's scratch
+
+
+def plan_scan(node: ir.Scan, target) -> TilePlan:
+    """The scanned dim on the free axis, walked in chunks that each carry their last column into the next; the
+    other dims on partitions and outer loops, whatever their order in memory."""
+    layouts = [load.layout for load in ir.node_loads(node)] + [store.layout for store in node.stores]
+    kept, scanned = _row_dims(node, (node.dim,), layouts, target)
+    tiles = count_tiles([node.prologue] + [store.expr for store in node.stores]) + SCAN_TILES
+    free = dataclasses.replace(scanned[0], tile=_free_tile(scanned[0].size, tiles, target))
+    partition = dataclasses.replace(kept[-1], tile=min(kept[-1].size, target.partitions))
+    return TilePlan("scan", tuple(kept[:-1]), partition, (free,), tiles)
+
+
 def plan_matmul(node: ir.MatMul, target) -> TilePlan:
     *batch, m, n = node.domain
     itemsize = 2 if node.a.dtype == "bfloat16" else 4
@@ -245,6 +259,8 @@ def plan_kernel(node: ir.Node, target) -> TilePlan:
         return plan_reduction(node, target)
     if isinstance(node, ir.MatMul):
         return plan_matmul(node, target)
+    if isinstance(node, ir.Scan):
+        return plan_scan(node, target)
     if isinstance(node, ir.Concat):
         parts = tuple(plan_pointwise(part, target) for part in node.parts)
         synthetic = LoopDim(1, None)

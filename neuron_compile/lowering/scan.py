@@ -1,0 +1,62 @@
+"""Lowering stage, scan family: cumsum and cumprod along any dim.
+
+Input: an ATen FX node. Output: one ``ir.Scan`` over the input shape whose store writes the running value with
+eager's strides (a 0-d input is copied, as eager does).
+
+Eager's CPU kernels accumulate a float32 scan in double and a bfloat16 one in float32, rounding each output to
+the result dtype. The engines scan in fp32 (``nisa.tensor_tensor_scan``), which matches bfloat16 results
+exactly; float32 results are ``compensated``: the kernel also carries each step's exact fp32 rounding error
+(codegen/render.py), so the output is the double-accumulated value rounded to fp32, as eager's.
+
+Integer scans (cumsum of bool or integer tensors, or ``dtype=`` an integer type) produce int64 in eager, which
+needs exact integer arithmetic the fp32 engines do not have: they run eagerly, with that reason.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from neuron_compile import ir
+from neuron_compile.lowering.pointwise import emit_pointwise
+from neuron_compile.lowering.registry import INTEGER_OPS, TensorValue, load, register_lowering
+
+aten = torch.ops.aten
+
+SCAN_OPS = {aten.cumsum.default: "sum", aten.cumprod.default: "prod"}
+FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check_scan(node: torch.fx.Node) -> str | None:
+    source, result = node.args[0].meta["val"], node.meta["val"]
+    if result.dtype not in FLOAT_DTYPES:
+        dtype = str(result.dtype).removeprefix("torch.")
+        return (f"{node.target}: an integer running {SCAN_OPS[node.target]} ({dtype} result) needs exact integer "
+                "arithmetic; the engines scan in fp32")
+    if source.dtype not in FLOAT_DTYPES + (torch.bool,):
+        dtype = str(source.dtype).removeprefix("torch.")
+        return f"{node.target}: {dtype} input (its integers are exact in fp32 only within +-2**24)"
+    return None
+
+
+# The check states the integer cases itself (a clearer reason than the registry's bare dtype).
+INTEGER_OPS.update(SCAN_OPS)
+
+
+@register_lowering(*SCAN_OPS, check=_check_scan)
+def lower_scan(ctx, node):
+    source, dim = node.args[:2]
+    op = SCAN_OPS[node.target]
+    result = node.meta["val"]
+    domain = ctx.value(source).layout.shape
+    prologue = load(ctx, source, domain)
+    if ctx.value(source).dtype == "float32" and result.dtype == torch.bfloat16:
+        prologue = ir.Op("cast", (prologue,), dtype="bfloat16")  # dtype=bf16: eager rounds the input first
+    if not domain:
+        return emit_pointwise(ctx, node, prologue)  # eager copies a 0-d input (-0.0 stays -0.0)
+    buffer = ctx.output_buffer(node, f"cum{op}")
+    # A bf16 result is rounded in the store's expression, so a fused epilogue reads it rounded, as eager does.
+    rounded = ir.Result() if buffer.dtype == "float32" else ir.Op("cast", (ir.Result(),), dtype=buffer.dtype)
+    store = ir.Store(buffer, rounded, buffer.layout)
+    compensated = result.dtype == torch.float32 and op == "sum"
+    ctx.emit(ir.Scan(ctx.fresh_name("kernel"), domain, dim % len(domain), op, prologue, (store,), compensated))
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
