@@ -83,12 +83,14 @@ class Kernel:
 class CompiledRegion:
     """The region's kernels, ready to launch. Call with the region's tensors; returns a tuple of outputs."""
 
-    def __init__(self, inputs, kernels, outputs, nki_nodes, target, decisions, buffers=None, mutations=()):
+    def __init__(self, inputs, kernels, outputs, nki_nodes, target, decisions, buffers=None, mutations=(),
+                 output_dtypes=()):
         self.inputs: list[ir.Buffer] = inputs
         self.buffers: dict[str, ir.Buffer] = buffers or {}  # for buffers no kernel writes (empty tensors)
         self.mutations = list(mutations)  # (input buffer name, TensorValue) pairs: copy_ into a graph input
         self._kernels: list[Kernel] = kernels
         self.outputs = outputs  # TensorValue per graph output
+        self.output_dtypes = list(output_dtypes)  # eager's torch dtype per output (int64 for int32 buffers)
         self.nki_nodes = nki_nodes
         self.target = target
         self.fusion_decisions: list[str] = decisions
@@ -135,10 +137,12 @@ class CompiledRegion:
                 flops=int(report.flops), est_time_s=float(report.est_time_s), roofline_s=float(report.roofline_s),
             )
         results = []
-        for value in self.outputs:
+        for index, value in enumerate(self.outputs):
             if value.buffer not in storage:
                 array = arrays[value.buffer] if value.buffer in arrays else self._unwritten(value.buffer, arrays)
                 storage[value.buffer] = _to_torch(array, value.dtype)
+                if value.dtype == "int32" and self.output_dtypes[index:index + 1] == [torch.int64]:
+                    storage[value.buffer] = storage[value.buffer].to(torch.int64)  # NKI has no int64: widen
             base = storage[value.buffer]
             # as_strided's offset is absolute in the storage; layouts are relative to the buffer's first element.
             offset = base.storage_offset() + value.layout.offset
@@ -200,5 +204,5 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> Com
         kernels.append(Kernel(source, getattr(module, name)))
     return CompiledRegion(
         lowered.inputs, kernels, lowered.outputs, lowered.aten_nodes, target, fused.decisions, lowered.buffers,
-        lowered.mutations,
+        lowered.mutations, lowered.output_dtypes,
     )

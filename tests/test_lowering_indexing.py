@@ -100,7 +100,9 @@ def test_unsupported_reasons():
         gm = trace(fn, *inputs)
         return [unsupported_reason(node) for node in gm.graph.nodes if node.op == "call_function"]
 
-    assert reasons(lambda a, i: a + i, x, torch.tensor([1, 2, 3])) == ["dtype int64"]  # int arithmetic stays eager
+    # int arithmetic on values nothing bounds (a graph input) stays eager: fp32 would round beyond 2**24
+    (reason,) = reasons(lambda a, i: a + i, x, torch.tensor([1, 2, 3]))
+    assert "int64 values of arg1_1 not proved within +-2**24" in reason
     (reason,) = reasons(lambda a, i: torch.index_select(a, 0, i), x.to(torch.int32), torch.tensor([1]))
     assert "source dtype" in reason
     (reason,) = reasons(lambda a, i: torch.index_select(a, 0, i), random_tensor((4, 20000)), torch.tensor([1]))
@@ -159,7 +161,9 @@ def test_arange_fractional_step_and_reasons():
 
     assert "not exact" in reason(lambda a: torch.arange(0, 1, 0.1, dtype=torch.float32))  # 0.1 is inexact
     assert "not exact" in reason(lambda a: torch.arange(-3, 997, 1, dtype=torch.bfloat16))
-    assert reason(lambda a: torch.arange(0, 5, 1)) == "dtype int64"  # int results stay eager
+    assert reason(lambda a: torch.arange(0, 5, 1)) is None  # int results: exact, the value range proves it
+    assert "beyond +-2**24" in reason(lambda a: torch.arange(0, 2**26, 2**22))
+    assert "fractional" in reason(lambda a: torch.arange(0, 5, 1.5, dtype=torch.int64))
 
 
 def test_index_tensor_several_indices_broadcast_and_wrap():

@@ -21,6 +21,7 @@ import torch
 from neuron_compile import ir
 from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import (
+    INTEGER_OPS,
     TensorValue,
     broadcast_layout,
     dtype_name,
@@ -119,6 +120,9 @@ def lower_addmm_k0(ctx, node):
 def lower_fresh_copy(ctx, node):
     """A fresh copy of a constant tensor lifted into the graph (``torch.tensor(...)`` in the traced function)."""
     return emit_pointwise(ctx, node, load(ctx, node.args[0], tuple(node.meta["val"].shape)))
+
+
+INTEGER_OPS.add(aten.lift_fresh_copy.default)  # a copy in the buffer's own dtype: exact for every integer
 
 
 @register_lowering(aten.copy.default)

@@ -19,6 +19,7 @@ from neuron_compile.codegen.gather import OUT_OF_RANGE_ROW
 from neuron_compile.lowering.movement import VIEW_OPS
 from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import (
+    INTEGER_ARITHMETIC_OPS,
     INTEGER_DTYPES,
     INTEGER_OPS,
     TensorValue,
@@ -231,11 +232,17 @@ def _arange_args(node: torch.fx.Node):
 
 def _check_arange(node: torch.fx.Node) -> str | None:
     out = node.meta["val"]
-    if out.dtype not in FLOAT_SOURCES:
-        return f"{node.target}: dtype {out.dtype} (only float32, bfloat16 results)"
     start, _, step = _arange_args(node)
     if not all(isinstance(value, (int, float)) for value in (start, step)):
         return f"{node.target}: symbolic bounds"
+    if out.dtype in INTEGER_DTYPES:
+        # iota * step + start in fp32 is exact for integer start and step while the values stay within +-2**24
+        # (the registry's value-range check, INTEGER_ARITHMETIC_OPS); a fractional step truncates in eager.
+        if not all(float(value).is_integer() for value in (start, step)):
+            return f"{node.target}: integer result with a fractional start {start} or step {step}"
+        return None
+    if out.dtype not in FLOAT_SOURCES:
+        return f"{node.target}: dtype {out.dtype} (only float32, bfloat16 and integer results)"
     count = out.numel()
     if count > ARANGE_MAX:
         return f"{node.target}: {count} elements (> {ARANGE_MAX})"
@@ -251,6 +258,9 @@ def _check_arange(node: torch.fx.Node) -> str | None:
     ):
         return f"{node.target}: start {start}, step {step} not exact (iota * step + start in fp32 differs from eager)"
     return None
+
+
+INTEGER_ARITHMETIC_OPS.update((aten.arange.default, aten.arange.start_step))
 
 
 @register_lowering(aten.arange.default, aten.arange.start_step, check=_check_arange)

@@ -10,6 +10,9 @@ import torch
 
 from neuron_compile import ir
 from neuron_compile.lowering.registry import (
+    INTEGER_ARITHMETIC_OPS,
+    INTEGER_DTYPES,
+    INTEGER_OPS,
     LoweringContext,
     TensorValue,
     dtype_name,
@@ -206,6 +209,12 @@ def lower_cast(ctx, node):
     if node.meta["val"].dtype == torch.bool:
         # To bool is a truth test, not a numeric conversion: 0.3 -> True and nan -> True, as eager does.
         return emit_pointwise(ctx, node, ir.Op("ne", (source, ir.Scalar(0.0))))
+    if node.meta["val"].dtype in INTEGER_DTYPES and node.args[0].meta["val"].is_floating_point():
+        # Float to integer truncates toward zero (eager's C cast); the value-range check proved |x| < 2**24, so
+        # the exact fp32 trunc is an integer the conversion keeps whatever its rounding mode.
+        from neuron_compile.lowering.pointwise_math import trunc  # pointwise_math builds on this module
+
+        source = trunc(source)
     return emit_pointwise(ctx, node, ir.Op("cast", (source,), dtype=out_dtype))
 
 
@@ -225,6 +234,10 @@ def lower_logical_not(ctx, node):
 @register_lowering(aten.clone.default)
 def lower_clone(ctx, node):
     return emit_pointwise(ctx, node, _operand(ctx, node, node.args[0]))
+
+
+# A copy loads and stores tiles of the buffer's own dtype (no fp32 pass): exact for every integer.
+INTEGER_OPS.add(aten.clone.default)
 
 
 def _check_gelu_backward(node: torch.fx.Node) -> str | None:
@@ -265,10 +278,10 @@ def lower_mish(ctx, node):
 
 
 def _check_full(node: torch.fx.Node) -> str | None:
-    if node.meta["val"].dtype not in (torch.float32, torch.bfloat16, torch.bool):
-        return f"{node.target}: dtype {node.meta['val'].dtype} (float and bool fills only)"
     value = _fill_value(node)
-    return None if isinstance(value, (int, float)) else f"{node.target}: fill value {value!r}"
+    if not isinstance(value, (int, float)):
+        return f"{node.target}: fill value {value!r}"
+    return None  # integer fills: the value-range check (INTEGER_ARITHMETIC_OPS) bounds the value
 
 
 def _fill_value(node: torch.fx.Node):
@@ -279,3 +292,16 @@ def _fill_value(node: torch.fx.Node):
 def lower_full(ctx, node):
     # full_like's meta['val'] already has the strides eager gives it (it follows its input's layout).
     return emit_pointwise(ctx, node, ir.Scalar(float(_fill_value(node))))
+
+
+# Integer operands and results compute in fp32 tiles: exact when passes/value_range.py proves every value within
+# +-2**24 (the registry checks it per node). pow stays out: nl.power is not exact on integers.
+INTEGER_ARITHMETIC_OPS.update((
+    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar, aten.rsub.Tensor,
+    aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.abs.default,
+    aten.maximum.default, aten.minimum.default, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
+    aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor, aten.lt.Scalar, aten.le.Tensor,
+    aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar, aten.where.self,
+    aten._to_copy.default, prims.convert_element_type.default, aten.full.default,
+    aten.full_like.default, aten.scalar_tensor.default,
+))

@@ -12,7 +12,14 @@ import torch
 
 from neuron_compile import ir
 from neuron_compile.lowering.pointwise import emit_pointwise
-from neuron_compile.lowering.registry import LoweringContext, TensorValue, broadcast_layout, load, register_lowering
+from neuron_compile.lowering.registry import (
+    INTEGER_ARITHMETIC_OPS,
+    LoweringContext,
+    TensorValue,
+    broadcast_layout,
+    load,
+    register_lowering,
+)
 
 aten = torch.ops.aten
 
@@ -86,8 +93,10 @@ UNCHUNKED_ROW_LIMIT = 2048
 
 def _check_reduction(node: torch.fx.Node) -> str | None:
     source = node.args[0].meta["val"]
-    if node.kwargs.get("dtype") is not None and node.kwargs["dtype"] not in (torch.float32, torch.bfloat16):
-        return f"{node.target}: dtype={node.kwargs['dtype']}"
+    dtype = node.kwargs.get("dtype")
+    integer_sum = node.target in (aten.sum.dim_IntList, aten.sum.default) and dtype in (torch.int32, torch.int64)
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16) and not integer_sum:
+        return f"{node.target}: dtype={dtype}"
     if source.dim() == 0:
         return None  # one element: emit_reduction lowers it as a copy
     return _row_shape_reason(node, source, normalize_dims(_argument(node, 1, "dim", None), source.dim()))
@@ -127,6 +136,11 @@ def lower_amax(ctx, node):
 @register_lowering(aten.amin.default, aten.min.default, check=_check_reduction)
 def lower_amin(ctx, node):
     return emit_reduction(ctx, node, node.args[0], _argument(node, 1, "dim", None), "min")
+
+
+# Integer sums (a count of nonzeros) and extrema are exact in fp32 when the value-range pass proves the bounds.
+INTEGER_ARITHMETIC_OPS.update((aten.sum.dim_IntList, aten.sum.default, aten.amax.default, aten.amin.default,
+                               aten.max.default, aten.min.default))
 
 
 @register_lowering(aten.any.default, aten.any.dim, aten.any.dims, check=_check_reduction)

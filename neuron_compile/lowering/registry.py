@@ -26,6 +26,9 @@ SUPPORTED_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.
 # lowerings that keep integer values exact, e.g. gather indices) may touch them; the rest stay eager.
 INTEGER_DTYPES = (torch.int32, torch.int64)
 INTEGER_OPS: set = set()
+# Ops whose lowerings compute integers in fp32 tiles: exact when every integer they read or write (and the float
+# a cast to an integer reads) is proved within +-2**24 by passes/value_range.py; otherwise eager, with that reason.
+INTEGER_ARITHMETIC_OPS: set = set()
 
 
 # Tensors of higher rank run eagerly. Tiling collapses mergeable dims and walks the rest as outer loops, so rank
@@ -134,8 +137,9 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
         return f"{node.target}: no tensor meta['val'] (multi-output or untyped node)"
     empty_result = produces_no_elements(node)
     identity = _EMPTY_INPUT_LOWERINGS.get(node.target)
+    integer_ops = INTEGER_OPS | INTEGER_ARITHMETIC_OPS
     for meta in _tensor_metas(node):
-        if meta.dtype not in SUPPORTED_DTYPES or (meta.dtype in INTEGER_DTYPES and node.target not in INTEGER_OPS):
+        if meta.dtype not in SUPPORTED_DTYPES or (meta.dtype in INTEGER_DTYPES and node.target not in integer_ops):
             return f"dtype {str(meta.dtype).removeprefix('torch.')}"
         # An empty result needs no instructions (lower_graph gives it a buffer and no kernel); cat skips empty
         # inputs (an empty KV cache); an empty input of a non-empty result needs the op's identity (mm with
@@ -147,10 +151,38 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
             return f"rank {meta.dim()} beyond the {MAX_RANK}-D limit"
     if empty_result:
         return None  # the op's own limits concern elements it would compute; there are none
+    if node.target in INTEGER_ARITHMETIC_OPS and node.target not in INTEGER_OPS:
+        reason = _integer_range_reason(node)
+        if reason is not None:
+            return reason
     if identity is not None and reads_an_empty_tensor(node):
         return identity.check(node) if identity.check is not None else None
     if rule.check is not None:
         return rule.check(node)
+    return None
+
+
+def _integer_range_reason(node: torch.fx.Node) -> str | None:
+    """None if every integer ``node`` reads or writes is proved exact in fp32 (and, for a cast to an integer, the
+    value it casts), else which value is not."""
+    from neuron_compile.passes.value_range import EXACT_INTEGER_BOUND, value_range
+
+    result = node.meta["val"]
+    casts_to_integer = isinstance(result, torch.Tensor) and result.dtype in INTEGER_DTYPES
+    operands = [item for arg in [*node.args, *node.kwargs.values()]
+                for item in (arg if isinstance(arg, (list, tuple)) else [arg]) if isinstance(item, torch.fx.Node)]
+    for subject in [*operands, node]:
+        meta = subject.meta.get("val")
+        if not isinstance(meta, torch.Tensor):
+            continue
+        if meta.dtype not in INTEGER_DTYPES and not (casts_to_integer and meta.is_floating_point()):
+            continue
+        what = f"{str(meta.dtype).removeprefix('torch.')} values of {subject.name}"
+        bounds = value_range(subject)
+        if bounds is None:
+            return f"{what} not proved within +-2**24 (integer math runs in fp32)"
+        if not bounds.within(EXACT_INTEGER_BOUND):
+            return f"{what} in {bounds}, beyond +-2**24 (integer math runs in fp32)"
     return None
 
 
@@ -176,6 +208,8 @@ class LoweredRegion:
     buffers: dict[str, ir.Buffer] = dataclasses.field(default_factory=dict)
     # (graph-input buffer, value): after the kernels the input tensor holds the value (copy_ into an input).
     mutations: list[tuple[str, TensorValue]] = dataclasses.field(default_factory=list)
+    # eager's dtype per output: int64 results live in int32 kernel buffers and are widened when returned
+    output_dtypes: list[torch.dtype] = dataclasses.field(default_factory=list)
 
 
 class LoweringContext:
@@ -250,7 +284,7 @@ def lower_graph(gm: torch.fx.GraphModule) -> LoweredRegion:
     """Lower every ATen node of ``gm`` (whose nodes carry meta['val']) to IR."""
     _ensure_families_loaded()
     ctx = LoweringContext()
-    inputs, outputs, aten_nodes = [], [], 0
+    inputs, outputs, output_dtypes, aten_nodes = [], [], [], 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             meta = node.meta.get("val")
@@ -281,9 +315,11 @@ def lower_graph(gm: torch.fx.GraphModule) -> LoweredRegion:
             results = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
             for arg in results:
                 outputs.append(ctx.value(arg))
+                output_dtypes.append(arg.meta["val"].dtype)
         else:
             raise LoweringError(f"unsupported FX node kind {node.op} ({node.name})")
-    return LoweredRegion(inputs, ctx.nodes, outputs, aten_nodes, dict(ctx.buffers), list(ctx.mutations))
+    return LoweredRegion(inputs, ctx.nodes, outputs, aten_nodes, dict(ctx.buffers), list(ctx.mutations),
+                         output_dtypes)
 
 
 def _empty_value(ctx: LoweringContext, node: torch.fx.Node):

@@ -1,0 +1,110 @@
+"""Integer arithmetic in kernels (fp32 tiles, exact within +-2**24 as the value-range pass proves) vs eager.
+
+Everything runs through ``torch.compile(backend="neuron")`` with ``fallback="raise"`` and is checked bit for bit
+(integer results) or within the harness tolerances (float results that read integer index math), and for the
+number of ATen nodes left eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lowering_harness import TOLERANCES, random_tensor
+
+import neuron_compile
+
+
+def _compiled(fn, *inputs):
+    torch._dynamo.reset()
+    neuron_compile.reset_stats()
+    with neuron_compile.config.patch(fallback="raise"):
+        return torch.compile(fn, backend="neuron")(*inputs), neuron_compile.stats()
+
+
+def check(fn, *inputs, eager_nodes=0):
+    """Compiled == eager (dtype, shape, strides, values) and exactly ``eager_nodes`` ATen nodes left eager."""
+    got, stats = _compiled(fn, *inputs)
+    want = fn(*inputs)
+    assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
+    if want.is_floating_point():
+        rtol, atol = TOLERANCES[want.dtype]
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    else:
+        assert torch.equal(got, want)
+    assert stats["nki_nodes"] > 0
+    assert stats["fallback_nodes"] == eager_nodes, stats["fallback_reasons"]
+    return stats
+
+
+@pytest.mark.parametrize("rows", [1, 127, 129])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tril_triu_masks_from_index_arithmetic(rows, dtype):
+    x = random_tensor((rows, 131), dtype=dtype, seed=rows)
+    for diagonal in (0, 3, -5):
+        check(lambda a, d=diagonal: torch.tril(a, d), x)
+        check(lambda a, d=diagonal: torch.triu(a, d), x)
+
+
+def test_diag_and_diag_embed():
+    check(lambda a: torch.diag(a), random_tensor((130,), seed=1))
+    check(lambda a: torch.diag_embed(a, offset=2), random_tensor((3, 9), seed=2))
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+def test_padding_by_index_arithmetic(mode):
+    x = random_tensor((2, 3, 140), seed=3)
+    check(lambda a: F.pad(a, (5, 7), mode=mode), x)
+    check(lambda a: F.pad(a, (2, 3, 1, 1), mode=mode), x.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear", "nearest-exact"])
+def test_interpolate_index_math_is_exact(mode):
+    x = random_tensor((1, 2, 9, 130), seed=4)
+    check(lambda a: F.interpolate(a, scale_factor=1.7, mode=mode), x)
+    check(lambda a: F.interpolate(a, size=(4, 61), mode=mode), x)
+
+
+def test_integer_results_are_widened_to_int64_with_eager_strides():
+    x = random_tensor((129, 7), seed=5)
+    check(lambda a: torch.count_nonzero(a > 0, dim=0), x)
+    check(lambda a: (a > 0).sum(dim=1, dtype=torch.int64), x)
+    check(lambda a: torch.arange(-40, 300, 3).view(-1, 1).expand(-1, 4).t() * 2 + 1, x)
+    stats = check(lambda a: (torch.arange(7) * 0.25 - 0.9).long(), x)  # trunc toward zero: -0.9 -> 0, -0.4 -> 0
+    assert stats["kernels_launched"] >= 1
+
+
+def test_float_to_integer_cast_truncates_toward_zero():
+    # quarters from -3 to 2.75 (and thirds, which are not exact in fp32): -2.75 -> -2, -0.25 -> 0, 2.5 -> 2
+    for dtype in (torch.int32, torch.int64):
+        check(lambda a, d=dtype: (torch.arange(-12, 12) * 0.25).to(d), random_tensor((3,)))
+        check(lambda a, d=dtype: (torch.arange(-300, 300) / 3 + 0.5).to(d), random_tensor((3,)))
+    check(lambda a: (torch.arange(-20, 20, dtype=torch.bfloat16) * 0.75).long(), random_tensor((3,)))
+
+
+def test_integer_values_near_the_fp32_exact_limit():
+    start = 2**24 - 2**10 - 300
+    check(lambda a: torch.arange(start, start + 200) - start + (a > 0).sum(), random_tensor((5,), seed=6))
+
+
+def test_unbounded_integers_stay_eager_with_their_reason():
+    index = torch.tensor([3, 2**30, -7])
+    got, stats = _compiled(lambda i: i + 1, index)
+    assert torch.equal(got, index + 1)  # 2**30 + 1 is not an fp32 value: a kernel would have rounded it
+    assert stats["nki_nodes"] == 0
+    (reason,) = stats["fallback_reasons"]
+    assert "int64 values of arg0_1 not proved within +-2**24" in reason
+
+    got, stats = _compiled(lambda a: torch.arange(0, 2**25, 2**20) + a.sum().long() * 0, torch.ones(3))
+    assert any("beyond +-2**24" in reason for reason in stats["fallback_reasons"]), stats["fallback_reasons"]
+
+    x = torch.tensor([1e10, -3.5, float("nan")])
+    got, stats = _compiled(lambda a: a.long(), x)
+    assert torch.equal(got, x.long())
+    assert any("float32 values of arg0_1 not proved" in reason for reason in stats["fallback_reasons"])
+
+
+def test_integer_copies_are_exact_for_every_value():
+    big = torch.tensor([2**40 // 2**10, -(2**31), 2**31 - 1, 5])  # int32's full range: a copy never rounds
+    check(lambda i: i.clone(), big)
+    check(lambda a: a[torch.tensor([4, 0, 4, 2])], random_tensor((5, 3), seed=7))
