@@ -6,7 +6,7 @@ Input: nothing (definitions). Output: frozen, hashable, printable dataclasses.
   broadcast dim has stride 0. ``Layout.index_expr()`` states it as a sympy expression.
 * Expression trees (``Load``, ``Scalar``, ``Op``, ``Result``) describe per-element math over a node's iteration
   domain; they are data, not closures, so they print and hash.
-* IR nodes (``Pointwise``, ``Reduction``, ``RowNormalize``, ``MatMul``) each write one or more ``Store``s.
+* IR nodes (``Pointwise``, ``Reduction``, ``RowNormalize``, ``Scan``, ``MatMul``) each write one or more ``Store``s.
 """
 
 from __future__ import annotations
@@ -205,9 +205,9 @@ class RowNormalize:
 
 @dataclass(frozen=True)
 class Scan:
-    """A running sum | prod of ``prologue`` along ``dim`` (cumsum, cumprod); stores read ``Result()`` over the
-    whole domain. ``compensated``: also carry each step's fp32 rounding error (eager accumulates fp32 in double).
-    """
+    """A running sum | prod | logsumexp of ``prologue`` along ``dim`` (cumsum, cumprod, logcumsumexp); stores read
+    ``Result()`` over the whole domain. ``compensated``: also carry each step's fp32 rounding error (eager
+    accumulates fp32 in double)."""
 
     name: str
     domain: tuple[int, ...]

@@ -110,7 +110,9 @@ def render_kernel(node: ir.Node, plan: TilePlan, name: str, parameters: list[str
     elif isinstance(node, ir.RowNormalize):
         source = _render_row_normalize(node, plan, name, parameters)
     elif isinstance(node, ir.Scan):
-        source = _render_scan(node, plan, name, parameters)
+        from neuron_compile.codegen.scan import render_scan  # it builds on this module's helpers
+
+        source = render_scan(node, plan, name, parameters)
     elif isinstance(node, ir.Concat):
         source = _render_concat(node, plan, name, parameters)
     else:
@@ -302,85 +304,6 @@ def _render_row_normalize(node: ir.RowNormalize, plan: TilePlan, name: str, para
     _store_lines(node.stores, scope, patterns, free, False, body)
     return _render("row_normalize.py.j2", **_common(node, plan, name, parameters, allocations=allocator.lines,
                                                     body=body))
-
-
-SCAN_OPS = {"sum": ("nl.add", 0.0), "prod": ("nl.multiply", 1.0)}
-
-
-def _carried_tile(allocator: TileAllocator, stem: str, free: int, setup: list[str]) -> tuple[str, str]:
-    """A tile of ``free`` + 1 columns and its view from column 1: scans write the view, column 0 holds the value
-    carried in from the previous chunk (the scan's ``initial``), so ``tile[.., 0:cols]`` is each step's input."""
-    tile = allocator.new(stem, free + 1)
-    view = f"{tile}_chunk"
-    setup.append(f"{view} = {tile}[:, 1:{free + 1}]")
-    return tile, view
-
-
-def _two_sum_error(previous: str, scanned: str, data: str, scratch: tuple[str, str], error: str) -> list[str]:
-    """Lines computing ``error`` = the exact fp32 rounding error of each step ``scanned = previous + data``
-    (Knuth's TwoSum: six fp32 operations, no branch, no FMA); a non-finite error (an inf or nan in the row)
-    becomes 0 through its bits, so it cannot turn the running correction into nan."""
-    virtual, roundoff = scratch
-    return [
-        "# TwoSum: the exact rounding error of each step of the fp32 running sum",
-        f"nisa.tensor_tensor(dst={virtual}, data1={scanned}, data2={data}, op=nl.subtract)",
-        f"nisa.tensor_tensor(dst={roundoff}, data1={scanned}, data2={virtual}, op=nl.subtract)",
-        f"nisa.tensor_tensor(dst={virtual}, data1={previous}, data2={virtual}, op=nl.subtract)",
-        f"nisa.tensor_tensor(dst={roundoff}, data1={data}, data2={roundoff}, op=nl.subtract)",
-        f"nisa.tensor_tensor(dst={error}, data1={virtual}, data2={roundoff}, op=nl.add)",
-        "# Non-finite errors (an inf or nan in the row) become 0: all bits masked where error - error != 0",
-        f"nisa.tensor_tensor(dst={virtual}, data1={error}, data2={error}, op=nl.subtract)",
-        f"nisa.tensor_scalar(dst={roundoff}.view(nl.int32), data={virtual}, op0=nl.equal, operand0=0.0, "
-        "op1=nl.multiply, operand1=-1.0)",
-        f"nisa.tensor_tensor(dst={error}.view(nl.int32), data1={error}.view(nl.int32), "
-        f"data2={roundoff}.view(nl.int32), op=nl.bitwise_and)",
-    ]
-
-
-def _render_scan(node: ir.Scan, plan: TilePlan, name: str, parameters: list[str]) -> str:
-    """Per partition tile, per chunk of the scanned dim: prologue, one tensor_tensor_scan from the carried value
-    (op0 combines x with the running value, op1 adds -0.0, the exact additive identity), the compensation for
-    fp32 sums, the stores; then the chunk's last column becomes the next chunk's carry."""
-    patterns = Patterns(plan)
-    allocator = TileAllocator(plan.partition.tile)
-    prologue, row_free, free, chunked = _reduction_scopes(node, plan, allocator, patterns)
-    window = prologue.slice_text
-    op, identity = SCAN_OPS[node.op]
-    setup: list[str] = []
-    negative_zeros = allocator.new("negative_zeros", row_free)
-    setup.append(f"nisa.memset(dst={negative_zeros}, value=-0.0)")
-    running, scanned = _carried_tile(allocator, "running", row_free, setup)
-    carried = [(running, identity)]
-    body: list[str] = []
-    value = emit(node.prologue, prologue, body)
-    if value.tile is None:
-        raise ValueError(f"{node.name}: a scan of a constant")
-    data = prologue.ref_text(value)
-    body.append(f"nisa.tensor_tensor_scan(dst={scanned}{window}, data0={data}, data1={negative_zeros}{window}, "
-                f"initial={running}[0:rows, 0:1], op0={op}, op1=nl.add)")
-    result = scanned
-    if node.compensated:
-        # The running sum rounds to fp32 at every step; eager accumulates in double. Each step's rounding error
-        # is exact in fp32 (TwoSum); their running sum, added back, gives the double sum rounded to fp32.
-        errors, corrections = _carried_tile(allocator, "errors", row_free, setup)
-        carried.append((errors, 0.0))
-        scratch = tuple(f"{allocator.new(stem, row_free)}{window}" for stem in ("virtual", "roundoff"))
-        error, result = allocator.new("step_error", row_free), allocator.new("compensated", row_free)
-        body += _two_sum_error(f"{running}{window}", f"{scanned}{window}", data, scratch, f"{error}{window}")
-        body += [
-            f"nisa.tensor_tensor_scan(dst={corrections}{window}, data0={error}{window}, "
-            f"data1={negative_zeros}{window}, initial={errors}[0:rows, 0:1], op0=nl.add, op1=nl.add)",
-            f"nisa.tensor_tensor(dst={result}{window}, data1={scanned}{window}, data2={corrections}{window}, "
-            "op=nl.add)",
-        ]
-    scope = TileScope(allocator, row_free, window, prologue.load_pattern, Ref(tile=result))
-    scope.tiles, scope.memo = prologue.tiles, dict(prologue.memo)  # operands loaded for the prologue stay loaded
-    _store_lines(node.stores, scope, patterns, free, chunked, body)
-    start = [f"nisa.memset(dst={tile}[0:rows, 0:1], value={number(value)})" for tile, value in carried]
-    if chunked:
-        body += [f"nisa.tensor_copy(dst={tile}[0:rows, 0:1], src={tile}[0:rows, cols:cols + 1])" for tile, _ in carried]
-    context = _common(node, plan, name, parameters, allocations=allocator.lines, setup=setup, start=start, body=body)
-    return _render("scan.py.j2", **context)
 
 
 def _needs_transpose(partition_stride: int, free_stride: int) -> bool:

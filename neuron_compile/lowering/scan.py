@@ -1,12 +1,15 @@
-"""Lowering stage, scan family: cumsum and cumprod along any dim.
+"""Lowering stage, scan family: cumsum, cumprod and logcumsumexp along any dim.
 
 Input: an ATen FX node. Output: one ``ir.Scan`` over the input shape whose store writes the running value with
 eager's strides (a 0-d input is copied, as eager does).
 
 Eager's CPU kernels accumulate a float32 scan in double and a bfloat16 one in float32, rounding each output to
 the result dtype. The engines scan in fp32 (``nisa.tensor_tensor_scan``), which matches bfloat16 results
-exactly; float32 results are ``compensated``: the kernel also carries each step's exact fp32 rounding error
-(codegen/render.py), so the output is the double-accumulated value rounded to fp32, as eager's.
+exactly; float32 sums are ``compensated``: the kernel also carries each step's exact fp32 rounding error
+(codegen/scan.py), so the output is the double-accumulated value rounded to fp32, as eager's. Products are
+plain fp32 (a relative error of about sqrt(n) * 2**-24 after n steps). A running sum that overflows fp32 stays
+inf where eager's double accumulator could come back into range. logcumsumexp is m + log(s) with m the running
+max and s the running sum of exp(x - m), rescaled whenever m grows (fp32, within rounding of eager's double).
 
 Integer scans (cumsum of bool or integer tensors, or ``dtype=`` an integer type) produce int64 in eager, which
 needs exact integer arithmetic the fp32 engines do not have: they run eagerly, with that reason.
@@ -22,7 +25,7 @@ from neuron_compile.lowering.registry import INTEGER_OPS, TensorValue, load, reg
 
 aten = torch.ops.aten
 
-SCAN_OPS = {aten.cumsum.default: "sum", aten.cumprod.default: "prod"}
+SCAN_OPS = {aten.cumsum.default: "sum", aten.cumprod.default: "prod", aten.logcumsumexp.default: "logsumexp"}
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -39,7 +42,7 @@ def _check_scan(node: torch.fx.Node) -> str | None:
 
 
 # The check states the integer cases itself (a clearer reason than the registry's bare dtype).
-INTEGER_OPS.update(SCAN_OPS)
+INTEGER_OPS.update((aten.cumsum.default, aten.cumprod.default))
 
 
 @register_lowering(*SCAN_OPS, check=_check_scan)
@@ -53,7 +56,7 @@ def lower_scan(ctx, node):
         prologue = ir.Op("cast", (prologue,), dtype="bfloat16")  # dtype=bf16: eager rounds the input first
     if not domain:
         return emit_pointwise(ctx, node, prologue)  # eager copies a 0-d input (-0.0 stays -0.0)
-    buffer = ctx.output_buffer(node, f"cum{op}")
+    buffer = ctx.output_buffer(node, node.target.overloadpacket.__name__)
     # A bf16 result is rounded in the store's expression, so a fused epilogue reads it rounded, as eager does.
     rounded = ir.Result() if buffer.dtype == "float32" else ir.Op("cast", (ir.Result(),), dtype=buffer.dtype)
     store = ir.Store(buffer, rounded, buffer.layout)

@@ -1,0 +1,162 @@
+"""Codegen stage, scans: an ``ir.Scan`` and its TilePlan -> the source text of one NKI kernel (cumsum, cumprod,
+logcumsumexp).
+
+Input: the Scan node, its plan (the scanned dim on the free axis in chunks, the other dims on partitions and outer
+loops), the kernel's name and parameter buffers. Output: the module source, rendered from ``scan.py.j2``. Per
+partition tile and chunk: the prologue, ``nisa.tensor_tensor_scan`` from the value carried in from the previous
+chunk (column 0 of each carried tile), the stores, then the chunk's last column becomes the next carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from neuron_compile import ir
+from neuron_compile.codegen.expressions import Ref, TileAllocator, TileScope, emit, number
+from neuron_compile.codegen.render import Patterns, _common, _reduction_scopes, _render, _store_lines
+from neuron_compile.passes.tiling import TilePlan
+
+SCAN_OPS = {"sum": ("nl.add", 0.0), "prod": ("nl.multiply", 1.0)}
+FLOAT32_MAX = 3.4028234663852886e38
+LOG_INPUT_MAX = 2.0**64  # the top of nl.log's valid input range (nki-spec 1.5)
+
+
+@dataclasses.dataclass
+class _ScanTiles:
+    """The tiles of one scan kernel: ``window`` slices of ``free``-column tiles, a -0.0 tile (op1's exact additive
+    identity, 0.0 + -0.0 being +0.0), and the carried tiles with the value each starts a row from."""
+
+    allocator: TileAllocator
+    free: int
+    window: str
+    setup: list[str] = dataclasses.field(default_factory=list)
+    carried: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.negative_zeros = self.tile("negative_zeros")
+        self.setup.append(f"nisa.memset(dst={self.negative_zeros}, value=-0.0)")
+
+    def tile(self, stem: str) -> str:
+        return self.allocator.new(stem, self.free)
+
+    def carried_tile(self, stem: str, initial: float) -> tuple[str, str]:
+        """A tile of ``free`` + 1 columns and its view from column 1: scans write the view, column 0 holds the
+        value carried in from the previous chunk (the scan's ``initial``), so ``tile[.., 0:cols]`` is each step's
+        previous value."""
+        tile = self.tile_of(stem, self.free + 1)
+        view = f"{tile}_chunk"
+        self.setup.append(f"{view} = {tile}[:, 1:{self.free + 1}]")
+        self.carried.append((tile, initial))
+        return tile, view
+
+    def tile_of(self, stem: str, free: int) -> str:
+        return self.allocator.new(stem, free)
+
+    def scan(self, dst: str, data0: str, data1: str | None, initial: str, op0: str, op1: str = "nl.add") -> str:
+        data1 = data1 or f"{self.negative_zeros}{self.window}"
+        return (f"nisa.tensor_tensor_scan(dst={dst}{self.window}, data0={data0}, data1={data1}, "
+                f"initial={initial}[0:rows, 0:1], op0={op0}, op1={op1})")
+
+
+def _two_sum_error(previous: str, scanned: str, data: str, scratch: tuple[str, str], error: str) -> list[str]:
+    """Lines computing ``error`` = the exact fp32 rounding error of each step ``scanned = previous + data``
+    (Knuth's TwoSum: six fp32 operations, no branch, no FMA); a non-finite error (an inf or nan in the row)
+    becomes 0 through its bits, so it cannot turn the running correction into nan."""
+    virtual, roundoff = scratch
+    return [
+        "# TwoSum: the exact rounding error of each step of the fp32 running sum",
+        f"nisa.tensor_tensor(dst={virtual}, data1={scanned}, data2={data}, op=nl.subtract)",
+        f"nisa.tensor_tensor(dst={roundoff}, data1={scanned}, data2={virtual}, op=nl.subtract)",
+        f"nisa.tensor_tensor(dst={virtual}, data1={previous}, data2={virtual}, op=nl.subtract)",
+        f"nisa.tensor_tensor(dst={roundoff}, data1={data}, data2={roundoff}, op=nl.subtract)",
+        f"nisa.tensor_tensor(dst={error}, data1={virtual}, data2={roundoff}, op=nl.add)",
+        "# Non-finite errors (an inf or nan in the row) become 0: all bits masked where error - error != 0",
+        f"nisa.tensor_tensor(dst={virtual}, data1={error}, data2={error}, op=nl.subtract)",
+        f"nisa.tensor_scalar(dst={roundoff}.view(nl.int32), data={virtual}, op0=nl.equal, operand0=0.0, "
+        "op1=nl.multiply, operand1=-1.0)",
+        f"nisa.tensor_tensor(dst={error}.view(nl.int32), data1={error}.view(nl.int32), "
+        f"data2={roundoff}.view(nl.int32), op=nl.bitwise_and)",
+    ]
+
+
+def _running_scan(tiles: _ScanTiles, op: str, data: str, compensated: bool) -> tuple[list[str], str]:
+    """(lines, result tile) of a running sum or product: op0 combines x with the running value, op1 adds -0.0."""
+    window = tiles.window
+    combine, identity = SCAN_OPS[op]
+    running, scanned = tiles.carried_tile("running", identity)
+    lines = [tiles.scan(scanned, data, None, running, combine)]
+    if not compensated:
+        return lines, scanned
+    # The running sum rounds to fp32 at every step; eager accumulates in double. Each step's rounding error is
+    # exact in fp32 (TwoSum); their running sum, added back, gives the double sum rounded to fp32.
+    errors, corrections = tiles.carried_tile("errors", 0.0)
+    scratch = tuple(f"{tiles.tile(stem)}{window}" for stem in ("virtual", "roundoff"))
+    error, result = tiles.tile("step_error"), tiles.tile("compensated")
+    lines += _two_sum_error(f"{running}{window}", f"{scanned}{window}", data, scratch, f"{error}{window}")
+    lines += [
+        tiles.scan(corrections, f"{error}{window}", None, errors, "nl.add"),
+        f"nisa.tensor_tensor(dst={result}{window}, data1={scanned}{window}, data2={corrections}{window}, op=nl.add)",
+    ]
+    return lines, result
+
+
+def _log_sum_exp_scan(tiles: _ScanTiles, data: str) -> tuple[list[str], str]:
+    """(lines, result tile) of log(sum(exp(x))) over every prefix. m = the running max (nan sticks, as in eager);
+    d = m clamped to finite values, so that -inf - -inf and inf - inf make no nan; the rescaled running sum
+    s_i = s_(i-1) * exp(d_(i-1) - d_i) + exp(x_i - d_i) is a scan (multiply, then add); the result m + log(s).
+    With any finite x so far, s is in [1, n] (log's valid range); before that s = 0, clamped to 1 (m is -inf);
+    after an inf, m is inf."""
+    window = tiles.window
+    maxima, maxima_chunk = tiles.carried_tile("maxima", -math.inf)
+    sums, sums_chunk = tiles.carried_tile("sums", 0.0)
+    shifts = tiles.tile_of("shifts", tiles.free + 1)
+    decay, terms, result = tiles.tile("decay"), tiles.tile("terms"), tiles.tile("log_sum_exp")
+    with_carry = "[0:rows, 0:cols + 1]"
+    return [
+        "# m: the running max; d: m clamped to finite values",
+        tiles.scan(maxima_chunk, data, None, maxima, "nl.maximum"),
+        f"nisa.tensor_scalar(dst={shifts}{with_carry}, data={maxima}{with_carry}, op0=nl.maximum, "
+        f"operand0={-FLOAT32_MAX!r}, op1=nl.minimum, operand1={FLOAT32_MAX!r})",
+        "# s_i = s_(i-1) * exp(d_(i-1) - d_i) + exp(x_i - d_i)",
+        f"nisa.tensor_tensor(dst={decay}{window}, data1={shifts}{window}, data2={shifts}[0:rows, 1:cols + 1], "
+        "op=nl.subtract)",
+        f"nisa.activation(dst={decay}{window}, op=nl.exp, data={decay}{window})",
+        f"nisa.tensor_tensor(dst={terms}{window}, data1={data}, data2={shifts}[0:rows, 1:cols + 1], op=nl.subtract)",
+        f"nisa.activation(dst={terms}{window}, op=nl.exp, data={terms}{window})",
+        tiles.scan(sums_chunk, f"{decay}{window}", f"{terms}{window}", sums, "nl.multiply"),
+        "# m + log(s), with s clamped into log's valid input range",
+        f"nisa.tensor_scalar(dst={result}{window}, data={sums_chunk}{window}, op0=nl.maximum, operand0=1.0, "
+        f"op1=nl.minimum, operand1={LOG_INPUT_MAX!r})",
+        f"nisa.activation(dst={result}{window}, op=nl.log, data={result}{window})",
+        f"nisa.tensor_tensor(dst={result}{window}, data1={result}{window}, data2={maxima_chunk}{window}, op=nl.add)",
+    ], result
+
+
+def render_scan(node: ir.Scan, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    """Per partition tile, per chunk of the scanned dim: the prologue, the scan instructions from the carried
+    values, the stores; then each carried tile's last column becomes column 0 for the next chunk."""
+    patterns = Patterns(plan)
+    allocator = TileAllocator(plan.partition.tile)
+    prologue, row_free, free, chunked = _reduction_scopes(node, plan, allocator, patterns)
+    tiles = _ScanTiles(allocator, row_free, prologue.slice_text)
+    body: list[str] = []
+    value = emit(node.prologue, prologue, body)
+    if value.tile is None:
+        raise ValueError(f"{node.name}: a scan of a constant")
+    data = prologue.ref_text(value)
+    if node.op == "logsumexp":
+        lines, result = _log_sum_exp_scan(tiles, data)
+    else:
+        lines, result = _running_scan(tiles, node.op, data, node.compensated)
+    body += lines
+    scope = TileScope(allocator, row_free, tiles.window, prologue.load_pattern, Ref(tile=result))
+    scope.tiles, scope.memo = prologue.tiles, dict(prologue.memo)  # operands loaded for the prologue stay loaded
+    _store_lines(node.stores, scope, patterns, free, chunked, body)
+    start = [f"nisa.memset(dst={tile}[0:rows, 0:1], value={number(value)})" for tile, value in tiles.carried]
+    if chunked:
+        body += [f"nisa.tensor_copy(dst={tile}[0:rows, 0:1], src={tile}[0:rows, cols:cols + 1])"
+                 for tile, _ in tiles.carried]
+    context = _common(node, plan, name, parameters, allocations=allocator.lines, setup=tiles.setup, start=start,
+                      body=body)
+    return _render("scan.py.j2", **context)
