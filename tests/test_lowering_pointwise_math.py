@@ -257,10 +257,14 @@ def test_bool_fills_and_bitwise_ops_on_bool():
     check_against_eager(lambda t: torch.full((3, 600), True), x)
     for op in (torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor):
         check_against_eager(lambda t, op=op: op(t > 0, t < 1), x)
+    check_against_eager(lambda t: ~(t > 0), x)
+    check_against_eager(lambda t: t.masked_fill(~torch.ones(129, 3, dtype=torch.bool).tril(), float("-inf")), x)
 
 
 def test_bitwise_ops_on_integers_keep_a_reason():
     a = torch.arange(6, dtype=torch.int32)
     gm = trace(lambda t: torch.bitwise_and(t, t), a)
     node = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.bitwise_and.Tensor)
-    assert unsupported_reason(node) == "dtype int32"  # integer tensors reach only views and gathers
+    assert unsupported_reason(node) == "dtype int32"  # integer tensors reach only views, gathers and exact math
+    node = next(n for n in trace(lambda t: ~t, a).graph.nodes if n.target is torch.ops.aten.bitwise_not.default)
+    assert unsupported_reason(node) == "dtype int32"

@@ -268,5 +268,6 @@ def lower_arange(ctx, node):
     start, _, step = _arange_args(node)
     shape = tuple(node.meta["val"].shape)
     index = ir.Iota(ir.Layout(shape, ir.contiguous_strides(shape), 0))
-    expr = ir.Op("add", (ir.Op("mul", (index, ir.Scalar(float(step)))), ir.Scalar(float(start))))
+    expr = index if step == 1 else ir.Op("mul", (index, ir.Scalar(float(step))))
+    expr = expr if start == 0 else ir.Op("add", (expr, ir.Scalar(float(start))))
     return emit_pointwise(ctx, node, expr)

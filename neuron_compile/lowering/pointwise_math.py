@@ -189,6 +189,7 @@ BITWISE_ON_BOOL = {
     aten.bitwise_and.Tensor: LOGICAL[aten.logical_and.default],
     aten.bitwise_or.Tensor: LOGICAL[aten.logical_or.default],
     aten.bitwise_xor.Tensor: LOGICAL[aten.logical_xor.default],
+    aten.bitwise_not.default: lambda a: eq(a, 0.0),  # ~mask: a causal mask complemented
 }
 
 
@@ -202,8 +203,8 @@ def _check_bool_operands(node: torch.fx.Node) -> str | None:
 
 @register_lowering(*BITWISE_ON_BOOL, check=_check_bool_operands)
 def lower_bitwise_on_bool(ctx, node):
-    a, b = (_operand(ctx, node, arg) for arg in node.args[:2])
-    return emit_pointwise(ctx, node, BITWISE_ON_BOOL[node.target](a, b))
+    operands = [_operand(ctx, node, arg) for arg in node.args[:2]]
+    return emit_pointwise(ctx, node, BITWISE_ON_BOOL[node.target](*operands))
 
 
 @register_lowering(aten.fmax.default, aten.fmin.default)
