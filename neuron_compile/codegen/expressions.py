@@ -52,6 +52,7 @@ ACTIVATIONS = {
     "softplus": "nl.softplus",
     "mish": "nl.mish",
     "arctan": "nl.arctan",  # valid on [-pi/2, pi/2] only: lowering/pointwise_math.py reduces to [-1, 1]
+    "sin": "nl.sin",  # valid on [-pi, pi] only: lowering/trigonometry.py reduces the argument
 }
 SCALAR_FOLDS = {
     "add": lambda a, b: a + b,

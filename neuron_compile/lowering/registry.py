@@ -88,6 +88,7 @@ def _ensure_families_loaded() -> None:
     from neuron_compile.lowering import convolution, pooling  # noqa: F401
     from neuron_compile.lowering import indexing  # noqa: F401
     from neuron_compile.lowering import scan  # noqa: F401
+    from neuron_compile.lowering import trigonometry  # noqa: F401
 
 
 def dtype_name(dtype: torch.dtype) -> str:

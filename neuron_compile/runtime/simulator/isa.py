@@ -276,7 +276,24 @@ def _apply_activation(op: str, func, data, bias, scale) -> np.ndarray:
         x = x * scale_values
     if bias_values is not None:
         x = x + bias_values
+    if func.name == "sin":
+        _check_sin_range(op, x)
     return func.fn(x).astype(FLOAT32, copy=False)
+
+
+SIN_LIMIT = np.float32(np.pi)  # the fp32 nearest pi (slightly above it): the widest fp32 reading of [-pi, pi]
+
+
+def _check_sin_range(op: str, x: np.ndarray) -> None:
+    """The Scalar engine's sin has no range reduction: it is valid on [-pi, pi] only (nki-spec §1.5; sin(9.0)
+    gives ~27.65 on hardware). numpy's sin would be right everywhere, so the simulator refuses instead."""
+    outside = ~(np.abs(x) <= SIN_LIMIT)  # nan is outside too
+    if outside.any():
+        raise NkiValidationError(
+            "err_activation_input_out_of_range",
+            f"sin is valid on [-pi, pi] only; {int(outside.sum())} input(s) outside, e.g. {x[outside].flat[0]!r}",
+            op,
+        )
 
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None, name=None):

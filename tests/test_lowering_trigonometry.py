@@ -1,0 +1,152 @@
+"""Trigonometry lowerings (lowering/trigonometry.py) on the simulator against eager PyTorch: sin and cos for every
+fp32 magnitude (the Payne-Hanek reduction), signed zeros, infinities and nan; sinc and the cosine window through
+sin; tan declined with its reason. The simulator refuses a sin activation fed outside [-pi, pi], so every test
+here also checks that the reduction keeps the hardware argument in range."""
+
+from __future__ import annotations
+
+import math
+
+import mpmath
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import neuron_compile
+from lowering_harness import TOLERANCES, check_against_eager, compile_and_run, random_tensor, trace
+from neuron_compile.lowering import trigonometry, unsupported_reason
+from neuron_compile.runtime import simulator as nki
+
+NAN, INF = float("nan"), float("inf")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _neighbours(value: float) -> list[float]:
+    v = np.float32(value)
+    return [float(np.nextafter(v, np.float32(-INF))), float(v), float(np.nextafter(v, np.float32(INF)))]
+
+
+# Multiples of pi/2 (and their fp32 neighbours), the closest fp32 approaches to multiples of pi/2 (16367173 * 2**72
+# is the worst case over all fp32), powers of two around the 2**22 .. 2**25 thresholds of the reduction, huge,
+# tiny, subnormal and special values.
+SPECIAL = sorted({v for k in range(-8, 9) for v in _neighbours(k * math.pi / 2)}) + [
+    -0.0, 1e-30, -1e-30, 1e-40, -1e-40, 2.0**-12, 2.0**-13, 1e-3, 0.75, 9.0, -9.0, 1e4, -1e4, 1e6, 2.0**20,
+    2.0**22 + 1, 2.0**23 + 1, 2.0**24, 2.0**24 + 2, 2.0**25, 2.0**25 + 4, -2.0**26, 1e10, 16367173 * 2.0**72,
+    10741887 * 2.0**11, 16573937 * 2.0**-16, 1e30, -1e30, 3e38, -3e38, 3.4028235e38, NAN, INF, -INF,
+]
+
+
+def special_values(dtype, rows=130):
+    """SPECIAL repeated over 130 rows (more than one partition tile)."""
+    return torch.tensor(SPECIAL).repeat(rows, 1).to(dtype)
+
+
+def sin_and_cos(t):
+    return torch.sin(t), torch.cos(t)
+
+
+def compare(x):
+    """sin and cos of ``x`` compiled once (one kernel each), against eager at the harness tolerances; the
+    compiled results."""
+    got = compile_and_run(sin_and_cos, x)[1]
+    for value, want in zip(got, sin_and_cos(x)):
+        assert value.dtype == want.dtype and value.shape == want.shape and value.stride() == want.stride()
+        rtol, atol = TOLERANCES[want.dtype]
+        torch.testing.assert_close(value, want, rtol=rtol, atol=atol, equal_nan=True)
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_special_values_match_eager(dtype):
+    x = special_values(dtype)
+    sin, cos = compare(x)
+    # assert_close treats -0.0 == 0.0: sin keeps the sign of zero (sin(-0.0) = -0.0), cos(+-0.0) = 1.
+    zeros = x == 0
+    assert torch.equal(sin[zeros].signbit(), x[zeros].signbit())
+    assert (cos[zeros] == 1).all()
+    assert torch.isnan(sin[~torch.isfinite(x)]).all() and torch.isnan(cos[~torch.isfinite(x)]).all()
+
+
+def test_every_scale_of_fp32_matches_eager():
+    # 2**-20 .. 2**127 in steps of 2**7, 129 rows per scale: max abs error measured 3e-7 (vs float64 of the input).
+    x = torch.cat([random_tensor((129, 8), seed=e + 200, low=-1.0, high=1.0) * 2.0**e for e in range(-20, 128, 7)])
+    for got, want in zip(compare(x), sin_and_cos(x.double())):
+        assert (got.double() - want).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_random_ranges_bf16_and_fp32(dtype):
+    x = torch.cat([random_tensor((70, 9), seed=1, low=-4, high=4), random_tensor((70, 9), seed=2, low=-1e3, high=1e3),
+                   random_tensor((70, 9), seed=3, low=-1e20, high=1e20)]).to(dtype)
+    compare(x)
+
+
+def test_non_contiguous_input_and_fused_neighbours():
+    base = random_tensor((40, 150), seed=4, low=-50, high=50)
+    x = base.t()[::2]  # (75, 40), strided
+    check_against_eager(lambda t: torch.sin(t) * torch.cos(t * 3) + 1, x)
+
+
+@settings(max_examples=4, deadline=None)
+@given(values=st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=1, max_size=64))
+def test_any_fp32_values_match_eager(values):
+    compare(torch.tensor(values, dtype=torch.float32))
+
+
+def test_sinc_and_cosine_window_go_through_sin():
+    x = torch.cat([torch.linspace(-20, 20, 333), torch.tensor([0.0, -0.0, 1e-3, 1e6, 3e7])])
+    check_against_eager(torch.sinc, x)
+    check_against_eager(torch.sinc, x.bfloat16())
+
+
+def test_backend_lowers_sin_and_cos_without_fallback():
+    x = random_tensor((130, 17), seed=5, low=-1e5, high=1e5)
+
+    def fn(t):
+        return torch.sin(t) + torch.cos(t) * torch.signal.windows.cosine(17)
+
+    neuron_compile.reset_stats()
+    with neuron_compile.config.patch(fallback="raise"):
+        got = torch.compile(fn, backend="neuron")(x)
+    torch.testing.assert_close(got, fn(x), rtol=1e-5, atol=1e-5)
+    stats = neuron_compile.stats()
+    assert stats["fallback_nodes"] == 0 and stats["nki_nodes"] > 0
+
+
+def test_tan_is_declined_with_its_reason():
+    gm = trace(torch.tan, torch.tensor([1.5707964]))
+    (node,) = [node for node in gm.graph.nodes if node.op == "call_function"]
+    assert "near its poles" in unsupported_reason(node)
+
+
+def test_two_over_pi_pieces_are_exact_fp32_and_sum_to_two_over_pi():
+    mpmath.mp.prec = 300
+    total = mpmath.mpf(0)
+    for j in range(trigonometry.PIECES):
+        piece = trigonometry.two_over_pi_piece(j)
+        assert float(np.float32(piece)) == piece  # an exact fp32
+        mantissa, _ = math.frexp(piece)
+        assert (mantissa * 2**12).is_integer()  # at most 12 significant bits
+        total += mpmath.ldexp(piece, -trigonometry.SCALE_EXPONENT)
+    assert abs(total - 2 / mpmath.pi) < mpmath.ldexp(1, -180)
+
+
+def test_simulator_refuses_sin_outside_its_valid_range():
+    nl, nisa = nki.language, nki.isa
+
+    def kernel(a):
+        tile = nl.ndarray(a.shape, nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(tile, a)
+        out = nl.ndarray(a.shape, nl.float32, buffer=nl.sbuf)
+        nisa.activation(out, nl.sin, tile)
+        result = nl.ndarray(a.shape, nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(result, out)
+        return result
+
+    inside = np.array([[-np.float32(np.pi), -1.0, 0.0, 3.0, np.float32(np.pi)]], dtype=np.float32)
+    np.testing.assert_allclose(nki.run_kernel(kernel, [inside]).outputs[0], np.sin(inside), rtol=1e-6, atol=1e-7)
+    for bad in (9.0, -3.2, NAN, INF):
+        with pytest.raises(nki.NkiValidationError, match=r"err_activation_input_out_of_range.*\[-pi, pi\]"):
+            nki.run_kernel(kernel, [np.array([[0.5, bad]], dtype=np.float32)])
