@@ -1,7 +1,7 @@
-"""Scan lowerings (cumsum, cumprod, logcumsumexp) on the simulator vs eager: every dim of 1-D to 4-D (and 8-D)
-inputs, ragged partition tiles, scans longer than one free chunk, strided inputs, special values, empty and 0-d
-tensors, dtype=, fusion with pointwise producers and consumers, the backend, and the reasons the integer cases
-run eagerly."""
+"""Scan lowerings (cumsum, cumprod, logcumsumexp, cummax, cummin) on the simulator vs eager: every dim of 1-D to
+4-D (and 8-D) inputs, ragged partition tiles, scans longer than one free chunk, strided inputs, special values,
+empty and 0-d tensors, dtype=, fusion with pointwise producers and consumers, the backend, and the reasons the
+integer cases run eagerly."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import neuron_compile
-from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
+from lowering_harness import TOLERANCES, check_against_eager, compile_and_run, random_tensor, trace
 from neuron_compile.lowering import unsupported_reason
 
 SCANS = {"cumsum": torch.cumsum, "cumprod": torch.cumprod, "logcumsumexp": torch.logcumsumexp}
@@ -23,6 +23,8 @@ VALUE_RANGES = {"cumsum": (-1.5, 1.5), "cumprod": (0.6, 1.4), "logcumsumexp": (-
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(129,), (127, 129), (3, 128, 5), (2, 3, 129, 4), (1, 129), (129, 1), (4, 1, 3, 1)]
 INF, NAN = float("inf"), float("nan")
+EXTREMA = {"cummax": torch.cummax, "cummin": torch.cummin}
+WITH_INDICES = {**TOLERANCES, torch.int64: (0, 0)}
 
 
 def _values(shape, dtype, name, seed=0):
@@ -180,7 +182,8 @@ def test_scans_over_drawn_shapes(shape, data, dtype, name):
 
 def test_through_the_backend_every_node_in_kernels():
     def fn(x, y):
-        return torch.cumsum(x, -1) * torch.cumprod(y, 0), torch.cumsum(x.t(), 1, dtype=torch.bfloat16)
+        return (torch.cumsum(x, -1) * torch.cumprod(y, 0), torch.cumsum(x.t(), 1, dtype=torch.bfloat16),
+                torch.logcumsumexp(x, 0), *torch.cummax(y, 1))
 
     x, y = random_tensor((33, 700), seed=8), random_tensor((33, 700), seed=9, low=0.9, high=1.1)
     torch._dynamo.reset()
@@ -190,6 +193,42 @@ def test_through_the_backend_every_node_in_kernels():
     stats = neuron_compile.stats()
     torch._dynamo.reset()
     for out, want in zip(got, fn(x, y)):
-        rtol = 1e-5 if want.dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out, want, rtol=rtol, atol=rtol)
-    assert stats["fallback_nodes"] == 0 and stats["nki_nodes"] >= 4, stats
+        rtol, atol = WITH_INDICES[want.dtype]
+        torch.testing.assert_close(out, want, rtol=rtol, atol=atol)
+    assert stats["fallback_nodes"] == 0 and stats["nki_nodes"] >= 6, stats
+
+
+def _extremum(name, dim):
+    return lambda t: tuple(EXTREMA[name](t, dim))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(EXTREMA))
+def test_cummax_cummin_values_and_indices_over_every_dim(name, dtype):
+    # Rounded values tie often: eager's index is the last of equal values (x >= running max), checked exactly.
+    for shape in [(127, 129), (2, 3, 129, 4)]:
+        x = (random_tensor(shape, seed=11) * 4).round().to(dtype)
+        for dim in range(len(shape)):
+            check_against_eager(_extremum(name, dim), x, tolerances=WITH_INDICES)
+    x = (random_tensor((130, 5000), seed=12) * 8).round().to(dtype)  # chunks carry the value and its index
+    region = check_against_eager(_extremum(name, 1), x, tolerances=WITH_INDICES)
+    assert "nisa.iota" in region.kernels[1].source
+    check_against_eager(_extremum(name, 0), x.t(), tolerances=WITH_INDICES)
+
+
+@pytest.mark.parametrize("name", sorted(EXTREMA))
+def test_cummax_cummin_special_values_and_edge_shapes(name):
+    rows = [[0.0, -0.0, 1.0, NAN, 2.0, NAN, 5.0], [-INF, -INF, -0.0, 0.0, -0.0, INF, 1.0],
+            [INF, 1.0, -INF, NAN, NAN, 0.0, -0.0]]
+    for dtype in DTYPES:
+        x = torch.tensor(rows, dtype=dtype)
+        _, (values, indices) = compile_and_run(_extremum(name, 1), x)
+        want = EXTREMA[name](x, 1)
+        assert torch.equal(indices, want.indices)  # a nan takes the place, later numbers do not
+        torch.testing.assert_close(values, want.values, rtol=0, atol=0, equal_nan=True)
+        numbers = ~torch.isnan(want.values)
+        assert torch.equal(torch.signbit(values[numbers]), torch.signbit(want.values[numbers]))  # -0.0 after 0.0
+    for shape, dim in [((0, 5), 1), ((3, 0), 1), ((), 0)]:
+        check_against_eager(_extremum(name, dim), random_tensor(shape), tolerances=WITH_INDICES)
+    gm = trace(_extremum(name, 0), torch.arange(6))
+    assert "int64 input (its integers are exact in fp32 only within +-2**24)" in unsupported_reason(_scan_node(gm))

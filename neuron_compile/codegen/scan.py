@@ -53,10 +53,12 @@ class _ScanTiles:
     def tile_of(self, stem: str, free: int) -> str:
         return self.allocator.new(stem, free)
 
-    def scan(self, dst: str, data0: str, data1: str | None, initial: str, op0: str, op1: str = "nl.add") -> str:
+    def scan(self, dst: str, data0: str, data1: str | None, initial: str, op0: str, op1: str = "nl.add",
+             reverse0: bool = False) -> str:
         data1 = data1 or f"{self.negative_zeros}{self.window}"
+        reverse = ", reverse0=True" if reverse0 else ""
         return (f"nisa.tensor_tensor_scan(dst={dst}{self.window}, data0={data0}, data1={data1}, "
-                f"initial={initial}[0:rows, 0:1], op0={op0}, op1={op1})")
+                f"initial={initial}[0:rows, 0:1], op0={op0}, op1={op1}{reverse})")
 
 
 def _two_sum_error(previous: str, scanned: str, data: str, scratch: tuple[str, str], error: str) -> list[str]:
@@ -133,6 +135,34 @@ def _log_sum_exp_scan(tiles: _ScanTiles, data: str) -> tuple[list[str], str]:
     ], result
 
 
+EXTREMA = {"max": ("nl.maximum", -math.inf), "min": ("nl.minimum", math.inf)}
+
+
+def _extremum_scan(tiles: _ScanTiles, op: str, data: str) -> tuple[list[str], str]:
+    """(lines, result tile) of cummax / cummin values (op max | min) or indices (max_index | min_index), eager's
+    rule: a step takes x and its index when x is nan or, the running value not being nan, x >= it (<= for min).
+    The values: a scan of maximum(running, x) (reverse0: on a tie, such as -0.0 after 0.0, x is taken), nan
+    sticking. The indices: x hits where it equals the new running value or is nan; hit * position is a scan of
+    maximum from 0, positions only growing (exact in fp32: the lowering keeps the scanned dim within 2**24)."""
+    window = tiles.window
+    combine, identity = EXTREMA[op.removesuffix("_index")]
+    extrema, extrema_chunk = tiles.carried_tile("running_" + op.removesuffix("_index"), identity)
+    lines = [tiles.scan(extrema_chunk, data, None, extrema, combine, reverse0=True)]
+    if not op.endswith("_index"):
+        return lines, extrema_chunk
+    indices, indices_chunk = tiles.carried_tile("indices", 0.0)
+    hits, nan_hits, positions = tiles.tile("hits"), tiles.tile("nan_hits"), tiles.tile("positions")
+    return lines + [
+        "# x takes the running place where it is the new running value, or where x is nan",
+        f"nisa.tensor_tensor(dst={hits}{window}, data1={data}, data2={extrema_chunk}{window}, op=nl.equal)",
+        f"nisa.tensor_tensor(dst={nan_hits}{window}, data1={data}, data2={data}, op=nl.not_equal)",
+        f"nisa.tensor_tensor(dst={hits}{window}, data1={hits}{window}, data2={nan_hits}{window}, op=nl.add)",
+        f"nisa.iota({positions}{window}, [[1, cols]], offset=f0, channel_multiplier=0)",
+        f"nisa.tensor_tensor(dst={hits}{window}, data1={hits}{window}, data2={positions}{window}, op=nl.multiply)",
+        tiles.scan(indices_chunk, f"{hits}{window}", None, indices, "nl.maximum"),
+    ], indices_chunk
+
+
 def render_scan(node: ir.Scan, plan: TilePlan, name: str, parameters: list[str]) -> str:
     """Per partition tile, per chunk of the scanned dim: the prologue, the scan instructions from the carried
     values, the stores; then each carried tile's last column becomes column 0 for the next chunk."""
@@ -147,6 +177,8 @@ def render_scan(node: ir.Scan, plan: TilePlan, name: str, parameters: list[str])
     data = prologue.ref_text(value)
     if node.op == "logsumexp":
         lines, result = _log_sum_exp_scan(tiles, data)
+    elif node.op.removesuffix("_index") in EXTREMA:
+        lines, result = _extremum_scan(tiles, node.op, data)
     else:
         lines, result = _running_scan(tiles, node.op, data, node.compensated)
     body += lines

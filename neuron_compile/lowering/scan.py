@@ -1,7 +1,8 @@
-"""Lowering stage, scan family: cumsum, cumprod and logcumsumexp along any dim.
+"""Lowering stage, scan family: cumsum, cumprod, logcumsumexp, cummax and cummin along any dim.
 
 Input: an ATen FX node. Output: one ``ir.Scan`` over the input shape whose store writes the running value with
-eager's strides (a 0-d input is copied, as eager does).
+eager's strides (a 0-d input is copied, as eager does); cummax / cummin emit two, the values and the int64
+indices (exact: fp32 positions below 2**24, widened to int64 at the region's output).
 
 Eager's CPU kernels accumulate a float32 scan in double and a bfloat16 one in float32, rounding each output to
 the result dtype. The engines scan in fp32 (``nisa.tensor_tensor_scan``), which matches bfloat16 results
@@ -63,3 +64,43 @@ def lower_scan(ctx, node):
     compensated = result.dtype == torch.float32 and op == "sum"
     ctx.emit(ir.Scan(ctx.fresh_name("kernel"), domain, dim % len(domain), op, prologue, (store,), compensated))
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
+# ---------------------------------------------------------------- cummax / cummin
+
+EXTREMUM_SCANS = {aten.cummax.default: "max", aten.cummin.default: "min"}
+EXACT_INDEX_LIMIT = 2**24  # positions are fp32 in the kernel: exact integers up to here
+
+
+def _check_extremum_scan(node: torch.fx.Node) -> str | None:
+    source = node.args[0].meta["val"]
+    if source.dtype not in FLOAT_DTYPES:
+        dtype = str(source.dtype).removeprefix("torch.")
+        return f"{node.target}: {dtype} input (its integers are exact in fp32 only within +-2**24)"
+    length = source.shape[node.args[1] % source.dim()] if source.dim() else 1
+    if length > EXACT_INDEX_LIMIT:
+        return f"{node.target}: a scan of {length} elements (its indices are exact in fp32 only up to 2**24)"
+    return None
+
+
+# The int64 indices are computed exactly (positions below 2**24) and widened to int64 at the region's output.
+INTEGER_OPS.update(EXTREMUM_SCANS)
+
+
+@register_lowering(*EXTREMUM_SCANS, check=_check_extremum_scan, multi_output=True)
+def lower_cumulative_extremum(ctx, node):
+    """Two Scan kernels over the input: the running values, and the indices eager gives them."""
+    source, dim = node.args[:2]
+    op = EXTREMUM_SCANS[node.target]
+    domain = ctx.value(source).layout.shape
+    x = load(ctx, source, domain)
+    outputs = []
+    for meta, scan_op, result in zip(node.meta["val"], (op, f"{op}_index"), (x, ir.Scalar(0.0))):
+        buffer = ctx.new_buffer(meta, f"cum{scan_op}")
+        if not domain:  # a 0-d input: the value itself, at index 0
+            ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), (), (ir.Store(buffer, result, buffer.layout),)))
+        else:
+            store = ir.Store(buffer, ir.Result(), buffer.layout)
+            ctx.emit(ir.Scan(ctx.fresh_name("kernel"), domain, dim % len(domain), scan_op, x, (store,)))
+        outputs.append(TensorValue(buffer.name, buffer.layout, buffer.dtype))
+    return tuple(outputs)
