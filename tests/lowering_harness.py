@@ -60,3 +60,32 @@ def random_tensor(shape, dtype=torch.float32, seed=0, low=-2.0, high=2.0):
     generator = torch.Generator().manual_seed(seed)
     values = torch.rand(shape, generator=generator) * (high - low) + low
     return values.to(dtype)
+
+
+def compile_with_backend(fn, *inputs):
+    """``fn`` through ``torch.compile(backend="neuron")`` with ``fallback="raise"``: (result, stats())."""
+    import neuron_compile
+
+    torch._dynamo.reset()
+    neuron_compile.reset_stats()
+    with neuron_compile.config.patch(fallback="raise"):
+        return torch.compile(fn, backend="neuron")(*inputs), neuron_compile.stats()
+
+
+def check_through_backend(fn, *inputs, eager_nodes=0):
+    """Compiled == eager for every output (dtype, shape, strides; integers bit for bit, floats within the
+    tolerances above), and exactly ``eager_nodes`` ATen nodes left eager. Returns the stats."""
+    got, stats = compile_with_backend(fn, *inputs)
+    want = fn(*inputs)
+    got, want = as_tuple(got), as_tuple(want)
+    assert len(got) == len(want)
+    for actual, expected in zip(got, want):
+        assert (actual.dtype, actual.shape, actual.stride()) == (expected.dtype, expected.shape, expected.stride())
+        if expected.is_floating_point():
+            rtol, atol = TOLERANCES[expected.dtype]
+            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
+        else:
+            assert torch.equal(actual, expected)
+    assert stats["nki_nodes"] > 0
+    assert stats["fallback_nodes"] == eager_nodes, stats["fallback_reasons"]
+    return stats

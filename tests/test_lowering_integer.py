@@ -10,31 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from lowering_harness import TOLERANCES, random_tensor
-
-import neuron_compile
-
-
-def _compiled(fn, *inputs):
-    torch._dynamo.reset()
-    neuron_compile.reset_stats()
-    with neuron_compile.config.patch(fallback="raise"):
-        return torch.compile(fn, backend="neuron")(*inputs), neuron_compile.stats()
-
-
-def check(fn, *inputs, eager_nodes=0):
-    """Compiled == eager (dtype, shape, strides, values) and exactly ``eager_nodes`` ATen nodes left eager."""
-    got, stats = _compiled(fn, *inputs)
-    want = fn(*inputs)
-    assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
-    if want.is_floating_point():
-        rtol, atol = TOLERANCES[want.dtype]
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
-    else:
-        assert torch.equal(got, want)
-    assert stats["nki_nodes"] > 0
-    assert stats["fallback_nodes"] == eager_nodes, stats["fallback_reasons"]
-    return stats
+from lowering_harness import check_through_backend as check
+from lowering_harness import compile_with_backend as _compiled
+from lowering_harness import random_tensor
 
 
 @pytest.mark.parametrize("rows", [1, 127, 129])

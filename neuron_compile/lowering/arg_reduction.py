@@ -1,0 +1,109 @@
+"""Lowering stage, index-of-extremum family: max.dim / min.dim (values and indices), argmax, argmin.
+
+Input: an ATen FX node. Output: up to two ``ir.Reduction`` nodes over the input shape: the extremum (``max`` /
+``min``), then the index: the smallest position whose element equals the extremum, or is nan (eager's max / min
+propagate nan and point at the first nan: then no element equals the nan extremum and only nans qualify), i.e.
+``min(where(x == m or x != x, position, size))``. Positions are an exact int32 iota along the reduced dim (the
+row-major flat position for argmax / argmin without a dim); below 2**24 the fp32 minimum is exact, and the index
+buffer is int32, widened to eager's int64 when the region returns it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from neuron_compile import ir
+from neuron_compile.lowering.reduction import _row_shape_reason, normalize_dims, store_layout_in_domain
+from neuron_compile.lowering.registry import INTEGER_OPS, TensorValue, load, register_lowering
+
+aten = torch.ops.aten
+
+EXACT_POSITIONS = 2**24  # positions above this are not all fp32 values: the minimum could round
+
+
+def _dim_argument(node: torch.fx.Node):
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+
+
+def _check_arg_reduction(node: torch.fx.Node) -> str | None:
+    source = node.args[0].meta["val"]
+    if not source.is_floating_point():
+        return f"{node.target}: {source.dtype} source (only float32, bfloat16)"
+    if source.numel() == 0:
+        return f"{node.target}: an empty source"  # eager raises (no extremum of nothing)
+    if source.dim() == 0:
+        return None  # one element: its value, at index 0
+    dim = _dim_argument(node)
+    reduce_dims = normalize_dims(dim, source.dim())
+    positions = math.prod(source.shape[d] for d in reduce_dims)
+    if positions >= EXACT_POSITIONS:
+        return f"{node.target}: {positions} positions (>= 2**24, not exact in fp32)"
+    return _row_shape_reason(node, source, reduce_dims)
+
+
+def _positions(shape: tuple[int, ...], reduce_dims: tuple[int, ...]) -> ir.Iota:
+    """Each element's position along the reduced dims, row-major over them (one dim: its own index)."""
+    strides, running = [0] * len(shape), 1
+    for dim in reversed(reduce_dims):
+        strides[dim] = running
+        running *= shape[dim]
+    return ir.Iota(ir.Layout(shape, tuple(strides), 0))
+
+
+def _emit_index(ctx, meta, source, extremum: TensorValue, reduce_dims) -> TensorValue:
+    domain = ctx.value(source).layout.shape
+    if not domain:  # a 0-d source: index 0
+        buffer = ctx.new_buffer(meta, "index")
+        ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), (), (ir.Store(buffer, ir.Scalar(0.0), buffer.layout),)))
+        return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+    x = load(ctx, source, domain)
+    m = ir.Load(extremum.buffer, store_layout_in_domain(extremum.layout, domain, reduce_dims), extremum.dtype)
+    qualifies = ir.Op("maximum", (ir.Op("eq", (x, m)), ir.Op("ne", (x, x))))
+    size = math.prod(domain[d] for d in reduce_dims)
+    candidate = ir.Op("where", (qualifies, _positions(domain, reduce_dims), ir.Scalar(float(size))))
+    buffer = ctx.new_buffer(meta, "index")
+    store = ir.Store(buffer, ir.Result(), store_layout_in_domain(buffer.layout, domain, reduce_dims))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "min", candidate, (store,)))
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
+def _emit_extremum(ctx, buffer: ir.Buffer, source, op: str, reduce_dims) -> TensorValue:
+    domain = ctx.value(source).layout.shape
+    if not domain:  # a 0-d source is its own extremum
+        ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), (), (ir.Store(buffer, load(ctx, source, ()), buffer.layout),)))
+        return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+    store = ir.Store(buffer, ir.Result(), store_layout_in_domain(buffer.layout, domain, reduce_dims))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, op, load(ctx, source, domain), (store,)))
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
+EXTREMUM = {aten.max.dim: "max", aten.min.dim: "min", aten.argmax.default: "max", aten.argmin.default: "min"}
+
+
+def _reduce_dims(ctx, node) -> tuple[int, ...]:
+    return normalize_dims(_dim_argument(node), len(ctx.value(node.args[0]).layout.shape))
+
+
+@register_lowering(aten.max.dim, aten.min.dim, check=_check_arg_reduction, multi_output=True)
+def lower_extremum_with_index(ctx, node):
+    source, reduce_dims = node.args[0], _reduce_dims(ctx, node)
+    values_meta, indices_meta = node.meta["val"]
+    values = _emit_extremum(ctx, ctx.new_buffer(values_meta, "values"), source, EXTREMUM[node.target], reduce_dims)
+    return values, _emit_index(ctx, indices_meta, source, values, reduce_dims)
+
+
+@register_lowering(aten.argmax.default, aten.argmin.default, check=_check_arg_reduction)
+def lower_arg_extremum(ctx, node):
+    source, reduce_dims = node.args[0], _reduce_dims(ctx, node)
+    # argmax returns no values: the extremum goes to an fp32 scratch buffer shaped like the kept dims.
+    domain = ctx.value(source).layout.shape
+    kept_shape = tuple(1 if dim in reduce_dims else size for dim, size in enumerate(domain))
+    scratch = ctx.scratch_buffer(kept_shape, "float32", EXTREMUM[node.target])
+    extremum = _emit_extremum(ctx, scratch, source, EXTREMUM[node.target], reduce_dims)
+    return _emit_index(ctx, node.meta["val"], source, extremum, reduce_dims)
+
+
+# The int64 indices are positions the kernel computes exactly (fewer than 2**24, checked): any value is fine.
+INTEGER_OPS.update(EXTREMUM)
