@@ -61,11 +61,23 @@ class _ScanTiles:
                 f"initial={initial}[0:rows, 0:1], op0={op0}, op1={op1}{reverse})")
 
 
-def _two_sum_error(previous: str, scanned: str, data: str, scratch: tuple[str, str], error: str) -> list[str]:
+def _zero_non_finite(value: str, scratch: tuple[str, str]) -> list[str]:
+    """Lines that set the non-finite elements of ``value`` (from an inf or nan in the row) to 0, through its
+    bits: all masked where value - value != 0, so an error term cannot turn the running correction into nan."""
+    difference, mask = scratch
+    return [
+        f"nisa.tensor_tensor(dst={difference}, data1={value}, data2={value}, op=nl.subtract)",
+        f"nisa.tensor_scalar(dst={mask}.view(nl.int32), data={difference}, op0=nl.equal, operand0=0.0, "
+        "op1=nl.multiply, operand1=-1.0)",
+        f"nisa.tensor_tensor(dst={value}.view(nl.int32), data1={value}.view(nl.int32), data2={mask}.view(nl.int32), "
+        "op=nl.bitwise_and)",
+    ]
+
+
+def _two_sum_error(previous: str, scanned: str, data: str, scratch: tuple[str, ...], error: str) -> list[str]:
     """Lines computing ``error`` = the exact fp32 rounding error of each step ``scanned = previous + data``
-    (Knuth's TwoSum: six fp32 operations, no branch, no FMA); a non-finite error (an inf or nan in the row)
-    becomes 0 through its bits, so it cannot turn the running correction into nan."""
-    virtual, roundoff = scratch
+    (Knuth's TwoSum: six fp32 operations, no branch, no FMA)."""
+    virtual, roundoff = scratch[:2]
     return [
         "# TwoSum: the exact rounding error of each step of the fp32 running sum",
         f"nisa.tensor_tensor(dst={virtual}, data1={scanned}, data2={data}, op=nl.subtract)",
@@ -73,33 +85,82 @@ def _two_sum_error(previous: str, scanned: str, data: str, scratch: tuple[str, s
         f"nisa.tensor_tensor(dst={virtual}, data1={previous}, data2={virtual}, op=nl.subtract)",
         f"nisa.tensor_tensor(dst={roundoff}, data1={data}, data2={roundoff}, op=nl.subtract)",
         f"nisa.tensor_tensor(dst={error}, data1={virtual}, data2={roundoff}, op=nl.add)",
-        "# Non-finite errors (an inf or nan in the row) become 0: all bits masked where error - error != 0",
-        f"nisa.tensor_tensor(dst={virtual}, data1={error}, data2={error}, op=nl.subtract)",
-        f"nisa.tensor_scalar(dst={roundoff}.view(nl.int32), data={virtual}, op0=nl.equal, operand0=0.0, "
-        "op1=nl.multiply, operand1=-1.0)",
-        f"nisa.tensor_tensor(dst={error}.view(nl.int32), data1={error}.view(nl.int32), "
-        f"data2={roundoff}.view(nl.int32), op=nl.bitwise_and)",
+    ]
+
+
+SPLIT_FACTOR = 4097.0  # 2**12 + 1: Veltkamp's split of a 24-bit significand into two 12-bit halves
+
+
+def _split(value: str, high: str, low: str) -> list[str]:
+    """Lines splitting ``value`` into ``high`` + ``low`` with 12-bit significands (Veltkamp), so that products
+    of halves are exact in fp32."""
+    return [
+        f"nisa.tensor_scalar(dst={high}, data={value}, op0=nl.multiply, operand0={SPLIT_FACTOR})",
+        f"nisa.tensor_tensor(dst={low}, data1={high}, data2={value}, op=nl.subtract)",
+        f"nisa.tensor_tensor(dst={high}, data1={high}, data2={low}, op=nl.subtract)",
+        f"nisa.tensor_tensor(dst={low}, data1={value}, data2={high}, op=nl.subtract)",
+    ]
+
+
+def _two_product_excess(previous: str, scanned: str, data: str, scratch: tuple[str, ...], excess: str) -> list[str]:
+    """Lines computing ``excess`` = scanned - data * previous exactly, minus the rounding error of each step of
+    the fp32 running product (Dekker's TwoProduct without FMA: both factors split into 12-bit halves, whose
+    products are exact): excess = (((scanned - x_hi * p_hi) - x_lo * p_hi) - x_hi * p_lo) - x_lo * p_lo. Exact
+    unless a factor is beyond 2**115 (the split overflows: nan, then 0) or the product underflows."""
+    x_high, x_low, p_high, p_low, term = scratch
+
+    def multiply(a, b):
+        return f"nisa.tensor_tensor(dst={term}, data1={a}, data2={b}, op=nl.multiply)"
+
+    def subtract(a, b):
+        return f"nisa.tensor_tensor(dst={excess}, data1={a}, data2={b}, op=nl.subtract)"
+
+    return [
+        "# TwoProduct: the exact rounding excess of each step of the fp32 running product",
+        *_split(data, x_high, x_low), *_split(previous, p_high, p_low),
+        multiply(x_high, p_high), subtract(scanned, term),
+        multiply(x_low, p_high), subtract(excess, term),
+        multiply(x_high, p_low), subtract(excess, term),
+        multiply(x_low, p_low), subtract(excess, term),
     ]
 
 
 def _running_scan(tiles: _ScanTiles, op: str, data: str, compensated: bool) -> tuple[list[str], str]:
-    """(lines, result tile) of a running sum or product: op0 combines x with the running value, op1 adds -0.0."""
+    """(lines, result tile) of a running sum or product: op0 combines x with the running value, op1 adds -0.0.
+
+    ``compensated``: the running value rounds to fp32 at every step, where eager accumulates in double. Each
+    step's rounding error e is exact in fp32 (TwoSum; TwoProduct gives -e); the running value's error E follows
+    E_i = E_(i-1) + e_i for a sum and E_i = x_i * E_(i-1) + e_i for a product (a second scan), and the result,
+    the running value + E, is the double-accumulated value rounded to fp32. A product subtracts its running
+    excess -E plus 0.0 instead: that keeps a -0.0 product (a running sum starts from +0.0, never -0.0)."""
     window = tiles.window
     combine, identity = SCAN_OPS[op]
     running, scanned = tiles.carried_tile("running", identity)
     lines = [tiles.scan(scanned, data, None, running, combine)]
     if not compensated:
         return lines, scanned
-    # The running sum rounds to fp32 at every step; eager accumulates in double. Each step's rounding error is
-    # exact in fp32 (TwoSum); their running sum, added back, gives the double sum rounded to fp32.
     errors, corrections = tiles.carried_tile("errors", 0.0)
-    scratch = tuple(f"{tiles.tile(stem)}{window}" for stem in ("virtual", "roundoff"))
-    error, result = tiles.tile("step_error"), tiles.tile("compensated")
-    lines += _two_sum_error(f"{running}{window}", f"{scanned}{window}", data, scratch, f"{error}{window}")
-    lines += [
-        tiles.scan(corrections, f"{error}{window}", None, errors, "nl.add"),
-        f"nisa.tensor_tensor(dst={result}{window}, data1={scanned}{window}, data2={corrections}{window}, op=nl.add)",
-    ]
+    error, result = f"{tiles.tile('step_error')}{window}", tiles.tile("compensated")
+    previous, current = f"{running}{window}", f"{scanned}{window}"
+    if op == "sum":
+        scratch = tuple(f"{tiles.tile(stem)}{window}" for stem in ("virtual", "roundoff"))
+        lines += _two_sum_error(previous, current, data, scratch, error)
+        recurrence = [tiles.scan(corrections, error, None, errors, "nl.add")]
+    else:
+        scratch = tuple(f"{tiles.tile(stem)}{window}" for stem in ("x_high", "x_low", "p_high", "p_low", "term"))
+        lines += _two_product_excess(previous, current, data, scratch, error)
+        recurrence = [tiles.scan(corrections, data, error, errors, "nl.multiply"),
+                      "# x * E is nan after an inf x (inf * 0), where the running product is not finite anyway"]
+        recurrence += _zero_non_finite(f"{corrections}{window}", scratch[:2])
+        recurrence.append(f"nisa.tensor_scalar(dst={scratch[0]}, data={corrections}{window}, op0=nl.add, "
+                          "operand0=0.0)")
+    lines += ["# Non-finite step errors (an inf or nan in the row) become 0"] + _zero_non_finite(error, scratch[:2])
+    lines += recurrence
+    if op == "sum":
+        lines.append(f"nisa.tensor_tensor(dst={result}{window}, data1={current}, data2={corrections}{window}, "
+                     "op=nl.add)")
+    else:
+        lines.append(f"nisa.tensor_tensor(dst={result}{window}, data1={current}, data2={scratch[0]}, op=nl.subtract)")
     return lines, result
 
 

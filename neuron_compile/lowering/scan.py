@@ -6,11 +6,12 @@ indices (exact: fp32 positions below 2**24, widened to int64 at the region's out
 
 Eager's CPU kernels accumulate a float32 scan in double and a bfloat16 one in float32, rounding each output to
 the result dtype. The engines scan in fp32 (``nisa.tensor_tensor_scan``), which matches bfloat16 results
-exactly; float32 sums are ``compensated``: the kernel also carries each step's exact fp32 rounding error
-(codegen/scan.py), so the output is the double-accumulated value rounded to fp32, as eager's. Products are
-plain fp32 (a relative error of about sqrt(n) * 2**-24 after n steps). A running sum that overflows fp32 stays
-inf where eager's double accumulator could come back into range. logcumsumexp is m + log(s) with m the running
-max and s the running sum of exp(x - m), rescaled whenever m grows (fp32, within rounding of eager's double).
+exactly; float32 sums and products are ``compensated``: the kernel also carries each step's exact fp32
+rounding error (TwoSum, TwoProduct; codegen/scan.py), so the output is the double-accumulated value rounded to
+fp32, as eager's (products whose error terms underflow, below about 2**-100, keep plain fp32 rounding). A running
+sum or product that overflows fp32 stays inf where eager's double accumulator could come back into range.
+logcumsumexp is m + log(s) with m the running max and s the running sum of exp(x - m), rescaled whenever m grows
+(fp32, within rounding of eager's double).
 
 Integer scans (cumsum of bool or integer tensors, or ``dtype=`` an integer type) produce int64 in eager, which
 needs exact integer arithmetic the fp32 engines do not have: they run eagerly, with that reason.
@@ -61,7 +62,7 @@ def lower_scan(ctx, node):
     # A bf16 result is rounded in the store's expression, so a fused epilogue reads it rounded, as eager does.
     rounded = ir.Result() if buffer.dtype == "float32" else ir.Op("cast", (ir.Result(),), dtype=buffer.dtype)
     store = ir.Store(buffer, rounded, buffer.layout)
-    compensated = result.dtype == torch.float32 and op == "sum"
+    compensated = result.dtype == torch.float32 and op in ("sum", "prod")
     ctx.emit(ir.Scan(ctx.fresh_name("kernel"), domain, dim % len(domain), op, prologue, (store,), compensated))
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
 
