@@ -86,3 +86,17 @@ def test_integer_copies_are_exact_for_every_value():
     big = torch.tensor([2**40 // 2**10, -(2**31), 2**31 - 1, 5])  # int32's full range: a copy never rounds
     check(lambda i: i.clone(), big)
     check(lambda a: a[torch.tensor([4, 0, 4, 2])], random_tensor((5, 3), seed=7))
+
+
+def test_reductions_of_a_fill():
+    # masked.var counts its elements as sum(full(1, int64)); the fill fuses in as a constant prologue
+    x = random_tensor((5, 5, 5), seed=8)
+    check(lambda a: a.sum(dim=(0, 1, 2), keepdim=True) / torch.full((5, 5, 5), 1).sum(dim=(0, 1, 2), keepdim=True,
+                                                                                    dtype=torch.int64), x)
+    check(lambda a: a.sum(1) + torch.full((130, 700), 2.5).sum(1), random_tensor((130, 4), seed=9))
+
+
+def test_argmax_positions_feed_integer_math():
+    x = random_tensor((6, 9), seed=10)
+    check(lambda a: torch.argmax(a, 1) * 2 - 1, x)
+    check(lambda a: (torch.max(a, 0)[1] + 3).float() * a[0], x)

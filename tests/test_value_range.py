@@ -58,3 +58,11 @@ def test_sums_divisions_and_bools():
 def test_unknown_and_non_finite_values_are_not_bounded():
     assert _last(lambda x: x * 2, X) is None
     assert _last(lambda x: torch.full((3,), math.inf) + torch.arange(3), X) is None
+
+
+def test_argmax_and_max_dim_indices_are_positions():
+    x = torch.zeros(4, 6)
+    assert _last(lambda a: torch.argmax(a), x) == Interval(0, 23)
+    assert _last(lambda a: torch.argmin(a, 1), x) == Interval(0, 5)
+    assert _last(lambda a: torch.max(a, 0)[1], x) == Interval(0, 3)
+    assert _last(lambda a: torch.max(a, 0)[0], x) is None  # the values are the (unknown) source's

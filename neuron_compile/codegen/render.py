@@ -187,8 +187,10 @@ def _reduce_pass(node, prologue: TileScope, transform, reduce_op: str, accumulat
     lines: list[str] = []
     prologue.memo = {}  # a second pass re-emits the loads (same tiles) because a chunked row was overwritten
     value = emit(node.prologue, prologue, lines)
-    if value.tile is None:
-        raise ValueError(f"{node.name}: a reduction of a constant")
+    if value.tile is None:  # a reduction of a fill (sum of full(1): a count): reduce a tile holding it
+        constant = Ref(tile=prologue.tile(key=("reduced constant", value.value)))
+        lines.append(f"nisa.memset(dst={prologue.ref_text(constant)}, value={number(value.value)})")
+        value = constant
     data = transform(prologue.ref_text(value), lines) if transform else prologue.ref_text(value)
     target = partial if chunked else accumulator
     lines.append(f"nisa.tensor_reduce(dst={target}[0:rows, 0:1], op={reduce_op}, data={data}, axis=1, keepdims=True)")

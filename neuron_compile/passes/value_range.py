@@ -202,6 +202,22 @@ def _constant_pad(node):
     return None if source is None or pad is None else source.union(pad)
 
 
+def _positions(node, dim_position: int = 1):
+    """Indices into the reduced dims of an argmax / max.dim: [0, positions - 1]."""
+    source = node.args[0].meta["val"]
+    dim = node.args[dim_position] if len(node.args) > dim_position else node.kwargs.get("dim")
+    size = source.numel() if dim is None else (source.shape[dim] if source.dim() else 1)
+    return Interval(0.0, float(max(size - 1, 0)))
+
+
+def _getitem(node):
+    """max.dim / min.dim return (values, indices): the values are the source's, the indices positions."""
+    producer, index = node.args
+    if producer.target not in (aten.max.dim, aten.min.dim):
+        return None
+    return _positions(producer) if index == 1 else _of(producer.args[0])
+
+
 # Ops whose every output value is one of the first argument's values (views, copies, gathers, extrema).
 SAME_VALUES = (
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default, aten.permute.default,
@@ -251,6 +267,9 @@ RULES = {
     aten.floor_divide.Scalar: _floor_divide,
     aten.cat.default: _cat,
     aten.constant_pad_nd.default: _constant_pad,
+    aten.argmax.default: _positions,
+    aten.argmin.default: _positions,
+    operator.getitem: _getitem,
     **{op: _same_as_first for op in SAME_VALUES},
 }
 
