@@ -100,3 +100,39 @@ def test_argmax_positions_feed_integer_math():
     x = random_tensor((6, 9), seed=10)
     check(lambda a: torch.argmax(a, 1) * 2 - 1, x)
     check(lambda a: (torch.max(a, 0)[1] + 3).float() * a[0], x)
+
+
+@pytest.mark.parametrize("divisor", [1, 2, 3, 7, -3, -128, 1000, 2**20 + 1])
+def test_integer_remainder_fmod_and_division_by_a_constant(divisor):
+    top = 2**24 - 2**10 - 2 * abs(divisor)  # the largest |dividend| the lowering accepts for this divisor
+
+    def all_four(a):
+        results = []
+        for start in (-3000, top - 3004, -top):  # (a > 5).sum() adds 0..5: bounded, and not a constant fold
+            values = torch.arange(start, start + 3000) + (a > 5).sum()
+            results += [values % divisor, torch.fmod(values, divisor), values // divisor,
+                        torch.div(values, divisor, rounding_mode="trunc")]
+        return tuple(results)
+
+    check(all_four, random_tensor((5,), seed=11))
+
+
+def test_roll_cross_and_fftshift_index_math():
+    x = random_tensor((4, 3, 130), seed=12)
+    check(lambda a: torch.roll(a, (2, -7), (1, 2)), x)
+    check(lambda a, b: torch.linalg.cross(a, b, dim=1), x, x.flip(0))
+    check(lambda a: torch.fft.fftshift(a), x)
+    check(lambda a: torch.fft.ifftshift(a, dim=(0, 2)), x.to(torch.bfloat16))
+
+
+def test_integer_division_declines_what_it_cannot_make_exact():
+    x = random_tensor((5,), seed=13)
+    got, stats = _compiled(lambda a: a % 0.7, x)
+    assert torch.allclose(got, x % 0.7)
+    assert any("float operands" in reason for reason in stats["fallback_reasons"]), stats["fallback_reasons"]
+    got, stats = _compiled(lambda a: torch.arange(0, 2**24 - 2**11) % 2**20, x)
+    assert torch.equal(got, torch.arange(0, 2**24 - 2**11) % 2**20)
+    assert any("not proved within 2**24" in reason for reason in stats["fallback_reasons"]), stats["fallback_reasons"]
+    index = torch.tensor([5, -9, 2**40])
+    got, stats = _compiled(lambda i: i // 3, index)
+    assert torch.equal(got, index // 3) and stats["nki_nodes"] == 0

@@ -148,18 +148,29 @@ def _sum(node):
 
 
 def _remainder(node):
+    """Python's remainder by a nonzero constant b: the divisor's sign, magnitude below |b|."""
     divisor = node.args[1]
-    if not isinstance(divisor, (int, float)) or divisor <= 0:
+    if not isinstance(divisor, (int, float)) or divisor == 0:
         return None
-    integral = not node.meta["val"].is_floating_point()
-    return Interval(0.0, float(divisor - 1 if integral else divisor))
+    limit = float(abs(divisor) - 1 if not node.meta["val"].is_floating_point() else abs(divisor))
+    return Interval(0.0, limit) if divisor > 0 else Interval(-limit, 0.0)
+
+
+def _fmod(node):
+    """C's fmod by a nonzero constant b: the dividend's sign, magnitude below |b|."""
+    source, divisor = _of(node.args[0]), node.args[1]
+    if source is None or not isinstance(divisor, (int, float)) or divisor == 0:
+        return None
+    limit = float(abs(divisor) - 1 if not node.meta["val"].is_floating_point() else abs(divisor))
+    return Interval(-limit if source.low < 0 else 0.0, limit if source.high > 0 else 0.0)
 
 
 def _floor_divide(node):
     divisor = node.args[1]
-    if not isinstance(divisor, (int, float)) or divisor <= 0:
+    if not isinstance(divisor, (int, float)) or divisor == 0:
         return None
-    return _monotone(_of(node.args[0]), lambda v: math.floor(v / divisor))
+    rounding = math.trunc if node.kwargs.get("rounding_mode") == "trunc" else math.floor
+    return _monotone(_of(node.args[0]), lambda v: rounding(v / divisor))
 
 
 def _true_divide(node):
@@ -264,7 +275,10 @@ RULES = {
     aten.sum.default: _sum,
     aten.sum.dim_IntList: _sum,
     aten.remainder.Scalar: _remainder,
-    aten.floor_divide.Scalar: _floor_divide,
+    aten.fmod.Scalar: _fmod,
+    aten.floor_divide.default: _floor_divide,
+    aten.div.Tensor_mode: _floor_divide,
+    aten.div.Scalar_mode: _floor_divide,
     aten.cat.default: _cat,
     aten.constant_pad_nd.default: _constant_pad,
     aten.argmax.default: _positions,
