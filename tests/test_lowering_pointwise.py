@@ -186,3 +186,18 @@ def test_predicates_are_exact_on_special_values(dtype, name):
     compiled = compile_and_run(fn, x)[1][0]
     assert compiled.dtype == torch.bool
     assert torch.equal(compiled, fn(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pow_with_tensor_exponents(dtype):
+    base = random_tensor((130, 7), dtype=torch.float32, low=-3, high=3)
+    exponent = random_tensor((130, 7), dtype=torch.float32, seed=3, low=-4, high=4)
+    # C pow's special cases: 0 ** -1 = inf, (-0) ** 3 = -0, nan ** 0 = 1, inf ** -2 = 0, negative ** integer
+    base[0, :4] = torch.tensor([0.0, -0.0, float("nan"), float("inf")])
+    exponent[0, :4] = torch.tensor([-1.0, 3.0, 0.0, -2.0])
+    exponent[1] = exponent[1].round()
+    base, exponent = base.to(dtype), exponent.to(dtype)
+    check_against_eager(lambda a, b: torch.pow(a, b), base, exponent)
+    check_against_eager(lambda a, b: a ** b[0], base, exponent)  # broadcast exponent row
+    check_against_eager(lambda a: torch.pow(2.0, a), exponent)
+    check_against_eager(lambda a, b: a[:, :1] ** b[:, 1:2], base, exponent)  # one column: (P, 1) row vectors

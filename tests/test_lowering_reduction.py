@@ -236,3 +236,13 @@ def test_any_of_nothing_and_of_a_0d_tensor():
     check_against_eager(lambda t: torch.any(t, dim=1), torch.empty(4, 0))
     check_against_eager(lambda t: torch.any(t), torch.tensor(float("nan")))
     check_against_eager(lambda t: torch.all(t), torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_safe_softmax_gives_zero_on_fully_masked_rows(dtype):
+    x = random_tensor((130, 700), dtype=dtype, low=-3, high=3)
+    x[3] = float("-inf")  # a fully masked row: 0, not nan
+    x[5, :600] = float("-inf")  # partly masked: an ordinary softmax
+    x[7, 2] = float("nan")  # nan still spreads over its row, as eager
+    check_against_eager(lambda a: torch.ops.aten._safe_softmax(a, 1), x)
+    check_against_eager(lambda a: torch.ops.aten._safe_softmax(a, 0), x[:, :9])

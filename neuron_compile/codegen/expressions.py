@@ -244,6 +244,10 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
             else:
                 lines.append(f"nisa.tensor_tensor(dst={dst_text}, data1={text(numerator)}, data2={dst_text}, "
                              "op=nl.multiply)")
+    elif op == "pow" and args[1].tile is not None:
+        # Elementwise exponents: the ALU power (C pow semantics, on GpSimd); a number base is memset first.
+        base, exponent = (_fp32_text(arg, vector, scope, lines, role) for arg, role in zip(args, ("true", "false")))
+        lines.append(f"nisa.tensor_tensor(dst={dst_text}, data1={base}, data2={exponent}, op=nl.power)")
     elif op == "pow":
         base, exponent = args
         if base.value is not None or exponent.value is None:

@@ -118,6 +118,13 @@ register_lowering(aten.div.Tensor, aten.div.Scalar, check=_check_div)(lower_bina
 register_lowering(aten.pow.Tensor_Scalar, check=_check_pow)(lower_binary)
 
 
+@register_lowering(aten.pow.Tensor_Tensor, aten.pow.Scalar, check=_check_scalars)
+def lower_pow_elementwise(ctx, node):
+    """base ** exponent with a tensor exponent (x ** y, 2 ** x): the ALU's power instruction per element."""
+    base, exponent = (_operand(ctx, node, arg) for arg in node.args[:2])
+    return emit_pointwise(ctx, node, ir.Op("pow", (base, exponent)))
+
+
 @register_lowering(aten.add.Tensor, aten.add.Scalar, check=_check_scalars)
 def lower_add(ctx, node):
     a = _operand(ctx, node, node.args[0])

@@ -213,6 +213,35 @@ def lower_softmax(ctx, node):
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
 
 
+def _check_safe_softmax(node: torch.fx.Node) -> str | None:
+    dtype = node.kwargs.get("dtype", node.args[2] if len(node.args) > 2 else None)
+    source = node.args[0].meta["val"]
+    if dtype is not None and dtype != source.dtype:
+        return f"{node.target}: dtype={dtype}"
+    if source.dim() == 0:
+        return f"{node.target}: softmax of a 0-d tensor"
+    return softmax_row_reason(node, source.shape[node.args[1] % source.dim()])
+
+
+@register_lowering(aten._safe_softmax.default, check=_check_safe_softmax)
+def lower_safe_softmax(ctx, node):
+    """softmax, with rows that are entirely -inf (fully masked attention rows) giving 0 instead of nan: the row
+    maximum (a max Reduction kept along ``dim``) selects 0 where it is -inf."""
+    source = node.args[0]
+    domain = ctx.value(source).layout.shape
+    dim = node.args[1] % len(domain)
+    kept = tuple(1 if d == dim else size for d, size in enumerate(domain))
+    row_max = ctx.scratch_buffer(kept, "float32", "row_max")
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, (dim,), "max", load(ctx, source, domain),
+                          (ir.Store(row_max, ir.Result(), store_layout_in_domain(row_max.layout, domain, (dim,))),)))
+    masked_row = ir.Op("eq", (ir.Load(row_max.name, broadcast_layout(row_max.layout, domain), "float32"),
+                              ir.Scalar(-math.inf)))
+    buffer = ctx.output_buffer(node, "softmax")
+    store = ir.Store(buffer, ir.Op("where", (masked_row, ir.Scalar(0.0), ir.Result())), buffer.layout)
+    ctx.emit(ir.RowNormalize(ctx.fresh_name("kernel"), domain, dim, "softmax", load(ctx, source, domain), (store,)))
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
 def _check_softmax_backward(node: torch.fx.Node) -> str | None:
     return None if node.args[1].meta["val"].dim() > 0 else f"{node.target}: 0-d tensors"
 
