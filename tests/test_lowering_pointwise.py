@@ -126,7 +126,9 @@ def test_unsupported_reasons_name_the_rule():
     assert reasons["sort"] == "no lowering for aten.sort.default"
     # a cast of unbounded floats to int64 (1e10, nan) cannot be exact in the int32 kernel dtype
     assert reasons["_to_copy"] == "float32 values of arg0_1 not proved within +-2**24 (integer math runs in fp32)"
-    assert reasons["div"] == "no lowering for aten.div.Tensor_mode"  # floor division has no lowering
+    # float floor division needs a correctly rounded division (integer operands are lowered)
+    assert reasons["div"] == ("aten.div.Tensor_mode: float operands (their remainder needs a correctly rounded "
+                              "division)")
 
 
 @settings(max_examples=10, deadline=None)
