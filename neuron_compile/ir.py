@@ -94,15 +94,52 @@ class Result:
 
 @dataclass(frozen=True)
 class Op:
-    """An elementwise operation; ``dtype`` is set only for ``cast``."""
+    """An elementwise operation; ``dtype`` is set only for ``cast``.
+
+    Expressions are DAGs: exact math (an argument reduction, a compensated sum) shares subexpressions thousands of
+    times, so the hash is computed once per node and ``str`` writes each shared subexpression once.
+    """
 
     op: str
     args: tuple
     dtype: str | None = None
 
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.op, self.args, self.dtype)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     def __str__(self) -> str:
-        inner = ", ".join(str(arg) for arg in self.args)
-        return f"{self.op}[{self.dtype}]({inner})" if self.dtype else f"{self.op}({inner})"
+        """``op(args)``; with shared subexpressions ``{%0 = ...; %1 = ...; root}``, each written once."""
+        uses: dict[Op, int] = {}
+
+        def count(expr: Op) -> None:
+            for arg in expr.args:
+                if isinstance(arg, Op):
+                    uses[arg] = uses.get(arg, 0) + 1
+                    if uses[arg] == 1:
+                        count(arg)
+
+        names: dict[Op, str] = {}
+        lines: list[str] = []
+
+        def text(expr) -> str:
+            if not isinstance(expr, Op):
+                return str(expr)
+            if expr in names:
+                return names[expr]
+            inner = ", ".join(text(arg) for arg in expr.args)
+            written = f"{expr.op}[{expr.dtype}]({inner})" if expr.dtype else f"{expr.op}({inner})"
+            if uses.get(expr, 0) < 2:
+                return written
+            names[expr] = f"%{len(lines)}"
+            lines.append(f"{names[expr]} = {written}")
+            return names[expr]
+
+        count(self)
+        root = text(self)
+        return "{" + "; ".join([*lines, root]) + "}" if lines else root
 
 
 @dataclass(frozen=True)

@@ -28,22 +28,18 @@ sin(w pi/2) / sin((w + 1) pi/2), or minus its inverse for odd n (|w| <= 1/2 + 2*
 Measured against float64 over |x| from 2**-20 to 3.4e38 and the worst cases: sin and cos within 1.2e-7
 absolute, tan within 5e-7 relative.
 
-The expressions are large DAGs (every product feeds three sums). ``Node`` is an ``ir.Op`` that keeps its hash
-(the passes hash every subexpression; a recomputed hash would walk the whole subtree each time) and prints each
-shared subexpression once.
+The expressions are large DAGs (every product feeds three sums); ``ir.Op`` hashes each node once and prints
+each shared subexpression once, which keeps compiling them fast and their dumps short.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import math
 
 import torch
 
-from neuron_compile import ir
 from neuron_compile.lowering.pointwise import emit_pointwise
-from neuron_compile.lowering.pointwise_math import INF, _expr, _x
+from neuron_compile.lowering.pointwise_math import INF, _op, _x, absolute, add, lt, mul, sub, where
 from neuron_compile.lowering.registry import register_lowering
 
 aten = torch.ops.aten
@@ -63,57 +59,6 @@ SMALLEST_DIVISOR = 2.0**-40  # tan's divisor is at least sin(2**-30 * pi/2) for 
 # starts at 2**-42
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Node(ir.Op):
-    """An ``ir.Op`` with its hash computed once (equality is ``ir.Op``'s: same class, same fields)."""
-
-    def __post_init__(self):
-        object.__setattr__(self, "_hash", hash((self.op, self.args, self.dtype)))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __str__(self) -> str:
-        """The expression with every shared subexpression written once: ``{%0 = ...; %1 = ...; root}`` (as a
-        tree, the reduction would print tens of thousands of nodes)."""
-        uses = collections.Counter()
-
-        def count(expr):
-            for arg in expr.args:
-                if isinstance(arg, ir.Op):
-                    uses[arg] += 1
-                    if uses[arg] == 1:
-                        count(arg)
-
-        names, lines = {}, []
-
-        def text(expr):
-            if not isinstance(expr, ir.Op):
-                return str(expr)
-            if expr in names:
-                return names[expr]
-            inner = ", ".join(text(arg) for arg in expr.args)
-            written = f"{expr.op}[{expr.dtype}]({inner})" if expr.dtype else f"{expr.op}({inner})"
-            if uses[expr] < 2:
-                return written
-            names[expr] = f"%{len(lines)}"
-            lines.append(f"{names[expr]} = {written}")
-            return names[expr]
-
-        count(self)
-        root = text(self)
-        return "{" + "; ".join([*lines, root]) + "}" if lines else root
-
-
-def _op(name: str, *args) -> Node:
-    return Node(name, tuple(_expr(arg) for arg in args))
-
-
-def _builder(name: str):
-    return lambda *args: _op(name, *args)
-
-
-add, sub, mul, lt, where, absolute = (_builder(name) for name in ("add", "sub", "mul", "lt", "where", "abs"))
 
 
 def round_magic(value, magic: float):
