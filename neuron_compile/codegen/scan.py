@@ -1,5 +1,5 @@
 """Codegen stage, scans: an ``ir.Scan`` and its TilePlan -> the source text of one NKI kernel (cumsum, cumprod,
-logcumsumexp).
+logcumsumexp, cummax / cummin values or indices).
 
 Input: the Scan node, its plan (the scanned dim on the free axis in chunks, the other dims on partitions and outer
 loops), the kernel's name and parameter buffers. Output: the module source, rendered from ``scan.py.j2``. Per
@@ -44,17 +44,16 @@ class _ScanTiles:
         """A tile of ``free`` + 1 columns and its view from column 1: scans write the view, column 0 holds the
         value carried in from the previous chunk (the scan's ``initial``), so ``tile[.., 0:cols]`` is each step's
         previous value."""
-        tile = self.tile_of(stem, self.free + 1)
+        tile = self.allocator.new(stem, self.free + 1)
         view = f"{tile}_chunk"
         self.setup.append(f"{view} = {tile}[:, 1:{self.free + 1}]")
         self.carried.append((tile, initial))
         return tile, view
 
-    def tile_of(self, stem: str, free: int) -> str:
-        return self.allocator.new(stem, free)
-
     def scan(self, dst: str, data0: str, data1: str | None, initial: str, op0: str, op1: str = "nl.add",
              reverse0: bool = False) -> str:
+        """One tensor_tensor_scan over the window: dst = op1(op0(data0, previous), data1), from ``initial``'s
+        carry column; data1 defaults to the -0.0 tile."""
         data1 = data1 or f"{self.negative_zeros}{self.window}"
         reverse = ", reverse0=True" if reverse0 else ""
         return (f"nisa.tensor_tensor_scan(dst={dst}{self.window}, data0={data0}, data1={data1}, "
@@ -173,7 +172,7 @@ def _log_sum_exp_scan(tiles: _ScanTiles, data: str) -> tuple[list[str], str]:
     window = tiles.window
     maxima, maxima_chunk = tiles.carried_tile("maxima", -math.inf)
     sums, sums_chunk = tiles.carried_tile("sums", 0.0)
-    shifts = tiles.tile_of("shifts", tiles.free + 1)
+    shifts = tiles.allocator.new("shifts", tiles.free + 1)  # d over the carry column and the chunk
     decay, terms, result = tiles.tile("decay"), tiles.tile("terms"), tiles.tile("log_sum_exp")
     with_carry = "[0:rows, 0:cols + 1]"
     return [
