@@ -141,6 +141,13 @@ def test_empty_and_zero_dim_tensors(name):
             assert torch.signbit(got) == torch.signbit(want)  # a 0-d scan is a copy: -0.0 stays -0.0
 
 
+@pytest.mark.parametrize("name", sorted(SCANS))
+def test_scan_of_a_fill(name):
+    # The fused prologue folds to a number (cumsum of ones counts positions): the kernel scans a memset tile.
+    region = check_against_eager(lambda t: SCANS[name](torch.full_like(t, 1.5), 1), random_tensor((5, 300)))
+    assert len(region.kernels) == 1 and "value=1.5" in region.kernels[0].source
+
+
 def test_rank_8_scan_over_a_middle_dim():
     x = random_tensor((2, 1, 3, 2, 5, 1, 2, 3), seed=6)
     for dim in (0, 4, 6):

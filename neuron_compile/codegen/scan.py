@@ -13,7 +13,7 @@ import dataclasses
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import Ref, TileAllocator, TileScope, emit, number
+from neuron_compile.codegen.expressions import Ref, TileAllocator, TileScope, _fp32_tile, emit, number
 from neuron_compile.codegen.render import Patterns, _common, _reduction_scopes, _render, _store_lines
 from neuron_compile.passes.tiling import TilePlan
 
@@ -232,9 +232,8 @@ def render_scan(node: ir.Scan, plan: TilePlan, name: str, parameters: list[str])
     tiles = _ScanTiles(allocator, row_free, prologue.slice_text)
     body: list[str] = []
     value = emit(node.prologue, prologue, body)
-    if value.tile is None:
-        raise ValueError(f"{node.name}: a scan of a constant")
-    data = prologue.ref_text(value)
+    # a scan of a fill (cumsum of ones: positions) scans a tile memset to it
+    data = prologue.ref_text(value) if value.tile is not None else _fp32_tile(value, prologue, body)
     if node.op == "logsumexp":
         lines, result = _log_sum_exp_scan(tiles, data)
     elif node.op.removesuffix("_index") in EXTREMA:
