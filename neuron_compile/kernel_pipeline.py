@@ -173,6 +173,18 @@ def _target(config):
     return get_target(name)
 
 
+def _check_single_writer(kernels: list[ir.Node]) -> None:
+    """Every buffer is written by one kernel. A launch returns each output buffer whole (the simulator's outputs
+    are fresh arrays; on the device each kernel owns its outputs), so a second writer would replace the first's
+    elements: a lowering that writes one buffer in pieces must emit one node (ir.Concat), never several."""
+    writers: dict[str, str] = {}
+    for node in kernels:
+        for buffer in {store.buffer.name for store in (*node.stores, *getattr(node, "row_stores", ()))}:
+            if buffer in writers:
+                raise LoweringError(f"buffer {buffer} is written by two kernels ({writers[buffer]} and {node.name})")
+            writers[buffer] = node.name
+
+
 def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> CompiledRegion:
     """Lower, fuse, tile, render and load ``gm``'s kernels (see the module docstring)."""
     from neuron_compile.runtime import simulator
@@ -182,10 +194,11 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> Com
     lowered = lower_graph(gm)
     region_outputs = {value.buffer for value in lowered.outputs} | {value.buffer for _, value in lowered.mutations}
     fused = fuse(lowered.nodes, region_outputs)
+    _check_single_writer(fused.kernels)
     kernels = []
     for index, node in enumerate(fused.kernels):
         name = f"{type(node).__name__.lower()}_kernel_{index}"
-        if isinstance(node, ir.Gather):  # an indirect-DMA kernel with its own fixed tiling (codegen/gather.py)
+        if isinstance(node, (ir.Gather, ir.Scatter)):  # indirect-DMA kernels, own tiling (codegen/gather.py)
             from neuron_compile.codegen.gather import render_gather
 
             source = render_gather(node, name, sorted({load.buffer for load in ir.node_loads(node)}), target)

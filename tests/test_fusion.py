@@ -143,3 +143,19 @@ def test_row_epilogues_match_eager(rows, cols, dtype):
 
     x, y = random_tensor((rows, cols), dtype, seed=5), random_tensor((rows, cols), dtype, seed=6)
     check_against_eager(fn, x, y, tolerances={torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)})
+
+
+def test_a_buffer_written_by_two_kernels_is_refused():
+    # Each launch returns its output buffers whole: two writers of one buffer would lose the first's elements.
+    import pytest
+
+    from neuron_compile.kernel_pipeline import _check_single_writer
+    from neuron_compile.lowering import LoweringError
+
+    buffer = ir.Buffer("out", "float32", ir.Layout((4, 8), (8, 1)))
+    halves = [ir.Layout((4, 4), (8, 1), offset) for offset in (0, 4)]
+    nodes = [ir.Pointwise(f"kernel_{i}", (4, 4), (ir.Store(buffer, ir.Scalar(float(i)), layout),))
+             for i, layout in enumerate(halves)]
+    _check_single_writer(nodes[:1])
+    with pytest.raises(LoweringError, match="buffer out is written by two kernels"):
+        _check_single_writer(nodes)
