@@ -20,6 +20,7 @@ import torch
 from neuron_compile import ir
 from neuron_compile.codegen.render import KernelSource, render_kernel
 from neuron_compile.lowering.registry import SUPPORTED_DTYPES, LoweringError, lower_graph
+from neuron_compile.passes.activation_ranges import guard_activation_ranges
 from neuron_compile.passes.fusion import fuse
 from neuron_compile.passes.tiling import TilingError, plan_kernel
 from neuron_compile.runtime import stats
@@ -193,7 +194,7 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> Com
     target = _target(config)
     lowered = lower_graph(gm)
     region_outputs = {value.buffer for value in lowered.outputs} | {value.buffer for _, value in lowered.mutations}
-    fused = fuse(lowered.nodes, region_outputs)
+    fused = fuse(guard_activation_ranges(lowered.nodes), region_outputs)
     _check_single_writer(fused.kernels)
     kernels = []
     for index, node in enumerate(fused.kernels):

@@ -239,3 +239,28 @@ def test_unsimulated_nki_names_raise_not_simulated(name):
 def test_unknown_names_are_attribute_errors():
     with pytest.raises(AttributeError):
         nisa.not_an_instruction  # noqa: B018
+
+
+@pytest.mark.parametrize("function, inside, outside", [
+    ("log", [2.0**-64, 1.0, 2.0**64, np.nan], [0.0, -1.0, 2.0**-65, 2.0**65, np.inf]),
+    ("sqrt", [2.0**-116, 4.0, 2.0**118], [0.0, -4.0, 2.0**-117, np.inf]),
+    ("rsqrt", [2.0**-87, 4.0, 2.0**97], [0.0, 2.0**98, -1.0]),
+    ("reciprocal", [2.0**-42, -3.0, -(2.0**42)], [0.0, -0.0, 2.0**43, -(2.0**-43), np.inf]),
+    ("arctan", [-1.5, 0.0, 1.5], [1.6, -np.inf]),
+])
+def test_activations_refuse_inputs_outside_their_valid_range(function, inside, outside):
+    def run(values):
+        def kernel(a):
+            tile, out = nl.ndarray(a.shape, nl.float32), nl.ndarray(a.shape, nl.float32)
+            nisa.dma_copy(tile, a)
+            nisa.activation(out, getattr(nl, function), tile)
+            result = hbm(a.shape)
+            nisa.dma_copy(result, out)
+            return result
+
+        return nki.run_kernel(kernel, [np.array([values], dtype=np.float32)]).outputs[0]
+
+    run(inside)  # nan propagates: no refusal
+    for value in outside:
+        with pytest.raises(NkiValidationError, match=rf"err_activation_input_out_of_range.*{function} is valid"):
+            run([1.0, value])

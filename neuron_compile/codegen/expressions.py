@@ -52,6 +52,11 @@ ACTIVATIONS = {
     "softplus": "nl.softplus",
     "mish": "nl.mish",
     "arctan": "nl.arctan",  # valid on [-pi/2, pi/2] only: lowering/pointwise_math.py reduces to [-1, 1]
+    # the bare instructions, for arguments already inside their valid ranges (passes/activation_ranges.py)
+    "log_in_range": "nl.log",
+    "sqrt_in_range": "nl.sqrt",
+    "rsqrt_in_range": "nl.rsqrt",
+    "reciprocal_in_range": "nl.reciprocal",
     "sin": "nl.sin",  # valid on [-pi, pi] only: lowering/trigonometry.py reduces the argument
 }
 SCALAR_FOLDS = {

@@ -16,6 +16,7 @@ import torch
 from neuron_compile import ir
 from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import load, register_lowering
+from neuron_compile.passes.activation_ranges import safe_log
 
 aten = torch.ops.aten
 
@@ -251,21 +252,6 @@ def lower_isinf(ctx, node):
 # ---------------------------------------------------------------- exp / log variants
 
 
-def safe_log(u):
-    """log(u) for every fp32 u, with the Scalar engine's log only ever fed [2**-64, 2**64] (nki-spec §1.5).
-
-    Large u are scaled by 2**-64 and small positive ones by 2**100 (exact power-of-two multiplies; 2**-149 *
-    2**100 = 2**-49), the exponent added back as a multiple of ln 2. 0 -> -inf, negatives and nan -> nan,
-    inf -> inf are selected, and the log instruction sees 1.0 in their place."""
-    big, small = gt(u, 2.0**63), lt(u, 2.0**-63)
-    scaled = where(big, mul(u, 2.0**-64), where(small, mul(u, 2.0**100), u))
-    offset = where(big, 64 * LN2, where(small, -100 * LN2, 0.0))
-    finite_positive = both(gt(u, 0.0), lt(u, INF))  # false for nan
-    core = add(_op("log", where(finite_positive, scaled, 1.0)), offset)
-    special = where(eq(u, 0.0), -INF, where(eq(u, INF), INF, math.nan))
-    return where(finite_positive, core, special)
-
-
 def expm1(x):
     """exp(x) - 1 without the cancellation near 0: Kahan's u = exp(x); (u - 1) * x / log(u) for |x| < 1/2
     (u - 1 is exact there by Sterbenz, u in [0.6, 1.65] is a valid log input, log(u) != 0 unless u == 1, where
@@ -273,7 +259,7 @@ def expm1(x):
     near_zero = lt(absolute(x), 0.5)
     clamped = _op("minimum", _op("maximum", x, -0.5), 0.5)
     u = exp(clamped)
-    log_u = _op("log", u)
+    log_u = _op("log_in_range", u)  # u in [0.6, 1.65]
     kahan = mul(sub(u, 1.0), div(clamped, where(eq(u, 1.0), 1.0, log_u)))
     return where(near_zero, where(eq(u, 1.0), clamped, kahan), sub(exp(x), 1.0))
 
@@ -427,7 +413,7 @@ def _sqrt_in_range(v):
     """sqrt(v) for 0 <= v <= 2**100 with the sqrt instruction fed only [2**-100, 2**100] (valid range [2**-116,
     2**118]): below 2**-100 the root (< 2**-50) is taken as 0, far under any result's ulp where it is added."""
     positive = gt(v, 2.0**-100)
-    return where(positive, _op("sqrt", where(positive, _op("minimum", v, 2.0**100), 1.0)), 0.0)
+    return where(positive, _op("sqrt_in_range", where(positive, _op("minimum", v, 2.0**100), 1.0)), 0.0)
 
 
 def _asin_core(t):
@@ -435,7 +421,7 @@ def _asin_core(t):
     arctan instruction's range is [-pi/2, pi/2]); t is clamped to [-3/4, 3/4] first so that lanes a select
     discards stay in range too."""
     clamped = _op("minimum", _op("maximum", t, -0.75), 0.75)
-    root = _op("sqrt", mul(sub(1.0, clamped), add(1.0, clamped)))  # in [0.66, 1]
+    root = _op("sqrt_in_range", mul(sub(1.0, clamped), add(1.0, clamped)))  # in [0.66, 1]
     return _op("arctan", div(clamped, root))
 
 

@@ -276,22 +276,37 @@ def _apply_activation(op: str, func, data, bias, scale) -> np.ndarray:
         x = x * scale_values
     if bias_values is not None:
         x = x + bias_values
-    if func.name == "sin":
-        _check_sin_range(op, x)
+    _check_activation_range(op, func.name, x)
     return func.fn(x).astype(FLOAT32, copy=False)
 
 
 SIN_LIMIT = np.float32(np.pi)  # the fp32 nearest pi (slightly above it): the widest fp32 reading of [-pi, pi]
+# Valid inputs of the Scalar engine's piecewise approximations (nki-spec §1.5): outside, the hardware gives invalid
+# results where numpy would be right, so the simulator refuses. Per function: the range as the error states it,
+# and which inputs are valid.
+ACTIVATION_RANGES = {
+    "sin": ("[-pi, pi]", lambda x: np.abs(x) <= SIN_LIMIT),  # no range reduction: sin(9.0) gives ~27.65
+    "arctan": ("[-pi/2, pi/2]", lambda x: np.isnan(x) | (np.abs(x) <= np.float32(np.pi / 2))),
+    "log": ("[2**-64, 2**64]", lambda x: np.isnan(x) | ((x >= 2.0**-64) & (x <= 2.0**64))),
+    "sqrt": ("[2**-116, 2**118]", lambda x: np.isnan(x) | ((x >= 2.0**-116) & (x <= 2.0**118))),
+    "rsqrt": ("[2**-87, 2**97]", lambda x: np.isnan(x) | ((x >= 2.0**-87) & (x <= 2.0**97))),
+    "reciprocal": ("+-[2**-42, 2**42]", lambda x: np.isnan(x) | ((np.abs(x) >= 2.0**-42) & (np.abs(x) <= 2.0**42))),
+}
 
 
-def _check_sin_range(op: str, x: np.ndarray) -> None:
-    """The Scalar engine's sin has no range reduction: it is valid on [-pi, pi] only (nki-spec §1.5; sin(9.0)
-    gives ~27.65 on hardware). numpy's sin would be right everywhere, so the simulator refuses instead."""
-    outside = ~(np.abs(x) <= SIN_LIMIT)  # nan is outside too
+def _check_activation_range(op: str, function: str, x: np.ndarray) -> None:
+    """Refuse inputs outside a function's valid range. nan passes (it propagates), except into sin, whose
+    valid range is all that is known of it."""
+    if function not in ACTIVATION_RANGES:
+        return
+    valid_range, valid = ACTIVATION_RANGES[function]
+    with np.errstate(invalid="ignore"):
+        outside = ~valid(x)
     if outside.any():
         raise NkiValidationError(
             "err_activation_input_out_of_range",
-            f"sin is valid on [-pi, pi] only; {int(outside.sum())} input(s) outside, e.g. {x[outside].flat[0]!r}",
+            f"{function} is valid on {valid_range} only; {int(outside.sum())} input(s) outside, e.g. "
+            f"{x[outside].flat[0]!r}",
             op,
         )
 

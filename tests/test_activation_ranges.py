@@ -1,0 +1,61 @@
+"""The activation-range pass: log / sqrt / rsqrt / reciprocal and division by tensors match eager on every fp32
+special value while the instructions only see their valid ranges (the simulator refuses anything else)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lowering_harness import check_against_eager, random_tensor
+
+from neuron_compile import ir
+from neuron_compile.passes.activation_ranges import guard_expression
+
+SPECIALS = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -1e-45, 1e-38, 2.0**-126, 3.4e38, -3.4e38,
+            2.0**-43, 2.0**43, 2.0**-117, 2.0**119, 1.0, -2.5, 2.0**100, 2.0**126, 2.0**127, 1e30, -1e-30, 7.0]
+
+
+def _specials(dtype):
+    values = torch.tensor(SPECIALS).repeat(130, 1)  # > 128 rows: two partition tiles
+    return values.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fn", [torch.log, torch.sqrt, torch.rsqrt, torch.reciprocal], ids=lambda f: f.__name__)
+def test_guarded_functions_on_special_values(fn, dtype):
+    check_against_eager(fn, _specials(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_division_by_every_special_value(dtype):
+    x = _specials(dtype)
+    check_against_eager(lambda a: a / a.flip(1), x)
+    check_against_eager(lambda a: a.flip(1) / a[:, 3:4], x)  # a row-vector denominator
+    check_against_eager(lambda a: 1.0 / a, x)
+
+
+@settings(max_examples=15, deadline=None)
+@given(exponent=st.integers(-149, 127), scale=st.floats(1.0, 2.0, exclude_max=True), negative=st.booleans())
+def test_reciprocal_of_any_magnitude(exponent, scale, negative):
+    value = torch.tensor([(-1.0 if negative else 1.0) * scale * 2.0**exponent], dtype=torch.float32)
+    check_against_eager(lambda a: (1.0 / a, a.abs().sqrt(), a.abs().rsqrt(), a.abs().log()), value.repeat(3, 5))
+
+
+def test_the_pass_leaves_in_range_instructions_alone_and_rewrites_the_rest():
+    x = ir.Load("x", ir.Layout((4,), (1,), 0), "float32")
+    bare = ir.Op("log_in_range", (x,))
+    assert guard_expression(bare) is bare
+    guarded = guard_expression(ir.Op("div", (x, ir.Op("sqrt", (x,)))))
+    text = str(guarded)
+    assert "sqrt_in_range" in text and "reciprocal_in_range" in text
+    assert "sqrt(" not in text.replace("sqrt_in_range(", "") and "div(" not in text
+    assert guard_expression(ir.Op("div", (x, ir.Scalar(3.0)))) == ir.Op("div", (x, ir.Scalar(3.0)))
+
+
+def test_normalizations_with_zero_epsilon_and_huge_inputs():
+    x = random_tensor((130, 40), seed=3)
+    x[0] = 0.0  # variance 0 and eps 0: rsqrt(0) = inf, 0 * inf = nan, as eager
+    x[1] = 3e38
+    check_against_eager(lambda a: torch.nn.functional.layer_norm(a, (40,), eps=0.0), x)
+    check_against_eager(lambda a: torch.linalg.vector_norm(a, dim=1), x)
