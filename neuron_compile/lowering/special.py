@@ -1,0 +1,330 @@
+"""Lowering stage, special functions: lgamma, digamma (polygamma n = 0), erfinv, ndtri, erfcx, the modified Bessel
+functions i0 / i0e / i1 / i1e, the spherical Bessel j0 and xlog1py.
+
+Input: an ATen FX node. Output: one ``ir.Pointwise`` (through ``emit_pointwise``) whose instructions are fp32 ALU
+arithmetic, exact selects and activations fed only their valid input ranges (nki-spec §1.5): every ``log`` goes
+through ``safe_log``, every division's reciprocal sees [2**-42, 2**42] (``reciprocal`` rescales by an exact power
+of two), ``sqrt`` / ``rsqrt`` see [1, 2**64], ``sin`` sees [-pi/2, pi/2].
+
+The approximations are written from the math: argument shifting by the recurrences Gamma(x + 1) = x Gamma(x),
+psi(x + 1) = psi(x) + 1 / x into [1.5, 2.5], where a polynomial in p = x - 2 (least-squares fits in float64 of
+lgamma(2 + p) / p and psi(2 + p), relative error 3e-10 and 7e-10) takes over; Stirling's and the digamma
+asymptotic series from 8 on; the reflection formulas below -1/2. erfinv(y) / y is a polynomial in w = -log(1 - y**2)
+(and in sqrt(w) in the tails, Giles' change of variable); erfcx(x) / t a polynomial in t = 2 / (2 + x); I0 and I1
+their power series up to 8 and sqrt(x) e**-x I(x) a polynomial in 8 / x beyond. Each fit's coefficients were
+computed here against float64 references (torch float64 and mpmath); the measured errors are in the tests.
+
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from neuron_compile import ir
+from neuron_compile.lowering.pointwise import emit_pointwise
+from neuron_compile.lowering.pointwise_math import (
+    INF, _op, _x, absolute, add, both, copysign, div, either, eq, ge, gt, le, log1p, lt, mul, ne, round_half_even,
+    safe_log, sub, where,
+)
+from neuron_compile.lowering.registry import load, register_lowering
+from neuron_compile.lowering.trigonometry import sin
+
+aten = torch.ops.aten
+NAN = math.nan
+
+
+def minimum(a, b):
+    return _op("minimum", a, b)
+
+
+def maximum(a, b):
+    return _op("maximum", a, b)
+
+
+def keep_nan(x, value):
+    """``value``, with nan wherever x is nan (selects on comparisons send nan down an arbitrary branch)."""
+    return where(ne(x, x), x, value)
+
+
+def polynomial(u, coefficients):
+    """Horner's rule, lowest coefficient first."""
+    acc = ir.Scalar(float(coefficients[-1]))
+    for c in reversed(coefficients[:-1]):
+        acc = add(mul(acc, u), c)
+    return acc
+
+
+def reciprocal(magnitude):
+    """1 / a for every a >= 0 (0 -> inf, inf -> 0): a is rescaled by s = 2**(127 - E) (E its biased exponent, an
+    exact power of two) into [1, 4) (subnormals into [2**-22, 1)), inside the reciprocal's range, and 1 / (a s) is
+    scaled back by s (exact, or rounded once into a subnormal)."""
+    s = _op("inverse_power_of_two", minimum(magnitude, 2.0**126))
+    ordinary = both(gt(magnitude, 0.0), lt(magnitude, INF))
+    value = mul(div(1.0, where(ordinary, mul(magnitude, s), 1.0)), s)
+    return where(ordinary, value, where(eq(magnitude, 0.0), INF, 0.0))
+
+
+def sin_pi(r):
+    """sin(pi r) for |r| <= 1/2 (nan lanes feed the activation 0)."""
+    return _op("sin", where(eq(r, r), mul(r, math.pi), 0.0))
+
+
+# ---------------------------------------------------------------- lgamma
+
+# lgamma(2 + p) / p on [-1/2, 1/2] (degree 9, relative error 3e-10 in float64).
+LGAMMA_2 = [0.422784335, 0.32246703447, -0.067352281586, 0.020580746225, -0.0073861718728, 0.002891561644,
+            -0.0011858746895, 0.00050243170302, -0.00025378772167, 0.00012073366762]
+HALF_LOG_TWO_PI = 0.5 * math.log(2.0 * math.pi)
+# eager's lgammaf returns inf from this fp32 on (the true value, 3.3625e38, still fits): followed, as eager's.
+EAGER_LGAMMA_OVERFLOW = 4.0371103e36
+SHIFT_LIMIT = 8.0  # below, shift into [1.5, 2.5]; from 8 on, the asymptotic series (next term < 3e-10)
+FACTOR_RANGE = range(2, 8)  # x in [m - 1/2, m + 1/2) with m <= 8 needs the factors (2 + p) ... (m - 1 + p)
+
+
+def _shifted(z):
+    """(zs, m, p): z clamped to SHIFT_LIMIT, its nearest integer m and p = zs - m in [-1/2, 1/2] (exact)."""
+    zs = minimum(z, SHIFT_LIMIT)
+    m = round_half_even(zs)
+    return zs, m, sub(zs, m)
+
+
+def lgamma_positive(z):
+    """lgamma(z) for z > -1/2 (and nan, inf). For z < 8, with m = round(z) and p = z - m:
+    lgamma(2 + p) = p * poly(p); m >= 3 adds log((2 + p) ... (m - 1 + p)), each factor z - k exact; m <= 1
+    subtracts log|z|, m = 0 also log1p(z) (so p = z - 1 and p = z stay exact: no rounding of z + 1 near the zero
+    at 1). For z >= 8, Stirling: (z - 1/2)(log z - 1) + log(2 pi) / 2 - 1/2 + 1/(12z) - 1/(360z^3) + 1/(1260z^5),
+    written so that the product only overflows where lgamma does."""
+    zs, m, p = _shifted(z)
+    core = mul(p, polynomial(p, LGAMMA_2))
+    product = None
+    for j in FACTOR_RANGE:
+        factor = where(lt(float(j), m), add(p, float(j)), 1.0)
+        product = factor if product is None else mul(product, factor)
+    shifted = add(core, _op("log", product))  # product in [1, 7!]
+    shifted = sub(shifted, where(le(m, 1.0), safe_log(absolute(zs)), 0.0))
+    shifted = sub(shifted, where(lt(m, 0.5), log1p(minimum(maximum(zs, -0.5), 0.5)), 0.0))
+    zl = maximum(z, SHIFT_LIMIT)
+    w = div(1.0, minimum(zl, 2.0**40))
+    w2 = mul(w, w)
+    series = mul(w, polynomial(w2, [1 / 12, -1 / 360, 1 / 1260]))
+    stirling = add(add(mul(sub(zl, 0.5), sub(safe_log(zl), 1.0)), HALF_LOG_TWO_PI - 0.5), series)
+    stirling = where(ge(zl, EAGER_LGAMMA_OVERFLOW), INF, stirling)
+    return where(lt(z, SHIFT_LIMIT), shifted, stirling)
+
+
+def _reflection(x):
+    """(reflect, z, r): reflect where x < -1/2, z = 1 - x there (else x), r = x - round(x) (0 at the poles, the
+    negative integers; every fp32 from 2**23 on is one)."""
+    reflect = lt(x, -0.5)
+    return reflect, where(reflect, sub(1.0, x), x), sub(x, round_half_even(x))
+
+
+def lgamma(x):
+    # x < -1/2: lgamma(x) = log(pi / |sin(pi x)|) - lgamma(1 - x), sin(pi x) = +-sin(pi r) with r exact. Poles
+    # (non-positive integers, -inf) are +inf as in eager.
+    reflect, z, r = _reflection(x)
+    value = lgamma_positive(z)
+    reflected = sub(sub(math.log(math.pi), safe_log(absolute(sin_pi(r)))), value)
+    pole = both(reflect, either(eq(r, 0.0), eq(x, -INF)))
+    return where(pole, INF, where(reflect, reflected, value))
+
+
+# ---------------------------------------------------------------- digamma
+
+# psi(2 + p) on [-1/2, 1/2] (degree 10, relative error 7e-10 in float64).
+DIGAMMA_2 = [0.42278433532, 0.64493406919, -0.20205694834, 0.082323028065, -0.036926247834, 0.017347938604,
+             -0.0083674127559, 0.0040313920769, -0.0019137854388, 0.0011784742762, -0.00070046932169]
+
+
+def digamma_positive(z):
+    """psi(z) for z >= -1/2: psi(2 + p) by the polynomial, plus 1 / (2 + p) + ... + 1 / (m - 1 + p) for m >= 3,
+    minus 1 / z for m <= 1 (any magnitude: 1 / +-0 = +-inf as eager's copysign(inf, -x)) and 1 / (1 + z) for
+    m = 0; from 8 on log z - 1/(2z) - 1/(12z^2) + 1/(120z^4) - 1/(252z^6) + 1/(240z^8)."""
+    zs, m, p = _shifted(z)
+    value = polynomial(p, DIGAMMA_2)
+    for j in FACTOR_RANGE:
+        use = lt(float(j), m)
+        value = add(value, where(use, div(1.0, where(use, add(p, float(j)), 1.0)), 0.0))
+    inverse = copysign(reciprocal(absolute(zs)), zs)
+    value = sub(value, where(le(m, 1.0), inverse, 0.0))
+    next_one = add(minimum(maximum(zs, -0.5), 0.5), 1.0)  # in [0.5, 1.5]
+    value = sub(value, where(lt(m, 0.5), div(1.0, next_one), 0.0))
+    zl = maximum(z, SHIFT_LIMIT)
+    w = div(1.0, minimum(zl, 2.0**40))
+    w2 = mul(w, w)
+    asymptotic = sub(sub(safe_log(zl), mul(w, 0.5)), mul(w2, polynomial(w2, [1 / 12, -1 / 120, 1 / 252, -1 / 240])))
+    return where(lt(z, SHIFT_LIMIT), value, asymptotic)
+
+
+def digamma(x):
+    # x < -1/2: psi(x) = psi(1 - x) - pi cos(pi r) / sin(pi r), cos(pi r) = sin(pi (1/2 - |r|)); |sin(pi r)| >=
+    # sin(pi 2**-24) for non-integers there. Poles (negative integers, -inf) are nan as in eager.
+    reflect, z, r = _reflection(x)
+    value = digamma_positive(z)
+    sine = sin_pi(r)
+    cosine = sin_pi(sub(0.5, absolute(r)))
+    pole = both(reflect, either(eq(r, 0.0), eq(x, -INF)))
+    cotangent = div(cosine, where(both(reflect, ne(sine, 0.0)), sine, 1.0))  # other lanes: r may be tiny
+    reflected = sub(value, mul(cotangent, math.pi))
+    return where(pole, NAN, where(reflect, reflected, value))
+
+
+# ---------------------------------------------------------------- erfinv and ndtri
+
+# erfinv(y) / y as a polynomial in w - 2.5 for w = -log(1 - y**2) < 5, in sqrt(w) - (sqrt(5) + 4) / 2 for w < 16, in
+# sqrt(w) - 7.15 up to w = 106 (ndtri's smallest p, 2**-149); fits with relative errors 7e-9, 6e-8, 4e-9.
+ERFINV_CENTRAL = [1.501409359581826, 0.24664027848073924, -0.004177388473869905, -0.001252725226896731,
+                  0.0002183458867710394, -4.97306967305218e-06, -3.463093070935064e-06, 4.6826697362029046e-07,
+                  2.3264800252942308e-08, -8.941414053609265e-09]
+ERFINV_TAIL = [2.951328510148663, 1.0036180890936193, 0.007163040683953773, -0.005379487886579609,
+               0.0038569186232052595, -0.0027070943617115767, 0.00135392537223167, -8.778466354259496e-05,
+               -0.00019965589929771935]
+ERFINV_FAR_TAIL = [7.0202974720639375, 1.008442281024199, -0.0005089912412053092, 9.663901242031516e-06,
+                   4.874869440036724e-06, -1.4096614028830437e-06, 2.8481631303859807e-07, -3.394768566614469e-08,
+                   3.763324893083719e-09, -1.9960075392752047e-09, 3.610237344484442e-10]
+
+
+def erfinv_magnitude(a, q):
+    """erfinv(a) for a = |y| in [0, 1), given q = 1 - a as an exactly known value (1 - y**2 = q (2 - q) keeps its
+    relative accuracy as a -> 1; for ndtri q = 2p is exact down to the smallest subnormal p)."""
+    positive_q = gt(q, 0.0)
+    w = _op("neg", safe_log(where(positive_q, mul(q, sub(2.0, q)), 1.0)))
+    root = _op("sqrt", minimum(maximum(w, 5.0), 128.0))
+    central = polynomial(sub(w, 2.5), ERFINV_CENTRAL)
+    tail = polynomial(sub(root, (math.sqrt(5.0) + 4.0) / 2), ERFINV_TAIL)
+    far = polynomial(sub(root, 7.15), ERFINV_FAR_TAIL)
+    return mul(a, where(lt(w, 5.0), central, where(lt(w, 16.0), tail, far)))
+
+
+def erfinv(y):
+    # |y| = 1 -> +-inf, |y| > 1 -> nan; the sign of y (and of +-0) is put back.
+    a = absolute(y)
+    value = erfinv_magnitude(a, sub(1.0, a))
+    value = where(lt(a, 1.0), value, where(eq(a, 1.0), INF, NAN))
+    return keep_nan(y, copysign(value, y))
+
+
+def ndtri(p):
+    # ndtri(p) = sqrt(2) erfinv(2p - 1), with 1 - |2p - 1| = 2 min(p, 1 - p) (exact: 1 - p is exact for p >= 1/2).
+    # p = 0 -> -inf, p = 1 -> inf, outside [0, 1] -> nan.
+    half = lt(p, 0.5)
+    q = mul(where(half, p, sub(1.0, p)), 2.0)
+    value = mul(erfinv_magnitude(sub(1.0, q), q), math.sqrt(2.0))
+    inside = both(gt(p, 0.0), lt(p, 1.0))
+    value = where(inside, where(half, _op("neg", value), value), where(eq(p, 0.0), -INF, where(eq(p, 1.0), INF, NAN)))
+    return keep_nan(p, value)
+
+
+# ---------------------------------------------------------------- erfcx
+
+# erfcx(x) / t as a polynomial in t = 2 / (2 + x), x >= 0 (degree 12, relative error 1.3e-9).
+ERFCX = [0.28209479193, 0.28209474268, 0.24683526398, 0.17627294268, 0.083917960873, -0.0032919190866,
+         -0.074749609129, 0.047522987286, -0.31819302491, 0.6297682105, -0.53945932441, 0.22522182736,
+         -0.038034851008]
+
+
+def erfcx_magnitude(a):
+    """erfcx(a) for a >= 0 (inf -> 0): t R(t)."""
+    t = mul(reciprocal(add(a, 2.0)), 2.0)
+    return mul(t, polynomial(t, ERFCX))
+
+
+def erfcx(x):
+    # x < 0: erfcx(x) = 2 exp(x**2) - erfcx(-x), with x * x rounded as eager rounds it (inf beyond 9.4).
+    value = erfcx_magnitude(absolute(x))
+    negative = sub(mul(_op("exp", mul(x, x)), 2.0), value)
+    return keep_nan(x, where(lt(x, 0.0), negative, value))
+
+
+# ---------------------------------------------------------------- modified Bessel functions
+
+BESSEL_SERIES_LIMIT = 8.0
+I0_SERIES = [1.0 / math.factorial(k) ** 2 for k in range(14)]  # I0(x) = sum (x^2/4)^k / k!^2
+I1_SERIES = [1.0 / (math.factorial(k) * math.factorial(k + 1)) for k in range(14)]  # I1(x) = x/2 sum (x^2/4)^k / ...
+# sqrt(x) e**-x I0(x) and sqrt(x) e**-x I1(x) as polynomials in u = 8 / x for x >= 8 (relative error 1.2e-10).
+I0_LARGE = [0.3989422804, 0.006233476087, 0.0004382217148, 5.767294133e-05, 8.433866184e-06, 8.026423798e-06,
+            -4.621565691e-06, 2.454271717e-06, 3.982797856e-07]
+I1_LARGE = [0.3989422804, -0.01870042253, -0.0007304123409, -8.052380174e-05, -1.149203267e-05, -8.674601299e-06,
+            4.306464438e-06, -2.200333903e-06, -5.946872493e-07]
+
+
+def _inverse_sqrt(a):
+    """1 / sqrt(a) for a >= 8 (inf -> 0), rsqrt fed [8, 2**64]: beyond 2**64, a * 2**-64 and a factor 2**-32."""
+    big = gt(a, 2.0**64)
+    scaled = where(big, mul(a, 2.0**-64), a)
+    value = mul(_op("rsqrt", where(lt(a, INF), scaled, 1.0)), where(big, 2.0**-32, 1.0))
+    return where(lt(a, INF), value, 0.0)
+
+
+def bessel(x, order: int, scaled: bool):
+    """I0 / I1 (``order``), times e**-|x| if ``scaled``. Up to 8 the power series (positive terms, no
+    cancellation); beyond, e**|x| G(8 / |x|) / sqrt(|x|) in eager's order (so exp overflows to inf, and inf gives
+    nan, where eager's does). I1 is odd: negated for x < 0 (not copysign: eager's i1(-0.0) is +0.0)."""
+    a = absolute(x)
+    small = minimum(a, BESSEL_SERIES_LIMIT)
+    quarter_square = mul(mul(small, small), 0.25)
+    series = polynomial(quarter_square, I0_SERIES if order == 0 else I1_SERIES)
+    if order == 1:
+        series = mul(series, mul(small, 0.5))
+    large = maximum(a, BESSEL_SERIES_LIMIT)
+    u = mul(reciprocal(large), 8.0)
+    tail = polynomial(u, I0_LARGE if order == 0 else I1_LARGE)
+    if scaled:
+        near = mul(series, _op("exp", _op("neg", small)))
+        far = mul(tail, _inverse_sqrt(large))
+    else:
+        near = series
+        far = where(lt(a, INF), mul(mul(_op("exp", large), tail), _inverse_sqrt(large)), NAN)
+    value = where(le(a, BESSEL_SERIES_LIMIT), near, far)
+    if order == 1:
+        value = where(lt(x, 0.0), _op("neg", value), value)
+    return keep_nan(x, value)
+
+
+# ---------------------------------------------------------------- spherical Bessel j0, xlog1py
+
+
+def spherical_bessel_j0(x):
+    # eager: |x| < 1/2 the series 1 - x^2/6 (1 - x^2/20 (1 - x^2/42 (...))), else sin(x) / x; +-inf -> 0.
+    square = mul(x, x)
+    series = add(mul(mul(square, -1 / 6), polynomial(square, [1.0, -1 / 20, 1 / 840, -1 / 60480, 1 / 4354560,
+                                                              -1 / 479001600])), 1.0)
+    a = absolute(x)
+    quotient = mul(sin(x), copysign(reciprocal(a), x))
+    value = where(lt(a, 0.5), series, where(eq(a, INF), 0.0, quotient))
+    return keep_nan(x, value)
+
+
+FORMS = {
+    aten.lgamma.default: lgamma,
+    aten.digamma.default: digamma,
+    aten.erfinv.default: erfinv,
+    aten.special_ndtri.default: ndtri,
+    aten.special_erfcx.default: erfcx,
+    aten.i0.default: lambda x: bessel(x, 0, scaled=False),
+    aten.special_i0e.default: lambda x: bessel(x, 0, scaled=True),
+    aten.special_i1.default: lambda x: bessel(x, 1, scaled=False),
+    aten.special_i1e.default: lambda x: bessel(x, 1, scaled=True),
+    aten.special_spherical_bessel_j0.default: spherical_bessel_j0,
+}
+
+
+@register_lowering(*FORMS)
+def lower_special(ctx, node):
+    return emit_pointwise(ctx, node, FORMS[node.target](_x(ctx, node)))
+
+
+def _check_polygamma(node: torch.fx.Node) -> str | None:
+    order = node.args[0]
+    if order != 0:
+        return (f"aten.polygamma: n={order} (only n=0, digamma, is lowered; higher orders need the reflection "
+                "d^n/dx^n cot(pi x) for negative x, not written yet)")
+    return None
+
+
+@register_lowering(aten.polygamma.default, check=_check_polygamma)
+def lower_polygamma(ctx, node):
+    x = load(ctx, node.args[1], tuple(node.meta["val"].shape))
+    return emit_pointwise(ctx, node, digamma(x))
