@@ -66,3 +66,10 @@ def test_argmax_and_max_dim_indices_are_positions():
     assert _last(lambda a: torch.argmin(a, 1), x) == Interval(0, 5)
     assert _last(lambda a: torch.max(a, 0)[1], x) == Interval(0, 3)
     assert _last(lambda a: torch.max(a, 0)[0], x) is None  # the values are the (unknown) source's
+
+
+def test_rounding_widens_bf16_results_and_float_sums():
+    bounded = _last(lambda x: (torch.arange(1000) * 1.0).to(torch.bfloat16), X)
+    assert bounded.low < 0 and bounded.high > 999 * (1 + 2**-8)  # a bf16 rounding may carry 999 up to 1000
+    total = _last(lambda x: (torch.arange(4096) * 1.0).sum(), X)
+    assert total.high >= sum(range(4096)) * (1 + 4096 * 2**-24)

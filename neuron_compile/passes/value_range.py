@@ -12,8 +12,9 @@ decompositions emit (arange, add, clamp, casts, in interpolate / pad / tril / di
 so intervals prove it exact; integers read from graph inputs are unknown and stay eager.
 
 Float intervals are kept only where they come from such integers (interpolate's ``(arange + 0.5) * scale``)
-so that a float -> int cast of them can be proved to fit; fp32 rounding moves a bound by at most one part in
-2**24, far inside the slack the callers leave (see ``EXACT_INTEGER_BOUND``).
+so that a float -> int cast of them can be proved to fit. One fp32 rounding moves a bound by one part in 2**24,
+inside the slack the callers leave (see ``EXACT_INTEGER_BOUND``); where roundings add up (float sums) or are
+coarser (bf16 results), the interval is widened by their worst case.
 """
 
 from __future__ import annotations
@@ -144,7 +145,11 @@ def _sum(node):
     if source is None or meta_in is None or meta_out.numel() == 0:
         return None
     count = meta_in.numel() // max(meta_out.numel(), 1)
-    return _finite(min(0.0, source.low * count), max(0.0, source.high * count))
+    low, high = min(0.0, source.low * count), max(0.0, source.high * count)
+    if meta_out.is_floating_point():  # each of the count additions rounds: widen by count fp32 ulps
+        slack = max(-low, high) * count * 2.0**-23
+        low, high = low - slack, high + slack
+    return _finite(low, high)
 
 
 def _remainder(node):
@@ -303,6 +308,10 @@ def _infer(node: torch.fx.Node) -> Interval | None:
         result = rule(node)
     except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError, OverflowError):
         return None  # an argument form the rule does not know (symbolic, list): nothing proved
+    if result is not None and meta.dtype in (torch.bfloat16, torch.float16):
+        # rounding to 8 (11) significant bits can carry a value past the exact bound: widen by that much
+        slack = max(-result.low, result.high) * 2.0**-7
+        result = Interval(result.low - slack, result.high + slack)
     if result is not None and not meta.is_floating_point():
         # An integer result holds integers of the interval, or float values truncated by a cast (a float -> int
         # _to_copy, an integer sum or fill of floats): truncating both ends bounds either.
