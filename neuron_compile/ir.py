@@ -311,7 +311,35 @@ class Gather:
     indices: tuple = ()
 
 
-Node = Pointwise | Reduction | RowNormalize | Scan | MatMul | Concat | Gather
+
+@dataclass(frozen=True)
+class Scatter:
+    """``out = base``, then for every element e of ``domain``, tile by tile in order: ``out[target(e)] =
+    reduce(out[target(e)], values(e))`` (index_put, scatter, scatter_add, scatter_reduce, index_reduce, put).
+
+    ``reduce`` is assign | add | multiply | maximum | minimum. ``base`` reads self over the output's shape;
+    ``target`` is the output's layout restated over the domain (stride 0 on index-driven dims) and ``indices``
+    holds (Load over the domain, output stride, output size, wrap negatives) per index, as ``Gather.indices``:
+    target(e) = target's value + sum(index * stride). ``values`` is a Load over the domain or a Scalar. Elements
+    of one tile that hit the same place all write the same value (assign: the last one's; otherwise every one's
+    contribution combined), so the result does not depend on the order of one DMA's writes. Indices outside the
+    valid range make the kernel fail (never a write elsewhere). The one store is the output (``Result()``).
+    """
+
+    name: str
+    domain: tuple[int, ...]
+    base: Load
+    target: Layout
+    values: Load | Scalar
+    indices: tuple
+    stores: tuple[Store, ...]
+    reduce: str = "assign"
+    # The domain dim on partitions (the others are outer loops in domain order); the lowering picks one that keeps
+    # eager's order among colliding elements: a dim no index drives, or the last one an index drives.
+    partition_dim: int = -1
+
+
+Node = Pointwise | Reduction | RowNormalize | Scan | MatMul | Concat | Gather | Scatter
 
 
 def node_loads(node: Node) -> list[Load]:
@@ -328,6 +356,9 @@ def node_loads(node: Node) -> list[Load]:
         found += [node.a, node.b]
     if isinstance(node, Gather):
         found += [node.source, node.index] + [entry[0] for entry in node.indices]
+    if isinstance(node, Scatter):
+        found += [node.base] + ([node.values] if isinstance(node.values, Load) else []) + [
+            entry[0] for entry in node.indices]
     return list(dict.fromkeys(found))
 
 

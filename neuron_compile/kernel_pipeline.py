@@ -199,7 +199,7 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> Com
     kernels = []
     for index, node in enumerate(fused.kernels):
         name = f"{type(node).__name__.lower()}_kernel_{index}"
-        if isinstance(node, ir.Gather):  # an indirect-DMA kernel with its own fixed tiling (codegen/gather.py)
+        if isinstance(node, (ir.Gather, ir.Scatter)):  # indirect-DMA kernels, own tiling (codegen/gather.py)
             from neuron_compile.codegen.gather import render_gather
 
             source = render_gather(node, name, sorted({load.buffer for load in ir.node_loads(node)}), target)

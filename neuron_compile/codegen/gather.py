@@ -26,7 +26,11 @@ def _offset(base: int, terms: list[tuple[str, int]]) -> str:
     return " + ".join(parts)
 
 
-def render_gather(node: ir.Gather, name: str, parameters: list[str], target) -> KernelSource:
+def render_gather(node: ir.Gather | ir.Scatter, name: str, parameters: list[str], target) -> KernelSource:
+    if isinstance(node, ir.Scatter):
+        from neuron_compile.codegen.scatter import render_scatter
+
+        return render_scatter(node, name, parameters, target)
     if node.elements:
         return render_element_gather(node, name, parameters, target)
     (store,) = node.stores
@@ -107,39 +111,9 @@ def render_element_gather(node: ir.Gather, name: str, parameters: list[str], tar
         return [(f"o{j}", layout.strides[j]) for j in outer] + [("p0", layout.strides[part])]
 
     window = "[0:rows, 0:1]"
-    body = [
-        # The output coordinates' part of the offset: exact int32 iota on GpSimd (stride 0 on index-driven dims).
-        f"nisa.iota(base{window}, [[0, 1]], offset={_offset(source.layout.offset, terms(source.layout))}, "
-        f"channel_multiplier={source.layout.strides[part]})",
-        f"nisa.memset(dst=bad{window}, value=0.0)",
-        f"nisa.tensor_copy(dst=address{window}, src=base{window})",
-    ]
-    for index, stride, size, wrap in node.indices:
-        body += [
-            f"nisa.dma_copy(dst=raw{window}, src={index.buffer}.ap([[{index.layout.strides[part]}, rows], [1, 1]], "
-            f"offset={_offset(index.layout.offset, terms(index.layout))}))",
-            # index.Tensor wraps idx < 0 to idx + size (gather does not); then valid is 0 <= idx < size.
-            f"nisa.tensor_scalar(dst=shift{window}, data=raw{window}, op0=nl.less, operand0=0.0, op1=nl.multiply, "
-            f"operand1={float(size) if wrap else 0.0})",
-            f"nisa.tensor_tensor(dst=wrapped{window}, data1=raw{window}, data2=shift{window}, op=nl.add)",
-            f"nisa.tensor_scalar(dst=low{window}, data=wrapped{window}, op0=nl.less, operand0=0.0)",
-            f"nisa.tensor_scalar(dst=high{window}, data=wrapped{window}, op0=nl.greater_equal, "
-            f"operand0={float(size)})",
-            f"nisa.tensor_tensor(dst=bad{window}, data1=bad{window}, data2=low{window}, op=nl.maximum)",
-            f"nisa.tensor_tensor(dst=bad{window}, data1=bad{window}, data2=high{window}, op=nl.maximum)",
-            # For valid indices every partial sum is an integer below the source span < 2^24 (checked): exact fp32.
-            f"nisa.tensor_scalar(dst=wrapped{window}, data=wrapped{window}, op0=nl.multiply, "
-            f"operand0={float(stride)})",
-            f"nisa.tensor_tensor(dst=address{window}, data1=address{window}, data2=wrapped{window}, op=nl.add)",
-        ]
+    body = column_address_lines(source.layout, node.indices, terms, part, window)
+    body += redirect_lines(window)
     body += [
-        # A bad element's address (finite: |idx| < 2^31, stride < 2^24) is zeroed by keep = 0 and redirected to
-        # OUT_OF_RANGE_ROW, beyond the source: the DMA's bounds check fails, never a read of another element.
-        f"nisa.tensor_scalar(dst=keep{window}, data=bad{window}, op0=nl.multiply, operand0=-1.0, op1=nl.add, "
-        "operand1=1.0)",
-        f"nisa.tensor_tensor(dst=address{window}, data1=address{window}, data2=keep{window}, op=nl.multiply)",
-        f"nisa.tensor_scalar(dst=bad{window}, data=bad{window}, op0=nl.multiply, operand0={float(OUT_OF_RANGE_ROW)})",
-        f"nisa.tensor_tensor(dst=offsets{window}, data1=address{window}, data2=bad{window}, op=nl.add)",
         f"nisa.dma_copy(dst=gathered{window}, src={source.buffer}.ap([[1, rows], [1, 1]], offset=0, "
         f"vector_offset=offsets{window}, indirect_dim=0))",
         f"nisa.dma_copy(dst={store.buffer.name}.ap([[{store.layout.strides[part]}, rows], [1, 1]], "
@@ -154,10 +128,73 @@ def render_element_gather(node: ir.Gather, name: str, parameters: list[str], tar
                          rows_total, tile_rows)
 
 
-def _render_loops(node: ir.Gather, name: str, parameters: list[str], allocations: list[str], body: list[str],
-                  outer_sizes: list[int], rows_total: int, tile_rows: int) -> KernelSource:
-    """Both gather forms: one loop per outer dim (``o0``, ``o1``, ...), then row tiles of ``tile_rows``."""
-    loops, depth = [], 1
+def column_address_lines(base: ir.Layout, indices, terms, part: int, window: str) -> list[str]:
+    """The flat offset of each element of a tile on its partition, in the fp32 tile ``address``, with ``bad``
+    flags: an iota of ``base`` (the addressed layout restated over the domain, stride 0 on index-driven dims) plus
+    each index's contribution. ``terms(layout)`` names the loop variables' part of a layout's offset."""
+    lines = [
+        # The output coordinates' part of the offset: exact int32 iota on GpSimd (stride 0 on index-driven dims).
+        f"nisa.iota(base{window}, [[0, 1]], offset={_offset(base.offset, terms(base))}, "
+        f"channel_multiplier={base.strides[part]})",
+        f"nisa.memset(dst=bad{window}, value=0.0)",
+        f"nisa.tensor_copy(dst=address{window}, src=base{window})",
+    ]
+    return lines + element_address_lines(
+        indices, lambda index: f"{index.buffer}.ap([[{index.layout.strides[part]}, rows], [1, 1]], "
+        f"offset={_offset(index.layout.offset, terms(index.layout))})", window)
+
+
+def element_address_lines(indices, index_pattern, window: str, suffix: str = "", check: bool = True) -> list[str]:
+    """Add each index's contribution to the fp32 tile ``address{suffix}`` (initialised by the caller).
+
+    ``indices`` holds (Load, stride, size, wrap) entries; ``index_pattern(load)`` is the HBM access pattern that
+    DMAs the load into ``raw{suffix}{window}``. index.Tensor / index_put wrap idx < 0 to idx + size (gather and
+    scatter do not); with ``check``, ``bad`` becomes 1 where an index lies outside [0, size). For valid indices
+    every partial sum is an integer below the span < 2^24 (checked by the lowerings): exact fp32.
+    """
+    raw, shift, wrapped, address = (f"{tile}{suffix}{window}" for tile in ("raw", "shift", "wrapped", "address"))
+    lines = []
+    for index, stride, size, wrap in indices:
+        lines += [
+            f"nisa.dma_copy(dst={raw}, src={index_pattern(index)})",
+            f"nisa.tensor_scalar(dst={shift}, data={raw}, op0=nl.less, operand0=0.0, op1=nl.multiply, "
+            f"operand1={float(size) if wrap else 0.0})",
+            f"nisa.tensor_tensor(dst={wrapped}, data1={raw}, data2={shift}, op=nl.add)",
+        ]
+        if check:
+            lines += [
+                f"nisa.tensor_scalar(dst=low{window}, data={wrapped}, op0=nl.less, operand0=0.0)",
+                f"nisa.tensor_scalar(dst=high{window}, data={wrapped}, op0=nl.greater_equal, "
+                f"operand0={float(size)})",
+                f"nisa.tensor_tensor(dst=bad{window}, data1=bad{window}, data2=low{window}, op=nl.maximum)",
+                f"nisa.tensor_tensor(dst=bad{window}, data1=bad{window}, data2=high{window}, op=nl.maximum)",
+            ]
+        lines += [
+            f"nisa.tensor_scalar(dst={wrapped}, data={wrapped}, op0=nl.multiply, operand0={float(stride)})",
+            f"nisa.tensor_tensor(dst={address}, data1={address}, data2={wrapped}, op=nl.add)",
+        ]
+    return lines
+
+
+def redirect_lines(window: str) -> list[str]:
+    """``offsets`` (int32) = ``address``, or OUT_OF_RANGE_ROW where ``bad``: a bad element's address (finite:
+    |idx| < 2^31, stride < 2^24) is zeroed by keep = 0 and redirected beyond the buffer, so the DMA's bounds
+    check fails, never an access of another element."""
+    return [
+        f"nisa.tensor_scalar(dst=keep{window}, data=bad{window}, op0=nl.multiply, operand0=-1.0, op1=nl.add, "
+        "operand1=1.0)",
+        f"nisa.tensor_tensor(dst=address{window}, data1=address{window}, data2=keep{window}, op=nl.multiply)",
+        f"nisa.tensor_scalar(dst=bad{window}, data=bad{window}, op0=nl.multiply, operand0={float(OUT_OF_RANGE_ROW)})",
+        f"nisa.tensor_tensor(dst=offsets{window}, data1=address{window}, data2=bad{window}, op=nl.add)",
+    ]
+
+
+def _render_loops(node, name: str, parameters: list[str], allocations: list[str], body: list[str],
+                  outer_sizes: list[int], rows_total: int, tile_rows: int, template: str = "gather.py.j2",
+                  prelude: tuple[str, ...] = ()) -> KernelSource:
+    """Gathers and scatters: ``prelude`` (lines at kernel level), one loop per outer dim (``o0``, ``o1``, ...),
+    then row tiles of ``tile_rows``."""
+    loops, depth = ["    " + line for line in prelude], 1
     for j, size in enumerate(outer_sizes):
         loops.append("    " * depth + f"for o{j} in range({size}):")
         depth += 1
@@ -165,7 +202,7 @@ def _render_loops(node: ir.Gather, name: str, parameters: list[str], allocations
     loops.append("    " * (depth + 1) + f"rows = min({tile_rows}, {rows_total} - p0)")
     (store,) = node.stores
     text = _render(
-        "gather.py.j2", name=name, parameters=parameters, docstring=ir.format_node(node),
+        template, name=name, parameters=parameters, docstring=ir.format_node(node),
         outputs=_output_lines(node.stores), allocations=allocations, loops=loops, body=body, depth=depth + 1,
         returns=store.buffer.name,
     )

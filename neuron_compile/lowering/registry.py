@@ -91,6 +91,7 @@ def _ensure_families_loaded() -> None:
     from neuron_compile.lowering import scan  # noqa: F401
     from neuron_compile.lowering import trigonometry  # noqa: F401
     from neuron_compile.lowering import special  # noqa: F401
+    from neuron_compile.lowering import scatter  # noqa: F401
 
 
 def dtype_name(dtype: torch.dtype) -> str:

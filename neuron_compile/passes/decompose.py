@@ -6,6 +6,8 @@ ATen decompositions minus ``KEPT_WHOLE``, the ops that stay whole in the ATen gr
 - softmax, log_softmax, layer norm, batch norm, the NLL loss (cross-entropy's second half) and scaled-dot-product
   attention, and their backward ops: each is one fused row-reduction or attention kernel; decomposing it
   would scatter it into a dozen pointwise and reduction nodes that the fusion pass would have to re-discover;
+- index_copy and index_add: their index_put decomposition wraps negative indices that eager rejects, and
+  index_fill (which wraps them) decomposes into index_copy; lowering/scatter.py lowers the three whole;
 - silu, softplus, mish and the gelu / silu derivatives: each is a single ``nisa.activation`` function
   (silu, silu_dx, gelu_dx, softplus, mish in nki-spec.md §1.5).
 
@@ -40,6 +42,10 @@ KEPT_WHOLE = (
     aten.gelu_backward.default,
     aten.softplus.default,
     aten.mish.default,
+    aten.index_copy.default,
+    aten.index_add.default,
+    aten.index_fill.int_Scalar,
+    aten.index_fill.int_Tensor,
 )
 
 

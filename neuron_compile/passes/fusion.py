@@ -72,6 +72,8 @@ def can_fuse(group: ir.Node, consumer: ir.Node, outside_readers: set[str]) -> st
         return "a concat kernel takes no epilogue"
     if isinstance(group, ir.Gather):
         return "a gather kernel (indirect DMA) takes no epilogue"
+    if isinstance(group, ir.Scatter):
+        return "a scatter kernel (indirect DMA) takes no epilogue"
     if isinstance(consumer, ir.Pointwise):
         converted = [_to_group_domain(store.layout, group) for store in consumer.stores]
         if any(layout is None for layout in converted) and isinstance(group, ir.Reduction):
