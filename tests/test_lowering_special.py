@@ -167,3 +167,17 @@ def test_polygamma_of_higher_order_is_declined_with_its_reason():
     gm = trace(lambda t: torch.polygamma(2, t), torch.ones(3))
     node = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.polygamma.default)
     assert "n=2 (only n=0" in unsupported_reason(node)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_frexp_is_exact(dtype):
+    # every binade from the smallest subnormal to 3.4e38, both signs, the edges 2**-126 / 2**126, zeros, inf, nan;
+    # strided (a transposed view), > 128 rows: mantissa and exponent bit for bit (nan's sign aside)
+    edges = torch.tensor([2.0**-126, 2.0**-127, 1.1754942e-38, 2.0**126, 1.5 * 2.0**127, 3.4028235e38, 1e-45])
+    x = torch.cat([special_values(torch.float32, rows=1).flatten(), edges, -edges,
+                   random_tensor((1380,), seed=11, low=-1.0, high=1.0) * 2.0 ** torch.arange(-149, 127, 0.2)])
+    x = as_rows(x, dtype, columns=130).t()
+    (mantissa, exponent), (want_mantissa, want_exponent) = compile_and_run(torch.frexp, x)[1], torch.frexp(x)
+    assert exponent.dtype == torch.int32 and torch.equal(exponent, want_exponent)
+    assert mantissa.dtype == dtype and torch.equal(mantissa.nan_to_num(7.0), want_mantissa.nan_to_num(7.0))
+    assert torch.equal(mantissa.signbit()[~x.isnan()], want_mantissa.signbit()[~x.isnan()])

@@ -28,7 +28,7 @@ from neuron_compile.lowering.pointwise_math import (
     INF, _op, _x, absolute, add, both, copysign, div, either, eq, ge, gt, le, log1p, lt, mul, ne, round_half_even,
     safe_log, sub, where,
 )
-from neuron_compile.lowering.registry import load, register_lowering
+from neuron_compile.lowering.registry import INTEGER_OPS, TensorValue, load, register_lowering
 from neuron_compile.lowering.trigonometry import sin
 
 aten = torch.ops.aten
@@ -295,6 +295,42 @@ def spherical_bessel_j0(x):
     quotient = mul(sin(x), copysign(reciprocal(a), x))
     value = where(lt(a, 0.5), series, where(eq(a, INF), 0.0, quotient))
     return keep_nan(x, value)
+
+
+def frexp(x):
+    """(mantissa, exponent) with x = mantissa * 2**exponent, |mantissa| in [0.5, 1): |x| is brought into the normal
+    range below 2**126 by an exact 2**+-64, then s = 2**(127 - E) (E the biased exponent) scales it into [1, 2);
+    log(s) / ln 2 is an integer to far below 1/2, so rounding it is exact. 0, inf and nan keep x with exponent 0."""
+    a = absolute(x)
+    tiny, big = lt(a, 2.0**-100), ge(a, 2.0**126)
+    scaled = mul(a, where(tiny, 2.0**64, where(big, 2.0**-64, 1.0)))
+    shift = where(tiny, -64.0, where(big, 64.0, 0.0))
+    s = _op("inverse_power_of_two", scaled)
+    ordinary = both(gt(a, 0.0), lt(a, INF))
+    mantissa = where(ordinary, copysign(mul(mul(scaled, s), 0.5), x), x)
+    log2_s = round_half_even(mul(safe_log(s), 1.0 / math.log(2.0)))
+    exponent = where(ordinary, add(sub(1.0, log2_s), shift), 0.0)
+    return mantissa, exponent
+
+
+@register_lowering(aten.frexp.Tensor, multi_output=True)
+def lower_frexp(ctx, node):
+    x = _x_of(ctx, node)
+    results = []
+    for meta, expr in zip(node.meta["val"], frexp(x)):
+        buffer = ctx.new_buffer(meta, "frexp")
+        if buffer.dtype != "float32":  # bf16 mantissa (exact: the bits of x), int32 exponent (an exact integer)
+            expr = ir.Op("cast", (expr,), dtype=buffer.dtype)
+        ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), buffer.layout.shape, (ir.Store(buffer, expr, buffer.layout),)))
+        results.append(TensorValue(buffer.name, buffer.layout, buffer.dtype))
+    return tuple(results)
+
+
+def _x_of(ctx, node):
+    return load(ctx, node.args[0], tuple(node.meta["val"][0].shape))
+
+
+INTEGER_OPS.add(aten.frexp.Tensor)  # its int32 exponent is an exact small integer computed in fp32
 
 
 FORMS = {
