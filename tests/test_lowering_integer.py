@@ -136,3 +136,28 @@ def test_integer_division_declines_what_it_cannot_make_exact():
     index = torch.tensor([5, -9, 2**40])
     got, stats = _compiled(lambda i: i // 3, index)
     assert torch.equal(got, index // 3) and stats["nki_nodes"] == 0
+
+
+def test_any_int32_compared_with_or_clamped_to_small_constants():
+    # fp32 rounding is monotone and keeps integers below 2**24: 2**24 + 1 reads as 2**24 but still compares
+    # right against every constant below 2**24 in magnitude, whatever the (unbounded) input holds
+    labels = torch.tensor([[-100, 0, 5, 2**24 - 1, 2**24 + 1, -(2**24) - 3, 2**31 - 1, -(2**31)]] * 3)
+    check(lambda t: (t != -100, t >= 0, t < 2**24 - 1, t == 5, t > -(2**24) + 1, t <= 3), labels)
+    check(lambda t: t.clamp(0, 7) * 2, labels)
+    check(lambda t: t.clamp(-(2**24) + 1, 2**24 - 1), labels)
+    got, stats = _compiled(lambda t: t == 2**24, labels)  # 2**24 + 1 would read as 2**24: not claimed
+    assert torch.equal(got, labels == 2**24) and stats["nki_nodes"] == 0
+
+
+def test_label_shift_of_a_causal_lm_loss():
+    # transformers pads the labels with ignore_index, shifts them by one and masks them: all exact in kernels
+    labels = torch.randint(0, 50, (2, 130))
+    labels[0, :7] = -100
+    logits = random_tensor((2, 130, 50), seed=14)
+
+    def loss(x, t):
+        shifted = F.pad(t, (0, 1), value=-100)[..., 1:]
+        return F.cross_entropy(x.view(-1, 50), shifted.reshape(-1), ignore_index=-100)
+
+    check(loss, logits, labels)
+    check(lambda t: F.pad(t, (2, 3), value=-7), labels)

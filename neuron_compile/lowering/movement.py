@@ -11,6 +11,8 @@ import torch
 
 from neuron_compile import ir
 from neuron_compile.lowering.registry import (
+    INTEGER_DTYPES,
+    INTEGER_OPS,
     MAX_RANK,
     TensorValue,
     broadcast_layout,
@@ -223,7 +225,13 @@ def _check_constant_pad(node: torch.fx.Node) -> str | None:
     value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
     if not isinstance(value, (int, float, bool)):
         return f"aten.constant_pad_nd: pad value {value!r} is not a number"
+    if node.meta["val"].dtype in INTEGER_DTYPES and not (float(value).is_integer() and abs(value) < 2**31):
+        return f"aten.constant_pad_nd: pad value {value!r} for an integer tensor"
     return None
+
+
+# The interior is copied in the tensor's own dtype and the bands are memset: exact for every integer.
+INTEGER_OPS.add(aten.constant_pad_nd.default)
 
 
 @register_lowering(aten.constant_pad_nd.default, check=_check_constant_pad)

@@ -166,11 +166,31 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
     return None
 
 
+def _exact_for_every_int32(node: torch.fx.Node) -> bool:
+    """Rounding an int32 to fp32 is monotone and keeps every integer below 2**24 in magnitude: comparing any int32
+    with such a number, or clamping it between two such integers, gives eager's answer whatever the value (a
+    label tensor compared with ignore_index, say)."""
+    def small(value, integral=False):
+        return (isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 2**24
+                and (not integral or float(value).is_integer()))
+
+    aten = torch.ops.aten
+    comparisons = (aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar)
+    if node.target in comparisons:
+        return small(node.args[1])
+    if node.target is aten.clamp.default and node.meta["val"].dtype in INTEGER_DTYPES:
+        bounds = [*node.args[1:3], *node.kwargs.values()]
+        return len(bounds) == 2 and all(small(bound, integral=True) for bound in bounds)
+    return False
+
+
 def _integer_range_reason(node: torch.fx.Node) -> str | None:
     """None if every integer ``node`` reads or writes is proved exact in fp32 (and, for a cast to an integer, the
     value it casts), else which value is not."""
     from neuron_compile.passes.value_range import EXACT_INTEGER_BOUND, value_range
 
+    if _exact_for_every_int32(node):
+        return None
     result = node.meta["val"]
     casts_to_integer = isinstance(result, torch.Tensor) and result.dtype in INTEGER_DTYPES
     operands = [item for arg in [*node.args, *node.kwargs.values()]
