@@ -292,3 +292,14 @@ def test_unsupported_reasons():
     big = random_tensor((5000, 130), seed=42)  # 5000 x 2 tiles of 128 elements
     assert "copy and scatter tiles" in reasons(lambda a, i, s: a.scatter(0, i, s), big,
                                                torch.zeros(5000, 130, dtype=torch.int64), big)[-1]
+
+
+def test_row_scatters_move_whole_rows_per_partition():
+    # index_put / index_copy of rows: one partition per index, the row on the free axis (two DMAs per tile)
+    x, values = random_tensor((40, 64), seed=46), random_tensor((130, 64), seed=47)
+    index = _indices(130, -40, 40, 48)
+    region = check_against_eager(lambda a, i, v: torch.index_put(a, (i,), v), x, index, values)
+    (kernel,) = region.kernels
+    assert "picked[0:rows, 0:64]" in kernel.source and "for o0 in" not in kernel.source
+    region = check_against_eager(lambda a, i, v: a.index_copy(1, i, v), x.t(), index % 40, values.t())
+    assert "picked[0:rows, 0:64]" not in region.kernels[0].source  # dim 1 of x.t(): one element per partition

@@ -12,7 +12,8 @@ on partitions in tiles of up to 128 elements, every other dim an outer loop in d
   ``same[p, j] = offset[j] == offset[p]``: which elements of the tile hit the same place;
 * assign: every element writes the value of the LAST element of the tile with its target (a max over
   ``same * j``, then an indirect read of that value), so duplicates write one value whatever order one DMA
-  writes in, and tiles run in order: later indices win, as in eager;
+  writes in, and tiles run in order: later indices win, as in eager. With ``row_dims``, each partition moves a
+  whole row (the trailing dims no index drives) in those two DMAs, like the row gather;
 * combining (add, multiply, maximum, minimum): every element reduces the values of all elements of the tile
   with its target (an exact bitwise select of the value or the op's identity, then a free-axis reduction),
   reads the output at its target, combines and writes back: duplicates write one value, every contribution
@@ -24,7 +25,7 @@ from __future__ import annotations
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import number
+from neuron_compile.codegen.expressions import NL_DTYPES, number
 from neuron_compile.codegen.gather import (
     _offset,
     _render_loops,
@@ -68,7 +69,10 @@ def render_scatter(node: ir.Scatter, name: str, parameters: list[str], target) -
     part = node.partition_dim % rank
     rows_total = node.domain[part]
     tile_rows = min(target.partitions, rows_total)
-    outer = [d for d in range(rank) if d != part]
+    row = list(range(rank - node.row_dims, rank))  # dims on the free axis (row form), none in the element form
+    outer = [d for d in range(rank) if d != part and d not in row]
+    free = math.prod(node.domain[d] for d in row)
+    row_entries = "".join(f", [{node.target.strides[d]}, {node.domain[d]}]" for d in row) or ", [1, 1]"
     out = store.buffer.name
 
     def terms(layout):
@@ -100,14 +104,16 @@ def render_scatter(node: ir.Scatter, name: str, parameters: list[str], target) -
             f"nisa.tensor_reduce(dst=winner{column}, op=nl.maximum, data=same{square}, axis=1)",
             f"nisa.tensor_copy(dst=winner_int{column}, src=winner{column})",
         ]
+        picked = f"picked[0:rows, 0:{free}]"
         if isinstance(values, ir.Load):
-            body.append(f"nisa.dma_copy(dst=picked{column}, src={values.buffer}.ap([[{value_stride}, rows], [1, 1]], "
+            value_entries = "".join(f", [{values.layout.strides[d]}, {node.domain[d]}]" for d in row) or ", [1, 1]"
+            body.append(f"nisa.dma_copy(dst={picked}, src={values.buffer}.ap([[{value_stride}, rows]{value_entries}], "
                         f"offset={offset(values.layout)}, vector_offset=winner_int{column}, indirect_dim=0))")
         else:
-            body.append(f"nisa.memset(dst=picked{column}, value={number(values.value)})")
+            body.append(f"nisa.memset(dst={picked}, value={number(values.value)})")
         body += redirect_lines(column)
-        body.append(f"nisa.dma_copy(dst={out}.ap([[1, rows], [1, 1]], offset=0, vector_offset=offsets{column}, "
-                    f"indirect_dim=0), src=picked{column})")
+        body.append(f"nisa.dma_copy(dst={out}.ap([[1, rows]{row_entries}], offset=0, vector_offset=offsets{column}, "
+                    f"indirect_dim=0), src={picked})")
     else:
         op = f"nl.{node.reduce}"
         if isinstance(values, ir.Load):
@@ -158,7 +164,9 @@ def render_scatter(node: ir.Scatter, name: str, parameters: list[str], target) -
     setup = []
     if node.reduce == "assign":
         int_tiles += [("winner_int", "column"), ("position_int", "square")]
-        float_tiles += [("winner", "column"), ("picked", "column"), ("position", "square")]
+        float_tiles += [("winner", "column"), ("position", "square")]
+        picked_dtype = NL_DTYPES[values.dtype] if isinstance(values, ir.Load) else "nl.float32"
+        setup.insert(0, f"picked = nl.ndarray(({tile_rows}, {free}), dtype={picked_dtype}, buffer=nl.sbuf)")
         setup += [f"nisa.iota(position_int[0:{tile_rows}, 0:{tile_rows}], [[1, {tile_rows}]], offset=0, "
                   "channel_multiplier=0)",
                   "nisa.tensor_copy(dst=position, src=position_int)"]

@@ -27,7 +27,7 @@ import math
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.indexing import FLOAT_SOURCES, FP32_EXACT, GATHER_MAX_ITERATIONS
+from neuron_compile.lowering.indexing import FLOAT_SOURCES, FP32_EXACT, GATHER_FREE_BYTES, GATHER_MAX_ITERATIONS
 from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import (
     INTEGER_DTYPES,
@@ -197,6 +197,19 @@ def _partition_dim(plan: Plan) -> int:
     return max(sorted(allowed), key=lambda d: (min(plan.domain[d], 128), d))
 
 
+def _tiling(plan: Plan, reduce: str) -> tuple[int, int]:
+    """(partition dim, row dims) of one scatter pass. An assign whose trailing dims no index drives moves them
+    whole as one row per partition (the last index-driven dim on partitions); otherwise one element each."""
+    if reduce == "assign" and plan.colliding:
+        last = plan.colliding[-1]
+        trailing = range(last + 1, len(plan.domain))
+        driven = any(layout.strides[d] != 0 for _, layout, _, _ in plan.indices for d in trailing)
+        free_bytes = 4 * math.prod(plan.domain[last + 1:])
+        if trailing and not driven and len(trailing) <= 3 and free_bytes <= GATHER_FREE_BYTES:
+            return last, len(trailing)
+    return _partition_dim(plan), 0
+
+
 def _check_scatter(node: torch.fx.Node) -> str | None:
     out = node.meta["val"]
     source = node.args[0]
@@ -214,8 +227,9 @@ def _check_scatter(node: torch.fx.Node) -> str | None:
         # (and an out-of-range index's redirect, codegen/gather.py's OUT_OF_RANGE_ROW = 2^30, lies beyond it)
         return f"{node.target}: result spans {span} elements (>= 2^24: target offsets are computed in fp32)"
     copies = math.prod(out.shape[:-2])
-    part = _partition_dim(plan)
-    tiles = math.prod(plan.domain) // plan.domain[part] * math.ceil(plan.domain[part] / 128)
+    part, row_dims = _tiling(plan, plan.reduce)
+    lines = math.prod(plan.domain[:len(plan.domain) - row_dims]) // plan.domain[part]
+    tiles = lines * math.ceil(plan.domain[part] / 128)
     passes = 1 if plan.include_self else 2
     if plan.reduce == "mean":
         passes += 1
@@ -242,7 +256,7 @@ def _emit_scatter(ctx, plan: Plan, base: TensorValue, buffer: ir.Buffer, values,
         entries.append((ir.Load(index.buffer, layout, index.dtype), stride, size, wrap))
     node = ir.Scatter(ctx.fresh_name("kernel"), plan.domain, ir.Load(base.buffer, _promote(base.layout), base.dtype),
                       ir.Layout(plan.domain, strides, out.offset), values, tuple(entries),
-                      (ir.Store(buffer, ir.Result(), out),), reduce, _partition_dim(plan))
+                      (ir.Store(buffer, ir.Result(), out),), reduce, *_tiling(plan, reduce))
     ctx.emit(node)
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
 
