@@ -112,3 +112,17 @@ def test_addbmm_declines_mixed_dtypes():
     node = next(node for node in gm.graph.nodes if node.target is torch.ops.aten.addbmm.default)
     node.args[2].meta["val"] = node.args[2].meta["val"].to(torch.bfloat16)
     assert "mixed operand dtypes" in unsupported_reason(node)
+
+
+@pytest.mark.parametrize("k, n, dtype", [(3072, 600, torch.float32), (6000, 600, torch.bfloat16)])
+def test_large_k_streams_the_transposed_weight(k, n, dtype):
+    # x @ W.T with K this large: keeping all of W^T's transposed K chunks for a 512-wide N tile would not fit SBUF,
+    # so the plan streams them (128-wide N tiles, each chunk transposed and multiplied at once). The error against
+    # float64 must be no larger than eager's own, within a few K-scaled ulps.
+    x, weight = random_tensor((130, k), dtype, seed=1), random_tensor((n, k), dtype, seed=2)
+    region, (got,) = compile_and_run(lambda a, w: torch.nn.functional.linear(a, w), x, weight)
+    assert f"free [{n}/128] K" in region.kernels[0].source and "streamed per K chunk" in region.kernels[0].source
+    reference = x.double() @ weight.double().t()
+    eager_error = (torch.nn.functional.linear(x, weight).double() - reference).abs().max().item()
+    our_error = (got.double() - reference).abs().max().item()
+    assert our_error <= eager_error * 1.5, (our_error, eager_error)

@@ -18,7 +18,7 @@ import jinja2
 
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope, emit, emit_store, number
-from neuron_compile.passes.tiling import LoopDim, TilePlan
+from neuron_compile.passes.tiling import TRANSPOSE_BLOCK, LoopDim, TilePlan, needs_transpose
 
 TEMPLATES = Path(__file__).parent / "templates"
 REDUCE_OPS = {"sum": "nl.add", "mean": "nl.add", "var": "nl.add", "max": "nl.maximum", "min": "nl.minimum",
@@ -308,15 +308,6 @@ def _render_row_normalize(node: ir.RowNormalize, plan: TilePlan, name: str, para
                                                     body=body))
 
 
-def _needs_transpose(partition_stride: int, free_stride: int) -> bool:
-    """Whether a tile is better loaded with its dims swapped (contiguous rows) and transposed on TensorE.
-
-    A DMA whose innermost run is one element costs a burst per element; loading rows and transposing on
-    TensorE (nc_transpose into PSUM, copy back to SBUF) does not.
-    """
-    return abs(partition_stride) == 1 and abs(free_stride) != 1
-
-
 def _render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
     patterns = Patterns(plan)
     allocator = TileAllocator(plan.partition.tile)
@@ -328,7 +319,7 @@ def _render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[
     b_batch = [(f"o{i}", b.strides[i]) for i in range(batch)]
     a_m, a_k, b_k, b_n = a.strides[batch], a.strides[batch + 1], b.strides[batch], b.strides[batch + 1]
     stationary_offset = _offset_text(a.offset, a_batch + [("p0", a_m), ("k0", a_k)])
-    transpose_stationary = _needs_transpose(a_k, a_m)
+    transpose_stationary = needs_transpose(a_k, a_m)
     if transpose_stationary:  # a's rows [M tile, all of K] are contiguous
         stationary_offset = _offset_text(a.offset, a_batch + [("p0", a_m)])
         entries = f"[[{a_m}, rows], [{a_k}, {node.k}]]"
@@ -336,8 +327,11 @@ def _render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[
         entries = f"[[{a_k}, kk], [{a_m}, rows]]"
     stationary_src = f"{node.a.buffer}.ap({entries}, offset={stationary_offset})"
     # b is (batch, K, N): the moving tile is [K chunk on partitions, N tile free].
-    transpose_moving = _needs_transpose(b_k, b_n)
-    if transpose_moving:  # b^T's rows [N block of 128, K chunk] are contiguous (x @ W.T with W stored [N, K])
+    transpose_moving = needs_transpose(b_k, b_n)
+    if transpose_moving and plan.stream_moving:  # the whole N tile (128 rows of b^T) in one DMA
+        offset = _offset_text(b.offset, b_batch + [("f0", b_n)])
+        moving_src = f"{node.b.buffer}.ap([[{b_n}, cols], [{b_k}, {node.k}]], offset={offset})"
+    elif transpose_moving:  # b^T's rows [N block of 128, K chunk] are contiguous (x @ W.T with W stored [N, K])
         offset = _offset_text(b.offset, b_batch + [("f0", b_n), ("n1", b_n)])
         moving_src = f"{node.b.buffer}.ap([[{b_n}, nn], [{b_k}, {node.k}]], offset={offset})"
     else:
@@ -356,7 +350,8 @@ def _render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[
         node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue, product=product,
         stationary_src=stationary_src, moving_src=moving_src, operand_dtype=NL_DTYPES[dtype],
         k=node.k, k_tile=plan.k_tile, k_tiles=plan.k_tiles, transpose_stationary=transpose_stationary,
-        transpose_moving=transpose_moving, transpose_block=min(plan.free[0].tile, 128),
+        transpose_moving=transpose_moving, transpose_block=min(plan.free[0].tile, TRANSPOSE_BLOCK),
+        stream_moving=plan.stream_moving,
     )
     return _render("matmul.py.j2", **context)
 

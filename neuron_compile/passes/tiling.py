@@ -23,6 +23,7 @@ from neuron_compile import ir
 
 FP32_BYTES = 4
 MAX_FREE_TILE = 4096  # elements per partition per tile: >= 2 KiB / partition DMA transfers, small enough to unroll
+TRANSPOSE_BLOCK = 128  # rows per TensorE transpose (nc_transpose moves at most [128, 128])
 SBUF_SHARE = 0.75  # of the per-partition SBUF the tiles of one kernel may use (headroom for the allocator)
 
 
@@ -63,6 +64,9 @@ class TilePlan:
     tiles_per_iteration: int  # SBUF tiles the body keeps live (for the budget)
     k_tile: int = 0  # matmul only
     k_tiles: int = 0
+    # matmul only: the moving operand (b^T rows, W stored [N, K]) is transposed and multiplied one K chunk at a
+    # time instead of kept whole per N tile (large K: the kept chunks would not fit SBUF); N tiles are 128 wide
+    stream_moving: bool = False
     parts: tuple[TilePlan, ...] = ()  # concat only: one pointwise plan per input
     cross_partition: bool = False  # reduction only: the reduced dim is spread over partitions too
 
@@ -75,7 +79,10 @@ class TilePlan:
         text = f"{self.kind}: outer [{outer}] partition {fmt(self.partition)} free [{free}]"
         if self.kind == "concat":
             return "concat: " + "; ".join(part.describe() for part in self.parts)
-        return text + (f" K {self.k_tiles}x{self.k_tile}" if self.kind == "matmul" else "")
+        if self.kind == "matmul":
+            text += f" K {self.k_tiles}x{self.k_tile}"
+            text += " (moving operand streamed per K chunk)" if self.stream_moving else ""
+        return text
 
 
 def _mergeable(layouts, outer: int, inner: int, sizes) -> bool:
@@ -233,23 +240,43 @@ def plan_scan(node: ir.Scan, target) -> TilePlan:
     return TilePlan("scan", tuple(kept[:-1]), partition, (free,), tiles)
 
 
+def needs_transpose(partition_stride: int, free_stride: int) -> bool:
+    """Whether a matmul operand tile is better loaded with its dims swapped (contiguous rows) and transposed on
+    TensorE: a DMA whose innermost run is one element costs a burst per element; nc_transpose into PSUM and a copy
+    back to SBUF do not."""
+    return abs(partition_stride) == 1 and abs(free_stride) != 1
+
+
 def plan_matmul(node: ir.MatMul, target) -> TilePlan:
     *batch, m, n = node.domain
     itemsize = 2 if node.a.dtype == "bfloat16" else 4
     k_tile = min(node.k, target.partitions)
     k_tiles = math.ceil(node.k / k_tile)
-    # Resident per partition: the a^T tiles, the b tiles of one N block, and whole rows of a and b^T.
-    resident = k_tiles * (target.gemm_stationary_fmax + target.gemm_moving_fmax) * itemsize + 2 * node.k * itemsize
-    if resident > target.sbuf_bytes_per_partition * SBUF_SHARE / 2:
+    rank = len(batch)
+    transpose_a = needs_transpose(node.a.layout.strides[rank + 1], node.a.layout.strides[rank])
+    transpose_b = needs_transpose(node.b.layout.strides[rank], node.b.layout.strides[rank + 1])
+    # Resident per partition: the a^T chunks of one row block (kept across the N loop), a's whole rows when they
+    # are transposed on chip, b's tile(s) of one N block and b^T's whole rows when transposed.
+    stationary = k_tiles * target.gemm_stationary_fmax * itemsize + (node.k * itemsize if transpose_a else 0)
+
+    def resident(n_tile: int, stream: bool) -> int:
+        kept_moving = k_tiles if transpose_b and not stream else 1
+        return stationary + kept_moving * n_tile * itemsize + (node.k * itemsize if transpose_b else 0)
+
+    budget = target.sbuf_bytes_per_partition * SBUF_SHARE / 2
+    n_tile, stream = min(n, target.gemm_moving_fmax), False
+    if resident(n_tile, stream) > budget and transpose_b:
+        n_tile, stream = min(n, TRANSPOSE_BLOCK), True
+    if resident(n_tile, stream) > budget:
         raise TilingError(
-            f"{node.name}: K={node.k} needs {k_tiles} resident operand tiles ({resident} B per partition), over "
-            f"half the SBUF budget ({target.sbuf_bytes_per_partition} B per partition on {target.name})"
+            f"{node.name}: K={node.k} needs {resident(n_tile, stream)} B per partition of resident operand tiles, "
+            f"over half the SBUF budget ({target.sbuf_bytes_per_partition} B per partition on {target.name})"
         )
     outer = tuple(LoopDim(size, dim, 1, 1) for dim, size in enumerate(batch))
     partition = LoopDim(m, len(batch), 1, min(m, target.gemm_stationary_fmax))
-    free = (LoopDim(n, len(batch) + 1, 1, min(n, target.gemm_moving_fmax)),)
+    free = (LoopDim(n, len(batch) + 1, 1, n_tile),)
     tiles = count_tiles([store.expr for store in node.stores])
-    return TilePlan("matmul", outer, partition, free, tiles, k_tile, k_tiles)
+    return TilePlan("matmul", outer, partition, free, tiles, k_tile, k_tiles, stream_moving=stream)
 
 
 def plan_kernel(node: ir.Node, target) -> TilePlan:
