@@ -26,6 +26,17 @@ INF, NAN = float("inf"), float("nan")
 aten = torch.ops.aten
 
 
+@pytest.fixture(autouse=True)
+def serial_eager():
+    """Eager's CPU index_put / index_copy without accumulation run in parallel above a few thousand elements, and
+    then duplicate indices land in whichever thread writes last; with one thread the last index wins, which is
+    what the kernels reproduce (torch documents the parallel result as undefined)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _indices(shape, low, high, seed, dtype=torch.int64):
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(low, high, shape if isinstance(shape, tuple) else (shape,), generator=generator).to(dtype)
@@ -205,6 +216,23 @@ def test_out_of_range_indices_raise_like_eager(case):
         region(x, index, values)
 
 
+def test_bool_mask_index_put_with_values_constant_along_the_selection():
+    # x[mask] = v where v does not vary along the selected elements: where(mask, v, x) whatever the mask holds
+    x = random_tensor((5, 4, 3), seed=50)
+    row_mask = torch.tensor([True, False, True, True, False])
+    for dtype in (torch.float32, torch.bfloat16):
+        a = x.to(dtype)
+        check_against_eager(lambda a, m, v: aten.index_put(a, [m], v), a, row_mask, random_tensor((4, 3), dtype, 51))
+        check_against_eager(lambda a, m, v: aten.index_put(a, [m], v, True), a, row_mask,
+                            random_tensor((1, 4, 1), dtype, 52))
+        check_against_eager(lambda a, m, v: aten.index_put(a, [None, m], v), a, row_mask[:4],
+                            torch.tensor([INF, NAN, -0.0], dtype=dtype))
+        check_against_eager(lambda a, m, v: aten.index_put(a, [m], v), a, torch.zeros(5, 4, dtype=torch.bool),
+                            torch.tensor(2.0, dtype=dtype))
+    check_through_backend(lambda a, m: a.masked_fill(m, 0.5) + a.clone().index_put_((m,), torch.tensor(-1.0)), x,
+                          random_tensor((5, 4, 3), seed=53) > 0)
+
+
 def test_static_kv_cache_update_inside_a_compiled_function():
     cache_k, cache_v = random_tensor((2, 3, 16, 8), seed=34), random_tensor((2, 3, 16, 8), seed=35)
     new_k, new_v = random_tensor((2, 3, 4, 8), seed=36), random_tensor((2, 3, 4, 8), seed=37)
@@ -281,7 +309,10 @@ def test_unsupported_reasons():
 
     x = random_tensor((4, 3), seed=40)
     mask = torch.tensor([True, False, True, False])
-    assert "bool mask indices" in reasons(lambda a, m: torch.index_put(a, (m,), torch.tensor(1.0)), x, mask)[-1]
+    assert "vary along the selected" in reasons(lambda a, m, v: torch.index_put(a, (m,), v), x, mask,
+                                                random_tensor((2, 3), seed=49))[-1]
+    assert "with other indices" in reasons(lambda a, m, i: aten.index_put(a, [m, i], torch.tensor(1.0)), x, mask,
+                                           torch.tensor([0, 1]))[-1]
     cube = random_tensor((4, 3, 2), seed=41)
     two = torch.tensor([0, 1])
     assert "non-adjacent" in reasons(lambda a, i: aten.index_put(a, [i, None, i], torch.tensor(1.0)), cube, two)[-1]

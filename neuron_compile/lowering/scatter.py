@@ -14,6 +14,10 @@ inside a tile and runs tiles in order, so duplicates give eager's CPU result: th
 contribution is counted once. Negative indices wrap where eager wraps them (index_put, index_fill, put); an
 out-of-range index makes the kernel's DMA fail, so the call runs eagerly and raises like eager.
 
+index_put with a bool mask is lowered only when its values do not vary along the selected elements (x[mask] = v):
+then it is a pointwise where(mask, v, self) (self + v with accumulate); otherwise the positions depend on the
+mask's values and it runs eagerly, with that reason.
+
 index_copy, index_add and index_fill stay whole in the ATen graph (passes/decompose.py): the decomposition of
 the first two into index_put would wrap negative indices that eager rejects, and index_fill (which wraps them)
 decomposes into index_copy.
@@ -210,11 +214,40 @@ def _tiling(plan: Plan, reduce: str) -> tuple[int, int]:
     return _partition_dim(plan), 0
 
 
+def _mask_index(node: torch.fx.Node):
+    """index_put with one bool mask whose values broadcast along the selected elements (x[mask] = v, v constant
+    along the selection): (mask position, mask node, values layout over self) with ``layouts``, else a reason.
+    Then the result is where(mask, v, self) (accumulate: where(mask, self + v, self)), whatever the mask holds."""
+    source, indices, values = node.args[:3]
+    tensors = [(k, item) for k, item in enumerate(indices) if item is not None]
+    if len(tensors) != 1 or tensors[0][1].meta["val"].dtype != torch.bool:
+        return f"{node.target}: bool mask indices with other indices (the scattered positions depend on the values)"
+    first, mask = tensors[0]
+    self_shape, mask_shape = tuple(source.meta["val"].shape), tuple(mask.meta["val"].shape)
+    if self_shape[first:first + len(mask_shape)] != mask_shape:
+        return f"{node.target}: mask of shape {list(mask_shape)} for dims {list(self_shape[first:])}"
+    rest = self_shape[first + len(mask_shape):]
+    selected = self_shape[:first] + (None,) + rest  # None: the selected elements, however many
+    values_shape = tuple(values.meta["val"].shape)
+    if len(values_shape) > len(selected):
+        return f"{node.target}: values of rank {len(values_shape)} for a masked index_put"
+    aligned = (None,) * (len(selected) - len(values_shape)) + values_shape
+    if any(size is not None and size != 1 and want is None for size, want in zip(aligned, selected)):
+        return f"{node.target}: bool mask indices with values that vary along the selected elements (the "\
+            "scattered positions depend on the mask's values)"
+    return first, mask
+
+
 def _check_scatter(node: torch.fx.Node) -> str | None:
     out = node.meta["val"]
     source = node.args[0]
     if not isinstance(source, torch.fx.Node) or source.meta["val"].dtype not in FLOAT_SOURCES:
         return f"{node.target}: self dtype (only float32, bfloat16)"
+    if node.target is aten.index_put.default and any(
+        isinstance(item, torch.fx.Node) and item.meta["val"].dtype == torch.bool for item in node.args[1]
+    ):
+        masked = _mask_index(node)
+        return masked if isinstance(masked, str) else None
     plan = _plan(node, _meta_layout)
     if isinstance(plan, str):
         return plan
@@ -284,6 +317,10 @@ SCATTER_OPS = (
 
 @register_lowering(*SCATTER_OPS, check=_check_scatter)
 def lower_scatter(ctx, node):
+    if node.target is aten.index_put.default and any(
+        isinstance(item, torch.fx.Node) and item.meta["val"].dtype == torch.bool for item in node.args[1]
+    ):
+        return _lower_masked_put(ctx, node)
     plan = _plan(node, lambda arg: ctx.value(arg).layout)
     base = ctx.value(plan.source)
     values = _values(ctx, plan)
@@ -310,6 +347,28 @@ def lower_scatter(ctx, node):
         count = ir.Op("maximum", (ir.Load(counted.buffer, counted.layout, "float32"), ir.Scalar(1.0)))
         return emit_pointwise(ctx, node, ir.Op("div", (result, count)))
     return emit_pointwise(ctx, node, result) if wide else total
+
+
+def _lower_masked_put(ctx, node):
+    """x[mask] = v with v constant along the selection: one pointwise where over self's shape (no scatter)."""
+    first, mask_node = _mask_index(node)
+    source, values_node = ctx.value(node.args[0]), node.args[2]
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    shape = source.layout.shape
+    mask = ctx.value(mask_node)
+    count = len(mask.layout.shape)
+    rest = len(shape) - first - count
+    condition = ir.Load(mask.buffer, ir.Layout(shape, (0,) * first + mask.layout.strides + (0,) * rest,
+                                               mask.layout.offset), mask.dtype)
+    values = ctx.value(values_node)
+    # values broadcast to (self[:first], selected, rest): size 1 (stride 0) along the selection, so restate it
+    # over self's shape with the mask's dims at stride 0
+    spread = broadcast_layout(values.layout, shape[:first] + (1,) + shape[first + count:])
+    strides = spread.strides[:first] + (0,) * count + spread.strides[first + 1:]
+    value = ir.Load(values.buffer, ir.Layout(shape, strides, spread.offset), values.dtype)
+    old = ir.Load(source.buffer, source.layout, source.dtype)
+    new = ir.Op("add", (old, value)) if accumulate else value
+    return emit_pointwise(ctx, node, ir.Op("where", (condition, new, old)))
 
 
 def _check_empty(node: torch.fx.Node) -> str | None:
