@@ -73,3 +73,11 @@ def test_rounding_widens_bf16_results_and_float_sums():
     assert bounded.low < 0 and bounded.high > 999 * (1 + 2**-8)  # a bf16 rounding may carry 999 up to 1000
     total = _last(lambda x: (torch.arange(4096) * 1.0).sum(), X)
     assert total.high >= sum(range(4096)) * (1 + 4096 * 2**-24)
+
+
+def test_integer_cumsum_of_a_mask_is_bounded_by_its_length():
+    mask = torch.ones(2, 9, dtype=torch.int64)
+    assert _last(lambda m: (m > 0).long().cumsum(1) * (m > 0) - 1, mask) == Interval(-1, 8)
+    assert _last(lambda m: m.cumsum(1), mask) is None  # the graph input itself is unknown
+    positions = _last(lambda m: (torch.ones(2, 9).cumsum(1) - 1).long(), mask)  # OPT's float mask cumsum
+    assert positions == Interval(0, 8)

@@ -152,6 +152,19 @@ def _sum(node):
     return _finite(low, high)
 
 
+def _cumsum(node):
+    """Prefix sums of 1..n elements of the source's range (OPT's positions: cumsum of a 0/1 attention mask)."""
+    source, meta = _of(node.args[0]), node.args[0].meta.get("val")
+    if source is None or meta is None:
+        return None
+    n = meta.shape[node.args[1]] if meta.dim() else 1
+    low, high = min(source.low, source.low * n), max(source.high, source.high * n)
+    if node.meta["val"].is_floating_point():  # n roundings at most, as for a sum
+        slack = max(-low, high) * n * 2.0**-23
+        low, high = low - slack, high + slack
+    return _finite(low, high)
+
+
 def _remainder(node):
     """Python's remainder by a nonzero constant b: the divisor's sign, magnitude below |b|."""
     divisor = node.args[1]
@@ -279,6 +292,7 @@ RULES = {
     aten.where.self: _union_of(1, 2),
     aten.sum.default: _sum,
     aten.sum.dim_IntList: _sum,
+    aten.cumsum.default: _cumsum,
     aten.remainder.Scalar: _remainder,
     aten.fmod.Scalar: _fmod,
     aten.floor_divide.default: _floor_divide,
