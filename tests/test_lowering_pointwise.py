@@ -146,11 +146,12 @@ def test_where_is_an_exact_select(pair, dtype):
 
 
 @settings(max_examples=10, deadline=None)
-@given(shape=shapes(3), dtype=DTYPES, name=st.sampled_from(["gelu", "silu", "softplus", "mish"]))
+@given(shape=shapes(3), dtype=DTYPES, name=st.sampled_from(["gelu", "gelu_tanh", "silu", "softplus", "mish"]))
 def test_activation_backward_and_kept_activations_match_eager(shape, dtype, name):
     aten = torch.ops.aten
     functions = {
         "gelu": lambda g, x: aten.gelu_backward(g, x),
+        "gelu_tanh": lambda g, x: aten.gelu_backward(g, x, approximate="tanh"),
         "silu": lambda g, x: aten.silu_backward(g, x),
         "softplus": lambda g, x: aten.softplus(x) * g,
         "mish": lambda g, x: aten.mish(x) + g,
@@ -203,3 +204,11 @@ def test_pow_with_tensor_exponents(dtype):
     check_against_eager(lambda a, b: a ** b[0], base, exponent)  # broadcast exponent row
     check_against_eager(lambda a: torch.pow(2.0, a), exponent)
     check_against_eager(lambda a, b: a[:, :1] ** b[:, 1:2], base, exponent)  # one column: (P, 1) row vectors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_backward_on_special_values(dtype):
+    x = _special_values(dtype)
+    x[0, :4] = torch.tensor([12.0, -12.0, 3e4, -3e4])  # saturated tanh: derivative 1 and 0
+    check_against_eager(lambda g, a: torch.ops.aten.gelu_backward(g, a, approximate="tanh"),
+                        random_tensor(tuple(x.shape), dtype, seed=3), x)

@@ -6,6 +6,8 @@ fresh buffer with eager's strides; operands are broadcast Loads (stride 0 on bro
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from neuron_compile import ir
@@ -249,14 +251,32 @@ INTEGER_OPS.add(aten.clone.default)
 
 def _check_gelu_backward(node: torch.fx.Node) -> str | None:
     approximate = node.kwargs.get("approximate", "none")
-    # The Scalar engine has the exact gelu derivative (gelu_dx) but none for the tanh approximation.
-    return None if approximate == "none" else f"aten.gelu_backward: approximate={approximate!r} (no gelu tanh_dx)"
+    return None if approximate in ("none", "tanh") else f"aten.gelu_backward: approximate={approximate!r}"
+
+
+GELU_TANH_SCALE = math.sqrt(2.0 / math.pi)
+GELU_TANH_CUBIC = 0.044715
+
+
+def _gelu_tanh_derivative(x: ir.Expr) -> ir.Expr:
+    """d/dx of 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3): 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx (the
+    Scalar engine has the exact gelu's derivative, gelu_dx, but none for the tanh form)."""
+    def op(name, *args):
+        return ir.Op(name, tuple(arg if isinstance(arg, ir.Expr) else ir.Scalar(float(arg)) for arg in args))
+
+    square = op("mul", x, x)
+    t = op("tanh", op("mul", op("add", x, op("mul", op("mul", square, x), GELU_TANH_CUBIC)), GELU_TANH_SCALE))
+    du_dx = op("mul", op("add", op("mul", square, 3 * GELU_TANH_CUBIC), 1.0), GELU_TANH_SCALE)
+    return op("add", op("mul", op("add", t, 1.0), 0.5), op("mul", op("mul", op("mul", x, 0.5),
+                                                                      op("sub", 1.0, op("mul", t, t))), du_dx))
 
 
 @register_lowering(aten.gelu_backward.default, check=_check_gelu_backward)
 def lower_gelu_backward(ctx, node):
     grad, x = (_operand(ctx, node, arg) for arg in node.args[:2])
-    return emit_pointwise(ctx, node, ir.Op("mul", (grad, ir.Op("gelu_dx", (x,)))))
+    tanh_form = node.kwargs.get("approximate", "none") == "tanh"
+    derivative = _gelu_tanh_derivative(x) if tanh_form else ir.Op("gelu_dx", (x,))
+    return emit_pointwise(ctx, node, ir.Op("mul", (grad, derivative)))
 
 
 @register_lowering(aten.silu_backward.default)
