@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from neuron_compile import ir
 from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.pointwise_math import (
-    INF, _op, _x, absolute, add, both, copysign, div, either, eq, ge, gt, le, log1p, lt, mul, ne, round_half_even,
-    safe_log, sub, where,
+    INF, _op, _x, absolute, add, both, copysign, div, either, eq, floor, ge, gt, le, log1p, lt, mul, ne,
+    round_half_even, safe_log, sub, where,
 )
 from neuron_compile.lowering.registry import INTEGER_OPS, TensorValue, load, register_lowering
 from neuron_compile.lowering.trigonometry import sin
@@ -59,11 +60,11 @@ def polynomial(u, coefficients):
 def reciprocal(magnitude):
     """1 / a for every a >= 0 (0 -> inf, inf -> 0): a is rescaled by s = 2**(127 - E) (E its biased exponent, an
     exact power of two) into [1, 4) (subnormals into [2**-22, 1)), inside the reciprocal's range, and 1 / (a s) is
-    scaled back by s (exact, or rounded once into a subnormal)."""
+    scaled back by s (exact, or rounded once into a subnormal). nan stays nan."""
     s = _op("inverse_power_of_two", minimum(magnitude, 2.0**126))
     ordinary = both(gt(magnitude, 0.0), lt(magnitude, INF))
     value = mul(div(1.0, where(ordinary, mul(magnitude, s), 1.0)), s)
-    return where(ordinary, value, where(eq(magnitude, 0.0), INF, 0.0))
+    return where(ordinary, value, where(eq(magnitude, 0.0), INF, where(eq(magnitude, INF), 0.0, magnitude)))
 
 
 def sin_pi(r):
@@ -352,15 +353,117 @@ def lower_special(ctx, node):
     return emit_pointwise(ctx, node, FORMS[node.target](_x(ctx, node)))
 
 
+# ---------------------------------------------------------------- polygamma
+
+POLYGAMMA_MAX_ORDER = 4  # the asymptotic series at z >= 8 keeps 2e-8 for n <= 4; beyond, it needs a larger shift
+BERNOULLI_OVER_FACTORIAL = [1 / 12, -1 / 720, 1 / 30240, -1 / 1209600]  # B_2j / (2j)!, j = 1..4
+
+
+def _power(value, exponent: int):
+    result = value
+    for _ in range(exponent - 1):
+        result = mul(result, value)
+    return result
+
+
+def hurwitz_zeta(s: int, q):
+    """zeta(s, q) = sum_k (q + k)**-s for q > 0 (tiny, huge, inf) and an integer s >= 3: eight terms, then the
+    Euler-Maclaurin series at z = q + 8: z**(1-s) / (s-1) + z**-s / 2 + sum_j B_2j / (2j)! s (s+1) ... (s+2j-2)
+    z**(-s-2j+1)."""
+    total = None
+    for k in range(8):
+        term = _power(reciprocal(add(q, float(k))), s)
+        total = term if total is None else add(total, term)
+    w = reciprocal(add(q, 8.0))
+    w2 = mul(w, w)
+    rising = []
+    factor = float(s)
+    for j, coefficient in enumerate(BERNOULLI_OVER_FACTORIAL):
+        rising.append(coefficient * factor)
+        factor *= (s + 2 * j + 1) * (s + 2 * j + 2)
+    # z**(1-s) (1 / (s-1) + w / 2 + sum_j c_j w**2j), w = 1 / z
+    tail = add(add(mul(w, 0.5), 1.0 / (s - 1)), mul(w2, polynomial(w2, rising)))
+    return add(total, mul(tail, _power(w, s - 1)))
+
+
+def _pair_next_to_zero(s: int, c, d):
+    """(-1)**s c**-s + d**-s for c, d = 1 - c in (0, 1] (the terms of sum_k (x + k)**-s on either side of 0). For
+    odd s they nearly cancel around c = 1/2: there (c**s - d**s) / (c d)**s with c**s - d**s = (c - d) sum_i
+    d**i c**(s-1-i) and c - d = 2c - 1 exact (d itself may be rounded once), no cancellation."""
+    inverse_c, inverse_d = reciprocal(c), reciprocal(d)
+    direct = add(mul(_power(inverse_c, s), (-1.0) ** s), _power(inverse_d, s))
+    if s % 2 == 0:
+        return direct
+    powers_c, powers_d = [1.0], [1.0]
+    for _ in range(s - 1):
+        powers_c.append(mul(powers_c[-1], c) if powers_c[-1] != 1.0 else c)
+        powers_d.append(mul(powers_d[-1], d) if powers_d[-1] != 1.0 else d)
+    terms = [mul(powers_d[i], powers_c[s - 1 - i]) if i and s - 1 - i else powers_d[i] if i else powers_c[s - 1]
+             for i in range(s)]
+    total = terms[0]
+    for term in terms[1:]:
+        total = add(total, term)
+    factored = mul(mul(sub(mul(c, 2.0), 1.0), total), _power(mul(inverse_c, inverse_d), s))
+    middle = lt(absolute(sub(c, 0.5)), 0.25)
+    return where(middle, factored, direct)
+
+
+def polygamma_of_order(order: int, x):
+    """psi^(n)(x) for 2 <= n <= 4: (-1)**(n+1) n! zeta(n + 1, x) for x > 0. For negative non-integer x, with
+    c = -(x + floor(-x)) (exact) and d = 1 - c, sum_k (x + k)**-s is regrouped: the negative terms
+    (-1)**s (zeta(s, c) - zeta(s, 1 - x)), the positive ones zeta(s, d); the two next to zero are summed first
+    (``_pair_next_to_zero``). Poles (0, negative integers, -inf) are (-1)**(n+1) inf, +inf is nan, as eager's."""
+    s = order + 1
+    scale = (-1.0) ** (order + 1) * math.factorial(order)
+    negative = lt(x, 0.0)
+    whole = floor(_op("neg", x))
+    c = _op("neg", add(x, whole))
+    d = add(add(x, whole), 1.0)
+    inside = both(negative, both(gt(c, 0.0), lt(c, 1.0)))  # false at the poles, -inf and nan
+    c, d = where(inside, c, 0.5), where(inside, d, 0.5)
+    value = hurwitz_zeta(s, where(negative, add(c, 1.0), where(gt(x, 0.0), x, 1.0)))
+    rest = add(mul(value, (-1.0) ** s), hurwitz_zeta(s, add(d, 1.0)))
+    rest = sub(rest, mul(hurwitz_zeta(s, maximum(sub(1.0, x), 1.0)), (-1.0) ** s))
+    reflected = add(_pair_next_to_zero(s, c, d), rest)
+    value = mul(where(negative, reflected, value), scale)
+    pole = either(eq(x, 0.0), both(negative, _op("neg", sub(inside, 1.0))))
+    value = where(pole, math.copysign(INF, scale), where(eq(x, INF), NAN, value))
+    return keep_nan(x, value)
+
+
+PI_F32 = float(np.float32(math.pi))
+
+
+def trigamma(x):
+    """psi^(1)(x) by eager's own float formula (ATen's trigamma): for x < 1/2, pi**2 / sin(fl(pi x))**2 -
+    psi1(1 - x), then six terms 1 / x**2 and the asymptotic series. sin is exact on the rounded product (as
+    sinf), so this agrees with eager also where eager's rounded pi x is far from the truth (large negative x:
+    eager's trigamma(-1000.3) is off by ~100% against float64, and trigamma(-1) is finite there)."""
+    reflect = lt(x, 0.5)
+    sine = sin(mul(x, PI_F32))
+    result = where(reflect, _op("neg", mul(reciprocal(mul(sine, sine)), float(np.float32(PI_F32 * PI_F32)))), 0.0)
+    z = where(reflect, sub(1.0, x), x)
+    for _ in range(6):
+        result = add(result, reciprocal(mul(z, z)))
+        z = add(z, 1.0)
+    inverse = reciprocal(z)
+    ixx = mul(inverse, inverse)
+    series = add(add(mul(inverse, 0.5), 1.0), mul(ixx, polynomial(ixx, [1 / 6, -1 / 30, 1 / 42])))
+    result = add(result, mul(series, inverse))
+    return keep_nan(x, where(reflect, _op("neg", result), result))
+
+
 def _check_polygamma(node: torch.fx.Node) -> str | None:
     order = node.args[0]
-    if order != 0:
-        return (f"aten.polygamma: n={order} (only n=0, digamma, is lowered; higher orders need the reflection "
-                "d^n/dx^n cot(pi x) for negative x, not written yet)")
+    if not isinstance(order, int) or order > POLYGAMMA_MAX_ORDER:
+        return (f"aten.polygamma: n={order} (n <= {POLYGAMMA_MAX_ORDER} are lowered: the asymptotic series at 8 "
+                "loses fp32 accuracy for higher orders)")
     return None
 
 
 @register_lowering(aten.polygamma.default, check=_check_polygamma)
 def lower_polygamma(ctx, node):
+    order = node.args[0]
     x = load(ctx, node.args[1], tuple(node.meta["val"].shape))
-    return emit_pointwise(ctx, node, digamma(x))
+    form = digamma if order == 0 else trigamma if order == 1 else lambda t: polygamma_of_order(order, t)
+    return emit_pointwise(ctx, node, form(x))
