@@ -171,6 +171,21 @@ def loads_of(expr: Expr) -> list[Load]:
     return list(found)
 
 
+def access_layouts(expr: Expr) -> list[Layout]:
+    """Every layout ``expr`` indexes through: its Loads' and its Iotas' (tiling must keep both exact)."""
+    found: dict[Layout, None] = {}
+
+    def visit(node):
+        if isinstance(node, (Load, Iota)):
+            found[node.layout] = None
+        elif isinstance(node, Op):
+            for arg in node.args:
+                visit(arg)
+
+    visit(expr)
+    return list(found)
+
+
 def map_leaves(expr: Expr, fn) -> Expr:
     """Rebuild ``expr`` with ``fn`` applied to every Load and Result leaf."""
     if isinstance(expr, (Load, Result)):

@@ -16,7 +16,7 @@ import torch
 
 from neuron_compile import ir
 from neuron_compile.lowering.reduction import _row_shape_reason, normalize_dims, store_layout_in_domain
-from neuron_compile.lowering.registry import INTEGER_OPS, TensorValue, load, register_lowering
+from neuron_compile.lowering.registry import INTEGER_OPS, TensorValue, register_lowering
 
 aten = torch.ops.aten
 
@@ -52,57 +52,68 @@ def _positions(shape: tuple[int, ...], reduce_dims: tuple[int, ...]) -> ir.Iota:
     return ir.Iota(ir.Layout(shape, tuple(strides), 0))
 
 
-def _emit_index(ctx, meta, source, extremum: TensorValue, reduce_dims) -> TensorValue:
-    domain = ctx.value(source).layout.shape
+def _emit_index(ctx, meta, x: ir.Load, extremum: TensorValue, reduce_dims) -> TensorValue:
+    domain = x.layout.shape
+    buffer = ctx.new_buffer(meta, "index")
     if not domain:  # a 0-d source: index 0
-        buffer = ctx.new_buffer(meta, "index")
         ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), (), (ir.Store(buffer, ir.Scalar(0.0), buffer.layout),)))
         return TensorValue(buffer.name, buffer.layout, buffer.dtype)
-    x = load(ctx, source, domain)
     m = ir.Load(extremum.buffer, store_layout_in_domain(extremum.layout, domain, reduce_dims), extremum.dtype)
     qualifies = ir.Op("maximum", (ir.Op("eq", (x, m)), ir.Op("ne", (x, x))))
     size = math.prod(domain[d] for d in reduce_dims)
     candidate = ir.Op("where", (qualifies, _positions(domain, reduce_dims), ir.Scalar(float(size))))
-    buffer = ctx.new_buffer(meta, "index")
     store = ir.Store(buffer, ir.Result(), store_layout_in_domain(buffer.layout, domain, reduce_dims))
     ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "min", candidate, (store,)))
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
 
 
-def _emit_extremum(ctx, buffer: ir.Buffer, source, op: str, reduce_dims) -> TensorValue:
-    domain = ctx.value(source).layout.shape
+def _emit_extremum(ctx, buffer: ir.Buffer, x: ir.Load, op: str, reduce_dims) -> TensorValue:
+    domain = x.layout.shape
     if not domain:  # a 0-d source is its own extremum
-        ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), (), (ir.Store(buffer, load(ctx, source, ()), buffer.layout),)))
+        ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), (), (ir.Store(buffer, x, buffer.layout),)))
         return TensorValue(buffer.name, buffer.layout, buffer.dtype)
     store = ir.Store(buffer, ir.Result(), store_layout_in_domain(buffer.layout, domain, reduce_dims))
-    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, op, load(ctx, source, domain), (store,)))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, op, x, (store,)))
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
 
 
 EXTREMUM = {aten.max.dim: "max", aten.min.dim: "min", aten.argmax.default: "max", aten.argmin.default: "min"}
 
 
-def _reduce_dims(ctx, node) -> tuple[int, ...]:
-    return normalize_dims(_dim_argument(node), len(ctx.value(node.args[0]).layout.shape))
+def _source(ctx, node) -> tuple[ir.Load, tuple[int, ...]]:
+    """The source read over its shape, and the reduced dims. When several reduced dims lie out of row-major order
+    in memory, a contiguous copy is read instead: positions count row-major, and a row walked in another order
+    would not merge with them into one access pattern."""
+    value = ctx.value(node.args[0])
+    shape = value.layout.shape
+    source = ir.Load(value.buffer, value.layout, value.dtype)
+    if not shape:
+        return source, ()
+    reduce_dims = normalize_dims(_dim_argument(node), len(shape))
+    strides = [value.layout.strides[d] for d in reduce_dims if shape[d] > 1]
+    if len(strides) < 2 or strides == sorted(strides, reverse=True):
+        return source, reduce_dims
+    copy = ctx.scratch_buffer(shape, value.dtype, "row_major")
+    ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), shape, (ir.Store(copy, source, copy.layout),)))
+    return ir.Load(copy.name, copy.layout, copy.dtype), reduce_dims
 
 
 @register_lowering(aten.max.dim, aten.min.dim, check=_check_arg_reduction, multi_output=True)
 def lower_extremum_with_index(ctx, node):
-    source, reduce_dims = node.args[0], _reduce_dims(ctx, node)
+    x, reduce_dims = _source(ctx, node)
     values_meta, indices_meta = node.meta["val"]
-    values = _emit_extremum(ctx, ctx.new_buffer(values_meta, "values"), source, EXTREMUM[node.target], reduce_dims)
-    return values, _emit_index(ctx, indices_meta, source, values, reduce_dims)
+    values = _emit_extremum(ctx, ctx.new_buffer(values_meta, "values"), x, EXTREMUM[node.target], reduce_dims)
+    return values, _emit_index(ctx, indices_meta, x, values, reduce_dims)
 
 
 @register_lowering(aten.argmax.default, aten.argmin.default, check=_check_arg_reduction)
 def lower_arg_extremum(ctx, node):
-    source, reduce_dims = node.args[0], _reduce_dims(ctx, node)
+    x, reduce_dims = _source(ctx, node)
     # argmax returns no values: the extremum goes to an fp32 scratch buffer shaped like the kept dims.
-    domain = ctx.value(source).layout.shape
-    kept_shape = tuple(1 if dim in reduce_dims else size for dim, size in enumerate(domain))
+    kept_shape = tuple(1 if dim in reduce_dims else size for dim, size in enumerate(x.layout.shape))
     scratch = ctx.scratch_buffer(kept_shape, "float32", EXTREMUM[node.target])
-    extremum = _emit_extremum(ctx, scratch, source, EXTREMUM[node.target], reduce_dims)
-    return _emit_index(ctx, node.meta["val"], source, extremum, reduce_dims)
+    extremum = _emit_extremum(ctx, scratch, x, EXTREMUM[node.target], reduce_dims)
+    return _emit_index(ctx, node.meta["val"], x, extremum, reduce_dims)
 
 
 # The int64 indices are positions the kernel computes exactly (fewer than 2**24, checked): any value is fine.

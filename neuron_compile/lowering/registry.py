@@ -87,7 +87,7 @@ def _ensure_families_loaded() -> None:
     from neuron_compile.lowering import creation  # noqa: F401
     from neuron_compile.lowering import convolution, pooling  # noqa: F401
     from neuron_compile.lowering import indexing  # noqa: F401
-    from neuron_compile.lowering import arg_reduction, integer_division, loss  # noqa: F401
+    from neuron_compile.lowering import arg_reduction, integer_division, loss, max_pooling  # noqa: F401
     from neuron_compile.lowering import scan  # noqa: F401
     from neuron_compile.lowering import trigonometry  # noqa: F401
     from neuron_compile.lowering import special  # noqa: F401

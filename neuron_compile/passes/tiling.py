@@ -129,7 +129,7 @@ def count_tiles(exprs: list[ir.Expr]) -> int:
 
 def plan_pointwise(node: ir.Pointwise, target) -> TilePlan:
     layouts = [store.layout for store in node.stores]
-    layouts += [load.layout for store in node.stores for load in ir.loads_of(store.expr)]
+    layouts += [layout for store in node.stores for layout in ir.access_layouts(store.expr)]
     dims = collapse(node.domain, list(range(len(node.domain))), layouts)
     if not dims:
         dims = [LoopDim(1, None)]
@@ -170,12 +170,11 @@ def _row_dims(node, reduce_dims, layouts, target) -> tuple[list[LoopDim], list[L
 
 def plan_reduction(node: ir.Reduction | ir.RowNormalize, target) -> TilePlan:
     reduce_dims = node.reduce_dims if isinstance(node, ir.Reduction) else (node.dim,)
-    layouts = [load.layout for load in ir.loads_of(node.prologue)]
-    layouts += [store.layout for store in node.stores]
+    layouts = ir.access_layouts(node.prologue) + [store.layout for store in node.stores]
     row_stores = getattr(node, "row_stores", ())
-    layouts += [load.layout for store in node.stores for load in ir.loads_of(store.expr)]
+    layouts += [layout for store in node.stores for layout in ir.access_layouts(store.expr)]
     layouts += [store.layout for store in row_stores]
-    layouts += [load.layout for store in row_stores for load in ir.loads_of(store.expr)]
+    layouts += [layout for store in row_stores for layout in ir.access_layouts(store.expr)]
     kept, reduced = _row_dims(node, reduce_dims, layouts, target)
     if len(reduced) > 3:
         raise TilingError(
@@ -232,7 +231,8 @@ SCAN_TILES = 8  # running values and errors (each with a carry column), constant
 def plan_scan(node: ir.Scan, target) -> TilePlan:
     """The scanned dim on the free axis, walked in chunks that each carry their last column into the next; the
     other dims on partitions and outer loops, whatever their order in memory."""
-    layouts = [load.layout for load in ir.node_loads(node)] + [store.layout for store in node.stores]
+    layouts = [layout for expr in (node.prologue, *(store.expr for store in node.stores))
+               for layout in ir.access_layouts(expr)] + [store.layout for store in node.stores]
     kept, scanned = _row_dims(node, (node.dim,), layouts, target)
     tiles = count_tiles([node.prologue] + [store.expr for store in node.stores]) + SCAN_TILES
     free = dataclasses.replace(scanned[0], tile=_free_tile(scanned[0].size, tiles, target))
