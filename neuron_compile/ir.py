@@ -156,6 +156,11 @@ class Iota:
 Expr = Load | Scalar | Result | Op | Iota
 
 
+def op(name: str, *args) -> Op:
+    """``Op(name, args)`` with plain numbers among ``args`` made Scalars: the builder the lowerings write math with."""
+    return Op(name, tuple(arg if isinstance(arg, Expr) else Scalar(float(arg)) for arg in args))
+
+
 def loads_of(expr: Expr) -> list[Load]:
     """Every Load leaf of ``expr``, in order of first appearance, without duplicates."""
     found: dict[Load, None] = {}

@@ -261,9 +261,7 @@ GELU_TANH_CUBIC = 0.044715
 def _gelu_tanh_derivative(x: ir.Expr) -> ir.Expr:
     """d/dx of 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3): 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx (the
     Scalar engine has the exact gelu's derivative, gelu_dx, but none for the tanh form)."""
-    def op(name, *args):
-        return ir.Op(name, tuple(arg if isinstance(arg, ir.Expr) else ir.Scalar(float(arg)) for arg in args))
-
+    op = ir.op
     square = op("mul", x, x)
     t = op("tanh", op("mul", op("add", x, op("mul", op("mul", square, x), GELU_TANH_CUBIC)), GELU_TANH_SCALE))
     du_dx = op("mul", op("add", op("mul", square, 3 * GELU_TANH_CUBIC), 1.0), GELU_TANH_SCALE)

@@ -27,12 +27,7 @@ LN2 = math.log(2.0)
 INF = math.inf
 
 
-def _expr(value) -> ir.Expr:
-    return value if isinstance(value, (ir.Op, ir.Load, ir.Scalar, ir.Result)) else ir.Scalar(float(value))
-
-
-def _op(name: str, *args) -> ir.Op:
-    return ir.Op(name, tuple(_expr(arg) for arg in args))
+_op = ir.op
 
 
 def add(a, b):

@@ -25,8 +25,7 @@ INF = math.inf
 GUARDED = ("log", "sqrt", "rsqrt", "reciprocal")
 
 
-def _op(name: str, *args) -> ir.Op:
-    return ir.Op(name, tuple(arg if isinstance(arg, ir.Expr) else ir.Scalar(float(arg)) for arg in args))
+_op = ir.op
 
 
 def _finite_positive(x) -> ir.Op:
