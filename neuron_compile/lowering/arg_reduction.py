@@ -15,13 +15,11 @@ import math
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.reduction import _row_shape_reason, normalize_dims, store_layout_in_domain
+from neuron_compile.lowering.indexing import FP32_EXACT
+from neuron_compile.lowering.reduction import _row_shape_reason, normalize_dims, reduce_into, store_layout_in_domain
 from neuron_compile.lowering.registry import INTEGER_OPS, TensorValue, register_lowering
 
 aten = torch.ops.aten
-
-EXACT_POSITIONS = 2**24  # positions above this are not all fp32 values: the minimum could round
-
 
 def _dim_argument(node: torch.fx.Node):
     return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
@@ -38,7 +36,7 @@ def _check_arg_reduction(node: torch.fx.Node) -> str | None:
     dim = _dim_argument(node)
     reduce_dims = normalize_dims(dim, source.dim())
     positions = math.prod(source.shape[d] for d in reduce_dims)
-    if positions >= EXACT_POSITIONS:
+    if positions >= FP32_EXACT:  # larger positions are not all fp32 values: the minimum could round
         return f"{node.target}: {positions} positions (>= 2**24, not exact in fp32)"
     return _row_shape_reason(node, source, reduce_dims)
 
@@ -62,8 +60,7 @@ def _emit_index(ctx, meta, x: ir.Load, extremum: TensorValue, reduce_dims) -> Te
     qualifies = ir.Op("maximum", (ir.Op("eq", (x, m)), ir.Op("ne", (x, x))))
     size = math.prod(domain[d] for d in reduce_dims)
     candidate = ir.Op("where", (qualifies, _positions(domain, reduce_dims), ir.Scalar(float(size))))
-    store = ir.Store(buffer, ir.Result(), store_layout_in_domain(buffer.layout, domain, reduce_dims))
-    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "min", candidate, (store,)))
+    reduce_into(ctx, buffer, domain, reduce_dims, "min", candidate)
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
 
 
@@ -72,8 +69,7 @@ def _emit_extremum(ctx, buffer: ir.Buffer, x: ir.Load, op: str, reduce_dims) -> 
     if not domain:  # a 0-d source is its own extremum
         ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), (), (ir.Store(buffer, x, buffer.layout),)))
         return TensorValue(buffer.name, buffer.layout, buffer.dtype)
-    store = ir.Store(buffer, ir.Result(), store_layout_in_domain(buffer.layout, domain, reduce_dims))
-    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, op, x, (store,)))
+    reduce_into(ctx, buffer, domain, reduce_dims, op, x)
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
 
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.indexing import FLOAT_SOURCES
+from neuron_compile.lowering.indexing import FLOAT_SOURCES, FP32_EXACT
+from neuron_compile.lowering.reduction import reduce_into
 from neuron_compile.lowering.registry import INTEGER_DTYPES, INTEGER_OPS, TensorValue, register_lowering
 
 aten = torch.ops.aten
 
-MAX_CLASSES = 2**24 - 1  # class positions compared in fp32
+MAX_CLASSES = FP32_EXACT - 1  # class positions compared in fp32
 
 
 def _check_nll_loss(node: torch.fx.Node) -> str | None:
@@ -107,8 +108,7 @@ def lower_nll_loss_forward(ctx, node):
     sums = []
     for expr, stem in ((term, "loss_sum"), (weight_sum, "weight_sum")):
         partial = ctx.scratch_buffer((), "float32", stem)
-        store = ir.Store(partial, ir.Result(), ir.Layout((rows,), (0,), 0))
-        ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), (rows,), (0,), "sum", expr, (store,)))
+        reduce_into(ctx, partial, (rows,), (0,), "sum", expr)
         sums.append(ir.Load(partial.name, partial.layout, "float32"))
     loss = sums[0] if reduction == 2 else ir.Op("div", (sums[0], sums[1]))
     ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), (), (ir.Store(output, _rounded(loss, output), output.layout),

@@ -22,12 +22,11 @@ import torch
 from neuron_compile import ir
 from neuron_compile.lowering.movement import padded_copy
 from neuron_compile.lowering.pooling import _expand
-from neuron_compile.lowering.reduction import _row_shape_reason, store_layout_in_domain
+from neuron_compile.lowering.indexing import FP32_EXACT
+from neuron_compile.lowering.reduction import _row_shape_reason, reduce_into
 from neuron_compile.lowering.registry import INTEGER_OPS, TensorValue, register_lowering
 
 aten = torch.ops.aten
-
-EXACT_POSITIONS = 2**24
 
 
 def _arguments(node: torch.fx.Node, dims: int) -> dict:
@@ -59,7 +58,7 @@ def _check_max_pool(dims: int):
             return f"{node.target}: input {args['sizes']} not a multiple of output {args['outs']} (uneven windows)"
         if not all(len(args[key]) == dims for key in ("kernel", "stride", "padding", "dilation")):
             return f"{node.target}: kernel/stride/padding/dilation do not have {dims} entries"
-        if math.prod(args["sizes"]) >= EXACT_POSITIONS:
+        if math.prod(args["sizes"]) >= FP32_EXACT:
             return f"{node.target}: input planes of {math.prod(args['sizes'])} elements (>= 2**24 positions)"
         window = torch.empty((*source.shape[:-dims], *args["outs"], *args["kernel"]), device="meta")
         return _row_shape_reason(node, window, tuple(range(window.dim() - dims, window.dim())))
@@ -85,12 +84,6 @@ def _coordinate(domain, nlead: int, dims: int, d: int, args: dict) -> ir.Iota:
     return ir.Iota(ir.Layout(domain, tuple(strides), -args["padding"][d]))
 
 
-def _reduce(ctx, domain, reduce_dims, op: str, prologue: ir.Expr, buffer: ir.Buffer) -> ir.Load:
-    store = ir.Store(buffer, ir.Result(), store_layout_in_domain(buffer.layout, domain, reduce_dims))
-    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, op, prologue, (store,)))
-    return ir.Load(buffer.name, store_layout_in_domain(buffer.layout, domain, reduce_dims), buffer.dtype)
-
-
 def _lower_max_pool(ctx, node, dims: int):
     args = _arguments(node, dims)
     source = ctx.value(node.args[0])
@@ -110,7 +103,7 @@ def _lower_max_pool(ctx, node, dims: int):
 
     values_meta, indices_meta = node.meta["val"]
     values = ctx.new_buffer(values_meta, "max_pool")
-    maximum = _reduce(ctx, domain, reduce_dims, "max", x, values)
+    maximum = reduce_into(ctx, values, domain, reduce_dims, "max", x)
 
     valid, position, plane_stride = None, None, 1
     for d in reversed(range(dims)):
@@ -124,15 +117,13 @@ def _lower_max_pool(ctx, node, dims: int):
     is_max = ir.Op("mul", (valid, ir.Op("eq", (x, maximum))))
     is_nan = ir.Op("mul", (valid, ir.Op("ne", (x, x))))
     kept = tuple(1 if dim in reduce_dims else size for dim, size in enumerate(domain))
-    first_max = _reduce(ctx, domain, reduce_dims, "min",
-                        ir.Op("where", (is_max, position, ir.Scalar(float(plane_stride)))),
-                        ctx.scratch_buffer(kept, "float32", "first_max"))
+    first_max = reduce_into(ctx, ctx.scratch_buffer(kept, "float32", "first_max"), domain, reduce_dims, "min",
+                            ir.Op("where", (is_max, position, ir.Scalar(float(plane_stride)))))
     # The last nan's position (a max over -1 elsewhere) where the window has one, else the first maximum's.
     indices = ctx.new_buffer(indices_meta, "max_pool_index")
     index = ir.Op("where", (ir.Op("ge", (ir.Result(), ir.Scalar(0.0))), ir.Result(), first_max))
-    store = ir.Store(indices, index, store_layout_in_domain(indices.layout, domain, reduce_dims))
     last_nan = ir.Op("where", (is_nan, position, ir.Scalar(-1.0)))
-    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, "max", last_nan, (store,)))
+    reduce_into(ctx, indices, domain, reduce_dims, "max", last_nan, result=index)
     return (TensorValue(values.name, values.layout, values.dtype),
             TensorValue(indices.name, indices.layout, indices.dtype))
 

@@ -50,6 +50,16 @@ def store_layout_in_domain(out: ir.Layout, domain: tuple[int, ...], reduce_dims:
     return ir.Layout(domain, tuple(strides), out.offset)
 
 
+def reduce_into(ctx: LoweringContext, buffer: ir.Buffer, domain, reduce_dims, op: str, prologue: ir.Expr,
+                result: ir.Expr = ir.Result(), correction: float = 0.0) -> ir.Load:
+    """Emit a Reduction of ``prologue`` over ``reduce_dims`` whose one store writes ``result`` (an expression of
+    ``Result()``) into ``buffer``; return ``buffer`` read back over ``domain`` (stride 0 on the reduced dims)."""
+    layout = store_layout_in_domain(buffer.layout, domain, reduce_dims)
+    store = ir.Store(buffer, result, layout)
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, op, prologue, (store,), correction))
+    return ir.Load(buffer.name, layout, buffer.dtype)
+
+
 def emit_reduction(ctx: LoweringContext, node, source, dims, op: str, correction: float = 0.0) -> TensorValue:
     source_value = ctx.value(source)
     domain = source_value.layout.shape
@@ -57,9 +67,7 @@ def emit_reduction(ctx: LoweringContext, node, source, dims, op: str, correction
         return _reduce_0d(ctx, node, source, op, correction)
     reduce_dims = normalize_dims(dims, len(domain))
     buffer = ctx.output_buffer(node, op)
-    store = ir.Store(buffer, ir.Result(), store_layout_in_domain(buffer.layout, domain, reduce_dims))
-    prologue = load(ctx, source, domain)
-    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, reduce_dims, op, prologue, (store,), correction))
+    reduce_into(ctx, buffer, domain, reduce_dims, op, load(ctx, source, domain), correction=correction)
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
 
 
@@ -232,10 +240,8 @@ def lower_safe_softmax(ctx, node):
     dim = node.args[1] % len(domain)
     kept = tuple(1 if d == dim else size for d, size in enumerate(domain))
     row_max = ctx.scratch_buffer(kept, "float32", "row_max")
-    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, (dim,), "max", load(ctx, source, domain),
-                          (ir.Store(row_max, ir.Result(), store_layout_in_domain(row_max.layout, domain, (dim,))),)))
-    masked_row = ir.Op("eq", (ir.Load(row_max.name, broadcast_layout(row_max.layout, domain), "float32"),
-                              ir.Scalar(-math.inf)))
+    row_max_load = reduce_into(ctx, row_max, domain, (dim,), "max", load(ctx, source, domain))
+    masked_row = ir.Op("eq", (row_max_load, ir.Scalar(-math.inf)))
     buffer = ctx.output_buffer(node, "softmax")
     store = ir.Store(buffer, ir.Op("where", (masked_row, ir.Scalar(0.0), ir.Result())), buffer.layout)
     ctx.emit(ir.RowNormalize(ctx.fresh_name("kernel"), domain, dim, "softmax", load(ctx, source, domain), (store,)))
