@@ -12,7 +12,7 @@ from neuron_compile.kernel_pipeline import compile_region
 from neuron_compile import ir
 from neuron_compile.passes.tiling import TilingError, plan_kernel
 from neuron_compile.runtime import stats
-from neuron_compile.runtime.simulator.hardware import get_target
+from neuron_compile.hardware import get_target
 
 
 def _mlp(x, w, b):

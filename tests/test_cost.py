@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_compile.runtime.simulator import cost
-from neuron_compile.runtime.simulator.hardware import TRN1, TRN2
+from neuron_compile.hardware import TRN1, TRN2
 from neuron_compile.runtime.simulator.trace import InstructionRecord, OperandInfo
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "float8_e4m3": 1}

@@ -12,7 +12,7 @@ from neuron_compile import demo_kernels
 from neuron_compile.runtime import simulator
 from neuron_compile.runtime.simulator import isa as nisa
 from neuron_compile.runtime.simulator import language as nl
-from neuron_compile.runtime.simulator.hardware import TRN2
+from neuron_compile.hardware import TRN2
 
 
 @simulator.jit

@@ -14,11 +14,11 @@ import math
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import NL_DTYPES
 from neuron_compile.codegen.render import KernelSource, _output_lines, _render
+from neuron_compile.limits import OUT_OF_RANGE_ROW
 
-# An out-of-range index is redirected to this row: times the dim's stride (>= 1) it lies beyond the source's
-# span (checked in lowering/indexing.py), so the DMA's bounds check fails (err_tensor_access_out_of_bound) and
-# the region falls back to eager, which raises IndexError as torch does. It is exact in fp32 and int32.
-OUT_OF_RANGE_ROW = 2**30
+# An out-of-range index is redirected to OUT_OF_RANGE_ROW: times the dim's stride (>= 1) it lies beyond the
+# source's span (checked in lowering/indexing.py), so the DMA's bounds check fails (err_tensor_access_out_of_bound)
+# and the region falls back to eager, which raises IndexError as torch does. It is exact in fp32 and int32.
 
 
 def _offset(base: int, terms: list[tuple[str, int]]) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from neuron_compile import ir
-from neuron_compile.codegen.gather import OUT_OF_RANGE_ROW
+from neuron_compile.limits import OUT_OF_RANGE_ROW
 from neuron_compile.lowering.movement import VIEW_OPS
 from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import (

@@ -192,7 +192,7 @@ SOFTMAX_ROW_TILES = 8
 
 def softmax_row_reason(node: torch.fx.Node, row: int) -> str | None:
     """The shape-beyond-tiling reason for a softmax row of ``row`` elements, if it cannot fit SBUF."""
-    from neuron_compile.runtime.simulator.hardware import get_target
+    from neuron_compile.hardware import get_target
 
     budget = int(get_target().sbuf_bytes_per_partition * 0.75) // (SOFTMAX_ROW_TILES * 4)
     if row > budget:

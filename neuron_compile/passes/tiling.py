@@ -20,11 +20,11 @@ import dataclasses
 import math
 
 from neuron_compile import ir
+from neuron_compile.limits import SBUF_SHARE
 
 FP32_BYTES = 4
 MAX_FREE_TILE = 4096  # elements per partition per tile: >= 2 KiB / partition DMA transfers, small enough to unroll
 TRANSPOSE_BLOCK = 128  # rows per TensorE transpose (nc_transpose moves at most [128, 128])
-SBUF_SHARE = 0.75  # of the per-partition SBUF the tiles of one kernel may use (headroom for the allocator)
 
 
 class TilingError(RuntimeError):

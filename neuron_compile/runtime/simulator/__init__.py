@@ -26,7 +26,7 @@ from neuron_compile.runtime.simulator import isa, language
 from neuron_compile.runtime.simulator import nki_typing as typing
 from neuron_compile.runtime.simulator.blas_threads import single_threaded_blas
 from neuron_compile.runtime.simulator.errors import NkiCapacityError, NkiNotSimulatedError, NkiValidationError
-from neuron_compile.runtime.simulator.hardware import Target, get_target
+from neuron_compile.hardware import Target, get_target
 from neuron_compile.runtime.simulator.memory import KernelContext, hbm_input, kernel_context
 from neuron_compile.runtime.simulator.tensor import NkiTensor
 from neuron_compile.runtime.simulator.trace import InstructionRecord

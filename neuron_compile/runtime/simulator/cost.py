@@ -77,7 +77,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from neuron_compile.runtime.simulator.hardware import Target, get_target
+from neuron_compile.hardware import Target, get_target
 from neuron_compile.runtime.simulator.trace import InstructionRecord, OperandInfo
 
 MIN_II = 64  # minimum initiation interval of any engine, cycles

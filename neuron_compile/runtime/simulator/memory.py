@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from neuron_compile.runtime.simulator.errors import NkiCapacityError, NkiValidationError
-from neuron_compile.runtime.simulator.hardware import Target, get_target
+from neuron_compile.hardware import Target, get_target
 from neuron_compile.runtime.simulator.tensor import Buffer, NkiTensor, new_storage_tensor
 from neuron_compile.runtime.simulator.trace import InstructionRecord
 

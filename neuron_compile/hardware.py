@@ -1,7 +1,7 @@
-"""Simulator stage: per-target hardware constants (trn1, trn2, trn3).
+"""Hardware targets: per-target constants (trn1, trn2, trn3), shared by the compiler and the simulator.
 
-Every limit the simulator enforces and every number the cost model uses comes from here, so that a target is
-one table. Sources: shared NKI reference (nki-spec.md §1.6 and §2), which cites the Neuron SDK architecture
+Every limit the tiling pass plans under, every limit the simulator enforces and every number the cost model uses
+comes from here, so that a target is one table. Sources: shared NKI reference (nki-spec.md §1.6 and §2), which cites the Neuron SDK architecture
 guides for trn1/trn2/trn3 and NKIPy's HardwareConstants.h for the usable SBUF bytes per partition.
 
 The target is chosen by ``NEURON_PLATFORM_TARGET_OVERRIDE`` (``trn1|inf2|gen2``, ``trn2|gen3``,
