@@ -111,7 +111,7 @@ def _check_reduction(node: torch.fx.Node) -> str | None:
 
 
 def _row_shape_reason(node: torch.fx.Node, source: torch.Tensor, reduce_dims: tuple[int, ...]) -> str | None:
-    from neuron_compile.passes.tiling import collapse, reduced_dims_in_memory_order
+    from neuron_compile.dims import collapse, reduced_dims_in_memory_order
 
     shape = tuple(source.shape)
     layout = ir.Layout(shape, tuple(source.stride()))

@@ -20,6 +20,7 @@ import dataclasses
 import math
 
 from neuron_compile import ir
+from neuron_compile.dims import LoopDim, collapse, reduced_dims_in_memory_order
 from neuron_compile.limits import SBUF_SHARE
 
 FP32_BYTES = 4
@@ -29,27 +30,6 @@ TRANSPOSE_BLOCK = 128  # rows per TensorE transpose (nc_transpose moves at most 
 
 class TilingError(RuntimeError):
     """A kernel's shape does not fit the target's on-chip limits; the message names the rule and the values."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopDim:
-    """One dim of the kernel's loop nest: ``size`` elements walked in steps of ``tile``.
-
-    ``source`` is the IR domain dim whose stride it uses (times ``multiplier``); None for a synthetic
-    size-1 dim (stride 0).
-    """
-
-    size: int
-    source: int | None
-    multiplier: int = 1
-    tile: int = 1
-
-    def stride(self, layout: ir.Layout) -> int:
-        return 0 if self.source is None else layout.strides[self.source] * self.multiplier
-
-    @property
-    def count(self) -> int:
-        return math.ceil(self.size / self.tile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,22 +63,6 @@ class TilePlan:
             text += f" K {self.k_tiles}x{self.k_tile}"
             text += " (moving operand streamed per K chunk)" if self.stream_moving else ""
         return text
-
-
-def _mergeable(layouts, outer: int, inner: int, sizes) -> bool:
-    return all(layout.strides[outer] == layout.strides[inner] * sizes[inner] for layout in layouts)
-
-
-def collapse(domain: tuple[int, ...], dims: list[int], layouts: list[ir.Layout]) -> list[LoopDim]:
-    """Domain ``dims`` (in loop order) as LoopDims: size-1 dims dropped, contiguous neighbours merged."""
-    kept = [dim for dim in dims if domain[dim] != 1]
-    merged: list[LoopDim] = []
-    for dim in kept:
-        if merged and _mergeable(layouts, merged[-1].source, dim, domain) and merged[-1].multiplier == 1:
-            merged[-1] = LoopDim(merged[-1].size * domain[dim], dim)
-        else:
-            merged.append(LoopDim(domain[dim], dim))
-    return merged
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
@@ -143,14 +107,6 @@ def plan_pointwise(node: ir.Pointwise, target) -> TilePlan:
     partition = dataclasses.replace(dims[-2], tile=min(dims[-2].size, target.partitions))
     free = dataclasses.replace(dims[-1], tile=_free_tile(dims[-1].size, tiles, target))
     return TilePlan("pointwise", tuple(dims[:-2]), partition, (free,), tiles)
-
-
-def reduced_dims_in_memory_order(reduce_dims, layout: ir.Layout | None) -> list[int]:
-    """Reduced dims outermost-stride first: the reduction is commutative, so walking them in memory order lets
-    a transposed input merge back into one contiguous run."""
-    if layout is None:
-        return list(reduce_dims)
-    return sorted(reduce_dims, key=lambda dim: -abs(layout.strides[dim]))
 
 
 def _row_dims(node, reduce_dims, layouts, target) -> tuple[list[LoopDim], list[LoopDim]]:
