@@ -74,8 +74,9 @@ def _absolute(module: str, node: ast.ImportFrom, is_package: bool) -> str:
 
 
 def import_graph(trees: dict[str, ast.Module] | None = None) -> nx.DiGraph:
-    """Edge a -> b when module a imports package module b (at any level of its code). A package's own
-    ``__init__`` re-exporting its submodules is not an edge from the submodules' point of view."""
+    """Edge a -> b when module a imports package module b (at any level of its code), and a -> p for each package
+    p whose ``__init__`` that import runs first. A module's own ancestors are not edges: they are initializing
+    already when it runs."""
     trees = trees if trees is not None else modules()
     graph = nx.DiGraph()
     graph.add_nodes_from(trees)
@@ -90,9 +91,17 @@ def import_graph(trees: dict[str, ast.Module] | None = None) -> nx.DiGraph:
                 targets = [f"{source}.{alias.name}" for alias in node.names]
             for target in targets:
                 resolved = _resolve(target, trees)
-                if resolved and resolved != module and not (module.startswith(resolved + ".")):
-                    graph.add_edge(module, resolved)
+                if resolved:
+                    for reached in [resolved, *_packages_initialized(resolved, trees)]:
+                        if reached != module and not module.startswith(reached + "."):
+                            graph.add_edge(module, reached)
     return graph
+
+
+def _packages_initialized(module: str, known: dict) -> list[str]:
+    """The packages whose ``__init__`` runs before ``module`` can be imported (its ancestors, root excluded)."""
+    parts = module.split(".")
+    return [".".join(parts[:end]) for end in range(2, len(parts)) if ".".join(parts[:end]) in known]
 
 
 def import_cycles(graph: nx.DiGraph | None = None) -> list[list[str]]:
