@@ -27,7 +27,7 @@ from neuron_compile.runtime.simulator import nki_typing as typing
 from neuron_compile.runtime.simulator.blas_threads import single_threaded_blas
 from neuron_compile.runtime.simulator.errors import NkiCapacityError, NkiNotSimulatedError, NkiValidationError
 from neuron_compile.hardware import Target, get_target
-from neuron_compile.runtime.simulator.memory import KernelContext, hbm_input, kernel_context
+from neuron_compile.runtime.simulator.memory import KernelContext, hbm_input, inside_launch, kernel_context
 from neuron_compile.runtime.simulator.tensor import NkiTensor
 from neuron_compile.runtime.simulator.trace import InstructionRecord
 
@@ -202,7 +202,7 @@ class Kernel:
         return self.target if isinstance(self.target, Target) else get_target(self.target)
 
     def __call__(self, *args, **kwargs):
-        if _inside_kernel():
+        if inside_launch():
             return self.fn(*args, **kwargs)  # called from another kernel: inline, as NKI does
         as_torch = any(_is_torch(a) for a in args)
         run, result = _launch(self.fn, args, kwargs, self._resolved_target(), self.lnc)
@@ -211,12 +211,6 @@ class Kernel:
         if parent is not None:
             parent.last_run = run
         return _package(result, run.outputs, as_torch)
-
-
-def _inside_kernel() -> bool:
-    from neuron_compile.runtime.simulator import memory
-
-    return bool(memory._current) and memory._current[-1].launched
 
 
 def jit(fn=None, **options):

@@ -37,6 +37,7 @@ from neuron_compile.runtime.simulator.rules import (
     int_values,
     is_float,
     record,
+    reduce_axes,
     require_buffers,
     require_tensor,
     scalar_or_vector,
@@ -492,20 +493,6 @@ def _int_operand(name: str, role: str, value, partitions: int):
     return np.int32(value)
 
 
-def _reduce_axes(name: str, data, axis) -> tuple[int, ...]:
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
-    axes = tuple(sorted(int(a) % data.ndim for a in axes))
-    expected = tuple(range(data.ndim - len(axes), data.ndim))
-    if not axes or 0 in axes or axes != expected:
-        raise NkiValidationError(
-            "err_reduce_axis",
-            f"axis {axis} of data {data.shape}: reduction axes must be free dims and the last contiguous dims "
-            f"ending at the final dim (e.g. {tuple(range(1, data.ndim))[-1:]} or {tuple(range(1, data.ndim))})",
-            name,
-        )
-    return axes
-
-
 def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     """dst = reduce(op) of data over the last free axes (VectorE, fp32)."""
     name = "tensor_reduce"
@@ -518,7 +505,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     check_tile(name, "data", data)
     check_tile(name, "dst", dst)
     check_same_partitions(name, data, dst, "data", "dst")
-    axes = _reduce_axes(name, data, axis)
+    axes = reduce_axes(name, data, axis)
     kept = int(np.prod(data.shape[1:data.ndim - len(axes)], dtype=np.int64))
     if dst.free_size != kept:
         raise NkiValidationError(

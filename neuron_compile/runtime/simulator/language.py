@@ -16,7 +16,7 @@ from neuron_compile.runtime.simulator import isa as _isa
 from neuron_compile.runtime.simulator import ops as _ops
 from neuron_compile.runtime.simulator.errors import NkiNotSimulatedError, NkiValidationError
 from neuron_compile.runtime.simulator.memory import allocate, current, hbm, private_hbm, psum, sbuf, shared_hbm
-from neuron_compile.runtime.simulator.rules import is_float
+from neuron_compile.runtime.simulator.rules import is_float, reduce_axes
 from neuron_compile.runtime.simulator.tensor import DynSlice, NkiTensor
 
 # ------------------------------------------------------------------------------------------------ dtypes
@@ -31,8 +31,24 @@ int8, int16, int32 = np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32)
 uint8, uint16, uint32 = np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32)
 bool_ = np.dtype(np.uint8)  # NKI's bool_ is a byte
 
-# operator objects double as the elementwise functions (nl.add(x, y), op=nl.add)
-globals().update(_ops.ALL_OPS)
+
+
+# ------------------------------------------------------------------------------------------------ operators
+class Operator(_ops.Op):
+    """An NKI operator that is also the elementwise function: ``nl.add(x, y)`` computes, ``op=nl.add`` selects."""
+
+    __slots__ = ()
+
+    def __call__(self, *args, **kwargs):
+        return apply_op(self, *args, **kwargs)
+
+
+def _operators() -> dict[str, Operator]:
+    derived: dict[int, Operator] = {}  # one object per operator, aliases included (nl.identity is nl.copy)
+    return {name: derived.setdefault(id(op), op.derived(Operator)) for name, op in _ops.ALL_OPS.items()}
+
+
+globals().update(_operators())
 
 
 # ------------------------------------------------------------------------------------------------ creation
@@ -304,7 +320,7 @@ def where(condition: NkiTensor, x, y, dtype=None) -> NkiTensor:
 
 # ------------------------------------------------------------------------------------------------ reductions
 def _reduce(op_name: str, x: NkiTensor, axis, dtype, keepdims: bool, negate: bool = False) -> NkiTensor:
-    axes = _isa._reduce_axes(f"nl.{op_name}", x, axis)
+    axes = reduce_axes(f"nl.{op_name}", x, axis)
     kept = x.shape[: x.ndim - len(axes)]
     shape = kept + (1,) * len(axes) if keepdims else kept
     out = allocate(_on_chip_shape(shape) if len(shape) >= 2 else (shape[0], 1), dtype or x.dtype, sbuf)
@@ -313,7 +329,7 @@ def _reduce(op_name: str, x: NkiTensor, axis, dtype, keepdims: bool, negate: boo
 
 
 def _reduced_count(x: NkiTensor, axis) -> int:
-    axes = _isa._reduce_axes("nl.mean", x, axis)
+    axes = reduce_axes("nl.mean", x, axis)
     return int(np.prod([x.shape[a] for a in axes]))
 
 
@@ -347,7 +363,7 @@ def mean(x, axis, dtype=None, keepdims=False, mask=None):
 def var(x, axis, dtype=None, keepdims=False, mask=None):
     """Population variance over the free dims: mean of squares minus square of mean... computed as
     mean((x - mean)^2) for accuracy; all free dims must be reduced (the mean is a (P, 1) operand)."""
-    axes = _isa._reduce_axes("nl.var", x, axis)
+    axes = reduce_axes("nl.var", x, axis)
     if len(axes) != x.ndim - 1:
         raise NkiNotSimulatedError("nki.language.var over a subset of the free dims")
     center = mean(x, axis, float32)
@@ -388,7 +404,7 @@ __all__ = sorted(
     key for key, value in globals().items()
     if not key.startswith("_") and key not in {"annotations", "builtins", "ml_dtypes", "np", "allocate", "current",
                                                 "is_float", "promote", "apply_op", "DynSlice", "NkiTensor",
-                                                "NkiNotSimulatedError", "NkiValidationError"}
+                                                "NkiNotSimulatedError", "NkiValidationError", "Operator"}
 )
 
 

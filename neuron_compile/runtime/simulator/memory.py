@@ -61,6 +61,11 @@ def current() -> KernelContext:
     return _current[-1]
 
 
+def inside_launch() -> bool:
+    """True while a launched kernel runs (a kernel called from another kernel is then inlined)."""
+    return bool(_current) and _current[-1].launched
+
+
 @contextmanager
 def kernel_context(context: KernelContext):
     _current.append(context)

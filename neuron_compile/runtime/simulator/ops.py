@@ -1,9 +1,9 @@
 """Simulator stage: the ALU and activation operators (``nl.add``, ``nl.exp``, ...) as data.
 
 Input: an operator object (or a legacy numpy ufunc such as ``np.add``). Output: its fp32 numpy implementation,
-its kind (arithmetic, bitvec, unary) and its reduction ufunc. The same objects are the ``nki.language``
-elementwise functions: calling ``nl.exp(tile)`` runs the ``nl`` wrapper, passing ``op=nl.exp`` to an ISA
-instruction selects the operator.
+its kind (arithmetic, bitvec, unary) and its reduction ufunc. Plain data: ``language`` derives the callable
+``nl.exp`` / ``nl.add`` objects from these (calling ``nl.exp(tile)`` runs the ``nl`` wrapper; passing
+``op=nl.exp`` to an ISA instruction selects the operator), so this module imports nothing above it.
 """
 
 from __future__ import annotations
@@ -103,10 +103,11 @@ class Op:
     def __repr__(self) -> str:
         return f"nl.{self.name}"
 
-    def __call__(self, *args, **kwargs):
-        from neuron_compile.runtime.simulator import language  # the nl wrapper; imported late (cycle)
-
-        return language.apply_op(self, *args, **kwargs)
+    def derived(self, cls: type[Op]) -> Op:
+        """This operator as an instance of the subclass ``cls`` (same name, kind, implementation, reduction)."""
+        other = object.__new__(cls)
+        other.name, other.kind, other.fn, other.reduce_ufunc = self.name, self.kind, self.fn, self.reduce_ufunc
+        return other
 
 
 BINARY = {

@@ -205,3 +205,18 @@ def check_elementwise(op: str, dst, srcs: list[tuple[str, object]], eng: str) ->
 
 def int_values(t) -> np.ndarray:
     return t.read().reshape(t.partitions, -1)
+
+
+def reduce_axes(name: str, data, axis) -> tuple[int, ...]:
+    """The reduced axes of ``data`` (normalized, sorted): the last free dims, never the partition dim."""
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    axes = tuple(sorted(int(a) % data.ndim for a in axes))
+    expected = tuple(range(data.ndim - len(axes), data.ndim))
+    if not axes or 0 in axes or axes != expected:
+        raise NkiValidationError(
+            "err_reduce_axis",
+            f"axis {axis} of data {data.shape}: reduction axes must be free dims and the last contiguous dims "
+            f"ending at the final dim (e.g. {tuple(range(1, data.ndim))[-1:]} or {tuple(range(1, data.ndim))})",
+            name,
+        )
+    return axes
