@@ -14,6 +14,9 @@ NEURON_COMPILE_CACHE       cache_dir             on-disk kernel cache directory 
 NEURON_COMPILE_DUMP        dump_dir              directory for graph / kernel dumps (empty: no dumps)
 NEURON_COMPILE_BUCKET      bucket                pad dynamic dimensions up to a multiple of this (0: off)
 NEURON_COMPILE_RECOMPILE_WARN  recompile_warn    warn when one graph has compiled this many shape signatures
+NEURON_COMPILE_LAUNCHER    launcher              ``auto`` (default: the device where the real ``nki`` and a
+                                                 Neuron device are present, else the simulator) |
+                                                 ``simulator`` | ``device`` (runtime/launcher.py)
 =========================  ====================  ===========================================================
 """
 
@@ -26,6 +29,7 @@ import threading
 from collections.abc import Iterator, Mapping
 
 FALLBACK_MODES = ("warn", "raise", "silent")
+LAUNCHERS = ("auto", "simulator", "device")
 # The simulator's target names and the aliases the real ``nki`` accepts (NEURON_PLATFORM_TARGET_OVERRIDE).
 TARGET_ALIASES = {
     "trn1": "trn1",
@@ -49,6 +53,7 @@ class Config:
     dump_dir: str = ""
     bucket: int = 0
     recompile_warn: int = 8  # torch._dynamo.config.recompile_limit's default: a storm starts here
+    launcher: str = "auto"
 
     def __post_init__(self):
         _validate(self)
@@ -95,12 +100,14 @@ def _coerce(name: str, value: object, source: str) -> object:
         # ValueError, like every other bad option value, so callers catch one exception type for bad config.
         raise ValueError(f"{source} must be a string, got {type(value).__name__} {value!r}")  # noqa: TRY004
     value = value.strip()
-    return value.lower() if name in ("fallback", "target") else value
+    return value.lower() if name in ("fallback", "target", "launcher") else value
 
 
 def _validate(config: Config) -> None:
     if config.fallback not in FALLBACK_MODES:
         raise ValueError(f"fallback must be one of {list(FALLBACK_MODES)}, got {config.fallback!r}")
+    if config.launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, got {config.launcher!r}")
     if config.target not in TARGET_ALIASES:
         raise ValueError(f"target must be one of {sorted(TARGET_ALIASES)}, got {config.target!r}")
     if config.bucket < 0:

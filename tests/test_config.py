@@ -8,6 +8,7 @@ from neuron_compile.config import Config
 
 def test_defaults():
     defaults = Config()
+    assert defaults.launcher == "auto"
     assert (defaults.fallback, defaults.target, defaults.cache_dir, defaults.dump_dir, defaults.bucket) == (
         "warn",
         "trn2",
@@ -25,10 +26,12 @@ def test_from_env_reads_every_variable():
         "NEURON_COMPILE_DUMP": "/d",
         "NEURON_COMPILE_BUCKET": "128",
         "NEURON_COMPILE_RECOMPILE_WARN": "3",
+        "NEURON_COMPILE_LAUNCHER": " Simulator ",
         "UNRELATED": "x",
     }
     assert Config.from_env(environ) == Config(
-        fallback="raise", target="trn3", cache_dir="/c", dump_dir="/d", bucket=128, recompile_warn=3
+        fallback="raise", target="trn3", cache_dir="/c", dump_dir="/d", bucket=128, recompile_warn=3,
+        launcher="simulator",
     )
 
 
@@ -44,6 +47,8 @@ def test_get_follows_environment(monkeypatch):
         ("NEURON_COMPILE_TARGET", "trn9", r"target must be one of .*'trn2'.*got 'trn9'"),
         ("NEURON_COMPILE_BUCKET", "lots", r"NEURON_COMPILE_BUCKET must be an integer, got 'lots'"),
         ("NEURON_COMPILE_BUCKET", "-1", r"bucket must be 0 \(off\) or a positive multiple to pad to, got -1"),
+        ("NEURON_COMPILE_LAUNCHER", "gpu",
+         r"launcher must be one of \['auto', 'simulator', 'device'\], got 'gpu'"),
     ],
 )
 def test_bad_environment_values_name_the_rule(variable, value, message):
