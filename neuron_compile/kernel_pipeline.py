@@ -20,7 +20,7 @@ from neuron_compile.lowering.registry import LoweringError, lower_graph
 from neuron_compile.passes.activation_ranges import guard_activation_ranges
 from neuron_compile.passes.fusion import fuse
 from neuron_compile.passes.tiling import TilingError, plan_kernel
-from neuron_compile.runtime.region import CompiledRegion, Kernel
+from neuron_compile.runtime.region import CompiledRegion
 
 
 def _propagate_meta(gm: torch.fx.GraphModule, example_inputs) -> None:
@@ -57,10 +57,11 @@ def _check_single_writer(kernels: list[ir.Node]) -> None:
 
 def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> CompiledRegion:
     """Lower, fuse, tile, render and load ``gm``'s kernels (see the module docstring)."""
-    from neuron_compile.runtime import simulator
+    from neuron_compile.runtime.launcher import select_launcher
 
     _propagate_meta(gm, list(example_inputs))
     target = _target(config)
+    launcher = select_launcher(config, target)
     lowered = lower_graph(gm)
     region_outputs = {value.buffer for value in lowered.outputs} | {value.buffer for _, value in lowered.mutations}
     fused = fuse(guard_activation_ranges(lowered.nodes), region_outputs)
@@ -72,7 +73,7 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> Com
             from neuron_compile.codegen.gather import render_gather
 
             source = render_gather(node, name, sorted({load.buffer for load in ir.node_loads(node)}), target)
-            kernels.append(Kernel(source, getattr(simulator.load_module(source.source, name), name)))
+            kernels.append(launcher.load(source))
             continue
         try:
             plan = plan_kernel(node, target)
@@ -83,9 +84,8 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None) -> Com
             source = render_kernel(node, plan, name, parameters)
         except Exception as error:
             raise LoweringError(f"kernel {name} ({node.name}) could not be rendered: {error}") from error
-        module = simulator.load_module(source.source, name)
-        kernels.append(Kernel(source, getattr(module, name)))
+        kernels.append(launcher.load(source))
     return CompiledRegion(
         lowered.inputs, kernels, lowered.outputs, lowered.aten_nodes, target, fused.decisions, lowered.buffers,
-        lowered.mutations, lowered.output_dtypes,
+        lowered.mutations, lowered.output_dtypes, launcher=launcher,
     )
