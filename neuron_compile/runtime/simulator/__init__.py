@@ -1,4 +1,7 @@
-"""Simulator stage: the ``nki`` module itself — ``jit``, ``simulate``, ``language``, ``isa`` — and the launcher.
+"""Simulator stage: the ``nki`` module itself — ``jit``, ``simulate``, ``language``, ``isa`` — and ``run_kernel``.
+
+The compiler reaches it only through ``runtime/launcher.py`` (``SimulatorLauncher``); ``neuron-compile
+simulate`` and ``demo_kernels`` are its other front ends.
 
 Input: an NKI kernel (a ``@nki.jit`` object, a plain kernel function, or NKI source text via ``load_module``)
 and its arguments (numpy arrays or torch tensors, plus Python scalars). Output: the kernel's returned
