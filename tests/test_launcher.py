@@ -62,6 +62,8 @@ def test_simulator_launcher_outputs_are_torch_allocated():
     assert type(output) is torch.Tensor and output.dtype == torch.float32
     torch.testing.assert_close(output.reshape(8, 4), x @ w)
     output.untyped_storage().resize_(0)
+    for result in region(x, w):  # the matmul's output was also the reduction kernel's argument
+        result.untyped_storage().resize_(0)
 
 
 def test_outputs_reading_one_buffer_stay_views_of_it():
