@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from neuron_compile.lowering.pointwise import emit_pointwise
-from neuron_compile.lowering.pointwise_math import (
+from neuron_compile.lowering.math_expressions import (
     absolute,
     add,
     floor,
@@ -25,6 +24,7 @@ from neuron_compile.lowering.pointwise_math import (
     sub,
     where,
 )
+from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import INTEGER_ARITHMETIC_OPS, INTEGER_DTYPES, load, register_lowering
 from neuron_compile.passes.value_range import EXACT_INTEGER_BOUND, value_range
 

@@ -11,6 +11,7 @@ import math
 import torch
 
 from neuron_compile import ir
+from neuron_compile.lowering.math_expressions import trunc
 from neuron_compile.lowering.registry import (
     INTEGER_ARITHMETIC_OPS,
     INTEGER_DTYPES,
@@ -43,8 +44,14 @@ def _shape(node: torch.fx.Node) -> tuple[int, ...]:
     return tuple(node.meta["val"].shape)
 
 
-def _operand(ctx, node, arg):
+def load_operand(ctx: LoweringContext, node: torch.fx.Node, arg) -> ir.Expr:
+    """An argument of ``node`` as an expression over ``node``'s output shape (a broadcast Load, or a Scalar)."""
     return load(ctx, arg, _shape(node))
+
+
+def load_input(ctx: LoweringContext, node: torch.fx.Node) -> ir.Expr:
+    """``node``'s first argument over its output shape: the operand of a unary op."""
+    return load_operand(ctx, node, node.args[0])
 
 
 def _with_alpha(ctx, node, operand):
@@ -112,7 +119,7 @@ def _check_pow(node: torch.fx.Node) -> str | None:
 
 @register_lowering(*BINARY, check=_check_scalars)
 def lower_binary(ctx, node):
-    a, b = (_operand(ctx, node, arg) for arg in node.args[:2])
+    a, b = (load_operand(ctx, node, arg) for arg in node.args[:2])
     return emit_pointwise(ctx, node, ir.Op(BINARY[node.target], (a, b)))
 
 
@@ -123,34 +130,34 @@ register_lowering(aten.pow.Tensor_Scalar, check=_check_pow)(lower_binary)
 @register_lowering(aten.pow.Tensor_Tensor, aten.pow.Scalar, check=_check_scalars)
 def lower_pow_elementwise(ctx, node):
     """base ** exponent with a tensor exponent (x ** y, 2 ** x): the ALU's power instruction per element."""
-    base, exponent = (_operand(ctx, node, arg) for arg in node.args[:2])
+    base, exponent = (load_operand(ctx, node, arg) for arg in node.args[:2])
     return emit_pointwise(ctx, node, ir.Op("pow", (base, exponent)))
 
 
 @register_lowering(aten.add.Tensor, aten.add.Scalar, check=_check_scalars)
 def lower_add(ctx, node):
-    a = _operand(ctx, node, node.args[0])
-    b = _with_alpha(ctx, node, _operand(ctx, node, node.args[1]))
+    a = load_operand(ctx, node, node.args[0])
+    b = _with_alpha(ctx, node, load_operand(ctx, node, node.args[1]))
     return emit_pointwise(ctx, node, ir.Op("add", (a, b)))
 
 
 @register_lowering(aten.sub.Tensor, aten.sub.Scalar, check=_check_scalars)
 def lower_sub(ctx, node):
-    a = _operand(ctx, node, node.args[0])
-    b = _with_alpha(ctx, node, _operand(ctx, node, node.args[1]))
+    a = load_operand(ctx, node, node.args[0])
+    b = _with_alpha(ctx, node, load_operand(ctx, node, node.args[1]))
     return emit_pointwise(ctx, node, ir.Op("sub", (a, b)))
 
 
 @register_lowering(aten.rsub.Scalar, aten.rsub.Tensor, check=_check_scalars)
 def lower_rsub(ctx, node):
-    a = _operand(ctx, node, node.args[0])
-    b = _operand(ctx, node, node.args[1])
+    a = load_operand(ctx, node, node.args[0])
+    b = load_operand(ctx, node, node.args[1])
     return emit_pointwise(ctx, node, ir.Op("sub", (b, _with_alpha(ctx, node, a))))
 
 
 @register_lowering(*UNARY)
 def lower_unary(ctx, node):
-    return emit_pointwise(ctx, node, ir.Op(UNARY[node.target], (_operand(ctx, node, node.args[0]),)))
+    return emit_pointwise(ctx, node, ir.Op(UNARY[node.target], (load_operand(ctx, node, node.args[0]),)))
 
 
 def _check_gelu(node: torch.fx.Node) -> str | None:
@@ -161,7 +168,7 @@ def _check_gelu(node: torch.fx.Node) -> str | None:
 @register_lowering(aten.gelu.default, check=_check_gelu)
 def lower_gelu(ctx, node):
     op = "gelu_tanh" if node.kwargs.get("approximate", "none") == "tanh" else "gelu"
-    return emit_pointwise(ctx, node, ir.Op(op, (_operand(ctx, node, node.args[0]),)))
+    return emit_pointwise(ctx, node, ir.Op(op, (load_operand(ctx, node, node.args[0]),)))
 
 
 def _clamp_expr(expr, low, high):
@@ -183,23 +190,23 @@ def _check_clamp(node: torch.fx.Node) -> str | None:
 def lower_clamp(ctx, node):
     low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
     high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
-    return emit_pointwise(ctx, node, _clamp_expr(_operand(ctx, node, node.args[0]), low, high))
+    return emit_pointwise(ctx, node, _clamp_expr(load_operand(ctx, node, node.args[0]), low, high))
 
 
 @register_lowering(aten.clamp_min.default, check=_check_clamp)
 def lower_clamp_min(ctx, node):
-    return emit_pointwise(ctx, node, _clamp_expr(_operand(ctx, node, node.args[0]), node.args[1], None))
+    return emit_pointwise(ctx, node, _clamp_expr(load_operand(ctx, node, node.args[0]), node.args[1], None))
 
 
 @register_lowering(aten.clamp_max.default, check=_check_clamp)
 def lower_clamp_max(ctx, node):
-    return emit_pointwise(ctx, node, _clamp_expr(_operand(ctx, node, node.args[0]), None, node.args[1]))
+    return emit_pointwise(ctx, node, _clamp_expr(load_operand(ctx, node, node.args[0]), None, node.args[1]))
 
 
 @register_lowering(aten.where.self, check=_check_scalars)
 def lower_where(ctx, node):
     # An exact select on the bit patterns (codegen/expressions.py): masked -inf and nan pass through.
-    condition, a, b = (_operand(ctx, node, arg) for arg in node.args[:3])
+    condition, a, b = (load_operand(ctx, node, arg) for arg in node.args[:3])
     return emit_pointwise(ctx, node, ir.Op("where", (condition, a, b)))
 
 
@@ -214,15 +221,13 @@ def _check_to_copy(node: torch.fx.Node) -> str | None:
 @register_lowering(aten._to_copy.default, prims.convert_element_type.default, check=_check_to_copy)
 def lower_cast(ctx, node):
     out_dtype = dtype_name(node.meta["val"].dtype)
-    source = _operand(ctx, node, node.args[0])
+    source = load_operand(ctx, node, node.args[0])
     if node.meta["val"].dtype == torch.bool:
         # To bool is a truth test, not a numeric conversion: 0.3 -> True and nan -> True, as eager does.
         return emit_pointwise(ctx, node, ir.Op("ne", (source, ir.Scalar(0.0))))
     if node.meta["val"].dtype in INTEGER_DTYPES and node.args[0].meta["val"].is_floating_point():
         # Float to integer truncates toward zero (eager's C cast); the value-range check proved |x| < 2**24, so
         # the exact fp32 trunc is an integer the conversion keeps whatever its rounding mode.
-        from neuron_compile.lowering.pointwise_math import trunc  # pointwise_math builds on this module
-
         source = trunc(source)
     return emit_pointwise(ctx, node, ir.Op("cast", (source,), dtype=out_dtype))
 
@@ -230,19 +235,19 @@ def lower_cast(ctx, node):
 @register_lowering(aten.isnan.default)
 def lower_isnan(ctx, node):
     # nan is the only value not equal to itself (IEEE compare on the Vector engine): exact, no range limits.
-    x = _operand(ctx, node, node.args[0])
+    x = load_operand(ctx, node, node.args[0])
     return emit_pointwise(ctx, node, ir.Op("ne", (x, x)))
 
 
 @register_lowering(aten.logical_not.default)
 def lower_logical_not(ctx, node):
     # A truth test inverted: x == 0 (nan is truthy, so logical_not(nan) is False, as eager gives).
-    return emit_pointwise(ctx, node, ir.Op("eq", (_operand(ctx, node, node.args[0]), ir.Scalar(0.0))))
+    return emit_pointwise(ctx, node, ir.Op("eq", (load_operand(ctx, node, node.args[0]), ir.Scalar(0.0))))
 
 
 @register_lowering(aten.clone.default)
 def lower_clone(ctx, node):
-    return emit_pointwise(ctx, node, _operand(ctx, node, node.args[0]))
+    return emit_pointwise(ctx, node, load_operand(ctx, node, node.args[0]))
 
 
 # A copy loads and stores tiles of the buffer's own dtype (no fp32 pass): exact for every integer.
@@ -271,7 +276,7 @@ def _gelu_tanh_derivative(x: ir.Expr) -> ir.Expr:
 
 @register_lowering(aten.gelu_backward.default, check=_check_gelu_backward)
 def lower_gelu_backward(ctx, node):
-    grad, x = (_operand(ctx, node, arg) for arg in node.args[:2])
+    grad, x = (load_operand(ctx, node, arg) for arg in node.args[:2])
     tanh_form = node.kwargs.get("approximate", "none") == "tanh"
     derivative = _gelu_tanh_derivative(x) if tanh_form else ir.Op("gelu_dx", (x,))
     return emit_pointwise(ctx, node, ir.Op("mul", (grad, derivative)))
@@ -279,7 +284,7 @@ def lower_gelu_backward(ctx, node):
 
 @register_lowering(aten.silu_backward.default)
 def lower_silu_backward(ctx, node):
-    grad, x = (_operand(ctx, node, arg) for arg in node.args[:2])
+    grad, x = (load_operand(ctx, node, arg) for arg in node.args[:2])
     return emit_pointwise(ctx, node, ir.Op("mul", (grad, ir.Op("silu_dx", (x,)))))
 
 
@@ -294,12 +299,12 @@ def _check_softplus(node: torch.fx.Node) -> str | None:
 
 @register_lowering(aten.softplus.default, check=_check_softplus)
 def lower_softplus(ctx, node):
-    return emit_pointwise(ctx, node, ir.Op("softplus", (_operand(ctx, node, node.args[0]),)))
+    return emit_pointwise(ctx, node, ir.Op("softplus", (load_operand(ctx, node, node.args[0]),)))
 
 
 @register_lowering(aten.mish.default)
 def lower_mish(ctx, node):
-    return emit_pointwise(ctx, node, ir.Op("mish", (_operand(ctx, node, node.args[0]),)))
+    return emit_pointwise(ctx, node, ir.Op("mish", (load_operand(ctx, node, node.args[0]),)))
 
 
 def _check_full(node: torch.fx.Node) -> str | None:

@@ -14,67 +14,37 @@ import math
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.pointwise import emit_pointwise
-from neuron_compile.lowering.registry import load, register_lowering
+from neuron_compile.limits import FP32_EXACT_INTEGER
+from neuron_compile.lowering.math_expressions import (
+    INF,
+    LN2,
+    absolute,
+    add,
+    both,
+    ceil,
+    copysign,
+    div,
+    either,
+    eq,
+    exp,
+    floor,
+    ge,
+    gt,
+    le,
+    lt,
+    mul,
+    ne,
+    round_half_even,
+    sign,
+    sub,
+    trunc,
+    where,
+)
+from neuron_compile.lowering.pointwise import emit_pointwise, load_input, load_operand
+from neuron_compile.lowering.registry import register_lowering
 from neuron_compile.passes.activation_ranges import safe_log
 
 aten = torch.ops.aten
-
-# 2**23: every fp32 of magnitude >= 2**23 is an integer; below it, (a + 2**23) - 2**23 rounds a >= 0 to an
-# integer half to even (the sum lies in [2**23, 2**24), where the fp32 spacing is exactly 1).
-TWO_23 = 8388608.0
-LN2 = math.log(2.0)
-INF = math.inf
-
-
-_op = ir.op
-
-
-def add(a, b):
-    return _op("add", a, b)
-
-
-def sub(a, b):
-    return _op("sub", a, b)
-
-
-def mul(a, b):
-    return _op("mul", a, b)
-
-
-def div(a, b):
-    return _op("div", a, b)
-
-
-def where(condition, a, b):
-    return _op("where", condition, a, b)
-
-
-def both(a, b):  # logical and of two 0/1 predicates
-    return _op("mul", a, b)
-
-
-def either(a, b):  # logical or of two 0/1 predicates
-    return _op("maximum", a, b)
-
-
-def _compare(name):
-    return lambda a, b: _op(name, a, b)
-
-
-gt, lt, ge, le, eq, ne = (_compare(name) for name in ("gt", "lt", "ge", "le", "eq", "ne"))
-
-
-def absolute(x):
-    return _op("abs", x)
-
-
-def copysign(magnitude, sign):
-    return _op("copysign", magnitude, sign)
-
-
-def exp(x):
-    return _op("exp", x)
 
 
 def _arg(node: torch.fx.Node, index: int, name: str, default):
@@ -83,56 +53,13 @@ def _arg(node: torch.fx.Node, index: int, name: str, default):
     return node.kwargs.get(name, default)
 
 
-def _operand(ctx, node, arg):
-    return load(ctx, arg, tuple(node.meta["val"].shape))
-
-
-def _x(ctx, node):
-    return _operand(ctx, node, node.args[0])
-
-
-# ---------------------------------------------------------------- rounding and sign
-
-
-def round_half_even(x):
-    """torch.round: exact for every fp32. |x| < 2**23 rounds through the 2**23 trick on |x| and takes x's sign
-    back (so -0.4 -> -0.0); |x| >= 2**23, inf and nan (the compare is false) are already their own rounding."""
-    magnitude = absolute(x)
-    rounded = sub(add(magnitude, TWO_23), TWO_23)
-    return where(lt(magnitude, TWO_23), copysign(rounded, x), x)
-
-
-def floor(x):
-    # round(x) is within 1/2 of x: one step down where it rounded up. Signs: x >= +0 gives >= +0 (t - 0 keeps
-    # +0); x <= -0 gives -0.0 - 0 = -0.0 or a negative integer, as eager.
-    rounded = round_half_even(x)
-    return where(lt(absolute(x), TWO_23), sub(rounded, gt(rounded, x)), x)
-
-
-def ceil(x):
-    # ceil(x) = -floor(-x): negation is exact and keeps signed zeros right (ceil(-0.3) = -0.0).
-    return _op("neg", floor(_op("neg", x)))
-
-
-def trunc(x):
-    magnitude = absolute(x)
-    rounded = sub(add(magnitude, TWO_23), TWO_23)
-    toward_zero = sub(rounded, gt(rounded, magnitude))
-    return where(lt(magnitude, TWO_23), copysign(toward_zero, x), x)
-
-
-def sign(x):
-    # (x > 0) - (x < 0), eager's formula: sign(nan) = 0, sign(-0.0) = +0.0.
-    return sub(gt(x, 0.0), lt(x, 0.0))
-
-
 def _check_round_decimals(node: torch.fx.Node) -> str | None:
     decimals = _arg(node, 1, "decimals", 0)
     if decimals < 0:
         # eager divides by 10**-decimals before rounding; a reciprocal multiply is off by an ulp there and an ulp
         # across a .5 boundary moves the result by a whole 10**-decimals (2500 -> 3000 instead of 2000).
         return f"aten.round.decimals: decimals={decimals} (negative decimals need a correctly rounded division)"
-    if 10.0**decimals > 2.0**24:
+    if 10.0**decimals > FP32_EXACT_INTEGER:
         return f"aten.round.decimals: decimals={decimals} (10**decimals is not an exact fp32)"
     return None
 
@@ -142,7 +69,7 @@ def lower_round_decimals(ctx, node):
     # eager: nearbyint(x * 10**d) / 10**d. The product is the same single fp32 multiply as eager's; the final
     # division is a reciprocal multiply (<= 1.5 ulp, the harness's stated division error).
     scale = 10.0 ** _arg(node, 1, "decimals", 0)
-    x = _x(ctx, node)
+    x = load_input(ctx, node)
     if scale == 1.0:
         return emit_pointwise(ctx, node, round_half_even(x))
     return emit_pointwise(ctx, node, div(round_half_even(mul(x, scale)), scale))
@@ -151,12 +78,12 @@ def lower_round_decimals(ctx, node):
 @register_lowering(aten.signbit.default)
 def lower_signbit(ctx, node):
     # The sign bit itself (signbit(-0.0) and signbit(-nan) are True): 1.0 carrying x's sign bit, compared to 0.
-    return emit_pointwise(ctx, node, lt(copysign(1.0, _x(ctx, node)), 0.0))
+    return emit_pointwise(ctx, node, lt(copysign(1.0, load_input(ctx, node)), 0.0))
 
 
 @register_lowering(aten.copysign.Tensor, aten.copysign.Scalar)
 def lower_copysign(ctx, node):
-    magnitude, sign_source = (_operand(ctx, node, arg) for arg in node.args[:2])
+    magnitude, sign_source = (load_operand(ctx, node, arg) for arg in node.args[:2])
     return emit_pointwise(ctx, node, copysign(magnitude, sign_source))
 
 
@@ -176,7 +103,7 @@ LOGICAL = {
 
 @register_lowering(*LOGICAL)
 def lower_logical(ctx, node):
-    a, b = (_operand(ctx, node, arg) for arg in node.args[:2])
+    a, b = (load_operand(ctx, node, arg) for arg in node.args[:2])
     return emit_pointwise(ctx, node, LOGICAL[node.target](a, b))
 
 
@@ -199,15 +126,15 @@ def _check_bool_operands(node: torch.fx.Node) -> str | None:
 
 @register_lowering(*BITWISE_ON_BOOL, check=_check_bool_operands)
 def lower_bitwise_on_bool(ctx, node):
-    operands = [_operand(ctx, node, arg) for arg in node.args[:2]]
+    operands = [load_operand(ctx, node, arg) for arg in node.args[:2]]
     return emit_pointwise(ctx, node, BITWISE_ON_BOOL[node.target](*operands))
 
 
 @register_lowering(aten.fmax.default, aten.fmin.default)
 def lower_fmax_fmin(ctx, node):
     # nan-ignoring: a nan operand yields the other one (nan only when both are); else the plain maximum/minimum.
-    a, b = (_operand(ctx, node, arg) for arg in node.args[:2])
-    plain = _op("maximum" if node.target is aten.fmax.default else "minimum", a, b)
+    a, b = (load_operand(ctx, node, arg) for arg in node.args[:2])
+    plain = ir.op("maximum" if node.target is aten.fmax.default else "minimum", a, b)
     return emit_pointwise(ctx, node, where(ne(a, a), b, where(ne(b, b), a, plain)))
 
 
@@ -215,32 +142,32 @@ def _clamp(x, low, high):
     # min(max(x, low), high): eager's order (low > high gives high); nl.maximum / nl.minimum propagate nan, so a
     # nan in x or in either bound gives nan, as eager's clamp.Tensor.
     if low is not None:
-        x = _op("maximum", x, low)
+        x = ir.op("maximum", x, low)
     if high is not None:
-        x = _op("minimum", x, high)
+        x = ir.op("minimum", x, high)
     return x
 
 
 @register_lowering(aten.clamp.Tensor)
 def lower_clamp_tensor(ctx, node):
     low, high = _arg(node, 1, "min", None), _arg(node, 2, "max", None)
-    bounds = [None if bound is None else _operand(ctx, node, bound) for bound in (low, high)]
-    return emit_pointwise(ctx, node, _clamp(_x(ctx, node), *bounds))
+    bounds = [None if bound is None else load_operand(ctx, node, bound) for bound in (low, high)]
+    return emit_pointwise(ctx, node, _clamp(load_input(ctx, node), *bounds))
 
 
 @register_lowering(aten.clamp_min.Tensor)
 def lower_clamp_min_tensor(ctx, node):
-    return emit_pointwise(ctx, node, _clamp(_x(ctx, node), _operand(ctx, node, node.args[1]), None))
+    return emit_pointwise(ctx, node, _clamp(load_input(ctx, node), load_operand(ctx, node, node.args[1]), None))
 
 
 @register_lowering(aten.clamp_max.Tensor)
 def lower_clamp_max_tensor(ctx, node):
-    return emit_pointwise(ctx, node, _clamp(_x(ctx, node), None, _operand(ctx, node, node.args[1])))
+    return emit_pointwise(ctx, node, _clamp(load_input(ctx, node), None, load_operand(ctx, node, node.args[1])))
 
 
 @register_lowering(aten.isinf.default)
 def lower_isinf(ctx, node):
-    x = _x(ctx, node)
+    x = load_input(ctx, node)
     return emit_pointwise(ctx, node, either(eq(x, INF), eq(x, -INF)))
 
 
@@ -252,9 +179,9 @@ def expm1(x):
     (u - 1 is exact there by Sterbenz, u in [0.6, 1.65] is a valid log input, log(u) != 0 unless u == 1, where
     the answer is x itself); exp(x) - 1 elsewhere, which is accurate once |exp(x) - 1| >= 0.39."""
     near_zero = lt(absolute(x), 0.5)
-    clamped = _op("minimum", _op("maximum", x, -0.5), 0.5)
+    clamped = ir.op("minimum", ir.op("maximum", x, -0.5), 0.5)
     u = exp(clamped)
-    log_u = _op("log_in_range", u)  # u in [0.6, 1.65]
+    log_u = ir.op("log_in_range", u)  # u in [0.6, 1.65]
     kahan = mul(sub(u, 1.0), div(clamped, where(eq(u, 1.0), 1.0, log_u)))
     return where(near_zero, where(eq(u, 1.0), clamped, kahan), sub(exp(x), 1.0))
 
@@ -274,13 +201,13 @@ def log1p(x):
 def lower_exp2(ctx, node):
     # exp(x ln 2): the product's rounding (2**-24 relative) grows to |x| ln 2 * 2**-24 in the result, under
     # 5.3e-6 relative over |x| <= 128 (beyond, 2**x over- or underflows fp32 anyway).
-    return emit_pointwise(ctx, node, exp(mul(_x(ctx, node), LN2)))
+    return emit_pointwise(ctx, node, exp(mul(load_input(ctx, node), LN2)))
 
 
 @register_lowering(aten.log2.default, aten.log10.default)
 def lower_log2_log10(ctx, node):
     base = 2.0 if node.target is aten.log2.default else 10.0
-    return emit_pointwise(ctx, node, mul(safe_log(_x(ctx, node)), 1.0 / math.log(base)))
+    return emit_pointwise(ctx, node, mul(safe_log(load_input(ctx, node)), 1.0 / math.log(base)))
 
 
 # ---------------------------------------------------------------- activations and their backward ops
@@ -306,7 +233,7 @@ def _elu_parameters(node, first):
 def lower_elu(ctx, node):
     # eager: x > 0 ? x * scale : expm1(x * input_scale) * alpha * scale (nan takes the expm1 side: nan).
     alpha, scale, input_scale = _elu_parameters(node, 1)
-    x = _x(ctx, node)
+    x = load_input(ctx, node)
     negative = mul(expm1(mul(x, input_scale)), alpha * scale)
     return emit_pointwise(ctx, node, where(gt(x, 0.0), mul(x, scale), negative))
 
@@ -314,13 +241,13 @@ def lower_elu(ctx, node):
 @register_lowering(aten.hardtanh.default, check=_check_numbers(1, 2))
 def lower_hardtanh(ctx, node):
     low, high = float(_arg(node, 1, "min_val", -1.0)), float(_arg(node, 2, "max_val", 1.0))
-    return emit_pointwise(ctx, node, _clamp(_x(ctx, node), ir.Scalar(low), ir.Scalar(high)))
+    return emit_pointwise(ctx, node, _clamp(load_input(ctx, node), ir.Scalar(low), ir.Scalar(high)))
 
 
 @register_lowering(aten.leaky_relu.default, check=_check_numbers(1))
 def lower_leaky_relu(ctx, node):
     slope = float(_arg(node, 1, "negative_slope", 0.01))
-    x = _x(ctx, node)
+    x = load_input(ctx, node)
     return emit_pointwise(ctx, node, where(gt(x, 0.0), x, mul(x, slope)))
 
 
@@ -328,13 +255,13 @@ def lower_leaky_relu(ctx, node):
 # gradients in vectorized lanes and in the scalar tail (nan vs grad), so no single formula equals eager.
 @register_lowering(aten.leaky_relu_backward.default, check=_check_numbers(2))
 def lower_leaky_relu_backward(ctx, node):
-    grad, x = (_operand(ctx, node, arg) for arg in node.args[:2])
+    grad, x = (load_operand(ctx, node, arg) for arg in node.args[:2])
     return emit_pointwise(ctx, node, where(gt(x, 0.0), grad, mul(grad, float(node.args[2]))))
 
 
 @register_lowering(aten.threshold_backward.default, check=_check_numbers(2))
 def lower_threshold_backward(ctx, node):
-    grad, x = (_operand(ctx, node, arg) for arg in node.args[:2])
+    grad, x = (load_operand(ctx, node, arg) for arg in node.args[:2])
     return emit_pointwise(ctx, node, where(le(x, float(node.args[2])), 0.0, grad))
 
 
@@ -345,7 +272,7 @@ def lower_threshold_backward(ctx, node):
 def lower_erfc(ctx, node):
     # 1 - erf(x): absolute error ~6e-8 (erf's rounding), inside the fp32 atol 1e-5 everywhere; erfc's relative
     # accuracy in the far tail (erfc(4) = 1.5e-8) is not kept, the tolerance's absolute term covers it.
-    return emit_pointwise(ctx, node, sub(1.0, _op("erf", _x(ctx, node))))
+    return emit_pointwise(ctx, node, sub(1.0, ir.op("erf", load_input(ctx, node))))
 
 
 def arctan(x):
@@ -353,9 +280,9 @@ def arctan(x):
     |x| > 1, atan(x) = copysign(pi/2, x) - atan(1/x). Beyond 2**40, 1/x is below pi/2's half ulp: the reciprocal
     (valid to 2**42) sees a clamped 2**40 instead."""
     big = gt(absolute(x), 1.0)
-    clamped = copysign(_op("minimum", absolute(x), 2.0**40), x)
+    clamped = copysign(ir.op("minimum", absolute(x), 2.0**40), x)
     reduced = where(big, div(-1.0, where(big, clamped, 1.0)), x)
-    return add(_op("arctan", reduced), where(big, copysign(math.pi / 2, x), 0.0))
+    return add(ir.op("arctan", reduced), where(big, copysign(math.pi / 2, x), 0.0))
 
 
 @register_lowering(aten.atanh.default)
@@ -364,7 +291,7 @@ def lower_atanh(ctx, node):
     # accurate there), 1 - a exact for a >= 0.5 (Sterbenz) so a near 1 keeps its digits (on the signed x,
     # 2x / (1 - x) near -1 rounds onto log1p's pole). |x| = 1 -> +-inf; |x| > 1 (and the infinities) -> nan, so
     # the reciprocal of 1 - a only sees (0, 1].
-    x = _x(ctx, node)
+    x = load_input(ctx, node)
     magnitude = absolute(x)
     inside = lt(magnitude, 1.0)  # false for nan
     one_minus = where(inside, sub(1.0, magnitude), 1.0)
@@ -391,16 +318,16 @@ def _half_exp(magnitude):
 def lower_sinh(ctx, node):
     # (expm1(x) - expm1(-x)) / 2: the two terms have opposite signs near 0, so no cancellation; |x| >= 20 is
     # copysign(exp(|x|) / 2, x) (exp(-|x|) is below its ulp there).
-    x = _x(ctx, node)
-    small = mul(sub(expm1(x), expm1(_op("neg", x))), 0.5)
+    x = load_input(ctx, node)
+    small = mul(sub(expm1(x), expm1(ir.op("neg", x))), 0.5)
     return emit_pointwise(ctx, node, where(lt(absolute(x), 20.0), small, copysign(_half_exp(absolute(x)), x)))
 
 
 @register_lowering(aten.cosh.default)
 def lower_cosh(ctx, node):
-    x = _x(ctx, node)
+    x = load_input(ctx, node)
     magnitude = absolute(x)
-    small = mul(add(exp(magnitude), exp(_op("neg", magnitude))), 0.5)
+    small = mul(add(exp(magnitude), exp(ir.op("neg", magnitude))), 0.5)
     return emit_pointwise(ctx, node, where(lt(magnitude, 20.0), small, _half_exp(magnitude)))
 
 
@@ -408,23 +335,23 @@ def _sqrt_in_range(v):
     """sqrt(v) for 0 <= v <= 2**100 with the sqrt instruction fed only [2**-100, 2**100] (valid range [2**-116,
     2**118]): below 2**-100 the root (< 2**-50) is taken as 0, far under any result's ulp where it is added."""
     positive = gt(v, 2.0**-100)
-    return where(positive, _op("sqrt_in_range", where(positive, _op("minimum", v, 2.0**100), 1.0)), 0.0)
+    return where(positive, ir.op("sqrt_in_range", where(positive, ir.op("minimum", v, 2.0**100), 1.0)), 0.0)
 
 
 def _asin_core(t):
     """asin(t) = atan(t / sqrt((1 - t)(1 + t))) for |t| <= 1/2, where the atan argument is at most 0.58 (the
     arctan instruction's range is [-pi/2, pi/2]); t is clamped to [-3/4, 3/4] first so that lanes a select
     discards stay in range too."""
-    clamped = _op("minimum", _op("maximum", t, -0.75), 0.75)
-    root = _op("sqrt_in_range", mul(sub(1.0, clamped), add(1.0, clamped)))  # in [0.66, 1]
-    return _op("arctan", div(clamped, root))
+    clamped = ir.op("minimum", ir.op("maximum", t, -0.75), 0.75)
+    root = ir.op("sqrt_in_range", mul(sub(1.0, clamped), add(1.0, clamped)))  # in [0.66, 1]
+    return ir.op("arctan", div(clamped, root))
 
 
 @register_lowering(aten.asin.default)
 def lower_asin(ctx, node):
     # |x| <= 1/2: the core form; |x| > 1/2: pi/2 - acos(|x|) = pi/2 - 2 asin(sqrt((1 - |x|) / 2)) with 1 - |x| exact
     # (Sterbenz), no cancellation near 1; x's sign put back (asin(-0.0) = -0.0). |x| > 1 and nan -> nan.
-    x = _x(ctx, node)
+    x = load_input(ctx, node)
     magnitude = absolute(x)
     near_one = sub(math.pi / 2, mul(_asin_core(_sqrt_in_range(mul(sub(1.0, magnitude), 0.5))), 2.0))
     inside = copysign(where(le(magnitude, 0.5), _asin_core(magnitude), near_one), x)
@@ -435,7 +362,7 @@ def lower_asin(ctx, node):
 def lower_acos(ctx, node):
     # |x| <= 1/2: pi/2 - asin(x) (|asin| <= pi/6, no cancellation); x > 1/2: 2 asin(sqrt((1 - x) / 2)); x < -1/2:
     # pi - 2 asin(sqrt((1 + x) / 2)); 1 -+ x exact there (Sterbenz). |x| > 1 and nan -> nan.
-    x = _x(ctx, node)
+    x = load_input(ctx, node)
     magnitude = absolute(x)
     positive = mul(_asin_core(_sqrt_in_range(mul(sub(1.0, x), 0.5))), 2.0)
     negative = sub(math.pi, mul(_asin_core(_sqrt_in_range(mul(add(1.0, x), 0.5))), 2.0))
@@ -451,11 +378,11 @@ BIG_ARGUMENT = 4096.0  # beyond, asinh(x) = log(2x) and acosh(x) = log(2x) to be
 def lower_asinh(ctx, node):
     # asinh(a) = log1p(a + a**2 / (1 + sqrt(1 + a**2))) (no cancellation near 0), log(a) + ln 2 for a >= 4096;
     # odd, so x's sign is put back. The small form sees a clamped to 4096 (a**2 stays finite, sqrt in range).
-    x = _x(ctx, node)
+    x = load_input(ctx, node)
     magnitude = absolute(x)
-    clamped = _op("minimum", magnitude, BIG_ARGUMENT)
+    clamped = ir.op("minimum", magnitude, BIG_ARGUMENT)
     square = mul(clamped, clamped)
-    small = log1p(add(clamped, div(square, add(1.0, _op("sqrt", add(1.0, square))))))
+    small = log1p(add(clamped, div(square, add(1.0, ir.op("sqrt", add(1.0, square))))))
     result = where(lt(magnitude, BIG_ARGUMENT), small, add(safe_log(magnitude), LN2))
     return emit_pointwise(ctx, node, copysign(result, x))
 
@@ -464,8 +391,8 @@ def lower_asinh(ctx, node):
 def lower_acosh(ctx, node):
     # acosh(x) = log1p((x - 1) + sqrt((x - 1)(x + 1))) (x - 1 exact near 1), log(x) + ln 2 for x >= 4096;
     # x < 1 and nan -> nan. The small form sees x clamped to [1, 4096].
-    x = _x(ctx, node)
-    clamped = _op("minimum", _op("maximum", x, 1.0), BIG_ARGUMENT)
+    x = load_input(ctx, node)
+    clamped = ir.op("minimum", ir.op("maximum", x, 1.0), BIG_ARGUMENT)
     below = sub(clamped, 1.0)
     small = log1p(add(below, _sqrt_in_range(mul(below, add(clamped, 1.0)))))
     result = where(lt(x, BIG_ARGUMENT), small, add(safe_log(x), LN2))
@@ -478,15 +405,15 @@ def lower_atan2(ctx, node):
     then pi/2 - theta where |y| > |x|, pi - theta where x's sign bit is set, and y's sign. Both magnitudes are
     rescaled by one exact power of two (max into [1, 2)) so the reciprocal sees its valid range; max = 0 gives
     theta = 0 (atan2(+-0, -0) = +-pi), two infinities theta = pi/4; a nan in either operand gives nan."""
-    y, x = (_operand(ctx, node, arg) for arg in node.args[:2])
+    y, x = (load_operand(ctx, node, arg) for arg in node.args[:2])
     a, b = absolute(y), absolute(x)
-    larger, smaller = _op("maximum", a, b), _op("minimum", a, b)
-    scale = _op("inverse_power_of_two", _op("minimum", larger, 2.0**126))
+    larger, smaller = ir.op("maximum", a, b), ir.op("minimum", a, b)
+    scale = ir.op("inverse_power_of_two", ir.op("minimum", larger, 2.0**126))
     both_infinite = both(eq(a, INF), eq(b, INF))
     ordinary = both(gt(larger, 0.0), lt(larger, INF))
     ratio = where(ordinary, div(mul(smaller, scale), where(ordinary, mul(larger, scale), 1.0)),
                   where(both_infinite, 1.0, 0.0))
-    theta = _op("arctan", ratio)
+    theta = ir.op("arctan", ratio)
     theta = where(gt(a, b), sub(math.pi / 2, theta), theta)
     theta = where(lt(copysign(1.0, x), 0.0), sub(math.pi, theta), theta)
     result = copysign(theta, y)
@@ -510,4 +437,4 @@ UNARY_FORMS = {
 
 @register_lowering(*UNARY_FORMS)
 def lower_unary_form(ctx, node):
-    return emit_pointwise(ctx, node, UNARY_FORMS[node.target](_x(ctx, node)))
+    return emit_pointwise(ctx, node, UNARY_FORMS[node.target](load_input(ctx, node)))

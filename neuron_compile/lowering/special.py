@@ -24,24 +24,42 @@ import numpy as np
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.pointwise import emit_pointwise
-from neuron_compile.lowering.pointwise_math import (
-    INF, _op, _x, absolute, add, both, copysign, div, either, eq, floor, ge, gt, le, log1p, lt, mul, ne,
-    round_half_even, safe_log, sub, where,
+from neuron_compile.lowering.math_expressions import (
+    INF,
+    absolute,
+    add,
+    both,
+    copysign,
+    div,
+    either,
+    eq,
+    floor,
+    ge,
+    gt,
+    le,
+    lt,
+    mul,
+    ne,
+    round_half_even,
+    sub,
+    where,
 )
+from neuron_compile.lowering.pointwise import emit_pointwise, load_input
+from neuron_compile.lowering.pointwise_math import log1p
 from neuron_compile.lowering.registry import INTEGER_OPS, TensorValue, load, register_lowering
 from neuron_compile.lowering.trigonometry import sin
+from neuron_compile.passes.activation_ranges import safe_log
 
 aten = torch.ops.aten
 NAN = math.nan
 
 
 def minimum(a, b):
-    return _op("minimum", a, b)
+    return ir.op("minimum", a, b)
 
 
 def maximum(a, b):
-    return _op("maximum", a, b)
+    return ir.op("maximum", a, b)
 
 
 def keep_nan(x, value):
@@ -61,7 +79,7 @@ def reciprocal(magnitude):
     """1 / a for every a >= 0 (0 -> inf, inf -> 0): a is rescaled by s = 2**(127 - E) (E its biased exponent, an
     exact power of two) into [1, 4) (subnormals into [2**-22, 1)), inside the reciprocal's range, and 1 / (a s) is
     scaled back by s (exact, or rounded once into a subnormal). nan stays nan."""
-    s = _op("inverse_power_of_two", minimum(magnitude, 2.0**126))
+    s = ir.op("inverse_power_of_two", minimum(magnitude, 2.0**126))
     ordinary = both(gt(magnitude, 0.0), lt(magnitude, INF))
     value = mul(div(1.0, where(ordinary, mul(magnitude, s), 1.0)), s)
     return where(ordinary, value, where(eq(magnitude, 0.0), INF, where(eq(magnitude, INF), 0.0, magnitude)))
@@ -69,7 +87,7 @@ def reciprocal(magnitude):
 
 def sin_pi(r):
     """sin(pi r) for |r| <= 1/2 (nan lanes feed the activation 0)."""
-    return _op("sin", where(eq(r, r), mul(r, math.pi), 0.0))
+    return ir.op("sin", where(eq(r, r), mul(r, math.pi), 0.0))
 
 
 # ---------------------------------------------------------------- lgamma
@@ -103,7 +121,7 @@ def lgamma_positive(z):
     for j in FACTOR_RANGE:
         factor = where(lt(float(j), m), add(p, float(j)), 1.0)
         product = factor if product is None else mul(product, factor)
-    shifted = add(core, _op("log", product))  # product in [1, 7!]
+    shifted = add(core, ir.op("log", product))  # product in [1, 7!]
     shifted = sub(shifted, where(le(m, 1.0), safe_log(absolute(zs)), 0.0))
     shifted = sub(shifted, where(lt(m, 0.5), log1p(minimum(maximum(zs, -0.5), 0.5)), 0.0))
     zl = maximum(z, SHIFT_LIMIT)
@@ -191,8 +209,8 @@ def erfinv_magnitude(a, q):
     """erfinv(a) for a = |y| in [0, 1), given q = 1 - a as an exactly known value (1 - y**2 = q (2 - q) keeps its
     relative accuracy as a -> 1; for ndtri q = 2p is exact down to the smallest subnormal p)."""
     positive_q = gt(q, 0.0)
-    w = _op("neg", safe_log(where(positive_q, mul(q, sub(2.0, q)), 1.0)))
-    root = _op("sqrt", minimum(maximum(w, 5.0), 128.0))
+    w = ir.op("neg", safe_log(where(positive_q, mul(q, sub(2.0, q)), 1.0)))
+    root = ir.op("sqrt", minimum(maximum(w, 5.0), 128.0))
     central = polynomial(sub(w, 2.5), ERFINV_CENTRAL)
     tail = polynomial(sub(root, (math.sqrt(5.0) + 4.0) / 2), ERFINV_TAIL)
     far = polynomial(sub(root, 7.15), ERFINV_FAR_TAIL)
@@ -214,7 +232,7 @@ def ndtri(p):
     q = mul(where(half, p, sub(1.0, p)), 2.0)
     value = mul(erfinv_magnitude(sub(1.0, q), q), math.sqrt(2.0))
     inside = both(gt(p, 0.0), lt(p, 1.0))
-    value = where(inside, where(half, _op("neg", value), value), where(eq(p, 0.0), -INF, where(eq(p, 1.0), INF, NAN)))
+    value = where(inside, where(half, ir.op("neg", value), value), where(eq(p, 0.0), -INF, where(eq(p, 1.0), INF, NAN)))
     return keep_nan(p, value)
 
 
@@ -235,7 +253,7 @@ def erfcx_magnitude(a):
 def erfcx(x):
     # x < 0: erfcx(x) = 2 exp(x**2) - erfcx(-x), with x * x rounded as eager rounds it (inf beyond 9.4).
     value = erfcx_magnitude(absolute(x))
-    negative = sub(mul(_op("exp", mul(x, x)), 2.0), value)
+    negative = sub(mul(ir.op("exp", mul(x, x)), 2.0), value)
     return keep_nan(x, where(lt(x, 0.0), negative, value))
 
 
@@ -255,7 +273,7 @@ def _inverse_sqrt(a):
     """1 / sqrt(a) for a >= 8 (inf -> 0), rsqrt fed [8, 2**64]: beyond 2**64, a * 2**-64 and a factor 2**-32."""
     big = gt(a, 2.0**64)
     scaled = where(big, mul(a, 2.0**-64), a)
-    value = mul(_op("rsqrt", where(lt(a, INF), scaled, 1.0)), where(big, 2.0**-32, 1.0))
+    value = mul(ir.op("rsqrt", where(lt(a, INF), scaled, 1.0)), where(big, 2.0**-32, 1.0))
     return where(lt(a, INF), value, 0.0)
 
 
@@ -273,14 +291,14 @@ def bessel(x, order: int, scaled: bool):
     u = mul(reciprocal(large), 8.0)
     tail = polynomial(u, I0_LARGE if order == 0 else I1_LARGE)
     if scaled:
-        near = mul(series, _op("exp", _op("neg", small)))
+        near = mul(series, ir.op("exp", ir.op("neg", small)))
         far = mul(tail, _inverse_sqrt(large))
     else:
         near = series
-        far = where(lt(a, INF), mul(mul(_op("exp", large), tail), _inverse_sqrt(large)), NAN)
+        far = where(lt(a, INF), mul(mul(ir.op("exp", large), tail), _inverse_sqrt(large)), NAN)
     value = where(le(a, BESSEL_SERIES_LIMIT), near, far)
     if order == 1:
-        value = where(lt(x, 0.0), _op("neg", value), value)
+        value = where(lt(x, 0.0), ir.op("neg", value), value)
     return keep_nan(x, value)
 
 
@@ -306,7 +324,7 @@ def frexp(x):
     tiny, big = lt(a, 2.0**-100), ge(a, 2.0**126)
     scaled = mul(a, where(tiny, 2.0**64, where(big, 2.0**-64, 1.0)))
     shift = where(tiny, -64.0, where(big, 64.0, 0.0))
-    s = _op("inverse_power_of_two", scaled)
+    s = ir.op("inverse_power_of_two", scaled)
     ordinary = both(gt(a, 0.0), lt(a, INF))
     mantissa = where(ordinary, copysign(mul(mul(scaled, s), 0.5), x), x)
     log2_s = round_half_even(mul(safe_log(s), 1.0 / math.log(2.0)))
@@ -350,7 +368,7 @@ FORMS = {
 
 @register_lowering(*FORMS)
 def lower_special(ctx, node):
-    return emit_pointwise(ctx, node, FORMS[node.target](_x(ctx, node)))
+    return emit_pointwise(ctx, node, FORMS[node.target](load_input(ctx, node)))
 
 
 # ---------------------------------------------------------------- polygamma
@@ -416,8 +434,8 @@ def polygamma_of_order(order: int, x):
     s = order + 1
     scale = (-1.0) ** (order + 1) * math.factorial(order)
     negative = lt(x, 0.0)
-    whole = floor(_op("neg", x))
-    c = _op("neg", add(x, whole))
+    whole = floor(ir.op("neg", x))
+    c = ir.op("neg", add(x, whole))
     d = add(add(x, whole), 1.0)
     inside = both(negative, both(gt(c, 0.0), lt(c, 1.0)))  # false at the poles, -inf and nan
     c, d = where(inside, c, 0.5), where(inside, d, 0.5)
@@ -426,7 +444,7 @@ def polygamma_of_order(order: int, x):
     rest = sub(rest, mul(hurwitz_zeta(s, maximum(sub(1.0, x), 1.0)), (-1.0) ** s))
     reflected = add(_pair_next_to_zero(s, c, d), rest)
     value = mul(where(negative, reflected, value), scale)
-    pole = either(eq(x, 0.0), both(negative, _op("neg", sub(inside, 1.0))))
+    pole = either(eq(x, 0.0), both(negative, ir.op("neg", sub(inside, 1.0))))
     value = where(pole, math.copysign(INF, scale), where(eq(x, INF), NAN, value))
     return keep_nan(x, value)
 
@@ -441,7 +459,7 @@ def trigamma(x):
     eager's trigamma(-1000.3) is off by ~100% against float64, and trigamma(-1) is finite there)."""
     reflect = lt(x, 0.5)
     sine = sin(mul(x, PI_F32))
-    result = where(reflect, _op("neg", mul(reciprocal(mul(sine, sine)), float(np.float32(PI_F32 * PI_F32)))), 0.0)
+    result = where(reflect, ir.op("neg", mul(reciprocal(mul(sine, sine)), float(np.float32(PI_F32 * PI_F32)))), 0.0)
     z = where(reflect, sub(1.0, x), x)
     for _ in range(6):
         result = add(result, reciprocal(mul(z, z)))
@@ -450,7 +468,7 @@ def trigamma(x):
     ixx = mul(inverse, inverse)
     series = add(add(mul(inverse, 0.5), 1.0), mul(ixx, polynomial(ixx, [1 / 6, -1 / 30, 1 / 42])))
     result = add(result, mul(series, inverse))
-    return keep_nan(x, where(reflect, _op("neg", result), result))
+    return keep_nan(x, where(reflect, ir.op("neg", result), result))
 
 
 def _check_polygamma(node: torch.fx.Node) -> str | None:

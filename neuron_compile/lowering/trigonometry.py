@@ -38,8 +38,9 @@ import math
 
 import torch
 
-from neuron_compile.lowering.pointwise import emit_pointwise
-from neuron_compile.lowering.pointwise_math import INF, _op, _x, absolute, add, lt, mul, sub, where
+from neuron_compile import ir
+from neuron_compile.lowering.math_expressions import INF, absolute, add, lt, mul, sub, where
+from neuron_compile.lowering.pointwise import emit_pointwise, load_input
 from neuron_compile.lowering.registry import register_lowering
 
 aten = torch.ops.aten
@@ -126,7 +127,7 @@ def nearest_quarter_turn(coarse, middle, small):
 
 
 def _is_odd(integer):
-    return _op("ne", integer, mul(round_magic(mul(integer, 0.5), ROUND_MAGIC), 2.0))
+    return ir.op("ne", integer, mul(round_magic(mul(integer, 0.5), ROUND_MAGIC), 2.0))
 
 
 def sine_of_quarter_turns(magnitude, finite, quarter_shift: float = 0.0):
@@ -143,7 +144,7 @@ def sine_of_quarter_turns(magnitude, finite, quarter_shift: float = 0.0):
 
 
 def _sin(angle):
-    return _op("sin", angle)
+    return ir.op("sin", angle)
 
 
 def _signed(value, negative):
@@ -152,7 +153,7 @@ def _signed(value, negative):
 
 
 def _with_sign_of(value, x):
-    return mul(value, _op("copysign", 1.0, x))
+    return mul(value, ir.op("copysign", 1.0, x))
 
 
 def sin(x):
@@ -179,8 +180,8 @@ def tan(x):
     odd = _is_odd(k)
     numerator = _sin(where(finite, mul(add(f, odd), math.pi / 2), 0.0))
     divisor = _sin(where(finite, mul(add(f, sub(1.0, odd)), math.pi / 2), 0.0))
-    bounded = _op("maximum", absolute(divisor), SMALLEST_DIVISOR)
-    value = _signed(_with_sign_of(_with_sign_of(_op("div", numerator, bounded), divisor), x), odd)
+    bounded = ir.op("maximum", absolute(divisor), SMALLEST_DIVISOR)
+    value = _signed(_with_sign_of(_with_sign_of(ir.op("div", numerator, bounded), divisor), x), odd)
     return where(finite, where(lt(magnitude, TINY), x, value), math.nan)
 
 
@@ -189,4 +190,4 @@ FORMS = {aten.sin.default: sin, aten.cos.default: cos, aten.tan.default: tan}
 
 @register_lowering(*FORMS)
 def lower_trigonometric(ctx, node):
-    return emit_pointwise(ctx, node, FORMS[node.target](_x(ctx, node)))
+    return emit_pointwise(ctx, node, FORMS[node.target](load_input(ctx, node)))
