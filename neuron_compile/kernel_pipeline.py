@@ -16,7 +16,7 @@ import torch
 from neuron_compile import ir
 from neuron_compile.codegen.render import render_kernel
 from neuron_compile.hardware import get_target
-from neuron_compile.lowering.registry import LoweringError, lower_graph
+from neuron_compile.lowering import LoweringError, lower_graph
 from neuron_compile.passes.activation_ranges import guard_activation_ranges
 from neuron_compile.passes.fusion import fuse
 from neuron_compile.passes.tiling import TilingError, plan_kernel

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lowering_harness import check_against_eager, random_tensor, trace
-from neuron_compile.lowering.registry import unsupported_reason
+from neuron_compile.lowering import unsupported_reason
 
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
 CASES = [

@@ -7,7 +7,7 @@ import torch
 
 from lowering_harness import check_against_eager, random_tensor, trace
 from neuron_compile.lowering.normalization import _check_batch_norm_training
-from neuron_compile.lowering.registry import unsupported_reason
+from neuron_compile.lowering import unsupported_reason
 
 aten = torch.ops.aten
 DTYPES = [torch.float32, torch.bfloat16]

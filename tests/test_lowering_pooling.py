@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lowering_harness import check_against_eager, random_tensor, trace
-from neuron_compile.lowering.registry import unsupported_reason
+from neuron_compile.lowering import unsupported_reason
 
 DTYPES = [torch.float32, torch.bfloat16]
 POOL2D_CASES = [

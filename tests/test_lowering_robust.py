@@ -10,7 +10,7 @@ import pytest
 import torch
 from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
 
-from neuron_compile.lowering.registry import unsupported_reason
+from neuron_compile.lowering import unsupported_reason
 
 
 def _node(gm, target):
@@ -165,7 +165,7 @@ def test_region_called_with_another_dtype_than_traced_raises_a_named_error():
     x = random_tensor((4, 5))
     gm = trace(lambda t: t * 2.0, x)
     from neuron_compile.kernel_pipeline import compile_region
-    from neuron_compile.lowering.registry import LoweringError
+    from neuron_compile.lowering import LoweringError
 
     region = compile_region(gm, [x])
     with pytest.raises(LoweringError, match="compiled for dtype float32, called with torch.bfloat16"):

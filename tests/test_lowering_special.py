@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from lowering_harness import (
     TOLERANCES, check_against_eager, check_through_backend, compile_and_run, random_tensor, trace,
 )
-from neuron_compile.lowering.registry import unsupported_reason
+from neuron_compile.lowering import unsupported_reason
 
 NAN, INF = float("nan"), float("inf")
 DTYPES = [torch.float32, torch.bfloat16]

@@ -34,7 +34,7 @@ def regions_of(gm):
 def test_everything_supported_is_one_region():
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     gm = aten_graph(lambda a, b: torch.relu(a * b + a), x, y)
-    result = partition_graph(gm, supporting(aten.mul, aten.add, aten.relu))
+    result = partition_graph(gm, unsupported_reason=supporting(aten.mul, aten.add, aten.relu))
     assert regions_of(result.graph_module) == ["nki_region_0"]
     assert result.report.eager == ()
     assert [p.op for p in result.report.regions["nki_region_0"]] == [
@@ -48,7 +48,7 @@ def test_everything_supported_is_one_region():
 def test_unsupported_node_splits_regions_and_names_its_reason():
     x = torch.randn(4, 8)
     gm = aten_graph(lambda a: torch.sort(torch.exp(a) + 1, dim=-1).values * 2, x)
-    result = partition_graph(gm, supporting(aten.exp, aten.add, aten.mul))
+    result = partition_graph(gm, unsupported_reason=supporting(aten.exp, aten.add, aten.mul))
     assert regions_of(result.graph_module) == ["nki_region_0", "nki_region_1"]
     eager = {p.op: p.reason for p in result.report.eager}
     assert eager["aten.sort.default"] == "no lowering for aten.sort.default"
@@ -67,7 +67,7 @@ def test_unsupported_node_splits_regions_and_names_its_reason():
 def test_getitem_follows_its_producer_into_the_region():
     x, weight = torch.randn(4, 8), torch.randn(8)
     gm = aten_graph(lambda a, w: aten.native_layer_norm(a, [8], w, None, 1e-5)[0] + 1, x, weight)
-    result = partition_graph(gm, supporting(aten.native_layer_norm, aten.add))
+    result = partition_graph(gm, unsupported_reason=supporting(aten.native_layer_norm, aten.add))
     getitems = [p for p in result.report.placements if p.op == "getitem"]
     assert getitems and all(p.region == "nki_region_0" for p in getitems)
     torch.testing.assert_close(result.graph_module(x, weight), gm(x, weight), rtol=0, atol=0)
@@ -80,7 +80,7 @@ def test_in_place_mutation_stays_eager_even_if_supported():
 
     x = torch.randn(3)
     gm = make_fx(mutate, tracing_mode="fake")(x)
-    result = partition_graph(gm, lambda node: None)
+    result = partition_graph(gm, unsupported_reason=lambda node: None)
     mutations = [p for p in result.report.eager if p.op == "aten.add_.Tensor"]
     assert mutations and "mutates its input in place" in mutations[0].reason
     expected, got = x.clone(), x.clone()
@@ -91,7 +91,7 @@ def test_in_place_mutation_stays_eager_even_if_supported():
 def test_input_graph_is_not_modified():
     gm = aten_graph(lambda a: torch.tanh(a) * 3, torch.randn(2, 2))
     before = str(gm.graph)
-    partition_graph(gm, supporting(aten.tanh, aten.mul))
+    partition_graph(gm, unsupported_reason=supporting(aten.tanh, aten.mul))
     assert str(gm.graph) == before and not regions_of(gm)
 
 
@@ -100,7 +100,7 @@ def test_a_raising_predicate_makes_the_node_eager():
         raise KeyError("oops")
 
     gm = aten_graph(lambda a: a + 1, torch.randn(2))
-    result = partition_graph(gm, broken)
+    result = partition_graph(gm, unsupported_reason=broken)
     assert result.report.eager[0].reason == "unsupported_reason raised KeyError: 'oops'"
 
 
@@ -118,7 +118,7 @@ def test_random_graphs_partition_without_changing_results(program, supported):
 
     x, y = torch.randn(3, 5), torch.randn(3, 5)
     gm = aten_graph(fn, x, y)
-    result = partition_graph(gm, supporting(*(getattr(aten, name) for name in supported)))
+    result = partition_graph(gm, unsupported_reason=supporting(*(getattr(aten, name) for name in supported)))
     placed = {p.node for p in result.report.placements if p.region is not None}
     for node in gm.graph.nodes:
         if node.op == "call_function":
@@ -145,11 +145,11 @@ def test_copy_into_an_input_read_outside_its_region_stays_eager():
     def reason(node):
         return "test: cos is eager" if node.target is torch.ops.aten.cos.default else None
 
-    result = partition_module.partition_graph(gm, reason)
+    result = partition_module.partition_graph(gm, unsupported_reason=reason)
     placement = {p.node: p for p in result.report.placements}
     assert placement[write.name].region is None and "read outside" in placement[write.name].reason
     assert placement[new.name].region is not None
     # With the reader in a region too, the write joins it.
-    result = partition_module.partition_graph(gm, lambda node: None)
+    result = partition_module.partition_graph(gm, unsupported_reason=lambda node: None)
     placement = {p.node: p for p in result.report.placements}
     assert placement[write.name].region == placement[read.name].region is not None

@@ -15,8 +15,8 @@ import math
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.indexing import FP32_EXACT
-from neuron_compile.lowering.reduction import _row_shape_reason, normalize_dims, reduce_into, store_layout_in_domain
+from neuron_compile.limits import FP32_EXACT_INTEGER
+from neuron_compile.lowering.reduction import normalize_dims, reduce_into, row_shape_reason, store_layout_in_domain
 from neuron_compile.lowering.registry import INTEGER_OPS, TensorValue, register_lowering
 
 aten = torch.ops.aten
@@ -36,9 +36,9 @@ def _check_arg_reduction(node: torch.fx.Node) -> str | None:
     dim = _dim_argument(node)
     reduce_dims = normalize_dims(dim, source.dim())
     positions = math.prod(source.shape[d] for d in reduce_dims)
-    if positions >= FP32_EXACT:  # larger positions are not all fp32 values: the minimum could round
+    if positions >= FP32_EXACT_INTEGER:  # larger positions are not all fp32 values: the minimum could round
         return f"{node.target}: {positions} positions (>= 2**24, not exact in fp32)"
-    return _row_shape_reason(node, source, reduce_dims)
+    return row_shape_reason(node, source, reduce_dims)
 
 
 def _positions(shape: tuple[int, ...], reduce_dims: tuple[int, ...]) -> ir.Iota:

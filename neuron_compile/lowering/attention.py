@@ -14,6 +14,7 @@ import operator
 import torch
 
 from neuron_compile import ir
+from neuron_compile.hardware import Target
 from neuron_compile.lowering.reduction import softmax_row_reason
 from neuron_compile.lowering.registry import TensorValue, broadcast_layout, register_lowering
 
@@ -30,7 +31,7 @@ def _options(node: torch.fx.Node) -> dict:
     return options
 
 
-def _check_attention(node: torch.fx.Node) -> str | None:
+def _check_attention(node: torch.fx.Node, target: Target) -> str | None:
     options = _options(node)
     q, k, v = (arg.meta["val"] for arg in node.args[:3])
     if options["dropout_p"]:
@@ -46,7 +47,7 @@ def _check_attention(node: torch.fx.Node) -> str | None:
         return f"{node.target}: a boolean attn_mask needs a predicated select (only additive float masks)"
     if mask is not None and options["is_causal"]:
         return f"{node.target}: attn_mask together with is_causal"
-    row_reason = softmax_row_reason(node, k.shape[-2])
+    row_reason = softmax_row_reason(node, k.shape[-2], target)
     if row_reason:
         return row_reason
     if node.target is FLASH:
@@ -56,12 +57,12 @@ def _check_attention(node: torch.fx.Node) -> str | None:
     return None
 
 
-@register_lowering(FLASH, check=_check_attention, multi_output=True)
+@register_lowering(FLASH, target_check=_check_attention, multi_output=True)
 def lower_flash_attention(ctx, node):
     return (_lower(ctx, node, node.meta["val"][0]), None)
 
 
-@register_lowering(SDPA, check=_check_attention)
+@register_lowering(SDPA, target_check=_check_attention)
 def lower_attention(ctx, node):
     return _lower(ctx, node, node.meta["val"])
 

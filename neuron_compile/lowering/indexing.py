@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from neuron_compile import ir
-from neuron_compile.limits import OUT_OF_RANGE_ROW
+from neuron_compile.limits import FP32_EXACT_INTEGER, OUT_OF_RANGE_ROW
 from neuron_compile.lowering.movement import VIEW_OPS
 from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import (
@@ -31,7 +31,6 @@ aten = torch.ops.aten
 
 GATHER_FREE_BYTES = 64 * 1024  # one gathered row tile per partition: well inside the SBUF partition budget
 GATHER_MAX_ITERATIONS = 4096  # outer loop iterations x index tiles (a long Python loop in the simulator)
-FP32_EXACT = 2**24  # integers the fp32 engines hold exactly (the index wrap and range test run there)
 FLOAT_SOURCES = (torch.float32, torch.bfloat16)
 
 INTEGER_OPS.update(VIEW_OPS)
@@ -73,7 +72,7 @@ def _check_gather(node: torch.fx.Node) -> str | None:
         return f"{node.target}: weight of rank {source_val.dim()} (only 2-D)"
     dim = dim % source_val.dim()
     size, stride = source_val.shape[dim], source_val.stride()[dim]
-    if size >= FP32_EXACT:
+    if size >= FP32_EXACT_INTEGER:
         return f"{node.target}: dim size {size} >= 2^24 (the index arithmetic runs in fp32)"
     if stride == 0 and size > 1:
         return f"{node.target}: gathered dim has stride 0 (an expanded source)"
@@ -128,7 +127,7 @@ def _element_gather_limits(node: torch.fx.Node, source_val: torch.Tensor, out: t
     """The element gather's limits: flat source offsets exact in fp32, and a bounded number of tiles."""
     extent = sum((size - 1) * abs(stride) for size, stride in zip(source_val.shape, source_val.stride()))
     span = source_val.storage_offset() + 1 + extent
-    if span >= FP32_EXACT:
+    if span >= FP32_EXACT_INTEGER:
         return f"{node.target}: source spans {span} elements (>= 2^24: flat offsets are computed in fp32)"
     tiles = math.prod(out.shape[:-1]) * math.ceil(out.shape[-1] / 128)
     if tiles > GATHER_MAX_ITERATIONS:

@@ -21,13 +21,14 @@ from __future__ import annotations
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.indexing import FLOAT_SOURCES, FP32_EXACT
+from neuron_compile.limits import FP32_EXACT_INTEGER
+from neuron_compile.lowering.indexing import FLOAT_SOURCES
 from neuron_compile.lowering.reduction import reduce_into
 from neuron_compile.lowering.registry import INTEGER_DTYPES, INTEGER_OPS, TensorValue, register_lowering
 
 aten = torch.ops.aten
 
-MAX_CLASSES = FP32_EXACT - 1  # class positions compared in fp32
+MAX_CLASSES = FP32_EXACT_INTEGER - 1  # class positions compared in fp32
 
 
 def _check_nll_loss(node: torch.fx.Node) -> str | None:

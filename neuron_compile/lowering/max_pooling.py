@@ -20,10 +20,10 @@ import math
 import torch
 
 from neuron_compile import ir
+from neuron_compile.limits import FP32_EXACT_INTEGER
 from neuron_compile.lowering.movement import padded_copy
-from neuron_compile.lowering.pooling import _expand
-from neuron_compile.lowering.indexing import FP32_EXACT
-from neuron_compile.lowering.reduction import _row_shape_reason, reduce_into
+from neuron_compile.lowering.pooling import expand_per_dim
+from neuron_compile.lowering.reduction import reduce_into, row_shape_reason
 from neuron_compile.lowering.registry import INTEGER_OPS, TensorValue, register_lowering
 
 aten = torch.ops.aten
@@ -37,10 +37,10 @@ def _arguments(node: torch.fx.Node, dims: int) -> dict:
     if node.target in (aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default):
         kernel = [size // out for size, out in zip(sizes, outs)]
         return dict(kernel=kernel, stride=kernel, padding=[0] * dims, dilation=[1] * dims, sizes=sizes, outs=outs)
-    kernel = _expand(node.args[1], dims)
-    stride = _expand(node.args[2] if len(node.args) > 2 else None, dims, kernel)
-    padding = _expand(node.args[3] if len(node.args) > 3 else 0, dims)
-    dilation = _expand(node.args[4] if len(node.args) > 4 else 1, dims)
+    kernel = expand_per_dim(node.args[1], dims)
+    stride = expand_per_dim(node.args[2] if len(node.args) > 2 else None, dims, kernel)
+    padding = expand_per_dim(node.args[3] if len(node.args) > 3 else 0, dims)
+    dilation = expand_per_dim(node.args[4] if len(node.args) > 4 else 1, dims)
     return dict(kernel=kernel, stride=stride, padding=padding, dilation=dilation, sizes=sizes, outs=outs)
 
 
@@ -58,10 +58,10 @@ def _check_max_pool(dims: int):
             return f"{node.target}: input {args['sizes']} not a multiple of output {args['outs']} (uneven windows)"
         if not all(len(args[key]) == dims for key in ("kernel", "stride", "padding", "dilation")):
             return f"{node.target}: kernel/stride/padding/dilation do not have {dims} entries"
-        if math.prod(args["sizes"]) >= FP32_EXACT:
+        if math.prod(args["sizes"]) >= FP32_EXACT_INTEGER:
             return f"{node.target}: input planes of {math.prod(args['sizes'])} elements (>= 2**24 positions)"
         window = torch.empty((*source.shape[:-dims], *args["outs"], *args["kernel"]), device="meta")
-        return _row_shape_reason(node, window, tuple(range(window.dim() - dims, window.dim())))
+        return row_shape_reason(node, window, tuple(range(window.dim() - dims, window.dim())))
 
     return check
 

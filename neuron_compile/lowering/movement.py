@@ -10,14 +10,13 @@ from __future__ import annotations
 import torch
 
 from neuron_compile import ir
+from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import (
     INTEGER_DTYPES,
     INTEGER_OPS,
     MAX_RANK,
     TensorValue,
     broadcast_layout,
-    dtype_name,
-    load,
     register_empty_input_lowering,
     register_lowering,
 )
@@ -144,14 +143,6 @@ def lower_diagonal(ctx, node):
     return TensorValue(base.buffer, ir.Layout(shape, new_strides, base.layout.offset + start), base.dtype)
 
 
-@register_lowering(aten.lift_fresh_copy.default)
-def lower_lift_fresh_copy(ctx, node):
-    # A copy of a constant tensor, i.e. a clone: one pointwise copy kernel into eager's layout.
-    from neuron_compile.lowering.pointwise import emit_pointwise
-
-    return emit_pointwise(ctx, node, load(ctx, node.args[0], tuple(node.meta["val"].shape)))
-
-
 def _unbind_dim(node: torch.fx.Node) -> int:
     rank = node.args[0].meta["val"].dim()
     return (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank
@@ -269,8 +260,6 @@ def lower_constant_pad_nd(ctx, node):
 def lower_flip(ctx, node):
     """A copy that reads the input backwards on the flipped dims: a negative stride starting at the last element
     (access-pattern strides are signed int16 elements, nki-spec §1.6)."""
-    from neuron_compile.lowering.pointwise import emit_pointwise
-
     base = ctx.value(node.args[0])
     rank = len(base.layout.shape)
     dims = {d % rank for d in node.args[1]} if rank else set()
@@ -284,8 +273,6 @@ def lower_flip(ctx, node):
 
 def _copy_of(ctx, node, layout: ir.Layout, base: TensorValue) -> TensorValue:
     """One copy kernel reading ``base`` through ``layout`` into a fresh buffer with eager's layout."""
-    from neuron_compile.lowering.pointwise import emit_pointwise
-
     return emit_pointwise(ctx, node, ir.Load(base.buffer, layout, base.dtype))
 
 
@@ -321,20 +308,6 @@ def lower_narrow_copy(ctx, node):
     layout = ir.Layout(tuple(node.meta["val"].shape), base.layout.strides,
                        base.layout.offset + start * base.layout.strides[dim])
     return _copy_of(ctx, node, layout, base)
-
-
-@register_lowering(aten.copy.default)
-def lower_copy(ctx, node):
-    """copy(self, src): src broadcast to self's shape and converted to self's dtype (self's values unused)."""
-    from neuron_compile.lowering.pointwise import emit_pointwise
-
-    out_dtype = node.meta["val"].dtype
-    source = load(ctx, node.args[1], tuple(node.meta["val"].shape))
-    if node.args[1].meta["val"].dtype != out_dtype:
-        if out_dtype == torch.bool:
-            return emit_pointwise(ctx, node, ir.Op("ne", (source, ir.Scalar(0.0))))  # a truth test, as eager
-        source = ir.Op("cast", (source,), dtype=dtype_name(out_dtype))
-    return emit_pointwise(ctx, node, source)
 
 
 @register_lowering(aten.unfold.default)

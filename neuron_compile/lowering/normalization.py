@@ -17,7 +17,7 @@ import math
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.reduction import _row_shape_reason, store_layout_in_domain
+from neuron_compile.lowering.reduction import row_shape_reason, store_layout_in_domain
 from neuron_compile.lowering.registry import TensorValue, broadcast_layout, load, register_lowering
 
 aten = torch.ops.aten
@@ -149,7 +149,7 @@ def _check_group_norm(node: torch.fx.Node) -> str | None:
             return f"{node.target}: weight/bias dtype {arg.meta['val'].dtype} differs from input {meta.dtype}"
     grouped = _group_domain(ir.Layout(tuple(meta.shape), tuple(meta.stride())), groups)
     fake = torch.empty_strided(grouped.shape, grouped.strides, device="meta")
-    return _row_shape_reason(node, fake, tuple(range(2, len(grouped.shape))))
+    return row_shape_reason(node, fake, tuple(range(2, len(grouped.shape))))
 
 
 @register_lowering(aten.native_group_norm.default, check=_check_group_norm, multi_output=True)
@@ -201,7 +201,7 @@ def _check_batch_norm_training(node: torch.fx.Node) -> str | None:
     if meta.numel() // meta.shape[1] < 2:
         return f"{node.target}: one value per channel (the unbiased running variance divides by 0)"
     reduce_dims = tuple(dim for dim in range(meta.dim()) if dim != 1)
-    return _row_shape_reason(node, meta, reduce_dims)
+    return row_shape_reason(node, meta, reduce_dims)
 
 
 @register_lowering(aten._native_batch_norm_legit_functional.default, check=_check_batch_norm_training,

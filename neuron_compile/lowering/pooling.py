@@ -23,13 +23,14 @@ import torch
 
 from neuron_compile import ir
 from neuron_compile.lowering.movement import padded_copy
-from neuron_compile.lowering.reduction import _row_shape_reason, store_layout_in_domain
+from neuron_compile.lowering.reduction import row_shape_reason, store_layout_in_domain
 from neuron_compile.lowering.registry import TensorValue, register_lowering
 
 aten = torch.ops.aten
 
 
-def _expand(value, dims: int, default=None) -> list[int]:
+def expand_per_dim(value, dims: int, default=None) -> list[int]:
+    """A pooling argument (an int, a 1-list or one entry per dim; None or [] means ``default``) as ``dims`` ints."""
     if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
         value = default
     if isinstance(value, int):
@@ -44,9 +45,9 @@ def _pool_arguments(node: torch.fx.Node, dims: int) -> dict:
     defaults = (None, None, None, 0, False, True, None)
     values = {name: node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
               for i, (name, default) in enumerate(zip(names, defaults))}
-    kernel = _expand(values["kernel_size"], dims)
-    stride = _expand(values["stride"], dims, kernel)
-    padding = _expand(values["padding"], dims)
+    kernel = expand_per_dim(values["kernel_size"], dims)
+    stride = expand_per_dim(values["stride"], dims, kernel)
+    padding = expand_per_dim(values["padding"], dims)
     sizes = list(node.args[0].meta["val"].shape[-dims:])
     outs = list(node.meta["val"].shape[-dims:])
     # Padded extent each dim needs: the left padding, the input, and whatever the last window reaches.
@@ -78,7 +79,7 @@ def _check_avg_pool(dims: int):
             return f"{node.target}: a window lies wholly in the padding"
         window = (*meta.shape[:-dims], *args["outs"], *args["kernel"])
         fake = torch.empty(window, device="meta")
-        return _row_shape_reason(node, fake, tuple(range(len(window) - dims, len(window))))
+        return row_shape_reason(node, fake, tuple(range(len(window) - dims, len(window))))
 
     return check
 

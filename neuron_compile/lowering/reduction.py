@@ -11,6 +11,9 @@ import math
 import torch
 
 from neuron_compile import ir
+from neuron_compile.dims import collapse, reduced_dims_in_memory_order
+from neuron_compile.hardware import Target
+from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import (
     INTEGER_ARITHMETIC_OPS,
@@ -107,12 +110,12 @@ def _check_reduction(node: torch.fx.Node) -> str | None:
         return f"{node.target}: dtype={dtype}"
     if source.dim() == 0:
         return None  # one element: emit_reduction lowers it as a copy
-    return _row_shape_reason(node, source, normalize_dims(_argument(node, 1, "dim", None), source.dim()))
+    return row_shape_reason(node, source, normalize_dims(_argument(node, 1, "dim", None), source.dim()))
 
 
-def _row_shape_reason(node: torch.fx.Node, source: torch.Tensor, reduce_dims: tuple[int, ...]) -> str | None:
-    from neuron_compile.dims import collapse, reduced_dims_in_memory_order
-
+def row_shape_reason(node: torch.fx.Node, source: torch.Tensor, reduce_dims: tuple[int, ...]) -> str | None:
+    """The shape-beyond-tiling reason for reducing ``source`` (a fake tensor) over ``reduce_dims``, if its rows
+    cannot be walked: more than 3 access-pattern entries, or a long row over dims that do not merge."""
     shape = tuple(source.shape)
     layout = ir.Layout(shape, tuple(source.stride()))
     reduced = collapse(shape, reduced_dims_in_memory_order(reduce_dims, layout), [layout])
@@ -190,26 +193,24 @@ def lower_var(ctx, node):
 SOFTMAX_ROW_TILES = 8
 
 
-def softmax_row_reason(node: torch.fx.Node, row: int) -> str | None:
-    """The shape-beyond-tiling reason for a softmax row of ``row`` elements, if it cannot fit SBUF."""
-    from neuron_compile.hardware import get_target
-
-    budget = int(get_target().sbuf_bytes_per_partition * 0.75) // (SOFTMAX_ROW_TILES * 4)
+def softmax_row_reason(node: torch.fx.Node, row: int, target: Target) -> str | None:
+    """The shape-beyond-tiling reason for a softmax row of ``row`` elements, if it cannot fit ``target``'s SBUF."""
+    budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE) // (SOFTMAX_ROW_TILES * 4)
     if row > budget:
         return f"{node.target}: shape beyond tiling: a softmax row of {row} elements exceeds {budget} per partition"
     return None
 
 
-def _check_softmax(node: torch.fx.Node) -> str | None:
+def _check_softmax(node: torch.fx.Node, target: Target) -> str | None:
     if node.args[2]:
         return f"{node.target}: half_to_float=True"
     source = node.args[0].meta["val"]
     if source.dim() == 0:
         return f"{node.target}: softmax of a 0-d tensor"
-    return softmax_row_reason(node, source.shape[node.args[1] % source.dim()])
+    return softmax_row_reason(node, source.shape[node.args[1] % source.dim()], target)
 
 
-@register_lowering(aten._softmax.default, aten._log_softmax.default, check=_check_softmax)
+@register_lowering(aten._softmax.default, aten._log_softmax.default, target_check=_check_softmax)
 def lower_softmax(ctx, node):
     source = node.args[0]
     domain = ctx.value(source).layout.shape
@@ -221,17 +222,17 @@ def lower_softmax(ctx, node):
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
 
 
-def _check_safe_softmax(node: torch.fx.Node) -> str | None:
+def _check_safe_softmax(node: torch.fx.Node, target: Target) -> str | None:
     dtype = node.kwargs.get("dtype", node.args[2] if len(node.args) > 2 else None)
     source = node.args[0].meta["val"]
     if dtype is not None and dtype != source.dtype:
         return f"{node.target}: dtype={dtype}"
     if source.dim() == 0:
         return f"{node.target}: softmax of a 0-d tensor"
-    return softmax_row_reason(node, source.shape[node.args[1] % source.dim()])
+    return softmax_row_reason(node, source.shape[node.args[1] % source.dim()], target)
 
 
-@register_lowering(aten._safe_softmax.default, check=_check_safe_softmax)
+@register_lowering(aten._safe_softmax.default, target_check=_check_safe_softmax)
 def lower_safe_softmax(ctx, node):
     """softmax, with rows that are entirely -inf (fully masked attention rows) giving 0 instead of nan: the row
     maximum (a max Reduction kept along ``dim``) selects 0 where it is -inf."""
@@ -291,7 +292,7 @@ def _check_vector_norm(node: torch.fx.Node) -> str | None:
         return f"{node.target}: dtype={dtype}"
     if source.dim() == 0:
         return None
-    return _row_shape_reason(node, source, normalize_dims(_argument(node, 2, "dim", None), source.dim()))
+    return row_shape_reason(node, source, normalize_dims(_argument(node, 2, "dim", None), source.dim()))
 
 
 @register_lowering(aten.linalg_vector_norm.default, check=_check_vector_norm)

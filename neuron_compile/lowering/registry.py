@@ -2,11 +2,16 @@
 
 Input: a torch.fx.GraphModule of ATen ops with ``meta["val"]`` on every node. Output: ``LoweredRegion`` — the
 IR nodes (in graph order), the graph-input buffers and, for every graph output, the buffer and layout it is
-read from. ``unsupported_reason(node)`` answers the partitioner: None if the node can be lowered, else why not.
+read from. ``unsupported_reason(node, target)`` answers the partitioner: None if the node can be lowered for the
+hardware target, else why not.
 
 Each family module registers its ops with ``@register_lowering(aten.x, ...)``; a lowering takes
 ``(ctx, node)`` and returns a ``TensorValue`` (or raises ``LoweringError``). A lowering may attach a
-``check(node) -> str | None`` for node-specific limits (dims, dtypes, tiling).
+``check(node) -> str | None`` for node-specific limits (dims, dtypes, tiling) and a
+``target_check(node, target) -> str | None`` for limits that depend on the hardware target (SBUF bytes).
+
+This module imports no family: the package (``neuron_compile.lowering``) imports every family module, each of
+which registers itself here, so ``import neuron_compile.lowering`` has every lowering registered.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from collections.abc import Callable
 import torch
 
 from neuron_compile import ir
+from neuron_compile.hardware import Target, get_target
+from neuron_compile.limits import FP32_EXACT_INTEGER
+from neuron_compile.passes.value_range import EXACT_INTEGER_BOUND, value_range
 
 SUPPORTED_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.bool: "bool",
                     torch.int32: "int32", torch.int64: "int32"}
@@ -43,8 +51,9 @@ class LoweringError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class LoweringRule:
     lower: Callable
-    check: Callable | None = None
+    check: Callable | None = None  # check(node) -> reason | None
     multi_output: bool = False  # the op returns a tuple of tensors, picked by getitem nodes
+    target_check: Callable | None = None  # target_check(node, target: Target) -> reason | None
 
 
 _LOWERINGS: dict = {}
@@ -52,12 +61,16 @@ _LOWERINGS: dict = {}
 _EMPTY_INPUT_LOWERINGS: dict = {}
 
 
-def register_lowering(*ops, check: Callable | None = None, multi_output: bool = False):
-    """Register ``fn(ctx, node) -> TensorValue`` (a tuple of them if ``multi_output``) for each ATen op."""
+def register_lowering(*ops, check: Callable | None = None, multi_output: bool = False,
+                      target_check: Callable | None = None):
+    """Register ``fn(ctx, node) -> TensorValue`` (a tuple of them if ``multi_output``) for each ATen op.
+
+    ``check(node)`` and ``target_check(node, target)`` return None or the reason the node runs eagerly; the
+    registry asks ``check`` first."""
 
     def decorate(fn):
         for op in ops:
-            _LOWERINGS[op] = LoweringRule(fn, check, multi_output)
+            _LOWERINGS[op] = LoweringRule(fn, check, multi_output, target_check)
         return fn
 
     return decorate
@@ -76,22 +89,12 @@ def register_empty_input_lowering(*ops, check: Callable | None = None):
 
 def registered_ops() -> list:
     """Every ATen op with a lowering (for coverage reports such as the op-info sweep)."""
-    _ensure_families_loaded()
     return list(_LOWERINGS)
 
 
-def _ensure_families_loaded() -> None:
-    # Importing the family modules fills the registry (each uses @register_lowering at import time).
-    from neuron_compile.lowering import attention, matmul, movement, normalization, pointwise, reduction  # noqa: F401
-    from neuron_compile.lowering import pointwise_math  # noqa: F401
-    from neuron_compile.lowering import creation  # noqa: F401
-    from neuron_compile.lowering import convolution, pooling  # noqa: F401
-    from neuron_compile.lowering import indexing  # noqa: F401
-    from neuron_compile.lowering import arg_reduction, integer_division, loss, max_pooling  # noqa: F401
-    from neuron_compile.lowering import scan  # noqa: F401
-    from neuron_compile.lowering import trigonometry  # noqa: F401
-    from neuron_compile.lowering import special  # noqa: F401
-    from neuron_compile.lowering import scatter  # noqa: F401
+def resolve_target(target: Target | str | None) -> Target:
+    """``target`` as a ``Target``: a Target itself, a target name (``"trn1"``), or None for the default target."""
+    return target if isinstance(target, Target) else get_target(target)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -127,9 +130,9 @@ def produces_no_elements(node: torch.fx.Node) -> bool:
     return bool(tensors) and all(isinstance(v, torch.Tensor) and v.numel() == 0 for v in tensors)
 
 
-def unsupported_reason(node: torch.fx.Node) -> str | None:
-    """None if ``node`` has an NKI lowering for its dtypes and shapes, else the reason it runs eagerly."""
-    _ensure_families_loaded()
+def unsupported_reason(node: torch.fx.Node, target: Target | str | None = None) -> str | None:
+    """None if ``node`` has an NKI lowering for its dtypes and shapes on ``target`` (a ``Target``, a target name, or
+    None for the default target, ``hardware.get_target()``), else the reason it runs eagerly."""
     if node.op != "call_function":
         return f"not an ATen call ({node.op})"
     rule = _LOWERINGS.get(node.target)
@@ -161,17 +164,18 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
             return reason
     if identity is not None and reads_an_empty_tensor(node):
         return identity.check(node) if identity.check is not None else None
-    if rule.check is not None:
-        return rule.check(node)
-    return None
+    reason = rule.check(node) if rule.check is not None else None
+    if reason is None and rule.target_check is not None:
+        reason = rule.target_check(node, resolve_target(target))
+    return reason
 
 
 def _exact_for_every_int32(node: torch.fx.Node) -> bool:
-    """Rounding an int32 to fp32 is monotone and keeps every integer below 2**24 in magnitude: comparing any int32
-    with such a number, or clamping it between two such integers, gives eager's answer whatever the value (a
-    label tensor compared with ignore_index, say)."""
+    """Rounding an int32 to fp32 is monotone and keeps every integer below 2**24 (FP32_EXACT_INTEGER) in magnitude:
+    comparing any int32 with such a number, or clamping it between two such integers, gives eager's answer whatever
+    the value (a label tensor compared with ignore_index, say)."""
     def small(value, integral=False):
-        return (isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 2**24
+        return (isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < FP32_EXACT_INTEGER
                 and (not integral or float(value).is_integer()))
 
     aten = torch.ops.aten
@@ -187,8 +191,6 @@ def _exact_for_every_int32(node: torch.fx.Node) -> bool:
 def _integer_range_reason(node: torch.fx.Node) -> str | None:
     """None if every integer ``node`` reads or writes is proved exact in fp32 (and, for a cast to an integer, the
     value it casts), else which value is not."""
-    from neuron_compile.passes.value_range import EXACT_INTEGER_BOUND, value_range
-
     if _exact_for_every_int32(node):
         return None
     result = node.meta["val"]
@@ -304,9 +306,9 @@ def load(ctx: LoweringContext, arg, shape: tuple[int, ...]) -> ir.Expr:
     return ir.Load(value.buffer, broadcast_layout(value.layout, shape), value.dtype)
 
 
-def lower_graph(gm: torch.fx.GraphModule) -> LoweredRegion:
-    """Lower every ATen node of ``gm`` (whose nodes carry meta['val']) to IR."""
-    _ensure_families_loaded()
+def lower_graph(gm: torch.fx.GraphModule, target: Target | str | None = None) -> LoweredRegion:
+    """Lower every ATen node of ``gm`` (whose nodes carry meta['val']) to IR for ``target`` (None: the default)."""
+    target = resolve_target(target)
     ctx = LoweringContext()
     inputs, outputs, output_dtypes, aten_nodes = [], [], [], 0
     for node in gm.graph.nodes:
@@ -325,7 +327,7 @@ def lower_graph(gm: torch.fx.GraphModule) -> LoweredRegion:
                 raise LoweringError(f"getitem ({node.name}) of a node that is not a lowered multi-output op")
             ctx.values[node] = produced[node.args[1]]
         elif node.op == "call_function":
-            reason = unsupported_reason(node)
+            reason = unsupported_reason(node, target)
             if reason is not None:
                 raise LoweringError(f"{node.target} ({node.name}): {reason}")
             if produces_no_elements(node):

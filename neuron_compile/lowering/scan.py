@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from neuron_compile import ir
+from neuron_compile.limits import FP32_EXACT_INTEGER
 from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import INTEGER_OPS, TensorValue, load, register_lowering
 
@@ -70,7 +71,6 @@ def lower_scan(ctx, node):
 # ---------------------------------------------------------------- cummax / cummin
 
 EXTREMUM_SCANS = {aten.cummax.default: "max", aten.cummin.default: "min"}
-EXACT_INDEX_LIMIT = 2**24  # positions are fp32 in the kernel: exact integers up to here
 
 
 def _check_extremum_scan(node: torch.fx.Node) -> str | None:
@@ -79,7 +79,7 @@ def _check_extremum_scan(node: torch.fx.Node) -> str | None:
         dtype = str(source.dtype).removeprefix("torch.")
         return f"{node.target}: {dtype} input (its integers are exact in fp32 only within +-2**24)"
     length = source.shape[node.args[1] % source.dim()] if source.dim() else 1
-    if length > EXACT_INDEX_LIMIT:
+    if length > FP32_EXACT_INTEGER:  # positions are fp32 in the kernel: exact integers up to here
         return f"{node.target}: a scan of {length} elements (its indices are exact in fp32 only up to 2**24)"
     return None
 

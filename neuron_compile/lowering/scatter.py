@@ -31,7 +31,8 @@ import math
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering.indexing import FLOAT_SOURCES, FP32_EXACT, GATHER_FREE_BYTES, GATHER_MAX_ITERATIONS
+from neuron_compile.limits import FP32_EXACT_INTEGER
+from neuron_compile.lowering.indexing import FLOAT_SOURCES, GATHER_FREE_BYTES, GATHER_MAX_ITERATIONS
 from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import (
     INTEGER_DTYPES,
@@ -256,8 +257,8 @@ def _check_scatter(node: torch.fx.Node) -> str | None:
     if any(size > 1 and stride == 0 for size, stride in zip(out.shape, out.stride())):
         return f"{node.target}: the result has overlapping elements (stride 0)"
     span = ir.Layout(tuple(out.shape), tuple(out.stride())).span()
-    if span >= FP32_EXACT:
-        # (and an out-of-range index's redirect, codegen/gather.py's OUT_OF_RANGE_ROW = 2^30, lies beyond it)
+    if span >= FP32_EXACT_INTEGER:
+        # (and an out-of-range index's redirect, limits.OUT_OF_RANGE_ROW = 2^30, lies beyond it)
         return f"{node.target}: result spans {span} elements (>= 2^24: target offsets are computed in fp32)"
     copies = math.prod(out.shape[:-2])
     part, row_dims = _tiling(plan, plan.reduce)

@@ -5,8 +5,8 @@ Output: a ``PartitionResult``: a new GraphModule (the input is not modified) in 
 submodule ``nki_region_<i>`` returning a tuple, topologically sorted, and a ``PartitionReport`` that says for
 every node which region holds it, or why it runs eagerly. The report prints as a table (the dump CLI shows it).
 
-Which nodes may go in a region is decided by ``neuron_compile.lowering.registry.unsupported_reason``; the
-partitioner (torch's ``CapabilityBasedPartitioner``) then groups supported nodes into the largest regions that
+Which nodes may go in a region is decided by ``neuron_compile.lowering.unsupported_reason`` for the hardware
+target (a ``Target``, a target name, or None for the default target); the partitioner (torch's ``CapabilityBasedPartitioner``) then groups supported nodes into the largest regions that
 do not create cycles.
 """
 
@@ -24,6 +24,8 @@ import torch.fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+from neuron_compile.hardware import Target
 
 log = logging.getLogger("neuron_compile")
 
@@ -92,16 +94,17 @@ def op_name(node: torch.fx.Node) -> str:
 
 
 @functools.cache
-def registry_unsupported_reason() -> UnsupportedReason:
-    """The lowering registry's predicate; without a registry every op is eager (the backend still works)."""
+def registry_unsupported_reason(target: Target | str | None = None) -> UnsupportedReason:
+    """The lowering registry's predicate for ``target`` (None: the default target); without a registry every op is
+    eager (the backend still works)."""
     try:
-        from neuron_compile.lowering.registry import unsupported_reason
+        from neuron_compile.lowering import unsupported_reason
     except ImportError as error:
         log.warning("neuron_compile: lowering registry not importable (%s); every op runs eagerly", error)
-        missing = isinstance(error, ModuleNotFoundError) and error.name == "neuron_compile.lowering.registry"
+        missing = isinstance(error, ModuleNotFoundError) and error.name == "neuron_compile.lowering"
         reason = "no lowerings yet" if missing else f"the lowering registry failed to import: {error}"
         return lambda node: reason
-    return unsupported_reason
+    return functools.partial(unsupported_reason, target=target)
 
 
 def _placement_reason(node: torch.fx.Node, unsupported_reason: UnsupportedReason) -> str | None:
@@ -152,9 +155,15 @@ def _keep_input_writes_after_their_readers(partitions: list, reasons: dict) -> l
     return [partition for partition in partitions if partition.nodes]
 
 
-def partition_graph(gm: torch.fx.GraphModule, unsupported_reason: UnsupportedReason | None = None) -> PartitionResult:
-    """Split ``gm`` into NKI regions and eager nodes. ``unsupported_reason`` defaults to the lowering registry."""
-    unsupported_reason = unsupported_reason or registry_unsupported_reason()
+def partition_graph(gm: torch.fx.GraphModule, target: Target | str | None = None, *,
+                    unsupported_reason: UnsupportedReason | None = None) -> PartitionResult:
+    """Split ``gm`` into NKI regions and eager nodes for ``target`` (a ``Target``, a target name, or None for the
+    default target, ``hardware.get_target()``). ``unsupported_reason(node)`` defaults to the lowering registry's
+    answer for ``target``."""
+    if unsupported_reason is None:
+        # The default target's predicate is asked for without an argument, so a stand-in factory that takes none
+        # (tests install one) keeps working.
+        unsupported_reason = registry_unsupported_reason() if target is None else registry_unsupported_reason(target)
     # Work on a copy of the graph: the caller's GraphModule (held by the dispatch cache) stays intact.
     work = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     reasons = _compute_reasons(work, unsupported_reason)

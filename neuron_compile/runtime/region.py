@@ -15,7 +15,7 @@ import torch
 
 from neuron_compile import ir
 from neuron_compile.codegen.render import KernelSource
-from neuron_compile.lowering.registry import SUPPORTED_DTYPES, LoweringError
+from neuron_compile.lowering import SUPPORTED_DTYPES, LoweringError
 from neuron_compile.runtime import stats
 from neuron_compile.runtime.launcher import TORCH_DTYPES, Launcher, LoadedKernel, select_launcher
 
