@@ -8,8 +8,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
+from neuron_compile.hardware import get_target
 from neuron_compile.kernel_pipeline import compile_region
 from neuron_compile.lowering import LoweringError, unsupported_reason
+from neuron_compile.passes.partition import partition_graph
 from neuron_compile.runtime import stats
 
 SIZES = st.sampled_from([1, 2, 5, 127, 128, 129])
@@ -84,6 +86,23 @@ def test_softmax_row_too_wide_for_sbuf_is_an_unsupported_reason_and_a_lowering_e
     assert "shape beyond tiling: a softmax row of 100000 elements" in unsupported_reason(node)
     with pytest.raises(LoweringError, match="shape beyond tiling"):
         compile_region(gm, [x])
+
+
+def test_softmax_row_limit_is_the_configured_targets():
+    # 4500 fp32 elements: within trn2's SBUF budget per partition (212984 usable bytes) but not trn1's (180224).
+    x = random_tensor((2, 4500))
+    gm = trace(lambda x: torch.softmax(x, -1), x)
+    node = next(node for node in gm.graph.nodes if node.target is torch.ops.aten._softmax.default)
+    assert unsupported_reason(node, "trn2") is None
+    assert unsupported_reason(node, get_target("trn2")) is None
+    reason = "shape beyond tiling: a softmax row of 4500 elements exceeds 4224 per partition"
+    assert reason in unsupported_reason(node, "trn1")
+    claimed = partition_graph(gm, "trn2").report
+    assert [placement.op for placement in claimed.eager] == []
+    declined = partition_graph(gm, "trn1").report
+    assert [(placement.op, placement.reason) for placement in declined.eager] == [
+        ("aten._softmax.default", f"aten._softmax.default: {reason}")
+    ]
 
 
 def test_mean_epilogue_and_square_prologue_fuse_into_one_kernel():
