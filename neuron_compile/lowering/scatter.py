@@ -99,82 +99,112 @@ def _along(index_layout: ir.Layout, domain: tuple[int, ...], dim: int) -> ir.Lay
 def _plan(node: torch.fx.Node, read_layout) -> Plan | str:
     """The element scatter of ``node`` (read_layout: fx node -> ir.Layout), or why it is not one."""
     target = node.target
-    args = list(node.args)
-    source = args[0]
+    if target is aten.index_put.default:
+        return _plan_index_put(node, read_layout)  # reads a 0-d tensor as 0-d: its dims broadcast away
 
     def layouts(arg):  # every op but index_put reads a 0-d tensor as one element
-        return read_layout(arg) if target is aten.index_put.default else _promote(read_layout(arg))
+        return _promote(read_layout(arg))
 
-    if target is aten.index_put.default:
-        indices, values = args[1], args[2]
-        accumulate = args[3] if len(args) > 3 else node.kwargs.get("accumulate", False)
-        positions = [k for k, item in enumerate(indices) if item is not None]
-        if not positions:
-            return f"{target}: no index tensor"
-        if any(indices[k].meta["val"].dtype not in INTEGER_DTYPES for k in positions):
-            return f"{target}: bool mask indices (the scattered positions depend on the mask's values)"
-        if positions != list(range(positions[0], positions[0] + len(positions))):
-            return f"{target}: index tensors on non-adjacent dims (the indexed dims move to the front)"
-        first, count = positions[0], len(positions)
-        shape = tuple(torch.broadcast_shapes(*[tuple(indices[k].meta["val"].shape) for k in positions]))
-        shape = shape or (1,)  # 0-d indices: one element (its dim has size 1 in the domain)
-        self_shape = tuple(source.meta["val"].shape)
-        domain = self_shape[:first] + shape + self_shape[first + count:]
-        after = len(self_shape) - first - count
-        entries = []
-        for k in positions:
-            spread = broadcast_layout(layouts(indices[k]), shape)
-            entries.append((indices[k], ir.Layout(domain, (0,) * first + spread.strides + (0,) * after,
-                                                  spread.offset), k, True))
-        try:
-            values_layout = broadcast_layout(layouts(values), domain)
-        except LoweringError:
-            return f"{target}: values of shape {list(values.meta['val'].shape)} do not broadcast to {list(domain)}"
-        index_dims = tuple(range(first, first + count))
-        return Plan(source, domain, entries, index_dims, values, values_layout, "add" if accumulate else "assign",
-                    colliding=tuple(range(first, first + len(shape))))
     if target in (aten.index_copy.default, aten.index_add.default, aten.index_reduce.default):
-        dim, index, values = args[1], args[2], args[3]
-        domain = _shape(values)
-        if len(domain) != len(_shape(source)) or index.meta["val"].dim() > 1:
-            return f"{target}: source of rank {values.meta['val'].dim()} or index of rank > 1 for self of rank "\
-                f"{source.meta['val'].dim()}"
-        dim = dim % len(domain)
-        entries = [(index, _along(layouts(index), domain, dim), dim, False)]
-        plan = Plan(source, domain, entries, (dim,), values, layouts(values), "assign", colliding=(dim,))
-        if target is aten.index_add.default:
-            plan.reduce = "add"
-            plan.alpha = float(node.kwargs.get("alpha", args[4] if len(args) > 4 else 1))
-        elif target is aten.index_reduce.default:
-            plan.reduce = REDUCTIONS[args[4]]
-            plan.include_self = bool(node.kwargs.get("include_self", args[5] if len(args) > 5 else True))
-        return plan
+        return _plan_along_dim(node, layouts)
     if target in (aten.index_fill.int_Scalar, aten.index_fill.int_Tensor):
-        dim, index, value = args[1], args[2], args[3]
-        self_shape = _shape(source)
-        if index.meta["val"].dim() > 1:
-            return f"{target}: an index of rank > 1"
-        dim = dim % len(self_shape)
-        index_layout = layouts(index)
-        domain = self_shape[:dim] + index_layout.shape + self_shape[dim + 1:]
-        values_layout = None
-        if isinstance(value, torch.fx.Node):  # a 0-d value tensor, read at every element
-            values_layout = ir.Layout(domain, (0,) * len(domain), layouts(value).offset)
-        return Plan(source, domain, [(index, _along(index_layout, domain, dim), dim, True)], (dim,), value,
-                    values_layout, "assign", colliding=(dim,))
+        return _plan_index_fill(node, layouts)
     if target is aten.put.default:
-        index, values = args[1], args[2]
-        accumulate = args[3] if len(args) > 3 else node.kwargs.get("accumulate", False)
-        self_value = source.meta["val"]
-        if tuple(self_value.stride()) != ir.contiguous_strides(tuple(self_value.shape)):
-            return f"{target}: non-contiguous self (put indexes self's row-major order)"
-        if _shape(index) != _shape(values):
-            return f"{target}: index and source shapes differ"
-        domain = _shape(index)
-        return Plan(source, domain, [(index, layouts(index), None, True)], (), values, layouts(values),
-                    "add" if accumulate else "assign", colliding=tuple(range(len(domain))))
-    # scatter.src / .value / .reduce / .value_reduce, scatter_add, scatter_reduce.two: out[.., index[e], ..] <- e
-    dim, index, values = args[1], args[2], args[3]
+        return _plan_put(node, layouts)
+    return _plan_scatter(node, layouts)
+
+
+def _accumulate(node: torch.fx.Node) -> bool:
+    return node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+
+
+def _include_self(node: torch.fx.Node) -> bool:
+    return bool(node.kwargs.get("include_self", node.args[5] if len(node.args) > 5 else True))
+
+
+def _plan_index_put(node: torch.fx.Node, layouts) -> Plan | str:
+    """index_put(self, indices, values): adjacent index tensors broadcast together drive the dims they stand for."""
+    target, (source, indices, values) = node.target, node.args[:3]
+    positions = [k for k, item in enumerate(indices) if item is not None]
+    if not positions:
+        return f"{target}: no index tensor"
+    if any(indices[k].meta["val"].dtype not in INTEGER_DTYPES for k in positions):
+        return f"{target}: bool mask indices (the scattered positions depend on the mask's values)"
+    if positions != list(range(positions[0], positions[0] + len(positions))):
+        return f"{target}: index tensors on non-adjacent dims (the indexed dims move to the front)"
+    first, count = positions[0], len(positions)
+    shape = tuple(torch.broadcast_shapes(*[tuple(indices[k].meta["val"].shape) for k in positions]))
+    shape = shape or (1,)  # 0-d indices: one element (its dim has size 1 in the domain)
+    self_shape = tuple(source.meta["val"].shape)
+    domain = self_shape[:first] + shape + self_shape[first + count:]
+    after = len(self_shape) - first - count
+    entries = []
+    for k in positions:
+        spread = broadcast_layout(layouts(indices[k]), shape)
+        entries.append((indices[k], ir.Layout(domain, (0,) * first + spread.strides + (0,) * after,
+                                              spread.offset), k, True))
+    try:
+        values_layout = broadcast_layout(layouts(values), domain)
+    except LoweringError:
+        return f"{target}: values of shape {list(values.meta['val'].shape)} do not broadcast to {list(domain)}"
+    index_dims = tuple(range(first, first + count))
+    return Plan(source, domain, entries, index_dims, values, values_layout, "add" if _accumulate(node) else "assign",
+                colliding=tuple(range(first, first + len(shape))))
+
+
+def _plan_along_dim(node: torch.fx.Node, layouts) -> Plan | str:
+    """index_copy / index_add / index_reduce(self, dim, index, source): source's slices along dim go to index."""
+    target, args = node.target, node.args
+    source, dim, index, values = args[:4]
+    domain = _shape(values)
+    if len(domain) != len(_shape(source)) or index.meta["val"].dim() > 1:
+        return f"{target}: source of rank {values.meta['val'].dim()} or index of rank > 1 for self of rank "\
+            f"{source.meta['val'].dim()}"
+    dim = dim % len(domain)
+    entries = [(index, _along(layouts(index), domain, dim), dim, False)]
+    plan = Plan(source, domain, entries, (dim,), values, layouts(values), "assign", colliding=(dim,))
+    if target is aten.index_add.default:
+        plan.reduce = "add"
+        plan.alpha = float(node.kwargs.get("alpha", args[4] if len(args) > 4 else 1))
+    elif target is aten.index_reduce.default:
+        plan.reduce = REDUCTIONS[args[4]]
+        plan.include_self = _include_self(node)
+    return plan
+
+
+def _plan_index_fill(node: torch.fx.Node, layouts) -> Plan | str:
+    """index_fill(self, dim, index, value): one value written to every element of the indexed slices."""
+    target, (source, dim, index, value) = node.target, node.args[:4]
+    self_shape = _shape(source)
+    if index.meta["val"].dim() > 1:
+        return f"{target}: an index of rank > 1"
+    dim = dim % len(self_shape)
+    index_layout = layouts(index)
+    domain = self_shape[:dim] + index_layout.shape + self_shape[dim + 1:]
+    values_layout = None
+    if isinstance(value, torch.fx.Node):  # a 0-d value tensor, read at every element
+        values_layout = ir.Layout(domain, (0,) * len(domain), layouts(value).offset)
+    return Plan(source, domain, [(index, _along(index_layout, domain, dim), dim, True)], (dim,), value,
+                values_layout, "assign", colliding=(dim,))
+
+
+def _plan_put(node: torch.fx.Node, layouts) -> Plan | str:
+    """put(self, index, source): flat indices into self's row-major order."""
+    target, (source, index, values) = node.target, node.args[:3]
+    self_value = source.meta["val"]
+    if tuple(self_value.stride()) != ir.contiguous_strides(tuple(self_value.shape)):
+        return f"{target}: non-contiguous self (put indexes self's row-major order)"
+    if _shape(index) != _shape(values):
+        return f"{target}: index and source shapes differ"
+    domain = _shape(index)
+    return Plan(source, domain, [(index, layouts(index), None, True)], (), values, layouts(values),
+                "add" if _accumulate(node) else "assign", colliding=tuple(range(len(domain))))
+
+
+def _plan_scatter(node: torch.fx.Node, layouts) -> Plan | str:
+    """scatter.src / .value / .reduce / .value_reduce, scatter_add, scatter_reduce.two: out[.., index[e], ..] <- e."""
+    target, args = node.target, node.args
+    source, dim, index, values = args[:4]
     domain = _shape(index)
     rank = len(_shape(source))
     if len(domain) != rank:
@@ -189,7 +219,7 @@ def _plan(node: torch.fx.Node, read_layout) -> Plan | str:
         plan.reduce = "add"
     elif target is aten.scatter_reduce.two:
         plan.reduce = REDUCTIONS[args[4]]
-        plan.include_self = bool(node.kwargs.get("include_self", args[5] if len(args) > 5 else True))
+        plan.include_self = _include_self(node)
     elif target in (aten.scatter.reduce, aten.scatter.value_reduce):
         plan.reduce = REDUCTIONS[node.kwargs.get("reduce", args[4] if len(args) > 4 else None)]
     return plan
