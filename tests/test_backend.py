@@ -57,7 +57,7 @@ def _fake_unsupported_reason(node):
 
 
 class EagerRegion:
-    """Stands in for kernel_pipeline's CompiledRegion: runs the region's ATen graph eagerly."""
+    """Stands in for pipeline's CompiledRegion: runs the region's ATen graph eagerly."""
 
     def __init__(self, gm, example_inputs):
         self.gm = gm
@@ -339,7 +339,7 @@ def assert_gradient_is_meaningful(grad, name):
 
 def check_kernels_ran(placement):
     """With the real pipeline present, the lowerings placement must have run NKI kernels, not only eager."""
-    if placement == "lowerings" and importlib.util.find_spec("neuron_compile.kernel_pipeline") is not None:
+    if placement == "lowerings" and importlib.util.find_spec("neuron_compile.pipeline") is not None:
         assert neuron_compile.stats()["kernels_launched"] > 0, neuron_compile.stats()["fallback_reasons"]
 
 
