@@ -14,7 +14,7 @@ import dataclasses
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import Ref, TileAllocator, TileScope, _fp32_tile, emit, number
+from neuron_compile.codegen.expressions import Ref, TileAllocator, TileScope, fp32_tile, emit, number
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, render_template, row_scopes, store_lines
 from neuron_compile.kind_registry import register_kind
 from neuron_compile.kinds.fusion_rules import ProloguedKind
@@ -238,7 +238,7 @@ def render_scan(node: ir.Scan, plan: TilePlan, name: str, parameters: list[str])
     body: list[str] = []
     value = emit(node.prologue, prologue, body)
     # a scan of a fill (cumsum of ones: positions) scans a tile memset to it
-    data = prologue.ref_text(value) if value.tile is not None else _fp32_tile(value, prologue, body)
+    data = prologue.ref_text(value) if value.tile is not None else fp32_tile(value, prologue, body)
     if node.op == "logsumexp":
         lines, result = _log_sum_exp_scan(tiles, data)
     elif node.op.removesuffix("_index") in EXTREMA:
