@@ -23,6 +23,7 @@ from random_programs import programs, run_program
 from torch import nn
 
 import neuron_compile
+from neuron_compile import pipeline
 from neuron_compile.passes import partition
 from neuron_compile.runtime import compiled_graph
 
@@ -81,7 +82,7 @@ def fake_regions(monkeypatch):
     """Yields the list of example-input shapes each compile_region call received."""
     seen_shapes = []
 
-    def compile_region(gm, example_inputs, config):
+    def compile_region(gm, example_inputs, config, on_pass=None):
         seen_shapes.append([tuple(tensor.shape) for tensor in example_inputs])
         return EagerRegion(gm, example_inputs)
 
@@ -466,7 +467,7 @@ def test_front_end_failure_runs_the_whole_graph_eagerly(monkeypatch):
     def broken_partition(gm):
         raise IndexError("partitioner bug")
 
-    monkeypatch.setattr(compiled_graph, "partition_graph", broken_partition)
+    monkeypatch.setattr(pipeline, "partition_graph", broken_partition)
     x, y = torch.randn(3), torch.randn(3)
     fn = torch.compile(pointwise, backend="neuron")
     with pytest.warns(
