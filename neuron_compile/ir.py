@@ -6,7 +6,9 @@ Input: nothing (definitions). Output: frozen, hashable, printable dataclasses.
   broadcast dim has stride 0. ``Layout.index_expr()`` states it as a sympy expression.
 * Expression trees (``Load``, ``Scalar``, ``Op``, ``Result``) describe per-element math over a node's iteration
   domain; they are data, not closures, so they print and hash.
-* IR nodes (``Pointwise``, ``Reduction``, ``RowNormalize``, ``Scan``, ``MatMul``) each write one or more ``Store``s.
+* IR nodes (``Pointwise``, ``Reduction``, ``RowNormalize``, ``Scan``, ``MatMul``, ``Concat``, ``Gather``, ``Scatter``)
+  each write one or more ``Store``s; what a node reads, how it fuses, tiles and renders is its kernel kind's
+  (neuron_compile/kinds/).
 """
 
 from __future__ import annotations
@@ -363,39 +365,3 @@ class Scatter:
 
 
 Node = Pointwise | Reduction | RowNormalize | Scan | MatMul | Concat | Gather | Scatter
-
-
-def node_loads(node: Node) -> list[Load]:
-    """Every buffer read of ``node``."""
-    if isinstance(node, Concat):
-        return list(dict.fromkeys(load for part in node.parts for load in node_loads(part)))
-    exprs = [store.expr for store in node.stores]
-    if isinstance(node, (Reduction, RowNormalize, Scan)):
-        exprs.append(node.prologue)
-    if isinstance(node, Reduction):
-        exprs += [store.expr for store in node.row_stores]
-    found = [load for expr in exprs for load in loads_of(expr)]
-    if isinstance(node, MatMul):
-        found += [node.a, node.b]
-    if isinstance(node, Gather):
-        found += [node.source, node.index] + [entry[0] for entry in node.indices]
-    if isinstance(node, Scatter):
-        found += [node.base] + ([node.values] if isinstance(node.values, Load) else []) + [
-            entry[0] for entry in node.indices]
-    return list(dict.fromkeys(found))
-
-
-def format_node(node: Node) -> str:
-    """A readable multi-line dump of one node."""
-    head = f"{type(node).__name__} {node.name} domain={list(node.domain)}"
-    if isinstance(node, Reduction):
-        head += f" {node.op} over {list(node.reduce_dims)}\n  prologue: {node.prologue}"
-    elif isinstance(node, (RowNormalize, Scan)):
-        head += f" {node.op} over {node.dim}\n  prologue: {node.prologue}"
-    elif isinstance(node, MatMul):
-        head += f" K={node.k}\n  a: {node.a}\n  b: {node.b}"
-    if isinstance(node, Concat):
-        return "\n".join([head] + [format_node(part) for part in node.parts])
-    lines = [head] + [f"  {store.buffer.name} = {store.expr}" for store in node.stores]
-    lines += [f"  {store.buffer.name} (over the row) = {store.expr}" for store in getattr(node, "row_stores", ())]
-    return "\n".join(lines)

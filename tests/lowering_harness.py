@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from neuron_compile.kernel_pipeline import compile_region
+from neuron_compile.pipeline import compile_region
 from neuron_compile.passes.decompose import decomposition_table
 
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.bool: (0, 0)}

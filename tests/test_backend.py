@@ -23,6 +23,7 @@ from random_programs import programs, run_program
 from torch import nn
 
 import neuron_compile
+from neuron_compile import pipeline
 from neuron_compile.passes import partition
 from neuron_compile.runtime import compiled_graph
 
@@ -57,7 +58,7 @@ def _fake_unsupported_reason(node):
 
 
 class EagerRegion:
-    """Stands in for kernel_pipeline's CompiledRegion: runs the region's ATen graph eagerly."""
+    """Stands in for pipeline's CompiledRegion: runs the region's ATen graph eagerly."""
 
     def __init__(self, gm, example_inputs):
         self.gm = gm
@@ -73,7 +74,7 @@ class EagerRegion:
 
 @pytest.fixture
 def all_eager(monkeypatch):
-    monkeypatch.setattr(partition, "registry_unsupported_reason", lambda: lambda node: "test: everything eager")
+    monkeypatch.setattr(partition, "registry_unsupported_reason", lambda target=None: lambda node: "test: everything eager")
 
 
 @pytest.fixture
@@ -81,11 +82,11 @@ def fake_regions(monkeypatch):
     """Yields the list of example-input shapes each compile_region call received."""
     seen_shapes = []
 
-    def compile_region(gm, example_inputs, config):
+    def compile_region(gm, example_inputs, config, on_pass=None):
         seen_shapes.append([tuple(tensor.shape) for tensor in example_inputs])
         return EagerRegion(gm, example_inputs)
 
-    monkeypatch.setattr(partition, "registry_unsupported_reason", lambda: _fake_unsupported_reason)
+    monkeypatch.setattr(partition, "registry_unsupported_reason", lambda target=None: _fake_unsupported_reason)
     monkeypatch.setattr(compiled_graph, "compile_region", compile_region)
     return seen_shapes
 
@@ -339,7 +340,7 @@ def assert_gradient_is_meaningful(grad, name):
 
 def check_kernels_ran(placement):
     """With the real pipeline present, the lowerings placement must have run NKI kernels, not only eager."""
-    if placement == "lowerings" and importlib.util.find_spec("neuron_compile.kernel_pipeline") is not None:
+    if placement == "lowerings" and importlib.util.find_spec("neuron_compile.pipeline") is not None:
         assert neuron_compile.stats()["kernels_launched"] > 0, neuron_compile.stats()["fallback_reasons"]
 
 
@@ -463,10 +464,10 @@ def test_dynamic_training_steps_match_eager(fake_regions):
 
 
 def test_front_end_failure_runs_the_whole_graph_eagerly(monkeypatch):
-    def broken_partition(gm):
+    def broken_partition(gm, target=None):
         raise IndexError("partitioner bug")
 
-    monkeypatch.setattr(compiled_graph, "partition_graph", broken_partition)
+    monkeypatch.setattr(pipeline, "partition_graph", broken_partition)
     x, y = torch.randn(3), torch.randn(3)
     fn = torch.compile(pointwise, backend="neuron")
     with pytest.warns(

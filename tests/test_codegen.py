@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lowering_harness import check_against_eager, compile_and_run, random_tensor
-from neuron_compile.kernel_pipeline import compile_region
+from neuron_compile.pipeline import compile_region
 from neuron_compile import ir
 from neuron_compile.passes.tiling import TilingError, plan_kernel
 from neuron_compile.runtime import stats

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowering_harness import check_against_eager, random_tensor, trace
-from neuron_compile import ir
+from neuron_compile import ir, kinds
 from neuron_compile.lowering import lower_graph
 from neuron_compile.passes.fusion import can_fuse, fuse
 
@@ -75,11 +75,11 @@ def test_no_fusion_creates_a_cycle():
     graph = nx.DiGraph()
     for i, kernel in enumerate(result.kernels):
         graph.add_node(i)
-        for load in ir.node_loads(kernel):
+        for load in kinds.loads(kernel):
             if load.buffer in writers:
                 graph.add_edge(writers[load.buffer], i)
     assert nx.is_directed_acyclic_graph(graph)
-    assert all(writers[load.buffer] < i for i, kernel in enumerate(result.kernels) for load in ir.node_loads(kernel)
+    assert all(writers[load.buffer] < i for i, kernel in enumerate(result.kernels) for load in kinds.loads(kernel)
                if load.buffer in writers)
     check_against_eager(lambda x: (x.exp() + x.exp().sum(0, keepdim=True)), x)
 
@@ -149,13 +149,13 @@ def test_a_buffer_written_by_two_kernels_is_refused():
     # Each launch returns its output buffers whole: two writers of one buffer would lose the first's elements.
     import pytest
 
-    from neuron_compile.kernel_pipeline import _check_single_writer
+    from neuron_compile.pipeline import check_single_writer
     from neuron_compile.lowering import LoweringError
 
     buffer = ir.Buffer("out", "float32", ir.Layout((4, 8), (8, 1)))
     halves = [ir.Layout((4, 4), (8, 1), offset) for offset in (0, 4)]
     nodes = [ir.Pointwise(f"kernel_{i}", (4, 4), (ir.Store(buffer, ir.Scalar(float(i)), layout),))
              for i, layout in enumerate(halves)]
-    _check_single_writer(nodes[:1])
+    check_single_writer(nodes[:1])
     with pytest.raises(LoweringError, match="buffer out is written by two kernels"):
-        _check_single_writer(nodes)
+        check_single_writer(nodes)

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from neuron_compile import kernel_pipeline
+from neuron_compile import pipeline
 from neuron_compile.config import Config
 from neuron_compile.errors import NeuronCompileError
 from neuron_compile.runtime import launcher, simulator, stats
@@ -20,7 +20,7 @@ aten = torch.ops.aten
 
 
 def _region(fn, *inputs, launcher_name="simulator"):
-    return kernel_pipeline.compile_region(torch.fx.symbolic_trace(fn), list(inputs), Config(launcher=launcher_name))
+    return pipeline.compile_region(torch.fx.symbolic_trace(fn), list(inputs), Config(launcher=launcher_name))
 
 
 def _matmul_then_sum(x, w):
@@ -194,7 +194,7 @@ def test_auto_picks_the_simulator_here(monkeypatch):
     assert isinstance(launcher.select_launcher(Config()), launcher.SimulatorLauncher)
     assert isinstance(launcher.select_launcher(), launcher.SimulatorLauncher)
     x = torch.randn(3, 5)
-    region = kernel_pipeline.compile_region(torch.fx.symbolic_trace(lambda a: aten.exp.default(a)), [x])
+    region = pipeline.compile_region(torch.fx.symbolic_trace(lambda a: aten.exp.default(a)), [x])
     assert isinstance(region.launcher, launcher.SimulatorLauncher)
 
 

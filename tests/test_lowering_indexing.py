@@ -6,7 +6,7 @@ import pytest
 import torch
 from lowering_harness import check_against_eager, random_tensor, trace
 
-from neuron_compile.kernel_pipeline import compile_region
+from neuron_compile.pipeline import compile_region
 from neuron_compile.lowering import unsupported_reason
 
 

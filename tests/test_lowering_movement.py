@@ -148,7 +148,7 @@ def test_diagonal_of_a_1d_tensor_is_an_unsupported_reason():
 
 def test_lift_fresh_copy_is_a_copy_kernel():
     # Dynamo hands constants (masked.* ops' torch.tensor) in as graph inputs: lift_fresh_copy of an input.
-    from neuron_compile.kernel_pipeline import compile_region
+    from neuron_compile.pipeline import compile_region
 
     graph = torch.fx.Graph()
     source = graph.placeholder("x")

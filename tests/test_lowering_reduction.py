@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
 from neuron_compile.hardware import get_target
-from neuron_compile.kernel_pipeline import compile_region
+from neuron_compile.pipeline import compile_region
 from neuron_compile.lowering import LoweringError, unsupported_reason
 from neuron_compile.passes.partition import partition_graph
 from neuron_compile.runtime import stats

@@ -164,7 +164,7 @@ def test_addmm_k_0_with_infinite_alpha_keeps_a_reason():
 def test_region_called_with_another_dtype_than_traced_raises_a_named_error():
     x = random_tensor((4, 5))
     gm = trace(lambda t: t * 2.0, x)
-    from neuron_compile.kernel_pipeline import compile_region
+    from neuron_compile.pipeline import compile_region
     from neuron_compile.lowering import LoweringError
 
     region = compile_region(gm, [x])
@@ -201,7 +201,7 @@ def test_empty_input_with_other_strides_than_traced():
     # eye's decomposition traces an empty (0, 1) mask with strides (1, 1); eager hands it over as (1, 0).
     x = random_tensor((0, 1))
     gm = trace(lambda t: t * 2.0, x)
-    from neuron_compile.kernel_pipeline import compile_region
+    from neuron_compile.pipeline import compile_region
 
     region = compile_region(gm, [x])
     (out,) = region(torch.empty_strided((0, 1), (1, 0)))

@@ -18,7 +18,7 @@ from lowering_harness import (
     trace,
 )
 
-from neuron_compile.kernel_pipeline import compile_region
+from neuron_compile.pipeline import compile_region
 from neuron_compile.lowering import unsupported_reason
 from neuron_compile.runtime.simulator.tensor import NkiTensor
 

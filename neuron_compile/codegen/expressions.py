@@ -295,7 +295,7 @@ def _scratch(scope: TileScope, role: str, dtype: str = "float32", vector: bool =
     return scope.tile(dtype, key=("scratch", role, dtype, vector), vector=vector)
 
 
-def _fp32_tile(ref: Ref, scope: TileScope, lines: list[str], role: str | None = None) -> str:
+def fp32_tile(ref: Ref, scope: TileScope, lines: list[str], role: str | None = None) -> str:
     """``ref`` as an fp32 full-tile slice (numbers are memset, other dtypes widened); with ``role``, the widened
     copy goes to that shared scratch tile."""
     if ref.tile is not None and ref.dtype == "float32" and not ref.vector:
@@ -344,7 +344,7 @@ def _fp32_text(ref: Ref, vector: bool, scope: TileScope, lines: list[str], role:
     """``ref`` as an fp32 slice of the kind (full tile or (P, 1) row vector) being computed (a copy, if needed,
     in the shared scratch tile of ``role``)."""
     if not vector:
-        return _fp32_tile(ref, scope, lines, role)
+        return fp32_tile(ref, scope, lines, role)
     if ref.tile is not None:
         return scope.ref_text(ref)  # row vectors are always kept fp32
     tile = f"{_scratch(scope, role, vector=True)}[0:rows, 0:1]"

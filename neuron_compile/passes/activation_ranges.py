@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from neuron_compile import ir
+from neuron_compile import ir, kinds
 
 INF = math.inf
 GUARDED = ("log", "sqrt", "rsqrt", "reciprocal")
@@ -108,27 +108,10 @@ def guard_expression(expr: ir.Expr, memo: dict | None = None) -> ir.Expr:
     return result
 
 
-def _guard_field(value, memo):
-    if isinstance(value, ir.Op):
-        return guard_expression(value, memo)
-    if isinstance(value, ir.Store):
-        return dataclasses.replace(value, expr=_guard_field(value.expr, memo))
-    if isinstance(value, tuple) and value and all(dataclasses.is_dataclass(item) for item in value):
-        return tuple(_guard_field(item, memo) for item in value)
-    if dataclasses.is_dataclass(value) and isinstance(value, ir.Pointwise):  # a Concat's parts
-        return guard_node(value, memo)
-    return value
-
-
 def guard_node(node: ir.Node, memo: dict | None = None) -> ir.Node:
+    """``node`` with every expression guarded (its kernel kind knows where its expressions are)."""
     memo = {} if memo is None else memo
-    changes = {}
-    for field in dataclasses.fields(node):
-        value = getattr(node, field.name)
-        guarded = _guard_field(value, memo)
-        if guarded is not value:
-            changes[field.name] = guarded
-    return dataclasses.replace(node, **changes) if changes else node
+    return kinds.map_exprs(node, lambda expr: guard_expression(expr, memo))
 
 
 def guard_activation_ranges(nodes: list[ir.Node]) -> list[ir.Node]:

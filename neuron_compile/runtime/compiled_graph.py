@@ -4,9 +4,10 @@ Input: an ATen GraphModule from aot_autograd (forward, backward or inference; st
 compile options. Output: ``CompiledGraph``, a boxed callable (``fn(args: list) -> outputs``) that, per call,
 looks up the call's ``GraphKey`` (graph hash, argument shapes / strides / dtypes, config) and on a miss
 specializes the graph to the call's shapes, partitions it into NKI regions and eager nodes, compiles each
-region with ``kernel_pipeline.compile_region`` and keeps the result; later calls with the same signature reuse
-it. A region that cannot be compiled (or fails when it runs) follows ``Config.fallback``: ``warn`` runs it
-eagerly with a ``NeuronCompileWarning``, ``silent`` runs it eagerly, ``raise`` raises ``NeuronCompileError``.
+region with ``pipeline.compile_region`` (the passes are ``pipeline.PASSES``) and keeps the result; later calls
+with the same signature reuse it. A region that cannot be compiled (or fails when it runs) follows
+``Config.fallback``: ``warn`` runs it eagerly with a ``NeuronCompileWarning``, ``silent`` runs it eagerly,
+``raise`` raises ``NeuronCompileError``.
 
 Every compile leaves a ``CompiledGraphRecord`` (ATen graph, partition report, kernel sources) that
 ``neuron_compile.last_compiled()`` returns, for the dump CLI.
@@ -29,8 +30,8 @@ import torch.fx
 from neuron_compile import config as config_module
 from neuron_compile.config import Config
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
-from neuron_compile.passes.partition import PartitionReport, op_name, partition_graph
-from neuron_compile.passes.specialize import specialize
+from neuron_compile.passes.partition import PartitionReport, op_name
+from neuron_compile.pipeline import PassContext, compile_region, configured_target, run_passes
 from neuron_compile.runtime import stats
 from neuron_compile.runtime.cache import DispatchCache, GraphKey, graph_hash, signature_of
 
@@ -38,13 +39,6 @@ log = logging.getLogger("neuron_compile")
 
 RECORDS_KEPT = 64
 OPS_NAMED = 8  # a message names at most this many of a region's ops
-
-
-def compile_region(gm: torch.fx.GraphModule, example_inputs: list, config: Config):
-    """The kernel pipeline's entry point (looked up at call time, so tests and the pipeline can replace it)."""
-    from neuron_compile.kernel_pipeline import compile_region as pipeline_compile_region
-
-    return pipeline_compile_region(gm, example_inputs, config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +61,8 @@ class CompiledGraphRecord:
     failures: list[str] = dataclasses.field(default_factory=list)  # one message per region that fell back
     # Per region, the fusion pass's decisions (why nodes were or were not fused), when the region reports them.
     fusion_decisions: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    # With a dump directory: (pass name, region or "" for a graph pass, the pass's output as text), in pass order.
+    pass_dumps: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         parts = [
@@ -82,6 +78,8 @@ class CompiledGraphRecord:
             parts += [f"== fusion decisions ({region}) ==", *decisions]
         for kernel in self.kernels:
             parts += [f"== kernel {kernel.name} ({kernel.region}) ==", kernel.source]
+        for name, region, text in self.pass_dumps:
+            parts += [f"== after pass {name}" + (f" ({region})" if region else "") + " ==", text]
         return "\n".join(parts)
 
 
@@ -206,15 +204,22 @@ def _count_eager_nodes(report: PartitionReport) -> None:
 def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str) -> torch.fx.GraphModule:
     """Specialize, partition and compile every region of ``gm`` for one signature; leave a record."""
     config = key.config
-    specialized = specialize(gm, args)
-    partitioned = partition_graph(specialized)
+    dumps: list[tuple[str, str, str]] = []
+    graph_texts: dict[str, str] = {}
+
+    def on_graph_pass(name: str, text: str) -> None:
+        graph_texts[name] = text
+        dumps.append((name, "", text))
+
+    partitioned = run_passes("graph", gm, PassContext(config, configured_target(config), args), on_graph_pass)
     top = partitioned.graph_module
     record = CompiledGraphRecord(
         kind=kind,
         key=key,
-        aten_graph=str(specialized.graph),
+        aten_graph=graph_texts["specialize"],
         partitioned_graph=str(top.graph),
         report=partitioned.report,
+        pass_dumps=dumps if config.dump_dir else [],
     )
     _count_eager_nodes(partitioned.report)
     for node in list(top.graph.nodes):
@@ -225,7 +230,11 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
         example_inputs = [_meta_value(arg) for arg in node.args]
         expected = [_meta_value(output) for output in submodule.graph.output_node().args[0]]
         try:
-            region = compile_region(submodule, example_inputs, config)
+            if config.dump_dir:
+                region = compile_region(submodule, example_inputs, config,
+                                        on_pass=lambda step, text, region=name: dumps.append((step, region, text)))
+            else:
+                region = compile_region(submodule, example_inputs, config)
         except Exception as error:  # noqa: BLE001 -- compile_region may raise anything; Config.fallback decides
             message = (
                 f"{describe_region(name, partitioned.report.region_ops(name))} of the {kind} graph could not be "

@@ -1,9 +1,10 @@
-"""Codegen stage, scans: an ``ir.Scan`` and its TilePlan -> the source text of one NKI kernel (cumsum, cumprod,
-logcumsumexp, cummax / cummin values or indices).
+"""Kernel kind ``scan``: a running sum, product, logsumexp, maximum or minimum of a prologue along one dim
+(``ir.Scan``: cumsum, cumprod, logcumsumexp, cummax / cummin values or indices).
 
-Input: the Scan node, its plan (the scanned dim on the free axis in chunks, the other dims on partitions and outer
-loops), the kernel's name and parameter buffers. Output: the module source, rendered from ``scan.py.j2``. Per
-partition tile and chunk: the prologue, ``nisa.tensor_tensor_scan`` from the value carried in from the previous
+Fusion: a pointwise producer over the domain becomes the prologue, pointwise consumers over the domain the
+epilogue. Tiling: the scanned dim on the free axis, walked in chunks that each carry their last column into the
+next; the other dims on partitions and outer loops, whatever their order in memory. Codegen (scan.py.j2): per
+partition tile and chunk, the prologue, ``nisa.tensor_tensor_scan`` from the value carried in from the previous
 chunk (column 0 of each carried tile), the stores, then the chunk's last column becomes the next carry.
 """
 
@@ -13,10 +14,14 @@ import dataclasses
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import Ref, TileAllocator, TileScope, _fp32_tile, emit, number
-from neuron_compile.codegen.render import Patterns, _common, _reduction_scopes, _render, _store_lines
-from neuron_compile.passes.tiling import TilePlan
+from neuron_compile.codegen.expressions import Ref, TileAllocator, TileScope, fp32_tile, emit, number
+from neuron_compile.codegen.kernel_text import Patterns, kernel_context, render_template, row_scopes, store_lines
+from neuron_compile.kind_registry import register_kind
+from neuron_compile.kinds.fusion_rules import ProloguedKind
+from neuron_compile.kinds.rows import partition_dim, row_dims
+from neuron_compile.tiles import TilePlan, count_tiles, free_tile
 
+SCAN_TILES = 8  # running values and errors (each with a carry column), constants, the compensation's scratch
 SCAN_OPS = {"sum": ("nl.add", 0.0), "prod": ("nl.multiply", 1.0)}
 FLOAT32_MAX = 3.4028234663852886e38
 LOG_INPUT_MAX = 2.0**64  # the top of nl.log's valid input range (nki-spec 1.5)
@@ -228,12 +233,12 @@ def render_scan(node: ir.Scan, plan: TilePlan, name: str, parameters: list[str])
     values, the stores; then each carried tile's last column becomes column 0 for the next chunk."""
     patterns = Patterns(plan)
     allocator = TileAllocator(plan.partition.tile)
-    prologue, row_free, free, chunked = _reduction_scopes(node, plan, allocator, patterns)
+    prologue, row_free, free, chunked = row_scopes(node, plan, allocator, patterns)
     tiles = _ScanTiles(allocator, row_free, prologue.slice_text)
     body: list[str] = []
     value = emit(node.prologue, prologue, body)
     # a scan of a fill (cumsum of ones: positions) scans a tile memset to it
-    data = prologue.ref_text(value) if value.tile is not None else _fp32_tile(value, prologue, body)
+    data = prologue.ref_text(value) if value.tile is not None else fp32_tile(value, prologue, body)
     if node.op == "logsumexp":
         lines, result = _log_sum_exp_scan(tiles, data)
     elif node.op.removesuffix("_index") in EXTREMA:
@@ -243,11 +248,37 @@ def render_scan(node: ir.Scan, plan: TilePlan, name: str, parameters: list[str])
     body += lines
     scope = TileScope(allocator, row_free, tiles.window, prologue.load_pattern, Ref(tile=result))
     scope.tiles, scope.memo = prologue.tiles, dict(prologue.memo)  # operands loaded for the prologue stay loaded
-    _store_lines(node.stores, scope, patterns, free, chunked, body)
+    store_lines(node.stores, scope, patterns, free, chunked, body)
     start = [f"nisa.memset(dst={tile}[0:rows, 0:1], value={number(value)})" for tile, value in tiles.carried]
     if chunked:
         body += [f"nisa.tensor_copy(dst={tile}[0:rows, 0:1], src={tile}[0:rows, cols:cols + 1])"
                  for tile, _ in tiles.carried]
-    context = _common(node, plan, name, parameters, allocations=allocator.lines, setup=tiles.setup, start=start,
+    context = kernel_context(node, plan, name, parameters, allocations=allocator.lines, setup=tiles.setup, start=start,
                       body=body)
-    return _render("scan.py.j2", **context)
+    return render_template("scan.py.j2", **context)
+
+
+def plan_scan(node: ir.Scan, target) -> TilePlan:
+    layouts = [layout for expr in (node.prologue, *(store.expr for store in node.stores))
+               for layout in ir.access_layouts(expr)] + [store.layout for store in node.stores]
+    kept, scanned = row_dims(node.domain, (node.dim,), layouts)
+    tiles = count_tiles([node.prologue] + [store.expr for store in node.stores]) + SCAN_TILES
+    free = dataclasses.replace(scanned[0], tile=free_tile(scanned[0].size, tiles, target))
+    return TilePlan("scan", tuple(kept[:-1]), partition_dim(kept, target), (free,), tiles)
+
+
+class ScanKind(ProloguedKind):
+    node_type = ir.Scan
+    name = "scan"
+
+    def describe_head(self, node):
+        return f" {node.op} over {node.dim}\n  prologue: {node.prologue}"
+
+    def plan(self, node, target):
+        return plan_scan(node, target)
+
+    def render(self, node, plan, name, parameters):
+        return render_scan(node, plan, name, parameters)
+
+
+register_kind(ScanKind())

@@ -1,0 +1,136 @@
+"""Codegen helpers every kernel kind's renderer shares: the jinja2 environment (the only jinja2 user), HBM access
+patterns walked by a plan's loop variables, the output and store lines, and the template context.
+
+Input: an IR node, its TilePlan and the kernel's name and parameters. Output: pieces of kernel text and
+``KernelSource`` (name, source, parameter buffer names, output buffers), what the render pass returns. The module
+a kind renders imports ``nki``, ``nki.language as nl`` and ``nki.isa as nisa`` and defines one ``@nki.jit``
+function taking flat 1-D HBM tensors (one per buffer it reads) and returning its ``nl.shared_hbm`` outputs.
+Templates (codegen/templates/*.py.j2) call the helpers passed to them (``block``), never compute indices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from pathlib import Path
+
+import jinja2
+
+from neuron_compile import ir
+from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope, emit, emit_store
+from neuron_compile.dims import LoopDim
+from neuron_compile.kind_registry import describe
+from neuron_compile.kind_registry import stores as stores_of
+from neuron_compile.tiles import TilePlan
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSource:
+    name: str
+    source: str
+    parameters: tuple[str, ...] = ()  # HBM buffers the kernel reads, in argument order
+    outputs: tuple[ir.Buffer, ...] = ()  # buffers it returns, in order
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)), keep_trailing_newline=True, trim_blocks=True,
+        lstrip_blocks=True, undefined=jinja2.StrictUndefined,
+    )
+
+
+def block(lines: list[str], indent: int) -> str:
+    """``lines`` as one text block indented by ``indent`` levels (four spaces each)."""
+    pad = "    " * indent
+    return "\n".join(pad + line for line in lines)
+
+
+def offset_text(base: int, terms: list[tuple[str, int]]) -> str:
+    parts = [str(base)] if base or not terms else []
+    parts += [f"{var} * {stride}" if stride != 1 else var for var, stride in terms if stride != 0]
+    return " + ".join(parts) or "0"
+
+
+class Patterns:
+    """Access patterns of one kernel: HBM layouts walked by the plan's loop variables.
+
+    Loop variables: ``o<i>`` outer indices, ``p0`` the partition tile start (``rows`` rows), ``f0`` the free
+    tile start (``cols`` columns).
+    """
+
+    def __init__(self, plan: TilePlan):
+        self.plan = plan
+
+    def outer_terms(self, layout: ir.Layout) -> list[tuple[str, int]]:
+        return [(f"o{i}", dim.stride(layout)) for i, dim in enumerate(self.plan.outer)]
+
+    def hbm(self, tensor: str, layout: ir.Layout, free: list[tuple[LoopDim, str]], chunked_free: bool) -> str:
+        """``tensor.ap(...)`` for a [rows, free...] tile; ``chunked_free`` adds ``f0`` for the first free dim."""
+        partition = self.plan.partition
+        terms = self.outer_terms(layout) + [("p0", partition.stride(layout))]
+        if chunked_free and free:
+            terms.append(("f0", free[0][0].stride(layout)))
+        entries = [f"[{partition.stride(layout)}, rows]"] + [f"[{dim.stride(layout)}, {count}]" for dim, count in free]
+        return f"{tensor}.ap([{', '.join(entries)}], offset={offset_text(layout.offset, terms)})"
+
+
+def render_template(template: str, **context) -> str:
+    return _environment().get_template(template).render(block=block, **context)
+
+
+def output_lines(stores) -> list[str]:
+    return [
+        f"{store.buffer.name} = nl.ndarray(({store.buffer.layout.span()},), dtype={NL_DTYPES[store.buffer.dtype]}, "
+        "buffer=nl.shared_hbm)"
+        for store in stores
+    ]
+
+
+def store_lines(stores, scope: TileScope, patterns: Patterns, free, chunked_free, lines: list[str]) -> None:
+    for store in stores:
+        value = emit(store.expr, scope, lines)
+        tile = emit_store(store.buffer.dtype, value, scope, lines)
+        dst = patterns.hbm(store.buffer.name, store.layout, free, chunked_free)
+        lines.append(f"nisa.dma_copy(dst={dst}, src={tile})")
+
+
+def docstring(node: ir.Node, plan: TilePlan) -> str:
+    return f"{describe(node)}\n\nTile plan: {plan.describe()}"
+
+
+def kernel_context(node, plan, name, parameters, **extra) -> dict:
+    """What every kernel template reads: its name, parameters, docstring, plan, outputs and returned names."""
+    return dict(
+        name=name, parameters=parameters, docstring=docstring(node, plan), plan=plan,
+        outputs=output_lines(stores_of(node)), returns=", ".join(store.buffer.name for store in stores_of(node)),
+        **extra,
+    )
+
+
+def row_scopes(node, plan: TilePlan, allocator: TileAllocator, patterns: Patterns):
+    """For a row kernel (reduction, softmax, scan): (the prologue's scope over [rows, row chunk], the row chunk's
+    elements per partition, the free dims with their extents, whether the row is walked in chunks)."""
+    chunked = plan.free[0].tile < plan.free[0].size
+    row_free = plan.free[0].tile * math.prod(dim.size for dim in plan.free[1:])
+    free = [(plan.free[0], "cols")] + [(dim, str(dim.size)) for dim in plan.free[1:]]
+
+    def prologue_pattern(load: ir.Load, tile: str):
+        # A DMA fills the tile row-major, so several free dims land flattened in one [rows, row] slice.
+        return f"{tile}[0:rows, 0:{width}]", patterns.hbm(load.buffer, load.layout, free, chunked)
+
+    width = "cols" if len(free) == 1 else str(row_free)
+    prologue = TileScope(allocator, row_free, f"[0:rows, 0:{width}]", prologue_pattern)
+    return prologue, row_free, free, chunked
+
+
+def epilogue_scope(allocator: TileAllocator, patterns: Patterns, result: Ref) -> TileScope:
+    one = [(LoopDim(1, None), "1")]
+
+    def pattern(load: ir.Load, tile: str):
+        return f"{tile}[0:rows, 0:1]", patterns.hbm(load.buffer, load.layout, one, False)
+
+    return TileScope(allocator, 1, "[0:rows, 0:1]", pattern, result)

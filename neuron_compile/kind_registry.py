@@ -1,0 +1,140 @@
+"""Kernel kinds: the one registry that maps an IR node type to everything the passes need to know about it.
+
+Input: ``register_kind(kind)`` calls from the kind modules (``neuron_compile.kinds.pointwise`` ...), made when
+the ``neuron_compile.kinds`` package is imported (it imports every kind; the passes import it). Output:
+``kind_of(node)``, the node's ``KernelKind``, and the questions the passes ask of any node (its loads, its
+stores, its description, its expressions) answered by it.
+
+A kind declares, in its own module: what a node of it reads and writes, its fusion rules (as the producer of a
+group, ``epilogue_reason`` / ``merge_epilogue``; as the consumer of one, ``prologue_reason`` / ``merge_prologue``),
+its tile planner and its renderer (with its jinja2 template). Nothing outside a kind's module branches on node
+types; a node whose type no kind claims is an error (``UnknownKernelKind``), never another kind's path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from neuron_compile import ir
+from neuron_compile.tiles import TilePlan
+
+
+class UnknownKernelKind(TypeError):
+    """An IR node whose type no kernel kind registered."""
+
+
+class KernelKind:
+    """The behaviour of one IR node type. Subclasses override what differs; the defaults fit a node whose only
+    expressions are its stores' (a pointwise node)."""
+
+    node_type: type = object
+    name: str = ""
+    elementwise = False  # a consumer of this kind becomes an epilogue of its producer's group
+    takes_prologue = False  # a pointwise producer may be inlined as this kind's prologue
+    refusal: str | None = None  # why a group of this kind takes no fused consumer at all
+
+    # ---- what a node reads and writes
+    def stores(self, node) -> tuple[ir.Store, ...]:
+        """Every store the node writes (its HBM outputs)."""
+        return tuple(node.stores)
+
+    def exprs(self, node) -> list[ir.Expr]:
+        """Every expression the node evaluates."""
+        return [store.expr for store in node.stores]
+
+    def operand_loads(self, node) -> list[ir.Load]:
+        """Reads that are not leaves of an expression (matmul operands, gather sources and indices)."""
+        return []
+
+    def map_exprs(self, node, fn: Callable[[ir.Expr], ir.Expr]):
+        """``node`` with ``fn`` applied to every expression (the range-guard pass rewrites through this)."""
+        stores = tuple(dataclasses.replace(store, expr=fn(store.expr)) for store in node.stores)
+        return dataclasses.replace(node, stores=stores)
+
+    def describe(self, node) -> str:
+        lines = [f"{type(node).__name__} {node.name} domain={list(node.domain)}{self.describe_head(node)}"]
+        lines += [f"  {store.buffer.name} = {store.expr}" for store in node.stores]
+        return "\n".join(lines)
+
+    def describe_head(self, node) -> str:
+        """What the first line of ``describe`` says after the domain."""
+        return ""
+
+    # ---- fusion (see passes/fusion.py for the driver and the rules' overview)
+    def restate(self, layout: ir.Layout, group) -> ir.Layout | None:
+        """A layout over a consumer's domain restated in this group's domain coordinates, or None if they differ."""
+        return layout if layout.shape == tuple(group.domain) else None
+
+    def epilogue_reason(self, group, consumer, outside: set[str]) -> str | None:
+        """None if the elementwise ``consumer`` may join ``group`` (a node of this kind) as an epilogue."""
+        return f"{type(group).__name__} kernels take no epilogue"
+
+    def merge_epilogue(self, group, consumer):
+        raise NotImplementedError(f"{self.name} takes no epilogue")
+
+    def prologue_reason(self, producer, consumer, outside: set[str]) -> str | None:
+        return f"{type(consumer).__name__} nodes start their own kernel"
+
+    def merge_prologue(self, producer, consumer):
+        raise NotImplementedError(f"{self.name} takes no prologue")
+
+    def prune(self, node, needed: set[str]):
+        """``node`` keeping only the stores whose buffers are ``needed`` (None: nothing left to compute)."""
+        return dataclasses.replace(node, stores=tuple(store for store in node.stores if store.buffer.name in needed))
+
+    # ---- tiling and codegen
+    def plan(self, node, target) -> TilePlan:
+        raise NotImplementedError(f"{self.name}: no tile planner")
+
+    def render(self, node, plan: TilePlan, name: str, parameters: list[str]) -> str:
+        """The kernel module's source text."""
+        raise NotImplementedError(f"{self.name}: no renderer")
+
+
+_KINDS: dict[type, KernelKind] = {}
+
+
+def register_kind(kind: KernelKind) -> KernelKind:
+    """Register ``kind`` for its ``node_type`` (one kind per type)."""
+    if kind.node_type in _KINDS:
+        raise ValueError(f"{kind.node_type.__name__} already has the kernel kind {_KINDS[kind.node_type].name}")
+    _KINDS[kind.node_type] = kind
+    return kind
+
+
+def kind_of(node) -> KernelKind:
+    try:
+        return _KINDS[type(node)]
+    except KeyError:
+        raise UnknownKernelKind(
+            f"no kernel kind is registered for {type(node).__name__} (known: {', '.join(registered_kinds())})"
+        ) from None
+
+
+def registered_kinds() -> list[str]:
+    return [kind.name for kind in _KINDS.values()]
+
+
+def registered_node_types() -> list[type]:
+    return list(_KINDS)
+
+
+def loads(node) -> list[ir.Load]:
+    """Every buffer read of ``node``, in order of first appearance, without duplicates."""
+    kind = kind_of(node)
+    found = [load for expr in kind.exprs(node) for load in ir.loads_of(expr)] + kind.operand_loads(node)
+    return list(dict.fromkeys(found))
+
+
+def stores(node) -> tuple[ir.Store, ...]:
+    return kind_of(node).stores(node)
+
+
+def describe(node) -> str:
+    """A readable multi-line dump of one node (kernel docstrings and the per-pass dumps show it)."""
+    return kind_of(node).describe(node)
+
+
+def map_exprs(node, fn: Callable[[ir.Expr], ir.Expr]):
+    return kind_of(node).map_exprs(node, fn)

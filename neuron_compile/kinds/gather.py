@@ -1,0 +1,157 @@
+"""Kernel kind ``gather``: rows or elements read through the indirect DMA (``ir.Gather``: index_select,
+embedding, gather, index.Tensor).
+
+Fusion: none (a gather takes no epilogue). Tiling: the row form puts the index's last dim on partitions in tiles
+of up to 128 and the source's trailing dims on the free axis, every leading dim an outer loop; the element form
+puts the domain's last dim on partitions, one element each. Codegen (gather.py.j2): per tile the flat source
+offsets (index values wrapped where the op wraps them, out-of-range ones redirected), then one indirect DMA.
+"""
+
+from __future__ import annotations
+
+import math
+
+from neuron_compile import ir
+from neuron_compile.codegen.expressions import NL_DTYPES
+from neuron_compile.dims import LoopDim
+from neuron_compile.kind_registry import KernelKind, register_kind
+from neuron_compile.kinds.indirect import (
+    column_address_lines,
+    indirect_offset,
+    redirect_lines,
+    render_indirect,
+)
+from neuron_compile.limits import OUT_OF_RANGE_ROW
+from neuron_compile.tiles import TilePlan
+
+GATHER_TILES = 9  # the index, offset and flag columns and the gathered rows
+
+
+def plan_gather(node: ir.Gather, target) -> TilePlan:
+    """Row form: outer loops over the out dims before the index's last dim, that dim on partitions, the source's
+    trailing dims (one row) on the free axis. Element form: every dim but the last an outer loop."""
+    if node.elements:
+        rank = len(node.domain)
+        outer, part, free = list(range(rank - 1)), rank - 1, 1
+    else:
+        index_rank = len(node.index.layout.shape)
+        outer, part = list(range(node.dim + index_rank - 1)), node.dim + index_rank - 1
+        free = math.prod(node.source.layout.shape[node.dim + 1:])
+    rows = node.domain[part]
+    return TilePlan("gather", tuple(LoopDim(node.domain[d], d) for d in outer),
+                    LoopDim(rows, part, tile=min(target.partitions, rows)), (LoopDim(free, None, tile=free),),
+                    GATHER_TILES)
+
+
+def render_row_gather(node: ir.Gather, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    """Index rows on partitions, the source's trailing dims on the free axis: one indirect DMA per row tile."""
+    (store,) = node.stores
+    source, index, dim = node.source, node.index, node.dim
+    size = source.layout.shape[dim]
+    index_rank = len(index.layout.shape)
+    trailing = list(range(dim + 1, len(source.layout.shape)))
+    free = math.prod(source.layout.shape[d] for d in trailing)
+    tile_rows = plan.partition.tile
+    out_layout = store.layout
+    # Outer loop variables: o<j> for out dims 0 .. dim + index_rank - 2 (source lead dims, then index lead dims).
+    outer = list(range(dim + index_rank - 1))
+    source_terms = [(f"o{j}", source.layout.strides[j]) for j in range(dim)]
+    index_terms = [(f"o{dim + i}", index.layout.strides[i]) for i in range(index_rank - 1)]
+    out_terms = [(f"o{j}", out_layout.strides[j]) for j in outer]
+    out_row = dim + index_rank - 1
+    index_stride = index.layout.strides[-1]
+    source_entries = [f"[{source.layout.strides[dim]}, rows]"] + [
+        f"[{source.layout.strides[d]}, {source.layout.shape[d]}]" for d in trailing
+    ] or ["[1, 1]"]
+    if not trailing:
+        source_entries.append("[1, 1]")
+    out_entries = [f"[{out_layout.strides[out_row]}, rows]"] + [
+        f"[{out_layout.strides[j]}, {out_layout.shape[j]}]" for j in range(out_row + 1, len(out_layout.shape))
+    ]
+    if not trailing:
+        out_entries.append("[1, 1]")
+    window = "[0:rows, 0:1]"
+    body = [
+        f"nisa.dma_copy(dst=raw{window}, src={index.buffer}.ap([[{index_stride}, rows], [1, 1]], "
+        f"offset={indirect_offset(index.layout.offset, index_terms + [('p0', index_stride)])}))",
+        # index.Tensor wraps negative indices like eager: idx + size where idx < 0 (index_select and embedding
+        # do not: a negative index is out of range there). A valid index is an integer below size < 2^24
+        # (checked), so the fp32 engine math is exact; an invalid one only needs to stay invalid.
+        f"nisa.tensor_scalar(dst=shift{window}, data=raw{window}, op0=nl.less, operand0=0.0, op1=nl.multiply, "
+        f"operand1={float(size) if node.wrap_negative else 0.0})",
+        f"nisa.tensor_tensor(dst=wrapped{window}, data1=raw{window}, data2=shift{window}, op=nl.add)",
+        # bad = (wrapped < 0) + (wrapped >= size), 0 or 1; offsets = wrapped * (1 - bad) + bad * OUT_OF_RANGE_ROW
+        # (wrapped * 0 is exactly 0, so a bad index lands exactly on OUT_OF_RANGE_ROW, never back in range).
+        f"nisa.tensor_scalar(dst=low{window}, data=wrapped{window}, op0=nl.less, operand0=0.0)",
+        f"nisa.tensor_scalar(dst=high{window}, data=wrapped{window}, op0=nl.greater_equal, operand0={float(size)})",
+        f"nisa.tensor_tensor(dst=bad{window}, data1=low{window}, data2=high{window}, op=nl.add)",
+        f"nisa.tensor_scalar(dst=keep{window}, data=bad{window}, op0=nl.multiply, operand0=-1.0, op1=nl.add, "
+        "operand1=1.0)",
+        f"nisa.tensor_tensor(dst=wrapped{window}, data1=wrapped{window}, data2=keep{window}, op=nl.multiply)",
+        f"nisa.tensor_scalar(dst=bad{window}, data=bad{window}, op0=nl.multiply, operand0={float(OUT_OF_RANGE_ROW)})",
+        f"nisa.tensor_tensor(dst=offsets{window}, data1=wrapped{window}, data2=bad{window}, op=nl.add)",
+        f"nisa.dma_copy(dst=gathered[0:rows, 0:{free}], src={source.buffer}.ap([{', '.join(source_entries)}], "
+        f"offset={indirect_offset(source.layout.offset, source_terms)}, vector_offset=offsets{window}, "
+        "indirect_dim=0))",
+        f"nisa.dma_copy(dst={store.buffer.name}.ap([{', '.join(out_entries)}], "
+        f"offset={indirect_offset(out_layout.offset, out_terms + [('p0', out_layout.strides[out_row])])}), "
+        f"src=gathered[0:rows, 0:{free}])",
+    ]
+    allocations = [f"raw = nl.ndarray(({tile_rows}, 1), dtype=nl.int32, buffer=nl.sbuf)",
+                   f"offsets = nl.ndarray(({tile_rows}, 1), dtype=nl.int32, buffer=nl.sbuf)"]
+    allocations += [f"{tile} = nl.ndarray(({tile_rows}, 1), dtype=nl.float32, buffer=nl.sbuf)"
+                    for tile in ("shift", "wrapped", "low", "high", "bad", "keep")]
+    allocations.append(f"gathered = nl.ndarray(({tile_rows}, {free}), dtype={NL_DTYPES[source.dtype]}, "
+                       "buffer=nl.sbuf)")
+    return render_indirect(node, plan, name, parameters, allocations, body, "gather.py.j2")
+
+
+def render_element_gather(node: ir.Gather, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    """aten.gather / index.Tensor with several indices: the domain's last dim on partitions, every other dim an
+    outer loop; per tile the flat source offset of each element is iota(the source layout restated over the
+    domain) + sum(index * stride), gathered one element per partition by an indirect DMA over the flat source."""
+    (store,) = node.stores
+    source = node.source
+    rank = len(node.domain)
+    part = rank - 1
+    tile_rows = plan.partition.tile
+    outer = list(range(rank - 1))
+
+    def terms(layout):
+        return [(f"o{j}", layout.strides[j]) for j in outer] + [("p0", layout.strides[part])]
+
+    window = "[0:rows, 0:1]"
+    body = column_address_lines(source.layout, node.indices, terms, part, window)
+    body += redirect_lines(window)
+    body += [
+        f"nisa.dma_copy(dst=gathered{window}, src={source.buffer}.ap([[1, rows], [1, 1]], offset=0, "
+        f"vector_offset=offsets{window}, indirect_dim=0))",
+        f"nisa.dma_copy(dst={store.buffer.name}.ap([[{store.layout.strides[part]}, rows], [1, 1]], "
+        f"offset={indirect_offset(store.layout.offset, terms(store.layout))}), src=gathered{window})",
+    ]
+    allocations = [f"{tile} = nl.ndarray(({tile_rows}, 1), dtype=nl.int32, buffer=nl.sbuf)"
+                   for tile in ("raw", "base", "offsets")]
+    allocations += [f"{tile} = nl.ndarray(({tile_rows}, 1), dtype=nl.float32, buffer=nl.sbuf)"
+                    for tile in ("shift", "wrapped", "low", "high", "bad", "keep", "address")]
+    allocations.append(f"gathered = nl.ndarray(({tile_rows}, 1), dtype={NL_DTYPES[source.dtype]}, buffer=nl.sbuf)")
+    return render_indirect(node, plan, name, parameters, allocations, body, "gather.py.j2")
+
+
+class GatherKind(KernelKind):
+    node_type = ir.Gather
+    name = "gather"
+    refusal = "a gather kernel (indirect DMA) takes no epilogue"
+
+    def operand_loads(self, node):
+        return [node.source, node.index] + [entry[0] for entry in node.indices]
+
+    def plan(self, node, target):
+        return plan_gather(node, target)
+
+    def render(self, node, plan, name, parameters):
+        if node.elements:
+            return render_element_gather(node, plan, name, parameters)
+        return render_row_gather(node, plan, name, parameters)
+
+
+register_kind(GatherKind())

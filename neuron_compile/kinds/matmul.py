@@ -1,0 +1,131 @@
+"""Kernel kind ``matmul``: ``a @ b`` over (*batch, M, N) with an epilogue on the product (``ir.MatMul``).
+
+Fusion: pointwise consumers over the output domain (bias, activation, residual) are epilogues applied on the PSUM
+to SBUF copy. Tiling: M in 128-row stationary tiles, N in 512-column moving tiles (one PSUM bank of fp32), K in
+128-deep chunks accumulated in PSUM; operands whose innermost run would be one element are loaded with contiguous
+rows and transposed on TensorE; for large K the moving operand is streamed per K chunk. Codegen: matmul.py.j2.
+"""
+
+from __future__ import annotations
+
+import math
+
+from neuron_compile import ir
+from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope
+from neuron_compile.codegen.kernel_text import Patterns, kernel_context, offset_text, render_template, store_lines
+from neuron_compile.dims import LoopDim
+from neuron_compile.kind_registry import KernelKind, register_kind
+from neuron_compile.kinds.fusion_rules import matching_index_reason, merge_as_epilogue
+from neuron_compile.limits import SBUF_SHARE
+from neuron_compile.tiles import TRANSPOSE_BLOCK, TilePlan, TilingError, count_tiles, needs_transpose
+
+
+def plan_matmul(node: ir.MatMul, target) -> TilePlan:
+    *batch, m, n = node.domain
+    itemsize = 2 if node.a.dtype == "bfloat16" else 4
+    k_tile = min(node.k, target.partitions)
+    k_tiles = math.ceil(node.k / k_tile)
+    rank = len(batch)
+    transpose_a = needs_transpose(node.a.layout.strides[rank + 1], node.a.layout.strides[rank])
+    transpose_b = needs_transpose(node.b.layout.strides[rank], node.b.layout.strides[rank + 1])
+    # Resident per partition: the a^T chunks of one row block (kept across the N loop), a's whole rows when they
+    # are transposed on chip, b's tile(s) of one N block and b^T's whole rows when transposed.
+    stationary = k_tiles * target.gemm_stationary_fmax * itemsize + (node.k * itemsize if transpose_a else 0)
+
+    def resident(n_tile: int, stream: bool) -> int:
+        kept_moving = k_tiles if transpose_b and not stream else 1
+        return stationary + kept_moving * n_tile * itemsize + (node.k * itemsize if transpose_b else 0)
+
+    budget = target.sbuf_bytes_per_partition * SBUF_SHARE / 2
+    n_tile, stream = min(n, target.gemm_moving_fmax), False
+    if resident(n_tile, stream) > budget and transpose_b:
+        n_tile, stream = min(n, TRANSPOSE_BLOCK), True
+    if resident(n_tile, stream) > budget:
+        raise TilingError(
+            f"{node.name}: K={node.k} needs {resident(n_tile, stream)} B per partition of resident operand tiles, "
+            f"over half the SBUF budget ({target.sbuf_bytes_per_partition} B per partition on {target.name})"
+        )
+    outer = tuple(LoopDim(size, dim, 1, 1) for dim, size in enumerate(batch))
+    partition = LoopDim(m, len(batch), 1, min(m, target.gemm_stationary_fmax))
+    free = (LoopDim(n, len(batch) + 1, 1, n_tile),)
+    tiles = count_tiles([store.expr for store in node.stores])
+    return TilePlan("matmul", outer, partition, free, tiles, k_tile, k_tiles, stream_moving=stream)
+
+
+def render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    patterns = Patterns(plan)
+    allocator = TileAllocator(plan.partition.tile)
+    dtype = node.a.dtype
+    a, b = node.a.layout, node.b.layout
+    # a is (batch, M, K): the stationary tile is a^T [K chunk on partitions, M tile free].
+    batch = len(node.domain) - 2
+    a_batch = [(f"o{i}", a.strides[i]) for i in range(batch)]
+    b_batch = [(f"o{i}", b.strides[i]) for i in range(batch)]
+    a_m, a_k, b_k, b_n = a.strides[batch], a.strides[batch + 1], b.strides[batch], b.strides[batch + 1]
+    stationary_offset = offset_text(a.offset, a_batch + [("p0", a_m), ("k0", a_k)])
+    transpose_stationary = needs_transpose(a_k, a_m)
+    if transpose_stationary:  # a's rows [M tile, all of K] are contiguous
+        stationary_offset = offset_text(a.offset, a_batch + [("p0", a_m)])
+        entries = f"[[{a_m}, rows], [{a_k}, {node.k}]]"
+    else:
+        entries = f"[[{a_k}, kk], [{a_m}, rows]]"
+    stationary_src = f"{node.a.buffer}.ap({entries}, offset={stationary_offset})"
+    # b is (batch, K, N): the moving tile is [K chunk on partitions, N tile free].
+    transpose_moving = needs_transpose(b_k, b_n)
+    if transpose_moving and plan.stream_moving:  # the whole N tile (128 rows of b^T) in one DMA
+        offset = offset_text(b.offset, b_batch + [("f0", b_n)])
+        moving_src = f"{node.b.buffer}.ap([[{b_n}, cols], [{b_k}, {node.k}]], offset={offset})"
+    elif transpose_moving:  # b^T's rows [N block of 128, K chunk] are contiguous (x @ W.T with W stored [N, K])
+        offset = offset_text(b.offset, b_batch + [("f0", b_n), ("n1", b_n)])
+        moving_src = f"{node.b.buffer}.ap([[{b_n}, nn], [{b_k}, {node.k}]], offset={offset})"
+    else:
+        offset = offset_text(b.offset, b_batch + [("k0", b_k), ("f0", b_n)])
+        moving_src = f"{node.b.buffer}.ap([[{b_k}, kk], [{b_n}, cols]], offset={offset})"
+    free = [(plan.free[0], "cols")]
+
+    def load_pattern(load: ir.Load, tile: str):
+        return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, True)
+
+    product = allocator.new("product", plan.free[0].tile)
+    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=product))
+    epilogue: list[str] = []
+    store_lines(node.stores, scope, patterns, free, True, epilogue)
+    context = kernel_context(
+        node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue, product=product,
+        stationary_src=stationary_src, moving_src=moving_src, operand_dtype=NL_DTYPES[dtype],
+        k=node.k, k_tile=plan.k_tile, k_tiles=plan.k_tiles, transpose_stationary=transpose_stationary,
+        transpose_moving=transpose_moving, transpose_block=min(plan.free[0].tile, TRANSPOSE_BLOCK),
+        stream_moving=plan.stream_moving,
+    )
+    return render_template("matmul.py.j2", **context)
+
+
+class MatMulKind(KernelKind):
+    node_type = ir.MatMul
+    name = "matmul"
+
+    def operand_loads(self, node):
+        return [node.a, node.b]
+
+    def describe_head(self, node):
+        return f" K={node.k}\n  a: {node.a}\n  b: {node.b}"
+
+    def restate(self, layout, group):
+        if len(layout.shape) == 2 and group.domain[0] == 1:  # mm's domain has a size-1 batch dim
+            layout = ir.Layout((1, *layout.shape), (0, *layout.strides), layout.offset)
+        return super().restate(layout, group)
+
+    def epilogue_reason(self, group, consumer, outside):
+        return matching_index_reason(self, group, consumer)
+
+    def merge_epilogue(self, group, consumer):
+        return merge_as_epilogue(self, group, consumer)
+
+    def plan(self, node, target):
+        return plan_matmul(node, target)
+
+    def render(self, node, plan, name, parameters):
+        return render_matmul(node, plan, name, parameters)
+
+
+register_kind(MatMulKind())

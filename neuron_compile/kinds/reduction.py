@@ -1,0 +1,294 @@
+"""Kernel kind ``reduction``: sum, mean, max, min, prod, var (and any) of a prologue along some dims (``ir.Reduction``).
+
+Fusion: a pointwise producer over the input domain becomes the prologue; pointwise consumers over the reduced
+output are epilogues; a pointwise consumer over the whole input domain that reads the reduced value broadcast
+back becomes a row epilogue (``row_stores``: rms norm's ``x * rsqrt(mean(x * x) + eps)``, the row still in SBUF).
+Tiling: kept dims on partitions and the row on the free axis (in memory order; chunked when wider than the
+budget), or, for a sum over strided leading dims, the reduced rows on partitions summed on TensorE against a
+ones vector (``column_reduction``), or, when nothing is kept, the row spread over partitions and finished across
+them (``cross_partition``). Codegen: reduction.py.j2 and column_reduction.py.j2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from neuron_compile import ir
+from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope, emit, number
+from neuron_compile.codegen.kernel_text import (
+    Patterns,
+    epilogue_scope,
+    kernel_context,
+    render_template,
+    row_scopes,
+    store_lines,
+)
+from neuron_compile.dims import LoopDim, reduced_dims_in_memory_order
+from neuron_compile.kind_registry import loads, register_kind
+from neuron_compile.kinds.fusion_rules import ProloguedKind, matching_index_reason, stored_exprs
+from neuron_compile.kinds.rows import partition_dim, row_budget, row_dims, row_layouts
+from neuron_compile.tiles import TilePlan, largest_divisor_at_most
+
+REDUCE_OPS = {"sum": "nl.add", "mean": "nl.add", "var": "nl.add", "max": "nl.maximum", "min": "nl.minimum",
+              "prod": "nl.multiply"}
+ROW_FUSION_MAX_ROW = 2048  # elements of a reduced row a row epilogue may keep in SBUF (well inside the budget)
+
+
+def plan_reduction(node: ir.Reduction, target) -> TilePlan:
+    loads = ir.loads_of(node.prologue)
+    in_memory_order = reduced_dims_in_memory_order(node.reduce_dims, loads[0].layout if loads else None)
+    layouts = row_layouts(node, node.stores + node.row_stores)
+    kept, reduced = row_dims(node.domain, in_memory_order, layouts)
+    exprs = [node.prologue] + [store.expr for store in node.stores + node.row_stores]
+    budget = row_budget(node, kept, reduced, exprs, target)
+    if not budget.whole_row and (len(reduced) > 1 or node.row_stores):
+        raise budget.too_wide(node, node.op, target)
+    plain = not node.row_stores  # a row epilogue needs the row on the free axis
+    if plain and node.op in ("sum", "mean") and _columns_are_contiguous(node, kept, reduced):
+        # Kept dims contiguous, reduced dims strided (a sum over the batch): reduced rows go on partitions and
+        # TensorE sums them against a ones vector, instead of element-strided DMAs.
+        partition = dataclasses.replace(reduced[0], tile=min(reduced[0].size, target.partitions))
+        free = (dataclasses.replace(kept[-1], tile=min(kept[-1].size, target.gemm_moving_fmax)),)
+        return TilePlan("column_reduction", tuple(kept[:-1]), partition, free, budget.tiles)
+    if plain and node.op != "var" and kept[-1].source is None and len(reduced) == 1:
+        # Nothing kept (a full reduction): spread the row over partitions, reduce across them at the end.
+        rows = largest_divisor_at_most(reduced[0].size, target.partitions)
+        if rows > 1:
+            cols = reduced[0].size // rows
+            spread = [LoopDim(rows, reduced[0].source, cols * reduced[0].multiplier)]
+            budget = dataclasses.replace(budget, kept=spread, row=cols,
+                                         reduced=[LoopDim(cols, reduced[0].source, reduced[0].multiplier)])
+            return TilePlan("reduction", (), partition_dim(spread, target), tuple(budget.free_dims()), budget.tiles,
+                            cross_partition=True)
+    return TilePlan("reduction", tuple(kept[:-1]), partition_dim(kept, target), tuple(budget.free_dims()),
+                    budget.tiles)
+
+
+def _columns_are_contiguous(node: ir.Reduction, kept: list[LoopDim], reduced: list[LoopDim]) -> bool:
+    if len(reduced) != 1 or kept[-1].source is None or reduced[0].source is None:
+        return False
+    loads = ir.loads_of(node.prologue)
+    return bool(loads) and all(kept[-1].stride(load.layout) in (0, 1) for load in loads) and any(
+        kept[-1].stride(load.layout) == 1 and reduced[0].stride(load.layout) != 1 for load in loads
+    )
+
+
+def _reduce_pass(node, prologue: TileScope, transform, reduce_op: str, accumulator: str, partial: str,
+                 chunked: bool) -> list[str]:
+    """One walk over the row: prologue, optional per-element ``transform``, reduce, combine chunk partials."""
+    lines: list[str] = []
+    prologue.memo = {}  # a second pass re-emits the loads (same tiles) because a chunked row was overwritten
+    value = emit(node.prologue, prologue, lines)
+    if value.tile is None:  # a reduction of a fill (sum of full(1): a count): reduce a tile holding it
+        constant = Ref(tile=prologue.tile(key=("reduced constant", value.value)))
+        lines.append(f"nisa.memset(dst={prologue.ref_text(constant)}, value={number(value.value)})")
+        value = constant
+    data = transform(prologue.ref_text(value), lines) if transform else prologue.ref_text(value)
+    target = partial if chunked else accumulator
+    lines.append(f"nisa.tensor_reduce(dst={target}[0:rows, 0:1], op={reduce_op}, data={data}, axis=1, keepdims=True)")
+    if chunked:
+        lines += [
+            "if f0 == 0:",
+            f"    nisa.tensor_copy(dst={accumulator}[0:rows, 0:1], src={partial}[0:rows, 0:1])",
+            "else:",
+            f"    nisa.tensor_tensor(dst={accumulator}[0:rows, 0:1], data1={accumulator}[0:rows, 0:1], "
+            f"data2={partial}[0:rows, 0:1], op={reduce_op})",
+        ]
+    return lines
+
+
+def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    patterns = Patterns(plan)
+    allocator = TileAllocator(plan.partition.tile)
+    prologue, row_free, free, chunked = row_scopes(node, plan, allocator, patterns)
+    count = math.prod(node.domain[d] for d in node.reduce_dims)
+    accumulator = allocator.new("acc", 1)
+    partial = allocator.new("partial", 1) if chunked else accumulator
+    acc = f"{accumulator}[0:rows, 0:1]"
+    passes = [(_reduce_pass(node, prologue, None, REDUCE_OPS[node.op], accumulator, partial, chunked), [])]
+    if node.op == "mean":
+        passes[0][1].append(f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, operand0={1.0 / count!r})")
+    elif node.op == "var":
+        # Two passes, as the numerically stable definition: mean first, then the mean of squared deviations.
+        scale = 1.0 / (count - node.correction) if count > node.correction else float("nan")
+        mean = allocator.new("mean", 1)
+        centered, squares = allocator.new("centered", row_free), allocator.new("squares", row_free)
+        window = prologue.slice_text
+        passes[0][1].append(
+            f"nisa.tensor_scalar(dst={mean}[0:rows, 0:1], data={acc}, op0=nl.multiply, operand0={1.0 / count!r})"
+        )
+
+        def squared_deviation(data: str, lines: list[str]) -> str:
+            lines.append(f"nisa.tensor_scalar(dst={centered}{window}, data={data}, op0=nl.subtract, "
+                         f"operand0={mean}[0:rows, 0:1])")
+            lines.append(f"nisa.tensor_tensor(dst={squares}{window}, data1={centered}{window}, "
+                         f"data2={centered}{window}, op=nl.multiply)")
+            return f"{squares}{window}"
+
+        second = _reduce_pass(node, prologue, squared_deviation, "nl.add", accumulator, partial, chunked)
+        passes.append((second, [f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, "
+                                f"operand0={number(scale)})"]))
+    if plan.cross_partition:
+        # Every partition holds a partial of the one result: transpose them into a row and reduce that.
+        spread = allocator.new_psum("partials_row", plan.partition.tile)
+        passes[-1][1].extend([
+            f"nisa.nc_transpose(dst={spread}[0:1, 0:rows], data={acc})",
+            f"nisa.tensor_reduce(dst={accumulator}[0:1, 0:1], op={REDUCE_OPS[node.op]}, data={spread}[0:1, 0:rows], "
+            "axis=1, keepdims=True)",
+            "rows = 1",
+        ])
+    epilogue = epilogue_scope(allocator, patterns, Ref(tile=accumulator))
+    store_lines(node.stores, epilogue, patterns, [(LoopDim(1, None), "1")], False, passes[-1][1])
+    if node.row_stores:
+        # The row is still in SBUF: the fused consumers read it, with the reduced value as a (P, 1) operand.
+        row = TileScope(allocator, row_free, prologue.slice_text, prologue.load_pattern,
+                        Ref(tile=accumulator, vector=True))
+        row.tiles, row.memo = prologue.tiles, dict(prologue.memo)
+        store_lines(node.row_stores, row, patterns, free, False, passes[-1][1])
+    context = kernel_context(node, plan, name, parameters, allocations=allocator.lines, passes=passes, chunked=chunked)
+    return render_template("reduction.py.j2", **context)
+
+
+def render_column_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    """Sum over strided leading dims: ones[rows, 1].T @ tile[rows, cols] accumulates column sums in PSUM."""
+    patterns = Patterns(plan)
+    allocator = TileAllocator(plan.partition.tile)
+    free = [(plan.free[0], "cols")]
+
+    def load_pattern(load: ir.Load, tile: str):
+        return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, True)
+
+    prologue = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern)
+    body: list[str] = []
+    value = emit(node.prologue, prologue, body)
+    # TensorE needs both operands fp32 or both bf16: the ones take the data's dtype (products by 1 are exact).
+    if value.dtype not in ("float32", "bfloat16") or value.tile is None:
+        staged = allocator.new("moving", plan.free[0].tile)
+        body.append(f"nisa.tensor_copy(dst={staged}[0:rows, 0:cols], src={prologue.ref_text(value)})")
+        value = Ref(tile=staged)
+    body.append(f"nisa.nc_matmul(dst=column_sums[0:1, 0:cols], stationary=ones[0:rows, 0:1], "
+                f"moving={prologue.ref_text(value)}, accumulate=p0 > 0)")
+    result = allocator.new("sums", plan.free[0].tile)
+    count = math.prod(node.domain[d] for d in node.reduce_dims)
+    finish = ["rows = 1", f"nisa.tensor_copy(dst={result}[0:1, 0:cols], src=column_sums[0:1, 0:cols])"]
+    if node.op == "mean":
+        finish.append(f"nisa.tensor_scalar(dst={result}[0:1, 0:cols], data={result}[0:1, 0:cols], op0=nl.multiply, "
+                      f"operand0={1.0 / count!r})")
+    epilogue = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=result))
+    store_lines(node.stores, epilogue, patterns, free, True, finish)
+    context = kernel_context(node, plan, name, parameters, allocations=allocator.lines, body=body, finish=finish,
+                      ones_dtype=NL_DTYPES[value.dtype])
+    return render_template("column_reduction.py.j2", **context)
+
+
+def _ops_of(expr: ir.Expr) -> set[str]:
+    if isinstance(expr, ir.Op):
+        return {expr.op}.union(*(_ops_of(arg) for arg in expr.args))
+    return set()
+
+
+def _reduced_output_reason(group: ir.Reduction, consumer) -> str:
+    reduced = [size for dim, size in enumerate(group.domain) if dim not in group.reduce_dims]
+    return (f"domain {list(consumer.domain)} is not the reduction's output {reduced}: the result is "
+            "broadcast back over the reduced dims, which needs the whole row first")
+
+
+def _row_fusion_reason(group: ir.Reduction, consumer: ir.Pointwise) -> str | None:
+    """None if ``consumer`` (over the reduction's whole domain) may become a row epilogue of ``group``."""
+    row = math.prod(group.domain[dim] for dim in group.reduce_dims)
+    if row > ROW_FUSION_MAX_ROW:
+        return f"a row epilogue would keep a {row}-element row in SBUF (limit {ROW_FUSION_MAX_ROW})"
+    stores = stored_exprs(group.stores + group.row_stores)
+    varying = False
+    for load in loads(consumer):
+        if load.buffer in stores:
+            if load.layout != stores[load.buffer].layout:
+                return f"{load.buffer} is read through a view that changes the index map"
+            varying |= any(store is stores[load.buffer] for store in group.row_stores)
+        else:
+            varying |= any(load.layout.strides[dim] != 0 for dim in group.reduce_dims)
+    if not varying:
+        return "the consumer is constant along the row (a broadcast of the reduced value)"
+    if "where" in set().union(*(_ops_of(store.expr) for store in consumer.stores)):
+        return "where in a row epilogue"
+    return None
+
+
+class ReductionKind(ProloguedKind):
+    node_type = ir.Reduction
+    name = "reduction"
+
+    def stores(self, node):
+        return tuple(node.stores) + tuple(node.row_stores)
+
+    def exprs(self, node):
+        return super().exprs(node) + [store.expr for store in node.row_stores]
+
+    def map_exprs(self, node, fn):
+        node = super().map_exprs(node, fn)
+        return dataclasses.replace(
+            node, row_stores=tuple(dataclasses.replace(store, expr=fn(store.expr)) for store in node.row_stores))
+
+    def describe(self, node):
+        lines = [super().describe(node)]
+        lines += [f"  {store.buffer.name} (over the row) = {store.expr}" for store in node.row_stores]
+        return "\n".join(lines)
+
+    def describe_head(self, node):
+        return f" {node.op} over {list(node.reduce_dims)}\n  prologue: {node.prologue}"
+
+    def restate(self, layout, group):
+        """Consumers over the reduced output (kept dims, with or without size-1 reduced dims) in input coordinates:
+        stride 0 along the reduced dims."""
+        domain = group.domain
+        out_shape = tuple(size for dim, size in enumerate(domain) if dim not in group.reduce_dims)
+        keep_shape = tuple(1 if dim in group.reduce_dims else size for dim, size in enumerate(domain))
+        if layout.shape == keep_shape:
+            strides = tuple(0 if dim in group.reduce_dims else s for dim, s in enumerate(layout.strides))
+            return ir.Layout(domain, strides, layout.offset)
+        if layout.shape == out_shape:
+            kept = iter(layout.strides)
+            strides = tuple(0 if dim in group.reduce_dims else next(kept) for dim in range(len(domain)))
+            return ir.Layout(domain, strides, layout.offset)
+        return None
+
+    def _is_row_epilogue(self, group, consumer) -> bool:
+        return any(self.restate(store.layout, group) is None for store in consumer.stores)
+
+    def epilogue_reason(self, group, consumer, outside):
+        if self._is_row_epilogue(group, consumer):
+            if consumer.domain == group.domain:
+                return _row_fusion_reason(group, consumer)
+            return _reduced_output_reason(group, consumer)
+        if group.row_stores:
+            return "the reduction already has a row epilogue; its reduced outputs take no other epilogue"
+        return matching_index_reason(self, group, consumer)
+
+    def merge_epilogue(self, group, consumer):
+        if not (consumer.domain == group.domain and self._is_row_epilogue(group, consumer)):
+            return super().merge_epilogue(group, consumer)
+        stores = stored_exprs(self.stores(group))
+
+        def inline(leaf):
+            return stores[leaf.buffer].expr if isinstance(leaf, ir.Load) and leaf.buffer in stores else leaf
+
+        inlined = tuple(ir.Store(store.buffer, ir.map_leaves(store.expr, inline), store.layout)
+                        for store in consumer.stores)
+        return dataclasses.replace(group, row_stores=group.row_stores + inlined)
+
+    def prune(self, node, needed):
+        return dataclasses.replace(
+            node, stores=tuple(store for store in node.stores if store.buffer.name in needed),
+            row_stores=tuple(store for store in node.row_stores if store.buffer.name in needed))
+
+    def plan(self, node, target):
+        return plan_reduction(node, target)
+
+    def render(self, node, plan, name, parameters):
+        if plan.kind == "column_reduction":
+            return render_column_reduction(node, plan, name, parameters)
+        return render_reduction(node, plan, name, parameters)
+
+
+register_kind(ReductionKind())

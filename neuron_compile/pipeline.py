@@ -1,0 +1,232 @@
+"""The compiler as one list of named passes, from an ATen graph to launched kernels.
+
+Input: an aot_autograd ATen graph (already decomposed by our table, backend.py) and, per call signature, its
+arguments. Output: for each NKI region, a ``CompiledRegion`` ready to launch.
+
+``PASSES`` is the order, as data: graph passes (``specialize``, ``partition``) run once per graph and call
+signature (runtime/compiled_graph.py drives them); region passes (``lower`` ... ``load``) run per NKI region
+(``compile_region``). Every pass is a function of the previous pass's output and a ``PassContext``, and has a
+``describe`` that prints its output: with ``NEURON_COMPILE_DUMP`` set, the IR after every pass is written to the
+dump (``on_pass`` receives each pass's name and text). Every failure in a region pass is a ``LoweringError``
+that names the op or the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from neuron_compile import ir, kinds
+from neuron_compile.codegen.render import KernelSource, render_kernel
+from neuron_compile.hardware import get_target
+from neuron_compile.lowering import LoweredRegion, LoweringError, lower_graph
+from neuron_compile.passes.activation_ranges import guard_activation_ranges
+from neuron_compile.passes.fusion import FusionResult, fuse
+from neuron_compile.passes.partition import partition_graph
+from neuron_compile.passes.specialize import specialize
+from neuron_compile.passes.tiling import TilingError, plan_kernel
+from neuron_compile.runtime.launcher import select_launcher
+from neuron_compile.runtime.region import CompiledRegion
+from neuron_compile.tiles import TilePlan
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    name: str
+    level: str  # "graph": once per graph and signature; "region": once per NKI region
+    run: Callable  # (value, PassContext) -> value
+    describe: Callable[[object], str]  # the pass's output as text, for dumps
+
+
+@dataclasses.dataclass
+class PassContext:
+    config: object = None
+    target: object = None
+    example_inputs: list = dataclasses.field(default_factory=list)  # the graph's (or region's) arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedRegion:
+    lowered: LoweredRegion
+    kernels: list[ir.Node]
+    decisions: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedKernel:
+    name: str
+    node: ir.Node
+    plan: TilePlan
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedRegion:
+    fused: FusedRegion
+    kernels: list[PlannedKernel]
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderedRegion:
+    """What loading needs (and the on-disk cache will keep): the kernel sources and the region's metadata."""
+
+    fused: FusedRegion
+    sources: list[KernelSource]
+
+
+# ---------------------------------------------------------------- graph passes
+
+
+def _specialize(gm: torch.fx.GraphModule, context: PassContext) -> torch.fx.GraphModule:
+    return specialize(gm, context.example_inputs)
+
+
+def _partition(gm: torch.fx.GraphModule, context: PassContext):
+    return partition_graph(gm, context.target)
+
+
+def _describe_partition(partitioned) -> str:
+    return f"{partitioned.report}\n{partitioned.graph_module.graph}"
+
+
+# ---------------------------------------------------------------- region passes
+
+
+def _propagate_meta(gm: torch.fx.GraphModule, example_inputs) -> None:
+    """Fill meta['val'] with FakeTensors where tracing did not (FakeTensorProp over the example inputs)."""
+    computing = [node for node in gm.graph.nodes if node.op in ("placeholder", "call_function")]
+    if all("val" in node.meta for node in computing):
+        return
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # torch's own, loaded when needed
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    fakes = [value for value in example_inputs if isinstance(value, FakeTensor)]
+    if fakes:
+        FakeTensorProp(gm, mode=fakes[0].fake_mode).propagate_dont_convert_inputs(*example_inputs)
+    else:
+        FakeTensorProp(gm, mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(*example_inputs)
+
+
+def _lower(gm: torch.fx.GraphModule, context: PassContext) -> LoweredRegion:
+    _propagate_meta(gm, list(context.example_inputs))
+    return lower_graph(gm, context.target)
+
+
+def _guard_ranges(lowered: LoweredRegion, context: PassContext) -> LoweredRegion:
+    return dataclasses.replace(lowered, nodes=guard_activation_ranges(lowered.nodes))
+
+
+def check_single_writer(kernels: list[ir.Node]) -> None:
+    """Every buffer is written by one kernel. A launch returns each output buffer whole (the simulator's outputs
+    are fresh arrays; on the device each kernel owns its outputs), so a second writer would replace the first's
+    elements: a lowering that writes one buffer in pieces must emit one node (ir.Concat), never several."""
+    writers: dict[str, str] = {}
+    for node in kernels:
+        for buffer in {store.buffer.name for store in kinds.stores(node)}:
+            if buffer in writers:
+                raise LoweringError(f"buffer {buffer} is written by two kernels ({writers[buffer]} and {node.name})")
+            writers[buffer] = node.name
+
+
+def _fuse(lowered: LoweredRegion, context: PassContext) -> FusedRegion:
+    region_outputs = {value.buffer for value in lowered.outputs} | {value.buffer for _, value in lowered.mutations}
+    fused: FusionResult = fuse(lowered.nodes, region_outputs)
+    check_single_writer(fused.kernels)
+    return FusedRegion(lowered, fused.kernels, fused.decisions)
+
+
+def kernel_name(node: ir.Node, index: int) -> str:
+    return f"{kinds.kind_of(node).name}_kernel_{index}"
+
+
+def _plan_tiles(fused: FusedRegion, context: PassContext) -> PlannedRegion:
+    planned = []
+    for index, node in enumerate(fused.kernels):
+        name = kernel_name(node, index)
+        try:
+            planned.append(PlannedKernel(name, node, plan_kernel(node, context.target)))
+        except TilingError as error:
+            raise LoweringError(f"kernel {name}: shape beyond tiling: {error}") from error
+    return PlannedRegion(fused, planned)
+
+
+def _render(planned: PlannedRegion, context: PassContext) -> RenderedRegion:
+    sources = []
+    for kernel in planned.kernels:
+        parameters = sorted({load.buffer for load in kinds.loads(kernel.node)})
+        try:
+            sources.append(render_kernel(kernel.node, kernel.plan, kernel.name, parameters))
+        except Exception as error:  # noqa: BLE001 -- a renderer bug becomes this region's named failure
+            raise LoweringError(f"kernel {kernel.name} ({kernel.node.name}) could not be rendered: {error}") from error
+    return RenderedRegion(planned.fused, sources)
+
+
+def _load(rendered: RenderedRegion, context: PassContext) -> CompiledRegion:
+    launcher = select_launcher(context.config, context.target)
+    lowered = rendered.fused.lowered
+    return CompiledRegion(
+        lowered.inputs, [launcher.load(source) for source in rendered.sources], lowered.outputs, lowered.aten_nodes,
+        context.target, rendered.fused.decisions, lowered.buffers, lowered.mutations, lowered.output_dtypes,
+        launcher=launcher,
+    )
+
+
+# ---------------------------------------------------------------- descriptions
+
+
+def _describe_lowered(lowered: LoweredRegion) -> str:
+    inputs = ", ".join(f"{buffer.name}: {buffer.dtype} {buffer.layout}" for buffer in lowered.inputs)
+    outputs = ", ".join(f"{value.buffer} {value.layout}" for value in lowered.outputs)
+    return "\n".join([f"inputs: {inputs}", *(kinds.describe(node) for node in lowered.nodes), f"outputs: {outputs}"])
+
+
+def _describe_fused(fused: FusedRegion) -> str:
+    return "\n".join([*fused.decisions, *(kinds.describe(node) for node in fused.kernels)])
+
+
+def _describe_planned(planned: PlannedRegion) -> str:
+    return "\n".join(f"{kernel.name}: {kernel.plan.describe()}" for kernel in planned.kernels)
+
+
+def _describe_rendered(rendered: RenderedRegion) -> str:
+    return "\n".join(f"# ---- {source.name}\n{source.source}" for source in rendered.sources)
+
+
+def _describe_loaded(region: CompiledRegion) -> str:
+    return f"{len(region.kernels)} kernels loaded by {type(region.launcher).__name__}"
+
+
+PASSES: tuple[Pass, ...] = (
+    Pass("specialize", "graph", _specialize, lambda gm: str(gm.graph)),
+    Pass("partition", "graph", _partition, _describe_partition),
+    Pass("lower", "region", _lower, _describe_lowered),
+    Pass("guard ranges", "region", _guard_ranges, _describe_lowered),
+    Pass("fuse", "region", _fuse, _describe_fused),
+    Pass("plan tiles", "region", _plan_tiles, _describe_planned),
+    Pass("render", "region", _render, _describe_rendered),
+    Pass("load", "region", _load, _describe_loaded),
+)
+
+OnPass = Callable[[str, str], None]  # (pass name, its output as text)
+
+
+def run_passes(level: str, value, context: PassContext, on_pass: OnPass | None = None):
+    """Run every pass of ``level`` in order on ``value``; ``on_pass`` sees each one's output as text."""
+    for step in PASSES:
+        if step.level == level:
+            value = step.run(value, context)
+            if on_pass is not None:
+                on_pass(step.name, step.describe(value))
+    return value
+
+
+def configured_target(config):
+    """The hardware target a Config names (None: the default target)."""
+    return get_target(getattr(config, "target", None) if config is not None else None)
+
+
+def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None, on_pass: OnPass | None = None):
+    """The region passes on one NKI region: lower, guard ranges, fuse, plan tiles, render, load."""
+    context = PassContext(config, configured_target(config), list(example_inputs))
+    return run_passes("region", gm, context, on_pass)

@@ -1,0 +1,88 @@
+"""Tile plans: the data the tiling pass produces and codegen consumes, and the budget rules planners share.
+
+Input: nothing (definitions). Each kernel kind's planner (neuron_compile.kinds) builds a ``TilePlan`` — the
+kernel's loop nest as ``LoopDim``s — with ``free_tile`` and ``count_tiles`` keeping it inside the SBUF share of
+the target, and raises ``TilingError`` (naming the rule and the values) when a shape does not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from neuron_compile import ir
+from neuron_compile.dims import LoopDim
+from neuron_compile.limits import SBUF_SHARE
+
+FP32_BYTES = 4
+MAX_FREE_TILE = 4096  # elements per partition per tile: >= 2 KiB / partition DMA transfers, small enough to unroll
+TRANSPOSE_BLOCK = 128  # rows per TensorE transpose (nc_transpose moves at most [128, 128])
+
+
+class TilingError(RuntimeError):
+    """A kernel's shape does not fit the target's on-chip limits; the message names the rule and the values."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+    """Loop nest of one kernel. ``outer`` are per-element loops, ``partition`` the SBUF partition dim,
+    ``free`` the per-partition dims of a tile (pointwise: one; reductions: the reduced dims)."""
+
+    kind: str  # pointwise | reduction | column_reduction | row_normalize | scan | matmul | concat | gather | scatter
+    outer: tuple[LoopDim, ...]
+    partition: LoopDim
+    free: tuple[LoopDim, ...]
+    tiles_per_iteration: int  # SBUF tiles the body keeps live (for the budget)
+    k_tile: int = 0  # matmul only
+    k_tiles: int = 0
+    # matmul only: the moving operand (b^T rows, W stored [N, K]) is transposed and multiplied one K chunk at a
+    # time instead of kept whole per N tile (large K: the kept chunks would not fit SBUF); N tiles are 128 wide
+    stream_moving: bool = False
+    parts: tuple[TilePlan, ...] = ()  # concat only: one pointwise plan per input
+    cross_partition: bool = False  # reduction only: the reduced dim is spread over partitions too
+
+    def describe(self) -> str:
+        def fmt(dim):
+            return f"{dim.size}/{dim.tile}"
+
+        outer = ", ".join(fmt(d) for d in self.outer) or "-"
+        free = ", ".join(fmt(d) for d in self.free)
+        text = f"{self.kind}: outer [{outer}] partition {fmt(self.partition)} free [{free}]"
+        if self.kind == "concat":
+            return "concat: " + "; ".join(part.describe() for part in self.parts)
+        if self.kind == "matmul":
+            text += f" K {self.k_tiles}x{self.k_tile}"
+            text += " (moving operand streamed per K chunk)" if self.stream_moving else ""
+        return text
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
+
+
+def free_tile(size: int, tiles: int, target) -> int:
+    budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE) // (max(tiles, 1) * FP32_BYTES)
+    return max(1, min(size, MAX_FREE_TILE, budget))
+
+
+def count_tiles(exprs: list[ir.Expr]) -> int:
+    """SBUF tiles an expression body needs: one per distinct load and per distinct operation, plus staging."""
+    seen: set = set()
+
+    def visit(expr):
+        if expr in seen or isinstance(expr, (ir.Scalar, ir.Result)):
+            return
+        seen.add(expr)
+        if isinstance(expr, ir.Op):
+            for arg in expr.args:
+                visit(arg)
+
+    for expr in exprs:
+        visit(expr)
+    return len(seen) + 2 * len(exprs) + 2
+
+
+def needs_transpose(partition_stride: int, free_stride: int) -> bool:
+    """Whether a matmul operand tile is better loaded with its dims swapped (contiguous rows) and transposed on
+    TensorE: a DMA whose innermost run is one element costs a burst per element; nc_transpose into PSUM and a copy
+    back to SBUF do not."""
+    return abs(partition_stride) == 1 and abs(free_stride) != 1
