@@ -18,6 +18,8 @@ from dataclasses import dataclass, replace
 
 import sympy
 
+from neuron_compile import op_table
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -96,7 +98,8 @@ class Result:
 
 @dataclass(frozen=True)
 class Op:
-    """An elementwise operation; ``dtype`` is set only for ``cast``.
+    """An elementwise operation; ``dtype`` is set only for ``cast``. ``op`` names an entry of the op table
+    (neuron_compile/op_table.py) and ``args`` has its arity: anything else raises ``op_table.OpTableError``.
 
     Expressions are DAGs: exact math (an argument reduction, a compensated sum) shares subexpressions thousands of
     times, so the hash is computed once per node and ``str`` writes each shared subexpression once.
@@ -107,6 +110,7 @@ class Op:
     dtype: str | None = None
 
     def __post_init__(self):
+        op_table.check(self.op, len(self.args))
         object.__setattr__(self, "_hash", hash((self.op, self.args, self.dtype)))
 
     def __hash__(self) -> int:
@@ -159,7 +163,8 @@ Expr = Load | Scalar | Result | Op | Iota
 
 
 def op(name: str, *args) -> Op:
-    """``Op(name, args)`` with plain numbers among ``args`` made Scalars: the builder the lowerings write math with."""
+    """``Op(name, args)`` with plain numbers among ``args`` made Scalars: the builder the lowerings write math with.
+    A name the op table does not list raises ``op_table.OpTableError`` naming it."""
     return Op(name, tuple(arg if isinstance(arg, Expr) else Scalar(float(arg)) for arg in args))
 
 
