@@ -101,5 +101,5 @@ def test_per_row_operands_load_one_element_per_partition():
     x, s = random_tensor((300, 200), seed=3), random_tensor((300, 1), seed=4)
     region = check_against_eager(lambda x, s: (x - s) * s, x, s)
     source = region.kernels[0].source
-    assert "src=arg1_1.ap([[1, rows], [0, 1]]" in source and "operand0=t_" in source
+    assert "src=arg1_1.ap([[1, rows], [0, 1]]" in source and "operand0=arg1_1_column_" in source
     assert "nisa.tensor_tensor" not in source

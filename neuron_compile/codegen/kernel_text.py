@@ -18,7 +18,7 @@ from pathlib import Path
 import jinja2
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope, emit, emit_store
+from neuron_compile.codegen.expressions import NL_DTYPES, AccessPattern, Ref, TileAllocator, TileScope, emit, emit_store
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import describe
 from neuron_compile.kind_registry import stores as stores_of
@@ -68,14 +68,14 @@ class Patterns:
     def outer_terms(self, layout: ir.Layout) -> list[tuple[str, int]]:
         return [(f"o{i}", dim.stride(layout)) for i, dim in enumerate(self.plan.outer)]
 
-    def hbm(self, tensor: str, layout: ir.Layout, free: list[tuple[LoopDim, str]], chunked_free: bool) -> str:
+    def hbm(self, tensor: str, layout: ir.Layout, free: list[tuple[LoopDim, str]], chunked_free: bool) -> AccessPattern:
         """``tensor.ap(...)`` for a [rows, free...] tile; ``chunked_free`` adds ``f0`` for the first free dim."""
         partition = self.plan.partition
         terms = self.outer_terms(layout) + [("p0", partition.stride(layout))]
         if chunked_free and free:
             terms.append(("f0", free[0][0].stride(layout)))
-        entries = [f"[{partition.stride(layout)}, rows]"] + [f"[{dim.stride(layout)}, {count}]" for dim, count in free]
-        return f"{tensor}.ap([{', '.join(entries)}], offset={offset_text(layout.offset, terms)})"
+        entries = [(partition.stride(layout), "rows")] + [(dim.stride(layout), count) for dim, count in free]
+        return AccessPattern(tensor, tuple(entries), offset_text(layout.offset, terms))
 
 
 def render_template(template: str, **context) -> str:
