@@ -25,12 +25,14 @@ import operator
 
 import torch
 
+from neuron_compile.limits import FP32_EXACT_INTEGER
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 RANGE_KEY = "neuron_value_range"
 # Integers with |v| <= 2**24 are exact fp32 values; a little below it so fp32-rounded float bounds stay sound.
-EXACT_INTEGER_BOUND = 2**24 - 2**10
+EXACT_INTEGER_BOUND = FP32_EXACT_INTEGER - 2**10
 
 
 @dataclasses.dataclass(frozen=True)
