@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import architecture
 
-# Open, with the work that removes it (issue 9): the op table makes _emit_op table-driven.
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
-KNOWN_LONG_FUNCTIONS = {("neuron_compile.codegen.expressions", "_emit_op")}
+KNOWN_LONG_FUNCTIONS: set[tuple[str, str]] = set()
 
 
 def test_no_import_cycle():
