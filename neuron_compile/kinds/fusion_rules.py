@@ -80,7 +80,17 @@ def merge_as_prologue(producer, consumer):
     return dataclasses.replace(consumer, prologue=ir.map_leaves(consumer.prologue, inline_producer))
 
 
-class ProloguedKind(KernelKind):
+class MatchingIndexEpilogue(KernelKind):
+    """A kind whose elementwise consumers join it when they read it with its own index map (Inductor's rule)."""
+
+    def epilogue_reason(self, group, consumer, outside):
+        return matching_index_reason(self, group, consumer)
+
+    def merge_epilogue(self, group, consumer):
+        return merge_as_epilogue(self, group, consumer)
+
+
+class ProloguedKind(MatchingIndexEpilogue):
     """A kind with a prologue expression over its domain (reduction, row normalize, scan): it absorbs pointwise
     producers and takes pointwise consumers over its domain as epilogues."""
 
@@ -93,11 +103,9 @@ class ProloguedKind(KernelKind):
         node = super().map_exprs(node, fn)
         return dataclasses.replace(node, prologue=fn(node.prologue))
 
-    def epilogue_reason(self, group, consumer, outside):
-        return matching_index_reason(self, group, consumer)
-
-    def merge_epilogue(self, group, consumer):
-        return merge_as_epilogue(self, group, consumer)
+    def describe_head(self, node):
+        """A row along one dim (row normalize, scan); the reduction's several dims say so themselves."""
+        return f" {node.op} over {node.dim}\n  prologue: {node.prologue}"
 
     def prologue_reason(self, producer, consumer, outside):
         return prologue_reason(producer, consumer, outside)

@@ -14,8 +14,8 @@ from neuron_compile import ir
 from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, offset_text, render_template, store_lines
 from neuron_compile.dims import LoopDim
-from neuron_compile.kind_registry import KernelKind, register_kind
-from neuron_compile.kinds.fusion_rules import matching_index_reason, merge_as_epilogue
+from neuron_compile.kind_registry import register_kind
+from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import TRANSPOSE_BLOCK, TilePlan, TilingError, count_tiles, needs_transpose
 
@@ -100,7 +100,7 @@ def render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[s
     return render_template("matmul.py.j2", **context)
 
 
-class MatMulKind(KernelKind):
+class MatMulKind(MatchingIndexEpilogue):
     node_type = ir.MatMul
     name = "matmul"
 
@@ -114,12 +114,6 @@ class MatMulKind(KernelKind):
         if len(layout.shape) == 2 and group.domain[0] == 1:  # mm's domain has a size-1 batch dim
             layout = ir.Layout((1, *layout.shape), (0, *layout.strides), layout.offset)
         return super().restate(layout, group)
-
-    def epilogue_reason(self, group, consumer, outside):
-        return matching_index_reason(self, group, consumer)
-
-    def merge_epilogue(self, group, consumer):
-        return merge_as_epilogue(self, group, consumer)
 
     def plan(self, node, target):
         return plan_matmul(node, target)

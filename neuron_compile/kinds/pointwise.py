@@ -14,8 +14,8 @@ from neuron_compile import ir
 from neuron_compile.codegen.expressions import TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, render_template, store_lines
 from neuron_compile.dims import LoopDim, collapse
-from neuron_compile.kind_registry import KernelKind, register_kind
-from neuron_compile.kinds.fusion_rules import matching_index_reason, merge_as_epilogue
+from neuron_compile.kind_registry import register_kind
+from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
 from neuron_compile.tiles import TilePlan, count_tiles, free_tile, largest_divisor_at_most
 
 
@@ -56,16 +56,10 @@ def pointwise_body(node: ir.Pointwise, plan: TilePlan, allocator: TileAllocator)
     return body
 
 
-class PointwiseKind(KernelKind):
+class PointwiseKind(MatchingIndexEpilogue):
     node_type = ir.Pointwise
     name = "pointwise"
     elementwise = True
-
-    def epilogue_reason(self, group, consumer, outside):
-        return matching_index_reason(self, group, consumer)
-
-    def merge_epilogue(self, group, consumer):
-        return merge_as_epilogue(self, group, consumer)
 
     def plan(self, node, target):
         return plan_pointwise(node, target)

@@ -73,9 +73,6 @@ class RowNormalizeKind(ProloguedKind):
     node_type = ir.RowNormalize
     name = "row_normalize"
 
-    def describe_head(self, node):
-        return f" {node.op} over {node.dim}\n  prologue: {node.prologue}"
-
     def plan(self, node, target):
         return plan_row_normalize(node, target)
 

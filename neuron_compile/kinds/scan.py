@@ -14,7 +14,7 @@ import dataclasses
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import Ref, TileAllocator, TileScope, fp32_tile, emit, number
+from neuron_compile.codegen.expressions import Ref, TileAllocator, TileScope, emit, fp32_tile, number
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, render_template, row_scopes, store_lines
 from neuron_compile.kind_registry import register_kind
 from neuron_compile.kinds.fusion_rules import ProloguedKind
@@ -270,9 +270,6 @@ def plan_scan(node: ir.Scan, target) -> TilePlan:
 class ScanKind(ProloguedKind):
     node_type = ir.Scan
     name = "scan"
-
-    def describe_head(self, node):
-        return f" {node.op} over {node.dim}\n  prologue: {node.prologue}"
 
     def plan(self, node, target):
         return plan_scan(node, target)

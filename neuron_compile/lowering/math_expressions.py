@@ -38,6 +38,14 @@ def where(condition, a, b):
     return ir.op("where", condition, a, b)
 
 
+def minimum(a, b):
+    return ir.op("minimum", a, b)
+
+
+def maximum(a, b):
+    return ir.op("maximum", a, b)
+
+
 def both(a, b):  # logical and of two 0/1 predicates
     return ir.op("mul", a, b)
 

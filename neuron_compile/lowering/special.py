@@ -38,6 +38,8 @@ from neuron_compile.lowering.math_expressions import (
     gt,
     le,
     lt,
+    maximum,
+    minimum,
     mul,
     ne,
     round_half_even,
@@ -52,14 +54,6 @@ from neuron_compile.passes.activation_ranges import safe_log
 
 aten = torch.ops.aten
 NAN = math.nan
-
-
-def minimum(a, b):
-    return ir.op("minimum", a, b)
-
-
-def maximum(a, b):
-    return ir.op("maximum", a, b)
 
 
 def keep_nan(x, value):
