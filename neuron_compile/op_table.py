@@ -1,9 +1,10 @@
 """The expression op table: every op an ``ir.Op`` may name, and what each one is on the hardware.
 
 Input: nothing (definitions). Output: ``OPS``, name -> ``OpSpec``. ``ir.Op`` refuses a name that is not here;
-codegen (codegen/expressions.py) renders an op from its ``form`` and NKI operator; the range-guard pass
-(passes/activation_ranges.py) reads the valid input ranges and the ``*_in_range`` forms; the cost model and value
-ranges can read the cost class and the integer exactness. This module imports neither the IR nor codegen.
+codegen (codegen/expressions.py) renders an op from its ``form`` and NKI operator; the guarded forms
+(guarded_math.py, used by the range-guard pass) read the valid input ranges and the ``*_in_range`` forms; the cost
+model and value ranges can read the cost class and the integer exactness. This module imports neither the IR nor
+codegen.
 
 Per op:
 
@@ -128,7 +129,7 @@ _SPECS = [
     _activation("sqrt", "nl.sqrt", SQRT_RANGE, "sqrt_in_range"),
     _activation("rsqrt", "nl.rsqrt", RSQRT_RANGE, "rsqrt_in_range"),
     _activation("reciprocal", "nl.reciprocal", RECIPROCAL_RANGE, "reciprocal_in_range"),
-    # the bare instructions, for arguments already inside their valid ranges (passes/activation_ranges.py)
+    # the bare instructions, for arguments already inside their valid ranges (guarded_math.py)
     _activation("log_in_range", "nl.log", LOG_RANGE),
     _activation("sqrt_in_range", "nl.sqrt", SQRT_RANGE),
     _activation("rsqrt_in_range", "nl.rsqrt", RSQRT_RANGE),

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from neuron_compile import ir, op_table
+from neuron_compile import guarded_math, ir, op_table
 from neuron_compile.codegen import expressions
 from neuron_compile.codegen.expressions import AccessPattern, Ref, TileAllocator, TileScope
 from neuron_compile.passes import activation_ranges
@@ -182,7 +182,7 @@ def test_iota_restates_the_load_access_pattern():
 
 def test_the_range_guard_pass_guards_the_tables_range_limited_functions():
     limited = {name for name, entry in op_table.OPS.items() if entry.in_range_form is not None}
-    assert set(activation_ranges.GUARDED) == limited == set(activation_ranges.EXPANSIONS)
+    assert set(guarded_math.GUARDED) == limited == set(guarded_math.EXPANSIONS)
     x = ir.Load("x", LAYOUT, "float32")
     for name in limited:
         text = str(activation_ranges.guard_expression(ir.op(name, x)))
@@ -190,14 +190,14 @@ def test_the_range_guard_pass_guards_the_tables_range_limited_functions():
 
 
 def test_the_range_guard_pass_checks_its_scalings_against_the_tables_ranges(monkeypatch):
-    activation_ranges.check_scalings()  # the table as it is: every scaled input is inside its range
+    guarded_math.check_scalings()  # the table as it is: every scaled input is inside its range
     for name, narrow in [("log_in_range", (2.0**-40, 2.0**64)), ("rsqrt_in_range", (2.0**-87, 2.0**90)),
                          ("reciprocal_in_range", (2.0**-42, 1.5))]:
         spec = op_table.OPS[name]
         valid = dataclasses.replace(spec.valid_range, low=narrow[0], high=narrow[1])
         monkeypatch.setitem(op_table.OPS, name, dataclasses.replace(spec, valid_range=valid))
-        with pytest.raises(activation_ranges.RangeGuardError, match=name):
-            activation_ranges.check_scalings()
+        with pytest.raises(guarded_math.RangeGuardError, match=name):
+            guarded_math.check_scalings()
         monkeypatch.setitem(op_table.OPS, name, spec)
 
 

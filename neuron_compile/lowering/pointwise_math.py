@@ -42,7 +42,7 @@ from neuron_compile.lowering.math_expressions import (
 )
 from neuron_compile.lowering.pointwise import emit_pointwise, load_input, load_operand
 from neuron_compile.lowering.registry import register_lowering
-from neuron_compile.passes.activation_ranges import safe_log
+from neuron_compile.guarded_math import safe_log
 
 aten = torch.ops.aten
 

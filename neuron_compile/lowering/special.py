@@ -50,7 +50,7 @@ from neuron_compile.lowering.pointwise import emit_pointwise, load_input
 from neuron_compile.lowering.pointwise_math import log1p
 from neuron_compile.lowering.registry import INTEGER_OPS, TensorValue, load, register_lowering
 from neuron_compile.lowering.trigonometry import sin
-from neuron_compile.passes.activation_ranges import safe_log
+from neuron_compile.guarded_math import safe_log
 
 aten = torch.ops.aten
 NAN = math.nan

@@ -1,0 +1,143 @@
+"""IR expression builders shared by lowering and the range-guard pass: exact guarded forms of the range-limited
+Scalar-engine functions (log, sqrt, rsqrt, reciprocal).
+
+Input: an IR expression ``x``. Output: an IR expression equal to ``f(x)`` for every fp32 ``x`` in which the bare
+instruction (the op table's ``*_in_range`` op) only ever sees values inside its valid range: finite nonzero inputs
+are brought into range by power-of-two scalings (exact multiplies, undone on the result) and the special inputs
+(0, -0.0, inf, negatives, nan) select their IEEE results.
+
+Why a module of its own: lowerings that build these forms directly (log1p, the special functions) and the
+range-guard pass (passes/activation_ranges.py) both need them; ``check_scalings`` proves at import that every
+value reaching a bare instruction lies inside the op table's range for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from neuron_compile import ir, op_table
+
+INF = math.inf
+FP32_MAX = 2.0**128  # above every finite fp32 (the largest is just below it)
+FP32_SMALLEST = 2.0**-149  # the smallest positive (subnormal) fp32
+
+# The range-limited functions (log, sqrt, rsqrt, reciprocal), each with the op of its bare instruction.
+RANGE_LIMITED = op_table.range_limited()
+GUARDED = tuple(RANGE_LIMITED)
+
+
+class RangeGuardError(RuntimeError):
+    """A guarded expansion would feed its bare instruction a value outside the op table's valid range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaling:
+    """Finite positive x above ``big`` is multiplied by ``big_scale``, below ``small`` by ``small_scale`` (exact
+    powers of two, undone on the result); the rest goes to the instruction as it is."""
+
+    big: float
+    small: float
+    big_scale: float
+    small_scale: float
+
+    def reaching(self) -> list[tuple[float, float]]:
+        """The intervals of values the instruction sees (plus 1.0, which stands in for the special inputs)."""
+        return [(self.small, self.big), (self.big * self.big_scale, FP32_MAX * self.big_scale),
+                (FP32_SMALLEST * self.small_scale, self.small * self.small_scale), (1.0, 1.0)]
+
+
+SCALINGS = {
+    "log": Scaling(2.0**63, 2.0**-63, 2.0**-64, 2.0**100),  # 2**-149 * 2**100 = 2**-49
+    "sqrt": Scaling(2.0**100, 2.0**-100, 2.0**-100, 2.0**100),  # even powers: sqrt halves them exactly
+    "rsqrt": Scaling(2.0**96, 2.0**-86, 2.0**-100, 2.0**100),
+}
+# reciprocal: y * 2**(127 - E) lies in [1, 2) for normal y; a subnormal lands in [2**-22, 1)
+RECIPROCAL_REACHING = [(2.0**-22, 2.0), (1.0, 1.0)]
+
+
+def _in_range(name: str) -> str:
+    """The op of ``name``'s bare instruction (``log_in_range`` for ``log``)."""
+    return RANGE_LIMITED[name].in_range_form
+
+
+_op = ir.op
+
+
+def check_scalings() -> None:
+    """Every value each guarded expansion feeds its bare instruction lies inside the op table's valid range of that
+    instruction; raise ``RangeGuardError`` naming the function, the range and the values otherwise."""
+    reaching = {name: scaling.reaching() for name, scaling in SCALINGS.items()} | {"reciprocal": RECIPROCAL_REACHING}
+    if set(reaching) != set(RANGE_LIMITED):
+        raise RangeGuardError(f"range-limited functions {sorted(RANGE_LIMITED)}, expansions for {sorted(reaching)}")
+    for name, intervals in reaching.items():
+        valid = op_table.spec(_in_range(name)).valid_range
+        for low, high in intervals:
+            if valid is not None and not valid.contains_interval(low, high):
+                raise RangeGuardError(f"{name}: [{low}, {high}] reaches {_in_range(name)}, valid on {valid} only")
+
+
+def _finite_positive(x) -> ir.Op:
+    return _op("mul", _op("gt", x, 0.0), _op("lt", x, INF))  # false for nan
+
+
+def _scaled(x, scaling: Scaling):
+    """(x scaled into range, a 0/1 ``big`` flag, a 0/1 ``small`` flag) by exact powers of two."""
+    big, small = _op("gt", x, scaling.big), _op("lt", x, scaling.small)
+    scaled = _op("where", big, _op("mul", x, scaling.big_scale),
+                 _op("where", small, _op("mul", x, scaling.small_scale), x))
+    return scaled, big, small
+
+
+def safe_log(u) -> ir.Op:
+    """log(u): large u scaled by 2**-64, small positive ones by 2**100 (2**-149 * 2**100 = 2**-49), the exponent
+    added back as a multiple of ln 2; 0 -> -inf, inf -> inf, negatives and nan -> nan."""
+    scaled, big, small = _scaled(u, SCALINGS["log"])
+    offset = _op("where", big, 64 * math.log(2.0), _op("where", small, -100 * math.log(2.0), 0.0))
+    positive = _finite_positive(u)
+    core = _op("add", _op(_in_range("log"), _op("where", positive, scaled, 1.0)), offset)
+    special = _op("where", _op("eq", u, 0.0), -INF, _op("where", _op("eq", u, INF), INF, math.nan))
+    return _op("where", positive, core, special)
+
+
+def safe_sqrt(v) -> ir.Op:
+    """sqrt(v) = sqrt(v * 4**k) / 2**k; sqrt(+-0) = +-0, sqrt(inf) = inf, negatives and nan -> nan."""
+    scaled, big, small = _scaled(v, SCALINGS["sqrt"])
+    factor = _op("where", big, 2.0**50, _op("where", small, 2.0**-50, 1.0))
+    positive = _finite_positive(v)
+    core = _op("mul", _op(_in_range("sqrt"), _op("where", positive, scaled, 1.0)), factor)
+    special = _op("where", _op("eq", v, 0.0), v, _op("where", _op("eq", v, INF), INF, math.nan))
+    return _op("where", positive, core, special)
+
+
+def safe_rsqrt(v) -> ir.Op:
+    """1/sqrt(v) = rsqrt(v * 4**k) * 2**k; rsqrt(+-0) = +-inf, rsqrt(inf) = 0, negatives and nan -> nan."""
+    scaled, big, small = _scaled(v, SCALINGS["rsqrt"])
+    factor = _op("where", big, 2.0**-50, _op("where", small, 2.0**50, 1.0))
+    positive = _finite_positive(v)
+    core = _op("mul", _op(_in_range("rsqrt"), _op("where", positive, scaled, 1.0)), factor)
+    zero = _op("copysign", INF, v)
+    special = _op("where", _op("eq", v, 0.0), zero, _op("where", _op("eq", v, INF), 0.0, math.nan))
+    return _op("where", positive, core, special)
+
+
+def safe_reciprocal(y) -> ir.Op:
+    """1 / y: |y| >= 2**100 is first scaled by 2**-64; then y * 2**(127 - E) lies in [1, 2) (E the biased
+    exponent; a subnormal lands in [2**-22, 1)), its reciprocal is in range, and the same power of two scales it
+    back (overflow and underflow round as a single division would, to a subnormal ulp). 1/+-0 = +-inf,
+    1/+-inf = +-0, nan -> nan."""
+    magnitude = _op("abs", y)
+    huge = _op("ge", magnitude, 2.0**100)
+    reduced = _op("where", huge, _op("mul", magnitude, 2.0**-64), magnitude)
+    power = _op("inverse_power_of_two", reduced)
+    ordinary = _op("mul", _op("gt", magnitude, 0.0), _op("lt", magnitude, INF))
+    inverse = _op(_in_range("reciprocal"), _op("where", ordinary, _op("mul", reduced, power), 1.0))
+    core = _op("mul", _op("mul", inverse, power), _op("where", huge, 2.0**-64, 1.0))
+    special = _op("where", _op("eq", magnitude, 0.0), INF, _op("where", _op("eq", magnitude, INF), 0.0, math.nan))
+    return _op("copysign", _op("where", ordinary, core, special), y)
+
+
+EXPANSIONS = {"log": safe_log, "sqrt": safe_sqrt, "rsqrt": safe_rsqrt, "reciprocal": safe_reciprocal}
+if set(EXPANSIONS) != set(RANGE_LIMITED):
+    raise RangeGuardError(f"range-limited functions {sorted(RANGE_LIMITED)}, expansions for {sorted(EXPANSIONS)}")
+check_scalings()
