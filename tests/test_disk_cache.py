@@ -169,8 +169,8 @@ def test_key_ignores_names_and_follows_what_changes_kernels(tmp_path):
     renamed.recompile()
     assert first.code != renamed.code
 
-    def key(gm, inputs=(x,), config=Config(), target="trn2"):
-        return disk_cache.key_of(disk_cache.region_key_parts(gm, list(inputs), config, target))
+    def key(gm, inputs=(x,), config=None, target="trn2"):
+        return disk_cache.key_of(disk_cache.region_key_parts(gm, list(inputs), config or Config(), target))
 
     assert key(first) == key(renamed)
     assert key(first) == key(first, config=Config(cache_dir=str(tmp_path), fallback="raise", dump_dir="d"))
@@ -243,7 +243,7 @@ def test_four_processes_on_an_empty_cache(tmp_path):
 @pytest.mark.parametrize("mode", ["mid-write", "before-rename"])
 def test_a_writer_killed_mid_write_leaves_a_valid_cache(tmp_path, mode):
     done = subprocess.run([sys.executable, str(CHILD), "killed-write", str(tmp_path), mode], env=child_env(tmp_path),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == -9 and "not killed" not in done.stdout
     cache = DiskCache(tmp_path)
     leftovers = list(cache.directory.glob(f"*/{disk_cache.TEMP_PREFIX}*"))
