@@ -250,3 +250,36 @@ def test_a_writer_killed_mid_write_leaves_a_valid_cache(tmp_path, mode):
     assert leftovers  # the dead writer's temporary file, never an entry
     assert cache.entries() == [] and cache.verify() == [] and cache.lookup("ab" * 20) is None
     assert cache.clear() == 0 and not list(cache.directory.glob(f"*/{disk_cache.TEMP_PREFIX}*"))
+
+
+# ---------------------------------------------------------------- neuron-compile cache
+
+
+def test_cache_cli(tmp_path, capsys):
+    from neuron_compile import cli
+
+    x = torch.randn(130, 70)
+    compile_region(trace(lambda t: torch.softmax(t * 2.0, dim=-1), x), [x], Config(cache_dir=str(tmp_path)))
+    cache = DiskCache(tmp_path)
+    (key,) = [info.key for info in cache.entries()]
+    capsys.readouterr()
+    assert cli.main(["cache", "--dir", str(tmp_path), "ls"]) == 0
+    listing = capsys.readouterr().out
+    assert listing.startswith(key[:16]) and "trn2" in listing and "_softmax" in listing and "1 entries" in listing
+    assert cli.main(["cache", "--dir", str(tmp_path), "show", key[:6]]) == 0
+    shown = capsys.readouterr().out
+    assert f"key: {key}" in shown and "aten._softmax.default" in shown and "@nki.jit" in shown and "== kernel" in shown
+    assert cli.main(["cache", "--dir", str(tmp_path), "show", "zz"]) == 2
+    assert "no entry with a key starting 'zz'" in capsys.readouterr().err
+    assert cli.main(["cache", "--dir", str(tmp_path), "verify"]) == 0
+    assert "1 entries checked, 0 unusable" in capsys.readouterr().out
+    cache.entry_path(key).write_text("{truncated")
+    assert cli.main(["cache", "--dir", str(tmp_path), "verify", "--delete"]) == 1
+    assert f"{key}: not JSON" in capsys.readouterr().out and cache.entries() == []
+    cache.get_or_create(PARTS, lambda: {"value": 1})
+    assert cli.main(["cache", "--dir", str(tmp_path), "stats"]) == 0
+    assert "entries: 1" in capsys.readouterr().out
+    assert cli.main(["cache", "--dir", str(tmp_path), "clear"]) == 0
+    assert "deleted 1 entries" in capsys.readouterr().out and cache.entries() == []
+    assert cli.main(["cache", "ls"]) == 2  # the test run has NEURON_COMPILE_CACHE=off (conftest.py)
+    assert "the cache is off" in capsys.readouterr().err
