@@ -15,6 +15,10 @@ if AWS ``torch_neuronx`` already owns ``"neuron"``) and gives ``stats()``, ``res
 - ``regions_compiled`` / ``region_compile_failures``: NKI regions compiled into kernels / that failed to
   compile and ran eagerly (per signature); ``region_run_failures``: compiled regions that failed when run
   and run eagerly from then on.
+- ``disk_cache_hits`` / ``disk_cache_misses``: of the regions compiled, those loaded from the on-disk cache
+  (``NEURON_COMPILE_CACHE``: their lowering, fusion, tiling and rendering were skipped) / compiled and written to
+  it; ``disk_cache_corrupt``: entries found unusable (each also a miss, rewritten); ``disk_cache_evictions``:
+  entries deleted to keep the cache under ``NEURON_COMPILE_CACHE_SIZE``.
 - ``nki_nodes`` / ``fallback_nodes``: ATen nodes placed in NKI kernels / run eagerly (per signature);
   ``fallback_reasons`` is a Counter of ``"<op>: <reason>"`` for the eager ones.
 - ``kernels_launched``, ``hbm_bytes``, ``flops``, ``est_time_s``, ``roofline_s``: kernel launches and the
@@ -26,8 +30,8 @@ from neuron_compile.backend import register as _register
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.runtime import stats as _stats
 from neuron_compile.runtime.compiled_graph import compiled_records, last_compiled
+from neuron_compile.version import __version__
 
-__version__ = "0.1.0"
 __all__ = [
     "NeuronCompileError",
     "NeuronCompileWarning",

@@ -9,6 +9,13 @@ Subcommands:
     runs unchanged. Prints nothing of its own unless ``--report`` is given; then, after the script, the cost
     report of every kernel it launched (and their total when there are several).
 
+``neuron-compile cache [--dir DIR] ls | show KEY | verify [--delete] | clear | stats``
+    The on-disk compile cache (``NEURON_COMPILE_CACHE``, or ``--dir``): ``ls`` one line per entry (key, size,
+    last use, target, kernels, ops), most recently used first; ``show`` an entry's key parts and kernels (tile
+    plan and source) by key or unique key prefix; ``verify`` every entry that a lookup would reject, with the
+    reason (exit status 1 if there is one; ``--delete`` removes them); ``clear`` deletes every entry; ``stats``
+    the folder, entry count, bytes and bound. Exit status 2: the cache is off, or no / several entries match KEY.
+
 Each subcommand is one ``register_<name>(subparsers)`` function that adds its parser and sets ``handler``;
 adding one (dump, explain, cache) means writing that function and listing it in ``SUBCOMMANDS``.
 """
@@ -21,6 +28,7 @@ import importlib.util
 import os
 import runpy
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 
@@ -40,7 +48,26 @@ def register_simulate(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_simulate)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [register_simulate]
+def register_cache(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "cache",
+        help="list, show, verify or clear the on-disk compile cache",
+        description="Inspect the on-disk compile cache (NEURON_COMPILE_CACHE; default ~/.cache/neuron_compile).",
+    )
+    parser.add_argument("--dir", help="the cache folder (default: the one NEURON_COMPILE_CACHE names)")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    actions.add_parser("ls", help="one line per entry, most recently used first")
+    show = actions.add_parser("show", help="an entry's key parts, fusion decisions and kernels")
+    show.add_argument("key", help="the key, or a prefix of it that only one entry has")
+    verify = actions.add_parser("verify", help="report the entries a lookup would reject (exit 1 if any)")
+    verify.add_argument("--delete", action="store_true", help="remove the entries that fail")
+    actions.add_parser("clear", help="delete every entry")
+    actions.add_parser("stats", help="the folder, entries, bytes and bound")
+    parser.set_defaults(handler=run_cache)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [register_simulate, register_cache]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +185,110 @@ def _exit_status(code) -> int:
         return code
     print(code, file=sys.stderr)  # sys.exit("message") prints the message and exits 1, as Python does
     return 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# cache
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _open_cache_for_cli(directory: str | None):
+    from neuron_compile import config
+    from neuron_compile.runtime import disk_cache
+
+    settings = config.get()
+    root = disk_cache.cache_root(directory if directory is not None else settings.cache_dir)
+    return None if root is None else disk_cache.DiskCache(root, settings.cache_size)
+
+
+def _size_text(size: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.1f}{unit}"
+    return f"{size}B"
+
+
+def _time_text(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds))
+
+
+def _cache_ls(cache) -> int:
+    infos = sorted(cache.entries(), key=lambda info: info.last_used, reverse=True)
+    for info in infos:
+        try:
+            entry = cache.read(info.key)
+            payload, parts = entry["payload"], entry["parts"]
+            ops = payload.get("ops", [])
+            summary = (f"{parts.get('target', '?'):5} {len(payload.get('kernels', [])):3d} kernels  "
+                       + ", ".join(op.removeprefix("aten.") for op in ops[:6]) + (" ..." if len(ops) > 6 else ""))
+        except (OSError, ValueError) as error:
+            summary = f"unusable: {error}"
+        print(f"{info.key[:16]}  {_size_text(info.size):>7}  {_time_text(info.last_used)}  {summary}")
+    print(f"{len(infos)} entries in {cache.root}")
+    return 0
+
+
+def _cache_show(cache, prefix: str) -> int:
+    keys = cache.resolve(prefix)
+    if len(keys) != 1:
+        found = "no entry" if not keys else f"{len(keys)} entries ({', '.join(key[:16] for key in keys[:5])})"
+        print(f"neuron-compile cache show: {found} with a key starting {prefix!r} in {cache.root}; "
+              "`neuron-compile cache ls` lists the keys", file=sys.stderr)
+        return 2
+    from neuron_compile.runtime import disk_cache
+
+    try:
+        entry = cache.read(keys[0])
+    except (OSError, ValueError) as error:
+        print(f"entry {keys[0]} is unusable (a lookup treats it as a miss): {error}", file=sys.stderr)
+        return 1
+    payload = entry["payload"]
+    print(disk_cache.key_record_text(keys[0], entry["parts"]), end="")
+    print(f"aten nodes: {payload.get('aten_nodes')}")
+    print("fusion decisions:", *(f"  {decision}" for decision in payload.get("decisions", [])), sep="\n")
+    for kernel in payload.get("kernels", []):
+        print(f"== kernel {kernel['name']}: {kernel['plan']}\n{kernel['source']}")
+    return 0
+
+
+def _cache_verify(cache, delete: bool) -> int:
+    problems = cache.verify()
+    for key, problem in problems:
+        print(f"{key}: {problem}" + (" (deleted)" if delete else ""))
+        if delete:
+            cache.remove(key)
+    print(f"{len(cache.entries()) + (len(problems) if delete else 0)} entries checked, {len(problems)} unusable")
+    return 1 if problems else 0
+
+
+def _cache_stats(cache) -> int:
+    infos = cache.entries()
+    bound = _size_text(cache.max_bytes) if cache.max_bytes else "unbounded"
+    print(f"folder: {cache.root}")
+    print(f"entries: {len(infos)}")
+    print(f"bytes: {sum(info.size for info in infos)} ({_size_text(sum(info.size for info in infos))}), bound {bound}")
+    if infos:
+        print(f"least recently used: {_time_text(min(info.last_used for info in infos))}")
+        print(f"most recently used: {_time_text(max(info.last_used for info in infos))}")
+    return 0
+
+
+def run_cache(args: argparse.Namespace) -> int:
+    cache = _open_cache_for_cli(args.dir)
+    if cache is None:
+        print("neuron-compile cache: the cache is off (NEURON_COMPILE_CACHE=off); pass --dir DIR to inspect a "
+              "folder", file=sys.stderr)
+        return 2
+    if args.action == "ls":
+        return _cache_ls(cache)
+    if args.action == "show":
+        return _cache_show(cache, args.key)
+    if args.action == "verify":
+        return _cache_verify(cache, args.delete)
+    if args.action == "clear":
+        print(f"deleted {cache.clear()} entries from {cache.root}")
+        return 0
+    return _cache_stats(cache)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,11 @@ NEURON_COMPILE_FALLBACK    fallback              ``warn`` (default) | ``raise`` 
                                                  that cannot be compiled does (eager + warning, error, eager)
 NEURON_COMPILE_TARGET      target                ``trn1`` | ``trn2`` (default) | ``trn3`` (aliases inf2,
                                                  gen2, gen3, gen4)
-NEURON_COMPILE_CACHE       cache_dir             on-disk kernel cache directory (empty: memory only)
+NEURON_COMPILE_CACHE       cache_dir             on-disk kernel cache directory (empty: the default,
+                                                 ``$XDG_CACHE_HOME/neuron_compile`` or ``~/.cache/neuron_compile``;
+                                                 ``off``: memory only) (runtime/disk_cache.py)
+NEURON_COMPILE_CACHE_SIZE  cache_size            the on-disk cache's bound in bytes (suffix K, M or G allowed;
+                                                 default 1G; 0: unbounded); least recently used entries go first
 NEURON_COMPILE_DUMP        dump_dir              directory for graph / kernel dumps (empty: no dumps)
 NEURON_COMPILE_BUCKET      bucket                pad dynamic dimensions up to a multiple of this (0: off)
 NEURON_COMPILE_RECOMPILE_WARN  recompile_warn    warn when one graph has compiled this many shape signatures
@@ -43,6 +47,8 @@ TARGET_ALIASES = {
 ENV_PREFIX = "NEURON_COMPILE_"
 # Field name -> environment variable suffix, where they differ from FIELD.upper().
 _ENV_NAMES = {"cache_dir": "CACHE", "dump_dir": "DUMP"}
+_SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+DEFAULT_CACHE_SIZE = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +56,7 @@ class Config:
     fallback: str = "warn"
     target: str = "trn2"
     cache_dir: str = ""
+    cache_size: int = DEFAULT_CACHE_SIZE
     dump_dir: str = ""
     bucket: int = 0
     recompile_warn: int = 8  # torch._dynamo.config.recompile_limit's default: a storm starts here
@@ -85,8 +92,23 @@ class Config:
         return cls(**values)
 
 
+def _coerce_size(value: object, source: str) -> int:
+    """Bytes from an int or a string such as ``"512M"`` (suffixes K, M, G: powers of 1024)."""
+    if isinstance(value, str):
+        text = value.strip().lower().removesuffix("b")
+        scale = _SIZE_SUFFIXES.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in _SIZE_SUFFIXES else text
+        if digits.isdigit():
+            return int(digits) * scale
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"{source} must be a size in bytes (e.g. 1073741824, 512M, 2G), got {value!r}")
+
+
 def _coerce(name: str, value: object, source: str) -> object:
     """Convert a string (from the environment) or a Python value to the field's type, naming the source."""
+    if name == "cache_size":
+        return _coerce_size(value, source)
     if name in ("bucket", "recompile_warn"):
         if isinstance(value, bool):
             raise ValueError(f"{source} must be an integer, got {value!r}")
@@ -112,6 +134,8 @@ def _validate(config: Config) -> None:
         raise ValueError(f"target must be one of {sorted(TARGET_ALIASES)}, got {config.target!r}")
     if config.bucket < 0:
         raise ValueError(f"bucket must be 0 (off) or a positive multiple to pad to, got {config.bucket}")
+    if config.cache_size < 0:
+        raise ValueError(f"cache_size must be >= 0 bytes (0: unbounded), got {config.cache_size}")
     if config.recompile_warn < 1:
         raise ValueError(f"recompile_warn must be >= 1, got {config.recompile_warn}")
 

@@ -8,7 +8,8 @@ signature (runtime/compiled_graph.py drives them); region passes (``lower`` ... 
 (``compile_region``). Every pass is a function of the previous pass's output and a ``PassContext``, and has a
 ``describe`` that prints its output: with ``NEURON_COMPILE_DUMP`` set, the IR after every pass is written to the
 dump (``on_pass`` receives each pass's name and text). Every failure in a region pass is a ``LoweringError``
-that names the op or the kernel.
+that names the op or the kernel. The on-disk cache (runtime/disk_cache.py) keeps the output of ``render`` (a
+``RenderedRegion``, plain data) keyed by the input of ``lower``: a hit runs ``load`` alone.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from neuron_compile import ir, kinds
-from neuron_compile.codegen.render import KernelSource, render_kernel
+from neuron_compile.codegen.render import render_kernel
 from neuron_compile.hardware import get_target
 from neuron_compile.lowering import LoweredRegion, LoweringError, lower_graph
 from neuron_compile.passes.activation_ranges import guard_activation_ranges
@@ -27,6 +28,8 @@ from neuron_compile.passes.fusion import FusionResult, fuse
 from neuron_compile.passes.partition import partition_graph
 from neuron_compile.passes.specialize import specialize
 from neuron_compile.passes.tiling import TilingError, plan_kernel
+from neuron_compile.rendered_region import RenderedRegion
+from neuron_compile.runtime import disk_cache, stats
 from neuron_compile.runtime.launcher import select_launcher
 from neuron_compile.runtime.region import CompiledRegion
 from neuron_compile.tiles import TilePlan
@@ -45,6 +48,7 @@ class PassContext:
     config: object = None
     target: object = None
     example_inputs: list = dataclasses.field(default_factory=list)  # the graph's (or region's) arguments
+    region_ops: list = dataclasses.field(default_factory=list)  # region passes: its distinct ATen ops, in order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +69,6 @@ class PlannedKernel:
 class PlannedRegion:
     fused: FusedRegion
     kernels: list[PlannedKernel]
-
-
-@dataclasses.dataclass(frozen=True)
-class RenderedRegion:
-    """What loading needs (and the on-disk cache will keep): the kernel sources and the region's metadata."""
-
-    fused: FusedRegion
-    sources: list[KernelSource]
 
 
 # ---------------------------------------------------------------- graph passes
@@ -159,16 +155,20 @@ def _render(planned: PlannedRegion, context: PassContext) -> RenderedRegion:
             sources.append(render_kernel(kernel.node, kernel.plan, kernel.name, parameters))
         except Exception as error:  # noqa: BLE001 -- a renderer bug becomes this region's named failure
             raise LoweringError(f"kernel {kernel.name} ({kernel.node.name}) could not be rendered: {error}") from error
-    return RenderedRegion(planned.fused, sources)
+    lowered = planned.fused.lowered
+    return RenderedRegion(
+        tuple(lowered.inputs), tuple(lowered.outputs), dict(lowered.buffers), tuple(lowered.mutations),
+        tuple(lowered.output_dtypes), lowered.aten_nodes, tuple(str(d) for d in planned.fused.decisions),
+        tuple(sources), tuple(kernel.plan.describe() for kernel in planned.kernels), tuple(context.region_ops),
+    )
 
 
 def _load(rendered: RenderedRegion, context: PassContext) -> CompiledRegion:
     launcher = select_launcher(context.config, context.target)
-    lowered = rendered.fused.lowered
     return CompiledRegion(
-        lowered.inputs, [launcher.load(source) for source in rendered.sources], lowered.outputs, lowered.aten_nodes,
-        context.target, rendered.fused.decisions, lowered.buffers, lowered.mutations, lowered.output_dtypes,
-        launcher=launcher,
+        list(rendered.inputs), [launcher.load(source) for source in rendered.sources], list(rendered.outputs),
+        rendered.aten_nodes, context.target, list(rendered.decisions), dict(rendered.buffers),
+        list(rendered.mutations), list(rendered.output_dtypes), launcher=launcher,
     )
 
 
@@ -211,13 +211,18 @@ PASSES: tuple[Pass, ...] = (
 OnPass = Callable[[str, str], None]  # (pass name, its output as text)
 
 
-def run_passes(level: str, value, context: PassContext, on_pass: OnPass | None = None):
-    """Run every pass of ``level`` in order on ``value``; ``on_pass`` sees each one's output as text."""
-    for step in PASSES:
-        if step.level == level:
-            value = step.run(value, context)
-            if on_pass is not None:
-                on_pass(step.name, step.describe(value))
+def run_passes(level: str, value, context: PassContext, on_pass: OnPass | None = None, *,
+               after: str | None = None, through: str | None = None):
+    """Run the passes of ``level`` in order on ``value`` (only those after pass ``after`` and up to pass
+    ``through``, when given); ``on_pass`` sees each one's output as text."""
+    steps = [step for step in PASSES if step.level == level]
+    names = [step.name for step in steps]
+    first = names.index(after) + 1 if after is not None else 0
+    last = names.index(through) + 1 if through is not None else len(steps)
+    for step in steps[first:last]:
+        value = step.run(value, context)
+        if on_pass is not None:
+            on_pass(step.name, step.describe(value))
     return value
 
 
@@ -226,7 +231,38 @@ def configured_target(config):
     return get_target(getattr(config, "target", None) if config is not None else None)
 
 
+CACHED_THROUGH = "render"  # the on-disk cache keeps this pass's output, keyed by the first region pass's input
+
+
+def region_ops(gm: torch.fx.GraphModule) -> list[str]:
+    ops = [str(node.target) for node in gm.graph.nodes if isinstance(node.target, torch._ops.OpOverload)]
+    return list(dict.fromkeys(ops))
+
+
 def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None, on_pass: OnPass | None = None):
-    """The region passes on one NKI region: lower, guard ranges, fuse, plan tiles, render, load."""
-    context = PassContext(config, configured_target(config), list(example_inputs))
-    return run_passes("region", gm, context, on_pass)
+    """The region passes on one NKI region: lower, guard ranges, fuse, plan tiles, render, load.
+
+    With the on-disk cache on (``NEURON_COMPILE_CACHE`` not ``off``), the passes through ``render`` run only on
+    a miss; a hit loads the stored ``RenderedRegion``. With a dump folder set every pass runs (the dump shows each
+    one's output), and the result is still stored."""
+    context = PassContext(config, configured_target(config), list(example_inputs), region_ops(gm))
+    store = disk_cache.open_cache(config)
+    if store is None:
+        return run_passes("region", gm, context, on_pass)
+    parts = disk_cache.region_key_parts(gm, context.example_inputs, config, context.target.name)
+
+    def render() -> dict:
+        return run_passes("region", gm, context, on_pass, through=CACHED_THROUGH).to_data()
+
+    if config.dump_dir:
+        payload = render()
+        store.store(disk_cache.key_of(parts), parts, payload)
+        created = True
+    else:
+        payload, created = store.get_or_create(parts, render)
+    rendered = RenderedRegion.from_data(payload)
+    if created:
+        stats.add(disk_cache_misses=1)
+    else:
+        stats.add(disk_cache_hits=1)
+    return run_passes("region", rendered, context, on_pass, after=CACHED_THROUGH)

@@ -21,6 +21,12 @@ class Stats:
     recompiles: int = 0  # new shape signatures after the first, per compiled graph
     cache_hits: int = 0  # calls served by an already-compiled shape signature
     cache_misses: int = 0  # calls that had to compile a new shape signature
+    # The on-disk cache (runtime/disk_cache.py): regions loaded from it / compiled and written to it; entries found
+    # unusable (truncated, garbage, another format: each also a miss); entries deleted to keep it under its bound.
+    disk_cache_hits: int = 0
+    disk_cache_misses: int = 0
+    disk_cache_corrupt: int = 0
+    disk_cache_evictions: int = 0
     kernels_launched: int = 0
     nki_nodes: int = 0  # ATen nodes placed in NKI regions (counted at compile time, per signature)
     fallback_nodes: int = 0  # ATen nodes executed eagerly (counted at compile time, per signature)
