@@ -6,15 +6,34 @@ arguments of one call. Output: a GraphModule with the same placeholders (so it t
 whose every ``node.meta["val"]`` has concrete sizes and strides; SymInt arithmetic is folded into constants.
 A graph that is already static is returned as is.
 
-The graph is re-traced with ``make_fx`` under fake tensors with static shapes: each ATen op is recorded again
-as itself, so the result is the same graph with the symbols replaced by this call's numbers.
+How: a copy of the graph is run node by node on fake tensors of this call's arguments (a ``FakeTensorMode``
+without a shape environment, so every size is a plain int), each node's ``meta["val"]`` is replaced by what
+it computed, and every node that computed a Python number (``sym_size``, SymInt arithmetic) is folded into its
+users as a constant. The ATen ops stay the very same nodes.
+
+This runs at call time, in whatever thread calls the compiled model, beside Dynamo compiling other frames in
+other threads. So it touches no process-wide state: no ``make_fx`` / FX ``Tracer`` (which sets FX's global
+"symbolic tracing now" flag and patches ``torch.nn.Module.__getattr__`` and ``__call__`` for every thread while
+it runs, and restores them by save / restore, so two overlapping traces leave them set for good) and no
+``fx.Interpreter`` (which swaps FX's global ``current_meta`` while another thread's aot_autograd traces). The
+fake mode is entered on this thread's dispatch stack only.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.node import map_aggregate, map_arg
+
+aten = torch.ops.aten
+
+# Run-time checks on symbols (``torch._check``): once their arguments are constants (and the propagation, which
+# ran them, did not raise) they check nothing.
+SYMBOLIC_ASSERTIONS = (aten._assert_scalar.default, aten.sym_constrain_range.default,
+                       aten.sym_constrain_range_for_size.default)
+# Metadata that describes the symbolic shapes the graph was traced with (the concrete ``val`` replaces it).
+SYMBOLIC_META = ("tensor_meta", "unbacked_bindings")
 
 
 def _is_symbolic(value) -> bool:
@@ -32,14 +51,70 @@ def is_dynamic(gm: torch.fx.GraphModule) -> bool:
     return any(_is_symbolic(node.meta.get("val")) for node in gm.graph.nodes)
 
 
+def _snapshot(value):
+    """What a node's meta keeps of its value: fake tensors detached, so that a later in-place op that changes
+    metadata (``resize_``) does not change an earlier node's record."""
+    return map_aggregate(value, lambda item: item.detach() if isinstance(item, FakeTensor) else item)
+
+
+def _propagate(gm: torch.fx.GraphModule, args: list, mode: FakeTensorMode) -> None:
+    """Run ``gm``'s graph on fakes of ``args`` under ``mode`` and store each node's value in ``meta["val"]``."""
+    values: dict[torch.fx.Node, object] = {}
+    arguments = iter(args)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value = next(arguments)
+            value = mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
+        elif node.op == "get_attr":
+            value = getattr(gm, node.target)
+            value = mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
+        elif node.op == "call_function":
+            positional = map_arg(node.args, values.__getitem__)
+            keywords = map_arg(node.kwargs, values.__getitem__)
+            with mode:
+                value = node.target(*positional, **keywords)
+        elif node.op == "output":
+            continue
+        else:  # call_module / call_method: not in aot_autograd's ATen graphs
+            raise NotImplementedError(f"specialize: node {node.name} is a {node.op}, not an ATen graph node")
+        values[node] = value
+        node.meta["val"] = _snapshot(value)
+        for key in SYMBOLIC_META:
+            node.meta.pop(key, None)
+
+
+def _fold_numbers(graph: torch.fx.Graph) -> None:
+    """Put every Python number a node computed into its users as a constant; drop the nodes left without use."""
+    for node in list(graph.nodes):
+        value = node.meta.get("val")
+        if node.op not in ("placeholder", "call_function") or isinstance(value, torch.Tensor):
+            continue
+        if not isinstance(value, bool | int | float):
+            continue
+        for user in list(node.users):
+            user.args = map_arg(user.args, lambda arg, node=node, value=value: value if arg is node else arg)
+            user.kwargs = map_arg(user.kwargs, lambda arg, node=node, value=value: value if arg is node else arg)
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node.users:
+            continue
+        if isinstance(node.meta.get("val"), bool | int | float) or node.target in SYMBOLIC_ASSERTIONS:
+            graph.erase_node(node)
+
+
 def specialize(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
     """``gm`` with the concrete shapes of ``args`` (real tensors and ints of one call); static graphs unchanged."""
     if not is_dynamic(gm):
         return gm
-    # aot_autograd's graphs are already differentiated: trace them without autograd, on detached inputs (a
-    # parameter that requires grad would otherwise add detach nodes). Fake tracing runs no real compute, and
-    # "fake" mode (not "symbolic") makes every size a plain int.
+    graph = torch.fx.Graph()
+    output = graph.graph_copy(gm.graph, {})  # node metas are copied (shallowly): ``gm`` keeps its own
+    graph.output(output)
+    specialized = torch.fx.GraphModule(gm, graph)
+    # aot_autograd's graphs are already differentiated: run them without autograd, on detached inputs (a
+    # parameter that requires grad would otherwise give every meta value requires_grad).
     detached = [arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args]
     with torch.no_grad():
-        specialized = make_fx(gm, tracing_mode="fake", _allow_non_fake_inputs=True)(*detached)
+        _propagate(specialized, detached, FakeTensorMode(allow_non_fake_inputs=True))
+    _fold_numbers(specialized.graph)
+    specialized.graph.lint()
+    specialized.recompile()
     return specialized
