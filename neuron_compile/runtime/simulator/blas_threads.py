@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import threading
 from contextlib import contextmanager
 
 import numpy as np
@@ -45,15 +46,29 @@ def _find_openblas():
 _OPENBLAS = _find_openblas()
 
 
+# The thread count is process-wide: with launches overlapping in several threads, the first to enter saves the
+# count and the last to leave restores it (a plain save / restore per launch would restore another launch's 1).
+_lock = threading.Lock()
+_launches_running = 0
+_saved_count = None
+
+
 @contextmanager
 def single_threaded_blas():
+    global _launches_running, _saved_count
     if _OPENBLAS is None:
         yield
         return
     getter, setter = _OPENBLAS
-    previous = getter()
-    setter(1)
+    with _lock:
+        if _launches_running == 0:
+            _saved_count = getter()
+            setter(1)
+        _launches_running += 1
     try:
         yield
     finally:
-        setter(previous)
+        with _lock:
+            _launches_running -= 1
+            if _launches_running == 0:
+                setter(_saved_count)

@@ -11,6 +11,7 @@ The ``KernelContext`` also holds the instruction trace, the target and the progr
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -51,28 +52,40 @@ class KernelContext:
     launched: bool = False  # False for the throwaway context used outside any kernel
 
 
-_current: list[KernelContext] = []
+# The stack of running kernels, one per thread: threads that launch kernels at the same time (a compiled model
+# called from several threads) each record into their own launch's trace and capacity accounting.
+_running = threading.local()
+
+
+def _stack() -> list[KernelContext]:
+    stack = getattr(_running, "stack", None)
+    if stack is None:
+        stack = _running.stack = []
+    return stack
 
 
 def current() -> KernelContext:
-    """The running kernel's context; outside a kernel, a throwaway one on the default target."""
-    if not _current:
-        _current.append(KernelContext(get_target()))
-    return _current[-1]
+    """This thread's running kernel's context; outside a kernel, a throwaway one on the default target."""
+    stack = _stack()
+    if not stack:
+        stack.append(KernelContext(get_target()))
+    return stack[-1]
 
 
 def inside_launch() -> bool:
-    """True while a launched kernel runs (a kernel called from another kernel is then inlined)."""
-    return bool(_current) and _current[-1].launched
+    """True while a launched kernel runs in this thread (a kernel called from another kernel is then inlined)."""
+    stack = _stack()
+    return bool(stack) and stack[-1].launched
 
 
 @contextmanager
 def kernel_context(context: KernelContext):
-    _current.append(context)
+    stack = _stack()
+    stack.append(context)
     try:
         yield context
     finally:
-        _current.remove(context)
+        stack.remove(context)
 
 
 def _release_sbuf(context: KernelContext, nbytes: int) -> None:
