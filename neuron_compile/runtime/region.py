@@ -1,9 +1,11 @@
 """Runtime stage: a compiled NKI region, ready to launch (``CompiledRegion``).
 
 Input: the region's input buffers, its kernels (each loaded by a launcher), the launcher, and where each graph
-output is read from. Output, per call: one torch tensor per graph output with eager's dtype, shape and strides;
-graph inputs the region mutates are written after every kernel ran (outputs that are views of inputs need no
-kernel). Kernels run only through the launcher (runtime/launcher.py: the simulator or a Neuron device); this
+output is read from. Output, per call: one torch tensor per graph output with eager's dtype, shape and strides,
+aliasing what eager's would: a view of a region input is a view of that input; any other output is an ordinary
+(non-view) tensor over the torch-allocated storage of the buffer a kernel wrote, so it can be resized and
+written in place like eager's (``output_tensor``); graph inputs the region mutates are written after every
+kernel ran (outputs that are views of inputs need no kernel). Kernels run only through the launcher (runtime/launcher.py: the simulator or a Neuron device); this
 module hands it flat torch tensors and gets torch tensors back, and adds every launch to the stats.
 """
 
@@ -33,6 +35,19 @@ def kernel_argument(tensor: torch.Tensor, buffer: ir.Buffer) -> torch.Tensor:
             raise LoweringError(f"input {buffer.name}: int64 values beyond int32, the kernel dtype")
         return flat.to(torch.int32)
     return flat
+
+
+def output_tensor(written: torch.Tensor, layout: ir.Layout) -> torch.Tensor:
+    """A graph output read from a kernel-written buffer (``written``: flat, torch-allocated, resizable): an
+    ordinary tensor over that buffer's storage with eager's shape, strides and offset, which autograd does not
+    see as a view. An ``as_strided`` view here would be an output of the autograd Function aot_autograd wraps
+    the graph in that is a view, and autograd forbids in-place ops on those ("Output 0 of CompiledFunction is a
+    view and is being modified inplace"), which eager allows: the Trainer's ``loss *= scale``. Outputs read
+    from one buffer share its storage, as eager's views of one intermediate do (aot_autograd regenerates those
+    aliases itself); no other output shares it."""
+    offset = written.storage_offset() + layout.offset
+    owned = torch.empty((0,), dtype=written.dtype, device=written.device)
+    return owned.set_(written.untyped_storage(), offset, layout.shape, layout.strides)
 
 
 class CompiledRegion:
@@ -67,7 +82,8 @@ class CompiledRegion:
         if len(tensors) != len(self.inputs):
             raise LoweringError(f"region expects {len(self.inputs)} inputs, got {len(tensors)}")
         flat: dict[str, torch.Tensor] = {}  # buffer -> flat tensor in the kernel dtype (inputs, kernel outputs)
-        storage: dict[str, torch.Tensor] = {}  # buffer -> the flat tensor region outputs are views of
+        storage: dict[str, torch.Tensor] = {}  # input buffer -> the flat view of the input tensor
+        written: dict[str, torch.Tensor] = {}  # kernel-written buffer -> its torch-allocated flat tensor
         for buffer, tensor in zip(self.inputs, tensors):
             self._check_input(buffer, tensor)
             flat[buffer.name] = kernel_argument(tensor, buffer)
@@ -76,16 +92,19 @@ class CompiledRegion:
             self._launch(kernel, flat)
         results = []
         for index, value in enumerate(self.outputs):
-            if value.buffer not in storage:
-                written = self._buffer(value.buffer, flat)
+            if value.buffer in storage:  # a view of a region input, as eager's view op gives
+                base = storage[value.buffer]
+                # as_strided's offset is absolute in the storage; layouts are relative to the buffer's first element.
+                offset = base.storage_offset() + value.layout.offset
+                results.append(torch.as_strided(base, value.layout.shape, value.layout.strides, offset))
+                continue
+            if value.buffer not in written:
+                buffer = self._buffer(value.buffer, flat)
                 dtype = TORCH_DTYPES[value.dtype]
                 if value.dtype == "int32" and self.output_dtypes[index:index + 1] == [torch.int64]:
                     dtype = torch.int64  # NKI has no int64: widen
-                storage[value.buffer] = written if written.dtype == dtype else written.to(dtype)
-            base = storage[value.buffer]
-            # as_strided's offset is absolute in the storage; layouts are relative to the buffer's first element.
-            offset = base.storage_offset() + value.layout.offset
-            results.append(torch.as_strided(base, value.layout.shape, value.layout.strides, offset))
+                written[value.buffer] = buffer if buffer.dtype == dtype else buffer.to(dtype)
+            results.append(output_tensor(written[value.buffer], value.layout))
         if validate is not None:
             validate(tuple(results))  # before any input is written: a failure here can still fall back eagerly
         for name, value in self.mutations:
