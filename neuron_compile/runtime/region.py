@@ -5,8 +5,9 @@ output is read from. Output, per call: one torch tensor per graph output with ea
 aliasing what eager's would: a view of a region input is a view of that input; any other output is an ordinary
 (non-view) tensor over the torch-allocated storage of the buffer a kernel wrote, so it can be resized and
 written in place like eager's (``output_tensor``); graph inputs the region mutates are written after every
-kernel ran (outputs that are views of inputs need no kernel). Kernels run only through the launcher (runtime/launcher.py: the simulator or a Neuron device); this
-module hands it flat torch tensors and gets torch tensors back, and adds every launch to the stats.
+kernel ran (outputs that are views of inputs need no kernel). Kernels run only through the launcher
+(runtime/launcher.py: the simulator or a Neuron device); this module hands it flat torch tensors and gets torch
+tensors back, and adds every launch to the stats.
 """
 
 from __future__ import annotations
