@@ -56,10 +56,14 @@ def tiled_add_kernel(a, b):
 def matmul_kernel(lhsT, rhs):
     """[K, M] x [K, N] -> [M, N]: stationary tiles 128x128, moving tiles 128x512, K accumulated in PSUM.
 
-    Loads are hoisted out of the tile loops: each block of BLOCK_M columns of lhsT and BLOCK_N columns of rhs
-    is brought into SBUF once, as K/128 transfers of 128 x BLOCK bytes (4 KiB per partition for bf16 blocks
-    of 2048, which saturates DMA), and every 128x512 output tile reuses it. The block of both operands must
-    fit SBUF: (K / 128) * (BLOCK_M + BLOCK_N) * itemsize bytes per partition (128 KiB at K = 2048, bf16).
+    Each operand crosses HBM once and the loads overlap TensorE. For every block of BLOCK_M result rows, the
+    loop runs over 512-column strips of rhs: a strip (all of K, one transfer of K/128 x 512 per partition) is
+    loaded, then every 128-row slice of lhsT multiplies it. lhsT's slices (all of K, one transfer each) are
+    loaded the first time they are needed, during the first strip, and stay resident for the others. So the
+    first matmul waits for one strip and one slice only; the next strip is prefetched before the current one
+    is used (two strips live: the allocator gives each fresh memory, so the prefetch does not wait for the
+    current strip's readers). SBUF per partition: (K / 128) * (BLOCK_M + 2 * 512) * itemsize bytes (96 KiB at
+    K = 2048, bf16).
     """
     K, M = lhsT.shape
     K_, N = rhs.shape
@@ -67,41 +71,39 @@ def matmul_kernel(lhsT, rhs):
     TILE_K = nl.tile_size.pmax  # 128: contraction on the partitions
     TILE_M = nl.tile_size.gemm_stationary_fmax  # 128: stationary free size, the result's partitions
     TILE_N = nl.tile_size.gemm_moving_fmax  # 512: moving free size, one PSUM bank of fp32
-    BLOCK_M, BLOCK_N = min(M, 2048), min(N, 2048)
+    BLOCK_M = min(M, 2048)
+    K_TILES = K // TILE_K
     assert K % TILE_K == 0 and M % BLOCK_M == 0 and BLOCK_M % TILE_M == 0, f"K={K}, M={M} must tile by 128"
-    assert N % BLOCK_N == 0 and BLOCK_N % TILE_N == 0, f"N={N} must tile by 512"
+    assert N % TILE_N == 0, f"N={N} must tile by 512"
     result = nl.ndarray((M, N), dtype=lhsT.dtype, buffer=nl.shared_hbm)
 
+    def load_rhs_strip(n):
+        # rhs[k_tile * 128 + p, n * 512 + j] -> strip[p, k_tile, j]
+        strip = nl.ndarray((TILE_K, K_TILES, TILE_N), dtype=rhs.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=strip, src=rhs.ap([[N, TILE_K], [TILE_K * N, K_TILES], [1, TILE_N]], n * TILE_N))
+        return strip
+
     for m_block in nl.affine_range(M // BLOCK_M):
-        lhsT_block = []  # K/128 tiles of [128, BLOCK_M]
-        for k in nl.affine_range(K // TILE_K):
-            tile = nl.ndarray((TILE_K, BLOCK_M), dtype=lhsT.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=tile, src=lhsT[k * TILE_K:(k + 1) * TILE_K, m_block * BLOCK_M:(m_block + 1) * BLOCK_M])
-            lhsT_block.append(tile)
-
-        for n_block in nl.affine_range(N // BLOCK_N):
-            rhs_block = []  # K/128 tiles of [128, BLOCK_N]
-            for k in nl.affine_range(K // TILE_K):
-                tile = nl.ndarray((TILE_K, BLOCK_N), dtype=rhs.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=tile, src=rhs[k * TILE_K:(k + 1) * TILE_K, n_block * BLOCK_N:(n_block + 1) * BLOCK_N])
-                rhs_block.append(tile)
-
+        lhsT_slices = {}  # m -> [128 (k within a tile), K/128 (k tile), 128 (m)], loaded on first use
+        next_strip = load_rhs_strip(0)
+        for n in nl.affine_range(N // TILE_N):
+            rhs_strip = next_strip
             for m in nl.affine_range(BLOCK_M // TILE_M):
-                for n in nl.affine_range(BLOCK_N // TILE_N):
-                    # The first matmul into a PSUM tile overwrites it; the following ones accumulate.
-                    result_psum = nl.ndarray((TILE_M, TILE_N), dtype=nl.float32, buffer=nl.psum)
-                    for k in nl.affine_range(K // TILE_K):
-                        nisa.nc_matmul(
-                            dst=result_psum,
-                            stationary=lhsT_block[k][:, m * TILE_M:(m + 1) * TILE_M],
-                            moving=rhs_block[k][:, n * TILE_N:(n + 1) * TILE_N],
-                        )
-                    # PSUM -> SBUF, casting fp32 to the output dtype on the way; then SBUF -> HBM.
-                    result_tile = nl.ndarray((TILE_M, TILE_N), dtype=result.dtype, buffer=nl.sbuf)
-                    nisa.tensor_copy(dst=result_tile, src=result_psum)
-                    row = m_block * BLOCK_M + m * TILE_M
-                    col = n_block * BLOCK_N + n * TILE_N
-                    nisa.dma_copy(dst=result[row:row + TILE_M, col:col + TILE_N], src=result_tile)
+                row = m_block * BLOCK_M + m * TILE_M
+                if m not in lhsT_slices:
+                    lhsT_slice = nl.ndarray((TILE_K, K_TILES, TILE_M), dtype=lhsT.dtype, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=lhsT_slice, src=lhsT.ap([[M, TILE_K], [TILE_K * M, K_TILES], [1, TILE_M]], row))
+                    lhsT_slices[m] = lhsT_slice
+                if m == 0 and n + 1 < N // TILE_N:
+                    next_strip = load_rhs_strip(n + 1)  # prefetch: it lands while TensorE works on this strip
+                # The first matmul into a PSUM tile overwrites it; the following ones accumulate.
+                result_psum = nl.ndarray((TILE_M, TILE_N), dtype=nl.float32, buffer=nl.psum)
+                for k in nl.affine_range(K_TILES):
+                    nisa.nc_matmul(dst=result_psum, stationary=lhsT_slices[m][:, k, :], moving=rhs_strip[:, k, :])
+                # PSUM -> SBUF, casting fp32 to the output dtype on the way; then SBUF -> HBM.
+                result_tile = nl.ndarray((TILE_M, TILE_N), dtype=result.dtype, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=result_tile, src=result_psum)
+                nisa.dma_copy(dst=result[row:row + TILE_M, n * TILE_N:(n + 1) * TILE_N], src=result_tile)
     return result
 
 

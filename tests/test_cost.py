@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neuron_compile.runtime.simulator import cost
 from neuron_compile.hardware import TRN1, TRN2
+from neuron_compile.runtime.simulator import cost
+from neuron_compile.runtime.simulator.schedule import DEPENDENCY_LATENCY_CYCLES
 from neuron_compile.runtime.simulator.trace import InstructionRecord, OperandInfo
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "float8_e4m3": 1}
@@ -208,7 +209,9 @@ def test_many_small_dmas_are_overhead_bound_and_overlap():
 
 def test_single_dma_lasts_at_least_its_latency():
     report = cost.cost_report([dma((128, 64))], TRN2)
-    assert report.est_time_s == pytest.approx(cost.dma_transfer_time(dma((128, 64)), TRN2).latency_ns * 1e-9)
+    latency_s = cost.dma_transfer_time(dma((128, 64)), TRN2).latency_ns * 1e-9
+    assert report.device_time_s == pytest.approx(latency_s)
+    assert report.est_time_s == pytest.approx(cost.KERNEL_LAUNCH_S + latency_s)
 
 
 def test_hbm_bytes_by_direction():
@@ -228,11 +231,21 @@ def test_report_totals_and_overlap():
     assert report.cycles_per_engine["tensor"] == 8 * 512
     assert report.busy_s_per_engine["tensor"] == pytest.approx(8 * 512 / (TRN2.tensor_ghz * 1e9))
     assert report.busy_s_per_engine["vector"] == pytest.approx(512 / (TRN2.vector_ghz * 1e9))
-    assert report.est_time_s == max(report.busy_s_per_engine.values())
-    assert report.serial_time_s == pytest.approx(sum(report.busy_s_per_engine.values()))
-    assert report.est_time_s <= report.serial_time_s
+    # hand-built records name no memory, so nothing depends on anything: the queues only overlap
+    assert report.est_lower_bound_s == pytest.approx(cost.KERNEL_LAUNCH_S + max(report.busy_s_per_engine.values()))
+    transfer = cost.dma_transfer_time(dma((128, 2048)), TRN2)
+    per_engine_ns = transfer.pool_ns * TRN2.dma_engines / transfer.engines_used
+    # four 128-partition transfers on all 16 DMA engines: three occupancies, then the last one's latency
+    assert report.device_time_s == pytest.approx((3 * per_engine_ns + transfer.latency_ns) * 1e-9)
+    assert report.est_time_s == pytest.approx(cost.KERNEL_LAUNCH_S + report.device_time_s)
+    assert report.est_lower_bound_s <= report.est_time_s <= report.serial_time_s
+    serial_ns = 4 * transfer.latency_ns + sum(
+        (cycles + DEPENDENCY_LATENCY_CYCLES * count) / getattr(TRN2, f"{engine}_ghz")
+        for engine, cycles, count in (("tensor", 8 * 512, 8), ("vector", 512, 1))
+    )
+    assert report.serial_time_s == pytest.approx(cost.KERNEL_LAUNCH_S + serial_ns * 1e-9)
     assert report.flops == 8 * 2 * 128 * 128 * 512
-    assert report.utilization == pytest.approx(report.roofline_s / report.est_time_s)
+    assert report.utilization == pytest.approx(report.roofline_s / report.device_time_s)
     assert sum(report.time_per_instruction.values()) == pytest.approx(
         sum(report.cycles_per_engine[e] / (getattr(TRN2, f"{e}_ghz") * 1e9) for e in ("tensor", "vector"))
         + report.cycles_per_engine["dma"] * 1e-9
@@ -241,7 +254,7 @@ def test_report_totals_and_overlap():
 
 def test_matmul_stream_reaches_tensor_peak():
     report = cost.cost_report([matmul() for _ in range(64)], TRN2)
-    achieved = report.flops / report.est_time_s
+    achieved = report.flops / report.device_time_s
     # 128x128 PEs x 2 flops x 2.4 GHz = 78.6 TFLOP/s against the documented 79
     assert achieved == pytest.approx(128 * 128 * 2 * TRN2.tensor_ghz * 1e9)
     assert report.utilization > 0.99
@@ -329,7 +342,9 @@ def test_sum_reports_adds_launches():
     assert total.flops == first.flops
     assert total.hbm_bytes == first.hbm_bytes + second.hbm_bytes
     assert total.instructions_per_engine == {"tensor": 1, "vector": 1, "dma": 2}
-    assert total.utilization == pytest.approx(total.roofline_s / total.est_time_s)
+    assert total.est_lower_bound_s == pytest.approx(first.est_lower_bound_s + second.est_lower_bound_s)
+    assert total.launch_s == pytest.approx(2 * cost.KERNEL_LAUNCH_S)
+    assert total.utilization == pytest.approx(total.roofline_s / total.device_time_s)
     assert "2 launches" in total.format()
 
 

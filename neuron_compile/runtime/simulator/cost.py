@@ -78,7 +78,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from neuron_compile.hardware import Target, get_target
+from neuron_compile.runtime.simulator.report import ENGINES, CostReport, sum_reports
+from neuron_compile.runtime.simulator.schedule import (
+    DEPENDENCY_LATENCY_CYCLES,
+    InstructionCost,
+    Schedule,
+    dma_queue,
+    schedule,
+)
 from neuron_compile.runtime.simulator.trace import InstructionRecord, OperandInfo
+
+__all__ = ["CostReport", "sum_reports", "cost_report", "instruction_cycles", "dma_transfer_time", "DmaTime",
+           "KERNEL_LAUNCH_S", "MIN_II"]
 
 MIN_II = 64  # minimum initiation interval of any engine, cycles
 GPSIMD_STARTUP = 150  # GpSimd fixed startup, cycles (iota, affine_select)
@@ -89,100 +100,9 @@ DMA_TRANSFERS_IN_FLIGHT = 8  # [I] per engine; calibrated to the DMA guide's eff
 DMA_BURST_BYTES = 64  # [I] smallest unit of memory a DMA moves
 DMA_TRANSPOSE_EFFICIENCY = {"hbm": 0.9, "sbuf": 0.5}  # by source buffer (trn2 guide)
 
-ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma", "sync")
+KERNEL_LAUNCH_S = 5e-6  # [I] fixed cost of one kernel launch (a NEFF boundary); see the docstring
 _TWO_BYTE_FLOATS = {"bfloat16", "float16"}
 _FP32_MATMUL = {"float32"}  # tf32 ("tfloat32") runs at the bf16 rate
-
-
-@dataclass(frozen=True)
-class CostReport:
-    """The cost of one kernel launch (or, from sum_reports, of several run one after the other).
-
-    ``cycles_per_engine['dma']`` is in nanoseconds of DMA-pool occupancy (the DMA engines have no clock of
-    their own in this model). ``time_per_instruction`` is busy seconds by instruction name, for explaining
-    where the time goes; ``unmodeled`` names instructions costed by a fallback formula.
-    """
-
-    target: str
-    instructions_per_engine: dict[str, int]
-    cycles_per_engine: dict[str, float]
-    busy_s_per_engine: dict[str, float]
-    hbm_bytes_read: int
-    hbm_bytes_written: int
-    flops: int
-    est_time_s: float
-    serial_time_s: float
-    roofline_s: float
-    utilization: float
-    roofline_compute_s: float = 0.0  # FLOPs / TensorE peak
-    roofline_memory_s: float = 0.0  # HBM bytes / HBM bandwidth of one NeuronCore
-    time_per_instruction: dict[str, float] = field(default_factory=dict)
-    unmodeled: tuple[str, ...] = ()
-    launches: int = 1
-
-    @property
-    def hbm_bytes(self) -> int:
-        return self.hbm_bytes_read + self.hbm_bytes_written
-
-    @property
-    def achieved_flops_per_s(self) -> float:
-        return self.flops / self.est_time_s if self.est_time_s else 0.0
-
-    @property
-    def bottleneck(self) -> str:
-        """The engine whose busy time is the estimate."""
-        if not self.busy_s_per_engine:
-            return "none"
-        return max(self.busy_s_per_engine, key=self.busy_s_per_engine.get)
-
-    def format(self) -> str:
-        """A readable table: one row per engine, then bytes, FLOPs, times and utilization."""
-        total = sum(self.instructions_per_engine.values())
-        launches = f", {self.launches} launches" if self.launches > 1 else ""
-        lines = [
-            f"cost report ({self.target}{launches}): {total} instructions",
-            f"  {'engine':<8}{'instructions':>13}{'cycles':>15}{'busy (us)':>13}{'of est':>9}",
-        ]
-        for engine in ENGINES:
-            if engine not in self.instructions_per_engine:
-                continue
-            busy = self.busy_s_per_engine.get(engine, 0.0)
-            share = busy / self.est_time_s if self.est_time_s else 0.0
-            cycles = f"{self.cycles_per_engine.get(engine, 0.0):,.0f}" + ("ns" if engine == "dma" else "")
-            lines.append(
-                f"  {engine:<8}{self.instructions_per_engine[engine]:>13,}{cycles:>15}"
-                f"{busy * 1e6:>13.2f}{share:>9.1%}"
-            )
-        top = sorted(self.time_per_instruction.items(), key=lambda item: -item[1])[:6]
-        if top:
-            lines.append("  top instructions: " + ", ".join(f"{name} {secs * 1e6:.2f}us" for name, secs in top))
-        bound = "compute" if self._compute_bound else "memory"
-        lines += [
-            f"  HBM read {_mib(self.hbm_bytes_read)}, written {_mib(self.hbm_bytes_written)}; "
-            f"{_si(self.flops)}FLOP ({_si(self.achieved_flops_per_s)}FLOP/s at the estimate)",
-            f"  estimated {self.est_time_s * 1e6:.2f} us (engines overlapped, bottleneck {self.bottleneck}); "
-            f"serial {self.serial_time_s * 1e6:.2f} us",
-            f"  roofline {self.roofline_s * 1e6:.2f} us ({bound}-bound); utilization {self.utilization:.1%}",
-        ]
-        if self.unmodeled:
-            lines.append("  costed by a fallback formula: " + ", ".join(self.unmodeled))
-        return "\n".join(lines)
-
-    @property
-    def _compute_bound(self) -> bool:
-        return self.roofline_compute_s >= self.roofline_memory_s
-
-
-def _si(value: float) -> str:
-    """1.5e12 -> '1.50 T', 2048 -> '2.05 k'."""
-    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f} {prefix}"
-    return f"{value:.0f} "
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f} MiB"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -443,94 +363,104 @@ def _peak_flops_per_s(record: InstructionRecord, target: Target) -> float:
     return target.tensor_bf16_tflops * 1e12
 
 
-def cost_report(trace: Iterable[InstructionRecord], target: Target | str | None = None) -> CostReport:
-    """Cost one kernel launch's trace on ``target`` (a Target, a target name, or None for the default)."""
-    target = target if isinstance(target, Target) else get_target(target)
-    counts: Counter[str] = Counter()
-    cycles: dict[str, float] = {}
-    per_instruction: dict[str, float] = {}
-    unmodeled: set[str] = set()
-    read = written = flops = 0
-    compute_bound_s = 0.0
-    longest_dma_ns = 0.0
-    for record in trace:
+def _compute_cost(record: InstructionRecord, target: Target, cycles: float) -> InstructionCost:
+    ghz = _engine_ghz(record.engine, target)
+    return InstructionCost(record.engine, duration_ns=cycles / ghz, visible_after_ns=DEPENDENCY_LATENCY_CYCLES / ghz)
+
+
+def _dma_cost(record: InstructionRecord, dma: DmaTime, target: Target) -> InstructionCost:
+    per_engine_ns = dma.pool_ns * target.dma_engines / dma.engines_used
+    return InstructionCost(dma_queue(record), latency_ns=dma.latency_ns, occupancy_ns=per_engine_ns,
+                           dma_engines=dma.engines_used)
+
+
+@dataclass
+class _Tally:
+    """Counts, busy time per (core, engine), bytes and FLOPs of a trace, gathered while costing it."""
+
+    target: Target
+    counts: Counter = field(default_factory=Counter)
+    cycles: dict[str, float] = field(default_factory=dict)
+    core_busy_s: dict[tuple[int, str], float] = field(default_factory=dict)
+    longest_dma_s: dict[int, float] = field(default_factory=dict)
+    per_instruction: dict[str, float] = field(default_factory=dict)
+    unmodeled: set[str] = field(default_factory=set)
+    read: int = 0
+    written: int = 0
+    flops: int = 0
+    compute_bound_s: float = 0.0
+
+    def add(self, record: InstructionRecord) -> InstructionCost:
+        """Account for one instruction; return its cost for the scheduler."""
+        target = self.target
         if _is_dma(record):
             engine, dma = "dma", dma_transfer_time(record, target)
             amount, seconds = dma.pool_ns, dma.pool_ns * 1e-9
-            longest_dma_ns = max(longest_dma_ns, dma.latency_ns)
+            longest = self.longest_dma_s.get(record.program, 0.0)
+            self.longest_dma_s[record.program] = max(longest, dma.latency_ns * 1e-9)
             record_read, record_written = _hbm_traffic(record)
-            read, written = read + record_read, written + record_written
+            self.read, self.written = self.read + record_read, self.written + record_written
+            scheduled = _dma_cost(record, dma, target)
         else:
             _check_engine(record)
             engine = record.engine
             amount, modeled = _compute_cycles(record, target)
             if not modeled:
-                unmodeled.add(record.name)
+                self.unmodeled.add(record.name)
             seconds = amount / (_engine_ghz(engine, target) * 1e9)
-        counts[engine] += 1
-        cycles[engine] = cycles.get(engine, 0.0) + amount
-        per_instruction[record.name] = per_instruction.get(record.name, 0.0) + seconds
-        flops += record.flops
-        compute_bound_s += record.flops / _peak_flops_per_s(record, target)
-    busy = {engine: cycles[engine] / (_engine_ghz(engine, target) * 1e9) for engine in cycles if engine != "dma"}
-    if "dma" in cycles:
-        busy["dma"] = max(cycles["dma"], longest_dma_ns) * 1e-9
-    est = max(busy.values(), default=0.0)
-    memory_bound_s = (read + written) / target.dma_bytes_per_s
+            scheduled = _compute_cost(record, target, amount)
+        self.counts[engine] += 1
+        self.cycles[engine] = self.cycles.get(engine, 0.0) + amount
+        key = (record.program, engine)
+        self.core_busy_s[key] = self.core_busy_s.get(key, 0.0) + seconds
+        self.per_instruction[record.name] = self.per_instruction.get(record.name, 0.0) + seconds
+        self.flops += record.flops
+        self.compute_bound_s += record.flops / _peak_flops_per_s(record, target)
+        return scheduled
+
+    def busy_per_core(self) -> dict[tuple[int, str], float]:
+        """Busy seconds per (core, engine); a core's DMA pool lasts at least its longest transfer."""
+        busy = dict(self.core_busy_s)
+        for program, longest in self.longest_dma_s.items():
+            busy[(program, "dma")] = max(busy.get((program, "dma"), 0.0), longest)
+        return busy
+
+
+def cost_report(trace: Iterable[InstructionRecord], target: Target | str | None = None) -> CostReport:
+    """Cost one kernel launch's trace on ``target`` (a Target, a target name, or None for the default)."""
+    target = target if isinstance(target, Target) else get_target(target)
+    trace = list(trace)
+    tally = _Tally(target)
+    plan: Schedule = schedule(trace, [tally.add(record) for record in trace], target.dma_engines)
+    core_busy = tally.busy_per_core()
+    busy: dict[str, float] = {}
+    for (_, engine), seconds in core_busy.items():
+        busy[engine] = busy.get(engine, 0.0) + seconds
+    cores = max(1, len({program for program, _ in core_busy}))
+    launch = KERNEL_LAUNCH_S if trace else 0.0
+    device = plan.makespan_ns * 1e-9
+    compute_bound_s = tally.compute_bound_s / cores
+    memory_bound_s = (tally.read + tally.written) / (target.dma_bytes_per_s * cores)
     roofline = max(compute_bound_s, memory_bound_s)
     return CostReport(
         target=target.name,
-        instructions_per_engine=dict(counts),
-        cycles_per_engine=cycles,
+        instructions_per_engine=dict(tally.counts),
+        cycles_per_engine=tally.cycles,
         busy_s_per_engine=busy,
-        hbm_bytes_read=read,
-        hbm_bytes_written=written,
-        flops=flops,
-        est_time_s=est,
-        serial_time_s=sum(busy.values()),
+        hbm_bytes_read=tally.read,
+        hbm_bytes_written=tally.written,
+        flops=tally.flops,
+        est_time_s=launch + device,
+        serial_time_s=launch + plan.serial_ns * 1e-9,
         roofline_s=roofline,
-        utilization=roofline / est if est else 0.0,
+        utilization=roofline / device if device else 0.0,
         roofline_compute_s=compute_bound_s,
         roofline_memory_s=memory_bound_s,
-        time_per_instruction=per_instruction,
-        unmodeled=tuple(sorted(unmodeled)),
-    )
-
-
-def _add_dicts(dicts: Iterable[dict]) -> dict:
-    total: dict = {}
-    for mapping in dicts:
-        for key, value in mapping.items():
-            total[key] = total.get(key, 0) + value
-    return total
-
-
-def sum_reports(reports: Iterable[CostReport]) -> CostReport:
-    """Several launches run one after the other: every count, byte and time adds up (est times too, since
-    launches do not overlap); utilization is recomputed from the sums."""
-    reports = list(reports)
-    if not reports:
-        raise ValueError("[cost_sum_empty] sum_reports needs at least one CostReport, got none")
-    targets = sorted({report.target for report in reports})
-    if len(targets) > 1:
-        raise ValueError(f"[cost_sum_mixed_targets] cannot add reports of different targets: {targets}")
-    est = sum(report.est_time_s for report in reports)
-    roofline = sum(report.roofline_s for report in reports)
-    return CostReport(
-        target=targets[0],
-        instructions_per_engine=_add_dicts(r.instructions_per_engine for r in reports),
-        cycles_per_engine=_add_dicts(r.cycles_per_engine for r in reports),
-        busy_s_per_engine=_add_dicts(r.busy_s_per_engine for r in reports),
-        hbm_bytes_read=sum(r.hbm_bytes_read for r in reports),
-        hbm_bytes_written=sum(r.hbm_bytes_written for r in reports),
-        flops=sum(r.flops for r in reports),
-        est_time_s=est,
-        serial_time_s=sum(r.serial_time_s for r in reports),
-        roofline_s=roofline,
-        utilization=roofline / est if est else 0.0,
-        roofline_compute_s=sum(r.roofline_compute_s for r in reports),
-        roofline_memory_s=sum(r.roofline_memory_s for r in reports),
-        time_per_instruction=_add_dicts(r.time_per_instruction for r in reports),
-        unmodeled=tuple(sorted({name for r in reports for name in r.unmodeled})),
-        launches=sum(r.launches for r in reports),
+        time_per_instruction=tally.per_instruction,
+        unmodeled=tuple(sorted(tally.unmodeled)),
+        est_lower_bound_s=launch + max(core_busy.values(), default=0.0),
+        device_time_s=device,
+        launch_s=launch,
+        wait_s_per_queue={queue: ns * 1e-9 for queue, ns in plan.wait_ns_per_queue.items()},
+        cores=cores,
     )

@@ -3,12 +3,19 @@
 Input: allocation requests (shape, dtype, buffer) from ``nl.ndarray`` & co. Output: NaN-filled (ints: 4)
 NkiTensors, with SBUF bytes per partition and PSUM banks accounted against the target. A buffer is released
 when its last Python reference dies (``weakref.finalize``), so allocating inside a loop works as on hardware,
-where the allocator reuses the space of tiles that are no longer live.
+where the allocator reuses the space of tiles that are no longer live. The reuse is visible to the cost model,
+as the allocator's ring mode does it (``nki.compiler.AllocationMode.RING``: each tile gets fresh memory, and
+freed memory is reused only once the allocation wraps around; PSUM rotates through its 8 banks): a released
+on-chip tensor's ``memory_id`` joins a first-in first-out pool, and an allocation takes a fresh id while fresh
+space remains (live bytes plus pooled bytes within capacity), else the oldest pooled id of its size, whose
+last reads its writes then wait for (trace.Region).
 
 The ``KernelContext`` also holds the instruction trace, the target and the program id of the current launch.
 """
 
 from __future__ import annotations
+
+import collections
 
 import math
 import threading
@@ -50,6 +57,10 @@ class KernelContext:
     # ScalarE accumulator registers (one per partition) driven by activation's reduce_cmd
     reduce_registers: np.ndarray = field(default_factory=lambda: np.zeros(128, dtype=np.float32))
     launched: bool = False  # False for the throwaway context used outside any kernel
+    # released on-chip memory not yet reused, oldest first: (buffer kind, bytes per partition) -> memory ids, and
+    # the units (SBUF bytes per partition, PSUM banks) those ids hold per buffer kind
+    free_memory_ids: dict = field(default_factory=dict)
+    pooled_units: dict = field(default_factory=dict)
 
 
 # The stack of running kernels, one per thread: threads that launch kernels at the same time (a compiled model
@@ -94,6 +105,23 @@ def _release_sbuf(context: KernelContext, nbytes: int) -> None:
 
 def _release_psum(context: KernelContext, banks: int) -> None:
     context.psum_live_banks -= banks
+
+
+def _release_memory_id(context: KernelContext, key: tuple, units: int, memory_id: int) -> None:
+    context.free_memory_ids.setdefault(key, collections.deque()).append(memory_id)
+    context.pooled_units[key[0]] = context.pooled_units.get(key[0], 0) + units
+
+
+def _ring_memory_id(context: KernelContext, tensor: NkiTensor, key: tuple, units: int, live: int, capacity: int):
+    """Give an on-chip tensor fresh memory while the ring has fresh space (``live`` units in use, after this
+    one, plus those pooled, within ``capacity``), else the oldest released memory of its size; pool its id back
+    when it is released."""
+    kind = key[0]
+    pool = context.free_memory_ids.get(key)
+    if live + context.pooled_units.get(kind, 0) > capacity and pool:
+        tensor.storage.memory_id = pool.popleft()
+        context.pooled_units[kind] -= units
+    weakref.finalize(tensor.storage, _release_memory_id, context, key, units, tensor.storage.memory_id)
 
 
 def _fill_value(dtype: np.dtype):
@@ -144,6 +172,8 @@ def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
         context.sbuf_live_bytes += bytes_per_partition
         context.sbuf_peak_bytes = max(context.sbuf_peak_bytes, context.sbuf_live_bytes)
         weakref.finalize(tensor.storage, _release_sbuf, context, bytes_per_partition)
+        _ring_memory_id(context, tensor, ("sbuf", bytes_per_partition), bytes_per_partition,
+                        context.sbuf_live_bytes, context.target.sbuf_bytes_per_partition)
     elif buffer.kind == "psum":
         # a PSUM tensor occupies whole 2 KiB banks
         banks = math.ceil(bytes_per_partition / context.target.psum_bank_bytes)
@@ -157,6 +187,8 @@ def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
         context.psum_live_banks += banks
         context.psum_peak_banks = max(context.psum_peak_banks, context.psum_live_banks)
         weakref.finalize(tensor.storage, _release_psum, context, banks)
+        _ring_memory_id(context, tensor, ("psum", bytes_per_partition), banks, context.psum_live_banks,
+                        context.target.psum_banks)
     elif buffer is shared_hbm:
         context.outputs_allocated.append(tensor)
     return tensor

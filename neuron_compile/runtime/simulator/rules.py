@@ -12,7 +12,7 @@ import numpy as np
 from neuron_compile.runtime.simulator.errors import NkiValidationError
 from neuron_compile.runtime.simulator.memory import current
 from neuron_compile.runtime.simulator.tensor import NkiTensor
-from neuron_compile.runtime.simulator.trace import InstructionRecord, OperandInfo
+from neuron_compile.runtime.simulator.trace import InstructionRecord, OperandInfo, Region
 
 FLOAT32 = np.dtype(np.float32)
 
@@ -151,12 +151,70 @@ def operand(role: str, tensor: NkiTensor, hbm_partitions: int | None = None) -> 
     return OperandInfo(role, *fields)
 
 
+def _whole_region(tensor: NkiTensor) -> Region:
+    storage = tensor.storage
+    if not tensor.on_chip:
+        return Region(storage.memory_id, (0, 1), (0, storage.data.nbytes), hbm=True)
+    partitions = storage.data.size // storage.partition_stride if storage.partition_stride else 1
+    return Region(storage.memory_id, (0, partitions), (0, storage.partition_stride * storage.data.itemsize))
+
+
+def _reach(offset: int, dims) -> tuple[int, int]:
+    """Lowest and highest element an access pattern (offset, (size, stride) pairs) reaches."""
+    dims = list(dims)  # read twice below
+    low = offset + sum(stride * (size - 1) for size, stride in dims if stride < 0)
+    high = offset + sum(stride * (size - 1) for size, stride in dims if stride > 0)
+    return low, high
+
+
+def region(tensor: NkiTensor) -> Region:
+    """The memory a view reaches (trace.Region): its partitions and the hull of its bytes in each; the whole
+    allocation when the pattern is indirect or does not stay within a partition."""
+    if tensor.indirect is not None or tensor.size == 0:
+        return _whole_region(tensor)
+    item = tensor.itemsize
+    if not tensor.on_chip:
+        low, high = _reach(tensor.offset, zip(tensor.shape, tensor.strides))
+        return Region(tensor.storage.memory_id, (0, 1), (low * item, (high + 1) * item), hbm=True)
+    partition_stride = tensor.partition_stride
+    if partition_stride <= 0 or (tensor.shape[0] > 1 and tensor.strides[0] != partition_stride):
+        return _whole_region(tensor)
+    first = tensor.offset // partition_stride
+    low, high = _reach(tensor.offset - first * partition_stride, zip(tensor.shape[1:], tensor.strides[1:]))
+    if low < 0 or high >= partition_stride:
+        return _whole_region(tensor)
+    return Region(tensor.storage.memory_id, (first, first + tensor.shape[0]), (low * item, (high + 1) * item))
+
+
+# Operand roles an instruction writes although they are passed as sources (activation's reduce_res).
+_WRITTEN_SOURCES = {"reduce_res"}
+
+
+def _regions(dst: NkiTensor | None, srcs: list[tuple[str, NkiTensor]], name: str):
+    """(reads, writes) of one instruction. A matmul also reads its dst (it accumulates into it), an indirect
+    access reads its offset tile."""
+    reads = [region(t) for role, t in srcs if role not in _WRITTEN_SOURCES]
+    writes = [region(t) for role, t in srcs if role in _WRITTEN_SOURCES]
+    if dst is not None:
+        writes.append(region(dst))
+        if name == "nc_matmul":
+            reads.append(region(dst))
+    for tensor in (dst, *(t for _, t in srcs)):
+        if tensor is not None and tensor.indirect is not None and isinstance(tensor.indirect[0], NkiTensor):
+            reads.append(region(tensor.indirect[0]))
+    return tuple(reads), tuple(writes)
+
+
 def record(name: str, engine: str, dst: NkiTensor | None, srcs: list[tuple[str, object]], attrs: dict | None = None,
            flops: int = 0, hbm_partitions: int | None = None) -> None:
-    infos = tuple(operand(role, t, hbm_partitions) for role, t in srcs if isinstance(t, NkiTensor))
+    tensors = [(role, t) for role, t in srcs if isinstance(t, NkiTensor)]
+    infos = tuple(operand(role, t, hbm_partitions) for role, t in tensors)
     dst_info = operand("dst", dst, hbm_partitions) if dst is not None else None
-    current().trace.append(
-        InstructionRecord(name=name, engine=engine, dst=dst_info, srcs=infos, attrs=attrs or {}, flops=int(flops))
+    reads, writes = _regions(dst, tensors, name)
+    context = current()
+    context.trace.append(
+        InstructionRecord(name=name, engine=engine, dst=dst_info, srcs=infos, attrs=attrs or {}, flops=int(flops),
+                          reads=reads, writes=writes, program=context.program_id)
     )
 
 

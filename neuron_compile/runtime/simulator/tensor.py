@@ -12,6 +12,7 @@ the partition dim, whose stride is the storage's ``partition_stride``.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -47,12 +48,17 @@ class DynSlice:
         return f"ds({self.start}, {self.size})"
 
 
+_memory_ids = itertools.count()
+
+
 class Storage:
     """One allocation. ``matmul_written`` (PSUM only) marks the elements a matmul accumulation group owns;
-    ``matmul_read`` those of them another instruction has read since (the group's result was consumed)."""
+    ``matmul_read`` those of them another instruction has read since (the group's result was consumed).
+    ``memory_id`` names the memory it occupies for the cost model's dependencies (trace.Region): unique per
+    allocation, except that the allocator hands a released on-chip slot's id to the next tensor of that size."""
 
     __slots__ = ("data", "buffer", "name", "partition_stride", "matmul_written", "matmul_read", "written",
-                 "__weakref__")
+                 "memory_id", "__weakref__")
 
     def __init__(self, data: np.ndarray, buffer: Buffer, name: str, partition_stride: int):
         self.data = data
@@ -62,6 +68,7 @@ class Storage:
         self.matmul_written = np.zeros(data.shape, dtype=bool) if buffer.kind == "psum" else None
         self.matmul_read = np.zeros(data.shape, dtype=bool) if buffer.kind == "psum" else None
         self.written = False  # any instruction wrote into it (kernel outputs must be written)
+        self.memory_id = next(_memory_ids)
 
 
 def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,0 +1,159 @@
+"""Simulator stage: the cost model's result. Input: the figures cost.py computes for one launch (or several).
+Output: a ``CostReport`` (engines, bytes, FLOPs, the schedule's time and its lower bound, the roofline), its
+readable table (``format``), and ``sum_reports`` for launches run one after the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma", "sync")
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """The cost of one kernel launch (or, from sum_reports, of several run one after the other).
+
+    ``est_time_s`` = ``launch_s`` (the fixed cost of a kernel launch, a NEFF boundary) + ``device_time_s``
+    (the makespan of the instruction schedule, schedule.py). ``est_lower_bound_s`` = ``launch_s`` + the busy
+    time of the busiest engine of the busiest core: what the launch would take were every engine perfectly
+    overlapped. ``serial_time_s``: every instruction one after another with its fixed costs, no overlap at all.
+    ``utilization = roofline_s / device_time_s``.
+
+    ``cycles_per_engine['dma']`` is in nanoseconds of DMA-pool occupancy (the DMA engines have no clock of
+    their own in this model). ``time_per_instruction`` is busy seconds by instruction name, for explaining
+    where the time goes; ``wait_s_per_queue`` the time each queue sat waiting on a dependency; ``unmodeled``
+    names instructions costed by a fallback formula. ``cores`` is 2 for an lnc=2 launch.
+    """
+
+    target: str
+    instructions_per_engine: dict[str, int]
+    cycles_per_engine: dict[str, float]
+    busy_s_per_engine: dict[str, float]
+    hbm_bytes_read: int
+    hbm_bytes_written: int
+    flops: int
+    est_time_s: float
+    serial_time_s: float
+    roofline_s: float
+    utilization: float
+    roofline_compute_s: float = 0.0  # FLOPs / TensorE peak (of all the launch's cores)
+    roofline_memory_s: float = 0.0  # HBM bytes / HBM bandwidth (of all the launch's cores)
+    time_per_instruction: dict[str, float] = field(default_factory=dict)
+    unmodeled: tuple[str, ...] = ()
+    launches: int = 1
+    est_lower_bound_s: float = 0.0
+    device_time_s: float = 0.0
+    launch_s: float = 0.0
+    wait_s_per_queue: dict[str, float] = field(default_factory=dict)
+    cores: int = 1
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.hbm_bytes_read + self.hbm_bytes_written
+
+    @property
+    def achieved_flops_per_s(self) -> float:
+        return self.flops / self.est_time_s if self.est_time_s else 0.0
+
+    @property
+    def bottleneck(self) -> str:
+        """The engine with the most busy time (the one the lower bound is made of)."""
+        if not self.busy_s_per_engine:
+            return "none"
+        return max(self.busy_s_per_engine, key=self.busy_s_per_engine.get)
+
+    def format(self) -> str:
+        """A readable table: one row per engine, then bytes, FLOPs, times and utilization."""
+        total = sum(self.instructions_per_engine.values())
+        launches = f", {self.launches} launches" if self.launches > 1 else ""
+        cores = f", {self.cores} cores" if self.cores > 1 else ""
+        lines = [
+            f"cost report ({self.target}{launches}{cores}): {total} instructions",
+            f"  {'engine':<8}{'instructions':>13}{'cycles':>15}{'busy (us)':>13}{'of device':>11}",
+        ]
+        for engine in ENGINES:
+            if engine not in self.instructions_per_engine:
+                continue
+            busy = self.busy_s_per_engine.get(engine, 0.0)
+            share = busy / (self.device_time_s * self.cores) if self.device_time_s else 0.0
+            cycles = f"{self.cycles_per_engine.get(engine, 0.0):,.0f}" + ("ns" if engine == "dma" else "")
+            lines.append(
+                f"  {engine:<8}{self.instructions_per_engine[engine]:>13,}{cycles:>15}"
+                f"{busy * 1e6:>13.2f}{share:>11.1%}"
+            )
+        top = sorted(self.time_per_instruction.items(), key=lambda item: -item[1])[:6]
+        if top:
+            lines.append("  top instructions: " + ", ".join(f"{name} {secs * 1e6:.2f}us" for name, secs in top))
+        waits = sorted(self.wait_s_per_queue.items(), key=lambda item: -item[1])[:4]
+        if waits:
+            lines.append("  waiting on dependencies: " + ", ".join(f"{q} {s * 1e6:.2f}us" for q, s in waits))
+        bound = "compute" if self.roofline_compute_s >= self.roofline_memory_s else "memory"
+        lines += [
+            f"  HBM read {_mib(self.hbm_bytes_read)}, written {_mib(self.hbm_bytes_written)}; "
+            f"{_si(self.flops)}FLOP ({_si(self.achieved_flops_per_s)}FLOP/s at the estimate)",
+            f"  estimated {self.est_time_s * 1e6:.2f} us = launch {self.launch_s * 1e6:.2f} + schedule "
+            f"{self.device_time_s * 1e6:.2f}; lower bound {self.est_lower_bound_s * 1e6:.2f} us (engines "
+            f"overlapped, bottleneck {self.bottleneck}); serial {self.serial_time_s * 1e6:.2f} us",
+            f"  roofline {self.roofline_s * 1e6:.2f} us ({bound}-bound); utilization {self.utilization:.1%}",
+        ]
+        if self.unmodeled:
+            lines.append("  costed by a fallback formula: " + ", ".join(self.unmodeled))
+        return "\n".join(lines)
+
+
+def _si(value: float) -> str:
+    """1.5e12 -> '1.50 T', 2048 -> '2.05 k'."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {prefix}"
+    return f"{value:.0f} "
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def _add_dicts(dicts: Iterable[dict]) -> dict:
+    total: dict = {}
+    for mapping in dicts:
+        for key, value in mapping.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def sum_reports(reports: Iterable[CostReport]) -> CostReport:
+    """Several launches run one after the other: every count, byte and time adds up (est times and lower
+    bounds too, since launches do not overlap); utilization is recomputed from the sums."""
+    reports = list(reports)
+    if not reports:
+        raise ValueError("[cost_sum_empty] sum_reports needs at least one CostReport, got none")
+    targets = sorted({report.target for report in reports})
+    if len(targets) > 1:
+        raise ValueError(f"[cost_sum_mixed_targets] cannot add reports of different targets: {targets}")
+    device = sum(report.device_time_s for report in reports)
+    roofline = sum(report.roofline_s for report in reports)
+    return CostReport(
+        target=targets[0],
+        instructions_per_engine=_add_dicts(r.instructions_per_engine for r in reports),
+        cycles_per_engine=_add_dicts(r.cycles_per_engine for r in reports),
+        busy_s_per_engine=_add_dicts(r.busy_s_per_engine for r in reports),
+        hbm_bytes_read=sum(r.hbm_bytes_read for r in reports),
+        hbm_bytes_written=sum(r.hbm_bytes_written for r in reports),
+        flops=sum(r.flops for r in reports),
+        est_time_s=sum(report.est_time_s for report in reports),
+        serial_time_s=sum(r.serial_time_s for r in reports),
+        roofline_s=roofline,
+        utilization=roofline / device if device else 0.0,
+        roofline_compute_s=sum(r.roofline_compute_s for r in reports),
+        roofline_memory_s=sum(r.roofline_memory_s for r in reports),
+        time_per_instruction=_add_dicts(r.time_per_instruction for r in reports),
+        unmodeled=tuple(sorted({name for r in reports for name in r.unmodeled})),
+        launches=sum(r.launches for r in reports),
+        est_lower_bound_s=sum(r.est_lower_bound_s for r in reports),
+        device_time_s=device,
+        launch_s=sum(r.launch_s for r in reports),
+        wait_s_per_queue=_add_dicts(r.wait_s_per_queue for r in reports),
+        cores=max(r.cores for r in reports),
+    )
