@@ -31,6 +31,7 @@ class Target:
     sbuf_fmax: int  # Vector/Scalar/GpSimd free elements per partition on SBUF operands
     psum_fmax: int  # ... on PSUM operands
     vector_transpose_max: int  # VectorE nc_transpose limit (32x32)
+    dma_transpose: bool  # the DMA engines transpose 2- and 4-byte elements on the way (nisa.dma_transpose, trn2+)
     # --- clocks and throughput (cost model) ---
     tensor_ghz: float
     vector_ghz: float
@@ -50,7 +51,7 @@ TRN1 = Target(
     name="trn1", nc_version="gen2", partitions=128,
     sbuf_bytes_per_partition=180224, psum_bytes_per_partition=16384, psum_banks=8, psum_bank_bytes=2048,
     gemm_stationary_fmax=128, gemm_moving_fmax=512, bn_stats_fmax=512, sbuf_fmax=65536, psum_fmax=4096,
-    vector_transpose_max=32,
+    vector_transpose_max=32, dma_transpose=False,
     tensor_ghz=2.8, vector_ghz=1.12, scalar_ghz=1.4, gpsimd_ghz=1.4,
     tensor_bf16_tflops=92.0, tensor_fp32_tflops=23.0,
     hbm_bytes_per_s=820e9, dma_bytes_per_s=272e9, dma_engines=16, dma_fixed_overhead_ns=1300.0,
@@ -61,7 +62,7 @@ TRN2 = Target(
     name="trn2", nc_version="gen3", partitions=128,
     sbuf_bytes_per_partition=212984, psum_bytes_per_partition=16384, psum_banks=8, psum_bank_bytes=2048,
     gemm_stationary_fmax=128, gemm_moving_fmax=512, bn_stats_fmax=512, sbuf_fmax=65536, psum_fmax=4096,
-    vector_transpose_max=32,
+    vector_transpose_max=32, dma_transpose=True,
     tensor_ghz=2.4, vector_ghz=0.96, scalar_ghz=1.2, gpsimd_ghz=1.2,
     tensor_bf16_tflops=79.0, tensor_fp32_tflops=20.0,
     hbm_bytes_per_s=2.9e12, dma_bytes_per_s=368e9, dma_engines=16, dma_fixed_overhead_ns=1300.0,
@@ -72,7 +73,7 @@ TRN3 = Target(
     name="trn3", nc_version="gen4", partitions=128,
     sbuf_bytes_per_partition=245752, psum_bytes_per_partition=16384, psum_banks=8, psum_bank_bytes=2048,
     gemm_stationary_fmax=128, gemm_moving_fmax=512, bn_stats_fmax=512, sbuf_fmax=65536, psum_fmax=4096,
-    vector_transpose_max=32,
+    vector_transpose_max=32, dma_transpose=True,
     tensor_ghz=2.4, vector_ghz=0.96, scalar_ghz=1.2, gpsimd_ghz=1.2,
     tensor_bf16_tflops=79.0, tensor_fp32_tflops=20.0,
     hbm_bytes_per_s=4.7e12, dma_bytes_per_s=528e9, dma_engines=16, dma_fixed_overhead_ns=1300.0,

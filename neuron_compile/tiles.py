@@ -37,6 +37,9 @@ class TilePlan:
     # matmul only: the moving operand (b^T rows, W stored [N, K]) is transposed and multiplied one K chunk at a
     # time instead of kept whole per N tile (large K: the kept chunks would not fit SBUF); N tiles are 128 wide
     stream_moving: bool = False
+    # matmul only: rows of a whose a^T tiles stay resident while b streams past them once (the DMA-transposing
+    # form, matmul_resident.py.j2); 0 for the TensorE-transposing form (matmul.py.j2)
+    row_group: int = 0
     parts: tuple[TilePlan, ...] = ()  # concat only: one pointwise plan per input
     cross_partition: bool = False  # reduction only: the reduced dim is spread over partitions too
 
@@ -52,6 +55,7 @@ class TilePlan:
         if self.kind == "matmul":
             text += f" K {self.k_tiles}x{self.k_tile}"
             text += " (moving operand streamed per K chunk)" if self.stream_moving else ""
+            text += f", a^T resident per {self.row_group} rows, b loaded once per group" if self.row_group else ""
         return text
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from neuron_compile import config
 from neuron_compile.pipeline import compile_region
 from neuron_compile.passes.decompose import decomposition_table
 
@@ -30,7 +31,7 @@ def as_tuple(value):
 
 def compile_and_run(fn, *inputs):
     gm = trace(fn, *inputs)
-    region = compile_region(gm, list(inputs))
+    region = compile_region(gm, list(inputs), config.get())  # the configured target (config.patch(target=...))
     return region, region(*inputs)
 
 

@@ -45,22 +45,22 @@ import nki.language as nl
 def pointwise_kernel_0(arg0_1, arg1_1):
     # Kernel outputs: flat HBM tensors, written through access patterns with eager's strides.
     pointwise_7 = nl.ndarray((780,), dtype=nl.float32, buffer=nl.shared_hbm)
-    # SBUF tiles, allocated once and reused by every iteration.
-    arg0_1_tile_1 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
-    mul_2 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
-    arg1_1_tile_3 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
-    add_4 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
-    sigmoid_5 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
-    mul_6 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
     # Elementwise: rows on partitions, columns on the free axis; ragged last tiles are smaller slices.
     for p0 in range(0, 78, 78):
         rows = min(78, 78 - p0)
         for f0 in range(0, 10, 10):
             cols = min(10, 10 - f0)
+            # Fresh tiles per iteration: the next tile's loads need not wait for this one's readers.
+            arg0_1_tile_1 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
+            mul_2 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
+            arg1_1_tile_3 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
+            add_4 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
+            sigmoid_5 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
+            mul_6 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=arg0_1_tile_1[0:rows, 0:cols], src=arg0_1.ap([[10, rows], [1, cols]], offset=p0 * 10 + f0))
             nisa.tensor_scalar(dst=mul_2[0:rows, 0:cols], data=arg0_1_tile_1[0:rows, 0:cols], op0=nl.multiply, operand0=2.0)
             nisa.dma_copy(dst=arg1_1_tile_3[0:rows, 0:cols], src=arg1_1.ap([[10, rows], [1, cols]], offset=p0 * 10 + f0))
-            nisa.tensor_tensor(dst=add_4[0:rows, 0:cols], data1=mul_2[0:rows, 0:cols], data2=arg1_1_tile_3[0:rows, 0:cols], op=nl.add)
+            nisa.tensor_tensor(dst=add_4[0:rows, 0:cols], data1=mul_2[0:rows, 0:cols], data2=arg1_1_tile_3[0:rows, 0:cols], op=nl.add, engine=nisa.engine.gpsimd)
             nisa.activation(dst=sigmoid_5[0:rows, 0:cols], op=nl.sigmoid, data=add_4[0:rows, 0:cols])
             nisa.tensor_tensor(dst=mul_6[0:rows, 0:cols], data1=sigmoid_5[0:rows, 0:cols], data2=arg0_1_tile_1[0:rows, 0:cols], op=nl.multiply)
             nisa.dma_copy(dst=pointwise_7.ap([[10, rows], [1, cols]], offset=p0 * 10 + f0), src=mul_6[0:rows, 0:cols])
@@ -88,44 +88,43 @@ import nki.language as nl
 def reduction_kernel_0(arg0_1, arg1_1):
     # Kernel outputs: flat HBM tensors, written through access patterns with eager's strides.
     pointwise_11 = nl.ndarray((8320,), dtype=nl.float32, buffer=nl.shared_hbm)
-    # SBUF tiles, allocated once and reused by every iteration.
-    acc_1 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    arg0_1_tile_2 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
-    pow_3 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
-    add_4 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    gt_5 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    lt_6 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    mul_7 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    gt_8 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    mul_9 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    lt_10 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    mul_11 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    where_12 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    bits_13 = nl.ndarray((128, 1), dtype=nl.int32, buffer=nl.sbuf)
-    bits_14 = nl.ndarray((128, 1), dtype=nl.int32, buffer=nl.sbuf)
-    mask_15 = nl.ndarray((128, 1), dtype=nl.int32, buffer=nl.sbuf)
-    selected_bits_16 = nl.ndarray((128, 1), dtype=nl.int32, buffer=nl.sbuf)
-    where_17 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    where_18 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    second_operand_19 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    rsqrt_in_range_20 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    where_21 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    first_operand_22 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    where_23 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    mul_24 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    eq_25 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    copysign_26 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    eq_27 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    where_28 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    where_29 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    where_30 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-    mul_31 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
-    arg1_1_tile_32 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
-    mul_33 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
     # Row reduction: kept dims on partitions, reduced dims on the free axis.
     for p0 in range(0, 130, 128):
         rows = min(128, 130 - p0)
-
+        # Fresh tiles per row block: the next block's loads need not wait for this one's readers.
+        acc_1 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        arg0_1_tile_2 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+        pow_3 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+        add_4 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        gt_5 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        lt_6 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        mul_7 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        gt_8 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        mul_9 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        lt_10 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        mul_11 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        where_12 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        bits_13 = nl.ndarray((128, 1), dtype=nl.int32, buffer=nl.sbuf)
+        bits_14 = nl.ndarray((128, 1), dtype=nl.int32, buffer=nl.sbuf)
+        mask_15 = nl.ndarray((128, 1), dtype=nl.int32, buffer=nl.sbuf)
+        selected_bits_16 = nl.ndarray((128, 1), dtype=nl.int32, buffer=nl.sbuf)
+        where_17 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        where_18 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        second_operand_19 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        rsqrt_in_range_20 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        where_21 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        first_operand_22 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        where_23 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        mul_24 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        eq_25 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        copysign_26 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        eq_27 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        where_28 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        where_29 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        where_30 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        mul_31 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+        arg1_1_tile_32 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+        mul_33 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
         cols = 64
         nisa.dma_copy(dst=arg0_1_tile_2[0:rows, 0:cols], src=arg0_1.ap([[64, rows], [1, cols]], offset=p0 * 64))
         nisa.tensor_tensor(dst=pow_3[0:rows, 0:cols], data1=arg0_1_tile_2[0:rows, 0:cols], data2=arg0_1_tile_2[0:rows, 0:cols], op=nl.multiply)
@@ -200,7 +199,7 @@ def reduction_kernel_0(arg0_1, arg1_1):
         nisa.tensor_tensor(dst=where_30[0:rows, 0:1].view(nl.int32), data1=where_29[0:rows, 0:1].view(nl.int32), data2=selected_bits_16[0:rows, 0:1], op=nl.bitwise_xor)
         nisa.tensor_scalar(dst=mul_31[0:rows, 0:cols], data=arg0_1_tile_2[0:rows, 0:cols], op0=nl.multiply, operand0=where_30[0:rows, 0:1])
         nisa.dma_copy(dst=arg1_1_tile_32[0:rows, 0:cols], src=arg1_1.ap([[0, rows], [1, cols]], offset=0))
-        nisa.tensor_tensor(dst=mul_33[0:rows, 0:cols], data1=mul_31[0:rows, 0:cols], data2=arg1_1_tile_32[0:rows, 0:cols], op=nl.multiply)
+        nisa.tensor_tensor(dst=mul_33[0:rows, 0:cols], data1=mul_31[0:rows, 0:cols], data2=arg1_1_tile_32[0:rows, 0:cols], op=nl.multiply, engine=nisa.engine.gpsimd)
         nisa.dma_copy(dst=pointwise_11.ap([[64, rows], [1, cols]], offset=p0 * 64), src=mul_33[0:rows, 0:cols])
     return pointwise_11
 """)
@@ -216,7 +215,7 @@ MatMul kernel_2 domain=[1, 130, 96] K=64
   b: load(arg1_1, ap(shape=[1, 64, 96], strides=[0, 1, 64], offset=0))
   pointwise_3 = gelu(add(result, load(arg2_1, ap(shape=[1, 130, 96], strides=[0, 0, 1], offset=0))))
 
-Tile plan: matmul: outer [1/1] partition 130/128 free [96/96] K 1x64
+Tile plan: matmul: outer [1/1] partition 130/128 free [96/96] K 1x64, a^T resident per 256 rows, b loaded once per group
 \"\"\"
 
 import nki
@@ -228,57 +227,42 @@ import nki.language as nl
 def matmul_kernel_0(arg0_1, arg1_1, arg2_1):
     # Kernel outputs: flat HBM tensors, written through access patterns with eager's strides.
     pointwise_3 = nl.ndarray((12480,), dtype=nl.float32, buffer=nl.shared_hbm)
-    # SBUF tiles, allocated once and reused by every iteration.
-    product_1 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
-    arg2_1_tile_2 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
-    add_3 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
-    gelu_4 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
-    stationary = [nl.ndarray((64, 128), dtype=nl.float32, buffer=nl.sbuf)
-                  for _ in range(1)]
-    moving = [nl.ndarray((64, 96), dtype=nl.float32, buffer=nl.sbuf)
-              for _ in range(1)]
-    accumulator = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.psum)
-    stationary_rows = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
-    stationary_transposed = nl.ndarray((64, 128), dtype=nl.float32,
-                                       buffer=nl.psum)
-    moving_rows = nl.ndarray((96, 64), dtype=nl.float32, buffer=nl.sbuf)
-    moving_transposed = nl.ndarray((64, 96), dtype=nl.float32, buffer=nl.psum)
-    # out[M, N] = a[M, K] @ b[K, N] per batch index: K on partitions for both operands, M tiles of 128, N tiles of 512.
+    # out[M, N] = a[M, K] @ b[K, N] per batch index: K on partitions for both operands (the DMA engines
+    # transpose an operand whose K is contiguous on the way in), M tiles of 128, N tiles of 96.
+    # a^T of 256 rows stays resident while every N tile of b is loaded once and multiplied by it.
     for o0 in range(1):
-        for p0 in range(0, 130, 128):
-            rows = min(128, 130 - p0)
-
-            # The stationary a^T tiles of this row block stay resident across the N loop.
-            # Whole contiguous rows of a in one DMA, transposed per K chunk on TensorE (a strided DMA would move one
-            # element per burst).
-            nisa.dma_copy(dst=stationary_rows[0:rows, 0:64], src=arg0_1.ap([[64, rows], [1, 64]], offset=p0 * 64))
-            for kt in range(1):
-                k0 = kt * 64
-                kk = min(64, 64 - k0)
-                nisa.nc_transpose(dst=stationary_transposed[0:kk, 0:rows], data=stationary_rows[0:rows, k0:k0 + kk])
-                nisa.tensor_copy(dst=stationary[kt][0:kk, 0:rows], src=stationary_transposed[0:kk, 0:rows])
+        for g0 in range(0, 130, 256):
+            blocks = (min(256, 130 - g0) + 127) // 128
+            stationary = [nl.ndarray((64, 1, 128), dtype=nl.float32, buffer=nl.sbuf)
+                          for _ in range(blocks)]
+            for block in range(blocks):
+                p0 = g0 + block * 128
+                rows = min(128, 130 - p0)
+                nisa.dma_transpose(dst=stationary[block][0:64, 0:1, 0:rows], src=arg0_1.ap([[64, rows], [64, 1], [1, 64]], offset=p0 * 64), axes=(2, 1, 0))
             for f0 in range(0, 96, 96):
                 cols = min(96, 96 - f0)
-                # b^T rows (W stored [N, K]): whole K per DMA, 128-row blocks transposed on TensorE into K-chunk tiles.
-                for n1 in range(0, cols, 96):
-                    nn = min(96, cols - n1)
-                    nisa.dma_copy(dst=moving_rows[0:nn, 0:64], src=arg1_1.ap([[64, nn], [1, 64]], offset=f0 * 64 + n1 * 64))
+                # Fresh tiles per N tile: the next tile's loads overlap this one's matmuls.
+                moving = nl.ndarray((64, 1, 96), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_transpose(dst=moving[0:64, 0:1, 0:cols], src=arg1_1.ap([[64, cols], [64, 1], [1, 64]], offset=f0 * 64), axes=(2, 1, 0))
+                for block in range(blocks):
+                    p0 = g0 + block * 128
+                    rows = min(128, 130 - p0)
+                    accumulator = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.psum)
                     for kt in range(1):
                         k0 = kt * 64
                         kk = min(64, 64 - k0)
-                        nisa.nc_transpose(dst=moving_transposed[0:kk, 0:nn], data=moving_rows[0:nn, k0:k0 + kk])
-                        nisa.tensor_copy(dst=moving[kt][0:kk, n1:n1 + nn], src=moving_transposed[0:kk, 0:nn])
-                for kt in range(1):
-                    k0 = kt * 64
-                    kk = min(64, 64 - k0)
-                    # The first K chunk overwrites the PSUM tile, later ones accumulate into it.
-                    nisa.nc_matmul(dst=accumulator[0:rows, 0:cols], stationary=stationary[kt][0:kk, 0:rows],
-                                   moving=moving[kt][0:kk, 0:cols], accumulate=kt > 0)
-                nisa.tensor_copy(dst=product_1[0:rows, 0:cols], src=accumulator[0:rows, 0:cols])
-                nisa.dma_copy(dst=arg2_1_tile_2[0:rows, 0:cols], src=arg2_1.ap([[0, rows], [1, cols]], offset=f0))
-                nisa.tensor_tensor(dst=add_3[0:rows, 0:cols], data1=product_1[0:rows, 0:cols], data2=arg2_1_tile_2[0:rows, 0:cols], op=nl.add)
-                nisa.activation(dst=gelu_4[0:rows, 0:cols], op=nl.gelu, data=add_3[0:rows, 0:cols])
-                nisa.dma_copy(dst=pointwise_3.ap([[96, rows], [1, cols]], offset=p0 * 96 + f0), src=gelu_4[0:rows, 0:cols])
+                        # The first K chunk overwrites the PSUM tile, later ones accumulate into it.
+                        nisa.nc_matmul(dst=accumulator[0:rows, 0:cols], stationary=stationary[block][0:kk, kt, 0:rows],
+                                       moving=moving[0:kk, kt, 0:cols], accumulate=kt > 0)
+                    product_1 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
+                    arg2_1_tile_2 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
+                    add_3 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
+                    gelu_4 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.activation(dst=product_1[0:rows, 0:cols], op=nl.copy, data=accumulator[0:rows, 0:cols])
+                    nisa.dma_copy(dst=arg2_1_tile_2[0:rows, 0:cols], src=arg2_1.ap([[0, rows], [1, cols]], offset=f0))
+                    nisa.tensor_tensor(dst=add_3[0:rows, 0:cols], data1=product_1[0:rows, 0:cols], data2=arg2_1_tile_2[0:rows, 0:cols], op=nl.add)
+                    nisa.activation(dst=gelu_4[0:rows, 0:cols], op=nl.gelu, data=add_3[0:rows, 0:cols])
+                    nisa.dma_copy(dst=pointwise_3.ap([[96, rows], [1, cols]], offset=p0 * 96 + f0), src=gelu_4[0:rows, 0:cols])
 
     return pointwise_3
 """)

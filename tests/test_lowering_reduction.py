@@ -166,14 +166,17 @@ def test_layer_norm_backward_matches_eager(rows, cols, dtype, mask):
 def test_leading_dim_and_full_reductions_use_tensor_engine_and_stay_near_roofline(dtype):
     # sum over rows: TensorE sums 128-row tiles against ones; a full sum spreads the row over partitions and
     # reduces across them at the end. Both are contiguous DMAs; element-strided ones cost ~15x / ~100x more.
-    x = random_tensor((1024, 1024), dtype, seed=12)
+    # 2048 x 2048: large enough that filling and draining the load -> reduce pipeline (the first chunk's DMA
+    # latency, the cross-partition tail) is a small part of the kernel's time
+    x = random_tensor((2048, 2048), dtype, seed=12)
     for fn, instruction in ((lambda x: x.sum(0) * 2, "nisa.nc_matmul"), (lambda x: x.amax(), "nisa.nc_transpose"),
                             (lambda x: x.mean(), "nisa.nc_transpose")):
         before = stats.snapshot()
         region = check_against_eager(fn, x, tolerances={torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)})
         after = stats.snapshot()
         assert len(region.kernels) == 1 and instruction in region.kernels[0].source
-        assert after["est_time_s"] - before["est_time_s"] < 2 * (after["roofline_s"] - before["roofline_s"])
+        device = (after["est_time_s"] - after["launch_s"]) - (before["est_time_s"] - before["launch_s"])
+        assert device < 2 * (after["roofline_s"] - before["roofline_s"])  # the kernel's own time, not its launch
 
 
 def test_unchunkable_long_rows_are_unsupported_reasons():

@@ -102,6 +102,19 @@ CASES = {
 }
 
 
+def test_dma_transpose_is_trn2_and_later():
+    def kernel(x):
+        tile = nl.ndarray((8, 4), nl.float32, buffer=nl.sbuf)
+        nisa.dma_transpose(tile, x)
+
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    with pytest.raises(NkiValidationError) as info:
+        nki.run_kernel(kernel, [x], target="trn1")
+    assert info.value.rule == "err_dma_transpose_unsupported" and "trn1" in str(info.value)
+    for target in ("trn2", "trn3"):
+        nki.run_kernel(kernel, [x], target=target)
+
+
 @pytest.mark.parametrize("rule", sorted(CASES))
 def test_breaking_a_rule_raises_it_by_name(rule):
     body, value = CASES[rule]

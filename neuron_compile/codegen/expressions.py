@@ -74,6 +74,15 @@ class TileAllocator:
     partitions: int
     lines: list[str] = dataclasses.field(default_factory=list)
     count: int = 0
+    widths: list[int] = dataclasses.field(default_factory=list)  # free elements of each line's SBUF tile (PSUM: 0)
+    psum_tiles: set[str] = dataclasses.field(default_factory=set)
+
+    def split_by_width(self, width: int) -> tuple[list[str], list[str]]:
+        """(the allocations of SBUF tiles ``width`` wide, the others): a chunked row kernel allocates the first
+        per chunk (they hold one chunk's values) and the others per row block (partials that carry across
+        chunks)."""
+        wide = [line for line, free in zip(self.lines, self.widths) if free == width]
+        return wide, [line for line, free in zip(self.lines, self.widths) if free != width]
 
     def next_name(self, stem: str) -> str:
         """The name the next allocation with ``stem`` gets (nothing is allocated)."""
@@ -84,12 +93,15 @@ class TileAllocator:
         name = self.next_name(stem)
         self.count += 1
         self.lines.append(f"{name} = nl.ndarray((1, {free}), dtype=nl.float32, buffer=nl.psum)")
+        self.widths.append(0)
+        self.psum_tiles.add(name)
         return name
 
     def new(self, stem: str, free: int, dtype: str = "float32") -> str:
         name = self.next_name(stem)
         self.count += 1
         self.lines.append(f"{name} = nl.ndarray(({self.partitions}, {free}), dtype={NL_DTYPES[dtype]}, buffer=nl.sbuf)")
+        self.widths.append(free)
         return name
 
 
@@ -118,6 +130,7 @@ class TileScope:
         self.vector_pattern = vector_pattern
         self.memo: dict = {}
         self.tiles: dict[tuple, str] = {}
+        self.balance = EngineBalance()
 
     def tile(self, dtype: str = "float32", key=None, vector: bool = False, stem: str = "value") -> str:
         # One tile per (scope, expression): loop iterations overwrite it, the code stays straight-line.
@@ -140,6 +153,34 @@ class TileScope:
         return ROW_VECTOR if vector else self.slice_text
 
 
+class EngineBalance:
+    """Which engine runs each full-tile ALU instruction of a scope: GpSimd once VectorE has more of the scope's
+    work than GpSimd would have with it, else VectorE (the scheduler runs independent instructions on both).
+    Relative costs of one tile: VectorE 1 (0.5 on bf16 tiles, its trn2 performance mode), GpSimd 0.8 (a faster
+    clock, no bf16 mode). Instructions that touch PSUM (GpSimd cannot reach it) or (P, 1) row vectors stay on
+    VectorE; activations are ScalarE's and instruction sequences VectorE's, and count as such."""
+
+    GPSIMD_COST = 0.8
+
+    def __init__(self):
+        self.load = {"vector": 0.0, "gpsimd": 0.0, "scalar": 0.0}
+
+    def note(self, engine: str, cost: float = 1.0) -> None:
+        self.load[engine] += cost
+
+    def pick(self, operands: list[Ref], scope: TileScope) -> str:
+        """The engine argument text (empty for VectorE, the default) for an instruction over ``operands``."""
+        tiles = [ref for ref in operands if ref.tile is not None]
+        on_psum = any(ref.tile in scope.allocator.psum_tiles for ref in tiles)
+        vector_cost = 0.5 if tiles and all(ref.dtype == "bfloat16" for ref in tiles) else 1.0
+        gpsimd_free = self.load["gpsimd"] + self.GPSIMD_COST < self.load["vector"]  # VectorE takes the first
+        if on_psum or any(ref.vector for ref in tiles) or not gpsimd_free:
+            self.note("vector", vector_cost)
+            return ""
+        self.note("gpsimd", self.GPSIMD_COST)
+        return ", engine=nisa.engine.gpsimd"
+
+
 def emit(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref:
     """Append the instructions computing ``expr`` to ``lines``; return where the value is."""
     if expr in scope.memo:
@@ -160,8 +201,34 @@ def _emit_uncached(expr, scope, lines) -> Ref:
         return _emit_iota(expr, scope, lines)
     if isinstance(expr, ir.Load):
         return _emit_load(expr, scope, lines)
+    rounded = _emit_rounded_op(expr, scope, lines)
+    if rounded is not None:
+        return rounded
     args = [emit(arg, scope, lines) for arg in expr.args]
     return _emit_op(expr, args, scope, lines)
+
+
+ROUNDING_DTYPES = {"bfloat16"}
+
+
+def _emit_rounded_op(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref | None:
+    """``cast(op(...), bf16)`` with a one-instruction op: the instruction writes a bf16 tile directly. The
+    engines compute in fp32 and round to the destination's dtype, so this is the value the fp32 result plus a
+    rounding tensor_copy would give, one instruction fewer. The op's fp32 value is not kept (another use of it
+    computes it again). None when the pattern does not apply."""
+    if not (isinstance(expr, ir.Op) and expr.dtype in ROUNDING_DTYPES and op_table.spec(expr.op).form == "copy"):
+        return None
+    inner = expr.args[0]
+    if not isinstance(inner, ir.Op) or inner in scope.memo or op_table.spec(inner.op).form not in PLAIN_FORMS:
+        return None
+    args = [emit(arg, scope, lines) for arg in inner.args]
+    tiles = [arg for arg in args if arg.tile is not None]
+    entry = op_table.spec(inner.op)
+    if not tiles or all(arg.vector for arg in tiles):
+        return None  # numbers only, or (P, 1) row vectors (tensor_scalar operands stay fp32): the plain path
+    out = Ref(tile=scope.tile(expr.dtype, stem=f"{inner.op}_{expr.dtype}"), dtype=expr.dtype)
+    lines.append(PLAIN_FORMS[entry.form](entry, args, scope.ref_text(out), scope))
+    return out
 
 
 def _emit_load(expr: ir.Load, scope: TileScope, lines: list[str]) -> Ref:
@@ -225,7 +292,9 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
     out = Ref(tile=scope.tile(vector=vector, stem=expr.op), vector=vector)
     dst = scope.ref_text(out)
     if entry.form == "sequence":
+        emitted = len(lines)
         SEQUENCES[expr.op](args, dst, vector, scope, lines)
+        scope.balance.note("vector", len(lines) - emitted)
     else:
         lines.append(PLAIN_FORMS[entry.form](entry, args, dst, scope))
     return out
@@ -234,28 +303,31 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
 # ---------------------------------------------------------------- plain forms: one instruction from the table
 
 
-def _tensor_scalar(dst: str, data: str, stages, operand: str | None = None) -> str:
+def _tensor_scalar(dst: str, data: str, stages, operand: str | None = None, engine: str = "") -> str:
     """``tensor_scalar`` with one or two (operator, operand) stages; an operand None is ``operand``."""
     parts = [f"nisa.tensor_scalar(dst={dst}, data={data}"]
     for i, (nl_op, fixed) in enumerate(stages):
         parts.append(f"op{i}={nl_op}, operand{i}={operand if fixed is None else number(fixed)}")
-    return ", ".join(parts) + ")"
+    return ", ".join(parts) + engine + ")"
 
 
 def _binary(entry: op_table.OpSpec, args, dst: str, scope: TileScope) -> str:
     a, b = args
+    engine = scope.balance.pick(list(args), scope)
     if _is_constant(b, a):
-        return _tensor_scalar(dst, scope.ref_text(a), ((entry.nl_op, None),), scope.operand_text(b))
+        return _tensor_scalar(dst, scope.ref_text(a), ((entry.nl_op, None),), scope.operand_text(b), engine)
     if _is_constant(a, b):
-        return _tensor_scalar(dst, scope.ref_text(b), entry.number_first, scope.operand_text(a))
-    return f"nisa.tensor_tensor(dst={dst}, data1={scope.ref_text(a)}, data2={scope.ref_text(b)}, op={entry.nl_op})"
+        return _tensor_scalar(dst, scope.ref_text(b), entry.number_first, scope.operand_text(a), engine)
+    return (f"nisa.tensor_tensor(dst={dst}, data1={scope.ref_text(a)}, data2={scope.ref_text(b)}, "
+            f"op={entry.nl_op}{engine})")
 
 
 def _unary_tensor_scalar(entry: op_table.OpSpec, args, dst: str, scope: TileScope) -> str:
-    return _tensor_scalar(dst, scope.ref_text(args[0]), entry.stages)
+    return _tensor_scalar(dst, scope.ref_text(args[0]), entry.stages, engine=scope.balance.pick(list(args), scope))
 
 
 def _activation(entry: op_table.OpSpec, args, dst: str, scope: TileScope) -> str:
+    scope.balance.note("scalar")
     return f"nisa.activation(dst={dst}, op={entry.nl_op}, data={scope.ref_text(args[0])})"
 
 

@@ -1,7 +1,8 @@
 """Kernel kind ``concat``: every input copied into its slice of one output buffer (``ir.Concat``, aten.cat).
 
 One kernel writes the whole output (a buffer has one writer). Fusion: none (a concat takes no epilogue).
-Tiling: one pointwise plan per part. Codegen: the parts' pointwise bodies one after the other (concat.py.j2).
+Tiling: one pointwise plan per part. Codegen: the parts' pointwise bodies one after the other, with fresh tiles
+per iteration (concat.py.j2).
 """
 
 from __future__ import annotations
@@ -46,14 +47,14 @@ class ConcatKind(KernelKind):
         return TilePlan("concat", (), synthetic, (synthetic,), tiles, parts=parts)
 
     def render(self, node, plan, name, parameters):
-        allocations, parts = [], []
+        parts, count = [], 0
         for part, part_plan in zip(node.parts, plan.parts):
             allocator = TileAllocator(part_plan.partition.tile)
-            allocator.count = len(allocations)  # distinct tile names across parts
+            allocator.count = count  # distinct tile names across parts
             body = pointwise_body(part, part_plan, allocator)
-            allocations += allocator.lines
-            parts.append(dict(plan=part_plan, body=body, depth=len(part_plan.outer) + 1))
-        context = kernel_context(node, plan, name, parameters, allocations=allocations, parts=parts)
+            count = allocator.count
+            parts.append(dict(plan=part_plan, body=body, allocations=allocator.lines, depth=len(part_plan.outer) + 1))
+        context = kernel_context(node, plan, name, parameters, allocations=[], parts=parts)
         return render_template("concat.py.j2", **context)
 
 

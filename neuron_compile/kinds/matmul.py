@@ -21,6 +21,38 @@ from neuron_compile.tiles import TRANSPOSE_BLOCK, TilePlan, TilingError, count_t
 
 
 def plan_matmul(node: ir.MatMul, target) -> TilePlan:
+    """The DMA-transposing form where the target has it and a^T of one row block fits beside b's tiles, else
+    the TensorE-transposing form."""
+    return plan_resident(node, target) or plan_transposing(node, target)
+
+
+def plan_resident(node: ir.MatMul, target) -> TilePlan | None:
+    """a^T resident for as many 128-row blocks as fit (``row_group``), b streamed once per group, N tiles of
+    512 (256, 128 if K is large). SBUF per partition: the group's a^T chunks, two N tiles' b chunks (this one's
+    and the next one's, loaded while this one multiplies) and two sets of epilogue tiles. None when the target
+    has no DMA transpose or not even one row block fits."""
+    if not target.dma_transpose:
+        return None
+    *batch, m, n = node.domain
+    itemsize = 2 if node.a.dtype == "bfloat16" else 4
+    k_tile = min(node.k, target.partitions)
+    k_tiles = math.ceil(node.k / k_tile)
+    tiles = count_tiles([store.expr for store in node.stores])
+    budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE)
+    block_bytes = k_tiles * target.gemm_stationary_fmax * itemsize
+    for n_tile in sorted({min(n, size) for size in (target.gemm_moving_fmax, 256, 128)}, reverse=True):
+        room = budget - 2 * k_tiles * n_tile * itemsize - 2 * tiles * n_tile * 4
+        blocks = min(math.ceil(m / target.gemm_stationary_fmax), room // block_bytes)
+        if blocks >= 1:
+            outer = tuple(LoopDim(size, dim, 1, 1) for dim, size in enumerate(batch))
+            partition = LoopDim(m, len(batch), 1, min(m, target.gemm_stationary_fmax))
+            free = (LoopDim(n, len(batch) + 1, 1, n_tile),)
+            return TilePlan("matmul", outer, partition, free, tiles, k_tile, k_tiles,
+                            row_group=blocks * target.gemm_stationary_fmax)
+    return None
+
+
+def plan_transposing(node: ir.MatMul, target) -> TilePlan:
     *batch, m, n = node.domain
     itemsize = 2 if node.a.dtype == "bfloat16" else 4
     k_tile = min(node.k, target.partitions)
@@ -53,6 +85,76 @@ def plan_matmul(node: ir.MatMul, target) -> TilePlan:
 
 
 def render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    if plan.row_group:
+        return render_resident(node, plan, name, parameters)
+    return render_transposing(node, plan, name, parameters)
+
+
+def operand_loads(node: ir.MatMul, k_tile: int) -> tuple[str, str]:
+    """The instructions that bring a^T [K, rows] into ``stationary[block]`` and b [K, cols] into ``moving``, both
+    [k_tile, K chunks, 128 or cols] (element (p, kt, j) is K index kt * k_tile + p): one DMA per operand tile, a
+    DMA transpose when the operand's K is its contiguous dim. With ragged K chunks (K not a multiple of
+    k_tile) one instruction per chunk ``kt`` of ``kk`` rows; the template loops over them."""
+    a, b = node.a.layout, node.b.layout
+    batch = len(node.domain) - 2
+    a_m, a_k, b_k, b_n = a.strides[batch], a.strides[batch + 1], b.strides[batch], b.strides[batch + 1]
+    whole = node.k % k_tile == 0
+    k_terms = [] if whole else [("k0", None)]
+    loads = []
+    for operand, tile, free, count, k_stride, other_stride, loop_var in (
+        (node.a, "stationary[block]", "rows", "rows", a_k, a_m, "p0"),
+        (node.b, "moving", "cols", "cols", b_k, b_n, "f0"),
+    ):
+        strides = operand.layout.strides
+        terms = [(f"o{i}", strides[i]) for i in range(batch)] + [(loop_var, other_stride)]
+        terms += [(var, k_stride) for var, _ in k_terms]
+        offset = offset_text(operand.layout.offset, terms)
+        if whole:
+            dst = f"{tile}[0:{k_tile}, 0:{node.k // k_tile}, 0:{free}]"
+            k_entries = [[k_stride, k_tile], [k_stride * k_tile, node.k // k_tile]]
+        else:
+            dst = f"{tile}[0:kk, kt, 0:{free}]"
+            k_entries = [[k_stride, "kk"]]
+        if needs_transpose(k_stride, other_stride):
+            # the source as [free, (K chunks,) K within a chunk], reversed into the tile's order on the way in
+            entries = [[other_stride, count], *reversed(k_entries)]
+            axes = "(2, 1, 0)" if whole else "(1, 0)"
+            loads.append(f"nisa.dma_transpose(dst={dst}, src={operand.buffer}.ap({_entries(entries)}, "
+                         f"offset={offset}), axes={axes})")
+        else:
+            entries = [*k_entries, [other_stride, count]]
+            loads.append(f"nisa.dma_copy(dst={dst}, src={operand.buffer}.ap({_entries(entries)}, offset={offset}))")
+    return loads[0], loads[1]
+
+
+def _entries(entries) -> str:
+    return "[" + ", ".join(f"[{stride}, {count}]" for stride, count in entries) + "]"
+
+
+def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    patterns = Patterns(plan)
+    allocator = TileAllocator(plan.partition.tile)
+    free = [(plan.free[0], "cols")]
+
+    def load_pattern(load: ir.Load, tile: str):
+        return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, True)
+
+    product = allocator.new("product", plan.free[0].tile)
+    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=product))
+    epilogue: list[str] = []
+    store_lines(node.stores, scope, patterns, free, True, epilogue)
+    load_stationary, load_moving = operand_loads(node, plan.k_tile)
+    # PSUM -> SBUF on ScalarE: VectorE has the epilogue's work
+    evacuate = f"nisa.activation(dst={product}[0:rows, 0:cols], op=nl.copy, data=accumulator[0:rows, 0:cols])"
+    context = kernel_context(
+        node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue, evacuate=evacuate,
+        load_stationary=load_stationary, load_moving=load_moving, operand_dtype=NL_DTYPES[node.a.dtype],
+        k=node.k, k_tile=plan.k_tile, k_tiles=plan.k_tiles, whole_k=node.k % plan.k_tile == 0,
+    )
+    return render_template("matmul_resident.py.j2", **context)
+
+
+def render_transposing(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
     patterns = Patterns(plan)
     allocator = TileAllocator(plan.partition.tile)
     dtype = node.a.dtype

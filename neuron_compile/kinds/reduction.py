@@ -146,7 +146,9 @@ def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: 
                         Ref(tile=accumulator, vector=True))
         row.tiles, row.memo = prologue.tiles, dict(prologue.memo)
         store_lines(node.row_stores, row, patterns, free, False, passes[-1][1])
-    context = kernel_context(node, plan, name, parameters, allocations=allocator.lines, passes=passes, chunked=chunked)
+    chunk_allocations, allocations = allocator.split_by_width(row_free) if chunked else ([], allocator.lines)
+    context = kernel_context(node, plan, name, parameters, allocations=allocations, passes=passes, chunked=chunked,
+                             chunk_allocations=chunk_allocations)
     return render_template("reduction.py.j2", **context)
 
 
@@ -169,6 +171,7 @@ def render_column_reduction(node: ir.Reduction, plan: TilePlan, name: str, param
         value = Ref(tile=staged)
     body.append(f"nisa.nc_matmul(dst=column_sums[0:1, 0:cols], stationary=ones[0:rows, 0:1], "
                 f"moving={prologue.ref_text(value)}, accumulate=p0 > 0)")
+    row_allocations = len(allocator.lines)  # the body's tiles, fresh per row block so loads overlap the matmuls
     result = allocator.new("sums", plan.free[0].tile)
     count = math.prod(node.domain[d] for d in node.reduce_dims)
     finish = ["rows = 1", f"nisa.tensor_copy(dst={result}[0:1, 0:cols], src=column_sums[0:1, 0:cols])"]
@@ -177,8 +180,9 @@ def render_column_reduction(node: ir.Reduction, plan: TilePlan, name: str, param
                       f"operand0={1.0 / count!r})")
     epilogue = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=result))
     store_lines(node.stores, epilogue, patterns, free, True, finish)
-    context = kernel_context(node, plan, name, parameters, allocations=allocator.lines, body=body, finish=finish,
-                      ones_dtype=NL_DTYPES[value.dtype])
+    context = kernel_context(node, plan, name, parameters, allocations=allocator.lines[row_allocations:], body=body,
+                             row_allocations=allocator.lines[:row_allocations], finish=finish,
+                             ones_dtype=NL_DTYPES[value.dtype])
     return render_template("column_reduction.py.j2", **context)
 
 

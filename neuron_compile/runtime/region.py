@@ -146,6 +146,7 @@ class CompiledRegion:
         stats.add(
             kernels_launched=1, hbm_bytes=int(report.hbm_bytes_read + report.hbm_bytes_written),
             flops=int(report.flops), est_time_s=float(report.est_time_s), roofline_s=float(report.roofline_s),
+            launch_s=float(report.launch_s), est_lower_bound_s=float(report.est_lower_bound_s),
         )
 
     def _buffer(self, name: str, flat: dict[str, torch.Tensor]) -> torch.Tensor:

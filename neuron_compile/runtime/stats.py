@@ -33,7 +33,9 @@ class Stats:
     fallback_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     hbm_bytes: int = 0  # HBM bytes read + written by launched kernels (simulator cost model)
     flops: int = 0
-    est_time_s: float = 0.0  # estimated device time, engines overlapped
+    est_time_s: float = 0.0  # estimated time: launch costs plus each kernel's scheduled device time
+    est_lower_bound_s: float = 0.0  # launch costs plus each kernel's busiest engine (perfect overlap)
+    launch_s: float = 0.0  # the launch costs alone (a NEFF boundary per kernel)
     roofline_s: float = 0.0  # max(FLOPs / TensorE peak, HBM bytes / bandwidth), summed over launches
 
     def as_dict(self) -> dict:

@@ -7,6 +7,7 @@ InstructionRecord per transfer.
 
 from __future__ import annotations
 
+from neuron_compile.runtime.simulator import memory
 from neuron_compile.runtime.simulator.errors import NkiValidationError
 from neuron_compile.runtime.simulator.rules import (
     FLOAT32,
@@ -75,6 +76,11 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=None, oob_mode=No
     require_buffers(name, "src", src, ("hbm", "sbuf"))
     require_buffers(name, "dst", dst, ("sbuf",))
     check_tile(name, "dst", dst, compute=False)
+    target = memory.current().target
+    if not target.dma_transpose:
+        raise NkiValidationError(
+            "err_dma_transpose_unsupported", f"{target.name} ({target.nc_version}) has no DMA transpose (trn2+)", name
+        )
     if src.itemsize not in (2, 4):
         raise NkiValidationError("err_dma_transpose_dtype", f"dtype {src.dtype.name} is not 2 or 4 bytes", name)
     axes = tuple(axes) if axes is not None else tuple(reversed(range(src.ndim)))
