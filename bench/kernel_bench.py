@@ -15,8 +15,8 @@ model with a static cache of ``seq`` positions (prefilled eagerly with ``seq - 1
 schedules: its compile stops once the scheduler has fused (no C++ is generated or built) and the graph then runs
 eagerly. Needs the ``models`` extra (transformers) for the Llama graphs.
 
-    python bench/kernel_bench.py             # every graph (~10 min on 2 busy cores)
-    python bench/kernel_bench.py --quick     # hidden 512, seq 128 only
+    python bench/kernel_bench.py             # every graph (~4 min on 2 shared cores)
+    python bench/kernel_bench.py --quick     # hidden 512, seq 128 only (~30 s)
     python bench/kernel_bench.py --only mlp,attention --quick
     python bench/kernel_bench.py --smoke     # the Inductor byte check and a tiny MLP through our side
 
@@ -265,7 +265,7 @@ def run_ours(case: Case, fusion: bool = True) -> Ours:
 class InductorSchedule:
     hbm_bytes: int = 0
     generated: int = 0  # SchedulerNode / FusedSchedulerNode (and other non-extern kernels)
-    extern: int = 0  # ExternKernelSchedulerNode: matmuls and other aten calls
+    extern: int = 0  # ExternKernelSchedulerNode: matmuls, SDPA and other aten calls (not their MultiOutputs)
     graphs: int = 0
 
 
@@ -274,11 +274,13 @@ class _ScheduleCaptured(Exception):
 
 
 def _summarize_schedule(nodes, into: InductorSchedule) -> None:
+    from torch._inductor.ir import MultiOutput
     from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
 
     into.graphs += 1
     for node in nodes:
-        if isinstance(node, NopKernelSchedulerNode):
+        # A MultiOutput picks one output of a multi-output extern call (SDPA): no kernel, no bytes of its own.
+        if isinstance(node, NopKernelSchedulerNode) or isinstance(getattr(node, "node", None), MultiOutput):
             continue
         into.hbm_bytes += int(node.get_read_write_buffers_sizes())
         if isinstance(node, ExternKernelSchedulerNode) or node.is_extern():
