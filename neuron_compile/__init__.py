@@ -3,7 +3,7 @@
 Public API only. ``torch.compile(model, backend="neuron")`` works without importing this package (the
 ``torch_dynamo_backends`` entry point); importing it registers the backend too (as ``"neuron_compile"`` only,
 if AWS ``torch_neuronx`` already owns ``"neuron"``) and gives ``stats()``, ``reset_stats()``, ``config``,
-``last_compiled()`` and ``NeuronCompileError``.
+``last_compiled()``, ``record_launches()`` and ``NeuronCompileError``.
 
 ``stats()`` returns a dict of process-wide counters since the last ``reset_stats()``:
 
@@ -23,6 +23,9 @@ if AWS ``torch_neuronx`` already owns ``"neuron"``) and gives ``stats()``, ``res
   ``fallback_reasons`` is a Counter of ``"<op>: <reason>"`` for the eager ones.
 - ``kernels_launched``, ``hbm_bytes``, ``flops``, ``est_time_s``, ``roofline_s``: kernel launches and the
   simulator's cost-model figures summed over launches.
+
+``with record_launches() as launches:`` appends one ``Launch(kernel, report)`` per kernel launched inside the
+block (the kernel's name and its cost report: the per-kernel figures behind the sums; ``bench/kernel_bench.py``).
 """
 
 from neuron_compile import config
@@ -30,6 +33,7 @@ from neuron_compile.backend import register as _register
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.runtime import stats as _stats
 from neuron_compile.runtime.compiled_graph import compiled_records, last_compiled
+from neuron_compile.runtime.stats import record_launches
 from neuron_compile.version import __version__
 
 __all__ = [
@@ -40,6 +44,7 @@ __all__ = [
     "compiled_records",
     "config",
     "last_compiled",
+    "record_launches",
     "reset_stats",
     "stats",
 ]

@@ -21,6 +21,8 @@ NEURON_COMPILE_RECOMPILE_WARN  recompile_warn    warn when one graph has compile
 NEURON_COMPILE_LAUNCHER    launcher              ``auto`` (default: the device where the real ``nki`` and a
                                                  Neuron device are present, else the simulator) |
                                                  ``simulator`` | ``device`` (runtime/launcher.py)
+NEURON_COMPILE_FUSION      fusion                ``1`` (default) | ``0``: fuse IR nodes into kernels (0: one kernel
+                                                 per lowered node, to measure what fusion saves; passes/fusion.py)
 =========================  ====================  ===========================================================
 """
 
@@ -47,6 +49,7 @@ TARGET_ALIASES = {
 ENV_PREFIX = "NEURON_COMPILE_"
 # Field name -> environment variable suffix, where they differ from FIELD.upper().
 _ENV_NAMES = {"cache_dir": "CACHE", "dump_dir": "DUMP"}
+_BOOLEANS = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
 _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 DEFAULT_CACHE_SIZE = 1 << 30
 
@@ -61,6 +64,7 @@ class Config:
     bucket: int = 0
     recompile_warn: int = 8  # torch._dynamo.config.recompile_limit's default: a storm starts here
     launcher: str = "auto"
+    fusion: bool = True
 
     def __post_init__(self):
         _validate(self)
@@ -109,6 +113,12 @@ def _coerce(name: str, value: object, source: str) -> object:
     """Convert a string (from the environment) or a Python value to the field's type, naming the source."""
     if name == "cache_size":
         return _coerce_size(value, source)
+    if name == "fusion":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _BOOLEANS:
+            return _BOOLEANS[value.strip().lower()]
+        raise ValueError(f"{source} must be a boolean (1/0, true/false, on/off), got {value!r}")
     if name in ("bucket", "recompile_warn"):
         if isinstance(value, bool):
             raise ValueError(f"{source} must be an integer, got {value!r}")

@@ -27,11 +27,12 @@ def test_from_env_reads_every_variable():
         "NEURON_COMPILE_BUCKET": "128",
         "NEURON_COMPILE_RECOMPILE_WARN": "3",
         "NEURON_COMPILE_LAUNCHER": " Simulator ",
+        "NEURON_COMPILE_FUSION": "0",
         "UNRELATED": "x",
     }
     assert Config.from_env(environ) == Config(
         fallback="raise", target="trn3", cache_dir="/c", dump_dir="/d", bucket=128, recompile_warn=3,
-        launcher="simulator",
+        launcher="simulator", fusion=False,
     )
 
 

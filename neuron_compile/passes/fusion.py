@@ -59,8 +59,11 @@ def merge(group: ir.Node, consumer: ir.Node) -> ir.Node:
     return kinds.kind_of(consumer).merge_prologue(group, consumer)
 
 
-def fuse(nodes: list[ir.Node], region_outputs: set[str]) -> FusionResult:
-    """Greedy fusion in graph order (see the module docstring)."""
+FUSION_OFF = "fusion is off (config fusion=False, NEURON_COMPILE_FUSION=0)"
+
+
+def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True) -> FusionResult:
+    """Greedy fusion in graph order (see the module docstring); ``enabled=False`` keeps one kernel per node."""
     groups: dict[int, ir.Node] = {}
     group_of: dict[str, int] = {}  # buffer -> id of the group writing it
     members: dict[int, list[ir.Node]] = {}
@@ -79,7 +82,7 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str]) -> FusionResult:
             outside = {
                 name for name in _writers(group) if name in region_outputs or readers.get(name, set()) - inside
             }
-            reason = can_fuse(group, node, outside)
+            reason = can_fuse(group, node, outside) if enabled else FUSION_OFF
             others = [p for p in producers if p != candidate]
             if reason is None and any(nx.has_path(dag, candidate, other) for other in others):
                 reason = "fusing would create a cycle through another kernel"

@@ -2,14 +2,17 @@
 
 One process-wide ``Stats`` object. The backend counts graphs, cache hits and misses and ATen nodes (in NKI
 kernels vs eager, with a per-op Counter of fallback reasons); the kernel launcher adds kernels launched and
-the simulator's cost-model figures for every launch. ``reset_stats()`` zeroes everything.
+the simulator's cost-model figures for every launch. ``reset_stats()`` zeroes everything. ``record_launches()``
+collects each launch's kernel name and cost report inside a ``with`` block (the per-kernel view the sums hide).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
+from collections.abc import Iterator
 
 
 @dataclasses.dataclass
@@ -44,8 +47,15 @@ class Stats:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    kernel: str  # the kernel's name (its KernelSource.name)
+    report: object  # the launcher's cost report (the simulator's CostReport), None without a cost model
+
+
 _lock = threading.Lock()
 _stats = Stats()
+_recorders: list[list[Launch]] = []
 
 
 def add(**counts) -> None:
@@ -60,6 +70,26 @@ def add_fallback(op: str, reason: str, count: int = 1) -> None:
     with _lock:
         _stats.fallback_nodes += count
         _stats.fallback_reasons[f"{op}: {reason}"] += count
+
+
+def add_launch(kernel: str, report: object) -> None:
+    """Hand one launch to every active ``record_launches()`` block."""
+    with _lock:
+        for recorder in _recorders:
+            recorder.append(Launch(kernel, report))
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[list[Launch]]:
+    """Inside the block, every kernel launch (any thread) is appended to the yielded list as a ``Launch``."""
+    recorder: list[Launch] = []
+    with _lock:
+        _recorders.append(recorder)
+    try:
+        yield recorder
+    finally:
+        with _lock:
+            _recorders.remove(recorder)
 
 
 def snapshot() -> dict:
