@@ -4,7 +4,7 @@ For each graph, in one run: our kernels launched and HBM bytes (the simulator's 
 ``config.patch(fusion=False)``), Inductor's fused schedule (HBM bytes: ``get_read_write_buffers_sizes()`` summed
 over the nodes ``Scheduler.fuse_nodes`` returns, since ``metrics.num_bytes_accessed`` stays 0 on CPU; kernels:
 generated + extern), our estimated device time (each launch's ``est_time_s`` summed, and its lower bound: the
-report's ``lower_bound_s`` when the cost model has one, else the busiest engine's busy time) and the graph
+report's ``est_lower_bound_s``: the launch plus the busiest engine's time, perfect overlap) and the graph
 roofline ``max(FLOPs / TensorE peak, (parameters + inputs + outputs) bytes / DMA bandwidth)`` with FLOPs from
 ``torch.utils.flop_counter.FlopCounterMode`` and trn2's numbers from ``neuron_compile/hardware.py``.
 
@@ -219,13 +219,8 @@ def roofline(case: Case, dtype: torch.dtype) -> Roofline:
 
 
 def lower_bound_s(report) -> float:
-    """The report's lower bound when the cost model gives one, else its busiest engine's busy time."""
-    for name in ("lower_bound_s", "busiest_engine_s"):
-        value = getattr(report, name, None)
-        if value is not None:
-            return float(value)
-    busy = getattr(report, "busy_s_per_engine", None) or {}
-    return max(busy.values(), default=float(report.est_time_s))
+    """The report's lower bound: its launch cost plus its busiest engine's time (perfect overlap)."""
+    return float(report.est_lower_bound_s)
 
 
 @dataclasses.dataclass

@@ -22,7 +22,8 @@ if AWS ``torch_neuronx`` already owns ``"neuron"``) and gives ``stats()``, ``res
 - ``nki_nodes`` / ``fallback_nodes``: ATen nodes placed in NKI kernels / run eagerly (per signature);
   ``fallback_reasons`` is a Counter of ``"<op>: <reason>"`` for the eager ones.
 - ``kernels_launched``, ``hbm_bytes``, ``flops``, ``est_time_s``, ``roofline_s``: kernel launches and the
-  simulator's cost-model figures summed over launches.
+  simulator's cost-model figures summed over launches; ``est_lower_bound_s``: the same with every kernel's
+  engines perfectly overlapped (its busiest engine); ``launch_s``: the launch costs within ``est_time_s``.
 
 ``with record_launches() as launches:`` appends one ``Launch(kernel, report)`` per kernel launched inside the
 block (the kernel's name and its cost report: the per-kernel figures behind the sums; ``bench/kernel_bench.py``).

@@ -2,7 +2,7 @@
 
 Fusion: a pointwise consumer joins its producer's group when it reads the producer with its own index map over
 the same domain (a chain). Tiling: the output as [rows, cols] (rows on partitions in chunks of 128, cols in free
-chunks sized to the SBUF share); one long dim is split by a divisor so rows fill the partitions. Codegen: per
+chunks sized to the SBUF share); a long last dim is split by a divisor so rows fill the partitions. Codegen: per
 tile one DMA per input through its access pattern, the expression body, one DMA per store (pointwise.py.j2).
 """
 
@@ -25,12 +25,15 @@ def plan_pointwise(node: ir.Pointwise, target) -> TilePlan:
     dims = collapse(node.domain, list(range(len(node.domain))), layouts)
     if not dims:
         dims = [LoopDim(1, None)]
-    if len(dims) == 1:
-        # One long dim: split it so that rows fill the partitions (a divisor keeps the split exact).
-        only = dims[0]
-        rows = largest_divisor_at_most(only.size, target.partitions)
-        cols = only.size // rows
-        dims = [LoopDim(rows, only.source, cols * only.multiplier), LoopDim(cols, only.source, only.multiplier)]
+    if len(dims) == 1 or dims[-2].size < target.partitions <= dims[-1].size:
+        # One long dim, or a short one before a long one (8 heads before 128 x 128 scores): split the long one
+        # so that rows fill the partitions (a divisor keeps the split exact); the short dim becomes a loop.
+        last = dims[-1]
+        rows = largest_divisor_at_most(last.size, target.partitions)
+        cols = last.size // rows
+        if len(dims) == 1 or rows > dims[-2].size:
+            split = [LoopDim(rows, last.source, cols * last.multiplier), LoopDim(cols, last.source, last.multiplier)]
+            dims = [*dims[:-1], *split]
     tiles = count_tiles([store.expr for store in node.stores])
     partition = dataclasses.replace(dims[-2], tile=min(dims[-2].size, target.partitions))
     free = dataclasses.replace(dims[-1], tile=free_tile(dims[-1].size, tiles, target))
