@@ -212,3 +212,17 @@ def test_gelu_tanh_backward_on_special_values(dtype):
     x[0, :4] = torch.tensor([12.0, -12.0, 3e4, -3e4])  # saturated tanh: derivative 1 and 0
     check_against_eager(lambda g, a: torch.ops.aten.gelu_backward(g, a, approximate="tanh"),
                         random_tensor(tuple(x.shape), dtype, seed=3), x)
+
+
+@pytest.mark.parametrize("heads, rows, cols", [(8, 128, 128), (3, 130, 70), (2, 1, 4096)])
+def test_few_leading_rows_do_not_leave_partitions_idle(heads, rows, cols):
+    # A mask broadcast over heads stops the heads from merging with the rows, and the rows with the columns
+    # merge into one long dim: it is split so that rows fill the partitions, the heads become a loop.
+    scores = random_tensor((1, heads, rows, cols), seed=30)
+    mask = random_tensor((1, 1, rows, cols), seed=31) > 0
+    region = check_against_eager(lambda s, m: s.masked_fill(m, float("-inf")) * 2, scores, mask)
+    kernel = next(kernel.source for kernel in region.kernels if "where(" in kernel.source)
+    plan_line = next(line for line in kernel.splitlines() if line.startswith("Tile plan"))
+    partitions = int(plan_line.split("partition ")[1].split("/")[1].split()[0])
+    expected = max(d for d in range(1, 129) if (rows * cols) % d == 0)
+    assert partitions == expected, plan_line
