@@ -428,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="hidden 512 fp32, seq 128 only")
     parser.add_argument("--only", help="comma-separated graph names: " + ", ".join(GRAPHS))
     parser.add_argument("--smoke", action="store_true", help="the Inductor byte check and one tiny graph")
+    parser.add_argument("--size", action="append", metavar="HIDDEN,SEQ",
+                        help="measure this size instead (bf16 from hidden 2048 up, else fp32); repeatable")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)  # the machine is shared; the simulator's numbers do not depend on threads
@@ -439,7 +441,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown graph(s) {unknown}: choose from {list(GRAPHS)}")
     print(check_inductor_hook())
     rows, started = [], time.time()
-    for hidden, dtype, seq in QUICK_SIZES if args.quick else SIZES:
+    sizes = QUICK_SIZES if args.quick else SIZES
+    if args.size:
+        try:
+            pairs = [tuple(int(part) for part in size.split(",")) for size in args.size]
+            sizes = [(hidden, torch.bfloat16 if hidden >= 2048 else torch.float32, seq) for hidden, seq in pairs]
+        except ValueError:
+            parser.error(f"--size takes HIDDEN,SEQ (two integers), got {args.size}")
+    for hidden, dtype, seq in sizes:
         for graph in graphs:
             log(f"[{time.time() - started:5.0f} s] {graph} hidden {hidden} {dtype} seq {seq}")
             rows.append(measure(graph, hidden, dtype, seq))
