@@ -44,6 +44,19 @@ class Layout:
         return f"ap(shape={list(self.shape)}, strides={list(self.strides)}, offset={self.offset})"
 
 
+def same_index_map(a: Layout, b: Layout) -> bool:
+    """Whether two layouts address the same elements for every index: equal shapes and offsets, and equal strides
+    wherever a dim has more than one index (a size-1 dim's stride is never multiplied by anything but 0; eager
+    gives it the contiguous stride, a broadcast view 0)."""
+    if a.shape != b.shape:
+        return False
+    if 0 in a.shape:
+        return True
+    return a.offset == b.offset and all(
+        sa == sb for size, sa, sb in zip(a.shape, a.strides, b.strides) if size != 1
+    )
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, running = [], 1
     for size in reversed(shape):

@@ -159,3 +159,22 @@ def test_a_buffer_written_by_two_kernels_is_refused():
     check_single_writer(nodes[:1])
     with pytest.raises(LoweringError, match="buffer out is written by two kernels"):
         check_single_writer(nodes)
+
+
+def test_size_one_dims_do_not_block_fusion():
+    # Eager gives a size-1 dim its contiguous stride, a view reading it stride 0: the same index map. The
+    # transformers RMSNorm over a (1, seq, hidden) batch (cast up, square, mean, rsqrt of the guarded sum, scale,
+    # cast down, weight) fused into two kernels, where it had been eight.
+    def hf_rms_norm(x, weight):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return weight * h.to(torch.bfloat16)
+
+    x, weight = random_tensor((1, 130, 2048), torch.bfloat16, seed=5), random_tensor((2048,), torch.bfloat16, seed=6)
+    region = check_against_eager(hf_rms_norm, x, weight)
+    decisions = "\n".join(_fused(hf_rms_norm, x, weight)[1].decisions)
+    assert "changes the index map" not in decisions, decisions
+    assert len(region.kernels) <= 2
+    y = random_tensor((1, 1, 8, 1, 16), seed=7)
+    lowered, result = _fused(lambda y: torch.sigmoid(y * 2) + 1, y)
+    assert len(result.kernels) == 1

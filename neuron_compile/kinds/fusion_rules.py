@@ -23,7 +23,8 @@ def matching_index_reason(kind: KernelKind, group, consumer) -> str | None:
         return f"domains differ: {list(consumer.domain)} vs {list(group.domain)}"
     stores = stored_exprs(group.stores)
     for load in loads(consumer):
-        if load.buffer in stores and kind.restate(load.layout, group) != stores[load.buffer].layout:
+        restated = kind.restate(load.layout, group) if load.buffer in stores else None
+        if load.buffer in stores and (restated is None or not ir.same_index_map(restated, stores[load.buffer].layout)):
             return f"{load.buffer} is read through a view that changes the index map"
     return None
 
@@ -63,7 +64,7 @@ def prologue_reason(producer, consumer, outside: set[str]) -> str | None:
         return f"the prologue's outputs {sorted(outside)} are needed outside the kernel"
     stores = stored_exprs(producer.stores)
     for load in ir.loads_of(consumer.prologue):
-        if load.buffer in stores and load.layout != stores[load.buffer].layout:
+        if load.buffer in stores and not ir.same_index_map(load.layout, stores[load.buffer].layout):
             return f"{load.buffer} is read through a view that changes the index map"
     if any(load.buffer in stores for store in consumer.stores for load in ir.loads_of(store.expr)):
         return "the epilogue reads the prologue's output"

@@ -27,7 +27,7 @@ from neuron_compile.codegen.kernel_text import (
 from neuron_compile.dims import LoopDim, reduced_dims_in_memory_order
 from neuron_compile.kind_registry import loads, register_kind
 from neuron_compile.kinds.fusion_rules import ProloguedKind, matching_index_reason, stored_exprs
-from neuron_compile.kinds.rows import partition_dim, row_budget, row_dims, row_layouts
+from neuron_compile.kinds.rows import count_row_tiles, partition_dim, row_budget, row_dims, row_layouts
 from neuron_compile.tiles import TilePlan, largest_divisor_at_most
 
 REDUCE_OPS = {"sum": "nl.add", "mean": "nl.add", "var": "nl.add", "max": "nl.maximum", "min": "nl.minimum",
@@ -41,7 +41,7 @@ def plan_reduction(node: ir.Reduction, target) -> TilePlan:
     layouts = row_layouts(node, node.stores + node.row_stores)
     kept, reduced = row_dims(node.domain, in_memory_order, layouts)
     exprs = [node.prologue] + [store.expr for store in node.stores + node.row_stores]
-    budget = row_budget(node, kept, reduced, exprs, target)
+    budget = row_budget(node, kept, reduced, exprs, target, tiles=count_row_tiles(exprs, node.reduce_dims))
     if not budget.whole_row and (len(reduced) > 1 or node.row_stores):
         raise budget.too_wide(node, node.op, target)
     plain = not node.row_stores  # a row epilogue needs the row on the free axis
@@ -207,7 +207,7 @@ def _row_fusion_reason(group: ir.Reduction, consumer: ir.Pointwise) -> str | Non
     varying = False
     for load in loads(consumer):
         if load.buffer in stores:
-            if load.layout != stores[load.buffer].layout:
+            if not ir.same_index_map(load.layout, stores[load.buffer].layout):
                 return f"{load.buffer} is read through a view that changes the index map"
             varying |= any(store is stores[load.buffer] for store in group.row_stores)
         else:

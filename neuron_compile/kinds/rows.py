@@ -65,13 +65,36 @@ class RowBudget:
         return [dataclasses.replace(self.reduced[0], tile=min(self.budget, MAX_FREE_TILE))]
 
 
-def row_budget(node, kept: list[LoopDim], reduced: list[LoopDim], exprs: list[ir.Expr], target) -> RowBudget:
+def count_row_tiles(exprs: list[ir.Expr], reduce_dims) -> int:
+    """Row-wide SBUF tiles a row kernel's expressions need: one per distinct load or op whose value varies along
+    the row (a load with a stride in a reduced dim, or an op over one), plus staging as ``count_tiles`` does.
+    Values constant along the row (the reduced result, the epilogue's math on it, such as a guarded rsqrt) live
+    in (P, 1) tiles of 4 bytes per partition and do not count."""
+    varying: dict[ir.Expr, bool] = {}
+
+    def visit(expr) -> bool:
+        if expr not in varying:
+            if isinstance(expr, ir.Load):
+                varying[expr] = any(expr.layout.strides[dim] != 0 for dim in reduce_dims)
+            elif isinstance(expr, ir.Op):
+                varying[expr] = any([visit(arg) for arg in expr.args])
+            else:  # Scalar, Result (per row), Iota
+                varying[expr] = isinstance(expr, ir.Iota)
+        return varying[expr]
+
+    for expr in exprs:
+        visit(expr)
+    return sum(varying.values()) + 2 * len(exprs) + 2
+
+
+def row_budget(node, kept: list[LoopDim], reduced: list[LoopDim], exprs: list[ir.Expr], target,
+               tiles: int | None = None) -> RowBudget:
     if len(reduced) > 3:
         raise TilingError(
             f"{node.name}: reduced dims {[d.size for d in reduced]} need {len(reduced)} free access-pattern "
             "entries after merging; the DMA access pattern allows at most 3 with the partition entry"
         )
-    tiles = count_tiles(exprs) + ROW_BUFFER_TILES
+    tiles = (count_tiles(exprs) if tiles is None else tiles) + ROW_BUFFER_TILES
     budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE) // (tiles * FP32_BYTES)
     return RowBudget(kept, reduced, tiles, math.prod(dim.size for dim in reduced), budget)
 
