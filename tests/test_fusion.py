@@ -178,3 +178,12 @@ def test_size_one_dims_do_not_block_fusion():
     y = random_tensor((1, 1, 8, 1, 16), seed=7)
     lowered, result = _fused(lambda y: torch.sigmoid(y * 2) + 1, y)
     assert len(result.kernels) == 1
+
+
+def test_row_epilogue_loads_a_per_row_value_once_per_partition():
+    # A (rows, 1) operand of a row epilogue is constant along the row: it is loaded as a (P, 1) column, not
+    # broadcast over the row by a DMA that moves every repeated element (a 4-byte run each).
+    x, scale = random_tensor((130, 300), seed=8), random_tensor((130, 1), seed=9)
+    region = check_against_eager(lambda x, s: (x - x.amax(-1, keepdim=True)) * s, x, scale)
+    (kernel,) = region.kernels
+    assert "[0, cols]" not in kernel.source and "arg1_1.ap([[1, rows], [0, 1]]" in kernel.source, kernel.source
