@@ -4,6 +4,7 @@ random-weight causal LMs, a local tokenizer, an in-memory dataset; every step's 
 checkpoint is a standard one that loads and runs eagerly. A tiny Llama runs in ``make test``; the 20-step runs
 of Llama, Qwen3 and Gemma3 are marked slow."""
 
+import math
 import os
 
 import pytest
@@ -18,6 +19,9 @@ import trainer_harness  # noqa: E402
 import neuron_compile  # noqa: E402
 
 FP32_RELATIVE = 1e-4
+# bf16 autocast (fp32 master weights): the logits are bf16 (epsilon 2**-7 = 7.8e-3), the losses of two runs that
+# round differently drift apart over the steps; measured ~1e-4 over 3 steps.
+BF16_RELATIVE = 1e-2
 
 
 @pytest.fixture(autouse=True)
@@ -46,10 +50,11 @@ def _eager_then_compiled(model_type, tmp_path, steps, **options):
 SFT_GRAPH_BREAK = "non-contiguous `out=` tensor"
 
 
-def _check_losses_and_compiles(eager, compiled, steps, sft=False):
+def _check_losses_and_compiles(eager, compiled, steps, sft=False, relative=FP32_RELATIVE):
     assert len(compiled.step_losses) == len(eager.step_losses) == steps
     differences = trainer_harness.relative_differences(compiled.step_losses, eager.step_losses)
-    assert max(differences) <= FP32_RELATIVE, list(zip(compiled.step_losses, eager.step_losses, strict=True))
+    assert all(math.isfinite(loss) for loss in compiled.step_losses), compiled.step_losses
+    assert max(differences) <= relative, list(zip(compiled.step_losses, eager.step_losses, strict=True))
     stats = neuron_compile.stats()
     # One batch shape: Dynamo captures one graph, aot_autograd gives one forward and one backward graph, each
     # compiled for one signature (no recompile over the steps).
@@ -103,3 +108,39 @@ def test_twenty_steps_match_eager(model_type, sft, tmp_path):
     _check_losses_and_compiles(eager, compiled, steps=20, sft=sft)
     if not sft:
         _check_checkpoint_loads_and_runs_eagerly(compiled, str(tmp_path / "checkpoint"))
+
+
+def test_trainer_bf16_tiny_llama_matches_eager(tmp_path):
+    # Every gradient was NaN here while a kernel tile shadowed a parameter of the same name (add_12).
+    eager, compiled = _eager_then_compiled("llama", tmp_path, steps=2, dtype=torch.bfloat16)
+    _check_losses_and_compiles(eager, compiled, steps=2, relative=BF16_RELATIVE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", trainer_harness.MODEL_TYPES)
+def test_twenty_bf16_steps_match_eager(model_type, tmp_path):
+    eager, compiled = _eager_then_compiled(model_type, tmp_path, steps=20, dtype=torch.bfloat16)
+    _check_losses_and_compiles(eager, compiled, steps=20, relative=BF16_RELATIVE)
+
+
+@pytest.mark.slow
+def test_trainer_gradient_checkpointing_recomputes_in_kernels(tmp_path):
+    eager, compiled = _eager_then_compiled("llama", tmp_path, steps=3, gradient_checkpointing=True)
+    _check_losses_and_compiles(eager, compiled, steps=3)
+    backward = [record for record in neuron_compile.compiled_records() if record.kind == "backward"]
+    recomputed = [p for p in backward[-1].report.placements if p.op == "aten.mm.default" and p.region is not None]
+    # Without checkpointing the backward's matmuls are 2 per linear layer; recomputing the forward adds one each.
+    assert len(recomputed) >= 3 * 7 * trainer_harness.TINY["num_hidden_layers"], len(recomputed)
+
+
+@pytest.mark.slow
+def test_sft_padding_to_multiples_of_128(tmp_path):
+    eager, compiled = _eager_then_compiled("llama", tmp_path, steps=3, sft=True, pad_to_multiple_of=128)
+    _check_losses_and_compiles(eager, compiled, steps=3, sft=True)
+    shapes = {
+        tuple(signature.shape)
+        for record in neuron_compile.compiled_records()
+        for signature in record.key.inputs
+        if hasattr(signature, "shape")
+    }
+    assert (2, 128) in shapes, shapes
