@@ -103,3 +103,31 @@ def test_per_row_operands_load_one_element_per_partition():
     source = region.kernels[0].source
     assert "src=arg1_1.ap([[1, rows], [0, 1]]" in source and "operand0=arg1_1_column_" in source
     assert "nisa.tensor_tensor" not in source
+
+
+def _graph_with_inputs_named_like_tiles() -> torch.fx.GraphModule:
+    """A pointwise chain whose inputs are named as FX names its ops: ``add_1`` .. ``add_9``, ``mul_1`` .. ``mul_9``
+    (aot_autograd's backward graphs take saved forward nodes under such names)."""
+    graph = torch.fx.Graph()
+    inputs = [graph.placeholder(f"{stem}_{number}") for number in range(1, 10) for stem in ("add", "mul")]
+    value = inputs[0]
+    for index, operand in enumerate(inputs[1:]):
+        op = torch.ops.aten.add.Tensor if index % 2 else torch.ops.aten.mul.Tensor
+        value = graph.call_function(op, (value, operand))
+    graph.output((value,))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_tiles_never_shadow_kernel_parameters_named_like_them():
+    # A tile named like a parameter (``add_12 = nl.ndarray(...)``) shadowed it: the kernel's loads of that input
+    # read the NaN-filled tile (all of a Trainer bf16 step's gradients were NaN).
+    gm = _graph_with_inputs_named_like_tiles()
+    torch.manual_seed(0)
+    inputs = [torch.rand(8, 16) + 0.5 for _ in range(18)]
+    region = compile_region(gm, inputs)
+    parameters = {name for kernel in region.kernels for name in kernel.parameters}
+    assert {"add_1", "mul_9"} <= parameters
+    for kernel in region.kernels:
+        assigned = {line.split("=")[0].strip() for line in kernel.source.splitlines() if "nl.ndarray(" in line}
+        assert not assigned & set(kernel.parameters), kernel.source
+    torch.testing.assert_close(region(*inputs)[0], gm(*inputs)[0], rtol=1e-5, atol=1e-6)

@@ -67,11 +67,15 @@ def _identifier(stem: str) -> str:
 
 @dataclasses.dataclass
 class TileAllocator:
-    """Kernel-level SBUF tile declarations, each allocated once at the top of the kernel. A tile is named
-    ``<stem>_<n>``: the stem says what it holds, the kernel-wide count ``n`` keeps every name distinct (and apart
-    from the template's own names, which carry no number)."""
+    """A kernel's tile declarations (its template places them: at the top, or per loop iteration so that loads
+    overlap compute). A tile is named ``<stem>_<n>``: the stem says what it holds, the kernel-wide count ``n``
+    keeps every name distinct (and apart from the template's own names, which carry no number). ``reserved`` are
+    the kernel's parameter and output buffer names, which are FX node names of the same form (``add_12``,
+    ``mm_3``): a number that would give one of them is skipped, since a tile of that name would shadow the buffer
+    (its loads would read the NaN-filled tile)."""
 
     partitions: int
+    reserved: frozenset[str] = frozenset()
     lines: list[str] = dataclasses.field(default_factory=list)
     count: int = 0
     widths: list[int] = dataclasses.field(default_factory=list)  # free elements of each line's SBUF tile (PSUM: 0)
@@ -84,22 +88,31 @@ class TileAllocator:
         wide = [line for line, free in zip(self.lines, self.widths) if free == width]
         return wide, [line for line, free in zip(self.lines, self.widths) if free != width]
 
+    def _number(self, stem: str) -> int:
+        number = self.count + 1
+        while f"{_identifier(stem)}_{number}" in self.reserved:
+            number += 1
+        return number
+
     def next_name(self, stem: str) -> str:
         """The name the next allocation with ``stem`` gets (nothing is allocated)."""
-        return f"{_identifier(stem)}_{self.count + 1}"
+        return f"{_identifier(stem)}_{self._number(stem)}"
+
+    def _take(self, stem: str) -> str:
+        number = self._number(stem)
+        self.count = number
+        return f"{_identifier(stem)}_{number}"
 
     def new_psum(self, stem: str, free: int) -> str:
         """A one-partition fp32 PSUM row (cross-partition results land there)."""
-        name = self.next_name(stem)
-        self.count += 1
+        name = self._take(stem)
         self.lines.append(f"{name} = nl.ndarray((1, {free}), dtype=nl.float32, buffer=nl.psum)")
         self.widths.append(0)
         self.psum_tiles.add(name)
         return name
 
     def new(self, stem: str, free: int, dtype: str = "float32") -> str:
-        name = self.next_name(stem)
-        self.count += 1
+        name = self._take(stem)
         self.lines.append(f"{name} = nl.ndarray(({self.partitions}, {free}), dtype={NL_DTYPES[dtype]}, buffer=nl.sbuf)")
         self.widths.append(free)
         return name

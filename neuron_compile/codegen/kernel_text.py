@@ -102,6 +102,11 @@ def docstring(node: ir.Node, plan: TilePlan) -> str:
     return f"{describe(node)}\n\nTile plan: {plan.describe()}"
 
 
+def kernel_names(node, parameters) -> frozenset[str]:
+    """The names a kernel's tiles must not take: its parameters and its output buffers."""
+    return frozenset(parameters) | {store.buffer.name for store in stores_of(node)}
+
+
 def kernel_context(node, plan, name, parameters, **extra) -> dict:
     """What every kernel template reads: its name, parameters, docstring, plan, outputs and returned names."""
     return dict(

@@ -11,7 +11,7 @@ import dataclasses
 
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import TileAllocator
-from neuron_compile.codegen.kernel_text import kernel_context, render_template
+from neuron_compile.codegen.kernel_text import kernel_context, kernel_names, render_template
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import KernelKind, describe, register_kind
 from neuron_compile.kinds.pointwise import plan_pointwise, pointwise_body
@@ -49,7 +49,7 @@ class ConcatKind(KernelKind):
     def render(self, node, plan, name, parameters):
         parts, count = [], 0
         for part, part_plan in zip(node.parts, plan.parts):
-            allocator = TileAllocator(part_plan.partition.tile)
+            allocator = TileAllocator(part_plan.partition.tile, reserved=kernel_names(node, parameters))
             allocator.count = count  # distinct tile names across parts
             body = pointwise_body(part, part_plan, allocator)
             count = allocator.count

@@ -12,7 +12,14 @@ import math
 
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope
-from neuron_compile.codegen.kernel_text import Patterns, kernel_context, offset_text, render_template, store_lines
+from neuron_compile.codegen.kernel_text import (
+    Patterns,
+    kernel_context,
+    kernel_names,
+    offset_text,
+    render_template,
+    store_lines,
+)
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
@@ -133,7 +140,7 @@ def _entries(entries) -> str:
 
 def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
     patterns = Patterns(plan)
-    allocator = TileAllocator(plan.partition.tile)
+    allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
     free = [(plan.free[0], "cols")]
 
     def load_pattern(load: ir.Load, tile: str):
@@ -156,7 +163,7 @@ def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list
 
 def render_transposing(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
     patterns = Patterns(plan)
-    allocator = TileAllocator(plan.partition.tile)
+    allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
     dtype = node.a.dtype
     a, b = node.a.layout, node.b.layout
     # a is (batch, M, K): the stationary tile is a^T [K chunk on partitions, M tile free].

@@ -12,7 +12,7 @@ import dataclasses
 
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import TileAllocator, TileScope
-from neuron_compile.codegen.kernel_text import Patterns, kernel_context, render_template, store_lines
+from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template, store_lines
 from neuron_compile.dims import LoopDim, collapse
 from neuron_compile.kind_registry import register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
@@ -68,7 +68,7 @@ class PointwiseKind(MatchingIndexEpilogue):
         return plan_pointwise(node, target)
 
     def render(self, node, plan, name, parameters):
-        allocator = TileAllocator(plan.partition.tile)
+        allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
         body = pointwise_body(node, plan, allocator)
         context = kernel_context(node, plan, name, parameters, allocations=allocator.lines, body=body)
         return render_template("pointwise.py.j2", **context)

@@ -20,6 +20,7 @@ from neuron_compile.codegen.kernel_text import (
     Patterns,
     epilogue_scope,
     kernel_context,
+    kernel_names,
     render_template,
     row_scopes,
     store_lines,
@@ -100,7 +101,7 @@ def _reduce_pass(node, prologue: TileScope, transform, reduce_op: str, accumulat
 
 def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
     patterns = Patterns(plan)
-    allocator = TileAllocator(plan.partition.tile)
+    allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
     prologue, row_free, free, chunked = row_scopes(node, plan, allocator, patterns)
     count = math.prod(node.domain[d] for d in node.reduce_dims)
     accumulator = allocator.new("acc", 1)
@@ -161,7 +162,7 @@ def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: 
 def render_column_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
     """Sum over strided leading dims: ones[rows, 1].T @ tile[rows, cols] accumulates column sums in PSUM."""
     patterns = Patterns(plan)
-    allocator = TileAllocator(plan.partition.tile)
+    allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
     free = [(plan.free[0], "cols")]
 
     def load_pattern(load: ir.Load, tile: str):

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import Ref, TileAllocator, TileScope, emit
-from neuron_compile.codegen.kernel_text import Patterns, kernel_context, render_template, row_scopes, store_lines
+from neuron_compile.codegen.kernel_text import (
+    Patterns,
+    kernel_context,
+    kernel_names,
+    render_template,
+    row_scopes,
+    store_lines,
+)
 from neuron_compile.kind_registry import register_kind
 from neuron_compile.kinds.fusion_rules import ProloguedKind
 from neuron_compile.kinds.rows import partition_dim, row_budget, row_dims, row_layouts
@@ -29,7 +36,7 @@ def plan_row_normalize(node: ir.RowNormalize, target) -> TilePlan:
 
 def render_row_normalize(node: ir.RowNormalize, plan: TilePlan, name: str, parameters: list[str]) -> str:
     patterns = Patterns(plan)
-    allocator = TileAllocator(plan.partition.tile)
+    allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
     prologue, row_free, free, chunked = row_scopes(node, plan, allocator, patterns)
     body: list[str] = []
     value = emit(node.prologue, prologue, body)

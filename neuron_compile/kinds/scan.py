@@ -15,7 +15,14 @@ import math
 
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import Ref, TileAllocator, TileScope, emit, fp32_tile, number
-from neuron_compile.codegen.kernel_text import Patterns, kernel_context, render_template, row_scopes, store_lines
+from neuron_compile.codegen.kernel_text import (
+    Patterns,
+    kernel_context,
+    kernel_names,
+    render_template,
+    row_scopes,
+    store_lines,
+)
 from neuron_compile.kind_registry import register_kind
 from neuron_compile.kinds.fusion_rules import ProloguedKind
 from neuron_compile.kinds.rows import partition_dim, row_dims
@@ -232,7 +239,7 @@ def render_scan(node: ir.Scan, plan: TilePlan, name: str, parameters: list[str])
     """Per partition tile, per chunk of the scanned dim: the prologue, the scan instructions from the carried
     values, the stores; then each carried tile's last column becomes column 0 for the next chunk."""
     patterns = Patterns(plan)
-    allocator = TileAllocator(plan.partition.tile)
+    allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
     prologue, row_free, free, chunked = row_scopes(node, plan, allocator, patterns)
     tiles = _ScanTiles(allocator, row_free, prologue.slice_text)
     body: list[str] = []

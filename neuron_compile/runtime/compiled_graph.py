@@ -262,9 +262,15 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
 
 
 def _compile_or_fall_back(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str) -> torch.fx.GraphModule:
-    """``_compile_partitioned``, or, if specialization or partitioning itself fails, the whole ATen graph eagerly."""
+    """``_compile_partitioned``, or, if specialization or partitioning itself fails, the whole ATen graph eagerly.
+
+    Held under Dynamo's compile lock: this runs at call time, and torch.fx's node creation (the partitioner's
+    fuser) reads FX's process-wide ``current_meta``, which another thread's aot_autograd trace sets."""
+    from torch._dynamo.convert_frame import compile_lock  # torch's own lock, loaded when a compile needs it
+
     try:
-        return _compile_partitioned(gm, args, key, kind)
+        with compile_lock:
+            return _compile_partitioned(gm, args, key, kind)
     except NeuronCompileError:  # a region failed under fallback=raise: already explained
         raise
     except Exception as error:  # noqa: BLE001 -- a front-end bug must not stop the model: run the graph eagerly
