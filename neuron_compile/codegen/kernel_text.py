@@ -116,7 +116,7 @@ def kernel_context(node, plan, name, parameters, **extra) -> dict:
     )
 
 
-def row_scopes(node, plan: TilePlan, allocator: TileAllocator, patterns: Patterns):
+def row_scopes(node, plan: TilePlan, allocator: TileAllocator, patterns: Patterns, columns: bool = True):
     """For a row kernel (reduction, softmax, scan): (the prologue's scope over [rows, row chunk], the row chunk's
     elements per partition, the free dims with their extents, whether the row is walked in chunks)."""
     chunked = plan.free[0].tile < plan.free[0].size
@@ -127,8 +127,16 @@ def row_scopes(node, plan: TilePlan, allocator: TileAllocator, patterns: Pattern
         # A DMA fills the tile row-major, so several free dims land flattened in one [rows, row] slice.
         return f"{tile}[0:rows, 0:{width}]", patterns.hbm(load.buffer, load.layout, free, chunked)
 
+    def column_pattern(load: ir.Load, tile: str):
+        # a load constant along the row (a per-row value, or a scalar): one element per partition, taken by the
+        # ops as a (P, 1) operand, instead of a DMA broadcast that moves every repeated element
+        if any(dim.stride(load.layout) != 0 for dim in plan.free):
+            return None
+        return f"{tile}[0:rows, 0:1]", patterns.hbm(load.buffer, load.layout, [(LoopDim(1, None), "1")], False)
+
     width = "cols" if len(free) == 1 else str(row_free)
-    prologue = TileScope(allocator, row_free, f"[0:rows, 0:{width}]", prologue_pattern)
+    prologue = TileScope(allocator, row_free, f"[0:rows, 0:{width}]", prologue_pattern,
+                         vector_pattern=column_pattern if columns else None)
     return prologue, row_free, free, chunked
 
 

@@ -143,14 +143,9 @@ def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: 
     store_lines(node.stores, epilogue, patterns, [(LoopDim(1, None), "1")], False, passes[-1][1])
     if node.row_stores:
         # The row is still in SBUF: the fused consumers read it, with the reduced value as a (P, 1) operand.
-        def column_pattern(load: ir.Load, tile: str):
-            # a load constant along the row (a per-row statistic another kernel wrote): one element per partition
-            if any(dim.stride(load.layout) != 0 for dim in plan.free):
-                return None
-            return f"{tile}[0:rows, 0:1]", patterns.hbm(load.buffer, load.layout, [(LoopDim(1, None), "1")], False)
-
+        # values constant along the row load as (P, 1) columns, as in the prologue
         row = TileScope(allocator, row_free, prologue.slice_text, prologue.load_pattern,
-                        Ref(tile=accumulator, vector=True), vector_pattern=column_pattern)
+                        Ref(tile=accumulator, vector=True), vector_pattern=prologue.vector_pattern)
         row.tiles, row.memo = prologue.tiles, dict(prologue.memo)
         store_lines(node.row_stores, row, patterns, free, False, passes[-1][1])
     chunk_allocations, allocations = allocator.split_by_width(row_free) if chunked else ([], allocator.lines)

@@ -240,7 +240,8 @@ def render_scan(node: ir.Scan, plan: TilePlan, name: str, parameters: list[str])
     values, the stores; then each carried tile's last column becomes column 0 for the next chunk."""
     patterns = Patterns(plan)
     allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
-    prologue, row_free, free, chunked = row_scopes(node, plan, allocator, patterns)
+    # the scan instruction takes full tiles: no (P, 1) column operands
+    prologue, row_free, free, chunked = row_scopes(node, plan, allocator, patterns, columns=False)
     tiles = _ScanTiles(allocator, row_free, prologue.slice_text)
     body: list[str] = []
     value = emit(node.prologue, prologue, body)
