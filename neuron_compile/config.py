@@ -23,6 +23,9 @@ NEURON_COMPILE_LAUNCHER    launcher              ``auto`` (default: the device w
                                                  ``simulator`` | ``device`` (runtime/launcher.py)
 NEURON_COMPILE_FUSION      fusion                ``1`` (default) | ``0``: fuse IR nodes into kernels (0: one kernel
                                                  per lowered node, to measure what fusion saves; passes/fusion.py)
+NEURON_COMPILE_FLASH_ATTENTION  flash_attention  ``1`` (default) | ``0``: SDPA as one flash-attention kernel
+                                                 (0: scores, softmax and output as three kernels, the scores
+                                                 through HBM; to measure what the flash kernel saves)
 =========================  ====================  ===========================================================
 """
 
@@ -65,6 +68,7 @@ class Config:
     recompile_warn: int = 8  # torch._dynamo.config.recompile_limit's default: a storm starts here
     launcher: str = "auto"
     fusion: bool = True
+    flash_attention: bool = True
 
     def __post_init__(self):
         _validate(self)
@@ -113,7 +117,7 @@ def _coerce(name: str, value: object, source: str) -> object:
     """Convert a string (from the environment) or a Python value to the field's type, naming the source."""
     if name == "cache_size":
         return _coerce_size(value, source)
-    if name == "fusion":
+    if name in ("fusion", "flash_attention"):
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.strip().lower() in _BOOLEANS:

@@ -6,7 +6,8 @@ Input: nothing (definitions). Output: frozen, hashable, printable dataclasses.
   broadcast dim has stride 0. ``Layout.index_expr()`` states it as a sympy expression.
 * Expression trees (``Load``, ``Scalar``, ``Op``, ``Result``) describe per-element math over a node's iteration
   domain; they are data, not closures, so they print and hash.
-* IR nodes (``Pointwise``, ``Reduction``, ``RowNormalize``, ``Scan``, ``MatMul``, ``Concat``, ``Gather``, ``Scatter``)
+* IR nodes (``Pointwise``, ``Reduction``, ``RowNormalize``, ``Scan``, ``MatMul``, ``Attention``, ``Concat``,
+  ``Gather``, ``Scatter``)
   each write one or more ``Store``s; what a node reads, how it fuses, tiles and renders is its kernel kind's
   (neuron_compile/kinds/).
 """
@@ -312,6 +313,36 @@ class MatMul:
 
 
 @dataclass(frozen=True)
+class Attention:
+    """``softmax(q @ k^T * scale + mask) @ v`` over domain (*batch, Sq, Dv), the scores never leaving the chip.
+
+    ``q`` is (*batch, Sq, D), ``k`` (*batch, Sk, D), ``v`` (*batch, Sk, Dv): grouped-query attention shares a
+    key/value head across a group dim of stride 0 in ``k`` and ``v``. ``mask`` is an additive float mask read
+    as (*batch, Sq, Sk) (broadcasts have stride 0); ``causal`` masks key j > query i (top-left aligned, as
+    eager's ``is_causal``). Stores read ``Result()`` (the normalized fp32 output tile) plus loads over the
+    domain — the epilogue.
+    """
+
+    name: str
+    domain: tuple[int, ...]
+    q: Load
+    k: Load
+    v: Load
+    mask: Load | None
+    scale: float
+    causal: bool
+    stores: tuple[Store, ...]
+
+    @property
+    def keys(self) -> int:
+        return self.k.layout.shape[-2]
+
+    @property
+    def depth(self) -> int:
+        return self.q.layout.shape[-1]
+
+
+@dataclass(frozen=True)
 class Concat:
     """Copy each part (a Pointwise over its input's shape) into its slice of one output buffer (aten.cat)."""
 
@@ -382,4 +413,4 @@ class Scatter:
     row_dims: int = 0
 
 
-Node = Pointwise | Reduction | RowNormalize | Scan | MatMul | Concat | Gather | Scatter
+Node = Pointwise | Reduction | RowNormalize | Scan | MatMul | Attention | Concat | Gather | Scatter

@@ -8,6 +8,7 @@ the target, and raises ``TilingError`` (naming the rule and the values) when a s
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from neuron_compile import ir
 from neuron_compile.dims import LoopDim
@@ -90,3 +91,24 @@ def needs_transpose(partition_stride: int, free_stride: int) -> bool:
     TensorE: a DMA whose innermost run is one element costs a burst per element; nc_transpose into PSUM and a copy
     back to SBUF do not."""
     return abs(partition_stride) == 1 and abs(free_stride) != 1
+
+
+MAX_ATTENTION_HEAD_DIM = 256
+
+
+def attention_head_chunks(depth: int, partitions: int) -> tuple[int, int]:
+    """(chunk, chunks): an attention head dim split into equal chunks of at most ``partitions`` rows (the
+    contraction of q @ k^T goes on partitions)."""
+    chunks = math.ceil(depth / partitions)
+    return depth // chunks, chunks
+
+
+def flash_attention_reason(depth: int, value_dim: int, scale: float, target) -> str | None:
+    """None if the flash-attention kernel takes these head dims and scale on ``target``, else why not."""
+    if depth > MAX_ATTENTION_HEAD_DIM or depth % math.ceil(depth / target.partitions):
+        return f"head dim {depth}: at most {MAX_ATTENTION_HEAD_DIM}, in equal chunks of <= {target.partitions}"
+    if value_dim > target.gemm_moving_fmax:
+        return f"value head dim {value_dim} exceeds one PSUM bank of fp32 ({target.gemm_moving_fmax})"
+    if not scale > 0:
+        return f"scale {scale} (the running max is kept on scaled scores: a positive scale)"
+    return None

@@ -1,9 +1,11 @@
 """Lowering stage, attention: scaled-dot-product attention (kept whole by the front end's decompositions).
 
-Input: an ATen FX node (``aten.scaled_dot_product_attention`` or its CPU flash variant). Output: three IR
-nodes — scores = q @ k^T * scale (+ additive mask) as a MatMul with an epilogue, the row softmax (a
-RowNormalize, with the causal mask applied on chip), and probabilities @ v as a MatMul — and the output value
-(a 1-tuple plus an unused logsumexp slot for the flash variant).
+Input: an ATen FX node (``aten.scaled_dot_product_attention`` or its CPU flash variant). Output: one
+``ir.Attention`` node (the flash-attention kernel: the scores never leave the chip), or, where that kernel does
+not apply (head dims, a negative scale, ``flash_attention`` off in the config), three IR nodes — scores =
+q @ k^T * scale (+ additive mask) as a MatMul with an epilogue, the row softmax (a RowNormalize, with the causal
+mask applied on chip), and probabilities @ v as a MatMul; and the output value (a 1-tuple plus an unused
+logsumexp slot for the flash variant).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from neuron_compile import ir
 from neuron_compile.hardware import Target
 from neuron_compile.lowering.reduction import softmax_row_reason
 from neuron_compile.lowering.registry import TensorValue, broadcast_layout, register_lowering
+from neuron_compile.tiles import flash_attention_reason
 
 aten = torch.ops.aten
 FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -47,7 +50,10 @@ def _check_attention(node: torch.fx.Node, target: Target) -> str | None:
         return f"{node.target}: a boolean attn_mask needs a predicated select (only additive float masks)"
     if mask is not None and options["is_causal"]:
         return f"{node.target}: attn_mask together with is_causal"
-    row_reason = softmax_row_reason(node, k.shape[-2], target)
+    scale = options["scale"] if options["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    # the flash kernel takes any number of keys; the three-kernel form needs the whole score row in SBUF
+    flash = flash_attention_reason(q.shape[-1], v.shape[-1], scale, target) is None
+    row_reason = None if flash else softmax_row_reason(node, k.shape[-2], target)
     if row_reason:
         return row_reason
     if node.target is FLASH:
@@ -105,15 +111,23 @@ def _lower(ctx, node, out_meta) -> TensorValue:
     *batch, queries, depth = q.layout.shape
     keys = k.layout.shape[-2]
     scale = options["scale"] if options["scale"] is not None else 1.0 / math.sqrt(depth)
+    mask = None
+    if options["attn_mask"] is not None:
+        mask_value = ctx.value(options["attn_mask"])
+        mask_layout = broadcast_layout(mask_value.layout, unsplit_scores)
+        if group > 1:
+            mask_layout = _split_heads(mask_layout, kv_heads, group)
+        mask = ir.Load(mask_value.buffer, broadcast_layout(mask_layout, (*batch, queries, keys)), mask_value.dtype)
+    if ctx.flash_attention and flash_attention_reason(depth, v.layout.shape[-1], scale, ctx.target) is None:
+        ctx.emit(ir.Attention(ctx.fresh_name("kernel"), out_layout.shape, ir.Load(q.buffer, q.layout, q.dtype),
+                              ir.Load(k.buffer, k.layout, k.dtype), ir.Load(v.buffer, v.layout, v.dtype), mask,
+                              float(scale), bool(options["is_causal"]), (ir.Store(out, ir.Result(), out_layout),)))
+        return TensorValue(out.name, out.layout, out.dtype)
     score_domain = (*batch, queries, keys)
     scores = ctx.scratch_buffer(score_domain, "float32", "scores")
     expr = ir.Op("mul", (ir.Result(), ir.Scalar(float(scale))))
-    if options["attn_mask"] is not None:
-        mask = ctx.value(options["attn_mask"])
-        mask_layout = broadcast_layout(mask.layout, unsplit_scores)
-        if group > 1:
-            mask_layout = _split_heads(mask_layout, kv_heads, group)
-        expr = ir.Op("add", (expr, ir.Load(mask.buffer, broadcast_layout(mask_layout, score_domain), mask.dtype)))
+    if mask is not None:
+        expr = ir.Op("add", (expr, mask))
     ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), score_domain, depth, ir.Load(q.buffer, q.layout, q.dtype),
                        ir.Load(k.buffer, _swap_last(k.layout), k.dtype), (ir.Store(scores, expr, scores.layout),)))
     # The probabilities feed TensorE again, so they take the operands' dtype (fp32 and bf16 cannot mix).

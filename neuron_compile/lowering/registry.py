@@ -241,7 +241,9 @@ class LoweredRegion:
 class LoweringContext:
     """Per-graph state the lowerings share: node values, fresh buffer names, the nodes emitted so far."""
 
-    def __init__(self):
+    def __init__(self, target: Target | str | None = None, flash_attention: bool = True):
+        self.target = resolve_target(target)
+        self.flash_attention = flash_attention  # SDPA as one flash-attention kernel (False: three kernels)
         self.values: dict[torch.fx.Node, TensorValue] = {}
         self.nodes: list[ir.Node] = []
         self.buffers: dict[str, ir.Buffer] = {}
@@ -306,10 +308,11 @@ def load(ctx: LoweringContext, arg, shape: tuple[int, ...]) -> ir.Expr:
     return ir.Load(value.buffer, broadcast_layout(value.layout, shape), value.dtype)
 
 
-def lower_graph(gm: torch.fx.GraphModule, target: Target | str | None = None) -> LoweredRegion:
+def lower_graph(gm: torch.fx.GraphModule, target: Target | str | None = None, *,
+                flash_attention: bool = True) -> LoweredRegion:
     """Lower every ATen node of ``gm`` (whose nodes carry meta['val']) to IR for ``target`` (None: the default)."""
     target = resolve_target(target)
-    ctx = LoweringContext()
+    ctx = LoweringContext(target, flash_attention)
     inputs, outputs, output_dtypes, aten_nodes = [], [], [], 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":

@@ -1,0 +1,216 @@
+"""Kernel kind ``attention``: flash attention, ``softmax(q @ k^T * scale + mask) @ v`` in one kernel (``ir.Attention``).
+
+Tiling: queries in tiles of 128 on partitions; keys in blocks of up to 512 (one PSUM bank of fp32 scores);
+the head dim D (up to 256) in chunks of at most 128 accumulated in PSUM. k^T and v of one key/value head stay
+resident in SBUF while every query tile (and every query head of a grouped-query group) streams past them, so
+q, k, v and the output cross HBM once; when they do not fit, they are loaded per key block. Per block: the
+scores in PSUM, the online softmax (running max and sum per query row, the output accumulator rescaled), the
+probabilities transposed on TensorE and multiplied with v. Causal blocks wholly above the diagonal are skipped.
+Fusion: pointwise consumers over the output domain are epilogues on the normalized output tile.
+Codegen: attention.py.j2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from neuron_compile import ir
+from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope
+from neuron_compile.codegen.kernel_text import (
+    Patterns,
+    kernel_context,
+    kernel_names,
+    offset_text,
+    render_template,
+    store_lines,
+)
+from neuron_compile.dims import LoopDim
+from neuron_compile.kind_registry import register_kind
+from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
+from neuron_compile.limits import SBUF_SHARE
+from neuron_compile.tiles import (
+    TilePlan,
+    TilingError,
+    attention_head_chunks,
+    count_tiles,
+    flash_attention_reason,
+    needs_transpose,
+)
+
+# The running max starts at the lowest finite fp32, not -inf: a row whose keys so far are all masked with -inf
+# then gives exp(-inf) = 0 (never exp(-inf + inf) = nan), and a row masked with finfo.min everywhere keeps
+# eager's uniform weights.
+LOWEST_FP32 = -3.4028234663852886e38
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan(TilePlan):
+    """``partition`` is the query tile, ``free`` the output's head dim, ``k_tile`` x ``k_tiles`` the chunks of D.
+    ``key_block`` keys per score tile; ``resident``: k^T and v of a head stay in SBUF across query tiles;
+    ``transpose_loads``: q and k come in through ``dma_transpose`` (D contiguous, target has it)."""
+
+    key_block: int = 0
+    resident: bool = False
+    transpose_loads: bool = False
+
+    def describe(self) -> str:
+        text = super().describe() + f" D {self.k_tiles}x{self.k_tile}, key blocks of {self.key_block}"
+        return text + (", k^T and v resident per head" if self.resident else ", k^T and v loaded per key block")
+
+
+def plan_attention(node: ir.Attention, target) -> AttentionPlan:
+    *batch, queries, value_dim = node.domain
+    reason = flash_attention_reason(node.depth, value_dim, node.scale, target)
+    if reason:
+        raise TilingError(f"{node.name}: {reason}")
+    k_tile, k_tiles = attention_head_chunks(node.depth, target.partitions)
+    itemsize = 2 if node.q.dtype == "bfloat16" else 4
+    key_block = min(node.keys, target.gemm_moving_fmax)
+    key_chunks = math.ceil(node.keys / target.partitions)
+    tiles = count_tiles([store.expr for store in node.stores])
+    # SBUF bytes per partition of one query tile: q^T, the scores (fp32 when masked), the probabilities and their
+    # transposed chunks, the accumulator and the epilogue tiles; k^T and v of one head when resident.
+    per_query_tile = (k_tiles * target.partitions * itemsize + key_block * (4 + 2 * itemsize)
+                      + value_dim * 4 * (2 + tiles))
+    per_head = k_tiles * node.keys * itemsize + key_chunks * value_dim * itemsize
+    per_block = k_tiles * key_block * itemsize + math.ceil(key_block / target.partitions) * value_dim * itemsize
+    budget = target.sbuf_bytes_per_partition * SBUF_SHARE
+    resident = 2 * (per_head + per_query_tile) <= budget  # two of each: the next one loads while this one runs
+    if not resident and 2 * (per_block + per_query_tile) > budget:
+        raise TilingError(f"{node.name}: a query tile needs {2 * (per_block + per_query_tile)} B per partition, over "
+                          f"the SBUF budget ({int(budget)} B on {target.name})")
+    outer = tuple(LoopDim(size, dim, 1, 1) for dim, size in enumerate(batch))
+    partition = LoopDim(queries, len(batch), 1, min(queries, target.partitions))
+    free = (LoopDim(value_dim, len(batch) + 1, 1, value_dim),)
+    rank = len(batch)
+    transpose_loads = target.dma_transpose and all(
+        needs_transpose(load.layout.strides[rank + 1], load.layout.strides[rank]) for load in (node.q, node.k))
+    return AttentionPlan("attention", outer, partition, free, tiles, k_tile, k_tiles, key_block=key_block,
+                         resident=resident, transpose_loads=transpose_loads)
+
+
+def transposed_load(plan: AttentionPlan, patterns: Patterns, load: ir.Load, dst: str, start: str, count: str) -> str:
+    """The instruction that brings rows ``start`` .. ``start + count`` of q or k ([seq, D]) into ``dst`` as
+    [D chunk on partitions, chunk, rows]: a DMA transpose when D is contiguous, else a strided DMA."""
+    rank = len(plan.outer)
+    seq_stride, depth_stride = load.layout.strides[rank], load.layout.strides[rank + 1]
+    terms = patterns.outer_terms(load.layout) + ([(start, seq_stride)] if start != "0" else [])
+    offset = offset_text(load.layout.offset, terms)
+    chunks = [[depth_stride * plan.k_tile, plan.k_tiles], [depth_stride, plan.k_tile]]
+    if plan.transpose_loads:
+        entries = [[seq_stride, count], *chunks]
+        return f"nisa.dma_transpose(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, offset={offset}), " \
+               "axes=(2, 1, 0))"
+    entries = [*reversed(chunks), [seq_stride, count]]
+    return f"nisa.dma_copy(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, offset={offset}))"
+
+
+def resident_value_loads(plan: AttentionPlan, patterns: Patterns, node: ir.Attention) -> list[str]:
+    """Instructions that bring all of one head's v into ``values`` [128 keys, chunk, Dv]: whole chunks of 128
+    rows in one DMA, the ragged last chunk in another."""
+    rank = len(plan.outer)
+    seq_stride, depth_stride = node.v.layout.strides[rank], node.v.layout.strides[rank + 1]
+    value_dim = node.domain[-1]
+    whole, tail = divmod(node.keys, 128)
+    dst = "values"
+    lines = []
+    base = patterns.outer_terms(node.v.layout)
+    if whole:
+        entries = [[seq_stride, 128], [seq_stride * 128, whole], [depth_stride, value_dim]]
+        lines.append(f"nisa.dma_copy(dst={dst}[0:128, 0:{whole}, 0:{value_dim}], src={node.v.buffer}.ap("
+                     f"{entries_text(entries)}, offset={offset_text(node.v.layout.offset, base)}))")
+    if tail:
+        offset = offset_text(node.v.layout.offset + whole * 128 * seq_stride, base)
+        entries = [[seq_stride, tail], [depth_stride, value_dim]]
+        lines.append(f"nisa.dma_copy(dst={dst}[0:{tail}, {whole}, 0:{value_dim}], src={node.v.buffer}.ap("
+                     f"{entries_text(entries)}, offset={offset}))")
+    return lines
+
+
+def entries_text(entries) -> str:
+    return "[" + ", ".join(f"[{stride}, {count}]" for stride, count in entries) + "]"
+
+
+def mask_load(plan: AttentionPlan, patterns: Patterns, mask: ir.Load, dst: str) -> str:
+    rank = len(plan.outer)
+    query_stride, key_stride = mask.layout.strides[rank], mask.layout.strides[rank + 1]
+    terms = patterns.outer_terms(mask.layout) + [("p0", query_stride), ("kv0", key_stride)]
+    entries = [[query_stride, "rows"], [key_stride, "block_cols"]]
+    return f"nisa.dma_copy(dst={dst}, src={mask.buffer}.ap({entries_text(entries)}, " \
+           f"offset={offset_text(mask.layout.offset, terms)}))"
+
+
+def head_loops(node: ir.Attention, plan: AttentionPlan) -> tuple[list[int], list[int]]:
+    """The outer dims split into those that choose a key/value head and those that only choose a query head of
+    its group (stride 0 in k and v): k^T and v load once per key/value head, outside the group's loops."""
+    shared = [i for i, dim in enumerate(plan.outer)
+              if dim.stride(node.k.layout) == 0 and dim.stride(node.v.layout) == 0]
+    return [i for i in range(len(plan.outer)) if i not in shared], shared
+
+
+def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, parameters: list[str]) -> str:
+    patterns = Patterns(plan)
+    allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
+    value_dim = node.domain[-1]
+    free = [(plan.free[0], "cols")]
+
+    def load_pattern(load: ir.Load, tile: str):
+        return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, False)
+
+    output = allocator.new("output", value_dim)
+    scope = TileScope(allocator, value_dim, "[0:rows, 0:cols]", load_pattern, Ref(tile=output))
+    epilogue: list[str] = []
+    store_lines(node.stores, scope, patterns, free, False, epilogue)
+    kv_dims, group_dims = head_loops(node, plan)
+    if plan.resident:
+        key_load = transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, 0:{node.keys}]",
+                                   "0", str(node.keys))
+        value_lines = resident_value_loads(plan, patterns, node)
+    else:
+        key_load = transposed_load(plan, patterns, node.k,
+                                   f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, 0:block_cols]", "kv0", "block_cols")
+        value_lines = streamed_value_loads(plan, patterns, node)
+    context = kernel_context(
+        node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue,
+        kv_dims=kv_dims, group_dims=group_dims, operand_dtype=NL_DTYPES[node.q.dtype], value_dim=value_dim,
+        keys=node.keys, key_chunks=math.ceil(node.keys / 128), scale=float(node.scale), causal=node.causal,
+        query_load=transposed_load(plan, patterns, node.q, f"queries_t[0:{plan.k_tile}, 0:{plan.k_tiles}, 0:rows]",
+                                   "p0", "rows"),
+        key_load=key_load, value_loads=value_lines,
+        mask_load=mask_load(plan, patterns, node.mask, "mask_tile[0:rows, 0:block_cols]") if node.mask else None,
+        mask_dtype=NL_DTYPES[node.mask.dtype] if node.mask else None, lowest=LOWEST_FP32, epilogue_source=output,
+    )
+    return render_template("attention.py.j2", **context)
+
+
+def streamed_value_loads(plan: AttentionPlan, patterns: Patterns, node: ir.Attention) -> list[str]:
+    """Chunk ``c`` of the key block (``kk`` rows of v from row ``key_row``) into ``values[0:kk, c]``; the template
+    loops over the block's chunks."""
+    rank = len(plan.outer)
+    seq_stride, depth_stride = node.v.layout.strides[rank], node.v.layout.strides[rank + 1]
+    offset = offset_text(node.v.layout.offset, patterns.outer_terms(node.v.layout) + [("key_row", seq_stride)])
+    entries = [[seq_stride, "kk"], [depth_stride, node.domain[-1]]]
+    return [f"nisa.dma_copy(dst=values[0:kk, c, 0:{node.domain[-1]}], src={node.v.buffer}.ap("
+            f"{entries_text(entries)}, offset={offset}))"]
+
+
+class AttentionKind(MatchingIndexEpilogue):
+    node_type = ir.Attention
+    name = "attention"
+
+    def operand_loads(self, node):
+        return [node.q, node.k, node.v] + ([node.mask] if node.mask else [])
+
+    def describe_head(self, node):
+        mask = f"\n  mask: {node.mask}" if node.mask else ""
+        return (f" scale={node.scale:g} causal={node.causal}\n  q: {node.q}\n  k: {node.k}\n  v: {node.v}{mask}")
+
+    def plan(self, node, target):
+        return plan_attention(node, target)
+
+    def render(self, node, plan, name, parameters):
+        return render_attention(node, plan, name, parameters)
+
+
+register_kind(AttentionKind())

@@ -1,0 +1,120 @@
+"""The flash-attention kernel (kinds/attention.py) on the simulator vs eager SDPA: shapes around the tile edges,
+causal and masked (float, boolean, fully masked rows), grouped-query attention, head dims up to 256, the
+resident and the streamed k/v forms, and its HBM traffic (q, k, v and the output, each once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import neuron_compile
+from lowering_harness import check_against_eager, compile_and_run, compile_with_backend, random_tensor
+from neuron_compile import config
+
+# Two chained matmuls around an online softmax: fp32 sums in another order than eager's (1e-5 relative).
+TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
+SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def attention_kernels(region) -> list[str]:
+    return [kernel.name for kernel in region.kernels if kernel.name.startswith("attention_kernel")]
+
+
+def qkv(batch, heads, queries, keys, depth, dtype, kv_heads=None, value_dim=None):
+    q = random_tensor((batch, heads, queries, depth), dtype, seed=1)
+    k = random_tensor((batch, kv_heads or heads, keys, depth), dtype, seed=2)
+    v = random_tensor((batch, kv_heads or heads, keys, value_dim or depth), dtype, seed=3)
+    return q, k, v
+
+
+@settings(max_examples=14, deadline=None)
+@given(queries=st.sampled_from([1, 127, 128, 129, 600]), keys=st.sampled_from([1, 127, 129, 600, 1030]),
+       depth=st.sampled_from([16, 64, 96, 128, 256]), causal=st.booleans(),
+       mask=st.sampled_from([None, "float", "bool"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_flash_attention_matches_eager(queries, keys, depth, causal, mask, dtype):
+    q, k, v = qkv(1, 2, queries, keys, depth, dtype)
+    if mask is None:
+        fn, inputs = (lambda q, k, v: SDPA(q, k, v, is_causal=causal)), (q, k, v)
+    else:
+        attn_mask = random_tensor((queries, keys), dtype, seed=4) if mask == "float" else \
+            random_tensor((queries, keys), seed=4) > -1.5
+        fn, inputs = (lambda q, k, v, m: SDPA(q, k, v, attn_mask=m)), (q, k, v, attn_mask)
+    region = check_against_eager(fn, *inputs, tolerances=TOLERANCES)
+    assert len(attention_kernels(region)) == 1
+    if mask != "bool":  # (a boolean mask becomes an additive one in kernels of its own: where(m, 0, -inf))
+        assert len(region.kernels) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fully_masked_rows_give_eagers_zeros_and_finfo_min_rows_its_uniform_weights(dtype):
+    q, k, v = qkv(1, 2, 200, 700, 32, dtype)
+    minus_inf = torch.zeros(200, 700, dtype=dtype)
+    minus_inf[3] = float("-inf")  # every key of row 3
+    minus_inf[150, :600] = float("-inf")  # every key of row 150 in the first key block, one left in the second
+    lowest = torch.zeros(200, 700, dtype=dtype)
+    lowest[5] = torch.finfo(dtype).min  # transformers' padding mask: eager weighs every key equally
+    boolean = torch.ones(200, 700, dtype=torch.bool)
+    boolean[7] = False
+    for attn_mask in (minus_inf, lowest, boolean):
+        check_against_eager(lambda q, k, v, m: SDPA(q, k, v, attn_mask=m), q, k, v, attn_mask, tolerances=TOLERANCES)
+    got = compile_and_run(lambda q, k, v, m: SDPA(q, k, v, attn_mask=m), q, k, v, minus_inf)[1][0]
+    assert torch.equal(got[0, :, 3], torch.zeros_like(got[0, :, 3]))
+
+
+def test_causal_with_fewer_queries_than_keys_is_top_left_aligned():
+    q, k, v = qkv(2, 2, 100, 777, 64, torch.float32)
+    check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=True), q, k, v, tolerances=TOLERANCES)
+
+
+def test_scale_and_a_separate_value_head_dim():
+    q, k, v = qkv(1, 2, 130, 260, 64, torch.float32, value_dim=200)
+    check_against_eager(lambda q, k, v: SDPA(q, k, v, scale=0.3), q, k, v, tolerances=TOLERANCES)
+
+
+def test_heads_viewed_from_projections_and_grouped_query_attention():
+    q = random_tensor((2, 140, 4, 64), seed=5).transpose(1, 2)  # [batch, seq, heads, depth] viewed as heads first
+    k = random_tensor((2, 140, 2, 64), seed=6).transpose(1, 2)
+    v = random_tensor((2, 140, 2, 64), seed=7).transpose(1, 2)
+    mask = random_tensor((2, 1, 140, 140), seed=8)
+    region = check_against_eager(lambda q, k, v, m: SDPA(q, k, v, attn_mask=m, enable_gqa=True), q, k, v, mask,
+                                 tolerances=TOLERANCES)
+    assert attention_kernels(region) == [kernel.name for kernel in region.kernels]
+    check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=True, enable_gqa=True), q, k, v,
+                        tolerances=TOLERANCES)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_scores_never_touch_hbm(causal):
+    """One kernel; HBM traffic is q, k, v and the output once each, with k and v shared by a query group."""
+    q, k, v = qkv(1, 8, 1024, 1024, 64, torch.bfloat16, kv_heads=2)
+    result, stats = compile_with_backend(lambda q, k, v: SDPA(q, k, v, is_causal=causal, enable_gqa=True), q, k, v)
+    assert stats["kernels_launched"] == 1
+    operand_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, result))
+    assert stats["hbm_bytes"] == operand_bytes
+    want = SDPA(q, k, v, is_causal=causal, enable_gqa=True)
+    torch.testing.assert_close(result, want, rtol=2e-2, atol=2e-2)
+
+
+def test_keys_too_many_to_keep_resident_stream_per_block():
+    """8192 fp32 keys at head dim 256 do not fit SBUF twice: k and v load per key block, within the budgets."""
+    q, k, v = qkv(1, 1, 130, 8192, 256, torch.float32)
+    region = check_against_eager(lambda q, k, v: SDPA(q, k, v), q, k, v, tolerances=TOLERANCES)
+    source = region.kernels[0].source
+    assert "loaded per key block" in source and "stay in SBUF" not in source
+
+
+def test_the_three_kernel_form_where_the_flash_kernel_does_not_apply():
+    q, k, v = qkv(1, 1, 20, 30, 16, torch.float32)
+    for fn in (lambda q, k, v: SDPA(q, k, v, scale=-0.5),):  # the running max needs a positive scale
+        region = check_against_eager(fn, q, k, v, tolerances=TOLERANCES)
+        assert not attention_kernels(region) and len(region.kernels) == 3
+    with config.patch(flash_attention=False):
+        region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=True), q, k, v, tolerances=TOLERANCES)
+    assert not attention_kernels(region)
+
+
+def test_flash_attention_option_is_validated():
+    with pytest.raises(ValueError, match="flash_attention"):
+        neuron_compile.config.Config().replace(flash_attention="sometimes")
