@@ -66,7 +66,10 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
         raise TilingError(f"{node.name}: {reason}")
     k_tile, k_tiles = attention_head_chunks(node.depth, target.partitions)
     itemsize = 2 if node.q.dtype == "bfloat16" else 4
-    key_block = min(node.keys, target.gemm_moving_fmax)
+    # PSUM per block: its scores (then its P @ v) and its transposed probabilities; with the next block's scores
+    # issued ahead, 8 banks hold two bf16 blocks of two banks of scores each, or fp32 blocks of one
+    score_banks = 2 if itemsize == 2 else 1
+    key_block = min(node.keys, score_banks * target.gemm_moving_fmax)
     key_chunks = math.ceil(node.keys / target.partitions)
     tiles = count_tiles([store.expr for store in node.stores])
     # SBUF bytes per partition of one query tile: q^T, the scores (fp32 when masked), the probabilities and their
@@ -106,26 +109,27 @@ def transposed_load(plan: AttentionPlan, patterns: Patterns, load: ir.Load, dst:
     return f"nisa.dma_copy(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, offset={offset}))"
 
 
-def resident_value_loads(plan: AttentionPlan, patterns: Patterns, node: ir.Attention) -> list[str]:
-    """Instructions that bring all of one head's v into ``values`` [128 keys, chunk, Dv]: whole chunks of 128
-    rows in one DMA, the ragged last chunk in another."""
+def value_loads(plan: AttentionPlan, patterns: Patterns, node: ir.Attention, first_chunk: str, start: str,
+                count: str) -> list[str]:
+    """Instructions that bring the ``count`` rows of v from row ``start`` into ``values`` [128 keys, chunk, Dv]
+    from chunk ``first_chunk`` on: the whole chunks of 128 rows in one DMA, a ragged last chunk in another."""
     rank = len(plan.outer)
     seq_stride, depth_stride = node.v.layout.strides[rank], node.v.layout.strides[rank + 1]
     value_dim = node.domain[-1]
-    whole, tail = divmod(node.keys, 128)
-    dst = "values"
-    lines = []
     base = patterns.outer_terms(node.v.layout)
-    if whole:
-        entries = [[seq_stride, 128], [seq_stride * 128, whole], [depth_stride, value_dim]]
-        lines.append(f"nisa.dma_copy(dst={dst}[0:128, 0:{whole}, 0:{value_dim}], src={node.v.buffer}.ap("
-                     f"{entries_text(entries)}, offset={offset_text(node.v.layout.offset, base)}))")
-    if tail:
-        offset = offset_text(node.v.layout.offset + whole * 128 * seq_stride, base)
-        entries = [[seq_stride, tail], [depth_stride, value_dim]]
-        lines.append(f"nisa.dma_copy(dst={dst}[0:{tail}, {whole}, 0:{value_dim}], src={node.v.buffer}.ap("
-                     f"{entries_text(entries)}, offset={offset}))")
-    return lines
+    whole_entries = [[seq_stride, 128], [seq_stride * 128, "whole"], [depth_stride, value_dim]]
+    tail_entries = [[seq_stride, f"{count} % 128"], [depth_stride, value_dim]]
+    chunk = f"{first_chunk} + whole" if first_chunk != "0" else "whole"
+    return [
+        f"whole = {count} // 128",
+        "if whole:",
+        f"    nisa.dma_copy(dst=values[0:128, {first_chunk}:{chunk}, 0:{value_dim}], src={node.v.buffer}.ap("
+        f"{entries_text(whole_entries)}, offset={offset_text(node.v.layout.offset, base + [(start, seq_stride)])}))",
+        f"if {count} % 128:",
+        f"    nisa.dma_copy(dst=values[0:{count} % 128, {chunk}, 0:{value_dim}], src={node.v.buffer}.ap("
+        f"{entries_text(tail_entries)}, offset="
+        f"{offset_text(node.v.layout.offset, base + [(start, seq_stride), ('whole', seq_stride * 128)])}))",
+    ]
 
 
 def entries_text(entries) -> str:
@@ -163,14 +167,13 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
     epilogue: list[str] = []
     store_lines(node.stores, scope, patterns, free, False, epilogue)
     kv_dims, group_dims = head_loops(node, plan)
-    if plan.resident:
-        key_load = transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, 0:{node.keys}]",
-                                   "0", str(node.keys))
-        value_lines = resident_value_loads(plan, patterns, node)
-    else:
-        key_load = transposed_load(plan, patterns, node.k,
-                                   f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, 0:block_cols]", "kv0", "block_cols")
-        value_lines = streamed_value_loads(plan, patterns, node)
+    # k^T and v come in one key block at a time, into the resident tiles (the first query tile starts on the
+    # first block while the others arrive) or into the block's own tiles
+    start, count = ("load_start", "load_cols") if plan.resident else ("kv0", "block_cols")
+    key_columns = f"{start}:{start} + {count}" if plan.resident else f"0:{count}"
+    key_load = transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {key_columns}]",
+                               start, count)
+    value_lines = value_loads(plan, patterns, node, f"{start} // 128" if plan.resident else "0", start, count)
     context = kernel_context(
         node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue,
         kv_dims=kv_dims, group_dims=group_dims, operand_dtype=NL_DTYPES[node.q.dtype], value_dim=value_dim,
@@ -182,17 +185,6 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
         mask_dtype=NL_DTYPES[node.mask.dtype] if node.mask else None, lowest=LOWEST_FP32, epilogue_source=output,
     )
     return render_template("attention.py.j2", **context)
-
-
-def streamed_value_loads(plan: AttentionPlan, patterns: Patterns, node: ir.Attention) -> list[str]:
-    """Chunk ``c`` of the key block (``kk`` rows of v from row ``key_row``) into ``values[0:kk, c]``; the template
-    loops over the block's chunks."""
-    rank = len(plan.outer)
-    seq_stride, depth_stride = node.v.layout.strides[rank], node.v.layout.strides[rank + 1]
-    offset = offset_text(node.v.layout.offset, patterns.outer_terms(node.v.layout) + [("key_row", seq_stride)])
-    entries = [[seq_stride, "kk"], [depth_stride, node.domain[-1]]]
-    return [f"nisa.dma_copy(dst=values[0:kk, c, 0:{node.domain[-1]}], src={node.v.buffer}.ap("
-            f"{entries_text(entries)}, offset={offset}))"]
 
 
 class AttentionKind(MatchingIndexEpilogue):

@@ -1,0 +1,115 @@
+"""Benchmark: scaled-dot-product attention alone, the flash-attention kernel against the three-kernel form and the
+roofline (issue 16).
+
+For each case (batch 1, 2 heads; seq 128, 1024, 4096, 8192; head dim 64 and 128; causal or not; fp32 and bf16),
+in one run: ``F.scaled_dot_product_attention`` through ``torch.compile(backend="neuron")`` with the flash kernel
+(the default) and with ``config.patch(flash_attention=False)`` (scores, softmax and output as three kernels, the
+scores through HBM); for each, kernels launched, HBM bytes (the simulator's cost reports) and the estimated trn2
+time (each launch's ``est_time_s`` summed: the launch plus its scheduled instructions). The roofline is
+``max(4 * S^2 * D * heads FLOPs / TensorE peak, (q + k + v + out) bytes / DMA bandwidth)`` with trn2's numbers
+from ``neuron_compile/hardware.py`` (FLOPs as FlopCounterMode counts SDPA: causal counts the full square). Every
+result is checked against eager (max abs error shown).
+
+    python bench/attention_bench.py            # every case (the three-kernel form up to seq 4096; ~10 min)
+    python bench/attention_bench.py --quick    # seq 128 and 1024 only
+
+Progress goes to stderr; the table (markdown) to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import neuron_compile
+from neuron_compile.hardware import get_target
+
+SEQS = (128, 1024, 4096, 8192)
+QUICK_SEQS = (128, 1024)
+HEAD_DIMS = (64, 128)
+HEADS = 2
+THREE_KERNEL_MAX_SEQ = 4096  # beyond this the three-kernel form's S x S scores make the simulation too slow here
+
+
+@dataclasses.dataclass
+class Measured:
+    kernels: int
+    hbm_bytes: int
+    est_s: float
+    max_error: float
+
+
+def run(q, k, v, causal: bool, flash: bool) -> Measured:
+    torch._dynamo.reset()
+    neuron_compile.reset_stats()
+    compiled = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                             backend="neuron")
+    with neuron_compile.config.patch(flash_attention=flash, fallback="raise"), \
+            neuron_compile.record_launches() as launches:
+        got = compiled(q, k, v)
+    stats = neuron_compile.stats()
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+    est = sum(float(launch.report.est_time_s) for launch in launches if launch.report is not None)
+    return Measured(stats["kernels_launched"], stats["hbm_bytes"], est, float((got.float() - want).abs().max()))
+
+
+def roofline_s(seq: int, depth: int, dtype: torch.dtype) -> tuple[float, str, int]:
+    target = get_target("trn2")
+    flops = 4 * HEADS * seq * seq * depth
+    peak = (target.tensor_bf16_tflops if dtype == torch.bfloat16 else target.tensor_fp32_tflops) * 1e12
+    operand_bytes = 4 * HEADS * seq * depth * (2 if dtype == torch.bfloat16 else 4)
+    compute, memory = flops / peak, operand_bytes / target.dma_bytes_per_s
+    return max(compute, memory), "c" if compute >= memory else "m", operand_bytes
+
+
+def measure(seq: int, depth: int, causal: bool, dtype: torch.dtype) -> str:
+    generator = torch.Generator().manual_seed(seq + depth)
+    q, k, v = (torch.randn(1, HEADS, seq, depth, generator=generator).to(dtype) for _ in range(3))
+    flash = run(q, k, v, causal, flash=True)
+    three = run(q, k, v, causal, flash=False) if seq <= THREE_KERNEL_MAX_SEQ else None
+    bound, kind, operand_bytes = roofline_s(seq, depth, dtype)
+    name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    cells = [str(seq), str(depth), "yes" if causal else "no", name, f"{operand_bytes / 1e6:.2f}",
+             f"{flash.kernels}", f"{flash.hbm_bytes / 1e6:.2f}", f"{flash.hbm_bytes / operand_bytes:.2f}x",
+             f"{flash.est_s * 1e6:.1f}", f"{bound * 1e6:.1f} ({kind})", f"{flash.est_s / bound:.2f}x"]
+    if three:
+        cells += [f"{three.kernels}", f"{three.hbm_bytes / 1e6:.2f}", f"{three.est_s * 1e6:.1f}",
+                  f"{three.est_s / flash.est_s:.2f}x"]
+    else:
+        cells += ["-", "-", "-", "-"]
+    cells.append(f"{max(flash.max_error, three.max_error if three else 0.0):.1e}")
+    return "| " + " | ".join(cells) + " |"
+
+
+HEADER = ("| seq | D | causal | dtype | q+k+v+o MB | flash kernels | flash HBM MB | flash / (q+k+v+o) | flash est us "
+          "| roofline us | flash / roofline | 3-kernel kernels | 3-kernel HBM MB | 3-kernel est us "
+          "| 3-kernel / flash | max abs err |\n"
+          "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="seq 128 and 1024 only")
+    args = parser.parse_args(argv)
+    seqs = QUICK_SEQS if args.quick else SEQS
+    rows = []
+    started = time.time()
+    for seq, depth, causal, dtype in itertools.product(seqs, HEAD_DIMS, (False, True),
+                                                        (torch.float32, torch.bfloat16)):
+        print(f"[{time.time() - started:6.0f} s] seq {seq} D {depth} causal {causal} {dtype}", file=sys.stderr,
+              flush=True)
+        rows.append(measure(seq, depth, causal, dtype))
+    print(HEADER)
+    print("\n".join(rows))
+    print(f"\n(measured in {time.time() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
