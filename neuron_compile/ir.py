@@ -320,7 +320,9 @@ class Attention:
     key/value head across a group dim of stride 0 in ``k`` and ``v``. ``mask`` is an additive float mask read
     as (*batch, Sq, Sk) (broadcasts have stride 0); ``causal`` masks key j > query i (top-left aligned, as
     eager's ``is_causal``). Stores read ``Result()`` (the normalized fp32 output tile) plus loads over the
-    domain — the epilogue.
+    domain — the epilogue. ``logsumexp`` (training's forward) writes each query row's log-sum-exp of the
+    scaled, masked scores (fp32; 0 for a row with every key masked, as eager), its layout restated over the domain
+    with stride 0 on the head dim.
     """
 
     name: str
@@ -332,6 +334,7 @@ class Attention:
     scale: float
     causal: bool
     stores: tuple[Store, ...]
+    logsumexp: Store | None = None
 
     @property
     def keys(self) -> int:

@@ -118,3 +118,61 @@ def test_the_three_kernel_form_where_the_flash_kernel_does_not_apply():
 def test_flash_attention_option_is_validated():
     with pytest.raises(ValueError, match="flash_attention"):
         neuron_compile.config.Config().replace(flash_attention="sometimes")
+
+
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_training_forward_writes_eagers_logsumexp(causal):
+    q, k, v = qkv(1, 2, 200, 300, 32, torch.float32)
+    region = check_against_eager(lambda q, k, v: FLASH(q, k, v, is_causal=causal), q, k, v, tolerances=TOLERANCES)
+    assert attention_kernels(region) == [kernel.name for kernel in region.kernels]
+    masked = torch.zeros(200, 300)
+    masked[5] = float("-inf")  # eager: output 0 and log-sum-exp 0
+    masked[7] = torch.finfo(torch.float32).min
+    check_against_eager(lambda q, k, v, m: FLASH(q, k, v, attn_mask=m), q, k, v, masked, tolerances=TOLERANCES)
+
+
+def attention_grads(fn, base, dtype):
+    tensors = [t.to(dtype).requires_grad_() for t in base]
+    out = fn(*tensors)
+    (out.float() ** 2).sum().backward()
+    return [t.grad for t in tensors]
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "mask"])
+def test_a_training_step_has_no_eager_attention(case):
+    """Forward (with the log-sum-exp) and backward (P recomputed from it) in kernels; gradients equal eager's."""
+    base = list(qkv(2, 2, 130, 200 if case == "mask" else 130, 32, torch.float32))
+    mask = random_tensor((130, 200), seed=9) if case == "mask" else None
+
+    def attention(q, k, v):
+        return SDPA(q, k, v, is_causal=case == "causal", attn_mask=mask)
+
+    torch._dynamo.reset()
+    neuron_compile.reset_stats()
+    with config.patch(fallback="raise"):
+        got = attention_grads(torch.compile(attention, backend="neuron"), base, torch.float32)
+    stats = neuron_compile.stats()
+    assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
+    for ours, eager in zip(got, attention_grads(attention, base, torch.float32)):
+        torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_gradients_are_as_close_to_fp32_as_eagers():
+    """The backward's matmuls take P and dS in bf16 (as flash attention's do on TensorE), where eager's CPU kernel
+    keeps fp32: measured against the fp32 gradients, ours stay within twice eager's own bf16 error."""
+    base = list(qkv(2, 2, 130, 130, 32, torch.float32))
+
+    def attention(q, k, v):
+        return SDPA(q, k, v, is_causal=True)
+
+    torch._dynamo.reset()
+    with config.patch(fallback="raise"):
+        ours = attention_grads(torch.compile(attention, backend="neuron"), base, torch.bfloat16)
+    eager = attention_grads(attention, base, torch.bfloat16)
+    truth = attention_grads(attention, base, torch.float32)
+    for mine, theirs, exact in zip(ours, eager, truth):
+        assert mine.dtype == torch.bfloat16
+        assert (mine.float() - exact).abs().max() <= 2 * (theirs.float() - exact).abs().max() + 1e-3

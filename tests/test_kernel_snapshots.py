@@ -518,10 +518,11 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
                         nisa.tensor_tensor(dst=new_accumulator[0:rows, 0:cols], data1=rescaled[0:rows, 0:cols],
                                            data2=block_output[0:rows, 0:cols], op=nl.add)
                         negated_max, running_sum, accumulator = new_negated_max, new_sum, new_accumulator
-                    # Normalize: a row with every key masked has sum 0 and output 0, as eager gives.
+                    # Normalize: a row with every key masked has sum 0 and output 0, as eager gives (a sum is 0 or at least 1).
+                    safe_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=safe_sum[0:rows, 0:1], data=running_sum[0:rows, 0:1], op0=nl.maximum, operand0=1.0)
                     inverse_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=inverse_sum[0:rows, 0:1], data=running_sum[0:rows, 0:1], op0=nl.maximum, operand0=1.0)
-                    nisa.activation(dst=inverse_sum[0:rows, 0:1], op=nl.reciprocal, data=inverse_sum[0:rows, 0:1])
+                    nisa.activation(dst=inverse_sum[0:rows, 0:1], op=nl.reciprocal, data=safe_sum[0:rows, 0:1])
                     output_1 = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.tensor_scalar(dst=output_1[0:rows, 0:cols], data=accumulator[0:rows, 0:cols], op0=nl.multiply,
                                        operand0=inverse_sum[0:rows, 0:1])

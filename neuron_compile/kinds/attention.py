@@ -26,7 +26,7 @@ from neuron_compile.codegen.kernel_text import (
     store_lines,
 )
 from neuron_compile.dims import LoopDim
-from neuron_compile.kind_registry import register_kind
+from neuron_compile.kind_registry import loads, register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import (
@@ -132,6 +132,12 @@ def value_loads(plan: AttentionPlan, patterns: Patterns, node: ir.Attention, fir
     ]
 
 
+def logsumexp_store(patterns: Patterns, store: ir.Store) -> str:
+    """The DMA that writes the (P, 1) column ``logsumexp`` to the row statistic's buffer."""
+    dst = patterns.hbm(store.buffer.name, store.layout, [(LoopDim(1, None), "1")], False)
+    return f"nisa.dma_copy(dst={dst}, src=logsumexp[0:rows, 0:1])"
+
+
 def entries_text(entries) -> str:
     return "[" + ", ".join(f"[{stride}, {count}]" for stride, count in entries) + "]"
 
@@ -183,6 +189,7 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
         key_load=key_load, value_loads=value_lines,
         mask_load=mask_load(plan, patterns, node.mask, "mask_tile[0:rows, 0:block_cols]") if node.mask else None,
         mask_dtype=NL_DTYPES[node.mask.dtype] if node.mask else None, lowest=LOWEST_FP32, epilogue_source=output,
+        logsumexp_store=logsumexp_store(patterns, node.logsumexp) if node.logsumexp else None,
     )
     return render_template("attention.py.j2", **context)
 
@@ -191,12 +198,26 @@ class AttentionKind(MatchingIndexEpilogue):
     node_type = ir.Attention
     name = "attention"
 
+    def stores(self, node):
+        return tuple(node.stores) + ((node.logsumexp,) if node.logsumexp else ())
+
+    def prune(self, node, needed):
+        logsumexp = node.logsumexp if node.logsumexp and node.logsumexp.buffer.name in needed else None
+        return dataclasses.replace(super().prune(node, needed), logsumexp=logsumexp)
+
+    def epilogue_reason(self, group, consumer, outside):
+        if group.logsumexp and any(load.buffer == group.logsumexp.buffer.name for load in loads(consumer)):
+            return f"{consumer.name} reads the log-sum-exp, a row statistic, not the output tile"
+        return super().epilogue_reason(group, consumer, outside)
+
     def operand_loads(self, node):
         return [node.q, node.k, node.v] + ([node.mask] if node.mask else [])
 
     def describe_head(self, node):
         mask = f"\n  mask: {node.mask}" if node.mask else ""
-        return (f" scale={node.scale:g} causal={node.causal}\n  q: {node.q}\n  k: {node.k}\n  v: {node.v}{mask}")
+        logsumexp = f"\n  {node.logsumexp.buffer.name} = logsumexp (per query row)" if node.logsumexp else ""
+        return (f" scale={node.scale:g} causal={node.causal}\n  q: {node.q}\n  k: {node.k}\n  v: {node.v}{mask}"
+                f"{logsumexp}")
 
     def plan(self, node, target):
         return plan_attention(node, target)

@@ -13,6 +13,7 @@ registered; code outside the lowering stage imports its API from here.
 from neuron_compile.lowering import (  # noqa: F401
     arg_reduction,
     attention,
+    attention_backward,
     convolution,
     creation,
     indexing,

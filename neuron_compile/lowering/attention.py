@@ -18,7 +18,7 @@ import torch
 from neuron_compile import ir
 from neuron_compile.hardware import Target
 from neuron_compile.lowering.reduction import softmax_row_reason
-from neuron_compile.lowering.registry import TensorValue, broadcast_layout, register_lowering
+from neuron_compile.lowering.registry import LoweringError, TensorValue, broadcast_layout, register_lowering
 from neuron_compile.tiles import flash_attention_reason
 
 aten = torch.ops.aten
@@ -56,16 +56,21 @@ def _check_attention(node: torch.fx.Node, target: Target) -> str | None:
     row_reason = None if flash else softmax_row_reason(node, k.shape[-2], target)
     if row_reason:
         return row_reason
-    if node.target is FLASH:
-        for user in node.users:
-            if user.target is operator.getitem and user.args[1] == 1 and user.users:
-                return f"{node.target}: its logsumexp output is used"
+    if node.target is FLASH and logsumexp_used(node) and not flash:
+        return f"{node.target}: its logsumexp output is used (the flash kernel writes it; not at head dim {q.shape[-1]})"
     return None
+
+
+def logsumexp_used(node: torch.fx.Node) -> bool:
+    """Whether the flash variant's second output (training saves it for the backward) is read."""
+    return any(user.target is operator.getitem and user.args[1] == 1 and user.users for user in node.users)
 
 
 @register_lowering(FLASH, target_check=_check_attention, multi_output=True)
 def lower_flash_attention(ctx, node):
-    return (_lower(ctx, node, node.meta["val"][0]), None)
+    logsumexp = ctx.new_buffer(node.meta["val"][1], "logsumexp") if logsumexp_used(node) else None
+    out = _lower(ctx, node, node.meta["val"][0], logsumexp)
+    return (out, TensorValue(logsumexp.name, logsumexp.layout, logsumexp.dtype) if logsumexp else None)
 
 
 @register_lowering(SDPA, target_check=_check_attention)
@@ -95,7 +100,7 @@ def _share_heads(layout: ir.Layout, group: int) -> ir.Layout:
     return ir.Layout(tuple(shape), tuple(strides), layout.offset)
 
 
-def _lower(ctx, node, out_meta) -> TensorValue:
+def _lower(ctx, node, out_meta, logsumexp: ir.Buffer | None = None) -> TensorValue:
     options = _options(node)
     q, k, v = (ctx.value(arg) for arg in node.args[:3])
     out = ctx.new_buffer(out_meta, "attention")
@@ -119,10 +124,19 @@ def _lower(ctx, node, out_meta) -> TensorValue:
             mask_layout = _split_heads(mask_layout, kv_heads, group)
         mask = ir.Load(mask_value.buffer, broadcast_layout(mask_layout, (*batch, queries, keys)), mask_value.dtype)
     if ctx.flash_attention and flash_attention_reason(depth, v.layout.shape[-1], scale, ctx.target) is None:
+        logsumexp_store = None
+        if logsumexp is not None:  # [..., H, Sq] as a (P, 1) column per query tile: stride 0 on the head dim
+            rows = ir.Layout((*logsumexp.layout.shape, 1), (*logsumexp.layout.strides, 0), logsumexp.layout.offset)
+            rows = _split_heads(rows, kv_heads, group) if group > 1 else rows
+            layout = ir.Layout(out_layout.shape, (*rows.strides[:-1], 0), rows.offset)
+            logsumexp_store = ir.Store(logsumexp, ir.Result(), layout)
         ctx.emit(ir.Attention(ctx.fresh_name("kernel"), out_layout.shape, ir.Load(q.buffer, q.layout, q.dtype),
                               ir.Load(k.buffer, k.layout, k.dtype), ir.Load(v.buffer, v.layout, v.dtype), mask,
-                              float(scale), bool(options["is_causal"]), (ir.Store(out, ir.Result(), out_layout),)))
+                              float(scale), bool(options["is_causal"]), (ir.Store(out, ir.Result(), out_layout),),
+                              logsumexp_store))
         return TensorValue(out.name, out.layout, out.dtype)
+    if logsumexp is not None:
+        raise LoweringError(f"{node.target}: its logsumexp output needs the flash kernel (flash_attention is off)")
     score_domain = (*batch, queries, keys)
     scores = ctx.scratch_buffer(score_domain, "float32", "scores")
     expr = ir.Op("mul", (ir.Result(), ir.Scalar(float(scale))))

@@ -1,0 +1,114 @@
+"""Lowering stage, attention's backward: ``aten._scaled_dot_product_flash_attention_for_cpu_backward``.
+
+Input: the ATen node (grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=, scale=), whose forward
+saved the log-sum-exp of every query row (the flash kernel writes it). Output: five IR nodes, as flash
+attention's backward computes it, the probabilities recomputed rather than saved:
+
+    P  = exp(scale * q k^T + mask - logsumexp)   (masked keys: 0)     a MatMul with that epilogue
+    dV = P^T dO                                                       a MatMul
+    D  = rowsum(dO * out)                                             a Reduction (fp32)
+    dS = P * (dO v^T - D)                                             a MatMul with that epilogue
+    dQ = scale * dS k,   dK = scale * dS^T q                          two MatMuls
+
+P and dS (S x S) pass through HBM in the operands' dtype; a fused backward kernel that keeps them on chip is
+the next step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from neuron_compile import ir
+from neuron_compile.hardware import Target
+from neuron_compile.lowering.reduction import reduce_into
+from neuron_compile.lowering.registry import TensorValue, broadcast_layout, register_lowering
+
+aten = torch.ops.aten
+FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _check_attention_backward(node: torch.fx.Node, target: Target) -> str | None:
+    grad, q, k, v, out, logsumexp = (arg.meta["val"] for arg in node.args[:6])
+    dropout_p, is_causal = node.args[6], node.args[7]
+    mask = node.kwargs.get("attn_mask")
+    if dropout_p:
+        return f"{node.target}: dropout_p={dropout_p} (no dropout in kernels)"
+    if q.dim() < 3 or not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]) or k.shape[-2] != v.shape[-2]:
+        return f"{node.target}: batch/head dims differ: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}"
+    if len({t.dtype for t in (grad, q, k, v, out)}) > 1 or q.dtype not in (torch.float32, torch.bfloat16):
+        return f"{node.target}: dtypes {q.dtype}, {k.dtype}, {v.dtype} (one of float32, bfloat16, all alike)"
+    if mask is not None and (not isinstance(mask, torch.fx.Node) or mask.meta["val"].dtype == torch.bool):
+        return f"{node.target}: a boolean attn_mask (only additive float masks)"
+    if mask is not None and is_causal:
+        return f"{node.target}: attn_mask together with is_causal"
+    if logsumexp.dtype != torch.float32:
+        return f"{node.target}: logsumexp dtype {logsumexp.dtype}"
+    return None
+
+
+def swap_last(load: ir.Load) -> ir.Load:
+    """``load`` read with its last two dims swapped (a transposed matmul operand, no copy)."""
+    shape, strides = list(load.layout.shape), list(load.layout.strides)
+    shape[-2:], strides[-2:] = shape[:-3:-1], strides[:-3:-1]
+    return ir.Load(load.buffer, ir.Layout(tuple(shape), tuple(strides), load.layout.offset), load.dtype)
+
+
+def row_statistic(value: TensorValue, domain: tuple[int, ...]) -> ir.Load:
+    """A per-row value [..., S] read over ``domain`` [..., S, N]: stride 0 along the row."""
+    layout = value.layout
+    return ir.Load(value.buffer, ir.Layout(domain, (*layout.strides, 0), layout.offset), value.dtype)
+
+
+def operand(value: TensorValue) -> ir.Load:
+    return ir.Load(value.buffer, value.layout, value.dtype)
+
+
+@register_lowering(FLASH_BACKWARD, target_check=_check_attention_backward, multi_output=True)
+def lower_flash_attention_backward(ctx, node):
+    grad, q, k, v, out, logsumexp = (ctx.value(arg) for arg in node.args[:6])
+    *batch, queries, depth = q.layout.shape
+    keys, value_dim, rank = k.layout.shape[-2], v.layout.shape[-1], len(batch)
+    scale = node.kwargs.get("scale")
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(depth)
+    scores = (*batch, queries, keys)
+
+    logits = ir.op("mul", ir.Result(), ir.Scalar(scale))
+    mask = node.kwargs.get("attn_mask")
+    if mask is not None:
+        mask_value = ctx.value(mask)
+        logits = ir.op("add", logits, ir.Load(mask_value.buffer, broadcast_layout(mask_value.layout, scores),
+                                              mask_value.dtype))
+    probability = ir.op("exp", ir.op("sub", logits, row_statistic(logsumexp, scores)))
+    if node.args[7]:  # is_causal: key j > query i has probability 0
+        query_minus_key = ir.Iota(ir.Layout(scores, (0,) * rank + (1, -1), 0))
+        probability = ir.op("where", ir.op("ge", query_minus_key, ir.Scalar(0.0)), probability, ir.Scalar(0.0))
+    probabilities = ctx.scratch_buffer(scores, q.dtype, "probabilities")
+    ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), scores, depth, operand(q), swap_last(operand(k)),
+                       (ir.Store(probabilities, probability, probabilities.layout),)))
+    p = ir.Load(probabilities.name, probabilities.layout, probabilities.dtype)
+
+    grad_value = ctx.new_buffer(node.meta["val"][2], "grad_value")
+    ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), (*batch, keys, value_dim), queries, swap_last(p), operand(grad),
+                       (ir.Store(grad_value, ir.Result(), grad_value.layout),)))
+
+    # D = rowsum(dO * out), fp32: the softmax backward's per-row term
+    row_dot = ctx.scratch_buffer((*batch, queries), "float32", "row_dot")
+    reduce_into(ctx, row_dot, (*batch, queries, value_dim), (rank + 1,), "sum",
+                ir.op("mul", operand(grad), operand(out)))
+    row_dot_value = TensorValue(row_dot.name, row_dot.layout, row_dot.dtype)
+    score_grad = ir.op("mul", p, ir.op("sub", ir.Result(), row_statistic(row_dot_value, scores)))
+    score_grads = ctx.scratch_buffer(scores, q.dtype, "score_grads")
+    ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), scores, value_dim, operand(grad), swap_last(operand(v)),
+                       (ir.Store(score_grads, score_grad, score_grads.layout),)))
+    ds = ir.Load(score_grads.name, score_grads.layout, score_grads.dtype)
+
+    grads = []
+    for meta, rows, lhs, rhs, stem in ((node.meta["val"][0], queries, ds, operand(k), "grad_query"),
+                                       (node.meta["val"][1], keys, swap_last(ds), operand(q), "grad_key")):
+        buffer = ctx.new_buffer(meta, stem)
+        ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), (*batch, rows, depth), lhs.layout.shape[-1], lhs, rhs,
+                           (ir.Store(buffer, ir.op("mul", ir.Result(), ir.Scalar(scale)), buffer.layout),)))
+        grads.append(TensorValue(buffer.name, buffer.layout, buffer.dtype))
+    return (*grads, TensorValue(grad_value.name, grad_value.layout, grad_value.dtype))
