@@ -141,14 +141,18 @@ def attention_grads(fn, base, dtype):
     return [t.grad for t in tensors]
 
 
-@pytest.mark.parametrize("case", ["plain", "causal", "mask"])
+@pytest.mark.parametrize("case", ["plain", "causal", "mask", "grouped"])
 def test_a_training_step_has_no_eager_attention(case):
-    """Forward (with the log-sum-exp) and backward (P recomputed from it) in kernels; gradients equal eager's."""
-    base = list(qkv(2, 2, 130, 200 if case == "mask" else 130, 32, torch.float32))
+    """Forward (with the log-sum-exp) and backward (P recomputed from it) in kernels; gradients equal eager's
+    (grouped-query: the key/value gradients summed over each group, with eager's strides)."""
+    base = list(qkv(2, 4, 130, 200 if case == "mask" else 130, 32, torch.float32,
+                    kv_heads=2 if case == "grouped" else None))
+    if case == "grouped":  # heads viewed from [batch, seq, heads, depth] projections, as models make them
+        base = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in base]
     mask = random_tensor((130, 200), seed=9) if case == "mask" else None
 
     def attention(q, k, v):
-        return SDPA(q, k, v, is_causal=case == "causal", attn_mask=mask)
+        return SDPA(q, k, v, is_causal=case in ("causal", "grouped"), attn_mask=mask, enable_gqa=case == "grouped")
 
     torch._dynamo.reset()
     neuron_compile.reset_stats()
@@ -157,6 +161,7 @@ def test_a_training_step_has_no_eager_attention(case):
     stats = neuron_compile.stats()
     assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
     for ours, eager in zip(got, attention_grads(attention, base, torch.float32)):
+        assert ours.stride() == eager.stride()
         torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
 
 

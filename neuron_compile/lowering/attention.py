@@ -84,7 +84,7 @@ def _swap_last(layout: ir.Layout) -> ir.Layout:
     return ir.Layout(tuple(shape), tuple(strides), layout.offset)
 
 
-def _split_heads(layout: ir.Layout, kv_heads: int, group: int) -> ir.Layout:
+def split_heads(layout: ir.Layout, kv_heads: int, group: int) -> ir.Layout:
     """[..., H, S, D] as [..., H_kv, group, S, D]: query head h uses key/value head h // group."""
     *lead, heads, seq, depth = layout.shape
     *lead_strides, head_stride, seq_stride, depth_stride = layout.strides
@@ -92,7 +92,7 @@ def _split_heads(layout: ir.Layout, kv_heads: int, group: int) -> ir.Layout:
                      (*lead_strides, head_stride * group, head_stride, seq_stride, depth_stride), layout.offset)
 
 
-def _share_heads(layout: ir.Layout, group: int) -> ir.Layout:
+def share_heads(layout: ir.Layout, group: int) -> ir.Layout:
     """[..., H_kv, S, D] broadcast (stride 0) over a group dim: [..., H_kv, group, S, D]."""
     shape, strides = list(layout.shape), list(layout.strides)
     shape.insert(-2, group)
@@ -109,10 +109,10 @@ def _lower(ctx, node, out_meta, logsumexp: ir.Buffer | None = None) -> TensorVal
     kv_heads = k.layout.shape[-3]
     group = q.layout.shape[-3] // kv_heads
     if group > 1:  # grouped-query attention: a group dim, stride 0 in k and v, instead of repeating them
-        q = TensorValue(q.buffer, _split_heads(q.layout, kv_heads, group), q.dtype)
-        k = TensorValue(k.buffer, _share_heads(k.layout, group), k.dtype)
-        v = TensorValue(v.buffer, _share_heads(v.layout, group), v.dtype)
-        out_layout = _split_heads(out.layout, kv_heads, group)
+        q = TensorValue(q.buffer, split_heads(q.layout, kv_heads, group), q.dtype)
+        k = TensorValue(k.buffer, share_heads(k.layout, group), k.dtype)
+        v = TensorValue(v.buffer, share_heads(v.layout, group), v.dtype)
+        out_layout = split_heads(out.layout, kv_heads, group)
     *batch, queries, depth = q.layout.shape
     keys = k.layout.shape[-2]
     scale = options["scale"] if options["scale"] is not None else 1.0 / math.sqrt(depth)
@@ -121,13 +121,13 @@ def _lower(ctx, node, out_meta, logsumexp: ir.Buffer | None = None) -> TensorVal
         mask_value = ctx.value(options["attn_mask"])
         mask_layout = broadcast_layout(mask_value.layout, unsplit_scores)
         if group > 1:
-            mask_layout = _split_heads(mask_layout, kv_heads, group)
+            mask_layout = split_heads(mask_layout, kv_heads, group)
         mask = ir.Load(mask_value.buffer, broadcast_layout(mask_layout, (*batch, queries, keys)), mask_value.dtype)
     if ctx.flash_attention and flash_attention_reason(depth, v.layout.shape[-1], scale, ctx.target) is None:
         logsumexp_store = None
         if logsumexp is not None:  # [..., H, Sq] as a (P, 1) column per query tile: stride 0 on the head dim
             rows = ir.Layout((*logsumexp.layout.shape, 1), (*logsumexp.layout.strides, 0), logsumexp.layout.offset)
-            rows = _split_heads(rows, kv_heads, group) if group > 1 else rows
+            rows = split_heads(rows, kv_heads, group) if group > 1 else rows
             layout = ir.Layout(out_layout.shape, (*rows.strides[:-1], 0), rows.offset)
             logsumexp_store = ir.Store(logsumexp, ir.Result(), layout)
         ctx.emit(ir.Attention(ctx.fresh_name("kernel"), out_layout.shape, ir.Load(q.buffer, q.layout, q.dtype),

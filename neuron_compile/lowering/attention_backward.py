@@ -10,8 +10,9 @@ attention's backward computes it, the probabilities recomputed rather than saved
     dS = P * (dO v^T - D)                                             a MatMul with that epilogue
     dQ = scale * dS k,   dK = scale * dS^T q                          two MatMuls
 
-P and dS (S x S) pass through HBM in the operands' dtype; a fused backward kernel that keeps them on chip is
-the next step.
+Grouped-query attention runs per query head over [..., H_kv, group, S, D] views (k and v repeated by stride 0);
+dK and dV sum each group's per-head products (fp32) in a Reduction. P and dS (S x S) pass through HBM in the
+operands' dtype; a fused backward kernel that keeps them on chip is the next step.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from neuron_compile import ir
 from neuron_compile.hardware import Target
+from neuron_compile.lowering.attention import share_heads, split_heads
 from neuron_compile.lowering.reduction import reduce_into
 from neuron_compile.lowering.registry import TensorValue, broadcast_layout, register_lowering
 
@@ -35,7 +37,8 @@ def _check_attention_backward(node: torch.fx.Node, target: Target) -> str | None
     mask = node.kwargs.get("attn_mask")
     if dropout_p:
         return f"{node.target}: dropout_p={dropout_p} (no dropout in kernels)"
-    if q.dim() < 3 or not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]) or k.shape[-2] != v.shape[-2]:
+    grouped = q.dim() >= 3 and k.shape[-3] > 0 and q.shape[-3] % k.shape[-3] == 0
+    if not grouped or not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]) or k.shape[-3:-1] != v.shape[-3:-1]:
         return f"{node.target}: batch/head dims differ: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}"
     if len({t.dtype for t in (grad, q, k, v, out)}) > 1 or q.dtype not in (torch.float32, torch.bfloat16):
         return f"{node.target}: dtypes {q.dtype}, {k.dtype}, {v.dtype} (one of float32, bfloat16, all alike)"
@@ -65,9 +68,30 @@ def operand(value: TensorValue) -> ir.Load:
     return ir.Load(value.buffer, value.layout, value.dtype)
 
 
+def with_layout(value: TensorValue, layout: ir.Layout) -> TensorValue:
+    return TensorValue(value.buffer, layout, value.dtype)
+
+
+def grouped(values: dict[str, TensorValue], kv_heads: int, group: int) -> dict[str, TensorValue]:
+    """Grouped-query attention as [..., H_kv, group, S, D]: the query-side tensors split their heads, k and v
+    repeat along the group dim (stride 0), the log-sum-exp [..., H, S] splits like the queries."""
+    split = {name: with_layout(values[name], split_heads(values[name].layout, kv_heads, group))
+             for name in ("grad", "q", "out")}
+    shared = {name: with_layout(values[name], share_heads(values[name].layout, group)) for name in ("k", "v")}
+    rows = values["logsumexp"].layout
+    rows = split_heads(ir.Layout((*rows.shape, 1), (*rows.strides, 0), rows.offset), kv_heads, group)
+    rows = ir.Layout(rows.shape[:-1], rows.strides[:-1], rows.offset)
+    return {**split, **shared, "logsumexp": with_layout(values["logsumexp"], rows)}
+
+
 @register_lowering(FLASH_BACKWARD, target_check=_check_attention_backward, multi_output=True)
 def lower_flash_attention_backward(ctx, node):
-    grad, q, k, v, out, logsumexp = (ctx.value(arg) for arg in node.args[:6])
+    values = dict(zip(("grad", "q", "k", "v", "out", "logsumexp"), (ctx.value(arg) for arg in node.args[:6])))
+    kv_heads = values["k"].layout.shape[-3]
+    group = values["q"].layout.shape[-3] // kv_heads
+    if group > 1:  # each key/value head's gradients sum over the query heads of its group
+        values = grouped(values, kv_heads, group)
+    grad, q, k, v, out, logsumexp = (values[name] for name in ("grad", "q", "k", "v", "out", "logsumexp"))
     *batch, queries, depth = q.layout.shape
     keys, value_dim, rank = k.layout.shape[-2], v.layout.shape[-1], len(batch)
     scale = node.kwargs.get("scale")
@@ -89,9 +113,8 @@ def lower_flash_attention_backward(ctx, node):
                        (ir.Store(probabilities, probability, probabilities.layout),)))
     p = ir.Load(probabilities.name, probabilities.layout, probabilities.dtype)
 
-    grad_value = ctx.new_buffer(node.meta["val"][2], "grad_value")
-    ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), (*batch, keys, value_dim), queries, swap_last(p), operand(grad),
-                       (ir.Store(grad_value, ir.Result(), grad_value.layout),)))
+    grad_value = key_side_grad(ctx, node.meta["val"][2], "grad_value", (*batch, keys, value_dim), swap_last(p),
+                               operand(grad), ir.Result(), group)
 
     # D = rowsum(dO * out), fp32: the softmax backward's per-row term
     row_dot = ctx.scratch_buffer((*batch, queries), "float32", "row_dot")
@@ -104,11 +127,26 @@ def lower_flash_attention_backward(ctx, node):
                        (ir.Store(score_grads, score_grad, score_grads.layout),)))
     ds = ir.Load(score_grads.name, score_grads.layout, score_grads.dtype)
 
-    grads = []
-    for meta, rows, lhs, rhs, stem in ((node.meta["val"][0], queries, ds, operand(k), "grad_query"),
-                                       (node.meta["val"][1], keys, swap_last(ds), operand(q), "grad_key")):
-        buffer = ctx.new_buffer(meta, stem)
-        ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), (*batch, rows, depth), lhs.layout.shape[-1], lhs, rhs,
-                           (ir.Store(buffer, ir.op("mul", ir.Result(), ir.Scalar(scale)), buffer.layout),)))
-        grads.append(TensorValue(buffer.name, buffer.layout, buffer.dtype))
-    return (*grads, TensorValue(grad_value.name, grad_value.layout, grad_value.dtype))
+    scaled = ir.op("mul", ir.Result(), ir.Scalar(scale))
+    grad_query = ctx.new_buffer(node.meta["val"][0], "grad_query")
+    layout = split_heads(grad_query.layout, kv_heads, group) if group > 1 else grad_query.layout
+    ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), (*batch, queries, depth), keys, ds, operand(k),
+                       (ir.Store(grad_query, scaled, layout),)))
+    grad_key = key_side_grad(ctx, node.meta["val"][1], "grad_key", (*batch, keys, depth), swap_last(ds), operand(q),
+                             scaled, group)
+    return tuple(TensorValue(b.name, b.layout, b.dtype) for b in (grad_query, grad_key, grad_value))
+
+
+def key_side_grad(ctx, meta, stem: str, domain, lhs: ir.Load, rhs: ir.Load, epilogue: ir.Expr, group: int):
+    """dK or dV = lhs @ rhs over ``domain``; with grouped-query heads (``domain`` [..., H_kv, group, Sk, D]) each
+    query head's product goes to an fp32 scratch buffer, summed over the group into the gradient."""
+    buffer = ctx.new_buffer(meta, stem)
+    if group == 1:
+        ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), domain, lhs.layout.shape[-1], lhs, rhs,
+                           (ir.Store(buffer, epilogue, buffer.layout),)))
+        return buffer
+    per_head = ctx.scratch_buffer(domain, "float32", f"{stem}_per_head")
+    ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), domain, lhs.layout.shape[-1], lhs, rhs,
+                       (ir.Store(per_head, epilogue, per_head.layout),)))
+    reduce_into(ctx, buffer, domain, (len(domain) - 3,), "sum", ir.Load(per_head.name, per_head.layout, "float32"))
+    return buffer
