@@ -198,3 +198,57 @@ def test_every_subcommand_has_help():
         with captured() as (out, _), pytest.raises(SystemExit) as exit_info:
             cli.main([command, "--help"])
         assert exit_info.value.code == 0 and out.getvalue().startswith(f"usage: neuron-compile {command}")
+
+
+class PageParser(html.parser.HTMLParser):
+    """The profile page's structure: kernel sections, each one's lanes and boxes, every tag and attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.tags: list[str] = []
+        self.attribute_values: list[str] = []
+        self.kernels: list[dict] = []  # {"label", "lanes": [queue], "box_ends": [x + width]}
+        self.graph_tables: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attributes = dict(attrs)
+        self.tags.append(tag)
+        self.attribute_values += [value or "" for value in attributes.values()]
+        if tag == "section" and attributes.get("class") == "kernel":
+            self.kernels.append({"label": attributes["data-kernel"], "lanes": [], "box_ends": []})
+        elif tag == "table" and attributes.get("class") == "graph":
+            self.graph_tables.append(attributes["data-graph"])
+        elif tag == "g" and attributes.get("class") == "lane-row":
+            self.kernels[-1]["lanes"].append(attributes["data-queue"])
+        elif tag == "rect" and attributes.get("class", "").startswith("q-") and self.kernels:
+            self.kernels[-1]["box_ends"].append(float(attributes["x"]) + float(attributes["width"]))
+
+
+@pytest.fixture(scope="module")
+def profiled(mlp_script, tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "report.html"
+    status, stdout, stderr = run_cli("profile", "--out", str(out), mlp_script, "4", "6")
+    return status, stderr, out
+
+
+def test_profile_page_has_a_timeline_per_kernel_and_nothing_external(profiled):
+    from neuron_compile import profile_page
+
+    status, stderr, out = profiled
+    assert status == 0, stderr
+    text = out.read_text()
+    page = PageParser()
+    page.feed(text)
+    # one section per kernel launched: the four graphs (two Dynamo graphs, each compiled for batch 4 and 6)
+    assert sorted(kernel["label"] for kernel in page.kernels) == [
+        f"graph_00{index} inference nki_region_0.matmul_kernel_0" for index in range(4)]
+    assert page.graph_tables == [f"graph_00{index} inference" for index in (0, 1, 2, 3)]
+    known = {queue for queue, _ in profile_page.LANES}
+    for kernel in page.kernels:
+        assert {"tensor", "vector", "dma_load", "dma_store"} <= set(kernel["lanes"]) <= known, kernel
+        # the latest box ends where the time axis ends: the schedule's makespan spans the timeline
+        assert max(kernel["box_ends"]) == pytest.approx(profile_page.LABEL_WIDTH + profile_page.WIDTH, abs=0.2)
+    # self-contained: no script, no stylesheet link, no image or frame source, no web address anywhere
+    assert not {"script", "link", "img", "iframe", "object"} & set(page.tags)
+    assert not re.search(r"https?:|//[a-z]", text, flags=re.IGNORECASE)
+    assert not any(value.startswith(("http", "//", "file:")) for value in page.attribute_values)
