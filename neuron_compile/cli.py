@@ -79,7 +79,11 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="neuron-compile", description="neuron_compile tools")
+    parser = argparse.ArgumentParser(
+        prog="neuron-compile", description="neuron_compile tools: run a torch script and see what torch.compile("
+        "backend='neuron') made of it (dump, explain, profile), run NKI kernels on the simulator, inspect the cache.",
+        epilog="`neuron-compile COMMAND --help` describes each command. Exit status: the script's own (1 if it "
+               "raised), 2 for a usage error.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for register in SUBCOMMANDS:

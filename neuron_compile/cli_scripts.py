@@ -19,9 +19,12 @@ the script itself takes ``--out`` (then put ours before SCRIPT).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 
 from neuron_compile import script_runner
 
@@ -125,6 +128,24 @@ def prepare_dump_folder(folder: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def dump_progress() -> Iterator[None]:
+    """Progress on stderr while a dump runs: the backend's line for each graph folder it writes."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.INFO)
+    handler.addFilter(lambda record: record.getMessage().startswith("neuron_compile: dumped"))
+    logger = logging.getLogger("neuron_compile")
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def run_dump(args: argparse.Namespace) -> int:
     split_trailing_out(args)
     if not args.out:
@@ -140,7 +161,7 @@ def run_dump(args: argparse.Namespace) -> int:
 
     folder = os.path.abspath(args.out)
     with observe() as observation, script_runner.script_environment(
-            args.script, args.script_args, environ={"NEURON_COMPILE_DUMP": folder}):
+            args.script, args.script_args, environ={"NEURON_COMPILE_DUMP": folder}), dump_progress():
         status = script_runner.run_script(args.script, args.script_args, "neuron-compile dump")
     index = refresh_dump_index(folder)
     kernels = sum(len(record.kernels) for record in observation.records)

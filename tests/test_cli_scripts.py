@@ -89,6 +89,7 @@ def test_dump_runs_the_script_with_its_arguments(dumped):
     # each batch size: the compiled model's print, then eager's
     assert stdout.splitlines() == ["hidden (4, 64)"] * 2 + ["hidden (6, 64)"] * 2 + ["checked against eager"]
     assert "4 Dynamo graph(s)" in stderr and "1 graph break(s), 2 recompile(s)" in stderr
+    assert stderr.count("neuron_compile: dumped the inference graph to ") == 4  # progress, one line per graph
 
 
 def test_dump_index_lists_graphs_recompiles_and_graph_breaks(dumped, mlp_script):
