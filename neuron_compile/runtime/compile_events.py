@@ -37,6 +37,8 @@ class DynamoGraphEvent:
     graph_break: bool  # the graph ended at a graph break (else at the end of the frame)
     reason: str  # why the graph ended, shortened (short_reason)
     source: SourceLine | None  # the user's line where it ended
+    # Dynamo's CompileId object, for logging our artifacts under it (runtime/trace_artifacts.py)
+    compile_id_object: object = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +83,18 @@ def user_line(stack) -> SourceLine | None:
     return SourceLine(frame.filename, int(frame.lineno or 0), (frame.line or "").strip())
 
 
-def current_compile_id() -> str:
-    compile_id = torch._guards.CompileContext.current_compile_id()
-    return str(compile_id) if compile_id is not None else "?"
+def current_compile_id():
+    """Dynamo's CompileId of the frame being compiled (None outside a compile)."""
+    return torch._guards.CompileContext.current_compile_id()
+
+
+def compile_id_of(index: int):
+    """The Dynamo CompileId of the graph with event index ``index`` (None if unknown or forgotten)."""
+    with _lock:
+        for event in reversed(_events):
+            if event.index == index:
+                return event.compile_id_object
+    return None
 
 
 def record_dynamo_graph(gm: torch.fx.GraphModule, keep_graph: bool = True) -> DynamoGraphEvent:
@@ -92,16 +103,18 @@ def record_dynamo_graph(gm: torch.fx.GraphModule, keep_graph: bool = True) -> Dy
     reason = getattr(gm, "compile_subgraph_reason", None)
     graph_break = bool(getattr(reason, "graph_break", False))
     code = (gm.code if hasattr(gm, "code") else str(gm.graph)) if keep_graph else ""
+    compile_id = current_compile_id()
     with _lock:
         index = _events[-1].index + 1 if _events else 0
         event = DynamoGraphEvent(
             index=index,
-            compile_id=current_compile_id(),
+            compile_id=str(compile_id) if compile_id is not None else "?",
             function=_function_name(gm),
             fx_graph=code,
             graph_break=graph_break,
             reason=short_reason(getattr(reason, "reason", "")) if reason is not None else "",
             source=user_line(getattr(reason, "user_stack", None)) if graph_break else None,
+            compile_id_object=compile_id,
         )
         _events.append(event)
         del _events[:-EVENTS_KEPT]

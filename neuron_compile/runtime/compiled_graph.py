@@ -12,7 +12,8 @@ with the same signature reuse it. A region that cannot be compiled (or fails whe
 Every compile leaves a ``CompiledGraphRecord`` (ATen graph, partition report, kernel sources) that
 ``neuron_compile.last_compiled()`` returns. With a dump folder (``NEURON_COMPILE_DUMP``), the record is written
 there (runtime/dump.py) with the IR after every pass, each region's first launch adds its kernels' cost reports,
-and the folder's index is refreshed.
+and the folder's index is refreshed. With ``TORCH_TRACE`` set, the same texts go to torch's structured trace
+(runtime/trace_artifacts.py) for tlparse.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from neuron_compile.config import Config
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.passes.partition import PartitionReport, op_name
 from neuron_compile.pipeline import PassContext, compile_region, configured_target, run_passes
-from neuron_compile.runtime import compile_events, dump, stats
+from neuron_compile.runtime import compile_events, dump, stats, trace_artifacts
 from neuron_compile.runtime.cache import DispatchCache, GraphKey, graph_hash, signature_of
 
 log = logging.getLogger("neuron_compile")
@@ -191,14 +192,17 @@ class RegionModule(torch.nn.Module):
         if self.compiled is None:
             return self.eager(*tensors)
         dump_dir = self.record.key.config.dump_dir
-        if dump_dir and not self.costs_dumped:
+        if (dump_dir or trace_artifacts.enabled()) and not self.costs_dumped:
             self.costs_dumped = True  # the first launch's reports: later launches of a kernel cost the same
             with stats.record_launches() as launches:
                 outputs = self.run(*tensors)
             mine = {kernel.name for kernel in self.record.kernels if kernel.region == self.region_name}
             reports = {f"{self.region_name}.{launch.kernel}": launch.report for launch in launches
                        if launch.kernel in mine}
-            dump.write_costs(dump_dir, self.record, reports)
+            if dump_dir:
+                dump.write_costs(dump_dir, self.record, reports)
+            trace_artifacts.emit_costs(self.record, self.region_name, reports,
+                                       compile_events.compile_id_of(self.record.dynamo_graph))
             return outputs
         return self.run(*tensors)
 
@@ -255,6 +259,7 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
                          dynamo_graph: int = -1) -> torch.fx.GraphModule:
     """Specialize, partition and compile every region of ``gm`` for one signature; leave a record."""
     config = key.config
+    keep_passes = bool(config.dump_dir) or trace_artifacts.enabled()  # every pass's output, for dumps and traces
     dumps: list[tuple[str, str, str]] = []
     graph_texts: dict[str, str] = {}
 
@@ -270,7 +275,7 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
         aten_graph=graph_texts["specialize"],
         partitioned_graph=str(top.graph),
         report=partitioned.report,
-        pass_dumps=dumps if config.dump_dir else [],
+        pass_dumps=dumps if keep_passes else [],
         dynamo_graph=dynamo_graph,
     )
     _count_eager_nodes(partitioned.report)
@@ -282,7 +287,7 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
         example_inputs = [_meta_value(arg) for arg in node.args]
         expected = [_meta_value(output) for output in submodule.graph.output_node().args[0]]
         try:
-            if config.dump_dir:
+            if keep_passes:
                 region = compile_region(submodule, example_inputs, config,
                                         on_pass=lambda step, text, region=name: dumps.append((step, region, text)))
             else:
@@ -310,6 +315,7 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
         _records.append(record)
     if config.dump_dir:
         log.info("neuron_compile: dumped the %s graph to %s", kind, dump_record(record, config.dump_dir))
+    trace_artifacts.emit_record(record, compile_events.compile_id_of(dynamo_graph))
     return top
 
 
