@@ -166,7 +166,7 @@ def run_dump(args: argparse.Namespace) -> int:
     index = refresh_dump_index(folder)
     kernels = sum(len(record.kernels) for record in observation.records)
     print(f"neuron-compile dump: {len(observation.events)} Dynamo graph(s), {len(observation.records)} ATen graph "
-          f"compile(s), {kernels} kernel(s), {len(observation.graph_breaks)} graph break(s), "
+          f"compile(s), {kernels} kernel(s), {sum(b.count for b in observation.graph_breaks)} graph break(s), "
           f"{len(observation.recompiles)} recompile(s) -> {args.out} (start at {os.path.join(args.out, os.path.basename(index))})",
           file=sys.stderr)
     return status

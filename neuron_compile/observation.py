@@ -20,6 +20,8 @@ import torch
 from neuron_compile.runtime import compile_events, stats
 from neuron_compile.runtime.compiled_graph import clear_records, compiled_records, forget_dumped
 
+TRACES_KEPT = 2000  # simulator runs whose instruction traces a profile keeps (the first launches: one per kernel)
+
 
 @dataclasses.dataclass
 class Observation:
@@ -30,7 +32,13 @@ class Observation:
     records: list = dataclasses.field(default_factory=list)  # compiled_graph.CompiledGraphRecord
     fallback_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     launches: list = dataclasses.field(default_factory=list)  # stats.Launch
-    runs: list = dataclasses.field(default_factory=list)  # simulator KernelRun (with keep_traces)
+    runs: list = dataclasses.field(default_factory=list)  # simulator KernelRun (with keep_traces), the first ones
+    run_by_report: dict = dataclasses.field(default_factory=dict)  # id(its cost report) -> KernelRun
+
+    def keep_run(self, run) -> None:
+        """A launch hook: keep the first TRACES_KEPT simulator runs (a long training loop would keep them all)."""
+        if len(self.runs) < TRACES_KEPT:
+            self.runs.append(run)
 
     def kernel_label(self, launch) -> str:
         """``graph_001 inference nki_region_0.matmul_kernel_0``: where a launched kernel came from."""
@@ -42,11 +50,13 @@ class Observation:
         return launch.kernel
 
     def trace_of(self, launch):
-        """The simulator run (instruction trace) behind ``launch``: the run whose cost report it carries."""
-        for run in self.runs:
-            if run.__dict__.get("report") is launch.report:  # KernelRun.report is cached on first use
-                return run
-        return None
+        """The simulator run (instruction trace) behind ``launch``: the run whose cost report it carries (None past
+        the first TRACES_KEPT launches)."""
+        if launch.report is None:
+            return None
+        if not self.run_by_report:  # KernelRun.report is cached on first use: the launch carries that same object
+            self.run_by_report = {id(run.__dict__["report"]): run for run in self.runs if "report" in run.__dict__}
+        return self.run_by_report.get(id(launch.report))
 
 
 @contextlib.contextmanager
@@ -61,13 +71,13 @@ def observe(keep_traces: bool = False) -> Iterator[Observation]:
     before = collections.Counter(stats.snapshot()["fallback_reasons"])
     observation = Observation()
     if keep_traces:
-        simulator.launch_hooks.append(observation.runs.append)
+        simulator.launch_hooks.append(observation.keep_run)
     try:
         with stats.record_launches() as launches:
             yield observation
     finally:
         if keep_traces:
-            simulator.launch_hooks.remove(observation.runs.append)
+            simulator.launch_hooks.remove(observation.keep_run)
         observation.launches = list(launches)
         observation.events = compile_events.dynamo_graphs()
         observation.graph_breaks = compile_events.graph_breaks()

@@ -197,7 +197,8 @@ def index_text(data: dict) -> str:
     lines.append(f"{len(data['recompiles'])} recompile(s)")
     lines += [f"  {r['compile_id']} {r['function']} ({r['location']}): guard failed: {r['guard']}"
               for r in data["recompiles"]]
-    lines.append(f"{len(data['graph_breaks'])} graph break(s)")
+    breaks = data["graph_breaks"]
+    lines.append(f"{sum(b['count'] for b in breaks)} graph break(s) at {len(breaks)} place(s)")
     lines += [f"  {b['source'] or '(unknown line)'} ({b['count']}x): {b['reason']}" for b in data["graph_breaks"]]
     return "\n".join(lines) + "\n"
 
