@@ -167,7 +167,8 @@ def run_dump(args: argparse.Namespace) -> int:
     kernels = sum(len(record.kernels) for record in observation.records)
     print(f"neuron-compile dump: {len(observation.events)} Dynamo graph(s), {len(observation.records)} ATen graph "
           f"compile(s), {kernels} kernel(s), {sum(b.count for b in observation.graph_breaks)} graph break(s), "
-          f"{len(observation.recompiles)} recompile(s) -> {args.out} (start at {os.path.join(args.out, os.path.basename(index))})",
+          f"{len(observation.recompiles)} recompile(s) -> {args.out} "
+          f"(start at {os.path.join(args.out, os.path.basename(index))})",
           file=sys.stderr)
     return status
 

@@ -143,8 +143,9 @@ def timeline_svg(run, target=None) -> str:
         for start, end, names in merge_boxes(lanes[(core, queue)], ns_per_px):
             x = LABEL_WIDTH + start / ns_per_px
             width = max(1.0, (end - start) / ns_per_px)
+            title = html.escape(box_title(start, end, names))
             parts.append(f'<rect class="q-{html.escape(queue)}" x="{x:.1f}" y="{y + 3}" width="{width:.1f}" '
-                         f'height="{LANE_HEIGHT - 6}"><title>{html.escape(box_title(start, end, names))}</title></rect>')
+                         f'height="{LANE_HEIGHT - 6}"><title>{title}</title></rect>')
         parts.append("</g>")
     parts += _axis(len(keys) * LANE_HEIGHT, span)
     parts.append("</svg>")
@@ -182,7 +183,8 @@ def summary_html(observation, views: dict[str, KernelView]) -> str:
     launch_cost = sum(report.launch_s for report in reports)
     fallbacks = sum(observation.fallback_reasons.values())
     return (f'<p>{len(observation.launches)} kernel launch(es) of {len(views)} kernel(s) in '
-            f'{len(observation.records)} ATen graph compile(s); {len(observation.graph_breaks)} graph break(s), '
+            f'{len(observation.records)} ATen graph compile(s); '
+            f'{sum(found.count for found in observation.graph_breaks)} graph break(s), '
             f'{fallbacks} eager ATen node(s).</p>'
             f'<table><tr><th>estimated time</th><td class="num">{us(est)}</td><td class="note">launch costs '
             f'{us(launch_cost)} + the engines\' schedules</td></tr>'

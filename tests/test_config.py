@@ -90,7 +90,8 @@ def test_replace_rejects_unknown_keys_naming_valid_ones():
 
 
 def test_replace_rejects_bad_values():
-    with pytest.raises(ValueError, match=r"^option 'fallback' must be one of \['warn', 'raise', 'silent'\], got 'never'$"):
+    with pytest.raises(ValueError,
+                       match=r"^option 'fallback' must be one of \['warn', 'raise', 'silent'\], got 'never'$"):
         Config().replace({"fallback": "never"})
     with pytest.raises(ValueError, match="option 'bucket' must be an integer, got True"):
         Config().replace(bucket=True)

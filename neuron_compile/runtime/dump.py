@@ -118,7 +118,8 @@ def record_files(record) -> dict[str, str]:
               for name, region, text in record.pass_dumps if name == "fuse"]
     fusion = fusion or [_section(f"fusion decisions ({region})", "\n".join(decisions))
                         for region, decisions in record.fusion_decisions.items()]
-    plans = [_section(f"tile plans ({region})", text) for name, region, text in record.pass_dumps if name == "plan tiles"]
+    plans = [_section(f"tile plans ({region})", text)
+             for name, region, text in record.pass_dumps if name == "plan tiles"]
     files = {
         "aten_graph.txt": record.aten_graph.rstrip() + "\n",
         "partition.txt": "\n".join(partition),
@@ -165,7 +166,8 @@ def index_data(events, records, graph_breaks, recompiles, dump_dir: str, names: 
     for event in events:
         aten = [record for record in records if record.dynamo_graph == event.index]
         graphs.append({
-            "index": event.index, "compile_id": event.compile_id, "function": (names or {}).get(event.compile_id, event.function),
+            "index": event.index, "compile_id": event.compile_id,
+            "function": (names or {}).get(event.compile_id, event.function),
             "folder": os.path.relpath(dynamo_folder(dump_dir, event.index), dump_dir),
             "ended_by": "graph break" if event.graph_break else "end of frame", "reason": event.reason,
             "source": str(event.source) if event.source else None,
