@@ -25,7 +25,7 @@ if AWS ``torch_neuronx`` already owns ``"neuron"``) and gives ``stats()``, ``res
   simulator's cost-model figures summed over launches; ``est_lower_bound_s``: the same with every kernel's
   engines perfectly overlapped (its busiest engine); ``launch_s``: the launch costs within ``est_time_s``.
 
-``with record_launches() as launches:`` appends one ``Launch(kernel, report)`` per kernel launched inside the
+``with record_launches() as launches:`` appends one ``Launch(kernel, report, source)`` per kernel launched inside the
 block (the kernel's name and its cost report: the per-kernel figures behind the sums; ``bench/kernel_bench.py``).
 """
 

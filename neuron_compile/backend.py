@@ -6,6 +6,9 @@ Input: a torch-level FX graph from Dynamo and its (fake) example inputs, plus ``
 in the graph; each ATen graph goes to ``compile_aten_graph`` (runtime/compiled_graph.py), which specializes,
 partitions and compiles it per call signature.
 
+Every Dynamo graph is noted in runtime/compile_events.py (why it ended: a graph break and its source line); with a
+dump folder, its FX graph is written there (runtime/dump.py).
+
 Registration: the ``torch_dynamo_backends`` entry points make ``backend="neuron"`` and ``"neuron_compile"``
 work without importing this package; importing it also registers them, unless another package (AWS
 ``torch_neuronx``) already owns ``"neuron"`` — then only ``"neuron_compile"`` is ours, and the log says so.
@@ -25,8 +28,8 @@ from neuron_compile import config
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.passes.decompose import decomposition_table
 from neuron_compile.passes.partition import op_name
-from neuron_compile.runtime import stats
-from neuron_compile.runtime.compiled_graph import compile_aten_graph
+from neuron_compile.runtime import compile_events, dump, stats
+from neuron_compile.runtime.compiled_graph import compile_aten_graph, refresh_dump_index
 
 log = logging.getLogger("neuron_compile")
 
@@ -46,8 +49,12 @@ def neuron_backend(
     effective = config.get().replace(options)  # reject unknown keys and bad values now, at compile time
     if effective.bucket:
         _warn_bucket_not_applied(effective.bucket)
+    event = compile_events.record_dynamo_graph(gm, keep_graph=bool(effective.dump_dir))
+    if effective.dump_dir:
+        dump.write_dynamo_graph(effective.dump_dir, event)
+        refresh_dump_index(effective.dump_dir)
     compilers = {
-        kind: functools.partial(compile_aten_graph, kind=kind, options=options)
+        kind: functools.partial(compile_aten_graph, kind=kind, options=options, dynamo_graph=event.index)
         for kind in ("forward", "backward", "inference")
     }
     aot_backend = aot_autograd(

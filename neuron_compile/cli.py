@@ -16,8 +16,14 @@ Subcommands:
     reason (exit status 1 if there is one; ``--delete`` removes them); ``clear`` deletes every entry; ``stats``
     the folder, entry count, bytes and bound. Exit status 2: the cache is off, or no / several entries match KEY.
 
+``neuron-compile dump | explain | profile SCRIPT.py [ARGS...]``
+    Run a torch script and report on what it compiled: every stage to a folder, a text explanation, an HTML
+    timeline page (cli_scripts.py).
+
+Exit status: the script's own (1 when it raised: its traceback is printed), 2 for usage errors.
+
 Each subcommand is one ``register_<name>(subparsers)`` function that adds its parser and sets ``handler``;
-adding one (dump, explain, cache) means writing that function and listing it in ``SUBCOMMANDS``.
+adding one means writing that function and listing it in ``SUBCOMMANDS``.
 """
 
 from __future__ import annotations
@@ -25,11 +31,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import os
-import runpy
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+
+from neuron_compile import cli_scripts, script_runner
 
 
 def register_simulate(subparsers: argparse._SubParsersAction) -> None:
@@ -67,11 +73,17 @@ def register_cache(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_cache)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [register_simulate, register_cache]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    *cli_scripts.SCRIPT_SUBCOMMANDS, register_simulate, register_cache,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="neuron-compile", description="neuron_compile tools")
+    parser = argparse.ArgumentParser(
+        prog="neuron-compile", description="neuron_compile tools: run a torch script and see what torch.compile("
+        "backend='neuron') made of it (dump, explain, profile), run NKI kernels on the simulator, inspect the cache.",
+        epilog="`neuron-compile COMMAND --help` describes each command. Exit status: the script's own (1 if it "
+               "raised), 2 for a usage error.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for register in SUBCOMMANDS:
@@ -91,39 +103,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def real_nki_available() -> bool:
     return importlib.util.find_spec("nki") is not None
-
-
-@contextlib.contextmanager
-def _script_environment(script: str, script_args: Sequence[str], target: str | None) -> Iterator[None]:
-    """sys.argv, sys.path[0] and the target override as ``python SCRIPT.py ARGS`` would see them, restored
-    afterwards so that ``main`` can be called repeatedly in one process (tests do)."""
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
-    saved_target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
-    modules_before = set(sys.modules)
-    script_dir = os.path.dirname(os.path.abspath(script))
-    sys.argv = [script, *script_args]
-    sys.path.insert(0, script_dir)
-    if target:
-        os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = target
-    try:
-        yield
-    finally:
-        sys.argv[:] = saved_argv
-        sys.path[:] = saved_path
-        if saved_target is None:
-            os.environ.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
-        else:
-            os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = saved_target
-        _forget_script_modules(script_dir, set(sys.modules) - modules_before)
-
-
-def _forget_script_modules(script_dir: str, new_modules: set[str]) -> None:
-    """Drop the modules the script imported from its own directory, so that a second run in this process
-    (main() called again) imports the script's siblings afresh instead of reusing stale ones."""
-    for name in new_modules:
-        path = getattr(sys.modules.get(name), "__file__", None) or ""
-        if os.path.abspath(path).startswith(script_dir + os.sep):
-            del sys.modules[name]
 
 
 @contextlib.contextmanager
@@ -154,37 +133,25 @@ def format_launch_reports(runs: Sequence) -> str:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    if not os.path.isfile(args.script):
-        print(f"neuron-compile simulate: no such script: {args.script}", file=sys.stderr)
-        return 2
+    problem = script_runner.check_script(args.script, "neuron-compile simulate")
+    if problem:
+        print(problem, file=sys.stderr)
+        return script_runner.EXIT_USAGE
     from neuron_compile.runtime import simulator
 
     use_simulator = args.force_simulator or not real_nki_available()
     runs: list = []
-    status = 0
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_script_environment(args.script, args.script_args, args.target))
+        stack.enter_context(script_runner.script_environment(args.script, args.script_args, args.target))
         if use_simulator:
             stack.enter_context(simulator.nki_import_alias())
         if args.report:
             stack.enter_context(_collect_launches(simulator, runs))
-        try:
-            runpy.run_path(args.script, run_name="__main__")
-        except SystemExit as exit_request:  # the script's own sys.exit(): keep its status, still report
-            status = _exit_status(exit_request.code)
+        status = script_runner.run_script(args.script, args.script_args, "neuron-compile simulate")
     if args.report:
         sys.stdout.flush()
         print(format_launch_reports(runs))
     return status
-
-
-def _exit_status(code) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)  # sys.exit("message") prints the message and exits 1, as Python does
-    return 1
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Configuration: one frozen ``Config`` read from ``NEURON_COMPILE_*`` environment variables.
 
 Input: the environment, ``config.patch(**overrides)`` blocks, and ``torch.compile(..., options={...})``.
-Output: a frozen, hashable ``Config`` — hashable because it is part of every compiled-graph cache key.
+Output: a frozen, hashable ``Config`` — hashable because it is part of every compiled-graph cache key. A bad value
+is a ``ValueError`` that names the variable (or option) and the valid values; a ``NEURON_COMPILE_*`` variable that is
+none of these is ignored with a warning that lists them (a typo would otherwise pass silently).
 
 =========================  ====================  ===========================================================
 environment variable       field (option key)    meaning
@@ -33,8 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
+import warnings
 from collections.abc import Iterator, Mapping
 
 FALLBACK_MODES = ("warn", "raise", "silent")
@@ -71,7 +75,8 @@ class Config:
     flash_attention: bool = True
 
     def __post_init__(self):
-        _validate(self)
+        for name in self.field_names():
+            check_value(name, getattr(self, name), source=name)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -85,7 +90,10 @@ class Config:
             raise ValueError(
                 f"unknown neuron_compile option(s) {unknown}: valid options are {list(self.field_names())}"
             )
-        coerced = {key: _coerce(key, value, source=f"option {key!r}") for key, value in changes.items()}
+        coerced = {}
+        for key, value in changes.items():
+            source = f"option {key!r}"
+            coerced[key] = check_value(key, _coerce(key, value, source=source), source=source)
         return dataclasses.replace(self, **coerced)
 
     @classmethod
@@ -94,10 +102,27 @@ class Config:
         environ = os.environ if environ is None else environ
         values = {}
         for name in cls.field_names():
-            variable = ENV_PREFIX + _ENV_NAMES.get(name, name.upper())
+            variable = env_variable(name)
             if variable in environ:
-                values[name] = _coerce(name, environ[variable], source=variable)
+                values[name] = check_value(name, _coerce(name, environ[variable], source=variable), source=variable)
+        for variable in environ:
+            if variable.startswith(ENV_PREFIX) and variable not in ENV_VARIABLES:
+                _warn_unknown_variable(variable)
         return cls(**values)
+
+
+def env_variable(name: str) -> str:
+    """The environment variable of a Config field: ``fallback`` -> ``NEURON_COMPILE_FALLBACK``."""
+    return ENV_PREFIX + _ENV_NAMES.get(name, name.upper())
+
+
+ENV_VARIABLES = tuple(env_variable(field.name) for field in dataclasses.fields(Config))
+
+
+@functools.cache
+def _warn_unknown_variable(variable: str) -> None:
+    warnings.warn(f"{variable} is not a neuron_compile variable (a typo?); it is ignored. The variables are: "
+                  f"{', '.join(ENV_VARIABLES)}", stacklevel=4)
 
 
 def _coerce_size(value: object, source: str) -> int:
@@ -139,19 +164,26 @@ def _coerce(name: str, value: object, source: str) -> object:
     return value.lower() if name in ("fallback", "target", "launcher") else value
 
 
-def _validate(config: Config) -> None:
-    if config.fallback not in FALLBACK_MODES:
-        raise ValueError(f"fallback must be one of {list(FALLBACK_MODES)}, got {config.fallback!r}")
-    if config.launcher not in LAUNCHERS:
-        raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, got {config.launcher!r}")
-    if config.target not in TARGET_ALIASES:
-        raise ValueError(f"target must be one of {sorted(TARGET_ALIASES)}, got {config.target!r}")
-    if config.bucket < 0:
-        raise ValueError(f"bucket must be 0 (off) or a positive multiple to pad to, got {config.bucket}")
-    if config.cache_size < 0:
-        raise ValueError(f"cache_size must be >= 0 bytes (0: unbounded), got {config.cache_size}")
-    if config.recompile_warn < 1:
-        raise ValueError(f"recompile_warn must be >= 1, got {config.recompile_warn}")
+# Fields whose value is one of a fixed set of words.
+CHOICES = {"fallback": FALLBACK_MODES, "launcher": LAUNCHERS, "target": tuple(TARGET_ALIASES)}
+# Integer fields: (smallest valid value, what the valid values are).
+INTEGER_BOUNDS = {
+    "bucket": (0, "0 (off) or a positive multiple to pad to"),
+    "cache_size": (0, ">= 0 bytes (0: unbounded)"),
+    "recompile_warn": (1, "an integer >= 1"),
+}
+
+
+def check_value(name: str, value: object, source: str) -> object:
+    """``value`` if it is valid for field ``name``; else a ValueError naming ``source`` (the environment variable
+    or option it came from) and the valid values."""
+    if name in CHOICES and value not in CHOICES[name]:
+        raise ValueError(f"{source} must be one of {list(CHOICES[name])}, got {value!r}")
+    if name in INTEGER_BOUNDS:
+        lowest, valid = INTEGER_BOUNDS[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+            raise ValueError(f"{source} must be {valid}, got {value!r}")
+    return value
 
 
 _overrides = threading.local()

@@ -405,14 +405,17 @@ def test_config_is_part_of_the_dispatch_key(fake_regions):
     assert [record.key.config.target for record in neuron_compile.compiled_records()] == ["trn2", "trn1"]
 
 
-def test_dump_dir_receives_one_file_per_compile(fake_regions, tmp_path):
+def test_dump_dir_receives_one_folder_per_compile(fake_regions, tmp_path):
     x, y = torch.randn(4), torch.randn(4)
     torch.compile(pointwise, backend="neuron", options={"dump_dir": str(tmp_path)})(x, y)
-    (dumped,) = tmp_path.iterdir()
-    text = dumped.read_text()
-    assert dumped.name.startswith("inference-") and dumped.suffix == ".txt"
-    assert text == str(neuron_compile.last_compiled()) + "\n"
-    assert "nki_region_0" in text and "eager: no fake lowering for aten.sin.default" in text
+    (graph,) = [path for path in tmp_path.iterdir() if path.is_dir()]
+    (dumped,) = [path for path in graph.iterdir() if path.is_dir()]
+    assert graph.name.startswith("graph_") and (graph / "dynamo_fx.txt").is_file()
+    assert dumped.name.startswith("inference-")
+    assert (dumped / "record.txt").read_text() == str(neuron_compile.last_compiled()) + "\n"
+    partition = (dumped / "partition.txt").read_text()
+    assert "nki_region_0" in partition and "eager: no fake lowering for aten.sin.default" in partition
+    assert f"{graph.name}/{dumped.name}" in (tmp_path / "index.txt").read_text()
 
 
 def test_recompile_storm_is_logged(fake_regions, caplog):

@@ -44,17 +44,40 @@ def test_get_follows_environment(monkeypatch):
 @pytest.mark.parametrize(
     ("variable", "value", "message"),
     [
-        ("NEURON_COMPILE_FALLBACK", "ignore", r"fallback must be one of \['warn', 'raise', 'silent'\], got 'ignore'"),
-        ("NEURON_COMPILE_TARGET", "trn9", r"target must be one of .*'trn2'.*got 'trn9'"),
-        ("NEURON_COMPILE_BUCKET", "lots", r"NEURON_COMPILE_BUCKET must be an integer, got 'lots'"),
-        ("NEURON_COMPILE_BUCKET", "-1", r"bucket must be 0 \(off\) or a positive multiple to pad to, got -1"),
+        ("NEURON_COMPILE_FALLBACK", "ignore",
+         r"^NEURON_COMPILE_FALLBACK must be one of \['warn', 'raise', 'silent'\], got 'ignore'$"),
+        ("NEURON_COMPILE_TARGET", "trn9", r"^NEURON_COMPILE_TARGET must be one of \['trn1', .*'trn2'.*\], got 'trn9'$"),
+        ("NEURON_COMPILE_BUCKET", "lots", r"^NEURON_COMPILE_BUCKET must be an integer, got 'lots'$"),
+        ("NEURON_COMPILE_BUCKET", "-1", r"^NEURON_COMPILE_BUCKET must be 0 \(off\) or a positive multiple to pad to, "
+                                        r"got -1$"),
         ("NEURON_COMPILE_LAUNCHER", "gpu",
-         r"launcher must be one of \['auto', 'simulator', 'device'\], got 'gpu'"),
+         r"^NEURON_COMPILE_LAUNCHER must be one of \['auto', 'simulator', 'device'\], got 'gpu'$"),
+        ("NEURON_COMPILE_FUSION", "maybe",
+         r"^NEURON_COMPILE_FUSION must be a boolean \(1/0, true/false, on/off\), got 'maybe'$"),
+        ("NEURON_COMPILE_CACHE_SIZE", "big",
+         r"^NEURON_COMPILE_CACHE_SIZE must be a size in bytes \(e.g. 1073741824, 512M, 2G\), got 'big'$"),
+        ("NEURON_COMPILE_RECOMPILE_WARN", "0", r"^NEURON_COMPILE_RECOMPILE_WARN must be an integer >= 1, got 0$"),
+        ("NEURON_COMPILE_RECOMPILE_WARN", "often", r"^NEURON_COMPILE_RECOMPILE_WARN must be an integer, got 'often'$"),
     ],
 )
-def test_bad_environment_values_name_the_rule(variable, value, message):
+def test_bad_environment_values_name_the_variable_and_the_valid_values(variable, value, message):
     with pytest.raises(ValueError, match=message):
         Config.from_env({variable: value})
+
+
+def test_every_config_field_has_a_variable_that_is_validated():
+    # the directories take any path; every other variable rejects a word no field accepts, naming itself
+    for variable in config.ENV_VARIABLES:
+        if variable in ("NEURON_COMPILE_CACHE", "NEURON_COMPILE_DUMP"):
+            continue
+        with pytest.raises(ValueError, match=f"^{variable} must be "):
+            Config.from_env({variable: "nonsense-value"})
+
+
+def test_unknown_variable_with_our_prefix_warns_naming_the_valid_ones():
+    with pytest.warns(UserWarning, match="NEURON_COMPILE_FALBACK is not a neuron_compile variable .*"
+                                         "NEURON_COMPILE_FALLBACK, NEURON_COMPILE_TARGET"):
+        assert Config.from_env({"NEURON_COMPILE_FALBACK": "raise"}) == Config()
 
 
 def test_replace_rejects_unknown_keys_naming_valid_ones():
@@ -67,7 +90,8 @@ def test_replace_rejects_unknown_keys_naming_valid_ones():
 
 
 def test_replace_rejects_bad_values():
-    with pytest.raises(ValueError, match="fallback must be one of"):
+    with pytest.raises(ValueError,
+                       match=r"^option 'fallback' must be one of \['warn', 'raise', 'silent'\], got 'never'$"):
         Config().replace({"fallback": "never"})
     with pytest.raises(ValueError, match="option 'bucket' must be an integer, got True"):
         Config().replace(bucket=True)

@@ -4,7 +4,6 @@ and the dump shows the IR after every pass."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import typing
 
 import pytest
@@ -71,7 +70,10 @@ def test_dump_dir_holds_the_ir_after_every_pass(tmp_path, monkeypatch):
         compiled = torch.compile(lambda a: torch.relu(a) + 1.0, backend="neuron")
         x = torch.randn(8, 16)
         torch.testing.assert_close(compiled(x), torch.relu(x) + 1.0)
-    (dump,) = [path for path in os.listdir(tmp_path) if path.endswith(".txt")]
-    text = (tmp_path / dump).read_text()
+    (dump,) = tmp_path.glob("graph_*/*/record.txt")
+    text = dump.read_text()
     for name in ("specialize", "partition", "lower", "guard ranges", "fuse", "plan tiles", "render", "load"):
         assert f"== after pass {name}" in text, name
+    passes = sorted(path.name for path in (dump.parent / "passes").iterdir())
+    assert passes[:3] == ["00-specialize.txt", "01-partition.txt", "02-lower.nki_region_0.txt"], passes
+    assert len(passes) == 8

@@ -10,17 +10,17 @@ with the same signature reuse it. A region that cannot be compiled (or fails whe
 ``raise`` raises ``NeuronCompileError``.
 
 Every compile leaves a ``CompiledGraphRecord`` (ATen graph, partition report, kernel sources) that
-``neuron_compile.last_compiled()`` returns, for the dump CLI.
+``neuron_compile.last_compiled()`` returns. With a dump folder (``NEURON_COMPILE_DUMP``), the record is written
+there (runtime/dump.py) with the IR after every pass, each region's first launch adds its kernels' cost reports,
+and the folder's index is refreshed. With ``TORCH_TRACE`` set, the same texts go to torch's structured trace
+(runtime/trace_artifacts.py) for tlparse.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import logging
-import os
-import tempfile
 import threading
 import warnings
 
@@ -32,7 +32,7 @@ from neuron_compile.config import Config
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.passes.partition import PartitionReport, op_name
 from neuron_compile.pipeline import PassContext, compile_region, configured_target, run_passes
-from neuron_compile.runtime import stats
+from neuron_compile.runtime import compile_events, dump, stats, trace_artifacts
 from neuron_compile.runtime.cache import DispatchCache, GraphKey, graph_hash, signature_of
 
 log = logging.getLogger("neuron_compile")
@@ -46,6 +46,7 @@ class KernelRecord:
     region: str
     name: str
     source: str
+    parameters: tuple[tuple[str, int, str], ...] = ()  # (buffer, elements, dtype) per kernel parameter, in order
 
 
 @dataclasses.dataclass
@@ -63,6 +64,7 @@ class CompiledGraphRecord:
     fusion_decisions: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     # With a dump directory: (pass name, region or "" for a graph pass, the pass's output as text), in pass order.
     pass_dumps: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    dynamo_graph: int = -1  # the index of the Dynamo graph this ATen graph came from (compile_events), -1: unknown
 
     def __str__(self) -> str:
         parts = [
@@ -105,15 +107,33 @@ def compiled_records() -> list[CompiledGraphRecord]:
         return list(_records)
 
 
+# Records written to a dump folder, by folder: the index lists them all (compiled_records keeps the latest only).
+_dumped: dict[str, list[CompiledGraphRecord]] = {}
+
+
+def refresh_dump_index(dump_dir: str) -> str:
+    """Rewrite the dump folder's index from the Dynamo graphs, the records dumped there, graph breaks and
+    recompiles since the last ``compile_events.clear()``; returns the index's path."""
+    with _records_lock:
+        records = list(_dumped.get(dump_dir, []))
+    data = dump.index_data(compile_events.dynamo_graphs(), records, compile_events.graph_breaks(),
+                           compile_events.recompiles(), dump_dir, compile_events.frame_names())
+    return dump.write_index(dump_dir, data)
+
+
 def dump_record(record: CompiledGraphRecord, dump_dir: str) -> str:
-    """Write ``record`` as text to ``dump_dir`` (atomically: temp file + rename); returns the file's path."""
-    os.makedirs(dump_dir, exist_ok=True)
-    signature = hashlib.sha256(repr(record.key).encode()).hexdigest()[:12]
-    path = os.path.join(dump_dir, f"{record.kind}-{record.key.graph_hash}-{signature}.txt")
-    with tempfile.NamedTemporaryFile("w", dir=dump_dir, delete=False, suffix=".tmp") as handle:
-        handle.write(str(record) + "\n")
-    os.replace(handle.name, path)
-    return path
+    """Write ``record``'s folder under ``dump_dir`` (runtime/dump.py) and refresh the index; returns the folder."""
+    folder = dump.write_record(dump_dir, record)
+    with _records_lock:
+        _dumped.setdefault(dump_dir, []).append(record)
+    refresh_dump_index(dump_dir)
+    return folder
+
+
+def forget_dumped() -> None:
+    """Forget which records were dumped (the CLI starts each run with an empty index)."""
+    with _records_lock:
+        _dumped.clear()
 
 
 def _fall_back(config: Config, message: str, cause: BaseException) -> None:
@@ -163,11 +183,31 @@ class RegionModule(torch.nn.Module):
             record,
         )
         self.node_ops = [placement.op for placement in record.report.regions[name]]  # one entry per node
+        self.costs_dumped = False  # with a dump folder: whether the first launch's cost reports were written
 
     def _check(self, outputs) -> None:
         _check_outputs(outputs, self.expected, self.region_name)
 
     def forward(self, *tensors):
+        if self.compiled is None:
+            return self.eager(*tensors)
+        dump_dir = self.record.key.config.dump_dir
+        if (dump_dir or trace_artifacts.enabled()) and not self.costs_dumped:
+            self.costs_dumped = True  # the first launch's reports: later launches of a kernel cost the same
+            with stats.record_launches() as launches:
+                outputs = self.run(*tensors)
+            mine = {kernel.name for kernel in self.record.kernels if kernel.region == self.region_name}
+            reports = {f"{self.region_name}.{launch.kernel}": launch.report for launch in launches
+                       if launch.kernel in mine}
+            if dump_dir:
+                dump.write_costs(dump_dir, self.record, reports)
+            trace_artifacts.emit_costs(self.record, self.region_name, reports,
+                                       compile_events.compile_id_of(self.record.dynamo_graph))
+            return outputs
+        return self.run(*tensors)
+
+    def run(self, *tensors):
+        """The compiled region on ``tensors``; on a failure, Config.fallback decides and the eager submodule runs."""
         if self.compiled is None:
             return self.eager(*tensors)
         try:
@@ -192,6 +232,20 @@ class RegionModule(torch.nn.Module):
             return self.eager(*tensors)
 
 
+def kernel_records(region_name: str, region) -> list[KernelRecord]:
+    """One KernelRecord per kernel of a compiled region, with its parameters' sizes and dtypes."""
+    buffers = {buffer.name: buffer for buffer in getattr(region, "inputs", [])}
+    buffers.update(getattr(region, "buffers", {}) or {})
+    for kernel in region.kernels:
+        buffers.update({buffer.name: buffer for buffer in getattr(kernel, "outputs", ())})
+    records = []
+    for kernel in region.kernels:
+        parameters = tuple((name, buffers[name].layout.span(), buffers[name].dtype)
+                           for name in getattr(kernel, "parameters", ()) if name in buffers)
+        records.append(KernelRecord(region_name, kernel.name, kernel.source, parameters))
+    return records
+
+
 def _meta_value(arg):
     return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
 
@@ -201,9 +255,11 @@ def _count_eager_nodes(report: PartitionReport) -> None:
         _count_region_fallback([placement.op], placement.reason or "unknown")
 
 
-def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str) -> torch.fx.GraphModule:
+def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str,
+                         dynamo_graph: int = -1) -> torch.fx.GraphModule:
     """Specialize, partition and compile every region of ``gm`` for one signature; leave a record."""
     config = key.config
+    keep_passes = bool(config.dump_dir) or trace_artifacts.enabled()  # every pass's output, for dumps and traces
     dumps: list[tuple[str, str, str]] = []
     graph_texts: dict[str, str] = {}
 
@@ -219,7 +275,8 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
         aten_graph=graph_texts["specialize"],
         partitioned_graph=str(top.graph),
         report=partitioned.report,
-        pass_dumps=dumps if config.dump_dir else [],
+        pass_dumps=dumps if keep_passes else [],
+        dynamo_graph=dynamo_graph,
     )
     _count_eager_nodes(partitioned.report)
     for node in list(top.graph.nodes):
@@ -230,7 +287,7 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
         example_inputs = [_meta_value(arg) for arg in node.args]
         expected = [_meta_value(output) for output in submodule.graph.output_node().args[0]]
         try:
-            if config.dump_dir:
+            if keep_passes:
                 region = compile_region(submodule, example_inputs, config,
                                         on_pass=lambda step, text, region=name: dumps.append((step, region, text)))
             else:
@@ -248,7 +305,7 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
             region = None
         else:
             stats.add(regions_compiled=1, nki_nodes=int(getattr(region, "nki_nodes", 0)))
-            record.kernels += [KernelRecord(name, kernel.name, kernel.source) for kernel in region.kernels]
+            record.kernels += kernel_records(name, region)
             decisions = getattr(region, "fusion_decisions", None)  # optional in the CompiledRegion interface
             if decisions:
                 record.fusion_decisions[name] = [str(decision) for decision in decisions]
@@ -258,10 +315,12 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
         _records.append(record)
     if config.dump_dir:
         log.info("neuron_compile: dumped the %s graph to %s", kind, dump_record(record, config.dump_dir))
+    trace_artifacts.emit_record(record, compile_events.compile_id_of(dynamo_graph))
     return top
 
 
-def _compile_or_fall_back(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str) -> torch.fx.GraphModule:
+def _compile_or_fall_back(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str,
+                          dynamo_graph: int = -1) -> torch.fx.GraphModule:
     """``_compile_partitioned``, or, if specialization or partitioning itself fails, the whole ATen graph eagerly.
 
     Held under Dynamo's compile lock: this runs at call time, and torch.fx's node creation (the partitioner's
@@ -270,7 +329,7 @@ def _compile_or_fall_back(gm: torch.fx.GraphModule, args: list, key: GraphKey, k
 
     try:
         with compile_lock:
-            return _compile_partitioned(gm, args, key, kind)
+            return _compile_partitioned(gm, args, key, kind, dynamo_graph)
     except NeuronCompileError:  # a region failed under fallback=raise: already explained
         raise
     except Exception as error:  # noqa: BLE001 -- a front-end bug must not stop the model: run the graph eagerly
@@ -288,11 +347,12 @@ def _compile_or_fall_back(gm: torch.fx.GraphModule, args: list, key: GraphKey, k
 class CompiledGraph:
     """Boxed callable for one aot_autograd graph; dispatches each call on its signature (see module docstring)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, kind: str, options: dict | None = None):
+    def __init__(self, gm: torch.fx.GraphModule, kind: str, options: dict | None = None, dynamo_graph: int = -1):
         # aot_autograd passes the arguments as one list. An instance attribute, not a class one: Dynamo's
         # disable() wrapper around backward callables copies only the instance __dict__ (functools.wraps).
         self._boxed_call = True
         self.gm, self.kind, self.options = gm, kind, dict(options or {})
+        self.dynamo_graph = dynamo_graph  # its Dynamo graph's index (compile_events), for the dump folder
         self.graph_hash = graph_hash(gm)
         self.cache: DispatchCache[torch.fx.GraphModule] = DispatchCache()
         self._warned_recompiles = False
@@ -304,7 +364,7 @@ class CompiledGraph:
         key = self.key_for(args)
         first = len(self.cache) == 0
         compiled, compiled_now = self.cache.get_or_compile(
-            key, lambda: _compile_or_fall_back(self.gm, args, key, self.kind)
+            key, lambda: _compile_or_fall_back(self.gm, args, key, self.kind, self.dynamo_graph)
         )
         if compiled_now:
             stats.add(cache_misses=1, recompiles=0 if first else 1)
@@ -327,9 +387,9 @@ class CompiledGraph:
 
 
 def compile_aten_graph(
-    gm: torch.fx.GraphModule, example_inputs: list, *, kind: str, options: dict | None = None
+    gm: torch.fx.GraphModule, example_inputs: list, *, kind: str, options: dict | None = None, dynamo_graph: int = -1
 ) -> CompiledGraph:
     """The aot_autograd compiler for one ATen graph: counts it and returns its (lazily compiling) callable."""
     del example_inputs  # fake tensors; each real call's signature decides what is compiled
     stats.add(graphs_compiled=1)
-    return CompiledGraph(gm, kind, options)
+    return CompiledGraph(gm, kind, options, dynamo_graph)

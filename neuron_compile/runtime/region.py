@@ -140,7 +140,7 @@ class CompiledRegion:
         outputs, report = self.launcher.launch(kernel, [self._buffer(name, flat) for name in kernel.source.parameters])
         for buffer, output in zip(kernel.source.outputs, outputs):
             flat[buffer.name] = output.reshape(-1)
-        stats.add_launch(kernel.source.name, report)
+        stats.add_launch(kernel.source.name, report, kernel.source)
         if report is None:  # a launcher without a cost model (the device)
             stats.add(kernels_launched=1)
             return

@@ -51,6 +51,7 @@ class Stats:
 class Launch:
     kernel: str  # the kernel's name (its KernelSource.name)
     report: object  # the launcher's cost report (the simulator's CostReport), None without a cost model
+    source: object = None  # the KernelSource launched (its text tells apart kernels of one name in several graphs)
 
 
 _lock = threading.Lock()
@@ -72,11 +73,11 @@ def add_fallback(op: str, reason: str, count: int = 1) -> None:
         _stats.fallback_reasons[f"{op}: {reason}"] += count
 
 
-def add_launch(kernel: str, report: object) -> None:
+def add_launch(kernel: str, report: object, source: object = None) -> None:
     """Hand one launch to every active ``record_launches()`` block."""
     with _lock:
         for recorder in _recorders:
-            recorder.append(Launch(kernel, report))
+            recorder.append(Launch(kernel, report, source))
 
 
 @contextlib.contextmanager
@@ -89,7 +90,8 @@ def record_launches() -> Iterator[list[Launch]]:
         yield recorder
     finally:
         with _lock:
-            _recorders.remove(recorder)
+            # by identity: a nested block's list can equal this one (the same launches), and list.remove compares
+            _recorders[:] = [other for other in _recorders if other is not recorder]
 
 
 def snapshot() -> dict:

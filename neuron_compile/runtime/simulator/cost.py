@@ -426,6 +426,15 @@ class _Tally:
         return busy
 
 
+def launch_schedule(trace: Iterable[InstructionRecord], target: Target | str | None = None) -> Schedule:
+    """The instruction schedule behind ``cost_report``'s ``device_time_s`` (one ``Timing`` per instruction of
+    ``trace``, in order): the timeline a profile view draws."""
+    target = target if isinstance(target, Target) else get_target(target)
+    trace = list(trace)
+    tally = _Tally(target)
+    return schedule(trace, [tally.add(record) for record in trace], target.dma_engines)
+
+
 def cost_report(trace: Iterable[InstructionRecord], target: Target | str | None = None) -> CostReport:
     """Cost one kernel launch's trace on ``target`` (a Target, a target name, or None for the default)."""
     target = target if isinstance(target, Target) else get_target(target)
