@@ -48,7 +48,7 @@ def test_an_unknown_node_type_is_refused_by_name():
 
 def test_passes_are_one_named_list_in_pipeline_order():
     assert [step.name for step in pipeline.PASSES] == [
-        "specialize", "partition", "lower", "guard ranges", "fuse", "plan tiles", "render", "load"]
+        "specialize", "bound inputs", "partition", "lower", "guard ranges", "fuse", "plan tiles", "render", "load"]
     assert {step.level for step in pipeline.PASSES} == {"graph", "region"}
 
 
@@ -73,5 +73,5 @@ def test_dump_dir_holds_the_ir_after_every_pass(tmp_path, monkeypatch):
         torch.testing.assert_close(compiled(x), torch.relu(x) + 1.0)
     (dump,) = [path for path in os.listdir(tmp_path) if path.endswith(".txt")]
     text = (tmp_path / dump).read_text()
-    for name in ("specialize", "partition", "lower", "guard ranges", "fuse", "plan tiles", "render", "load"):
+    for name in ("specialize", "bound inputs", "partition", "lower", "guard ranges", "fuse", "plan tiles", "render", "load"):
         assert f"== after pass {name}" in text, name

@@ -301,6 +301,8 @@ RULES = {
     aten.div.Tensor_mode: _floor_divide,
     aten.div.Scalar_mode: _floor_divide,
     aten.cat.default: _cat,
+    aten.copy.default: lambda n: _of(n.args[1]),  # self's values are replaced by src's (broadcast, cast)
+    aten.copy_.default: lambda n: _of(n.args[1]),
     aten.constant_pad_nd.default: _constant_pad,
     aten.argmax.default: _positions,
     aten.argmin.default: _positions,
