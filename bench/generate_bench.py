@@ -134,12 +134,17 @@ def measure(name: str, arch: str, overrides: dict, dtype: torch.dtype, new_token
     notes = [f"{count} x {reason}" for reason, count in reasons]
     if stats["recompiles"]:
         notes.append(f"{stats['recompiles']} dispatch recompiles")
+    decode_steps = actual.shape[1] - PROMPT - 1
+    if stats["graphs_compiled"] > 1:
+        notes.append(f"Dynamo recompiled the step per token ({stats['graphs_compiled']} graphs)")
+    if calls < decode_steps:
+        notes.append(f"{decode_steps - calls} steps eager (Dynamo's recompile limit)")
     reports = [(launch.kernel, launch.report) for launch in launches if launch.report is not None]
     est = sum(float(report.est_time_s) for _, report in reports)
     roofline = roofline_bytes(model, PROMPT, new_tokens, cache_len) / get_target("trn2").dma_bytes_per_s
     return Row(
         name, torch.equal(actual, expected), stats["graphs_compiled"], stats["cache_misses"], calls,
-        actual.shape[1] - PROMPT - 1, len(launches) / max(calls, 1), eager, est / max(calls, 1), roofline,
+        decode_steps, len(launches) / max(calls, 1), eager, est / max(calls, 1), roofline,
         "; ".join(notes), time.time() - started, breakdown(reports, max(calls, 1)),
     )
 

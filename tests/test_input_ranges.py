@@ -24,6 +24,7 @@ def test_guard_bounds_small_integer_tensors_within_the_bound_only():
     assert guard_bound(torch.zeros(0, dtype=torch.int64)) is None
     assert guard_bound(torch.tensor([1.0])) is None and guard_bound(torch.tensor([True])) is None
     assert guard_bound(3) is None
+    assert guard_bound(torch.tensor([[0, 2]]).to_sparse()) is None
 
 
 def test_the_guard_is_part_of_the_dispatch_key():

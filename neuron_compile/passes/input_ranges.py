@@ -36,10 +36,12 @@ GUARDED_INTERVAL = Interval(-float(GUARD_BOUND), float(GUARD_BOUND))
 def guard_bound(value) -> Interval | None:
     """``GUARDED_INTERVAL`` if ``value`` is a small integer tensor whose values all lie within it, else None.
 
-    Fake and meta tensors (no values) and empty tensors (no values to bound) give None."""
+    Fake and meta tensors (no values), sparse ones and empty tensors (no values to bound) give None."""
     if not isinstance(value, torch.Tensor) or value.dtype not in GUARDED_DTYPES:
         return None
-    if value.numel() == 0 or value.numel() > GUARDED_NUMEL or value.device.type == "meta":
+    if value.layout != torch.strided or value.device.type == "meta":
+        return None  # sparse and meta tensors: no cheap minimum and maximum of their values
+    if value.numel() == 0 or value.numel() > GUARDED_NUMEL:
         return None
     if isinstance(value, FakeTensor):
         return None
