@@ -3,13 +3,13 @@
 Input: an aot_autograd ATen graph (already decomposed by our table, backend.py) and, per call signature, its
 arguments. Output: for each NKI region, a ``CompiledRegion`` ready to launch.
 
-``PASSES`` is the order, as data: graph passes (``specialize``, ``bound inputs``, ``partition``) run once per
-graph and call signature (runtime/compiled_graph.py drives them; ``bound inputs`` applies the integer-input guard
-that the dispatch key checks on every call, passes/input_ranges.py); region passes (``lower`` ... ``load``) run
-per NKI region (``compile_region``). Every pass is a function of the previous pass's output and a ``PassContext``, and has a
+``PASSES`` is the order, as data: graph passes (``specialize``, ``bound inputs``, ``partition``) run once per graph
+and call signature (runtime/compiled_graph.py drives them; ``bound inputs`` applies the integer-input guard that the
+dispatch key checks on every call, passes/input_ranges.py); region passes (``lower`` ... ``load``) run per NKI
+region (``compile_region``). Every pass is a function of the previous pass's output and a ``PassContext``, and has a
 ``describe`` that prints its output: with ``NEURON_COMPILE_DUMP`` set, the IR after every pass is written to the
-dump (``on_pass`` receives each pass's name and text). Every failure in a region pass is a ``LoweringError``
-that names the op or the kernel. The on-disk cache (runtime/disk_cache.py) keeps the output of ``render`` (a
+dump (``on_pass`` receives each pass's name and text). Every failure in a region pass is a ``LoweringError`` that
+names the op or the kernel. The on-disk cache (runtime/disk_cache.py) keeps the output of ``render`` (a
 ``RenderedRegion``, plain data) keyed by the input of ``lower``: a hit runs ``load`` alone.
 """
 

@@ -73,5 +73,6 @@ def test_dump_dir_holds_the_ir_after_every_pass(tmp_path, monkeypatch):
         torch.testing.assert_close(compiled(x), torch.relu(x) + 1.0)
     (dump,) = [path for path in os.listdir(tmp_path) if path.endswith(".txt")]
     text = (tmp_path / dump).read_text()
-    for name in ("specialize", "bound inputs", "partition", "lower", "guard ranges", "fuse", "plan tiles", "render", "load"):
+    for name in ("specialize", "bound inputs", "partition", "lower", "guard ranges", "fuse", "plan tiles", "render",
+                 "load"):
         assert f"== after pass {name}" in text, name
