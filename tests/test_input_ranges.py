@@ -13,6 +13,7 @@ import neuron_compile
 from neuron_compile.passes.input_ranges import GUARD_BOUND, GUARDED_NUMEL, bound_integer_inputs, guard_bound
 from neuron_compile.passes.value_range import RANGE_KEY
 from neuron_compile.runtime.cache import signature_of
+from neuron_compile.runtime.disk_cache import region_key_parts
 
 
 def test_guard_bounds_small_integer_tensors_within_the_bound_only():
@@ -42,6 +43,16 @@ def test_bounding_copies_the_graph_and_leaves_the_shared_one_alone():
     assert pos.meta[RANGE_KEY].high == GUARD_BOUND and RANGE_KEY not in x.meta
     assert all(RANGE_KEY not in node.meta for node in gm.graph.nodes)
     assert bound_integer_inputs(gm, [torch.tensor([2**30]), torch.ones(2)]) is gm
+
+
+def test_the_disk_cache_key_holds_the_bounds_a_region_relies_on():
+    gm = torch.fx.symbolic_trace(lambda pos: pos + 1)
+    args = [torch.tensor([3])]
+    plain = region_key_parts(gm, args, None, "trn2")
+    bounded = region_key_parts(bound_integer_inputs(gm, args), args, None, "trn2")
+    assert "input ranges" not in plain  # keys of regions without bounds are what they were
+    assert bounded["input ranges"] == [f"[{-GUARD_BOUND}.0, {float(GUARD_BOUND)}]"]
+    assert {key: value for key, value in bounded.items() if key != "input ranges"} == plain
 
 
 def _positions(pos, x):
