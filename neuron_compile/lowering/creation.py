@@ -21,6 +21,7 @@ import torch
 from neuron_compile import ir
 from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import (
+    INTEGER_ARITHMETIC_OPS,
     INTEGER_OPS,
     TensorValue,
     broadcast_layout,
@@ -159,3 +160,8 @@ def lower_copy_into_input(ctx, node):
     value = lower_copy(ctx, node)
     ctx.mutations.append((ctx.value(node.args[0]).buffer, value))
     return value
+
+
+# An integer copy casts in fp32 tiles: exact when value ranges prove the source (and the destination it replaces)
+# within +-2**24, as for every integer op (a decode step's ``cache_position.copy_(cache_position + 1)``).
+INTEGER_ARITHMETIC_OPS.update((aten.copy.default, aten.copy_.default))

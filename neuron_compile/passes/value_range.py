@@ -1,15 +1,17 @@
 """Analysis stage (feeds the partitioner's per-node decision): bounds on the values each ATen node produces.
 
 Input: an ATen ``torch.fx.Graph`` with ``meta["val"]`` on its nodes. Output: ``value_range(node)`` — an
-``Interval`` holding every value the node's tensor can take, or None when nothing is known (a graph input, an op
-without a rule). Results are cached in ``node.meta[RANGE_KEY]``; the partitioner copies a node's meta into the
+``Interval`` holding every value the node's tensor can take, or None when nothing is known (a graph input the
+call-time guard did not bound, an op without a rule). Results are cached in ``node.meta[RANGE_KEY]``; the partitioner copies a node's meta into the
 placeholder that stands for it in a region, so a region input keeps the bound its producer proved.
 
 Why: NKI has no int64 and the Vector / Scalar engines compute in fp32, so an integer op is exact in a kernel
 only when every integer it reads or writes lies within +-2**24 (every such integer is an fp32 value, and so is
 every sum, difference, product, minimum and comparison whose result lies there too). The index arithmetic that
 decompositions emit (arange, add, clamp, casts, in interpolate / pad / tril / diag) starts from bounded values,
-so intervals prove it exact; integers read from graph inputs are unknown and stay eager.
+so intervals prove it exact. Integers read from graph inputs are unknown, unless the graph was specialized on a
+call-time check of their values (passes/input_ranges.py sets their placeholders' range: a decode step's cache
+position); the rest stay eager.
 
 Float intervals are kept only where they come from such integers (interpolate's ``(arange + 0.5) * scale``)
 so that a float -> int cast of them can be proved to fit. One fp32 rounding moves a bound by one part in 2**24,
@@ -301,6 +303,8 @@ RULES = {
     aten.div.Tensor_mode: _floor_divide,
     aten.div.Scalar_mode: _floor_divide,
     aten.cat.default: _cat,
+    aten.copy.default: lambda n: _of(n.args[1]),  # self's values are replaced by src's (broadcast, cast)
+    aten.copy_.default: lambda n: _of(n.args[1]),
     aten.constant_pad_nd.default: _constant_pad,
     aten.argmax.default: _positions,
     aten.argmin.default: _positions,

@@ -1,7 +1,8 @@
 """Runtime stage: the dispatch cache from a call signature to a compiled (partitioned) graph.
 
 Input: a ``GraphKey`` — graph hash, each argument's shape / stride / storage offset / dtype / device (or int
-value), and the ``Config`` — and a function that compiles on a miss. Output: the compiled entry, compiled at
+value) and, for a small integer tensor, whether its values pass the guard of ``passes/input_ranges.py``, and the
+``Config`` — and a function that compiles on a miss. Output: the compiled entry, compiled at
 most once per key even when threads race. Keys are frozen dataclasses of plain values so the same key can
 later address an on-disk cache (NEURON_COMPILE_CACHE); today entries live in memory only.
 """
@@ -18,6 +19,7 @@ from typing import Generic, TypeVar
 import torch
 
 from neuron_compile.config import Config
+from neuron_compile.passes.input_ranges import guard_bound
 
 Entry = TypeVar("Entry")
 MAX_ENTRIES = 256  # compiled signatures kept per graph
@@ -30,11 +32,16 @@ class TensorSignature:
     storage_offset: int
     dtype: str
     device: str
+    # An integer tensor's value bound (``passes/input_ranges.guard_bound``, as text): the graph compiled for it
+    # lowers integer math that relies on it, so a call outside it needs another entry. None: not bounded.
+    bound: str | None = None
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorSignature:
+        bound = guard_bound(tensor)
         return cls(
-            tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), str(tensor.dtype), str(tensor.device)
+            tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), str(tensor.dtype), str(tensor.device),
+            None if bound is None else str(bound),
         )
 
 

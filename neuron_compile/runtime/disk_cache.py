@@ -44,6 +44,7 @@ except ImportError:  # not on POSIX: no inter-process lock; writes stay atomic
 import torch
 
 from neuron_compile.config import Config
+from neuron_compile.passes.value_range import RANGE_KEY
 from neuron_compile.runtime import stats
 from neuron_compile.version import __version__
 
@@ -156,8 +157,9 @@ def normalized_graph(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def region_key_parts(gm: torch.fx.GraphModule, example_inputs, config: Config | None, target_name: str) -> dict:
-    """The parts of one NKI region's key: what the lower pass reads (graph and inputs) and what changes its result."""
-    return {
+    """The parts of one NKI region's key: what the lower pass reads (graph, inputs, and the value bounds its inputs
+    carry: passes/input_ranges.py) and what changes its result."""
+    parts = {
         "format": FORMAT_VERSION,
         "what": "nki region",
         "graph": normalized_graph(gm),
@@ -166,6 +168,10 @@ def region_key_parts(gm: torch.fx.GraphModule, example_inputs, config: Config | 
         "target": target_name,
         "versions": versions(),
     }
+    ranges = [str(node.meta.get(RANGE_KEY)) for node in gm.graph.nodes if node.op == "placeholder"]
+    if any(bound != "None" for bound in ranges):  # absent otherwise: keys of regions without bounds are unchanged
+        parts["input ranges"] = ranges
+    return parts
 
 
 def key_record_text(key: str, parts: dict) -> str:
