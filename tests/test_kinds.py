@@ -76,5 +76,5 @@ def test_dump_dir_holds_the_ir_after_every_pass(tmp_path, monkeypatch):
                  "load"):
         assert f"== after pass {name}" in text, name
     passes = sorted(path.name for path in (dump.parent / "passes").iterdir())
-    assert passes[:3] == ["00-specialize.txt", "01-partition.txt", "02-lower.nki_region_0.txt"], passes
-    assert len(passes) == 8
+    assert passes[:4] == ["00-specialize.txt", "01-bound_inputs.txt", "02-partition.txt", "03-lower.nki_region_0.txt"]
+    assert len(passes) == 9
