@@ -28,7 +28,7 @@ class TilePlan:
     """Loop nest of one kernel. ``outer`` are per-element loops, ``partition`` the SBUF partition dim,
     ``free`` the per-partition dims of a tile (pointwise: one; reductions: the reduced dims)."""
 
-    kind: str  # pointwise | reduction | column_reduction | row_normalize | scan | matmul | concat | gather | scatter
+    kind: str  # pointwise | reduction | column_reduction | row_normalize | scan | matmul | attention | concat | ...
     outer: tuple[LoopDim, ...]
     partition: LoopDim
     free: tuple[LoopDim, ...]

@@ -55,6 +55,11 @@ def offset_text(base: int, terms: list[tuple[str, int]]) -> str:
     return " + ".join(parts) or "0"
 
 
+def entries_text(entries) -> str:
+    """An access pattern's ``[[stride, count], ...]`` as kernel text (counts may be loop variables)."""
+    return "[" + ", ".join(f"[{stride}, {count}]" for stride, count in entries) + "]"
+
+
 class Patterns:
     """Access patterns of one kernel: HBM layouts walked by the plan's loop variables.
 

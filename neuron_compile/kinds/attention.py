@@ -1,11 +1,13 @@
 """Kernel kind ``attention``: flash attention, ``softmax(q @ k^T * scale + mask) @ v`` in one kernel (``ir.Attention``).
 
-Tiling: queries in tiles of 128 on partitions; keys in blocks of up to 512 (one PSUM bank of fp32 scores);
-the head dim D (up to 256) in chunks of at most 128 accumulated in PSUM. k^T and v of one key/value head stay
-resident in SBUF while every query tile (and every query head of a grouped-query group) streams past them, so
-q, k, v and the output cross HBM once; when they do not fit, they are loaded per key block. Per block: the
-scores in PSUM, the online softmax (running max and sum per query row, the output accumulator rescaled), the
-probabilities transposed on TensorE and multiplied with v. Causal blocks wholly above the diagonal are skipped.
+Tiling: queries in tiles of 128 on partitions; keys in blocks of 1024 (bf16: two PSUM banks of fp32 scores) or
+512 (fp32: one); the head dim D (up to 256) in chunks of at most 128 accumulated in PSUM. k^T and v of one
+key/value head stay resident in SBUF while every query tile (and every query head of a grouped-query group)
+streams past them, so q, k, v and the output cross HBM once; when they do not fit, they are loaded per key block.
+Per block: the scores in PSUM, the online softmax (running max and sum per query row, the output accumulator
+rescaled), the probabilities transposed on TensorE and multiplied with v; the next block's scores are issued
+before this block's transposes (software pipelining). Causal: unmasked blocks below the query tile, one masked
+block on its diagonal, nothing above. The training forward also writes each row's log-sum-exp.
 Fusion: pointwise consumers over the output domain are epilogues on the normalized output tile.
 Codegen: attention.py.j2.
 """
@@ -19,6 +21,7 @@ from neuron_compile import ir
 from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import (
     Patterns,
+    entries_text,
     kernel_context,
     kernel_names,
     offset_text,
@@ -136,10 +139,6 @@ def logsumexp_store(patterns: Patterns, store: ir.Store) -> str:
     """The DMA that writes the (P, 1) column ``logsumexp`` to the row statistic's buffer."""
     dst = patterns.hbm(store.buffer.name, store.layout, [(LoopDim(1, None), "1")], False)
     return f"nisa.dma_copy(dst={dst}, src=logsumexp[0:rows, 0:1])"
-
-
-def entries_text(entries) -> str:
-    return "[" + ", ".join(f"[{stride}, {count}]" for stride, count in entries) + "]"
 
 
 def mask_load(plan: AttentionPlan, patterns: Patterns, mask: ir.Load, dst: str) -> str:

@@ -14,6 +14,7 @@ from neuron_compile import ir
 from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import (
     Patterns,
+    entries_text,
     kernel_context,
     kernel_names,
     offset_text,
@@ -126,16 +127,12 @@ def operand_loads(node: ir.MatMul, k_tile: int) -> tuple[str, str]:
             # the source as [free, (K chunks,) K within a chunk], reversed into the tile's order on the way in
             entries = [[other_stride, count], *reversed(k_entries)]
             axes = "(2, 1, 0)" if whole else "(1, 0)"
-            loads.append(f"nisa.dma_transpose(dst={dst}, src={operand.buffer}.ap({_entries(entries)}, "
+            loads.append(f"nisa.dma_transpose(dst={dst}, src={operand.buffer}.ap({entries_text(entries)}, "
                          f"offset={offset}), axes={axes})")
         else:
             entries = [*k_entries, [other_stride, count]]
-            loads.append(f"nisa.dma_copy(dst={dst}, src={operand.buffer}.ap({_entries(entries)}, offset={offset}))")
+            loads.append(f"nisa.dma_copy(dst={dst}, src={operand.buffer}.ap({entries_text(entries)}, offset={offset}))")
     return loads[0], loads[1]
-
-
-def _entries(entries) -> str:
-    return "[" + ", ".join(f"[{stride}, {count}]" for stride, count in entries) + "]"
 
 
 def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
