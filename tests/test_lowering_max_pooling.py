@@ -32,6 +32,7 @@ def test_max_pool2d_padding_dilation_ceil_mode(dtype):
     check_through_backend(lambda a: F.max_pool2d(a[0], 2), x)  # unbatched, values only
 
 
+@pytest.mark.slow  # 28 s on 2 cores; the 2-D and random-window tests cover the same kernel in `make test`
 def test_max_pool1d_and_3d_and_adaptive():
     x = _awkward((2, 4, 5, 6, 7), seed=1)
     check_through_backend(lambda a: F.max_pool1d(a[:, 0, 0], 3, 2, padding=1, return_indices=True), x)

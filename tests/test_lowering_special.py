@@ -163,7 +163,9 @@ def test_any_fp32_values_match_eager(values):
         torch.testing.assert_close(value, fn(x), rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize(("order", "dtype"), [(1, torch.float32), (2, torch.float32), (3, torch.float32),
+# orders 1 and 3 are the slowest (30 s and 13 s on 2 cores): they run in `make test-all`
+@pytest.mark.parametrize(("order", "dtype"), [pytest.param(1, torch.float32, marks=pytest.mark.slow),
+                                             (2, torch.float32), pytest.param(3, torch.float32, marks=pytest.mark.slow),
                                              (4, torch.float32), (4, torch.bfloat16)])
 def test_polygamma_matches_eager(order, dtype):
     # poles, half-integers and their neighbours (where the terms next to zero cancel for even n), large negative x
@@ -186,7 +188,7 @@ def test_polygamma_matches_eager(order, dtype):
         assert error[positive].max() < 2e-6
 
 
-@pytest.mark.parametrize("order", [2, 3, 4])
+@pytest.mark.parametrize("order", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_polygamma_errors_against_float64(order):
     # measured: 6.3e-7, 3.8e-7, 1.0e-6 (relative where |f| >= 1, absolute below; eager's own: up to 1.3e-5 for n = 4)
     half = torch.arange(-30, 1) + 0.5
