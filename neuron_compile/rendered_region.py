@@ -32,6 +32,8 @@ class RenderedRegion:
     sources: tuple[KernelSource, ...]
     plans: tuple[str, ...] = ()  # each kernel's tile plan, described
     ops: tuple[str, ...] = ()  # the region's distinct ATen ops, in graph order
+    # The region's kernels as one kernel, launched once (codegen/region_text.py); None: each kernel is launched
+    launch: KernelSource | None = None
 
     def to_data(self) -> dict:
         return {
@@ -44,13 +46,12 @@ class RenderedRegion:
             "decisions": list(self.decisions),
             "kernels": [
                 {
-                    "name": source.name, "parameters": list(source.parameters),
-                    "outputs": [_buffer_data(buffer) for buffer in source.outputs], "plan": plan,
-                    "source": source.source,
+                    **_kernel_source_data(source), "plan": plan,
                 }
                 for source, plan in zip(self.sources, self.plans or [""] * len(self.sources), strict=True)
             ],
             "ops": list(self.ops),
+            "launch": _kernel_source_data(self.launch) if self.launch is not None else None,
         }
 
     @classmethod
@@ -69,6 +70,7 @@ class RenderedRegion:
                 sources=tuple(_kernel_source(kernel) for kernel in kernels),
                 plans=tuple(_text(kernel["plan"]) for kernel in kernels),
                 ops=tuple(_text(op) for op in data["ops"]),
+                launch=_kernel_source(data["launch"]) if data["launch"] is not None else None,
             )
         except (KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"not a rendered region: {type(error).__name__}: {error}") from error
@@ -120,6 +122,13 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{name!r} is not a torch dtype")
     return dtype
+
+
+def _kernel_source_data(source: KernelSource) -> dict:
+    return {
+        "name": source.name, "parameters": list(source.parameters),
+        "outputs": [_buffer_data(buffer) for buffer in source.outputs], "source": source.source,
+    }
 
 
 def _kernel_source(data: dict) -> KernelSource:

@@ -6,10 +6,17 @@ Input: an IR node, its TilePlan and the kernel's name and parameters. Output: pi
 a kind renders imports ``nki``, ``nki.language as nl`` and ``nki.isa as nisa`` and defines one ``@nki.jit``
 function taking flat 1-D HBM tensors (one per buffer it reads) and returning its ``nl.shared_hbm`` outputs.
 Templates (codegen/templates/*.py.j2) call the helpers passed to them (``block``), never compute indices.
+
+Inside ``subkernel_form()`` the same renderers give a kernel's *subkernel* text instead: a plain function (no
+``@nki.jit``, no imports, the description as its docstring) that takes its output HBM tensors as parameters after
+its inputs and writes them. A region launched as one kernel (codegen/region_text.py) calls its kernels' subkernels
+in order: NKI inlines such calls, and ``nl.shared_hbm`` may only be allocated at the kernel's top level.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -25,6 +32,19 @@ from neuron_compile.kind_registry import stores as stores_of
 from neuron_compile.tiles import TilePlan
 
 TEMPLATES = Path(__file__).parent / "templates"
+# True while renderers produce subkernel text (``subkernel_form``): read by ``kernel_context``, so the eleven
+# renderers need no flag of their own.
+_SUBKERNEL_FORM = contextvars.ContextVar("subkernel_form", default=False)
+
+
+@contextlib.contextmanager
+def subkernel_form():
+    """Within the block, kernel renderers produce subkernel text (see the module docstring)."""
+    token = _SUBKERNEL_FORM.set(True)
+    try:
+        yield
+    finally:
+        _SUBKERNEL_FORM.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +133,13 @@ def kernel_names(node, parameters) -> frozenset[str]:
 
 
 def kernel_context(node, plan, name, parameters, **extra) -> dict:
-    """What every kernel template reads: its name, parameters, docstring, plan, outputs and returned names."""
+    """What every kernel template reads: its name, parameters, docstring, plan, outputs and returned names, and
+    whether it renders the subkernel form."""
+    output_names = [store.buffer.name for store in stores_of(node)]
     return dict(
         name=name, parameters=parameters, docstring=docstring(node, plan), plan=plan,
-        outputs=output_lines(stores_of(node)), returns=", ".join(store.buffer.name for store in stores_of(node)),
-        **extra,
+        outputs=output_lines(stores_of(node)), returns=", ".join(output_names), output_names=output_names,
+        subkernel=_SUBKERNEL_FORM.get(), **extra,
     )
 
 

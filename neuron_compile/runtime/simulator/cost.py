@@ -78,7 +78,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from neuron_compile.hardware import Target, get_target
-from neuron_compile.runtime.simulator.report import ENGINES, CostReport, sum_reports
+from neuron_compile.runtime.simulator.report import ENGINES, CostReport, SectionCost, sum_reports
 from neuron_compile.runtime.simulator.schedule import (
     DEPENDENCY_LATENCY_CYCLES,
     InstructionCost,
@@ -435,12 +435,40 @@ def launch_schedule(trace: Iterable[InstructionRecord], target: Target | str | N
     return schedule(trace, [tally.add(record) for record in trace], target.dma_engines)
 
 
+def _section_costs(trace: list[InstructionRecord], costs: list[InstructionCost], plan: Schedule,
+                   target: Target) -> tuple[SectionCost, ...]:
+    """Per section of the trace (report.SectionCost), in order of first instruction."""
+    members: dict[str, list[int]] = {}
+    for index, record in enumerate(trace):
+        members.setdefault(record.section, []).append(index)
+    sections, latest_end_ns = [], 0.0
+    for name, indices in members.items():
+        busy: dict[str, float] = {}
+        hbm_bytes = flops = 0
+        for index in indices:
+            record, cost = trace[index], costs[index]
+            if _is_dma(record):
+                engine, seconds = "dma", dma_transfer_time(record, target).pool_ns * 1e-9  # as the tally counts it
+                hbm_bytes += sum(_hbm_traffic(record))
+            else:
+                engine, seconds = record.engine, cost.duration_ns * 1e-9
+            busy[engine] = busy.get(engine, 0.0) + seconds
+            flops += record.flops
+        start_ns = min(plan.timings[index].start_ns for index in indices)
+        end_ns = max(plan.timings[index].end_ns for index in indices)
+        sections.append(SectionCost(name, max(0.0, end_ns - latest_end_ns) * 1e-9, busy, hbm_bytes, flops,
+                                    len(indices), start_ns * 1e-9, end_ns * 1e-9))
+        latest_end_ns = max(latest_end_ns, end_ns)
+    return tuple(sections)
+
+
 def cost_report(trace: Iterable[InstructionRecord], target: Target | str | None = None) -> CostReport:
     """Cost one kernel launch's trace on ``target`` (a Target, a target name, or None for the default)."""
     target = target if isinstance(target, Target) else get_target(target)
     trace = list(trace)
     tally = _Tally(target)
-    plan: Schedule = schedule(trace, [tally.add(record) for record in trace], target.dma_engines)
+    costs = [tally.add(record) for record in trace]
+    plan: Schedule = schedule(trace, costs, target.dma_engines)
     core_busy = tally.busy_per_core()
     busy: dict[str, float] = {}
     for (_, engine), seconds in core_busy.items():
@@ -472,4 +500,5 @@ def cost_report(trace: Iterable[InstructionRecord], target: Target | str | None 
         launch_s=launch,
         wait_s_per_queue={queue: ns * 1e-9 for queue, ns in plan.wait_ns_per_queue.items()},
         cores=cores,
+        sections=_section_costs(trace, costs, plan, target),
     )

@@ -12,6 +12,30 @@ ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma", "sync")
 
 
 @dataclass(frozen=True)
+class SectionCost:
+    """One kernel's share of a launch: the instructions issued from one subkernel of a region kernel (or the
+    whole of a plain kernel). ``est_time_s`` is how far the section pushed the launch's end past the sections
+    before it (so the sections of a launch add up to its device time, and a kernel hidden under its predecessor
+    costs little); ``start_s``/``end_s`` are its first start and last end in the launch's schedule."""
+
+    name: str
+    est_time_s: float
+    busy_s_per_engine: dict[str, float]
+    hbm_bytes: int
+    flops: int
+    instructions: int
+    start_s: float
+    end_s: float
+
+    @property
+    def bottleneck(self) -> str:
+        """The engine this section kept busiest."""
+        if not self.busy_s_per_engine:
+            return "none"
+        return max(self.busy_s_per_engine, key=self.busy_s_per_engine.get)
+
+
+@dataclass(frozen=True)
 class CostReport:
     """The cost of one kernel launch (or, from sum_reports, of several run one after the other).
 
@@ -24,7 +48,8 @@ class CostReport:
     ``cycles_per_engine['dma']`` is in nanoseconds of DMA-pool occupancy (the DMA engines have no clock of
     their own in this model). ``time_per_instruction`` is busy seconds by instruction name, for explaining
     where the time goes; ``wait_s_per_queue`` the time each queue sat waiting on a dependency; ``unmodeled``
-    names instructions costed by a fallback formula. ``cores`` is 2 for an lnc=2 launch.
+    names instructions costed by a fallback formula. ``cores`` is 2 for an lnc=2 launch. ``sections``: one
+    ``SectionCost`` per kernel the launch ran, in order of first instruction (one for a plain kernel).
     """
 
     target: str
@@ -48,6 +73,7 @@ class CostReport:
     launch_s: float = 0.0
     wait_s_per_queue: dict[str, float] = field(default_factory=dict)
     cores: int = 1
+    sections: tuple[SectionCost, ...] = ()
 
     @property
     def hbm_bytes(self) -> int:
@@ -156,4 +182,5 @@ def sum_reports(reports: Iterable[CostReport]) -> CostReport:
         launch_s=sum(r.launch_s for r in reports),
         wait_s_per_queue=_add_dicts(r.wait_s_per_queue for r in reports),
         cores=max(r.cores for r in reports),
+        sections=tuple(section for r in reports for section in r.sections),
     )

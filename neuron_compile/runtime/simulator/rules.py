@@ -7,6 +7,8 @@ into the destination, and the InstructionRecord appended to the kernel trace.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from neuron_compile.runtime.simulator.errors import NkiValidationError
@@ -205,6 +207,23 @@ def _regions(dst: NkiTensor | None, srcs: list[tuple[str, NkiTensor]], name: str
     return tuple(reads), tuple(writes)
 
 
+KERNEL_SOURCE_PREFIX = "<nki-kernel "  # the file name kernels loaded from source text run under
+
+
+def calling_section() -> str:
+    """The module-level function of loaded kernel source that issued the current instruction, one below the
+    launched kernel (a region kernel's subkernel), or the launched kernel when it called none; "" outside
+    loaded source. Nested helper functions (``<locals>``) belong to the function that defines them."""
+    names = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.startswith(KERNEL_SOURCE_PREFIX) and "<locals>" not in code.co_qualname:
+            names.append(code.co_name)
+        frame = frame.f_back
+    return names[-2] if len(names) >= 2 else (names[0] if names else "")
+
+
 def record(name: str, engine: str, dst: NkiTensor | None, srcs: list[tuple[str, object]], attrs: dict | None = None,
            flops: int = 0, hbm_partitions: int | None = None) -> None:
     tensors = [(role, t) for role, t in srcs if isinstance(t, NkiTensor)]
@@ -214,7 +233,7 @@ def record(name: str, engine: str, dst: NkiTensor | None, srcs: list[tuple[str, 
     context = current()
     context.trace.append(
         InstructionRecord(name=name, engine=engine, dst=dst_info, srcs=infos, attrs=attrs or {}, flops=int(flops),
-                          reads=reads, writes=writes, program=context.program_id)
+                          reads=reads, writes=writes, program=context.program_id, section=calling_section())
     )
 
 

@@ -78,3 +78,6 @@ class InstructionRecord:
     reads: tuple[Region, ...] = field(default=(), compare=False)
     writes: tuple[Region, ...] = field(default=(), compare=False)
     program: int = 0  # the LNC program (NeuronCore) that ran it: 0, or 0 and 1 with lnc=2
+    # The kernel-source function it ran in, below the launched kernel: a region kernel's subkernel (the kernel
+    # it was rendered from), or the launched kernel itself; "" for kernels not loaded from source text.
+    section: str = field(default="", compare=False)
