@@ -153,8 +153,9 @@ def breakdown(reports: list, steps: int) -> str:
     """Per token: est us by kernel kind (the name's stem: matmul, pointwise, ...), and the launch cost in it."""
     kinds: dict[str, float] = {}
     for kernel, report in reports:
-        kind = kernel.split("_kernel")[0]
-        kinds[kind] = kinds.get(kind, 0.0) + float(report.est_time_s) / steps
+        for cost in report.kernel_costs(kernel):
+            kind = "launch" if cost.bottleneck == "launch" else cost.name.split("_kernel")[0]
+            kinds[kind] = kinds.get(kind, 0.0) + float(cost.est_time_s) / steps
     launch = sum(float(report.launch_s) for _, report in reports) / steps
     parts = [f"{kind} {seconds * 1e6:.0f}" for kind, seconds in sorted(kinds.items(), key=lambda item: -item[1])]
     return ", ".join(parts) + f" us (of which kernel launches {launch * 1e6:.0f} us)"

@@ -28,6 +28,9 @@ NEURON_COMPILE_FUSION      fusion                ``1`` (default) | ``0``: fuse I
 NEURON_COMPILE_FLASH_ATTENTION  flash_attention  ``1`` (default) | ``0``: SDPA as one flash-attention kernel
                                                  (0: scores, softmax and output as three kernels, the scores
                                                  through HBM; to measure what the flash kernel saves)
+NEURON_COMPILE_LAUNCH_UNIT  launch_unit          ``region`` (default: a region's kernels launched as one kernel,
+                                                 codegen/region_text.py) | ``kernel`` (one launch per kernel;
+                                                 to measure what one launch per region saves)
 =========================  ====================  ===========================================================
 """
 
@@ -43,6 +46,7 @@ from collections.abc import Iterator, Mapping
 
 FALLBACK_MODES = ("warn", "raise", "silent")
 LAUNCHERS = ("auto", "simulator", "device")
+LAUNCH_UNITS = ("region", "kernel")
 # The simulator's target names and the aliases the real ``nki`` accepts (NEURON_PLATFORM_TARGET_OVERRIDE).
 TARGET_ALIASES = {
     "trn1": "trn1",
@@ -73,6 +77,7 @@ class Config:
     launcher: str = "auto"
     fusion: bool = True
     flash_attention: bool = True
+    launch_unit: str = "region"
 
     def __post_init__(self):
         for name in self.field_names():
@@ -161,11 +166,13 @@ def _coerce(name: str, value: object, source: str) -> object:
         # ValueError, like every other bad option value, so callers catch one exception type for bad config.
         raise ValueError(f"{source} must be a string, got {type(value).__name__} {value!r}")  # noqa: TRY004
     value = value.strip()
-    return value.lower() if name in ("fallback", "target", "launcher") else value
+    return value.lower() if name in ("fallback", "target", "launcher", "launch_unit") else value
 
 
 # Fields whose value is one of a fixed set of words.
-CHOICES = {"fallback": FALLBACK_MODES, "launcher": LAUNCHERS, "target": tuple(TARGET_ALIASES)}
+CHOICES = {
+    "fallback": FALLBACK_MODES, "launcher": LAUNCHERS, "launch_unit": LAUNCH_UNITS, "target": tuple(TARGET_ALIASES),
+}
 # Integer fields: (smallest valid value, what the valid values are).
 INTEGER_BOUNDS = {
     "bucket": (0, "0 (off) or a positive multiple to pad to"),

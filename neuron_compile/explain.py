@@ -93,14 +93,17 @@ def kernel_totals(observation) -> list[KernelTotal]:
     totals: dict[str, KernelTotal] = {}
     for launch in observation.launches:
         label = observation.kernel_label(launch)
-        total = totals.setdefault(label, KernelTotal(label))
-        total.launches += 1
-        report = launch.report
-        if report is not None:
-            total.est_s += report.est_time_s
-            total.lower_bound_s += report.est_lower_bound_s
-            total.roofline_s += report.roofline_s
-            total.bottleneck = report.bottleneck
+        if launch.report is None:
+            totals.setdefault(label, KernelTotal(label)).launches += 1
+            continue
+        # A region kernel's launch counts once for each kernel it ran (and once for its launch cost).
+        for cost in launch.report.kernel_costs(label, scope=label.rpartition(".")[0] + "."):
+            total = totals.setdefault(cost.name, KernelTotal(cost.name))
+            total.launches += 1
+            total.est_s += cost.est_time_s
+            total.lower_bound_s += cost.lower_bound_s
+            total.roofline_s += cost.roofline_s
+            total.bottleneck = cost.bottleneck
     return sorted(totals.values(), key=lambda total: (-total.est_s, total.label))
 
 

@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 
 from neuron_compile import ir, kinds
-from neuron_compile.codegen.render import render_kernel
+from neuron_compile.codegen.region_text import PlannedKernelText, render_region_kernel
+from neuron_compile.codegen.render import KernelSource, render_kernel
 from neuron_compile.hardware import get_target
 from neuron_compile.lowering import LoweredRegion, LoweringError, lower_graph
 from neuron_compile.passes.activation_ranges import guard_activation_ranges
@@ -166,15 +167,35 @@ def _render(planned: PlannedRegion, context: PassContext) -> RenderedRegion:
         tuple(lowered.inputs), tuple(lowered.outputs), dict(lowered.buffers), tuple(lowered.mutations),
         tuple(lowered.output_dtypes), lowered.aten_nodes, tuple(str(d) for d in planned.fused.decisions),
         tuple(sources), tuple(kernel.plan.describe() for kernel in planned.kernels), tuple(context.region_ops),
+        _region_launch(planned, sources, context),
     )
+
+
+REGION_KERNEL_NAME = "region_kernel"
+
+
+def _region_launch(planned: PlannedRegion, sources: list[KernelSource], context: PassContext) -> KernelSource | None:
+    """The region's kernels as one region kernel (one launch per call), with ``launch_unit`` "region" and two
+    kernels or more; None: each kernel is launched."""
+    if getattr(context.config, "launch_unit", "region") != "region" or len(sources) < 2:
+        return None
+    lowered = planned.fused.lowered
+    wanted = [value.buffer for value in lowered.outputs] + [value.buffer for _, value in lowered.mutations]
+    kernels = [PlannedKernelText(kernel.node, kernel.plan, kernel.name, source.parameters)
+               for kernel, source in zip(planned.kernels, sources, strict=True)]
+    try:
+        return render_region_kernel(REGION_KERNEL_NAME, kernels, wanted)
+    except Exception as error:  # noqa: BLE001 -- a renderer bug becomes this region's named failure
+        raise LoweringError(f"the region kernel could not be rendered: {error}") from error
 
 
 def _load(rendered: RenderedRegion, context: PassContext) -> CompiledRegion:
     launcher = select_launcher(context.config, context.target)
+    launched = [rendered.launch] if rendered.launch is not None else list(rendered.sources)
     return CompiledRegion(
-        list(rendered.inputs), [launcher.load(source) for source in rendered.sources], list(rendered.outputs),
-        rendered.aten_nodes, context.target, list(rendered.decisions), dict(rendered.buffers),
-        list(rendered.mutations), list(rendered.output_dtypes), launcher=launcher,
+        list(rendered.inputs), list(rendered.sources), list(rendered.outputs), rendered.aten_nodes, context.target,
+        list(rendered.decisions), dict(rendered.buffers), list(rendered.mutations), list(rendered.output_dtypes),
+        launcher=launcher, launched=[launcher.load(source) for source in launched],
     )
 
 
@@ -196,11 +217,13 @@ def _describe_planned(planned: PlannedRegion) -> str:
 
 
 def _describe_rendered(rendered: RenderedRegion) -> str:
-    return "\n".join(f"# ---- {source.name}\n{source.source}" for source in rendered.sources)
+    launch = [rendered.launch] if rendered.launch is not None else []
+    return "\n".join(f"# ---- {source.name}\n{source.source}" for source in [*rendered.sources, *launch])
 
 
 def _describe_loaded(region: CompiledRegion) -> str:
-    return f"{len(region.kernels)} kernels loaded by {type(region.launcher).__name__}"
+    return (f"{len(region.kernels)} kernels in {len(region.launched)} launch(es), loaded by "
+            f"{type(region.launcher).__name__}")
 
 
 PASSES: tuple[Pass, ...] = (

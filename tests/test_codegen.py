@@ -9,7 +9,7 @@ import torch
 
 from lowering_harness import check_against_eager, compile_and_run, random_tensor
 from neuron_compile.pipeline import compile_region
-from neuron_compile import ir
+from neuron_compile import config, ir
 from neuron_compile.passes.tiling import TilingError, plan_kernel
 from neuron_compile.runtime import stats
 from neuron_compile.hardware import get_target
@@ -35,12 +35,14 @@ def test_kernels_are_standalone_nki_modules():
         assert "{{" not in kernel.source and "{%" not in kernel.source
 
 
-def test_launches_add_to_runtime_stats():
+@pytest.mark.parametrize("launch_unit,launches", [("region", 1), ("kernel", 3)])
+def test_launches_add_to_runtime_stats(launch_unit, launches):
     x, w, b = random_tensor((64, 32)), random_tensor((48, 32)), random_tensor((48,))
     before = stats.snapshot()
-    check_against_eager(_mlp, x, w, b, tolerances={torch.float32: (1e-4, 1e-4)})
+    with config.patch(launch_unit=launch_unit):
+        check_against_eager(_mlp, x, w, b, tolerances={torch.float32: (1e-4, 1e-4)})
     after = stats.snapshot()
-    assert after["kernels_launched"] - before["kernels_launched"] == 3
+    assert after["kernels_launched"] - before["kernels_launched"] == launches
     assert after["flops"] - before["flops"] >= 2 * 64 * 32 * 48
     # Every input byte is read at least once and every output byte written.
     assert after["hbm_bytes"] - before["hbm_bytes"] >= 4 * (64 * 32 + 48 * 32 + 48 + 48)

@@ -8,7 +8,7 @@ from neuron_compile.config import Config
 
 def test_defaults():
     defaults = Config()
-    assert defaults.launcher == "auto"
+    assert defaults.launcher == "auto" and defaults.launch_unit == "region"
     assert (defaults.fallback, defaults.target, defaults.cache_dir, defaults.dump_dir, defaults.bucket) == (
         "warn",
         "trn2",
@@ -28,11 +28,12 @@ def test_from_env_reads_every_variable():
         "NEURON_COMPILE_RECOMPILE_WARN": "3",
         "NEURON_COMPILE_LAUNCHER": " Simulator ",
         "NEURON_COMPILE_FUSION": "0",
+        "NEURON_COMPILE_LAUNCH_UNIT": "Kernel",
         "UNRELATED": "x",
     }
     assert Config.from_env(environ) == Config(
         fallback="raise", target="trn3", cache_dir="/c", dump_dir="/d", bucket=128, recompile_warn=3,
-        launcher="simulator", fusion=False,
+        launcher="simulator", fusion=False, launch_unit="kernel",
     )
 
 
@@ -52,6 +53,8 @@ def test_get_follows_environment(monkeypatch):
                                         r"got -1$"),
         ("NEURON_COMPILE_LAUNCHER", "gpu",
          r"^NEURON_COMPILE_LAUNCHER must be one of \['auto', 'simulator', 'device'\], got 'gpu'$"),
+        ("NEURON_COMPILE_LAUNCH_UNIT", "graph",
+         r"^NEURON_COMPILE_LAUNCH_UNIT must be one of \['region', 'kernel'\], got 'graph'$"),
         ("NEURON_COMPILE_FUSION", "maybe",
          r"^NEURON_COMPILE_FUSION must be a boolean \(1/0, true/false, on/off\), got 'maybe'$"),
         ("NEURON_COMPILE_CACHE_SIZE", "big",

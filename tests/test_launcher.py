@@ -19,8 +19,9 @@ from neuron_compile.runtime import launcher, simulator, stats
 aten = torch.ops.aten
 
 
-def _region(fn, *inputs, launcher_name="simulator"):
-    return pipeline.compile_region(torch.fx.symbolic_trace(fn), list(inputs), Config(launcher=launcher_name))
+def _region(fn, *inputs, launcher_name="simulator", launch_unit="region"):
+    config = Config(launcher=launcher_name, launch_unit=launch_unit)
+    return pipeline.compile_region(torch.fx.symbolic_trace(fn), list(inputs), config)
 
 
 def _matmul_then_sum(x, w):
@@ -53,8 +54,8 @@ def test_simulator_outputs_own_resizable_storage(dtype):
 
 def test_simulator_launcher_outputs_are_torch_allocated():
     x, w = _matmul_inputs()
-    region = _region(_matmul_then_sum, x, w)
-    kernel = region._kernels[0]  # the matmul, reading the flat x and w
+    region = _region(_matmul_then_sum, x, w, launch_unit="kernel")
+    kernel = region.launched[0]  # the matmul, reading the flat x and w
     arguments = {"x": x.reshape(-1), "w": w.reshape(-1)}
     outputs, report = region.launcher.launch(kernel, [arguments[name] for name in kernel.source.parameters])
     assert report is not None and report.flops > 0
@@ -96,13 +97,15 @@ def test_in_place_op_on_a_result_does_not_change_a_later_call():
         torch.testing.assert_close(mutated, want + 100.0)  # the earlier result is its own memory too
 
 
-def test_simulator_launch_adds_cost_figures_to_stats():
+@pytest.mark.parametrize("launch_unit,launches", [("region", 1), ("kernel", 2)])
+def test_simulator_launch_adds_cost_figures_to_stats(launch_unit, launches):
     x, w = _matmul_inputs()
-    region = _region(_matmul_then_sum, x, w)
+    region = _region(_matmul_then_sum, x, w, launch_unit=launch_unit)
+    assert len(region.kernels) == 2 and len(region.launched) == launches
     before = stats.snapshot()
     region(x, w)
     after = stats.snapshot()
-    assert after["kernels_launched"] - before["kernels_launched"] == 2
+    assert after["kernels_launched"] - before["kernels_launched"] == launches
     assert after["hbm_bytes"] > before["hbm_bytes"] and after["flops"] > before["flops"]
     assert after["est_time_s"] > before["est_time_s"] and after["roofline_s"] > before["roofline_s"]
 
@@ -137,16 +140,19 @@ class StandInNki(types.ModuleType):
         return StandInKernel(self, fn)
 
 
-def test_device_launcher_hands_the_same_source_to_nki_jit():
+@pytest.mark.parametrize("launch_unit,names", [
+    ("region", ["region_kernel"]), ("kernel", ["matmul_kernel_0", "reduction_kernel_1"]),
+])
+def test_device_launcher_hands_the_same_source_to_nki_jit(launch_unit, names):
     x, w = _matmul_inputs()
-    simulated = _region(_matmul_then_sum, x, w)
+    simulated = _region(_matmul_then_sum, x, w, launch_unit=launch_unit)
     expected = simulated(x, w)
     modules_before = {name: sys.modules.get(name) for name in ("nki", "nki.language", "nki.isa")}
     stand_in = StandInNki()
     on_device = simulated.with_launcher(launcher.DeviceLauncher(nki_module=stand_in, device="cpu"))
-    names = [kernel.name for kernel in simulated.kernels]
     assert [fn.__name__ for fn, _, _ in stand_in.jitted] == names  # loaded through nki.jit, in order
-    for (fn, function_text, file_text), source, loaded in zip(stand_in.jitted, simulated.kernels, simulated._kernels):
+    for (fn, function_text, file_text), source, loaded in zip(stand_in.jitted, simulated.launch_sources,
+                                                              simulated.launched, strict=True):
         assert file_text == source.source and function_text in source.source
         assert fn.__globals__["nki"] is stand_in and fn.__globals__["nl"] is stand_in.language
         simulator_text = "".join(linecache.getlines(loaded.function.fn.__code__.co_filename))
@@ -155,14 +161,14 @@ def test_device_launcher_hands_the_same_source_to_nki_jit():
     outputs = on_device(x, w)
     after = stats.snapshot()
     assert [name for name, _ in stand_in.launches] == names
-    for (_, tensors), source in zip(stand_in.launches, simulated.kernels):
+    for (_, tensors), source in zip(stand_in.launches, simulated.launch_sources, strict=True):
         assert len(tensors) == len(source.parameters)
         assert all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dim() == 1 for t in tensors)
     for got, want in zip(outputs, expected):
         assert type(got) is torch.Tensor
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         got.untyped_storage().resize_(0)  # copied into torch-allocated memory on the way back
-    assert after["kernels_launched"] - before["kernels_launched"] == 2
+    assert after["kernels_launched"] - before["kernels_launched"] == len(names)
     assert after["hbm_bytes"] == before["hbm_bytes"] and after["flops"] == before["flops"]  # no cost model
     assert {name: sys.modules.get(name) for name in modules_before} == modules_before  # nothing left behind
 
@@ -170,8 +176,9 @@ def test_device_launcher_hands_the_same_source_to_nki_jit():
 def test_device_launcher_refuses_a_kernel_returning_the_wrong_count():
     x, w = _matmul_inputs()
     stand_in = StandInNki()
-    region = _region(_matmul_then_sum, x, w).with_launcher(launcher.DeviceLauncher(nki_module=stand_in, device="cpu"))
-    broken = launcher.LoadedKernel(region._kernels[0].source, lambda *tensors: ())
+    region = _region(_matmul_then_sum, x, w, launch_unit="kernel")
+    region = region.with_launcher(launcher.DeviceLauncher(nki_module=stand_in, device="cpu"))
+    broken = launcher.LoadedKernel(region.launched[0].source, lambda *tensors: ())
     arguments = {"x": x.reshape(-1), "w": w.reshape(-1)}
     with pytest.raises(launcher.LauncherError, match=r"returned 0 tensors on the device, expected 1"):
         region.launcher.launch(broken, [arguments[name] for name in broken.source.parameters])

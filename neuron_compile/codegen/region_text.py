@@ -38,14 +38,17 @@ def _allocation(buffer: ir.Buffer, memory: str) -> str:
     return f"{buffer.name} = nl.ndarray(({buffer.layout.span()},), dtype={NL_DTYPES[buffer.dtype]}, buffer={memory})"
 
 
-def render_region_kernel(name: str, kernels: list[PlannedKernelText], parameters: list[str],
-                         returned: list[str]) -> KernelSource:
-    """The region kernel ``name`` (see the module docstring). ``returned``: names of kernel-written buffers the
-    caller reads after the launch, in the order the kernel returns them."""
+def render_region_kernel(name: str, kernels: list[PlannedKernelText], wanted: list[str]) -> KernelSource:
+    """The region kernel ``name`` (see the module docstring). ``wanted``: the buffers the caller reads after the
+    launch (the region's outputs and the values it writes into its inputs); those a kernel writes are returned,
+    in that order. Its parameters are the buffers the kernels read and none writes, in order of first use."""
     written = {store.buffer.name: store.buffer for kernel in kernels for store in kinds.stores(kernel.node)}
-    missing = [buffer for buffer in returned if buffer not in written]
-    if missing:
-        raise ValueError(f"region kernel {name}: returned buffers {missing} are written by no kernel")
+    parameters = list(dict.fromkeys(
+        buffer for kernel in kernels for buffer in kernel.parameters if buffer not in written
+    ))
+    returned = [buffer for buffer in dict.fromkeys(wanted) if buffer in written]
+    if not returned:
+        raise ValueError(f"region kernel {name}: its kernels write none of the buffers the caller reads {wanted}")
     outputs = [written[buffer] for buffer in returned]
     scratch = [buffer for buffer_name, buffer in written.items() if buffer_name not in returned]
     with subkernel_form():
@@ -61,6 +64,6 @@ def render_region_kernel(name: str, kernels: list[PlannedKernelText], parameters
         "region.py.j2", name=name, description=description, subkernels=[text.strip("\n") for text in subkernels],
         parameters=parameters, outputs=[_allocation(buffer, "nl.shared_hbm") for buffer in outputs],
         scratch=[_allocation(buffer, "nl.hbm") for buffer in scratch], calls=calls,
-        returns=", ".join(returned) if returned else "None",
+        returns=", ".join(returned),
     )
     return KernelSource(name, source, tuple(parameters), tuple(outputs))

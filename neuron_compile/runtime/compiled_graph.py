@@ -233,13 +233,16 @@ class RegionModule(torch.nn.Module):
 
 
 def kernel_records(region_name: str, region) -> list[KernelRecord]:
-    """One KernelRecord per kernel of a compiled region, with its parameters' sizes and dtypes."""
+    """One KernelRecord per kernel of a compiled region, then one for the region kernel that launches them all
+    (where the region has one), with its parameters' sizes and dtypes."""
+    kernels = list(region.kernels)
+    kernels += [source for source in getattr(region, "launch_sources", []) if source not in kernels]
     buffers = {buffer.name: buffer for buffer in getattr(region, "inputs", [])}
     buffers.update(getattr(region, "buffers", {}) or {})
-    for kernel in region.kernels:
+    for kernel in kernels:
         buffers.update({buffer.name: buffer for buffer in getattr(kernel, "outputs", ())})
     records = []
-    for kernel in region.kernels:
+    for kernel in kernels:
         parameters = tuple((name, buffers[name].layout.span(), buffers[name].dtype)
                            for name in getattr(kernel, "parameters", ()) if name in buffers)
         records.append(KernelRecord(region_name, kernel.name, kernel.source, parameters))

@@ -1,7 +1,8 @@
 """Runtime stage: a compiled NKI region, ready to launch (``CompiledRegion``).
 
-Input: the region's input buffers, its kernels (each loaded by a launcher), the launcher, and where each graph
-output is read from. Output, per call: one torch tensor per graph output with eager's dtype, shape and strides,
+Input: the region's input buffers, its kernels, what is launched (loaded by a launcher: one region kernel that
+calls every kernel, codegen/region_text.py, or each kernel, with ``Config.launch_unit`` "kernel"), the launcher,
+and where each graph output is read from. Output, per call: one torch tensor per graph output with eager's dtype, shape and strides,
 aliasing what eager's would: a view of a region input is a view of that input; any other output is an ordinary
 (non-view) tensor over the torch-allocated storage of the buffer a kernel wrote, so it can be resized and
 written in place like eager's (``output_tensor``); graph inputs the region mutates are written after every
@@ -55,28 +56,34 @@ class CompiledRegion:
     """The region's kernels, ready to launch. Call with the region's tensors; returns a tuple of outputs."""
 
     def __init__(self, inputs, kernels, outputs, nki_nodes, target, decisions, buffers=None, mutations=(),
-                 output_dtypes=(), launcher: Launcher | None = None):
+                 output_dtypes=(), launcher: Launcher | None = None, launched=None):
         self.inputs: list[ir.Buffer] = inputs
         self.buffers: dict[str, ir.Buffer] = buffers or {}  # for buffers no kernel writes (empty tensors)
         self.mutations = list(mutations)  # (input buffer name, TensorValue) pairs: copy_ into a graph input
-        self._kernels: list[LoadedKernel] = kernels
+        self.kernels: list[KernelSource] = list(kernels)  # the region's kernels, in order
+        # What is launched, loaded by the launcher, in order: the region kernel that calls every kernel
+        # (codegen/region_text.py), or each kernel (launched=None: the kernels are loaded here).
+        self.launcher: Launcher = launcher if launcher is not None else select_launcher(target=target)
+        self.launched: list[LoadedKernel] = (
+            list(launched) if launched is not None else [self.launcher.load(source) for source in self.kernels]
+        )
         self.outputs = outputs  # TensorValue per graph output
         self.output_dtypes = list(output_dtypes)  # eager's torch dtype per output (int64 for int32 buffers)
         self.nki_nodes = nki_nodes
         self.target = target
         self.fusion_decisions: list[str] = decisions
-        # The launcher that loaded the kernels (None: the current config's, kernels loaded by the simulator).
-        self.launcher: Launcher = launcher if launcher is not None else select_launcher(target=target)
 
     @property
-    def kernels(self) -> list[KernelSource]:
-        return [kernel.source for kernel in self._kernels]
+    def launch_sources(self) -> list[KernelSource]:
+        """The sources launched per call: one region kernel, or every kernel."""
+        return [loaded.source for loaded in self.launched]
 
     def with_launcher(self, launcher: Launcher) -> CompiledRegion:
-        """The same region with its kernel sources loaded by ``launcher`` (the same text on another target)."""
+        """The same region with its launched sources loaded by ``launcher`` (the same text on another target)."""
         return CompiledRegion(
-            self.inputs, [launcher.load(kernel.source) for kernel in self._kernels], self.outputs, self.nki_nodes,
-            self.target, self.fusion_decisions, self.buffers, self.mutations, self.output_dtypes, launcher,
+            self.inputs, self.kernels, self.outputs, self.nki_nodes, self.target, self.fusion_decisions,
+            self.buffers, self.mutations, self.output_dtypes, launcher,
+            [launcher.load(source) for source in self.launch_sources],
         )
 
     def __call__(self, *tensors: torch.Tensor, validate=None):
@@ -89,7 +96,7 @@ class CompiledRegion:
             self._check_input(buffer, tensor)
             flat[buffer.name] = kernel_argument(tensor, buffer)
             storage[buffer.name] = torch.as_strided(tensor, (buffer.layout.span(),), (1,), tensor.storage_offset())
-        for kernel in self._kernels:
+        for kernel in self.launched:
             self._launch(kernel, flat)
         results = []
         for index, value in enumerate(self.outputs):

@@ -445,6 +445,7 @@ def _section_costs(trace: list[InstructionRecord], costs: list[InstructionCost],
     for name, indices in members.items():
         busy: dict[str, float] = {}
         hbm_bytes = flops = 0
+        compute_bound_s = 0.0
         for index in indices:
             record, cost = trace[index], costs[index]
             if _is_dma(record):
@@ -454,10 +455,13 @@ def _section_costs(trace: list[InstructionRecord], costs: list[InstructionCost],
                 engine, seconds = record.engine, cost.duration_ns * 1e-9
             busy[engine] = busy.get(engine, 0.0) + seconds
             flops += record.flops
+            compute_bound_s += record.flops / _peak_flops_per_s(record, target)
         start_ns = min(plan.timings[index].start_ns for index in indices)
         end_ns = max(plan.timings[index].end_ns for index in indices)
-        sections.append(SectionCost(name, max(0.0, end_ns - latest_end_ns) * 1e-9, busy, hbm_bytes, flops,
-                                    len(indices), start_ns * 1e-9, end_ns * 1e-9))
+        sections.append(SectionCost(
+            name, max(0.0, end_ns - latest_end_ns) * 1e-9, busy, hbm_bytes, flops, len(indices), start_ns * 1e-9,
+            end_ns * 1e-9, roofline_s=max(compute_bound_s, hbm_bytes / target.dma_bytes_per_s),
+        ))
         latest_end_ns = max(latest_end_ns, end_ns)
     return tuple(sections)
 

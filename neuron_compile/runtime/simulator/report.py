@@ -26,6 +26,7 @@ class SectionCost:
     instructions: int
     start_s: float
     end_s: float
+    roofline_s: float = 0.0  # max(its FLOPs / TensorE peak, its HBM bytes / bandwidth)
 
     @property
     def bottleneck(self) -> str:
@@ -33,6 +34,22 @@ class SectionCost:
         if not self.busy_s_per_engine:
             return "none"
         return max(self.busy_s_per_engine, key=self.busy_s_per_engine.get)
+
+    @property
+    def lower_bound_s(self) -> float:
+        """Its busiest engine's time: what it would take, alone, with every engine perfectly overlapped."""
+        return max(self.busy_s_per_engine.values(), default=0.0)
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    """One kernel's figures within a launch (``CostReport.kernel_costs``): what explain and the benches rank."""
+
+    name: str
+    est_time_s: float
+    lower_bound_s: float
+    roofline_s: float
+    bottleneck: str
 
 
 @dataclass(frozen=True)
@@ -78,6 +95,18 @@ class CostReport:
     @property
     def hbm_bytes(self) -> int:
         return self.hbm_bytes_read + self.hbm_bytes_written
+
+    def kernel_costs(self, launched: str, scope: str = "") -> list[KernelCost]:
+        """Per kernel the launch ran: the launch ``launched`` itself when it ran one kernel; a region kernel's
+        sections (each kernel's share of the schedule, named ``scope`` + the kernel's name) plus a
+        ``launched + " launch"`` entry for the fixed launch cost, when it ran several. Their times add up to
+        ``est_time_s``."""
+        if len(self.sections) <= 1:
+            return [KernelCost(launched, self.est_time_s, self.est_lower_bound_s, self.roofline_s, self.bottleneck)]
+        costs = [KernelCost(f"{launched} launch", self.launch_s, self.launch_s, 0.0, "launch")]
+        costs += [KernelCost(scope + section.name, section.est_time_s, section.lower_bound_s, section.roofline_s,
+                             section.bottleneck) for section in self.sections]
+        return costs
 
     @property
     def achieved_flops_per_s(self) -> float:
@@ -126,6 +155,10 @@ class CostReport:
         ]
         if self.unmodeled:
             lines.append("  costed by a fallback formula: " + ", ".join(self.unmodeled))
+        if len(self.sections) > 1:
+            lines.append(f"  {len(self.sections)} kernels in this launch (each one's share of the schedule, us):")
+            lines += [f"    {section.name:<28}{section.est_time_s * 1e6:>10.2f}  {section.bottleneck}"
+                      for section in self.sections]
         return "\n".join(lines)
 
 
