@@ -10,7 +10,8 @@ eagerly and compiles the decode step. Columns:
 * compiles: Dynamo graphs compiled (``graphs_compiled``) / compiles of our dispatch (``cache_misses``: one per
   graph and signature; recompiles of a graph are counted in the second);
 * compiled steps: decode steps that ran the compiled graph, of all decode steps;
-* kernels / step, est us / token: the launches of one compiled decode step (all launches / compiled steps) and the
+* kernels (launches) / step, est us / token: the kernels of one compiled decode step and the launches that ran them
+  (one per NKI region with the default ``NEURON_COMPILE_LAUNCH_UNIT=region``; all / compiled steps) and the
   sum of their cost reports' ``est_time_s`` (trn2, our simulator's schedule);
 * roofline us / token: (weight bytes + KV-cache bytes) / trn2 DMA bandwidth (``hardware.py``): every weight read
   once per token (the input embedding one row; tied weights once), and the static cache as the attention reads it
@@ -64,6 +65,7 @@ class Row:
     compiled_steps: int
     decode_steps: int
     kernels_per_step: float
+    launches_per_step: float
     eager_nodes: int
     est_s: float
     roofline_s: float
@@ -144,33 +146,41 @@ def measure(name: str, arch: str, overrides: dict, dtype: torch.dtype, new_token
     roofline = roofline_bytes(model, PROMPT, new_tokens, cache_len) / get_target("trn2").dma_bytes_per_s
     return Row(
         name, torch.equal(actual, expected), stats["graphs_compiled"], stats["cache_misses"], calls,
-        decode_steps, len(launches) / max(calls, 1), eager, est / max(calls, 1), roofline,
+        decode_steps, kernel_count(reports) / max(calls, 1), len(launches) / max(calls, 1), eager,
+        est / max(calls, 1), roofline,
         "; ".join(notes), time.time() - started, breakdown(reports, max(calls, 1)),
     )
 
 
+def kernel_count(reports: list) -> int:
+    """The kernels the launches ran (a region kernel runs several)."""
+    return sum(1 for kernel, report in reports for cost in report.kernel_costs(kernel) if cost.bottleneck != "launch")
+
+
 def breakdown(reports: list, steps: int) -> str:
-    """Per token: est us by kernel kind (the name's stem: matmul, pointwise, ...), and the launch cost in it."""
+    """Per token: est us by kernel kind (the name's stem: matmul, pointwise, ...: each kernel's share of its launch's
+    schedule), then the launch costs."""
     kinds: dict[str, float] = {}
-    for kernel, report in reports:
-        for cost in report.kernel_costs(kernel):
-            kind = "launch" if cost.bottleneck == "launch" else cost.name.split("_kernel")[0]
-            kinds[kind] = kinds.get(kind, 0.0) + float(cost.est_time_s) / steps
+    for _, report in reports:
+        for section in report.sections:
+            kind = section.name.split("_kernel")[0]
+            kinds[kind] = kinds.get(kind, 0.0) + float(section.est_time_s) / steps
     launch = sum(float(report.launch_s) for _, report in reports) / steps
     parts = [f"{kind} {seconds * 1e6:.0f}" for kind, seconds in sorted(kinds.items(), key=lambda item: -item[1])]
-    return ", ".join(parts) + f" us (of which kernel launches {launch * 1e6:.0f} us)"
+    return ", ".join(parts) + f" us, and kernel launches {launch * 1e6:.0f} us"
 
 
 def format_table(rows: list[Row]) -> str:
     lines = [
-        "| model | tokens equal | compiles (Dynamo / ours) | compiled steps | kernels / step | eager nodes / step "
-        "| est us / token | roofline us / token | est / roofline | wall s | notes |",
+        "| model | tokens equal | compiles (Dynamo / ours) | compiled steps | kernels (launches) / step "
+        "| eager nodes / step | est us / token | roofline us / token | est / roofline | wall s | notes |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row.model} | {'yes' if row.equal else 'no'} | {row.dynamo_graphs} / {row.dispatch_compiles} "
-            f"| {row.compiled_steps} of {row.decode_steps} | {row.kernels_per_step:.0f} | {row.eager_nodes} "
+            f"| {row.compiled_steps} of {row.decode_steps} | {row.kernels_per_step:.0f} ({row.launches_per_step:.0f}) "
+            f"| {row.eager_nodes} "
             f"| {row.est_s * 1e6:.1f} | {row.roofline_s * 1e6:.2f} | {row.est_s / row.roofline_s:.1f}x "
             f"| {row.wall_s:.0f} | {row.notes} |"
         )

@@ -224,6 +224,22 @@ def anchor(label: str) -> str:
     return "k-" + "".join(char if char.isalnum() else "-" for char in label)
 
 
+def sections_html(report) -> str:
+    """A region kernel's kernels, each with its span in the launch's schedule and its share of the time."""
+    if len(report.sections) <= 1:
+        return ""
+    rows = "".join(
+        f'<tr><td>{html.escape(section.name)}</td><td class="num">{us(section.start_s)}</td>'
+        f'<td class="num">{us(section.end_s)}</td><td class="num">{us(section.est_time_s)}</td>'
+        f'<td class="num">{us(section.lower_bound_s)}</td><td>{html.escape(section.bottleneck)}</td></tr>'
+        for section in report.sections
+    )
+    return (f'<p>{len(report.sections)} kernels in this launch, in call order; each one\'s share is how far it '
+            'pushed the end of the schedule (the rest of its time overlaps the kernels before it).</p>'
+            '<table class="sections"><tr><th>kernel</th><th>starts</th><th>ends</th><th>share</th>'
+            f'<th>lower bound</th><th>bottleneck</th></tr>{rows}</table>')
+
+
 def kernel_html(view: KernelView) -> str:
     report = view.launches[0].report
     parts = [f'<section class="kernel" id="{anchor(view.label)}" data-kernel="{html.escape(view.label)}">'
@@ -236,6 +252,7 @@ def kernel_html(view: KernelView) -> str:
                  f'{us(report.est_lower_bound_s)}, roofline {us(report.roofline_s)} ({ratio}); bottleneck '
                  f'<b>{html.escape(report.bottleneck)}</b>; HBM {report.hbm_bytes} bytes, {report.flops} FLOPs.</p>')
     parts.append(time_bar(report, max(report.est_time_s, report.roofline_s)))
+    parts.append(sections_html(report))
     if view.run is not None and view.run.trace:
         parts.append(f'<p class="note">the schedule of the first launch ({len(view.run.trace)} instructions, '
                      f'{us(report.device_time_s)}; the launch cost is not drawn)</p>')

@@ -85,6 +85,43 @@ def test_heads_viewed_from_projections_and_grouped_query_attention():
                         tolerances=TOLERANCES)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_takes_a_query_group_as_one_tile(dtype):
+    """One query per head (a decode step) with grouped-query attention: the four query heads of a group are the
+    rows of one query tile (domain [batch, kv heads, 1, group, depth]), with a mask that differs per head."""
+    q = random_tensor((2, 1, 8, 64), dtype, seed=5).transpose(1, 2)  # [batch, 1, heads, depth] viewed heads first
+    k, v = (random_tensor((2, 2, 300, 64), dtype, seed=seed) for seed in (6, 7))
+    mask = random_tensor((2, 8, 1, 300), dtype, seed=8)
+    mask[1, 5, 0, :290] = float("-inf")  # one head of the second batch sees ten keys only
+    region = check_against_eager(lambda q, k, v, m: SDPA(q, k, v, attn_mask=m, enable_gqa=True), q, k, v, mask,
+                                 tolerances=TOLERANCES)
+    (kernel,) = [kernel for kernel in region.kernels if kernel.name.startswith("attention_kernel")]
+    assert "Attention kernel_" in kernel.source and "domain=[2, 2, 1, 4, 64]" in kernel.source
+    # the causal one-query case keeps a tile per head (is_causal puts its one query at key 0)
+    region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=True, enable_gqa=True), q, k, v,
+                                 tolerances=TOLERANCES)
+    assert "domain=[2, 2, 4, 1, 64]" in region.kernels[0].source
+
+
+def test_a_one_query_training_step_with_a_query_group_as_one_tile():
+    """The folded group through the training forward (its log-sum-exp rows) and the backward."""
+    base = list(qkv(1, 6, 1, 70, 32, torch.float32, kv_heads=2))
+
+    def attention(q, k, v):
+        return SDPA(q, k, v, enable_gqa=True)
+
+    torch._dynamo.reset()
+    neuron_compile.reset_stats()
+    with config.patch(fallback="raise"):
+        got = attention_grads(torch.compile(attention, backend="neuron"), base, torch.float32)
+    assert neuron_compile.stats()["fallback_nodes"] == 0
+    forward = [kernel.source for record in neuron_compile.compiled_records() if record.kind == "forward"
+               for kernel in record.kernels if kernel.name.startswith("attention_kernel")]
+    assert len(forward) == 1 and "domain=[1, 2, 1, 3, 32]" in forward[0]  # the three query heads as rows
+    for ours, eager in zip(got, attention_grads(attention, base, torch.float32), strict=True):
+        torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_scores_never_touch_hbm(causal):
     """One kernel; HBM traffic is q, k, v and the output once each, with k and v shared by a query group."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 import textwrap
 
 import numpy as np
@@ -191,3 +192,16 @@ def test_launch_unit_reaches_the_backend():
         launched[unit] = stats.snapshot()["kernels_launched"] - before
         torch.testing.assert_close(result, model(x, w), rtol=1e-5, atol=1e-5)
     assert launched == {"region": 1, "kernel": 2}
+
+
+def test_profile_page_lists_a_region_kernels_kernels():
+    from neuron_compile import profile_page
+
+    fn, make_inputs = CASES["mlp_softmax"]
+    inputs = make_inputs()
+    region = _region(fn, inputs, "region")
+    (report,) = _launch_reports(region, inputs)
+    table = profile_page.sections_html(report)
+    rows = re.findall(r"<tr><td>(\w+)</td>", table)
+    assert rows == [kernel.name for kernel in region.kernels]
+    assert profile_page.sections_html(_launch_reports(_region(fn, inputs, "kernel"), inputs)[0]) == ""

@@ -100,6 +100,20 @@ def share_heads(layout: ir.Layout, group: int) -> ir.Layout:
     return ir.Layout(tuple(shape), tuple(strides), layout.offset)
 
 
+def fold_group(layout: ir.Layout, shared: bool) -> ir.Layout:
+    """[..., H_kv, group, 1, X] as [..., H_kv, 1, group, X]: a one-query (decode) step's query heads of one group
+    become the rows of one query tile, which share the group's keys and values, instead of a tile of one row each
+    (every VectorE / ScalarE instruction over the scores then does the group's work at once). ``shared``: k or v,
+    [..., H_kv, group (stride 0), S, D], whose group dim becomes a dim of one."""
+    shape, strides = list(layout.shape), list(layout.strides)
+    if shared:
+        shape[-3] = 1
+    else:
+        shape[-3], shape[-2] = shape[-2], shape[-3]
+        strides[-3], strides[-2] = strides[-2], strides[-3]
+    return ir.Layout(tuple(shape), tuple(strides), layout.offset)
+
+
 def _lower(ctx, node, out_meta, logsumexp: ir.Buffer | None = None) -> TensorValue:
     options = _options(node)
     q, k, v = (ctx.value(arg) for arg in node.args[:3])
@@ -113,6 +127,13 @@ def _lower(ctx, node, out_meta, logsumexp: ir.Buffer | None = None) -> TensorVal
         k = TensorValue(k.buffer, share_heads(k.layout, group), k.dtype)
         v = TensorValue(v.buffer, share_heads(v.layout, group), v.dtype)
         out_layout = split_heads(out.layout, kv_heads, group)
+    # Decode (one query, no causal diagonal to place): the group's query heads as the query tile's rows.
+    folded = group > 1 and q.layout.shape[-2] == 1 and not options["is_causal"]
+    if folded:
+        q = TensorValue(q.buffer, fold_group(q.layout, shared=False), q.dtype)
+        k = TensorValue(k.buffer, fold_group(k.layout, shared=True), k.dtype)
+        v = TensorValue(v.buffer, fold_group(v.layout, shared=True), v.dtype)
+        out_layout = fold_group(out_layout, shared=False)
     *batch, queries, depth = q.layout.shape
     keys = k.layout.shape[-2]
     scale = options["scale"] if options["scale"] is not None else 1.0 / math.sqrt(depth)
@@ -122,12 +143,15 @@ def _lower(ctx, node, out_meta, logsumexp: ir.Buffer | None = None) -> TensorVal
         mask_layout = broadcast_layout(mask_value.layout, unsplit_scores)
         if group > 1:
             mask_layout = split_heads(mask_layout, kv_heads, group)
+        if folded:
+            mask_layout = fold_group(mask_layout, shared=False)
         mask = ir.Load(mask_value.buffer, broadcast_layout(mask_layout, (*batch, queries, keys)), mask_value.dtype)
     if ctx.flash_attention and flash_attention_reason(depth, v.layout.shape[-1], scale, ctx.target) is None:
         logsumexp_store = None
         if logsumexp is not None:  # [..., H, Sq] as a (P, 1) column per query tile: stride 0 on the head dim
             rows = ir.Layout((*logsumexp.layout.shape, 1), (*logsumexp.layout.strides, 0), logsumexp.layout.offset)
             rows = split_heads(rows, kv_heads, group) if group > 1 else rows
+            rows = fold_group(rows, shared=False) if folded else rows
             layout = ir.Layout(out_layout.shape, (*rows.strides[:-1], 0), rows.offset)
             logsumexp_store = ir.Store(logsumexp, ir.Result(), layout)
         ctx.emit(ir.Attention(ctx.fresh_name("kernel"), out_layout.shape, ir.Load(q.buffer, q.layout, q.dtype),

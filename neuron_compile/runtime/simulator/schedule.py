@@ -37,6 +37,7 @@ generation on GpSimd, HBM refresh and contention with other cores.
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -179,14 +180,34 @@ class _Units:
         """Reserve ``wanted`` units for ``duration`` ns from the earliest start >= ``ready`` at which that
         many are all idle; the start."""
         wanted = min(wanted, len(self.busy))
-        candidates = sorted({ready} | {end for intervals in self.busy for _, end in intervals if end > ready})
-        for start in candidates:
+        for start in self._candidate_starts(ready):
             idle = [unit for unit in range(len(self.busy)) if self._idle(unit, start, start + duration)]
             if len(idle) >= wanted:
                 for unit in idle[:wanted]:
                     self._reserve(unit, start, start + duration)
                 return start
         raise AssertionError("unreachable: every unit is idle after its last interval")
+
+    def _candidate_starts(self, ready: float):
+        """``ready``, then every interval end after it, ascending (the earliest start is one of them): merged
+        lazily from each unit's sorted intervals, so that a long schedule costs its few first candidates only."""
+        yield ready
+        heap = []
+        for unit, intervals in enumerate(self.busy):
+            index = bisect.bisect_right(intervals, [ready, float("inf")])
+            if index and intervals[index - 1][1] > ready:
+                index -= 1
+            if index < len(intervals):
+                heap.append((intervals[index][1], unit, index))
+        heapq.heapify(heap)
+        previous = ready
+        while heap:
+            end, unit, index = heapq.heappop(heap)
+            if index + 1 < len(self.busy[unit]):
+                heapq.heappush(heap, (self.busy[unit][index + 1][1], unit, index + 1))
+            if end > previous:
+                previous = end
+                yield end
 
 
 @dataclass
