@@ -50,7 +50,7 @@ from neuron_compile.version import __version__
 
 log = logging.getLogger("neuron_compile")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a rendered region holds its region kernel ("launch")
 OFF = "off"
 LOCK_TIMEOUT_S = 120.0
 LOCK_POLL_S = 0.02
