@@ -103,6 +103,26 @@ def test_a_decode_step_takes_a_query_group_as_one_tile(dtype):
     assert "domain=[2, 2, 4, 1, 64]" in region.kernels[0].source
 
 
+def repeat_kv(x, group):
+    """transformers' repeat_kv: each key/value head repeated for its query heads, a copy."""
+    batch, heads, seq, depth = x.shape
+    return x[:, :, None, :, :].expand(batch, heads, group, seq, depth).reshape(batch, heads * group, seq, depth)
+
+
+def test_repeated_key_value_heads_are_read_as_a_group_not_copied():
+    q = random_tensor((1, 8, 1, 64), torch.bfloat16, seed=5)
+    k, v = (random_tensor((1, 2, 200, 64), torch.bfloat16, seed=seed) for seed in (6, 7))
+    mask = random_tensor((1, 1, 1, 200), torch.bfloat16, seed=8)
+    region = check_against_eager(lambda q, k, v, m: SDPA(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=m),
+                                 q, k, v, mask, tolerances=TOLERANCES)
+    assert attention_kernels(region) == [kernel.name for kernel in region.kernels]  # no copy kernel
+    assert "domain=[1, 2, 1, 4, 64]" in region.kernels[0].source
+    # repeated by different groups, or not from unsqueeze(x, 2): the copies stay, and the answer is eager's
+    region = check_against_eager(lambda q, k, v, m: SDPA(q, repeat_kv(k, 4), repeat_kv(v, 4).flip(1), attn_mask=m),
+                                 q, k, v, mask, tolerances=TOLERANCES)
+    assert len(region.kernels) > 1
+
+
 def test_a_one_query_training_step_with_a_query_group_as_one_tile():
     """The folded group through the training forward (its log-sum-exp rows) and the backward."""
     base = list(qkv(1, 6, 1, 70, 32, torch.float32, kv_heads=2))

@@ -114,9 +114,49 @@ def fold_group(layout: ir.Layout, shared: bool) -> ir.Layout:
     return ir.Layout(tuple(shape), tuple(strides), layout.offset)
 
 
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def repeated_heads(arg) -> tuple[torch.fx.Node, int] | None:
+    """(x, group) when ``arg`` repeats each head of ``x`` [B, H_kv, S, D] ``group`` times, as transformers'
+    ``repeat_kv`` does before SDPA when it does not pass ``enable_gqa``:
+    ``view(clone(expand(unsqueeze(x, 2), [B, H_kv, group, S, D])), [B, H_kv * group, S, D])``. Attention reads x
+    with a stride-0 group dim instead, and the repeating copy, read by nothing else, is pruned."""
+    if not isinstance(arg, torch.fx.Node) or arg.target not in VIEWS:
+        return None
+    inner = arg.args[0]
+    if isinstance(inner, torch.fx.Node) and inner.target is aten.clone.default:
+        inner = inner.args[0]
+    if not isinstance(inner, torch.fx.Node) or inner.target is not aten.expand.default:
+        return None
+    unsqueezed = inner.args[0]
+    if not isinstance(unsqueezed, torch.fx.Node) or unsqueezed.target is not aten.unsqueeze.default \
+            or unsqueezed.args[1] not in (2, -3):
+        return None
+    source = unsqueezed.args[0]
+    shape, sizes = list(source.meta["val"].shape), list(inner.args[1])
+    if len(shape) != 4 or len(sizes) != 5 or [*sizes[:2], *sizes[3:]] != shape:
+        return None
+    group = sizes[2]
+    if list(arg.meta["val"].shape) != [shape[0], shape[1] * group, *shape[2:]]:
+        return None
+    return source, group
+
+
+def _unrepeated(ctx, k_arg, v_arg) -> tuple[TensorValue, TensorValue] | None:
+    """k and v before a ``repeat_kv`` of both by the same group (see ``repeated_heads``), or None."""
+    k_source, v_source = repeated_heads(k_arg), repeated_heads(v_arg)
+    if k_source is None or v_source is None or k_source[1] != v_source[1]:
+        return None
+    return ctx.value(k_source[0]), ctx.value(v_source[0])
+
+
 def _lower(ctx, node, out_meta, logsumexp: ir.Buffer | None = None) -> TensorValue:
     options = _options(node)
     q, k, v = (ctx.value(arg) for arg in node.args[:3])
+    unrepeated = _unrepeated(ctx, *node.args[1:3])
+    if unrepeated is not None:  # grouped-query attention that transformers spelled out as a copy
+        k, v = unrepeated
     out = ctx.new_buffer(out_meta, "attention")
     out_layout = out.layout
     unsplit_scores = (*q.layout.shape[:-1], k.layout.shape[-2])  # [..., H, Sq, Sk] as eager broadcasts masks to
