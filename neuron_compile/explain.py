@@ -110,7 +110,8 @@ def kernel_totals(observation) -> list[KernelTotal]:
 def kernel_lines(observation, shown: int = KERNELS_SHOWN) -> list[str]:
     totals = kernel_totals(observation)
     overall = sum(total.est_s for total in totals)
-    lines = [f"== kernels by estimated time: {len(totals)} kernel(s), {len(observation.launches)} launch(es), "
+    kernels = sum(1 for total in totals if total.bottleneck != "launch")
+    lines = [f"== kernels by estimated time: {kernels} kernel(s), {len(observation.launches)} launch(es), "
              f"{overall * 1e6:.1f} us in all (trn cost model)"]
     if not totals:
         return [*lines, "  no kernel was launched"]

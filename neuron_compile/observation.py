@@ -44,7 +44,7 @@ class Observation:
         """``graph_001 inference nki_region_0.matmul_kernel_0``: where a launched kernel came from."""
         source = getattr(launch.source, "source", None)
         for record in self.records:
-            for kernel in record.kernels:
+            for kernel in [*record.kernels, *record.region_kernels]:
                 if kernel.name == launch.kernel and (source is None or kernel.source == source):
                     return f"graph_{record.dynamo_graph:03d} {record.kind} {kernel.region}.{kernel.name}"
         return launch.kernel

@@ -205,3 +205,26 @@ def test_profile_page_lists_a_region_kernels_kernels():
     rows = re.findall(r"<tr><td>(\w+)</td>", table)
     assert rows == [kernel.name for kernel in region.kernels]
     assert profile_page.sections_html(_launch_reports(_region(fn, inputs, "kernel"), inputs)[0]) == ""
+
+
+def test_explain_ranks_a_region_kernels_kernels_and_its_launch_cost():
+    from neuron_compile import explain
+    from neuron_compile.observation import observe
+
+    def model(x, w):
+        return torch.softmax(x @ w, -1).sum(0)
+
+    x, w = torch.randn(32, 48), torch.randn(48, 40)
+    with config.patch(cache_dir="off"), observe() as observation:
+        torch.compile(model, backend="neuron")(x, w)
+    (record,) = observation.records
+    assert [kernel.name for kernel in record.region_kernels] == ["region_kernel"]
+    names = [kernel.name for kernel in record.kernels]
+    assert len(names) >= 2 and "region_kernel" not in names
+    lines = explain.kernel_lines(observation)
+    assert lines[0].startswith(f"== kernels by estimated time: {len(names)} kernel(s), 1 launch(es)")
+    rows = [line.split() for line in lines[2:]]
+    labels = {row[3] for row in rows}
+    assert labels == {f"nki_region_0.{name}" for name in names} | {"nki_region_0.region_kernel"}
+    (launch_row,) = [row for row in rows if row[-1] == "launch"]
+    assert float(launch_row[-6]) == pytest.approx(5.0)  # the launch cost, once

@@ -59,6 +59,8 @@ class CompiledGraphRecord:
     partitioned_graph: str  # the top-level graph after partitioning (regions appear as call_module)
     report: PartitionReport
     kernels: list[KernelRecord] = dataclasses.field(default_factory=list)
+    # Per region launched as one kernel, that region kernel (it calls the region's kernels in order).
+    region_kernels: list[KernelRecord] = dataclasses.field(default_factory=list)
     failures: list[str] = dataclasses.field(default_factory=list)  # one message per region that fell back
     # Per region, the fusion pass's decisions (why nodes were or were not fused), when the region reports them.
     fusion_decisions: dict[str, list[str]] = dataclasses.field(default_factory=dict)
@@ -78,7 +80,7 @@ class CompiledGraphRecord:
         parts += [f"!! {failure}" for failure in self.failures]
         for region, decisions in self.fusion_decisions.items():
             parts += [f"== fusion decisions ({region}) ==", *decisions]
-        for kernel in self.kernels:
+        for kernel in [*self.kernels, *self.region_kernels]:
             parts += [f"== kernel {kernel.name} ({kernel.region}) ==", kernel.source]
         for name, region, text in self.pass_dumps:
             parts += [f"== after pass {name}" + (f" ({region})" if region else "") + " ==", text]
@@ -196,7 +198,8 @@ class RegionModule(torch.nn.Module):
             self.costs_dumped = True  # the first launch's reports: later launches of a kernel cost the same
             with stats.record_launches() as launches:
                 outputs = self.run(*tensors)
-            mine = {kernel.name for kernel in self.record.kernels if kernel.region == self.region_name}
+            mine = {kernel.name for kernel in [*self.record.kernels, *self.record.region_kernels]
+                    if kernel.region == self.region_name}
             reports = {f"{self.region_name}.{launch.kernel}": launch.report for launch in launches
                        if launch.kernel in mine}
             if dump_dir:
@@ -232,11 +235,12 @@ class RegionModule(torch.nn.Module):
             return self.eager(*tensors)
 
 
-def kernel_records(region_name: str, region) -> list[KernelRecord]:
-    """One KernelRecord per kernel of a compiled region, then one for the region kernel that launches them all
-    (where the region has one), with its parameters' sizes and dtypes."""
+def kernel_records(region_name: str, region, launched: bool = False) -> list[KernelRecord]:
+    """One KernelRecord per kernel of a compiled region (``launched``: per region kernel it launches instead of
+    its kernels, none when it launches each kernel), with its parameters' sizes and dtypes."""
     kernels = list(region.kernels)
-    kernels += [source for source in getattr(region, "launch_sources", []) if source not in kernels]
+    if launched:
+        kernels = [source for source in getattr(region, "launch_sources", []) if source not in kernels]
     buffers = {buffer.name: buffer for buffer in getattr(region, "inputs", [])}
     buffers.update(getattr(region, "buffers", {}) or {})
     for kernel in kernels:
@@ -309,6 +313,7 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
         else:
             stats.add(regions_compiled=1, nki_nodes=int(getattr(region, "nki_nodes", 0)))
             record.kernels += kernel_records(name, region)
+            record.region_kernels += kernel_records(name, region, launched=True)
             decisions = getattr(region, "fusion_decisions", None)  # optional in the CompiledRegion interface
             if decisions:
                 record.fusion_decisions[name] = [str(decision) for decision in decisions]

@@ -128,7 +128,7 @@ def record_files(record) -> dict[str, str]:
         "record.txt": str(record) + "\n",
         **_pass_files(record),
     }
-    for kernel in record.kernels:
+    for kernel in [*record.kernels, *record.region_kernels]:
         files[f"kernels/{safe_name(kernel.region)}.{safe_name(kernel.name)}.py"] = standalone_kernel(kernel)
     return files
 
@@ -176,6 +176,7 @@ def index_data(events, records, graph_breaks, recompiles, dump_dir: str, names: 
                 "folder": os.path.relpath(record_folder(dump_dir, record), dump_dir),
                 "nki_regions": len(record.report.regions), "eager_ops": len(record.report.eager),
                 "kernels": [f"{kernel.region}.{kernel.name}" for kernel in record.kernels],
+                "region_kernels": [f"{kernel.region}.{kernel.name}" for kernel in record.region_kernels],
                 "failures": list(record.failures),
             } for record in aten],
         })
