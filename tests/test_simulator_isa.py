@@ -458,3 +458,37 @@ def test_get_nc_version_follows_target():
 
     assert nki.run_kernel(kernel, [], target="trn1").outputs[0][0, 0] == 2
     assert nki.run_kernel(kernel, [], target="trn3").outputs[0][0, 0] == 4
+
+
+@settings(max_examples=10, deadline=None)
+@given(p=partitions, f=free_sizes, reverse=st.booleans(), scalar=st.booleans())
+def test_tensor_copy_predicated_copies_where_the_predicate_holds(p, f, reverse, scalar):
+    a, b = _random((p, f), F32, 1), _random((p, f), F32, 2)
+    a[0, 0], b[-1, -1] = np.inf, np.nan  # an exact select passes them through
+    pred = (_random((p, f), F32, 3) > 0).astype(np.uint8)
+
+    def kernel(x, y, m):
+        out = _load(y)
+        nisa.tensor_copy_predicated(dst=out, src=2.5 if scalar else _load(x), predicate=_load(m), reverse_pred=reverse)
+        return _store(out)
+
+    chosen = (pred == 0) if reverse else (pred != 0)
+    golden = np.where(chosen, np.float32(2.5) if scalar else a, b)
+    np.testing.assert_array_equal(_run(kernel, a, b, pred), golden)
+
+
+@pytest.mark.parametrize("case,rule", [("float predicate", "err_predicate_dtype"),
+                                       ("dtype mismatch", "err_predicated_copy_dtype")])
+def test_tensor_copy_predicated_rejects_what_the_hardware_does(case, rule):
+    a = np.ones((4, 8), F32)
+
+    def kernel(x):
+        out = _load(x)
+        if case == "float predicate":
+            nisa.tensor_copy_predicated(dst=out, src=_load(x), predicate=_load(x))
+        else:
+            nisa.tensor_copy_predicated(dst=out, src=_load(x, nl.bfloat16), predicate=_load(x, nl.uint8))
+        return _store(out)
+
+    with pytest.raises(nki.NkiValidationError, match=rule):
+        _run(kernel, a)

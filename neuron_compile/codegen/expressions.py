@@ -368,10 +368,10 @@ def _emit_cast(dtype: str, source: Ref, vector: bool, scope: TileScope, lines: l
 
 # Scratch tiles private to one instruction sequence (where, copysign, pow, the inverse power of two): dead once
 # its result is written, so every sequence in the scope shares them; big math expressions then need a few scratch
-# tiles, not a few per op. Role -> name stem: fp32 copies of operands, then int32 bit patterns (int0 and int1 serve
-# where, copysign and the inverse power of two; int2 and int3 only where's mask and selected bits).
-SCRATCH_STEMS = {"true": "first_operand", "false": "second_operand", "cond": "condition", "int0": "bits",
-                 "int1": "bits", "int2": "mask", "int3": "selected_bits"}
+# tiles, not a few per op. Role -> name stem: fp32 copies of operands, where's uint8 predicate, then the int32 bit
+# patterns of copysign and the inverse power of two.
+SCRATCH_STEMS = {"true": "first_operand", "false": "second_operand", "cond": "condition", "predicate": "predicate",
+                 "int0": "bits", "int1": "bits"}
 
 
 def _scratch(scope: TileScope, role: str, dtype: str = "float32", vector: bool = False) -> str:
@@ -450,27 +450,42 @@ def _emit_pow(args, dst, vector, scope, lines) -> None:
 
 
 def _emit_where(args, dst, vector, scope, lines) -> None:
-    """dst = b ^ ((a ^ b) & mask) on the fp32 bit patterns, mask = 0 - (condition != 0): an exact select
-    (inf and nan pass through untouched; an arithmetic blend c * a + (1 - c) * b would make 0 * inf = nan).
-    Over (P, 1) row vectors (every operand constant along the free axis, e.g. a one-column domain) it works on
-    [rows, 1] slices."""
+    """dst = on_false, then ``tensor_copy_predicated`` of on_true where the condition holds: an exact select (inf
+    and nan pass through untouched; an arithmetic blend c * a + (1 - c) * b would make 0 * inf = nan). A number
+    is a memset or the copy's scalar source. Over (P, 1) row vectors (every operand constant along the free axis,
+    e.g. a one-column domain) it works on [rows, 1] slices."""
     condition, on_true, on_false = args
     if condition.value is not None:
         raise ExpressionError("where with a constant condition")
-    true_tile = _fp32_text(on_true, vector, scope, lines, "true")
-    false_tile = _fp32_text(on_false, vector, scope, lines, "false")
-    window = scope.window(vector)
-    condition_int, zero, mask, bits = (f"{_scratch(scope, f'int{i}', 'int32', vector)}{window}" for i in range(4))
-    lines += [
-        f"nisa.tensor_copy(dst={condition_int}, src={_fp32_text(condition, vector, scope, lines, 'cond')})",
-        f"nisa.memset(dst={zero}, value=0)",
-        f"nisa.tensor_tensor(dst={mask}, data1={zero}, data2={condition_int}, op=nl.subtract)",
-        f"nisa.tensor_tensor(dst={bits}, data1={true_tile}.view(nl.int32), data2={false_tile}.view(nl.int32), "
-        "op=nl.bitwise_xor)",
-        f"nisa.tensor_tensor(dst={bits}, data1={bits}, data2={mask}, op=nl.bitwise_and)",
-        f"nisa.tensor_tensor(dst={dst}.view(nl.int32), data1={false_tile}.view(nl.int32), data2={bits}, "
-        "op=nl.bitwise_xor)",
-    ]
+    predicate = _predicate_text(condition, vector, scope, lines)
+    true_text = _select_source(on_true, vector, scope, lines, "true")
+    if true_text == dst:  # dst already holds on_true: bring on_false in where the condition fails
+        false_text = _select_source(on_false, vector, scope, lines, "false")
+        lines.append(f"nisa.tensor_copy_predicated(dst={dst}, src={false_text}, predicate={predicate}, "
+                     "reverse_pred=True)")
+        return
+    if on_false.value is not None:
+        lines.append(f"nisa.memset(dst={dst}, value={number(on_false.value)})")
+    else:
+        false_text = _fp32_text(on_false, vector, scope, lines, "false")
+        if false_text != dst:
+            lines.append(f"nisa.tensor_copy(dst={dst}, src={false_text})")
+    lines.append(f"nisa.tensor_copy_predicated(dst={dst}, src={true_text}, predicate={predicate})")
+
+
+def _select_source(ref: Ref, vector: bool, scope: TileScope, lines: list[str], role: str) -> str:
+    """A number as itself (the predicated copy's scalar source), anything else as an fp32 slice."""
+    return number(ref.value) if ref.value is not None else _fp32_text(ref, vector, scope, lines, role)
+
+
+def _predicate_text(condition: Ref, vector: bool, scope: TileScope, lines: list[str]) -> str:
+    """The condition as the uint8 predicate tensor_copy_predicated reads: a bool tile of the same kind as is, else
+    its 0 / 1 values converted."""
+    if condition.tile is not None and condition.dtype == "bool" and condition.vector == vector:
+        return scope.ref_text(condition)
+    predicate = f"{_scratch(scope, 'predicate', 'bool', vector)}{scope.window(vector)}"
+    lines.append(f"nisa.tensor_copy(dst={predicate}, src={_fp32_text(condition, vector, scope, lines, 'cond')})")
+    return predicate
 
 
 def _emit_copysign(args, dst, vector, scope, lines) -> None:

@@ -156,7 +156,7 @@ def _launch(fn, args, kwargs, target: Target, lnc: int) -> tuple[KernelRun, obje
     with single_threaded_blas():  # thousands of small matmuls: threads cost more than they give
         for pid in range(lnc):
             context = KernelContext(target=target, program_id=pid, num_programs=lnc, trace=trace,
-                                    shared_reuse=shared_outputs, launched=True)
+                                    shared_reuse=shared_outputs, launched=True, launch_frame=sys._getframe())
             with kernel_context(context):
                 result = fn(*hbm_args, **hbm_kwargs)
             if not shared_outputs:

@@ -16,6 +16,7 @@ nc_matmul (TensorE)                   max(min(64, N_stationary), N_moving); x4 w
 nc_transpose                          TensorE max(P, min(64, F)); VectorE max(MIN_II, N)
 activation / exponential (ScalarE)    max(MIN_II, N); + MIN_II with a reduction (activation_reduce)
 tensor_scalar, tensor_copy            max(MIN_II, N)
+tensor_copy_predicated                max(MIN_II, N) [I: a tensor_copy that also reads its predicate]
 tensor_tensor                         max(MIN_II, 2N); max(MIN_II, N) with a PSUM input or all-bf16
                                       contiguous add/multiply/subtract
 tensor_reduce                         N (N/2 for bf16 add/max)
@@ -215,6 +216,7 @@ _STREAMING = {
     "exponential": lambda r, n: n,
     "tensor_scalar": lambda r, n: n,
     "tensor_copy": lambda r, n: n,
+    "tensor_copy_predicated": lambda r, n: n,
     "tensor_tensor": _tensor_tensor_cycles,
     "tensor_reduce": _tensor_reduce_cycles,
     "memset": _memset_cycles,

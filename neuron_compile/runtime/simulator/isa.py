@@ -15,6 +15,7 @@ import numpy as np
 from neuron_compile.runtime.simulator import ops as _ops
 from neuron_compile.runtime.simulator.errors import NkiNotSimulatedError, NkiValidationError
 from neuron_compile.runtime.simulator.memory import current
+from neuron_compile.runtime.simulator.tensor import NkiTensor
 from neuron_compile.runtime.simulator.isa_dma import dma_copy, dma_transpose
 from neuron_compile.runtime.simulator.isa_stats import (
     bn_aggr,
@@ -47,8 +48,8 @@ from neuron_compile.runtime.simulator.rules import (
 __all__ = [
     "NkiValidationError", "engine", "reduce_cmd", "dge_mode", "oob_mode", "nc_version", "matmul_perf_mode",
     "get_nc_version", "nc_matmul", "nc_transpose", "activation", "activation_reduce", "tensor_tensor",
-    "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce", "tensor_copy", "memset", "iota", "affine_select",
-    "dma_copy", "dma_transpose", "bn_stats", "bn_aggr", "tensor_tensor_scan", "reciprocal", "tensor_partition_reduce",
+    "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce", "tensor_copy", "tensor_copy_predicated", "memset", "iota",
+    "affine_select", "dma_copy", "dma_transpose", "bn_stats", "bn_aggr", "tensor_tensor_scan", "reciprocal", "tensor_partition_reduce",
     "max8", "nc_find_index8",
 ]
 
@@ -535,6 +536,37 @@ def tensor_copy(dst, src, engine=None, name=None):
     record(name, eng, dst, [("src", src)])
 
 
+PREDICATE_DTYPES = ("uint8", "uint16", "uint32")
+
+
+def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
+    """dst = src where predicate != 0 (== 0 with ``reverse_pred``), dst unchanged elsewhere; VectorE. ``src`` is
+    a tile of dst's dtype or a scalar; the predicate a uint8/16/32 tile; src and predicate not both in PSUM."""
+    name = "tensor_copy_predicated"
+    dst, predicate = require_tensor(name, "dst", dst), require_tensor(name, "predicate", predicate)
+    operands = [("predicate", predicate)]
+    if isinstance(src, NkiTensor):
+        operands.append(("src", src))
+        if src.dtype != dst.dtype:
+            raise NkiValidationError(
+                "err_predicated_copy_dtype", f"src {src.name} is {src.dtype.name}, dst {dst.name} {dst.dtype.name}: "
+                "they must share a dtype", name)
+        if src.buffer.kind == predicate.buffer.kind == "psum":
+            raise NkiValidationError(
+                "err_predicated_copy_psum", f"src {src.name} and predicate {predicate.name} are both in PSUM", name)
+    if predicate.dtype.name not in PREDICATE_DTYPES:
+        raise NkiValidationError(
+            "err_predicate_dtype", f"predicate {predicate.name} is {predicate.dtype.name}, not one of "
+            f"{list(PREDICATE_DTYPES)}", name)
+    check_elementwise(name, dst, operands, "vector")
+    chosen = predicate.read().reshape(dst.shape) != 0
+    if reverse_pred:
+        chosen = ~chosen
+    values = src.read().reshape(dst.shape) if isinstance(src, NkiTensor) else np.asarray(src, dtype=dst.dtype)
+    store(dst, np.where(chosen, values, dst.read().reshape(dst.shape)))
+    record(name, "vector", dst, [*operands, ("dst", dst)], {"reverse_pred": bool(reverse_pred)})
+
+
 def memset(dst, value, engine=None, name=None):
     """dst[...] = value; the value must match dst's dtype (an int for integer tensors)."""
     name = "memset"
@@ -614,7 +646,7 @@ def reciprocal(dst, data, engine=None, name=None):
 
 _NOT_SIMULATED = {
     "nc_matmul_mx", "activate2", "tensor_scalar_reduce", "tensor_scalar_cumulative",
-    "tensor_copy_predicated", "exponential", "quantize_mx", "dropout", "range_select", "select_reduce",
+    "exponential", "quantize_mx", "dropout", "range_select", "select_reduce",
     "sequence_bounds", "local_gather", "nc_n_gather", "dma_compute", "nc_match_replace8",
     "nc_stream_shuffle", "register_alloc", "register_move", "register_load", "register_store", "core_barrier",
     "sendrecv", "rng", "rand2", "rand_set_state", "rand_get_state", "set_rng_seed", "nonzero_with_count", "topk",

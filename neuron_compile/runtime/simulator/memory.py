@@ -57,6 +57,7 @@ class KernelContext:
     # ScalarE accumulator registers (one per partition) driven by activation's reduce_cmd
     reduce_registers: np.ndarray = field(default_factory=lambda: np.zeros(128, dtype=np.float32))
     launched: bool = False  # False for the throwaway context used outside any kernel
+    launch_frame: object = None  # the simulator's launch frame: where attributing instructions stops looking
     # released on-chip memory not yet reused, oldest first: (buffer kind, bytes per partition) -> memory ids, and
     # the units (SBUF bytes per partition, PSUM banks) those ids hold per buffer kind
     free_memory_ids: dict = field(default_factory=dict)

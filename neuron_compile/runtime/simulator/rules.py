@@ -210,16 +210,21 @@ def _regions(dst: NkiTensor | None, srcs: list[tuple[str, NkiTensor]], name: str
 KERNEL_SOURCE_PREFIX = "<nki-kernel "  # the file name kernels loaded from source text run under
 
 
-def calling_section() -> str:
+def calling_section(launch_frame=None) -> str:
     """The module-level function of loaded kernel source that issued the current instruction, one below the
     launched kernel (a region kernel's subkernel), or the launched kernel when it called none; "" outside
-    loaded source. Nested helper functions (``<locals>``) belong to the function that defines them."""
+    loaded source. Nested helper functions (``<locals>``) belong to the function that defines them. The walk
+    stops at ``launch_frame`` (the simulator's launch) or below the kernel's frames: never the caller's stack."""
     names = []
-    frame = sys._getframe(1)
-    while frame is not None:
+    frame, inside = sys._getframe(1), False
+    while frame is not None and frame is not launch_frame:
         code = frame.f_code
-        if code.co_filename.startswith(KERNEL_SOURCE_PREFIX) and "<locals>" not in code.co_qualname:
-            names.append(code.co_name)
+        if code.co_filename.startswith(KERNEL_SOURCE_PREFIX):
+            inside = True
+            if "<locals>" not in code.co_qualname:
+                names.append(code.co_name)
+        elif inside:  # below the launched kernel: the launcher, then the caller's whole stack
+            break
         frame = frame.f_back
     return names[-2] if len(names) >= 2 else (names[0] if names else "")
 
@@ -233,7 +238,8 @@ def record(name: str, engine: str, dst: NkiTensor | None, srcs: list[tuple[str, 
     context = current()
     context.trace.append(
         InstructionRecord(name=name, engine=engine, dst=dst_info, srcs=infos, attrs=attrs or {}, flops=int(flops),
-                          reads=reads, writes=writes, program=context.program_id, section=calling_section())
+                          reads=reads, writes=writes, program=context.program_id,
+                          section=calling_section(context.launch_frame))
     )
 
 
