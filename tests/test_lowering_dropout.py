@@ -87,3 +87,38 @@ def test_backward_uses_the_forward_mask_through_the_backend():
     out.backward(grad)
     expected = (grad * mask / 0.75) @ model.linear.weight.detach()
     torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-5)
+
+
+def _attention_with_mask(q, k, v, keep, p):
+    """Eager's math form of causal SDPA with dropout, given the keep mask."""
+    scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+    probabilities = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+    return (probabilities * keep / (1 - p)) @ v
+
+
+def test_attention_dropout_forward_and_backward_share_one_mask():
+    """SDPA with dropout_p > 0 decomposes to scores, softmax, dropout and the product, all in kernels. With v the
+    identity the output is the dropped, rescaled probabilities, which reveals the mask the forward drew; eager's
+    math with that mask then gives the same output and the same gradients of q, k and v."""
+    p, n = 0.3, 32
+    generator = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, 2, n, n, generator=generator, requires_grad=True) for _ in range(2))
+    v = torch.eye(n).expand(1, 2, n, n).clone().requires_grad_(True)
+    attention = torch.nn.functional.scaled_dot_product_attention
+    out, stats = compile_with_backend(lambda *t: attention(*t, dropout_p=p, is_causal=True), q, k, v)
+    assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    keep = out.detach() != 0
+    assert not keep[..., ~causal].any()
+    assert _within(keep[..., causal].float().mean().item(), p, keep[..., causal].numel())
+    grad = torch.randn(out.shape, generator=generator)
+    out.backward(grad)
+    compiled_grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    expected = _attention_with_mask(q, k, v, keep, p)
+    torch.testing.assert_close(out.detach(), expected.detach(), rtol=1e-5, atol=1e-5)
+    expected.backward(grad)
+    for got, t in zip(compiled_grads, (q, k, v)):
+        torch.testing.assert_close(got, t.grad, rtol=1e-5, atol=1e-5)
