@@ -2,7 +2,9 @@
 
 For each architecture: a forward pass (logits) compiled with ``torch.compile(model, backend="neuron")`` and run on
 the simulator, compared with eager; the ATen nodes that ran in NKI kernels vs eagerly, and the top fallback
-reason. ``--train`` adds a training step (labels, cross-entropy loss, backward) and compares every gradient.
+reason. ``--train`` adds a training step (labels, cross-entropy loss, backward) and compares every gradient (with
+dropout probabilities zeroed: the kernels draw their own masks; the node counts are those of the step with
+dropout on).
 Nothing is downloaded: configs are built in code with random weights. Needs the ``models`` extra.
 
     .venv/bin/python bench/hf_causal_lm.py
@@ -26,12 +28,23 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, ffn_dim=128, 
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, word_embed_proj_dim=64)
 
 
-def _model(arch: str):
+def _model(arch: str, dropout: bool = True):
+    """The tiny random-weight model; ``dropout=False`` zeroes every dropout probability of its config (the same
+    weights: dropout draws nothing at initialization)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(arch, **TINY)
+    if not dropout:
+        for name in _dropout_fields(config):
+            setattr(config, name, 0.0)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config)
+
+
+def _dropout_fields(config) -> list[str]:
+    """The config's dropout probabilities that are not 0 (``resid_pdrop``, ``attention_dropout``, ...)."""
+    return [name for name, value in vars(config).items()
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0]
 
 
 def _compiled_stats(run):
@@ -51,15 +64,20 @@ def forward_row(arch: str, tokens: torch.Tensor) -> tuple:
 
 
 def training_row(arch: str, tokens: torch.Tensor) -> tuple:
-    model = _model(arch).train()
-    torch.manual_seed(1)
+    """(largest gradient difference from eager, stats of the compiled training step). Dropout masks are drawn on
+    chip from their own stream, which cannot equal eager's: a model with dropout is compared with its
+    probabilities zeroed, and the stats (nodes in kernels, eager nodes) are those of the step with dropout on."""
+    model = _model(arch, dropout=False).train()
     model(tokens, labels=tokens).loss.backward()
     expected = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
     model.zero_grad()
     compiled = torch.compile(model, backend="neuron")
-    torch.manual_seed(1)
     _, stats = _compiled_stats(lambda: compiled(tokens, labels=tokens).loss.backward())
     error = max((parameter.grad - expected[name]).abs().max().item() for name, parameter in model.named_parameters())
+    with_dropout = _model(arch).train()
+    if _dropout_fields(with_dropout.config):
+        compiled = torch.compile(with_dropout, backend="neuron")
+        _, stats = _compiled_stats(lambda: compiled(tokens, labels=tokens).loss.backward())
     return error, stats
 
 

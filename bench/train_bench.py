@@ -4,18 +4,26 @@ Per model (tiny Llama, Qwen3, Gemma3; random weights from a config) and dtype (f
 gradients and AdamW state): the same AdamW steps on the same batches, eager and compiled, and per step:
 
 - loss: the largest relative difference of the compiled loss from eager's over the steps;
-- ATen nodes of the forward and of the backward graph that run in NKI kernels (the rest run eagerly);
+- ATen nodes of the forward, the backward and (``--compile-optimizer``) the optimizer's graph that run in NKI
+  kernels (the rest run eagerly);
 - compiles: Dynamo graphs / aot_autograd graphs / shape signatures compiled over all steps;
 - est trn2: the simulator cost model's estimated device time of one steady step (the sum of est_time_s over
   its kernel launches; eager nodes and the eager optimizer add nothing to it), against the step's roofline:
   max(FLOPs at TensorE peak, bytes over DMA bandwidth), FLOPs of forward + backward from
   torch.utils.flop_counter.FlopCounterMode, bytes = parameters + gradients + AdamW state (read and written
   once) + saved activations (written by the forward, read by the backward);
+- saved activations: the bytes the forward keeps for the backward (parameters excluded; the tensors autograd
+  saves, seen through torch.autograd.graph.saved_tensors_hooks), compiled (what aot_autograd's min-cut
+  partitioner chose to save) and eager;
 - wall time of a steady step (median over steps after the first), compiled and eager (the simulator runs on
   this CPU).
 
+``--compile-optimizer`` also compiles ``optimizer.step`` (AdamW, ``foreach=True``: its ``_foreach_*`` ops become
+kernels too) in the compiled run; without it the optimizer runs eagerly in both runs and adds nothing to the
+estimate.
+
     .venv/bin/python bench/train_bench.py
-    .venv/bin/python bench/train_bench.py --models llama --dtypes fp32 --steps 3
+    .venv/bin/python bench/train_bench.py --models llama --dtypes fp32 --steps 3 --compile-optimizer
 """
 
 from __future__ import annotations
@@ -59,22 +67,39 @@ def _batches(steps: int, batch: int, seq: int) -> list[torch.Tensor]:
     return [torch.randint(0, TINY["vocab_size"], (batch, seq), generator=generator) for _ in range(steps)]
 
 
-def _run(model, batches, compiled: bool) -> tuple[list[float], list[float], list[float]]:
-    """(loss per step, wall seconds per step, estimated trn2 seconds per step) of AdamW steps over ``batches``."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def _run(model, batches, compiled: bool, compile_optimizer: bool = False):
+    """(loss per step, wall seconds per step, estimated trn2 seconds per step, the model as run) of AdamW steps
+    over ``batches``; ``compile_optimizer`` compiles the optimizer's step too (in the compiled run)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     run = torch.compile(model, backend="neuron") if compiled else model
+    step = torch.compile(optimizer.step, backend="neuron") if compiled and compile_optimizer else optimizer.step
     losses, walls, estimates = [], [], []
     for tokens in batches:
         before = neuron_compile.stats()["est_time_s"]
         started = time.perf_counter()
         loss = run(tokens, labels=tokens).loss
         loss.backward()
-        optimizer.step()
+        step()
         optimizer.zero_grad()
         walls.append(time.perf_counter() - started)
         estimates.append(neuron_compile.stats()["est_time_s"] - before)
         losses.append(loss.detach().float().item())
-    return losses, walls, estimates
+    return losses, walls, estimates, run
+
+
+def saved_activation_bytes(run, tokens: torch.Tensor, parameters) -> int:
+    """Bytes of the distinct storages autograd saves for the backward in one forward of ``run`` (eager or
+    compiled), parameters excluded."""
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        saved.setdefault(tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run(tokens, labels=tokens)
+    parameter_ids = {parameter.untyped_storage().data_ptr() for parameter in parameters}
+    return sum(size for pointer, size in saved.items() if pointer not in parameter_ids)
 
 
 def _node_shares(earlier: set[int]) -> dict[str, tuple[int, int]]:
@@ -116,31 +141,36 @@ def _roofline(model, tokens: torch.Tensor, dtype: torch.dtype) -> tuple[float, i
     return max(flops / peak, moved / target.dma_bytes_per_s), flops, moved
 
 
-def row(name: str, dtype_name: str, steps: int, batch: int, seq: int) -> str:
+def row(name: str, dtype_name: str, steps: int, batch: int, seq: int, compile_optimizer: bool = False) -> str:
     dtype = DTYPES[dtype_name]
     batches = _batches(steps, batch, seq)
-    eager_losses, eager_walls, _ = _run(_model(MODELS[name], dtype), batches, compiled=False)
+    eager_model = _model(MODELS[name], dtype)
+    eager_losses, eager_walls, _, _ = _run(eager_model, batches, compiled=False)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     neuron_compile.reset_stats()
     earlier = {id(record) for record in neuron_compile.compiled_records()}
-    losses, walls, estimates = _run(_model(MODELS[name], dtype), batches, compiled=True)
+    model = _model(MODELS[name], dtype)
+    losses, walls, estimates, run = _run(model, batches, compiled=True, compile_optimizer=compile_optimizer)
     stats = neuron_compile.stats()
     shares = _node_shares(earlier)
+    saved = (saved_activation_bytes(run, batches[-1], model.parameters()),
+             saved_activation_bytes(eager_model, batches[-1], eager_model.parameters()))
     roofline, flops, moved = _roofline(_model(MODELS[name], dtype), batches[0], dtype)
     difference = max(abs(a - b) / abs(b) for a, b in zip(losses, eager_losses, strict=True))
     steady = slice(1, None) if steps > 1 else slice(0, None)
     estimate = statistics.median(estimates[steady])
-    forward, backward = (shares.get(kind, (0, 0)) for kind in ("forward", "backward"))
+    forward, backward, optimizer = (shares.get(kind, (0, 0)) for kind in ("forward", "backward", "inference"))
     compiles = (
         f"{torch._dynamo.utils.counters['stats']['unique_graphs']} / {stats['graphs_compiled']} / "
         f"{stats['cache_misses']}"
     )
     return (
         f"| {name} | {dtype_name} | {difference:.1e} | {forward[0]}/{forward[1]} | {backward[0]}/{backward[1]} | "
+        f"{f'{optimizer[0]}/{optimizer[1]}' if compile_optimizer else '-'} | "
         f"{compiles} | {estimate * 1e6:.1f} | {roofline * 1e6:.2f} ({flops / 1e6:.1f} MFLOP, {moved / 1e6:.2f} MB) "
-        f"| {estimate / roofline:.0f}x | {statistics.median(walls[steady]):.2f} | "
-        f"{statistics.median(eager_walls[steady]) * 1e3:.1f} ms |"
+        f"| {estimate / roofline:.0f}x | {saved[0] / 1e6:.3f} / {saved[1] / 1e6:.3f} | "
+        f"{statistics.median(walls[steady]):.2f} | {statistics.median(eager_walls[steady]) * 1e3:.1f} ms |"
     )
 
 
@@ -151,6 +181,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--compile-optimizer", action="store_true",
+                        help="also torch.compile the optimizer's step (its foreach ops in kernels)")
     parser.add_argument(
         "--threads",
         type=int,
@@ -166,18 +198,20 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     print(
         f"{args.steps} AdamW steps, batch {args.batch} x seq {args.seq}, hidden {TINY['hidden_size']}, "
-        f"{TINY['num_hidden_layers']} layers; target {get_target().name}; {args.threads} torch thread(s)"
+        f"{TINY['num_hidden_layers']} layers; target {get_target().name}; {args.threads} torch thread(s); "
+        f"optimizer {'compiled' if args.compile_optimizer else 'eager'}"
     )
     print(
         "| model | dtype | loss max rel diff | fwd ATen nodes in NKI | bwd ATen nodes in NKI | "
+        "optimizer ATen nodes in NKI | "
         "compiles (Dynamo / aot / signatures) | est trn2 us/step | roofline us/step | est / roofline | "
-        "wall s/step | eager wall |"
+        "saved activations MB (compiled / eager) | wall s/step | eager wall |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         for dtype_name in args.dtypes.split(","):
             try:
-                print(row(name, dtype_name, args.steps, args.batch, args.seq), flush=True)
+                print(row(name, dtype_name, args.steps, args.batch, args.seq, args.compile_optimizer), flush=True)
             except Exception as failure:  # noqa: BLE001 -- one configuration's failure is a row, not the end
                 print(f"| {name} | {dtype_name} | failed: {type(failure).__name__}: {str(failure)[:100]} |", flush=True)
     return 0

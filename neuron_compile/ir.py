@@ -4,8 +4,8 @@ Input: nothing (definitions). Output: frozen, hashable, printable dataclasses.
 
 * ``Layout`` is an access pattern into one flat HBM buffer: ``flat[offset + sum(index_d * stride_d)]``; a
   broadcast dim has stride 0. ``Layout.index_expr()`` states it as a sympy expression.
-* Expression trees (``Load``, ``Scalar``, ``Op``, ``Result``) describe per-element math over a node's iteration
-  domain; they are data, not closures, so they print and hash.
+* Expression trees (``Load``, ``Scalar``, ``Op``, ``Result``, ``Iota``, ``RandomKeep``) describe per-element math
+  over a node's iteration domain; they are data, not closures, so they print and hash.
 * IR nodes (``Pointwise``, ``Reduction``, ``RowNormalize``, ``Scan``, ``MatMul``, ``Attention``, ``Concat``,
   ``Gather``, ``Scatter``)
   each write one or more ``Store``s; what a node reads, how it fuses, tiles and renders is its kernel kind's
@@ -173,7 +173,27 @@ class Iota:
         return f"iota({self.layout})"
 
 
-Expr = Load | Scalar | Result | Op | Iota
+RANDOM_SEEDS = "random_seeds"  # a region's int32 seed buffer, one seed per random op, drawn afresh for every call
+
+
+@dataclass(frozen=True)
+class RandomKeep:
+    """1.0 where an element is kept, 0.0 where it is dropped with probability ``probability`` (dropout's mask),
+    drawn on chip: each tile seeds the Vector engine's generator with ``seed`` (one int32 of ``RANDOM_SEEDS``)
+    xor the tile's first flat index in ``layout`` (the domain, contiguous), then ``nisa.dropout`` zeroes a tile
+    of ones. The values depend on the seed and the tile plan, never on the order tiles are visited; a kernel
+    that evaluated it twice over different tiles would draw two different masks, so fusion keeps it in
+    pointwise kernels (``draws_random``)."""
+
+    seed: Load
+    layout: Layout
+    probability: float
+
+    def __str__(self) -> str:
+        return f"random_keep(p={self.probability!r}, {self.seed})"
+
+
+Expr = Load | Scalar | Result | Op | Iota | RandomKeep
 
 
 def op(name: str, *args) -> Op:
@@ -189,6 +209,8 @@ def loads_of(expr: Expr) -> list[Load]:
     def visit(node):
         if isinstance(node, Load):
             found[node] = None
+        elif isinstance(node, RandomKeep):
+            found[node.seed] = None
         elif isinstance(node, Op):
             for arg in node.args:
                 visit(arg)
@@ -202,7 +224,7 @@ def access_layouts(expr: Expr) -> list[Layout]:
     found: dict[Layout, None] = {}
 
     def visit(node):
-        if isinstance(node, (Load, Iota)):
+        if isinstance(node, (Load, Iota, RandomKeep)):
             found[node.layout] = None
         elif isinstance(node, Op):
             for arg in node.args:
@@ -219,6 +241,20 @@ def map_leaves(expr: Expr, fn) -> Expr:
     if isinstance(expr, Op):
         return replace(expr, args=tuple(map_leaves(arg, fn) for arg in expr.args))
     return expr
+
+
+def draws_random(expr: Expr) -> bool:
+    """Whether ``expr`` draws random numbers (has a RandomKeep leaf); each shared subexpression is visited once."""
+    seen: set = set()
+    pending = [expr]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, RandomKeep):
+            return True
+        if isinstance(node, Op) and node not in seen:
+            seen.add(node)
+            pending.extend(node.args)
+    return False
 
 
 def uses_result(expr: Expr) -> bool:

@@ -33,6 +33,9 @@ class KernelKind:
     elementwise = False  # a consumer of this kind becomes an epilogue of its producer's group
     takes_prologue = False  # a pointwise producer may be inlined as this kind's prologue
     refusal: str | None = None  # why a group of this kind takes no fused consumer at all
+    # the kind evaluates each expression once per element of its stores' tiles, so a random draw (ir.RandomKeep)
+    # may live in it; kinds that recompute their math (row passes, chunked rows) or walk other tiles may not
+    holds_random = False
 
     # ---- what a node reads and writes
     def stores(self, node) -> tuple[ir.Store, ...]:
@@ -134,6 +137,14 @@ def stores(node) -> tuple[ir.Store, ...]:
 def describe(node) -> str:
     """A readable multi-line dump of one node (kernel docstrings and the per-pass dumps show it)."""
     return kind_of(node).describe(node)
+
+
+def random_reason(host, moved) -> str | None:
+    """None unless fusing would move ``moved``'s random draw into a kernel of the kind ``host`` that does not hold
+    one: a recomputed or re-tiled random op draws a different mask than the one stored."""
+    if host.holds_random or not any(ir.draws_random(expr) for expr in kind_of(moved).exprs(moved)):
+        return None
+    return f"{moved.name} draws random numbers, which a {host.name} kernel could draw twice over different tiles"
 
 
 def map_exprs(node, fn: Callable[[ir.Expr], ir.Expr]):

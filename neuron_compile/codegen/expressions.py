@@ -111,6 +111,13 @@ class TileAllocator:
         self.psum_tiles.add(name)
         return name
 
+    def new_element(self, stem: str, dtype: str) -> str:
+        """A [1, 1] SBUF tile (one value on partition 0: a random seed)."""
+        name = self._take(stem)
+        self.lines.append(f"{name} = nl.ndarray((1, 1), dtype={NL_DTYPES[dtype]}, buffer=nl.sbuf)")
+        self.widths.append(0)
+        return name
+
     def new(self, stem: str, free: int, dtype: str = "float32") -> str:
         name = self._take(stem)
         self.lines.append(f"{name} = nl.ndarray(({self.partitions}, {free}), dtype={NL_DTYPES[dtype]}, buffer=nl.sbuf)")
@@ -212,6 +219,8 @@ def _emit_uncached(expr, scope, lines) -> Ref:
         return scope.result
     if isinstance(expr, ir.Iota):
         return _emit_iota(expr, scope, lines)
+    if isinstance(expr, ir.RandomKeep):
+        return _emit_random_keep(expr, scope, lines)
     if isinstance(expr, ir.Load):
         return _emit_load(expr, scope, lines)
     rounded = _emit_rounded_op(expr, scope, lines)
@@ -279,6 +288,27 @@ def _emit_iota(expr: ir.Iota, scope: TileScope, lines: list[str]) -> Ref:
     lines.append(f"nisa.iota({dst}, {_entries_text(src.free)}, offset={src.offset}, "
                  f"channel_multiplier={src.entries[0][0]})")
     return Ref(tile=name, dtype="int32")
+
+
+def _emit_random_keep(expr: ir.RandomKeep, scope: TileScope, lines: list[str]) -> Ref:
+    """Dropout's keep mask (1.0 kept, 0.0 dropped) for this tile: the Vector engine's generator is seeded with the
+    call's seed xor the tile's first flat index (so the mask depends on the seed and the tile, not on loop order
+    or on how tiles split over cores), then ``nisa.dropout`` zeroes a tile of ones with the drop probability."""
+    name = scope.tile(key=("random_keep", expr), stem="keep")
+    dst, src = scope.load_pattern(ir.Load("element", expr.layout, "float32"), name)
+    if not isinstance(src, AccessPattern):
+        raise ExpressionError(f"random_keep over an access pattern it cannot state: {src}")
+    seed = scope.allocator.new_element("seed", "int32")
+    seed_entry = f"{expr.seed.buffer}.ap([[1, 1], [1, 1]], offset={expr.seed.layout.offset})"
+    lines += [
+        f"nisa.dma_copy(dst={seed}, src={seed_entry})",
+        f"nisa.tensor_scalar(dst={seed}, data={seed}, op0=nl.bitwise_xor, operand0={src.offset})",
+        f"nisa.set_rng_seed({seed})",
+        f"nisa.memset(dst={dst}, value=1.0)",
+        f"nisa.dropout(dst={dst}, data={dst}, prob={number(expr.probability)})",
+    ]
+    scope.balance.note("vector", 3)
+    return Ref(tile=name)
 
 
 def _is_constant(ref: Ref, other: Ref) -> bool:

@@ -12,6 +12,7 @@ from neuron_compile.kind_registry import (
     kind_of,
     loads,
     map_exprs,
+    random_reason,
     registered_kinds,
     registered_node_types,
     stores,
@@ -21,4 +22,4 @@ from neuron_compile.kinds import attention, concat, gather, matmul, pointwise, r
 KINDS = (pointwise, reduction, row_normalize, scan, matmul, attention, concat, gather, scatter)
 
 __all__ = ["KINDS", "KernelKind", "UnknownKernelKind", "describe", "kind_of", "loads", "map_exprs",
-           "registered_kinds", "registered_node_types", "stores"]
+           "random_reason", "registered_kinds", "registered_node_types", "stores"]

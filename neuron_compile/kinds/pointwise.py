@@ -63,6 +63,7 @@ class PointwiseKind(MatchingIndexEpilogue):
     node_type = ir.Pointwise
     name = "pointwise"
     elementwise = True
+    holds_random = True
 
     def plan(self, node, target):
         return plan_pointwise(node, target)

@@ -16,6 +16,7 @@ from neuron_compile.lowering import (  # noqa: F401
     attention_backward,
     convolution,
     creation,
+    dropout,
     indexing,
     integer_division,
     loss,

@@ -148,6 +148,15 @@ def lower_sub(ctx, node):
     return emit_pointwise(ctx, node, ir.Op("sub", (a, b)))
 
 
+@register_lowering(torch.ops.prims.fma.default, check=_check_scalars)
+def lower_fma(ctx, node):
+    """Inductor's ``prims.fma(a, b, c)``, which Dynamo emits for ``addcmul_(t1, t2, value=v)`` and ``add_(x,
+    alpha=tensor)`` (compiled optimizers): ``a * b + c``, rounded after the product as the prim's own eager
+    implementation rounds, so it equals what the eager fallback gave."""
+    a, b, c = (load_operand(ctx, node, arg) for arg in node.args[:3])
+    return emit_pointwise(ctx, node, ir.Op("add", (ir.Op("mul", (a, b)), c)))
+
+
 @register_lowering(aten.rsub.Scalar, aten.rsub.Tensor, check=_check_scalars)
 def lower_rsub(ctx, node):
     a = load_operand(ctx, node, node.args[0])

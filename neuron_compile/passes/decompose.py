@@ -1,7 +1,8 @@
 """Decomposition stage: the table aot_autograd uses to turn Dynamo's torch-level graph into ATen.
 
 Input: nothing (a constant). Output: ``decomposition_table()``, a dict ``OpOverload -> decomposition``: the core
-ATen decompositions minus ``KEPT_WHOLE``, the ops that stay whole in the ATen graph:
+ATen decompositions plus the ``_foreach_*`` ops as per-tensor ops (passes/decompose_foreach.py: compiled
+optimizers), minus ``KEPT_WHOLE``, the ops that stay whole in the ATen graph:
 
 - softmax, log_softmax, layer norm, batch norm, the NLL loss (cross-entropy's second half) and scaled-dot-product
   attention, and their backward ops: each is one fused row-reduction or attention kernel; decomposing it
@@ -22,6 +23,8 @@ import functools
 
 import torch
 from torch._decomp import core_aten_decompositions
+
+from neuron_compile.passes.decompose_foreach import foreach_decompositions
 
 aten = torch.ops.aten
 
@@ -61,6 +64,7 @@ ADDED = (
 def _table() -> dict:
     table = dict(core_aten_decompositions())
     table.update({op: torch._decomp.decomposition_table[op] for op in ADDED})
+    table.update(foreach_decompositions())
     for op in KEPT_WHOLE:
         table.pop(op, None)
     return table

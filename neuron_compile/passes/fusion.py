@@ -10,7 +10,8 @@ a reduction/softmax epilogue, or a matmul epilogue; a pointwise node over a redu
 that reads the reduced value broadcast back becomes a row epilogue (rms norm: the row is still in SBUF); a
 reduction, softmax or scan absorbs a pointwise producer group as its prologue when nothing else needs that
 group's outputs (a scan's pointwise consumers over its domain become its epilogue, as a softmax's do). No
-fusion may create a cycle in the group DAG.
+fusion may create a cycle in the group DAG, and a random draw (dropout's mask) stays in pointwise kernels, which
+evaluate it once per element: a reduction recomputing its prologue would draw a second, different mask.
 A producer's store is kept only if its buffer is still read outside the group or is a region output. The rules
 live with the kernel kinds (neuron_compile/kinds/); this module is the greedy driver.
 """
@@ -48,8 +49,10 @@ def can_fuse(group: ir.Node, consumer: ir.Node, outside_readers: set[str]) -> st
     if group_kind.refusal:
         return group_kind.refusal
     if consumer_kind.elementwise:
-        return group_kind.epilogue_reason(group, consumer, outside_readers)
-    return consumer_kind.prologue_reason(group, consumer, outside_readers)
+        reason = group_kind.epilogue_reason(group, consumer, outside_readers)
+        return reason or kinds.random_reason(group_kind, consumer)
+    reason = consumer_kind.prologue_reason(group, consumer, outside_readers)
+    return reason or kinds.random_reason(consumer_kind, group)
 
 
 def merge(group: ir.Node, consumer: ir.Node) -> ir.Node:

@@ -52,6 +52,14 @@ def output_tensor(written: torch.Tensor, layout: ir.Layout) -> torch.Tensor:
     return owned.set_(written.untyped_storage(), offset, layout.shape, layout.strides)
 
 
+def fill_random_seeds(buffers: dict[str, ir.Buffer], flat: dict[str, torch.Tensor]) -> None:
+    """Fresh seeds for the region's random ops (dropout), one int32 each from torch's default generator on every
+    call: ``torch.manual_seed`` makes a run repeat, and each call draws new masks."""
+    seeds = buffers.get(ir.RANDOM_SEEDS)
+    if seeds is not None:
+        flat[ir.RANDOM_SEEDS] = torch.randint(0, 2**31 - 1, (seeds.numel,), dtype=torch.int32)
+
+
 class CompiledRegion:
     """The region's kernels, ready to launch. Call with the region's tensors; returns a tuple of outputs."""
 
@@ -96,6 +104,7 @@ class CompiledRegion:
             self._check_input(buffer, tensor)
             flat[buffer.name] = kernel_argument(tensor, buffer)
             storage[buffer.name] = torch.as_strided(tensor, (buffer.layout.span(),), (1,), tensor.storage_offset())
+        fill_random_seeds(self.buffers, flat)
         for kernel in self.launched:
             self._launch(kernel, flat)
         results = []

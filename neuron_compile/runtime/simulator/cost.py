@@ -26,6 +26,8 @@ bn_stats / bn_aggr                    max(MIN_II, N) / max(MIN_II, 13N/3)
 iota, affine_select (GpSimd)          150 + N
 tensor_tensor_scan                    max(MIN_II, 2N)
 scalar_tensor_tensor                  2N (N for bf16 subtract -> multiply)
+rng, rand2, dropout, set_rng_seed,    [I] VectorE max(MIN_II, N), GpSimd 150 + N: no SDK figure; costed as one
+rand_set_state, rand_get_state        pass over the elements (N: elements or state words per partition)
 dynamic-address copies                max(600, N)
 ====================================  ==============================================================
 
@@ -227,6 +229,7 @@ _STREAMING = {
     "scalar_tensor_tensor": _scalar_tensor_tensor_cycles,
 }
 _GPSIMD_STARTUP_OPS = {"iota", "affine_select"}
+_RANDOM_OPS = {"rng", "rand2", "dropout", "set_rng_seed", "rand_set_state", "rand_get_state"}
 _DYNAMIC_COPIES = {"tensor_copy_dynamic_src", "tensor_copy_dynamic_dst"}
 _PERF_MODE_OPS = {"tensor_copy", "tensor_scalar", "tensor_tensor"}
 
@@ -251,6 +254,8 @@ def _compute_cycles(record: InstructionRecord, target: Target) -> tuple[float, b
     n = _elems_per_partition(record) * _stride_factor(record)
     if name in _GPSIMD_STARTUP_OPS:
         return GPSIMD_STARTUP + n, True
+    if name in _RANDOM_OPS:
+        return (GPSIMD_STARTUP + n if record.engine == "gpsimd" else max(MIN_II, n)), True
     if name in _DYNAMIC_COPIES or record.attrs.get("dynamic"):
         return max(DYNAMIC_COPY_MIN, n), True
     formula = _STREAMING.get(name)

@@ -17,6 +17,14 @@ from neuron_compile.runtime.simulator.errors import NkiNotSimulatedError, NkiVal
 from neuron_compile.runtime.simulator.memory import current
 from neuron_compile.runtime.simulator.tensor import NkiTensor
 from neuron_compile.runtime.simulator.isa_dma import dma_copy, dma_transpose
+from neuron_compile.runtime.simulator.isa_random import (
+    dropout,
+    rand2,
+    rand_get_state,
+    rand_set_state,
+    rng,
+    set_rng_seed,
+)
 from neuron_compile.runtime.simulator.isa_stats import (
     bn_aggr,
     bn_stats,
@@ -49,8 +57,9 @@ __all__ = [
     "NkiValidationError", "engine", "reduce_cmd", "dge_mode", "oob_mode", "nc_version", "matmul_perf_mode",
     "get_nc_version", "nc_matmul", "nc_transpose", "activation", "activation_reduce", "tensor_tensor",
     "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce", "tensor_copy", "tensor_copy_predicated", "memset", "iota",
-    "affine_select", "dma_copy", "dma_transpose", "bn_stats", "bn_aggr", "tensor_tensor_scan", "reciprocal", "tensor_partition_reduce",
-    "max8", "nc_find_index8",
+    "affine_select", "dma_copy", "dma_transpose", "bn_stats", "bn_aggr", "tensor_tensor_scan", "reciprocal",
+    "tensor_partition_reduce", "max8", "nc_find_index8", "set_rng_seed", "rand_set_state", "rand_get_state", "rng",
+    "rand2", "dropout",
 ]
 
 
@@ -646,10 +655,10 @@ def reciprocal(dst, data, engine=None, name=None):
 
 _NOT_SIMULATED = {
     "nc_matmul_mx", "activate2", "tensor_scalar_reduce", "tensor_scalar_cumulative",
-    "exponential", "quantize_mx", "dropout", "range_select", "select_reduce",
+    "exponential", "quantize_mx", "range_select", "select_reduce",
     "sequence_bounds", "local_gather", "nc_n_gather", "dma_compute", "nc_match_replace8",
     "nc_stream_shuffle", "register_alloc", "register_move", "register_load", "register_store", "core_barrier",
-    "sendrecv", "rng", "rand2", "rand_set_state", "rand_get_state", "set_rng_seed", "nonzero_with_count", "topk",
+    "sendrecv", "nonzero_with_count", "topk",
     "dma_engine",
 }
 

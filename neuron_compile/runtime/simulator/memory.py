@@ -10,7 +10,8 @@ on-chip tensor's ``memory_id`` joins a first-in first-out pool, and an allocatio
 space remains (live bytes plus pooled bytes within capacity), else the oldest pooled id of its size, whose
 last reads its writes then wait for (trace.Region).
 
-The ``KernelContext`` also holds the instruction trace, the target and the program id of the current launch.
+The ``KernelContext`` also holds the instruction trace, the target, the program id of the current launch and the
+engines' random-number generator states.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class KernelContext:
     reduce_registers: np.ndarray = field(default_factory=lambda: np.zeros(128, dtype=np.float32))
     launched: bool = False  # False for the throwaway context used outside any kernel
     launch_frame: object = None  # the simulator's launch frame: where attributing instructions stops looking
+    # the engines' PRNG states (isa_random.py): engine name -> (128, words) uint32 lane states, absent until seeded
+    random_states: dict = field(default_factory=dict)
     # released on-chip memory not yet reused, oldest first: (buffer kind, bytes per partition) -> memory ids, and
     # the units (SBUF bytes per partition, PSUM banks) those ids hold per buffer kind
     free_memory_ids: dict = field(default_factory=dict)
