@@ -4,11 +4,11 @@ roofline (issue 16).
 For each case (batch 1, 2 heads; seq 128, 1024, 4096, 8192; head dim 64 and 128; causal or not; fp32 and bf16),
 in one run: ``F.scaled_dot_product_attention`` through ``torch.compile(backend="neuron")`` with the flash kernel
 (the default) and with ``config.patch(flash_attention=False)`` (scores, softmax and output as three kernels, the
-scores through HBM); for each, kernels launched, HBM bytes (the simulator's cost reports) and the estimated trn2
-time (each launch's ``est_time_s`` summed: the launch plus its scheduled instructions). The roofline is
-``max(4 * S^2 * D * heads FLOPs / TensorE peak, (q + k + v + out) bytes / DMA bandwidth)`` with trn2's numbers
-from ``neuron_compile/hardware.py`` (FLOPs as FlopCounterMode counts SDPA: causal counts the full square). Every
-result is checked against eager (max abs error shown).
+scores through HBM); for each, the kernels run (one launch per region), HBM bytes (the simulator's cost reports)
+and the estimated trn2 time (each launch's ``est_time_s`` summed: the launch plus its scheduled instructions).
+The roofline is ``max(4 * S^2 * D * heads FLOPs / TensorE peak, (q + k + v + out) bytes / DMA bandwidth)`` with
+trn2's numbers from ``neuron_compile/hardware.py`` (FLOPs as FlopCounterMode counts SDPA: causal counts the full
+square). Every result is checked against eager (max abs error shown).
 
     python bench/attention_bench.py            # every case (the three-kernel form up to seq 4096; ~10 min)
     python bench/attention_bench.py --quick    # seq 128 and 1024 only
@@ -58,7 +58,8 @@ def run(q, k, v, causal: bool, flash: bool) -> Measured:
     stats = neuron_compile.stats()
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
     est = sum(float(launch.report.est_time_s) for launch in launches if launch.report is not None)
-    return Measured(stats["kernels_launched"], stats["hbm_bytes"], est, float((got.float() - want).abs().max()))
+    kernels = sum(len(launch.report.sections) for launch in launches if launch.report is not None)
+    return Measured(kernels, stats["hbm_bytes"], est, float((got.float() - want).abs().max()))
 
 
 def roofline_s(seq: int, depth: int, dtype: torch.dtype) -> tuple[float, str, int]:
