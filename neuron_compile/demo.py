@@ -81,7 +81,7 @@ def run_model_demo() -> bool:
     total = stats["nki_nodes"] + stats["fallback_nodes"]
     share = 100.0 * stats["nki_nodes"] / total if total else 0.0
     print(f"ATen nodes in NKI kernels: {stats['nki_nodes']} of {total} ({share:.0f}%); "
-          f"kernels launched: {stats['kernels_launched']}; cache hits/misses: "
+          f"launches: {stats['kernels_launched']} (one region kernel per NKI region and call); cache hits/misses: "
           f"{stats['cache_hits']}/{stats['cache_misses']}")
     if stats["fallback_reasons"]:
         print("ran eagerly, with the reason:")
