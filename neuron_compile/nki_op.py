@@ -25,6 +25,7 @@ import torch
 from neuron_compile import config as config_module
 from neuron_compile import user_kernels
 from neuron_compile.runtime.launcher import select_launcher
+from neuron_compile.runtime.user_region import launch_user_kernel
 from neuron_compile.user_kernels import NkiOpSpecError, UserKernel
 
 __all__ = ["NkiOp", "NkiOpSpecError", "nki_op"]
@@ -68,7 +69,7 @@ class NkiOp:
 def _eager(user_kernel: UserKernel) -> Callable:
     def run(*inputs):
         launcher = select_launcher(config_module.get())
-        outputs = user_kernels.launch_user_kernel(user_kernel, launcher, inputs)
+        outputs = launch_user_kernel(user_kernel, launcher, inputs)
         return outputs[0] if user_kernel.num_outputs == 1 else tuple(outputs)
 
     return run
