@@ -12,7 +12,9 @@ wrapping a ``torch.library`` custom op:
   break); under ``backend="neuron"`` the partitioner gives that node a region of its own and the region launches
   the kernel (runtime/user_region.py); under Inductor or aot_eager the node calls the eager implementation;
 - ``backward=fn`` registers ``fn(*grad_outputs, *inputs) -> one gradient (or None) per input`` as its autograd
-  formula; ``fn`` may call torch ops or another ``NkiOp`` (a backward kernel), and is traced like any function.
+  formula; ``fn`` may call torch ops or another ``NkiOp`` (a backward kernel), and is traced like any function;
+- ``op.choose_for(aten_op, select)`` is the explicit registration through which our compiler launches the kernel
+  for an ATen op of the graph (never without it): the node is then placed and launched as a call of the op.
 """
 
 from __future__ import annotations
@@ -61,6 +63,18 @@ class NkiOp:
 
     def __call__(self, *tensors: torch.Tensor):
         return self.op(*tensors)
+
+    def choose_for(self, aten_op, select: Callable) -> NkiOp:
+        """Under ``backend="neuron"``, launch this kernel for the ATen op ``aten_op`` (an OpOverload, as in the
+        ATen graph) wherever ``select(*args, **kwargs)`` returns the kernel's arguments; None leaves the node to our
+        own lowering. ``select`` sees the node's arguments: FX nodes for tensors (their ``meta["val"]`` holds shape
+        and dtype) and constants. The declared outputs must equal the ATen op's (``NkiOpSpecError`` otherwise)."""
+        user_kernels.choose_for(aten_op, self.user_kernel, select)
+        return self
+
+    def forget_choices(self) -> None:
+        """Withdraw every ``choose_for`` of this op (graphs compiled from then on use our own lowerings)."""
+        user_kernels.forget_choices(self.user_kernel)
 
     def __repr__(self) -> str:
         return f"NkiOp({self.user_kernel.qualname})"

@@ -71,6 +71,65 @@ def user_kernel_for(target) -> UserKernel | None:
     return _REGISTRY.get(target._schema.name)
 
 
+@dataclasses.dataclass(frozen=True)
+class UserCall:
+    """A graph node that launches a user kernel: the kernel, its arguments (FX nodes or constants, in the
+    kernel's order) and, for an ATen node chosen through ``choose_for``, the ATen op it stands for."""
+
+    user_kernel: UserKernel
+    arguments: tuple
+    stands_for: str | None = None
+
+
+# ATen op -> [(user kernel, select)]: explicit choices of a user kernel for an ATen op (NkiOp.choose_for).
+_CHOICES: dict[object, list[tuple[UserKernel, Callable]]] = {}
+
+
+def choose_for(aten_op, user_kernel: UserKernel, select: Callable) -> None:
+    """Launch ``user_kernel`` for the ATen op ``aten_op`` where ``select(*args, **kwargs)`` (the node's arguments:
+    FX nodes for tensors, with ``meta["val"]``, and constants) returns the kernel's arguments; None declines."""
+    _CHOICES.setdefault(aten_op, []).append((user_kernel, select))
+
+
+def forget_choices(user_kernel: UserKernel) -> None:
+    """Withdraw every ``choose_for`` of ``user_kernel``."""
+    for aten_op, choices in list(_CHOICES.items()):
+        _CHOICES[aten_op] = [choice for choice in choices if choice[0] is not user_kernel]
+
+
+def _meta(value):
+    return value.meta.get("val") if isinstance(value, torch.fx.Node) else value
+
+
+def _chosen_call(node: torch.fx.Node) -> UserCall | None:
+    for user_kernel, select in _CHOICES.get(node.target, ()):
+        arguments = select(*node.args, **node.kwargs)
+        if arguments is None:
+            continue
+        declared = user_kernel.output_specs([_meta(argument) for argument in arguments])
+        produced = _meta(node)
+        produced = [produced] if isinstance(produced, torch.Tensor) else list(produced)
+        actual = [OutputSpec(tuple(int(size) for size in value.shape), value.dtype) for value in produced]
+        if declared != actual:
+            raise NkiOpSpecError(
+                f"nki_op {user_kernel.qualname} chosen for {node.target} ({node.name}): its declared outputs "
+                f"{', '.join(map(str, declared))} differ from the op's {', '.join(map(str, actual))}"
+            )
+        return UserCall(user_kernel, tuple(arguments), str(node.target))
+    return None
+
+
+def user_call(node: torch.fx.Node) -> UserCall | None:
+    """The user-kernel launch a call_function node stands for: a call of a registered op, or an ATen op a user
+    kernel was explicitly chosen for (its ``select`` accepting the node); else None."""
+    if node.op != "call_function":
+        return None
+    user_kernel = user_kernel_for(node.target)
+    if user_kernel is not None:
+        return UserCall(user_kernel, tuple(node.args))
+    return _chosen_call(node)
+
+
 def check_outputs(user_kernel: UserKernel, outputs: list[torch.Tensor], specs: list[OutputSpec]) -> None:
     """Raise NkiOpSpecError where the kernel's outputs disagree with the declared ones (count, shape, dtype)."""
     if len(outputs) != len(specs):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import neuron_compile
+from neuron_compile.errors import NeuronCompileError
 from neuron_compile.passes.partition import partition_graph
 from neuron_compile.runtime import simulator as nki
 from neuron_compile.runtime.launcher import LauncherError
@@ -175,3 +176,54 @@ def test_eager_launch_goes_through_the_configured_launcher():
     x, weight = _inputs()
     with neuron_compile.config.patch(launcher="device"), pytest.raises(LauncherError, match="cannot run here"):
         scale_columns(x, weight)
+
+
+scale_columns_chosen = neuron_compile.nki_op(scale_columns_kernel, out=_same_as_x, name="nkiop_tests::scale_chosen")
+
+
+def _rows_times_columns(x, weight):
+    """The kernel's arguments where aten.mul multiplies a [rows, cols] fp32 tensor by a [cols] one, else None."""
+    if not (isinstance(x, torch.fx.Node) and isinstance(weight, torch.fx.Node)):
+        return None
+    x_value, weight_value = x.meta["val"], weight.meta["val"]
+    fits = x_value.dim() == 2 and weight_value.dim() == 1 and x_value.shape[1] == weight_value.shape[0]
+    return (x, weight) if fits and x_value.dtype == weight_value.dtype == torch.float32 else None
+
+
+def test_an_explicit_choice_launches_the_kernel_for_an_aten_op():
+    x, weight = _inputs()
+    compiled = torch.compile(lambda x, weight: torch.tanh(x * weight) * 3.0, backend="neuron", fullgraph=True)
+    with neuron_compile.record_launches() as launches:
+        compiled(x, weight)
+    assert "nkiop_tests_scale_chosen" not in [launch.kernel for launch in launches]  # not registered yet: ours
+
+    scale_columns_chosen.choose_for(torch.ops.aten.mul.Tensor, _rows_times_columns)
+    torch._dynamo.reset()
+    try:
+        with neuron_compile.config.patch(fallback="raise"), neuron_compile.record_launches() as launches:
+            result = compiled(x, weight)
+    finally:
+        scale_columns_chosen.forget_choices()  # process-wide: later tests' graphs must not pick it up
+    torch.testing.assert_close(result, torch.tanh(x * weight) * 3.0)
+    # The mul by a scalar is not [rows, cols] x [cols]: select declines it, and our lowering keeps it.
+    assert [launch.kernel for launch in launches].count("nkiop_tests_scale_chosen") == 1
+    decisions = [text for texts in neuron_compile.last_compiled().fusion_decisions.values() for text in texts]
+    assert any("nkiop_tests::scale_chosen, chosen for aten.mul.Tensor" in text for text in decisions)
+
+
+def _swapped(x, weight):
+    return (weight, x) if isinstance(x, torch.fx.Node) and isinstance(weight, torch.fx.Node) else None
+
+
+def test_a_choice_whose_spec_differs_from_the_aten_op_is_an_error():
+    x, weight = _inputs()
+    # The spec declares the first argument's shape, [32] here; the mul gives [6, 32].
+    wrong_shape.choose_for(torch.ops.aten.mul.Tensor, _swapped)
+    compiled = torch.compile(lambda x, weight: x * weight, backend="neuron", fullgraph=True)
+    message = r"nki_op nkiop_tests::wrong_shape chosen for aten.mul.Tensor \(mul\): its declared outputs shape " \
+              r"\[32\] dtype torch.float32 differ from the op's shape \[6, 32\]"
+    try:
+        with neuron_compile.config.patch(fallback="raise"), pytest.raises(NeuronCompileError, match=message):
+            compiled(x, weight)
+    finally:
+        wrong_shape.forget_choices()

@@ -7,7 +7,8 @@ every node which region holds it, or why it runs eagerly. The report prints as a
 
 Which nodes may go in a region is decided by ``neuron_compile.lowering.unsupported_reason`` for the hardware
 target (a ``Target``, a target name, or None for the default target); the partitioner (torch's ``CapabilityBasedPartitioner``) then groups supported nodes into the largest regions that
-do not create cycles. A user kernel's call (``neuron_compile.nki_op``) gets a region of its own.
+do not create cycles. A user kernel's call (``neuron_compile.nki_op``, or an ATen op a user kernel was chosen for
+with ``NkiOp.choose_for``) gets a region of its own.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from neuron_compile.hardware import Target
-from neuron_compile.user_kernels import user_kernel_for
+from neuron_compile.user_kernels import user_call
 
 log = logging.getLogger("neuron_compile")
 
@@ -139,7 +140,7 @@ def _compute_reasons(gm: torch.fx.GraphModule, unsupported_reason: UnsupportedRe
         if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
             producer_reason = reasons.get(node.args[0], "its producer is not an ATen call")
             reasons[node] = None if producer_reason is None else "its producer runs eagerly"
-        elif user_kernel_for(node.target) is not None:
+        elif user_call(node) is not None:
             reasons[node] = USER_KERNEL_REASON  # placed in a region of its own by _user_kernel_partitions
         else:
             reasons[node] = _placement_reason(node, unsupported_reason)
@@ -165,7 +166,7 @@ def _user_kernel_partitions(gm: torch.fx.GraphModule, reasons: dict) -> list[Par
     region of one node cannot create a cycle (runtime/user_region.py says why it is alone)."""
     partitions = []
     for node in gm.graph.nodes:
-        if node.op == "call_function" and user_kernel_for(node.target) is not None:
+        if user_call(node) is not None:
             members = [node, *(user for user in node.users if user.target is operator.getitem)]
             for member in members:
                 reasons[member] = None

@@ -36,9 +36,9 @@ BUFFER_DTYPES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # torch d
 
 
 def user_kernel_node(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
-    """The user-op call of a region that holds one (the partitioner gives such a node a region of its own)."""
+    """The user-kernel call of a region that holds one (the partitioner gives such a node a region of its own)."""
     calls = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is not operator.getitem]
-    if len(calls) == 1 and user_kernels.user_kernel_for(calls[0].target) is not None:
+    if len(calls) == 1 and user_kernels.user_call(calls[0]) is not None:
         return calls[0]
     return None
 
@@ -81,13 +81,15 @@ class UserKernelRegion:
     def __init__(self, gm: torch.fx.GraphModule, call: torch.fx.Node, launcher: Launcher, example_inputs):
         self.graph_module = gm
         self.call = call
-        self.user_kernel: UserKernel = user_kernels.user_kernel_for(call.target)
+        self.user_call = user_kernels.user_call(call)
+        self.user_kernel: UserKernel = self.user_call.user_kernel
         self.launcher = launcher
         values = self._bind(example_inputs)
         self.kernels: list[KernelSource] = [kernel_source(self.user_kernel, self._arguments(values))]
         self.launch_sources = list(self.kernels)
         self.nki_nodes = 1
-        self.fusion_decisions = [f"{call.name}: user kernel {self.user_kernel.qualname}, launched as written"]
+        chosen = f", chosen for {self.user_call.stands_for}" if self.user_call.stands_for else ""
+        self.fusion_decisions = [f"{call.name}: user kernel {self.user_kernel.qualname}{chosen}, launched as written"]
         self.mutations: list = []
         self.inputs: list = []
         self.buffers: dict = {}
@@ -97,7 +99,7 @@ class UserKernelRegion:
         return dict(zip(placeholders, tensors, strict=True))
 
     def _arguments(self, values: dict) -> list:
-        return [values[arg] if isinstance(arg, torch.fx.Node) else arg for arg in self.call.args]
+        return [values[arg] if isinstance(arg, torch.fx.Node) else arg for arg in self.user_call.arguments]
 
     def __call__(self, *tensors: torch.Tensor, validate=None):
         values = self._bind(tensors)
