@@ -5,6 +5,8 @@ outputs disagree with the declared spec."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ import neuron_compile
 from neuron_compile.errors import NeuronCompileError
 from neuron_compile.passes.partition import partition_graph
 from neuron_compile.runtime import simulator as nki
-from neuron_compile.runtime.launcher import LauncherError
+from neuron_compile.runtime.launcher import DeviceLauncher, LauncherError
 from neuron_compile.runtime.simulator import isa as nisa
 from neuron_compile.runtime.simulator import language as nl
 
@@ -227,3 +229,19 @@ def test_a_choice_whose_spec_differs_from_the_aten_op_is_an_error():
             compiled(x, weight)
     finally:
         wrong_shape.forget_choices()
+
+
+def test_the_device_launcher_calls_the_kernel_with_device_tensors_and_keeps_its_dtypes():
+    # A stand-in for the real nki.jit kernel on a device: it receives torch tensors, returns a torch tensor.
+    received = []
+
+    def device_kernel(x, weight):
+        received.append((x.device.type, tuple(x.shape)))
+        return (x * weight).to(torch.bfloat16)
+
+    launcher = DeviceLauncher(nki_module=types.ModuleType("nki"), device="cpu")
+    x, weight = _inputs()
+    outputs, report = launcher.launch_function(device_kernel, [x, weight])
+    assert received == [("cpu", (ROWS, COLS))] and report is None
+    assert outputs[0].dtype == torch.bfloat16  # as the kernel returned it: the spec check then sees the truth
+    torch.testing.assert_close(outputs[0], (x * weight).to(torch.bfloat16))
