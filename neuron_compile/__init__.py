@@ -3,7 +3,8 @@
 Public API only. ``torch.compile(model, backend="neuron")`` works without importing this package (the
 ``torch_dynamo_backends`` entry point); importing it registers the backend too (as ``"neuron_compile"`` only,
 if AWS ``torch_neuronx`` already owns ``"neuron"``) and gives ``stats()``, ``reset_stats()``, ``config``,
-``last_compiled()``, ``record_launches()`` and ``NeuronCompileError``.
+``last_compiled()``, ``record_launches()``, ``NeuronCompileError`` and ``nki_op`` (a hand-written ``@nki.jit`` kernel
+as a torch operator, eager and compiled: neuron_compile/nki_op.py).
 
 ``stats()`` returns a dict of process-wide counters since the last ``reset_stats()``:
 
@@ -32,6 +33,7 @@ block (the kernel's name and its cost report: the per-kernel figures behind the 
 from neuron_compile import config
 from neuron_compile.backend import register as _register
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
+from neuron_compile.nki_op import NkiOp, NkiOpSpecError, nki_op
 from neuron_compile.runtime import stats as _stats
 from neuron_compile.runtime.compiled_graph import compiled_records, last_compiled
 from neuron_compile.runtime.stats import record_launches
@@ -40,11 +42,14 @@ from neuron_compile.version import __version__
 __all__ = [
     "NeuronCompileError",
     "NeuronCompileWarning",
+    "NkiOp",
+    "NkiOpSpecError",
     "__version__",
     "backend_name",
     "compiled_records",
     "config",
     "last_compiled",
+    "nki_op",
     "record_launches",
     "reset_stats",
     "stats",

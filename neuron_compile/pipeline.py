@@ -35,6 +35,7 @@ from neuron_compile.rendered_region import RenderedRegion
 from neuron_compile.runtime import disk_cache, stats
 from neuron_compile.runtime.launcher import select_launcher
 from neuron_compile.runtime.region import CompiledRegion
+from neuron_compile.runtime.user_region import UserKernelRegion, user_kernel_node
 from neuron_compile.tiles import TilePlan
 
 
@@ -274,8 +275,12 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None, on_pas
 
     With the on-disk cache on (``NEURON_COMPILE_CACHE`` not ``off``), the passes through ``render`` run only on
     a miss; a hit loads the stored ``RenderedRegion``. With a dump folder set every pass runs (the dump shows each
-    one's output), and the result is still stored."""
+    one's output), and the result is still stored. A region holding one user kernel (``neuron_compile.nki_op``)
+    skips the passes: it launches that kernel (runtime/user_region.py)."""
     context = PassContext(config, configured_target(config), list(example_inputs), region_ops(gm))
+    user_call = user_kernel_node(gm)
+    if user_call is not None:  # a user kernel's region of its own: nothing to lower, launched as written
+        return UserKernelRegion(gm, user_call, select_launcher(config, context.target), context.example_inputs)
     store = disk_cache.open_cache(config)
     if store is None:
         return run_passes("region", gm, context, on_pass)

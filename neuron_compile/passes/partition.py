@@ -7,7 +7,8 @@ every node which region holds it, or why it runs eagerly. The report prints as a
 
 Which nodes may go in a region is decided by ``neuron_compile.lowering.unsupported_reason`` for the hardware
 target (a ``Target``, a target name, or None for the default target); the partitioner (torch's ``CapabilityBasedPartitioner``) then groups supported nodes into the largest regions that
-do not create cycles.
+do not create cycles. A user kernel's call (``neuron_compile.nki_op``, or an ATen op a user kernel was chosen for
+with ``NkiOp.choose_for``) gets a region of its own.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from collections.abc import Callable
 
 import torch
 import torch.fx
-from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from neuron_compile.hardware import Target
+from neuron_compile.user_kernels import user_call
 
 log = logging.getLogger("neuron_compile")
 
@@ -33,6 +35,7 @@ REGION_PREFIX = "nki_region_"
 UnsupportedReason = Callable[[torch.fx.Node], "str | None"]
 # Mutating ops a region may hold; the registry's check decides each node (copy_ into a graph input it owns).
 LOWERED_MUTATIONS = (torch.ops.aten.copy_.default,)
+USER_KERNEL_REASON = "a user NKI kernel: placed in a region of its own"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +140,8 @@ def _compute_reasons(gm: torch.fx.GraphModule, unsupported_reason: UnsupportedRe
         if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
             producer_reason = reasons.get(node.args[0], "its producer is not an ATen call")
             reasons[node] = None if producer_reason is None else "its producer runs eagerly"
+        elif user_call(node) is not None:
+            reasons[node] = USER_KERNEL_REASON  # placed in a region of its own by _user_kernel_partitions
         else:
             reasons[node] = _placement_reason(node, unsupported_reason)
     return reasons
@@ -155,6 +160,20 @@ def _keep_input_writes_after_their_readers(partitions: list, reasons: dict) -> l
     return [partition for partition in partitions if partition.nodes]
 
 
+def _user_kernel_partitions(gm: torch.fx.GraphModule, reasons: dict) -> list[Partition]:
+    """A single-node region (with its getitems) for each user-kernel call. Such a node is left out of the
+    proposed regions (``USER_KERNEL_REASON``), which the partitioner cuts around it as around an eager node; a
+    region of one node cannot create a cycle (runtime/user_region.py says why it is alone)."""
+    partitions = []
+    for node in gm.graph.nodes:
+        if user_call(node) is not None:
+            members = [node, *(user for user in node.users if user.target is operator.getitem)]
+            for member in members:
+                reasons[member] = None
+            partitions.append(Partition(nodes=members))
+    return partitions
+
+
 def partition_graph(gm: torch.fx.GraphModule, target: Target | str | None = None, *,
                     unsupported_reason: UnsupportedReason | None = None) -> PartitionResult:
     """Split ``gm`` into NKI regions and eager nodes for ``target`` (a ``Target``, a target name, or None for the
@@ -170,6 +189,7 @@ def partition_graph(gm: torch.fx.GraphModule, target: Target | str | None = None
     partitioner = CapabilityBasedPartitioner(work, _RegistrySupport(reasons), allows_single_node_partition=True)
     order = {node: index for index, node in enumerate(work.graph.nodes)}
     proposed = _keep_input_writes_after_their_readers(partitioner.propose_partitions(), reasons)
+    proposed += _user_kernel_partitions(work, reasons)
     partitions = sorted(proposed, key=lambda part: min(order[node] for node in part.nodes))
 
     region_of: dict[str, str] = {}

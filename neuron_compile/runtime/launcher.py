@@ -92,6 +92,11 @@ class Launcher(abc.ABC):
     def launch(self, kernel: LoadedKernel, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], CostReport | None]:
         """Run ``kernel`` on one flat tensor per parameter; return its outputs (torch-allocated) and report."""
 
+    def launch_function(self, function, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], CostReport | None]:
+        """Run a kernel function (a hand-written ``@nki.jit`` kernel, not loaded from text) on ``tensors`` of its
+        own shapes; return its outputs in the dtypes it produced (torch-allocated) and the report."""
+        raise LauncherError(f"{type(self).__name__} cannot launch kernel functions")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -122,6 +127,15 @@ def to_owned_tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
     return view.clone()
 
 
+def buffer_dtype(array: np.ndarray) -> str:
+    """The buffer dtype name of a simulator output array (uint8 is NKI's bool); LauncherError for any other."""
+    for name, numpy_dtype in NUMPY_DTYPES.items():
+        if array.dtype == numpy_dtype:
+            return name
+    raise LauncherError(f"a kernel output of dtype {array.dtype} has no torch counterpart here "
+                        f"(supported: {sorted(NUMPY_DTYPES)})")
+
+
 class SimulatorLauncher(Launcher):
     """Kernels on the built-in numpy simulator, on ``target`` (a Target or its name; None: the default)."""
 
@@ -139,6 +153,11 @@ class SimulatorLauncher(Launcher):
         outputs = [to_owned_tensor(np.asarray(array), buffer.dtype)
                    for buffer, array in zip(kernel.source.outputs, run.outputs)]
         return outputs, run.report
+
+    def launch_function(self, function, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], CostReport]:
+        run = simulator.run_kernel(function, [to_numpy(tensor) for tensor in tensors], target=self.target)
+        arrays = [np.asarray(array) for array in run.outputs]
+        return [to_owned_tensor(array, buffer_dtype(array)) for array in arrays], run.report
 
     def __repr__(self) -> str:
         return f"SimulatorLauncher(target={self.target.name!r})"
@@ -239,6 +258,10 @@ class DeviceLauncher(Launcher):
             owned = torch.empty(tuple(tensor.shape), dtype=TORCH_DTYPES[buffer.dtype])
             outputs.append(owned.copy_(tensor))  # device -> CPU, into torch-allocated memory
         return outputs, None
+
+    def launch_function(self, function, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], None]:
+        returned = _kernel_outputs(function(*(tensor.detach().to(self.device) for tensor in tensors)))
+        return [tensor.to("cpu", copy=True) for tensor in returned], None
 
     def __repr__(self) -> str:
         return f"DeviceLauncher(nki={getattr(self.nki, '__name__', self.nki)!r}, device={str(self.device)!r})"

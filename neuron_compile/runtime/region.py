@@ -156,15 +156,7 @@ class CompiledRegion:
         outputs, report = self.launcher.launch(kernel, [self._buffer(name, flat) for name in kernel.source.parameters])
         for buffer, output in zip(kernel.source.outputs, outputs):
             flat[buffer.name] = output.reshape(-1)
-        stats.add_launch(kernel.source.name, report, kernel.source)
-        if report is None:  # a launcher without a cost model (the device)
-            stats.add(kernels_launched=1)
-            return
-        stats.add(
-            kernels_launched=1, hbm_bytes=int(report.hbm_bytes_read + report.hbm_bytes_written),
-            flops=int(report.flops), est_time_s=float(report.est_time_s), roofline_s=float(report.roofline_s),
-            launch_s=float(report.launch_s), est_lower_bound_s=float(report.est_lower_bound_s),
-        )
+        stats.count_launch(kernel.source.name, report, kernel.source)
 
     def _buffer(self, name: str, flat: dict[str, torch.Tensor]) -> torch.Tensor:
         """A buffer's flat tensor; one no kernel writes (aten.empty, a numel-0 result) is NaN-filled like every

@@ -103,3 +103,17 @@ def reset() -> None:
     global _stats
     with _lock:
         _stats = Stats()
+
+
+def count_launch(kernel: str, report: object, source: object = None) -> None:
+    """One kernel launch: handed to the recorders, counted, and its cost-model figures summed (a launcher without
+    a cost model, the device, gives no report)."""
+    add_launch(kernel, report, source)
+    if report is None:
+        add(kernels_launched=1)
+        return
+    add(
+        kernels_launched=1, hbm_bytes=int(report.hbm_bytes_read + report.hbm_bytes_written),
+        flops=int(report.flops), est_time_s=float(report.est_time_s), roofline_s=float(report.roofline_s),
+        launch_s=float(report.launch_s), est_lower_bound_s=float(report.est_lower_bound_s),
+    )
