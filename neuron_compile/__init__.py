@@ -29,7 +29,7 @@ if AWS ``torch_neuronx`` already owns ``"neuron"``) and gives ``stats()``, ``res
 block (the kernel's name and its cost report: the per-kernel figures behind the sums; ``bench/kernel_bench.py``).
 """
 
-from neuron_compile import config
+from neuron_compile import config, logs
 from neuron_compile.backend import register as _register
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.runtime import stats as _stats
@@ -61,4 +61,5 @@ def reset_stats() -> None:
     _stats.reset()
 
 
+logs.register()  # our log topics, for torch._logging.set_logs
 backend_name = _register()  # "neuron", or "neuron_compile" when another package owns "neuron"

@@ -24,14 +24,14 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from neuron_compile import config
+from neuron_compile import config, logs
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.passes.decompose import decomposition_table
 from neuron_compile.passes.partition import op_name
 from neuron_compile.runtime import compile_events, dump, stats
 from neuron_compile.runtime.compiled_graph import compile_aten_graph, refresh_dump_index
 
-log = logging.getLogger("neuron_compile")
+log = logging.getLogger(__name__)
 
 # torch.compile's documented modes: none changes what we compile today (there are no CUDA graphs or autotuning).
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -47,9 +47,11 @@ def neuron_backend(
         raise ValueError(f"torch.compile mode {mode!r} is not one of {list(COMPILE_MODES)}")
     options = dict(options or {})
     effective = config.get().replace(options)  # reject unknown keys and bad values now, at compile time
+    logs.apply(effective.logs)
     if effective.bucket:
         _warn_bucket_not_applied(effective.bucket)
     event = compile_events.record_dynamo_graph(gm, keep_graph=bool(effective.dump_dir))
+    log.debug("Dynamo graph %d: %d nodes, %d inputs", event.index, len(gm.graph.nodes), len(example_inputs))
     if effective.dump_dir:
         dump.write_dynamo_graph(effective.dump_dir, event)
         refresh_dump_index(effective.dump_dir)

@@ -33,9 +33,16 @@ from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.passes.partition import PartitionReport, op_name
 from neuron_compile.pipeline import PassContext, compile_region, configured_target, run_passes
 from neuron_compile.runtime import compile_events, dump, stats, trace_artifacts
-from neuron_compile.runtime.cache import DispatchCache, GraphKey, graph_hash, signature_of
+from neuron_compile.runtime.cache import (
+    DispatchCache,
+    GraphKey,
+    TensorSignature,
+    dispatch_signature,
+    graph_hash,
+    signature_of,
+)
 
-log = logging.getLogger("neuron_compile")
+log = logging.getLogger(__name__)
 
 RECORDS_KEPT = 64
 OPS_NAMED = 8  # a message names at most this many of a region's ops
@@ -352,26 +359,42 @@ class CompiledGraph:
         # disable() wrapper around backward callables copies only the instance __dict__ (functools.wraps).
         self._boxed_call = True
         self.gm, self.kind, self.options = gm, kind, dict(options or {})
+        self.option_items = tuple(self.options.items())  # config.get's memo key for our options, built once
         self.dynamo_graph = dynamo_graph  # its Dynamo graph's index (compile_events), for the dump folder
         self.graph_hash = graph_hash(gm)
         self.cache: DispatchCache[torch.fx.GraphModule] = DispatchCache()
         self._warned_recompiles = False
 
-    def key_for(self, args: list) -> GraphKey:
-        return GraphKey(self.graph_hash, signature_of(args), config_module.get().replace(self.options))
+    def lookup(self, args: list) -> tuple[tuple, torch.fx.GraphModule | None]:
+        """The hit path: this call's dispatch key (the config, read once per call, and ``dispatch_signature``)
+        and the graph compiled for it, None on a miss."""
+        key = (config_module.get(self.option_items), dispatch_signature(args))
+        return key, self.cache.lookup(key)
 
     def __call__(self, args: list):
-        key = self.key_for(args)
-        first = len(self.cache) == 0
-        compiled, compiled_now = self.cache.get_or_compile(
-            key, lambda: _compile_or_fall_back(self.gm, args, key, self.kind, self.dynamo_graph)
-        )
-        if compiled_now:
-            stats.add(cache_misses=1, recompiles=0 if first else 1)
-            self._warn_on_recompile_storm(key.config)
+        key, compiled = self.lookup(args)
+        if compiled is None:
+            compiled = self._compile(key, args)
         else:
             stats.add(cache_hits=1)
         return compiled(*args)
+
+    def _compile(self, key: tuple, args: list) -> torch.fx.GraphModule:
+        """A miss: compile for this signature (once, when threads race), with the readable GraphKey recorded."""
+        config = key[0]
+        graph_key = GraphKey(self.graph_hash, signature_of(args), config)
+        first = len(self.cache) == 0
+        compiled, compiled_now = self.cache.get_or_compile(
+            key, lambda: _compile_or_fall_back(self.gm, args, graph_key, self.kind, self.dynamo_graph)
+        )
+        if compiled_now:
+            stats.add(cache_misses=1, recompiles=0 if first else 1)
+            log.debug("compiled the %s graph %s for signature %d: %s", self.kind, self.graph_hash, len(self.cache),
+                      _describe_signature(graph_key))
+            self._warn_on_recompile_storm(config)
+        else:
+            stats.add(cache_hits=1)
+        return compiled
 
     def _warn_on_recompile_storm(self, config: Config) -> None:
         if len(self.cache) >= config.recompile_warn and not self._warned_recompiles:
@@ -384,6 +407,13 @@ class CompiledGraph:
                 len(self.cache),
                 config.recompile_warn,
             )
+
+
+def _describe_signature(key: GraphKey) -> str:
+    """The call's tensor shapes and dtypes, for the log: ``2x128 int64, 1024x256 float32, ...``."""
+    shown = [f"{'x'.join(map(str, item.shape)) or 'scalar'} {item.dtype.removeprefix('torch.')}"
+             if isinstance(item, TensorSignature) else repr(item.value) for item in key.inputs[:6]]
+    return ", ".join(shown) + (", ..." if len(key.inputs) > 6 else "")
 
 
 def compile_aten_graph(
