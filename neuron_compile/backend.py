@@ -71,6 +71,10 @@ def neuron_backend(
         return aot_backend(gm, example_inputs)
     except NeuronCompileError:  # a region failed under fallback=raise: already explained
         raise
+    except torch._dynamo.exc.RestartAnalysis:
+        # Dynamo's control flow, not a failure: aot_autograd's pass that turns float inputs into tensors asks
+        # Dynamo to trace the frame again with those floats specialized; the retraced graph compiles normally.
+        raise
     except Exception as error:  # noqa: BLE001 -- tracing to ATen failed (data-dependent ops): run the graph eagerly
         return _run_eagerly(gm, effective, error)
 
