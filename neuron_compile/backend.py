@@ -48,8 +48,6 @@ def neuron_backend(
     options = dict(options or {})
     effective = config.get().replace(options)  # reject unknown keys and bad values now, at compile time
     logs.apply(effective.logs)
-    if effective.bucket:
-        _warn_bucket_not_applied(effective.bucket)
     event = compile_events.record_dynamo_graph(gm, keep_graph=bool(effective.dump_dir))
     log.debug("Dynamo graph %d: %d nodes, %d inputs", event.index, len(gm.graph.nodes), len(example_inputs))
     if effective.dump_dir:
@@ -94,11 +92,6 @@ def _run_eagerly(gm: torch.fx.GraphModule, effective: config.Config, error: Exce
         if node.op in ("call_function", "call_method", "call_module"):
             stats.add_fallback(op_name(node) if node.op == "call_function" else str(node.target), reason)
     return gm.forward
-
-
-@functools.cache
-def _warn_bucket_not_applied(bucket: int) -> None:
-    log.warning("neuron_compile: bucket=%d is accepted but not applied yet: shapes are not padded", bucket)
 
 
 def _owner_of(name: str) -> str | None:
