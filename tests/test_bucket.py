@@ -77,10 +77,15 @@ def interleaving_view(x):
     return x.view(4, -1).relu()
 
 
+def last_column(x):
+    return x[:, -1:] * 2  # the last real column, not the last padded one
+
+
 @pytest.mark.parametrize(("function", "shapes", "reason"), [
     (sum_over_length, [(2, 7)], "aten.sum.dim_IntList reduces over the padded dim"),
     (uncausal_attention, [(1, 2, 7, 16)] * 3, "attends over the padded key positions without a causal mask"),
     (interleaving_view, [(7, 4)], "interleaves padded positions"),
+    (last_column, [(2, 7)], "starts at a position counted from the end of the padded dim"),
 ])
 def test_declined_with_a_reason_and_results_stay_eager_equal(function, shapes, reason):
     torch._dynamo.reset()

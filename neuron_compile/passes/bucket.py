@@ -7,16 +7,19 @@ zero-filled at the end; every SymInt argument of that size takes the padded valu
 the unpadded sizes. Calls whose sizes fall in one bucket then share one dispatch key: one compile per bucket, not
 one per length (runtime/compiled_graph.py applies the plan before it builds the key).
 
-Padding at the end is exact when no real position reads a padded one. The plan walks the graph once per symbol,
-tracking which dims of each value have a size that depends on it ("padded dims"), and pads the symbol only if
-every node keeps positions apart along those dims: pointwise ops, views that keep the padded positions after the
-real ones (the symbol outermost in a merged dim: ``[b, s, h] -> [b*s, h]``, with matching sizes on both sides),
-permutes, concatenation (along other dims, or with the padded input last), creation ops (``arange(s)``), cumulative ops (position i reads positions <= i), matmuls and reductions
-over other dims, embedding lookups, and causal attention without a mask (a real query attends to keys at or
-before it, never to the padded ones after the last real key). Anything else is declined with a reason
-(``reasons``: the dump and ``neuron-compile explain`` show it): a reduction, softmax or contraction over a padded
-dim, attention with a mask (its padding would be zeros: attend), views that interleave padded positions, ops we do
-not know, graphs that mutate inputs or return views of them (a padded copy would take the write or the view).
+Padding at the end is exact when no real position reads a padded one and the real data stays in the leading part
+of every padded dim. The plan walks the graph once per symbol, tracking which dims of each value have a size that
+depends on it ("padded dims"), and pads the symbol only if every node keeps it so: pointwise ops, layout ops
+(permute, transpose, expand, select from the start, slices with a fixed start), views (tried on element numbers
+at a real and at a padded size: ``[1, s, h] -> [s, h]`` keeps the padding at the end; ``[2, s, h] -> [2*s, h]``
+interleaves it and is declined), concatenation along other dims or with the padded input last (a KV cache's
+``cat([past, new], -2)``), creation ops (``arange(s)``), cumulative ops (position i reads positions <= i),
+matmuls and reductions over other dims, embedding lookups, and causal attention without a mask (a real query
+attends to keys at or before it, never to the padded ones after the last real key). Anything else is declined
+with a reason (``reasons``: the record, the dump and ``neuron-compile explain`` show it): a reduction, softmax or
+contraction over a padded dim, attention with a mask (its padding would be zeros: attend) or without causality,
+ops we do not know, graphs that mutate inputs or return views of them (a padded copy would take the write or the
+view).
 
 Caveat: values computed at padded positions are discarded, but they are computed; a function that is not finite at
 zero (a log, a division by the input) makes them inf or nan, which a causal attention's ``0 * nan`` would spread.
@@ -185,8 +188,8 @@ def _reason(node: torch.fx.Node, symbol: sympy.Symbol) -> str | None:
     if target in LAYOUT_OPS or target in CREATION_OPS or target in CUMULATIVE_OPS or target is aten.embedding.default:
         if target is aten.embedding.default and padded_inputs.get(node.args[0]):
             return f"{name} looks up a table whose size is {symbol}"
-        if target is aten.slice.Tensor and symbol in _expr_of(node.args[2] if len(node.args) > 2 else 0).free_symbols:
-            return f"{name} starts at a position that depends on {symbol}"
+        if target is aten.slice.Tensor and not _starts_from_the_front(node, symbol, padded_inputs):
+            return f"{name} starts at a position counted from the end of the padded dim {symbol}"
         return None
     if target in VIEW_OPS:
         source, result = _shape(node.args[0].meta["val"]), _shape(node.meta["val"])
@@ -226,6 +229,16 @@ def _cat_reason(node: torch.fx.Node, symbol: sympy.Symbol, padded_inputs: dict, 
     if not padded or padded == [len(parts) - 1]:
         return None
     return f"{name} joins tensors after the padded dim {symbol}"
+
+
+def _starts_from_the_front(node: torch.fx.Node, symbol: sympy.Symbol, padded_inputs: dict) -> bool:
+    """A slice along a padded dim must start at a fixed position from the front (``x[:, -1:]`` would read the
+    padding)."""
+    dim = (node.args[1] if len(node.args) > 1 else 0) % node.args[0].meta["val"].dim()
+    if dim not in padded_inputs.get(node.args[0], []):
+        return True
+    start = _expr_of(node.args[2] if len(node.args) > 2 else 0)
+    return symbol not in start.free_symbols and not (start.is_number and start < 0)
 
 
 def _expr_of(value) -> sympy.Expr:
