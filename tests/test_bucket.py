@@ -15,18 +15,19 @@ BUCKET = 16
 
 
 class CausalBlock(torch.nn.Module):
-    """Attention with a causal mask, a projection and a softmax over the features: every op keeps positions apart."""
+    """Attention with a causal mask, a projection, a layer norm and a softmax over the features: every op keeps
+    positions apart."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+        self.qkv, self.out, self.norm = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)
 
     def forward(self, x):
         batch, length, _ = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, 2, 16).permute(2, 0, 3, 1, 4)
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(attended.transpose(1, 2).reshape(batch, length, 32)).softmax(-1)
+        return self.norm(self.out(attended.transpose(1, 2).reshape(batch, length, 32))).softmax(-1)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ depends on it ("padded dims"), and pads the symbol only if every node keeps it s
 at a real and at a padded size: ``[1, s, h] -> [s, h]`` keeps the padding at the end; ``[2, s, h] -> [2*s, h]``
 interleaves it and is declined), concatenation along other dims or with the padded input last (a KV cache's
 ``cat([past, new], -2)``), creation ops (``arange(s)``), cumulative ops (position i reads positions <= i),
-matmuls and reductions over other dims, embedding lookups, and causal attention without a mask (a real query
+matmuls, reductions and layer norms over other dims, embedding lookups, and causal attention without a mask (a real query
 attends to keys at or before it, never to the padded ones after the last real key). Anything else is declined
 with a reason (``reasons``: the record, the dump and ``neuron-compile explain`` show it): a reduction, softmax or
 contraction over a padded dim, attention with a mask (its padding would be zeros: attend) or without causality,
@@ -270,6 +270,11 @@ REDUCTION_OPS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.am
 
 
 def _reduction_reason(node, symbol, padded_inputs: dict, name: str) -> str | None:
+    if node.target is aten.native_layer_norm.default:  # normalizes the trailing len(normalized_shape) dims
+        rank, normalized = node.args[0].meta["val"].dim(), len(node.args[1])
+        if set(padded_inputs.get(node.args[0], [])) & set(range(rank - normalized, rank)):
+            return f"{name} normalizes over the padded dim {symbol}"
+        return None
     if node.target not in REDUCTION_OPS:
         return f"{name} is not known to keep padded positions apart"
     source = node.args[0]
