@@ -11,8 +11,7 @@ Every module logs through ``logging.getLogger(__name__)``, so a topic is a set o
 * ``TORCH_LOGS="+neuron_compile"`` (or a module: ``+neuron_compile.runtime.disk_cache``), next to torch's own
   topics (``TORCH_LOGS="+neuron_compile,recompiles"``). ``TORCH_LOGS`` is parsed when torch is imported, before
   this package registers anything, so it takes module names, not our topic names;
-* ``torch._logging.set_logs(modules={"neuron_cache": logging.DEBUG})``: the topics, registered with torch as
-  ``neuron_<topic>`` (and ``neuron_compile`` for all of them).
+* ``torch._logging.set_logs(modules={"neuron_compile": logging.DEBUG})``, or a module name as for ``TORCH_LOGS``.
 """
 
 from __future__ import annotations
@@ -52,11 +51,10 @@ def parse(setting: str, source: str = "logs") -> dict[str, int]:
 
 
 def register() -> None:
-    """Make our topics known to ``torch._logging`` (``set_logs(modules={"neuron_cache": ...})``); idempotent."""
+    """Make ``neuron_compile`` a log of ``torch._logging`` (``set_logs(modules={"neuron_compile": ...})`` and its
+    handlers, as for torch's own logs); idempotent. The topics are not registered as logs of their own: torch would
+    give a topic's module logger a handler of its own besides its parent's, and print each record twice."""
     torch._logging._internal.register_log(ROOT, [ROOT])  # noqa: SLF001 -- the registry has no public alias
-    for topic, names in TOPICS.items():
-        if topic != "all":
-            torch._logging._internal.register_log(f"neuron_{topic}", list(names))  # noqa: SLF001
 
 
 _applied: list[str] = []  # the last setting applied: a compile per graph re-applies nothing

@@ -2,6 +2,9 @@
 
 import contextlib
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -67,14 +70,23 @@ def test_without_the_topic_nothing_is_logged_below_warning(caplog):
     assert not [record for record in caplog.records if record.name == DISPATCH_LOGGER]
 
 
-def test_topics_are_registered_with_torch_logging():
+def test_registered_with_torch_logging():
     assert neuron_compile.logs is logs
     registry = torch._logging._internal.log_registry
-    assert registry.log_alias_to_log_qnames["neuron_dispatch"] == [DISPATCH_LOGGER]
     assert registry.log_alias_to_log_qnames["neuron_compile"] == ["neuron_compile"]
     try:
-        torch._logging.set_logs(modules={"neuron_cache": logging.DEBUG})
+        torch._logging.set_logs(modules={"neuron_compile.runtime.disk_cache": logging.DEBUG})
         assert logging.getLogger("neuron_compile.runtime.disk_cache").getEffectiveLevel() == logging.DEBUG
+        torch._logging.set_logs(modules={"neuron_compile": logging.INFO})
+        assert logging.getLogger(DISPATCH_LOGGER).getEffectiveLevel() == logging.INFO
     finally:
         torch._logging.set_logs()  # back to torch's defaults
         logging.getLogger(logs.ROOT).propagate = True
+
+
+def test_torch_logs_prints_each_record_once():
+    script = "import torch, neuron_compile; torch.compile(lambda x: x * 2, backend='neuron')(torch.ones(3))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True,
+                          env={**os.environ, "TORCH_LOGS": "+neuron_compile", "NEURON_COMPILE_CACHE": "off"})
+    lines = [line for line in done.stderr.splitlines() if "compiled the inference graph" in line]
+    assert len(lines) == 1, done.stderr[-2000:]
