@@ -18,7 +18,8 @@ NEURON_COMPILE_CACHE       cache_dir             on-disk kernel cache directory 
 NEURON_COMPILE_CACHE_SIZE  cache_size            the on-disk cache's bound in bytes (suffix K, M or G allowed;
                                                  default 1G; 0: unbounded); least recently used entries go first
 NEURON_COMPILE_DUMP        dump_dir              directory for graph / kernel dumps (empty: no dumps)
-NEURON_COMPILE_BUCKET      bucket                pad dynamic dimensions up to a multiple of this (0: off)
+NEURON_COMPILE_BUCKET      bucket                pad dynamic sizes of inference graphs up to a multiple of this
+                                                 (0: off; passes/bucket.py)
 NEURON_COMPILE_RECOMPILE_WARN  recompile_warn    warn when one graph has compiled this many shape signatures
 NEURON_COMPILE_LAUNCHER    launcher              ``auto`` (default: the device where the real ``nki`` and a
                                                  Neuron device are present, else the simulator) |
