@@ -30,7 +30,7 @@ as a torch operator, eager and compiled: neuron_compile/nki_op.py).
 block (the kernel's name and its cost report: the per-kernel figures behind the sums; ``bench/kernel_bench.py``).
 """
 
-from neuron_compile import config
+from neuron_compile import config, logs
 from neuron_compile.backend import register as _register
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.nki_op import NkiOp, NkiOpSpecError, nki_op
@@ -66,4 +66,5 @@ def reset_stats() -> None:
     _stats.reset()
 
 
+logs.register()  # our log topics, for torch._logging.set_logs
 backend_name = _register()  # "neuron", or "neuron_compile" when another package owns "neuron"

@@ -24,14 +24,14 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from neuron_compile import config
+from neuron_compile import config, logs
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.passes.decompose import decomposition_table
 from neuron_compile.passes.partition import op_name
 from neuron_compile.runtime import compile_events, dump, stats
 from neuron_compile.runtime.compiled_graph import compile_aten_graph, refresh_dump_index
 
-log = logging.getLogger("neuron_compile")
+log = logging.getLogger(__name__)
 
 # torch.compile's documented modes: none changes what we compile today (there are no CUDA graphs or autotuning).
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -47,9 +47,9 @@ def neuron_backend(
         raise ValueError(f"torch.compile mode {mode!r} is not one of {list(COMPILE_MODES)}")
     options = dict(options or {})
     effective = config.get().replace(options)  # reject unknown keys and bad values now, at compile time
-    if effective.bucket:
-        _warn_bucket_not_applied(effective.bucket)
+    logs.apply(effective.logs)
     event = compile_events.record_dynamo_graph(gm, keep_graph=bool(effective.dump_dir))
+    log.debug("Dynamo graph %d: %d nodes, %d inputs", event.index, len(gm.graph.nodes), len(example_inputs))
     if effective.dump_dir:
         dump.write_dynamo_graph(effective.dump_dir, event)
         refresh_dump_index(effective.dump_dir)
@@ -68,6 +68,10 @@ def neuron_backend(
     try:
         return aot_backend(gm, example_inputs)
     except NeuronCompileError:  # a region failed under fallback=raise: already explained
+        raise
+    except torch._dynamo.exc.RestartAnalysis:
+        # Dynamo's control flow, not a failure: aot_autograd's pass that turns float inputs into tensors asks
+        # Dynamo to trace the frame again with those floats specialized; the retraced graph compiles normally.
         raise
     except Exception as error:  # noqa: BLE001 -- tracing to ATen failed (data-dependent ops): run the graph eagerly
         return _run_eagerly(gm, effective, error)
@@ -88,11 +92,6 @@ def _run_eagerly(gm: torch.fx.GraphModule, effective: config.Config, error: Exce
         if node.op in ("call_function", "call_method", "call_module"):
             stats.add_fallback(op_name(node) if node.op == "call_function" else str(node.target), reason)
     return gm.forward
-
-
-@functools.cache
-def _warn_bucket_not_applied(bucket: int) -> None:
-    log.warning("neuron_compile: bucket=%d is accepted but not applied yet: shapes are not padded", bucket)
 
 
 def _owner_of(name: str) -> str | None:

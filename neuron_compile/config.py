@@ -18,7 +18,8 @@ NEURON_COMPILE_CACHE       cache_dir             on-disk kernel cache directory 
 NEURON_COMPILE_CACHE_SIZE  cache_size            the on-disk cache's bound in bytes (suffix K, M or G allowed;
                                                  default 1G; 0: unbounded); least recently used entries go first
 NEURON_COMPILE_DUMP        dump_dir              directory for graph / kernel dumps (empty: no dumps)
-NEURON_COMPILE_BUCKET      bucket                pad dynamic dimensions up to a multiple of this (0: off)
+NEURON_COMPILE_BUCKET      bucket                pad dynamic sizes of inference graphs up to a multiple of this
+                                                 (0: off; passes/bucket.py)
 NEURON_COMPILE_RECOMPILE_WARN  recompile_warn    warn when one graph has compiled this many shape signatures
 NEURON_COMPILE_LAUNCHER    launcher              ``auto`` (default: the device where the real ``nki`` and a
                                                  Neuron device are present, else the simulator) |
@@ -31,7 +32,11 @@ NEURON_COMPILE_FLASH_ATTENTION  flash_attention  ``1`` (default) | ``0``: SDPA a
 NEURON_COMPILE_LAUNCH_UNIT  launch_unit          ``region`` (default: a region's kernels launched as one kernel,
                                                  codegen/region_text.py) | ``kernel`` (one launch per kernel;
                                                  to measure what one launch per region saves)
+NEURON_COMPILE_LOGS        logs                  log topics, ``TORCH_LOGS``-style: ``+dispatch,cache`` (logs.py)
 =========================  ====================  ===========================================================
+
+``get()`` runs on every call of a compiled graph (the config is part of the dispatch key), so it is memoized on
+the values of our variables and the active ``patch()`` blocks: a call reads those and looks the Config up.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ import os
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
+
+from neuron_compile import logs
 
 FALLBACK_MODES = ("warn", "raise", "silent")
 LAUNCHERS = ("auto", "simulator", "device")
@@ -78,6 +85,7 @@ class Config:
     fusion: bool = True
     flash_attention: bool = True
     launch_unit: str = "region"
+    logs: str = ""
 
     def __post_init__(self):
         for name in self.field_names():
@@ -184,6 +192,8 @@ INTEGER_BOUNDS = {
 def check_value(name: str, value: object, source: str) -> object:
     """``value`` if it is valid for field ``name``; else a ValueError naming ``source`` (the environment variable
     or option it came from) and the valid values."""
+    if name == "logs":
+        logs.parse(value, source)
     if name in CHOICES and value not in CHOICES[name]:
         raise ValueError(f"{source} must be one of {list(CHOICES[name])}, got {value!r}")
     if name in INTEGER_BOUNDS:
@@ -194,20 +204,53 @@ def check_value(name: str, value: object, source: str) -> object:
 
 
 _overrides = threading.local()
+# Our variables' values in the environment, read the cheap way: os.environ's getter encodes the key and decodes
+# the value in Python (~2 us a variable), and get() runs on every call of a compiled graph. On POSIX, os.environ
+# keeps its bytes mapping in ``_data`` (written by every os.environ change); elsewhere, the public getter.
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+_ENV_KEYS = tuple(os.fsencode(variable) for variable in ENV_VARIABLES) if os.name == "posix" else ()
+_MEMO_LIMIT = 64
+_memo: dict[tuple, Config] = {}
 
 
-def _override_stack() -> list[dict]:
+def _override_stack() -> list[tuple]:
+    """This thread's patch() overrides, innermost last, each as a tuple of (key, value) items."""
     if not hasattr(_overrides, "stack"):
         _overrides.stack = []
     return _overrides.stack
 
 
-def get() -> Config:
-    """The current configuration: the environment, then any active ``patch()`` blocks, innermost last."""
+def _environment_fingerprint() -> tuple:
+    """What get() depends on in the environment: our variables' values, and the number of variables (a new
+    NEURON_COMPILE_* typo must reach from_env's warning)."""
+    if _ENV_KEYS and isinstance(_ENVIRON_DATA, dict):
+        return len(_ENVIRON_DATA), tuple(map(_ENVIRON_DATA.get, _ENV_KEYS))
+    return len(os.environ), tuple(map(os.environ.get, ENV_VARIABLES))
+
+
+def get(options: Mapping[str, object] | tuple = ()) -> Config:
+    """The current configuration: the environment, then any active ``patch()`` blocks, innermost last, then
+    ``options`` (torch.compile's; a mapping, or its items as a tuple). Memoized (see the module docstring)."""
+    items = tuple(options.items()) if isinstance(options, Mapping) else options
+    key = (_environment_fingerprint(), tuple(_override_stack()), items)
+    try:
+        return _memo[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable option value: no memo
+        return _build(items)
+    current = _build(items)
+    if len(_memo) >= _MEMO_LIMIT:
+        _memo.clear()
+    _memo[key] = current
+    return current
+
+
+def _build(options: tuple) -> Config:
     current = Config.from_env()
     for overrides in _override_stack():
-        current = current.replace(overrides)
-    return current
+        current = current.replace(dict(overrides))
+    return current.replace(dict(options)) if options else current
 
 
 @contextlib.contextmanager
@@ -215,7 +258,7 @@ def patch(**overrides) -> Iterator[Config]:
     """Override configuration fields inside a ``with`` block (this thread only); yields the patched Config."""
     patched = get().replace(overrides)  # validate before entering the block
     stack = _override_stack()
-    stack.append(overrides)
+    stack.append(tuple(overrides.items()))
     try:
         yield patched
     finally:

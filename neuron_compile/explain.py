@@ -69,6 +69,7 @@ def graph_lines(observation) -> list[str]:
                 lines.append(f"    {record.kind}: {len(record.report.regions)} NKI region(s), "
                              f"{len(record.report.eager)} eager op(s), {len(record.kernels)} kernel(s)")
                 lines += [f"    !! {failure}" for failure in record.failures]
+                lines += [f"    bucketing: {record.bucketing}"] if record.bucketing else []
     return lines
 
 

@@ -596,3 +596,17 @@ def test_graph_aot_autograd_cannot_trace_runs_eagerly_with_a_reason():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="aot_autograd could not trace the graph"):
         torch.compile(fn, backend="neuron", options={"fallback": "raise"})(x)
+
+
+def test_dynamo_restart_is_not_a_failed_trace():
+    # A float argument that changes between calls becomes a symbolic float; aot_autograd's pass that turns it into
+    # a tensor asks Dynamo to retrace with it specialized (TensorifyScalarRestartAnalysis). That must reach
+    # Dynamo: caught as a failed trace it used to run the whole graph eagerly (an error under fallback=raise).
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, exponent: x.abs().pow(exponent), backend="neuron")
+    x = torch.randn(8)
+    neuron_compile.reset_stats()
+    with neuron_compile.config.patch(fallback="raise", cache_dir="off"):
+        for exponent in (2.5, 3.5):
+            torch.testing.assert_close(compiled(x, exponent), x.abs().pow(exponent))
+    assert not [reason for reason in neuron_compile.stats()["fallback_reasons"] if "could not be traced" in reason]

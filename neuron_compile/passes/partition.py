@@ -29,7 +29,7 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from neuron_compile.hardware import Target
 from neuron_compile.user_kernels import user_call
 
-log = logging.getLogger("neuron_compile")
+log = logging.getLogger(__name__)
 
 REGION_PREFIX = "nki_region_"
 UnsupportedReason = Callable[[torch.fx.Node], "str | None"]

@@ -1,10 +1,14 @@
 """Runtime stage: the dispatch cache from a call signature to a compiled (partitioned) graph.
 
-Input: a ``GraphKey`` — graph hash, each argument's shape / stride / storage offset / dtype / device (or int
-value) and, for a small integer tensor, whether its values pass the guard of ``passes/input_ranges.py``, and the
-``Config`` — and a function that compiles on a miss. Output: the compiled entry, compiled at
-most once per key even when threads race. Keys are frozen dataclasses of plain values so the same key can
-later address an on-disk cache (NEURON_COMPILE_CACHE); today entries live in memory only.
+Input: a dispatch key — the ``Config`` and ``dispatch_signature(args)``: each argument's shape / stride / storage
+offset / dtype / device (or type and value) and, for a small integer tensor, whether its values pass the guard of
+``passes/input_ranges.py`` — and a function that compiles on a miss. Output: the compiled entry, compiled at most
+once per key even when threads race.
+
+Two forms of one signature: ``dispatch_signature`` is what every call builds, plain tuples of what torch hands
+back (``torch.Size``, dtype and device objects) because it runs per argument per call and must cost about a
+microsecond a tensor; ``GraphKey`` / ``signature_of`` is the readable form (strings, named fields) kept in a
+compile's record, built only when a call misses.
 """
 
 from __future__ import annotations
@@ -13,16 +17,17 @@ import collections
 import dataclasses
 import hashlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 import torch
 
 from neuron_compile.config import Config
-from neuron_compile.passes.input_ranges import guard_bound
+from neuron_compile.passes.input_ranges import GUARDED_DTYPES, guard_bound
 
 Entry = TypeVar("Entry")
 MAX_ENTRIES = 256  # compiled signatures kept per graph
+BOUNDED_DTYPES = frozenset(GUARDED_DTYPES)  # tensors of these dtypes may carry a value bound (a set: one hash)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +68,18 @@ def graph_hash(gm: torch.fx.GraphModule) -> str:
     return hashlib.sha256(gm.code.encode()).hexdigest()[:16]
 
 
+def dispatch_signature(args: Sequence[object]) -> tuple:
+    """The per-call dispatch signature: one tuple per argument, as discriminating as ``signature_of`` (a bool, an
+    int and a float of equal value differ by their type) and several times cheaper to build and hash."""
+    return tuple([
+        (arg.shape, arg.stride(), arg.storage_offset(), arg.dtype, arg.device,
+         guard_bound(arg) if arg.dtype in BOUNDED_DTYPES else None)
+        if isinstance(arg, torch.Tensor)
+        else (type(arg), arg if isinstance(arg, bool | int | float) else repr(arg))
+        for arg in args
+    ])
+
+
 def signature_of(args: Sequence[object]) -> tuple[TensorSignature | ScalarSignature, ...]:
     signature = []
     for arg in args:
@@ -76,7 +93,7 @@ def signature_of(args: Sequence[object]) -> tuple[TensorSignature | ScalarSignat
 
 
 class DispatchCache(Generic[Entry]):
-    """In-memory ``GraphKey -> Entry`` map with a double-checked, locked compile on a miss.
+    """In-memory ``key -> Entry`` map (any hashable key) with a double-checked, locked compile on a miss.
 
     At most ``max_entries`` signatures are kept (least recently used evicted first), so a graph called with
     ever-new shapes does not hold every compiled version forever; an evicted signature compiles again.
@@ -84,30 +101,30 @@ class DispatchCache(Generic[Entry]):
 
     def __init__(self, max_entries: int = MAX_ENTRIES):
         self.max_entries = max_entries
-        self._entries: collections.OrderedDict[GraphKey, Entry] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[Hashable, Entry] = collections.OrderedDict()
         self._entries_lock = threading.Lock()  # guards the map; held only briefly
         self._compile_lock = threading.Lock()  # one compile at a time per graph: compiles are rare
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, key: GraphKey) -> bool:
+    def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
 
-    def _lookup(self, key: GraphKey) -> Entry | None:
+    def lookup(self, key: Hashable) -> Entry | None:
         with self._entries_lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
             return entry
 
-    def get_or_compile(self, key: GraphKey, compile_entry: Callable[[], Entry]) -> tuple[Entry, bool]:
+    def get_or_compile(self, key: Hashable, compile_entry: Callable[[], Entry]) -> tuple[Entry, bool]:
         """``(entry, compiled_now)``. A failed compile is not cached: the next call retries."""
-        entry = self._lookup(key)
+        entry = self.lookup(key)
         if entry is not None:
             return entry, False
         with self._compile_lock:
-            entry = self._lookup(key)
+            entry = self.lookup(key)
             if entry is not None:  # another thread compiled it while this one waited
                 return entry, False
             entry = compile_entry()

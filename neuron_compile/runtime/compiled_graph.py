@@ -30,12 +30,22 @@ import torch.fx
 from neuron_compile import config as config_module
 from neuron_compile.config import Config
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
+from neuron_compile.passes.bucket import BucketPlan, plan_buckets
 from neuron_compile.passes.partition import PartitionReport, op_name
+from neuron_compile.passes.specialize import is_dynamic
 from neuron_compile.pipeline import PassContext, compile_region, configured_target, run_passes
 from neuron_compile.runtime import compile_events, dump, stats, trace_artifacts
-from neuron_compile.runtime.cache import DispatchCache, GraphKey, graph_hash, signature_of
+from neuron_compile.runtime.cache import (
+    DispatchCache,
+    GraphKey,
+    TensorSignature,
+    dispatch_signature,
+    graph_hash,
+    signature_of,
+)
 
-log = logging.getLogger("neuron_compile")
+log = logging.getLogger(__name__)
+bucket_log = logging.getLogger("neuron_compile.passes.bucket")  # the bucket topic (logs.py)
 
 RECORDS_KEPT = 64
 OPS_NAMED = 8  # a message names at most this many of a region's ops
@@ -67,6 +77,7 @@ class CompiledGraphRecord:
     # With a dump directory: (pass name, region or "" for a graph pass, the pass's output as text), in pass order.
     pass_dumps: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     dynamo_graph: int = -1  # the index of the Dynamo graph this ATen graph came from (compile_events), -1: unknown
+    bucketing: str = ""  # with Config.bucket: the dims padded and the ones declined, with reasons (passes/bucket.py)
 
     def __str__(self) -> str:
         parts = [
@@ -78,6 +89,7 @@ class CompiledGraphRecord:
             self.partitioned_graph,
         ]
         parts += [f"!! {failure}" for failure in self.failures]
+        parts += [f"== bucketing: {self.bucketing}"] if self.bucketing else []
         for region, decisions in self.fusion_decisions.items():
             parts += [f"== fusion decisions ({region}) ==", *decisions]
         for kernel in [*self.kernels, *self.region_kernels]:
@@ -263,7 +275,7 @@ def _count_eager_nodes(report: PartitionReport) -> None:
 
 
 def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str,
-                         dynamo_graph: int = -1) -> torch.fx.GraphModule:
+                         dynamo_graph: int = -1, bucketing: str = "") -> torch.fx.GraphModule:
     """Specialize, partition and compile every region of ``gm`` for one signature; leave a record."""
     config = key.config
     keep_passes = bool(config.dump_dir) or trace_artifacts.enabled()  # every pass's output, for dumps and traces
@@ -284,6 +296,7 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
         report=partitioned.report,
         pass_dumps=dumps if keep_passes else [],
         dynamo_graph=dynamo_graph,
+        bucketing=bucketing,
     )
     _count_eager_nodes(partitioned.report)
     for node in list(top.graph.nodes):
@@ -328,7 +341,7 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
 
 
 def _compile_or_fall_back(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str,
-                          dynamo_graph: int = -1) -> torch.fx.GraphModule:
+                          dynamo_graph: int = -1, bucketing: str = "") -> torch.fx.GraphModule:
     """``_compile_partitioned``, or, if specialization or partitioning itself fails, the whole ATen graph eagerly.
 
     Held under Dynamo's compile lock: this runs at call time, and torch.fx's node creation (the partitioner's
@@ -337,7 +350,7 @@ def _compile_or_fall_back(gm: torch.fx.GraphModule, args: list, key: GraphKey, k
 
     try:
         with compile_lock:
-            return _compile_partitioned(gm, args, key, kind, dynamo_graph)
+            return _compile_partitioned(gm, args, key, kind, dynamo_graph, bucketing)
     except NeuronCompileError:  # a region failed under fallback=raise: already explained
         raise
     except Exception as error:  # noqa: BLE001 -- a front-end bug must not stop the model: run the graph eagerly
@@ -360,26 +373,62 @@ class CompiledGraph:
         # disable() wrapper around backward callables copies only the instance __dict__ (functools.wraps).
         self._boxed_call = True
         self.gm, self.kind, self.options = gm, kind, dict(options or {})
+        self.option_items = tuple(self.options.items())  # config.get's memo key for our options, built once
         self.dynamo_graph = dynamo_graph  # its Dynamo graph's index (compile_events), for the dump folder
         self.graph_hash = graph_hash(gm)
         self.cache: DispatchCache[torch.fx.GraphModule] = DispatchCache()
         self._warned_recompiles = False
+        self._bucket_plans: dict[int, BucketPlan] = {}
 
-    def key_for(self, args: list) -> GraphKey:
-        return GraphKey(self.graph_hash, signature_of(args), config_module.get().replace(self.options))
+    def lookup(self, config: Config, args: list) -> tuple[tuple, torch.fx.GraphModule | None]:
+        """The hit path: this call's dispatch key (the config and ``dispatch_signature``) and the graph compiled
+        for it, None on a miss."""
+        key = (config, dispatch_signature(args))
+        return key, self.cache.lookup(key)
 
     def __call__(self, args: list):
-        key = self.key_for(args)
-        first = len(self.cache) == 0
-        compiled, compiled_now = self.cache.get_or_compile(
-            key, lambda: _compile_or_fall_back(self.gm, args, key, self.kind, self.dynamo_graph)
-        )
-        if compiled_now:
-            stats.add(cache_misses=1, recompiles=0 if first else 1)
-            self._warn_on_recompile_storm(key.config)
+        config = config_module.get(self.option_items)  # once per call
+        plan = self.bucket_plan(config.bucket)
+        if plan is None or not plan.active:
+            return self._run(config, args, plan)  # a declined plan: its reasons go to the record
+        sizes = plan.sizes(args)
+        outputs = self._run(config, plan.pad(args, sizes), plan)
+        return type(outputs)(plan.unpad(outputs, sizes))
+
+    def bucket_plan(self, multiple: int) -> BucketPlan | None:
+        """With Config.bucket, which sizes of this graph are padded (inference graphs with SymInts only: a
+        training graph's padded rows would reach the gradients); worked out once per multiple."""
+        if not multiple or self.kind != "inference" or not is_dynamic(self.gm):
+            return None
+        if multiple not in self._bucket_plans:
+            plan = self._bucket_plans[multiple] = plan_buckets(self.gm, multiple)
+            bucket_log.info("the %s graph %s: %s", self.kind, self.graph_hash, plan.describe())
+        return self._bucket_plans[multiple]
+
+    def _run(self, config: Config, args: list, plan: BucketPlan | None = None):
+        key, compiled = self.lookup(config, args)
+        if compiled is None:
+            compiled = self._compile(key, args, plan.describe() if plan is not None else "")
         else:
             stats.add(cache_hits=1)
         return compiled(*args)
+
+    def _compile(self, key: tuple, args: list, bucketing: str = "") -> torch.fx.GraphModule:
+        """A miss: compile for this signature (once, when threads race), with the readable GraphKey recorded."""
+        config = key[0]
+        graph_key = GraphKey(self.graph_hash, signature_of(args), config)
+        first = len(self.cache) == 0
+        compiled, compiled_now = self.cache.get_or_compile(
+            key, lambda: _compile_or_fall_back(self.gm, args, graph_key, self.kind, self.dynamo_graph, bucketing)
+        )
+        if compiled_now:
+            stats.add(cache_misses=1, recompiles=0 if first else 1)
+            log.debug("compiled the %s graph %s for signature %d: %s", self.kind, self.graph_hash, len(self.cache),
+                      _describe_signature(graph_key))
+            self._warn_on_recompile_storm(config)
+        else:
+            stats.add(cache_hits=1)
+        return compiled
 
     def _warn_on_recompile_storm(self, config: Config) -> None:
         if len(self.cache) >= config.recompile_warn and not self._warned_recompiles:
@@ -392,6 +441,13 @@ class CompiledGraph:
                 len(self.cache),
                 config.recompile_warn,
             )
+
+
+def _describe_signature(key: GraphKey) -> str:
+    """The call's tensor shapes and dtypes, for the log: ``2x128 int64, 1024x256 float32, ...``."""
+    shown = [f"{'x'.join(map(str, item.shape)) or 'scalar'} {item.dtype.removeprefix('torch.')}"
+             if isinstance(item, TensorSignature) else repr(item.value) for item in key.inputs[:6]]
+    return ", ".join(shown) + (", ..." if len(key.inputs) > 6 else "")
 
 
 def compile_aten_graph(

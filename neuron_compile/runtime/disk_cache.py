@@ -48,7 +48,7 @@ from neuron_compile.passes.value_range import RANGE_KEY
 from neuron_compile.runtime import stats
 from neuron_compile.version import __version__
 
-log = logging.getLogger("neuron_compile")
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: a rendered region holds its region kernel ("launch")
 OFF = "off"

@@ -1,0 +1,206 @@
+"""Benchmark: compile time and dispatch overhead, ours against Inductor in the same run (issue 11).
+
+Per model, each figure from its own fresh process (so nothing in memory carries over). Times are CPU seconds
+(the process's, plus its finished children's: Inductor's C++ builds), with torch on one thread: on a machine shared
+with other jobs, wall time measures the neighbours as much as the compiler.
+
+* cold: the first call's time minus a hit call's time (what compiling adds), with empty caches: ours with
+  ``NEURON_COMPILE_CACHE`` in a new temp dir, Inductor with ``TORCHINDUCTOR_CACHE_DIR`` in another (its FX graph
+  cache, AOTAutograd cache and C++ build cache all live there);
+* warm: the same in a second new process over the caches the cold process filled (our on-disk kernel cache vs
+  Inductor's FX graph and AOTAutograd caches);
+* hit: in the cold process, after the first call, per call (median): the whole call (Dynamo's guards and
+  aot_autograd's wrapper included), the time our launcher spent running kernels on the simulator ("in kernels"),
+  what our dispatch adds around them ("dispatch": the time inside ``CompiledGraph.__call__`` minus the launcher's:
+  the lookup, the FX graph, each region's argument and output handling and stats, per kernel), and of that the
+  lookup alone ("lookup": ``CompiledGraph.lookup``, the config read and the call's signature looked up).
+  Inductor's row shows its whole call (its kernels included) for scale.
+
+Models (random weights from tiny configs built in code, nothing downloaded, fp32, inference under no_grad):
+a 2-layer ``LlamaForCausalLM`` (hidden 256, 4 heads, seq 128) and one diffusers ``FluxTransformerBlock``
+(2 heads x 64, 64 image + 16 text tokens). Needs the ``models`` extra (transformers, diffusers).
+
+    python bench/compile_time_bench.py              # both models, both backends (~2 min on 2 shared cores)
+    python bench/compile_time_bench.py --only llama --hits 20
+
+Progress goes to stderr; the table (markdown) to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MODELS = ("llama", "flux")
+BACKENDS = ("neuron", "inductor")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- models (child process)
+
+
+def build_llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+    return model, (ids,)
+
+
+def build_flux():
+    import torch
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed, FluxTransformerBlock
+
+    heads, head_dim, image_tokens, text_tokens = 2, 64, 64, 16
+    dim = heads * head_dim
+    block = FluxTransformerBlock(dim=dim, num_attention_heads=heads, attention_head_dim=head_dim).eval()
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, image_tokens, dim, generator=generator)
+    text = torch.randn(1, text_tokens, dim, generator=generator)
+    temb = torch.randn(1, dim, generator=generator)
+    positions = torch.zeros(image_tokens + text_tokens, 3)
+    positions[text_tokens:, 1] = torch.arange(image_tokens) // 8
+    positions[text_tokens:, 2] = torch.arange(image_tokens) % 8
+    rotary = FluxPosEmbed(theta=10000, axes_dim=[16, 24, 24])(positions)
+    return block, (hidden, text, temb, rotary)
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (Inductor's compiler runs): on 2 cores shared with
+    other jobs, wall time measures the neighbours as much as the compiler."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def timed_dispatch() -> dict:
+    """Wrap our dispatch (``CompiledGraph.__call__`` and its ``lookup``) and the simulator launcher's ``launch``
+    with per-thread CPU timers (this process only)."""
+    from neuron_compile.runtime import compiled_graph, launcher
+
+    totals = {"call_s": 0.0, "lookup_s": 0.0, "launch_s": 0.0}
+
+    def timing(function, name):
+        def wrapper(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[name] += time.thread_time() - start
+        return wrapper
+
+    graph = compiled_graph.CompiledGraph
+    graph.__call__ = timing(graph.__call__, "call_s")
+    key_step = "lookup" if hasattr(graph, "lookup") else "key_for"  # key_for: its name before the fast path
+    setattr(graph, key_step, timing(getattr(graph, key_step), "lookup_s"))
+    launcher.SimulatorLauncher.launch = timing(launcher.SimulatorLauncher.launch, "launch_s")
+    return totals
+
+
+def child(model_name: str, backend: str, hits: int) -> dict:
+    """One process: build, compile, first call, ``hits`` further calls; CPU seconds as a dict."""
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # CPU time then equals the work done, whatever the machine's load
+    model, inputs = {"llama": build_llama, "flux": build_flux}[model_name]()
+    totals = timed_dispatch() if backend == "neuron" else None
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        start = cpu_seconds()
+        compiled(*inputs)
+        first_s = cpu_seconds() - start
+        per_call: dict[str, list[float]] = {"call_s": [], "ours_s": [], "lookup_s": [], "launch_s": []}
+        for _ in range(hits):
+            before = dict(totals or {})
+            start = cpu_seconds()
+            compiled(*inputs)
+            per_call["call_s"].append(cpu_seconds() - start)
+            if totals:
+                spent = {name: totals[name] - before[name] for name in totals}
+                per_call["ours_s"].append(spent["call_s"] - spent["launch_s"])
+                per_call["lookup_s"].append(spent["lookup_s"])
+                per_call["launch_s"].append(spent["launch_s"])
+    return {"first_s": first_s, **{name: statistics.median(values) for name, values in per_call.items() if values}}
+
+
+# ---------------------------------------------------------------- driver
+
+
+def run_child(model_name: str, backend: str, hits: int, env: dict) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--child", model_name, backend, "--hits", str(hits)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{model_name}/{backend} child failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(model_name: str, backend: str, hits: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="compile-time-bench-") as folder:
+        env = dict(os.environ, NEURON_COMPILE_CACHE=os.path.join(folder, "neuron"),
+                   TORCHINDUCTOR_CACHE_DIR=os.path.join(folder, "inductor"), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+                   TORCHINDUCTOR_AUTOGRAD_CACHE="1")
+        env.pop("NEURON_COMPILE_DUMP", None)
+        env.pop("TORCH_TRACE", None)
+        log(f"{model_name} / {backend}: cold ...")
+        cold = run_child(model_name, backend, hits, env)
+        log(f"{model_name} / {backend}: warm ...")
+        warm = run_child(model_name, backend, 2, env)
+    return {
+        "cold_s": cold["first_s"] - cold["call_s"],
+        "warm_s": warm["first_s"] - warm["call_s"],
+        "call_s": cold["call_s"],
+        "launch_s": cold.get("launch_s"),
+        "ours_s": cold.get("ours_s"),
+        "lookup_s": cold.get("lookup_s"),
+    }
+
+
+def format_table(rows: dict) -> str:
+    lines = ["| model | backend | cold compile s | warm start s | per call ms | in kernels ms | dispatch us | "
+             "lookup us |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for model_name, by_backend in rows.items():
+        for backend, row in by_backend.items():
+            ours = [f"{row[name] * scale:.{digits}f}" if row[name] is not None else "-"
+                    for name, scale, digits in (("launch_s", 1e3, 1), ("ours_s", 1e6, 0), ("lookup_s", 1e6, 0))]
+            lines.append(f"| {model_name} | {backend} | {row['cold_s']:.2f} | {row['warm_s']:.2f} | "
+                         f"{row['call_s'] * 1e3:.1f} | {' | '.join(ours)} |")
+        if set(by_backend) == set(BACKENDS):
+            ours, theirs = by_backend["neuron"], by_backend["inductor"]
+            lines.append(f"| {model_name} | ratio ours/Inductor | {ours['cold_s'] / theirs['cold_s']:.2f}x | "
+                         f"{ours['warm_s'] / theirs['warm_s']:.2f}x | | | | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=",".join(MODELS), help="comma-separated models: llama, flux")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: neuron, inductor")
+    parser.add_argument("--hits", type=int, default=5, help="hit calls timed per model (median)")
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(*args.child, args.hits)))
+        return 0
+    rows: dict[str, dict] = {}
+    for model_name in args.only.split(","):
+        for backend in args.backends.split(","):
+            rows.setdefault(model_name, {})[backend] = measure(model_name, backend, args.hits)
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
