@@ -1,7 +1,8 @@
 """Runtime stage: the dispatch cache from a call signature to a compiled (partitioned) graph.
 
 Input: a ``GraphKey`` — graph hash, each argument's shape / stride / storage offset / dtype / device (or int
-value) and, for a small integer tensor, whether its values pass the guard of ``passes/input_ranges.py``, and the
+value) and, for a small integer tensor (and a float one the graph's sin / cos read through value ranges), the
+bound its values pass in the guard of ``passes/input_ranges.py``, and the
 ``Config`` — and a function that compiles on a miss. Output: the compiled entry, compiled at
 most once per key even when threads race. Keys are frozen dataclasses of plain values so the same key can
 later address an on-disk cache (NEURON_COMPILE_CACHE); today entries live in memory only.
@@ -19,7 +20,7 @@ from typing import Generic, TypeVar
 import torch
 
 from neuron_compile.config import Config
-from neuron_compile.passes.input_ranges import guard_bound
+from neuron_compile.passes.input_ranges import guard_bound, guard_float_bound
 
 Entry = TypeVar("Entry")
 MAX_ENTRIES = 256  # compiled signatures kept per graph
@@ -32,13 +33,14 @@ class TensorSignature:
     storage_offset: int
     dtype: str
     device: str
-    # An integer tensor's value bound (``passes/input_ranges.guard_bound``, as text): the graph compiled for it
-    # lowers integer math that relies on it, so a call outside it needs another entry. None: not bounded.
+    # An integer tensor's value bound (``passes/input_ranges.guard_bound``, as text), or a float one's
+    # (``guard_float_bound``, for the inputs the graph's guard covers): the graph compiled for it lowers math that
+    # relies on it, so a call outside it needs another entry. None: not bounded.
     bound: str | None = None
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorSignature:
-        bound = guard_bound(tensor)
+    def of(cls, tensor: torch.Tensor, float_guard: bool = False) -> TensorSignature:
+        bound = guard_float_bound(tensor) if float_guard else guard_bound(tensor)
         return cls(
             tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), str(tensor.dtype), str(tensor.device),
             None if bound is None else str(bound),
@@ -63,11 +65,14 @@ def graph_hash(gm: torch.fx.GraphModule) -> str:
     return hashlib.sha256(gm.code.encode()).hexdigest()[:16]
 
 
-def signature_of(args: Sequence[object]) -> tuple[TensorSignature | ScalarSignature, ...]:
+def signature_of(args: Sequence[object], float_guarded: frozenset[int] = frozenset()
+                 ) -> tuple[TensorSignature | ScalarSignature, ...]:
+    """Each argument's signature; the tensors at ``float_guarded`` positions carry their float bound
+    (``passes/input_ranges.range_guarded_floats`` of the graph)."""
     signature = []
-    for arg in args:
+    for position, arg in enumerate(args):
         if isinstance(arg, torch.Tensor):
-            signature.append(TensorSignature.of(arg))
+            signature.append(TensorSignature.of(arg, float_guard=position in float_guarded))
         elif isinstance(arg, bool | int | float):
             signature.append(ScalarSignature(type(arg).__name__, arg))
         else:

@@ -30,6 +30,7 @@ import torch.fx
 from neuron_compile import config as config_module
 from neuron_compile.config import Config
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
+from neuron_compile.passes.input_ranges import range_guarded_floats
 from neuron_compile.passes.partition import PartitionReport, op_name
 from neuron_compile.pipeline import PassContext, compile_region, configured_target, run_passes
 from neuron_compile.runtime import compile_events, dump, stats, trace_artifacts
@@ -354,11 +355,14 @@ class CompiledGraph:
         self.gm, self.kind, self.options = gm, kind, dict(options or {})
         self.dynamo_graph = dynamo_graph  # its Dynamo graph's index (compile_events), for the dump folder
         self.graph_hash = graph_hash(gm)
+        # Float inputs whose value bound decides code (a rotary embedding's frequencies): part of the dispatch key.
+        self.float_guarded = range_guarded_floats(gm)
         self.cache: DispatchCache[torch.fx.GraphModule] = DispatchCache()
         self._warned_recompiles = False
 
     def key_for(self, args: list) -> GraphKey:
-        return GraphKey(self.graph_hash, signature_of(args), config_module.get().replace(self.options))
+        return GraphKey(self.graph_hash, signature_of(args, self.float_guarded),
+                        config_module.get().replace(self.options))
 
     def __call__(self, args: list):
         key = self.key_for(args)
