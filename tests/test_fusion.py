@@ -255,3 +255,37 @@ def test_a_producer_read_outside_the_cat_stays_its_own_kernel():
     _, result = _fused(fn, x, y)
     assert any("needed outside the kernel" in decision for decision in result.decisions)
     check_against_eager(fn, x, y)
+
+
+# ---------------------------------------------------------------- cheap nodes inlined into their readers
+
+
+def _llama_rms_norm(a, b, weight):
+    hidden = a + b  # the residual add (bf16), stored: the next residual reads it too
+    x = hidden.float()
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return weight * normed.to(torch.bfloat16), hidden
+
+
+def test_a_norm_reads_its_bf16_input_not_fp32_copies_of_it():
+    a, b = random_tensor((2, 130, 64), torch.bfloat16, seed=10), random_tensor((2, 130, 64), torch.bfloat16, seed=11)
+    weight = random_tensor((64,), torch.bfloat16, seed=12)
+    lowered, result = _fused(_llama_rms_norm, a, b, weight)
+    assert len(lowered.nodes) > len(result.kernels) == 2  # the add; the norm with x.float() and its square inlined
+    stored = {store.buffer.name: store.buffer.dtype for kernel in result.kernels for store in kinds.stores(kernel)}
+    assert "float32" not in stored.values()  # neither x.float() nor x.float() ** 2 goes through HBM
+    norm = next(kernel for kernel in result.kernels if isinstance(kernel, ir.Reduction))
+    assert {load.buffer for load in kinds.loads(norm)} <= set(stored) | {buffer.name for buffer in lowered.inputs}
+    check_against_eager(_llama_rms_norm, a, b, weight)
+
+
+def test_cheap_nodes_read_through_another_view_or_returned_are_kept():
+    def fn(x):
+        doubled = x * 2
+        return doubled.t() + x, (x + 1), (x + 1) * 3
+
+    x = random_tensor((16, 16), seed=13)
+    lowered, result = _fused(fn, x)
+    stored = {store.buffer.name for kernel in result.kernels for store in kinds.stores(kernel)}
+    assert len(stored) == 4  # x * 2 (read transposed), x + 1 (an output) and the two results
+    check_against_eager(fn, x)
