@@ -127,7 +127,7 @@ def reduction_kernel_0(arg0_1, arg1_1):
         mul_33 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
         cols = 64
         nisa.dma_copy(dst=arg0_1_tile_2[0:rows, 0:cols], src=arg0_1.ap([[64, rows], [1, cols]], offset=p0 * 64))
-        nisa.tensor_tensor(dst=pow_3[0:rows, 0:cols], data1=arg0_1_tile_2[0:rows, 0:cols], data2=arg0_1_tile_2[0:rows, 0:cols], op=nl.multiply)
+        nisa.activation(dst=pow_3[0:rows, 0:cols], op=nl.square, data=arg0_1_tile_2[0:rows, 0:cols])
         nisa.tensor_reduce(dst=acc_1[0:rows, 0:1], op=nl.add, data=pow_3[0:rows, 0:cols], axis=1, keepdims=True)
         nisa.tensor_scalar(dst=acc_1[0:rows, 0:1], data=acc_1[0:rows, 0:1], op0=nl.multiply, operand0=0.015625)
         nisa.tensor_scalar(dst=add_4[0:rows, 0:1], data=acc_1[0:rows, 0:1], op0=nl.add, operand0=1e-06)
