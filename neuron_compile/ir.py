@@ -383,16 +383,24 @@ class Attention:
 
 @dataclass(frozen=True)
 class Concat:
-    """Copy each part (a Pointwise over its input's shape) into its slice of one output buffer (aten.cat)."""
+    """Copy each part (a Pointwise over its input's shape) into its slice of one output buffer (aten.cat); the parts
+    never overlap. ``starts``: where each part's box begins in ``domain`` (empty: not known). A pointwise epilogue
+    that reads the output with its own index map is distributed over the parts (kinds/concat.py): each part also
+    stores the epilogue's results on its slice, and ``epilogue_stores`` hold those buffers' layouts over the domain.
+    ``stores`` are the buffers the parts still write (the output itself may be pruned away)."""
 
     name: str
     domain: tuple[int, ...]
     parts: tuple[Pointwise, ...]
     output: Buffer
+    starts: tuple[tuple[int, ...], ...] = ()
+    epilogue_stores: tuple[Store, ...] = ()
 
     @property
     def stores(self) -> tuple[Store, ...]:
-        return (Store(self.output, Result(), self.output.layout),)
+        written = {store.buffer.name for part in self.parts for store in part.stores}
+        candidates = (Store(self.output, Result(), self.output.layout), *self.epilogue_stores)
+        return tuple(store for store in candidates if store.buffer.name in written)
 
 
 @dataclass(frozen=True)

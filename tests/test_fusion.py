@@ -187,3 +187,105 @@ def test_row_epilogue_loads_a_per_row_value_once_per_partition():
     region = check_against_eager(lambda x, s: (x - x.amax(-1, keepdim=True)) * s, x, scale)
     (kernel,) = region.kernels
     assert "[0, cols]" not in kernel.source and "arg1_1.ap([[1, rows], [0, 1]]" in kernel.source, kernel.source
+
+
+# ---------------------------------------------------------------- concat: prologues inlined, epilogues distributed
+
+
+def _rotary_freqs(inv_freq):
+    freqs = torch.arange(40).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def test_cat_takes_its_producer_and_its_pointwise_consumers_into_one_kernel():
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    lowered, result = _fused(_rotary_freqs, inv_freq)
+    # the positions (arange, a [40] domain) are their own kernel; freqs, the cat, cos and sin are one
+    assert [type(kernel) for kernel in result.kernels] == [ir.Pointwise, ir.Concat]
+    written = {store.buffer.name for store in result.kernels[1].stores}
+    assert written == {value.buffer for value in lowered.outputs}  # the concatenation itself never reaches HBM
+    check_against_eager(_rotary_freqs, inv_freq)
+
+
+def _rotate_half_times(x, sin, weight):
+    rotated = torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
+    return rotated * sin + weight  # sin [rows, 16] and a broadcast [16] weight: each part reads its slice
+
+
+def test_rotate_half_is_one_kernel_and_its_other_operands_are_sliced():
+    x, sin, weight = random_tensor((3, 70, 16), seed=1), random_tensor((70, 16), seed=2), random_tensor((16,), seed=3)
+    _, result = _fused(_rotate_half_times, x, sin, weight)
+    assert len(result.kernels) == 1 and isinstance(result.kernels[0], ir.Concat)
+    check_against_eager(_rotate_half_times, x, sin, weight)
+    check_against_eager(_rotate_half_times, x.bfloat16(), sin.bfloat16(), weight.bfloat16())
+
+
+def test_a_cat_needed_outside_is_still_written_and_a_changed_index_map_is_refused():
+    def fn(a, b):
+        joined = torch.cat((a, b), dim=1)
+        return joined, joined * 2, joined.flip(1) + 1
+
+    a, b = random_tensor((12, 5), seed=4), random_tensor((12, 7), seed=5)
+    _, result = _fused(fn, a, b)
+    concat = next(kernel for kernel in result.kernels if isinstance(kernel, ir.Concat))
+    assert len(concat.stores) == 2  # the cat (read by the flipped consumer, and an output) and joined * 2
+    assert any("view that changes the index map" in decision for decision in result.decisions)
+    check_against_eager(fn, a, b)
+
+
+def test_pad_and_slice_scatter_distribute_their_epilogues_over_every_part():
+    def fn(x, y):
+        padded = torch.nn.functional.pad(x, (2, 3, 1, 0), value=-1.5) * 2 + 1
+        scattered = torch.slice_scatter(x, y, dim=1, start=2, end=5).exp()
+        return padded, scattered
+
+    x, y = random_tensor((9, 11), seed=6), random_tensor((9, 3), seed=7)
+    _, result = _fused(fn, x, y)
+    assert sum(isinstance(kernel, ir.Concat) for kernel in result.kernels) == len(result.kernels) == 2
+    check_against_eager(fn, x, y)
+
+
+def test_a_producer_read_outside_the_cat_stays_its_own_kernel():
+    def fn(x, y):
+        product = x * y  # two inputs: not a cheap node inlined into every reader
+        return torch.cat((product, x), dim=0), product.sum()
+
+    x, y = random_tensor((6, 4), seed=8), random_tensor((6, 4), seed=9)
+    _, result = _fused(fn, x, y)
+    assert any("needed outside the kernel" in decision for decision in result.decisions)
+    check_against_eager(fn, x, y)
+
+
+# ---------------------------------------------------------------- cheap nodes inlined into their readers
+
+
+def _llama_rms_norm(a, b, weight):
+    hidden = a + b  # the residual add (bf16), stored: the next residual reads it too
+    x = hidden.float()
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return weight * normed.to(torch.bfloat16), hidden
+
+
+def test_a_norm_reads_its_bf16_input_not_fp32_copies_of_it():
+    a, b = random_tensor((2, 130, 64), torch.bfloat16, seed=10), random_tensor((2, 130, 64), torch.bfloat16, seed=11)
+    weight = random_tensor((64,), torch.bfloat16, seed=12)
+    lowered, result = _fused(_llama_rms_norm, a, b, weight)
+    assert len(lowered.nodes) > len(result.kernels) == 2  # the add; the norm with x.float() and its square inlined
+    stored = {store.buffer.name: store.buffer.dtype for kernel in result.kernels for store in kinds.stores(kernel)}
+    assert "float32" not in stored.values()  # neither x.float() nor x.float() ** 2 goes through HBM
+    norm = next(kernel for kernel in result.kernels if isinstance(kernel, ir.Reduction))
+    assert {load.buffer for load in kinds.loads(norm)} <= set(stored) | {buffer.name for buffer in lowered.inputs}
+    check_against_eager(_llama_rms_norm, a, b, weight)
+
+
+def test_cheap_nodes_read_through_another_view_or_returned_are_kept():
+    def fn(x):
+        doubled = x * 2
+        return doubled.t() + x, (x + 1), (x + 1) * 3
+
+    x = random_tensor((16, 16), seed=13)
+    lowered, result = _fused(fn, x)
+    stored = {store.buffer.name for kernel in result.kernels for store in kinds.stores(kernel)}
+    assert len(stored) == 4  # x * 2 (read transposed), x + 1 (an output) and the two results
+    check_against_eager(fn, x)

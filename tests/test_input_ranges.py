@@ -2,15 +2,28 @@
 
 In range, position arithmetic on a graph input (``arange(n) + pos``, ``pos.add_(1)``) runs in kernels; out of
 range, the same compiled function gives eager's exact answer through another dispatch entry (where the math runs
-eagerly), never the fp32-rounded one a kernel would give.
+eagerly), never the fp32-rounded one a kernel would give. The float guard: a rotary embedding's frequencies bound
+its cos / sin argument (the cheap reduction); frequencies out of the class, non-finite or huge compile (or find)
+another entry, with the exact reduction where the bound no longer allows the cheap one.
 """
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 import neuron_compile
-from neuron_compile.passes.input_ranges import GUARD_BOUND, GUARDED_NUMEL, bound_integer_inputs, guard_bound
+from neuron_compile.passes.input_ranges import (
+    FLOAT_GUARD_MAX,
+    GUARD_BOUND,
+    GUARDED_NUMEL,
+    bound_integer_inputs,
+    guard_bound,
+    guard_float_bound,
+    range_guarded_floats,
+)
 from neuron_compile.passes.value_range import RANGE_KEY
 from neuron_compile.runtime.cache import signature_of
 from neuron_compile.runtime.disk_cache import region_key_parts
@@ -99,3 +112,61 @@ def test_an_integer_input_mutation_lowers_exactly():
         big = torch.tensor([2**40 + 1])
         compiled(big, x)
         assert big.tolist() == [2**40 + 2]  # eager's add: the out-of-range call does not run it in fp32
+
+
+# ---------------------------------------------------------------- float inputs feeding sin / cos
+
+
+def test_float_guard_classes_are_powers_of_two_of_finite_small_tensors():
+    assert guard_float_bound(torch.tensor([0.3, -0.01])).high == 1.0  # at least 1: one class below it
+    assert guard_float_bound(torch.tensor([1.0])).high == 1.0
+    assert guard_float_bound(torch.tensor([-1.5], dtype=torch.bfloat16)).low == -2.0
+    assert guard_float_bound(torch.tensor([1000.0])).high == 1024.0
+    assert guard_float_bound(torch.zeros(3)).high == 1.0
+    assert guard_float_bound(torch.tensor([FLOAT_GUARD_MAX])).high == FLOAT_GUARD_MAX
+    for refused in (torch.tensor([FLOAT_GUARD_MAX * 1.5]), torch.tensor([1.0, math.nan]), torch.tensor([math.inf]),
+                    torch.zeros(GUARDED_NUMEL + 1), torch.zeros(0), torch.tensor([3]), 2.0):
+        assert guard_float_bound(refused) is None
+
+
+def _rotary(inv_freq, weight, x):
+    angles = torch.arange(8).float()[:, None] * inv_freq[None, :]
+    return torch.cos(angles) * x, torch.sin(angles) * x + x @ weight
+
+
+def test_only_floats_reaching_sin_or_cos_through_value_ranges_are_guarded():
+    args = [torch.ones(4), torch.ones(4, 4), torch.ones(8, 4)]
+    gm = torch.fx.experimental.proxy_tensor.make_fx(_rotary)(*args)
+    assert range_guarded_floats(gm) == {0}  # the frequencies; not the matmul's weight, not x
+    (frequencies, weight, _) = signature_of(args, range_guarded_floats(gm))
+    assert frequencies.bound == "[-1.0, 1.0]" and weight.bound is None
+    bounded = bound_integer_inputs(gm, args)
+    placeholders = [node for node in bounded.graph.nodes if node.op == "placeholder"]
+    assert placeholders[0].meta[RANGE_KEY].high == 1.0 and RANGE_KEY not in placeholders[1].meta
+
+
+def _trig_instructions() -> int:
+    record = neuron_compile.last_compiled()
+    return sum(kernel.source.count("nisa.") for kernel in record.kernels)
+
+
+@pytest.mark.parametrize("out_of_class", [1e4, math.nan, 2.0**30])
+def test_rotary_frequencies_pick_the_cheap_reduction_and_others_stay_exact(out_of_class):
+    torch._dynamo.reset()
+    neuron_compile.reset_stats()
+    weight, x = torch.randn(4, 4), torch.randn(8, 4)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    with neuron_compile.config.patch(fallback="raise"):
+        compiled = torch.compile(_rotary, backend="neuron")
+        for got, want in zip(compiled(inv_freq, weight, x), _rotary(inv_freq, weight, x)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        cheap = _trig_instructions()
+        wide = inv_freq.clone()
+        wide[1] = out_of_class  # angles up to 7e4 (the full reduction), nan (eager's nan), beyond the guard
+        for got, want in zip(compiled(wide, weight, x), _rotary(wide, weight, x)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+        stats = neuron_compile.stats()
+        assert stats["cache_misses"] == 2 and stats["fallback_nodes"] == 0, stats
+        assert cheap * 4 < _trig_instructions()  # the exact reduction is ~400 instructions per function
+        compiled(inv_freq * 0.5, weight, x)  # the same class: no compile
+        assert neuron_compile.stats()["cache_misses"] == 2

@@ -191,3 +191,89 @@ def test_simulator_refuses_sin_outside_its_valid_range():
     for bad in (9.0, -3.2, NAN, INF):
         with pytest.raises(nki.NkiValidationError, match=r"err_activation_input_out_of_range.*\[-pi, pi\]"):
             nki.run_kernel(kernel, [np.array([[0.5, bad]], dtype=np.float32)])
+
+
+# ---------------------------------------------------------------- bounded arguments (Cody-Waite, direct)
+
+
+def _bounded_region(fn, x, bound):
+    """``fn(x)`` compiled as one region whose input carries the value range [-bound, bound] (what the call-time
+    guard of passes/input_ranges.py gives a float input), run on ``x``; the region and its outputs."""
+    from lowering_harness import trace
+    from neuron_compile.passes.value_range import RANGE_KEY, Interval
+    from neuron_compile.pipeline import compile_region
+
+    gm = trace(fn, x)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta[RANGE_KEY] = Interval(-bound, bound)
+    region = compile_region(gm, [x], neuron_compile.config.get())
+    return region, region(x)
+
+
+def _activation_count(region) -> int:
+    return sum(kernel.source.count("nisa.") for kernel in region.kernels)
+
+
+def _near_multiples_of_half_pi(limit: float) -> torch.Tensor:
+    k = torch.arange(-int(limit / (math.pi / 2)), int(limit / (math.pi / 2)) + 1, dtype=torch.float64)
+    near = (k * (math.pi / 2)).float()
+    return torch.cat([near, torch.nextafter(near, torch.tensor(-INF)), torch.nextafter(near, torch.tensor(INF))])
+
+
+@pytest.mark.parametrize("fn", [torch.sin, torch.cos])
+def test_cody_waite_form_within_its_limit_is_accurate_and_cheap(fn):
+    # Every fp32 next to a multiple of pi/2 up to the limit, the limit itself, random values over every scale:
+    # within 2e-7 absolute of float64 (as the full reduction), from ~20 instructions instead of ~400.
+    limit = trigonometry.CODY_WAITE_LIMIT
+    scales = [random_tensor((4096,), seed=e + 300, low=-1.0, high=1.0) * 2.0**e for e in range(-30, 13, 3)]
+    x = torch.cat([_near_multiples_of_half_pi(limit), torch.tensor([limit, -limit, 0.0, -0.0, 1e-40]), *scales])
+    x = x[x.abs() <= limit].reshape(1, -1)
+    region, (got,) = _bounded_region(fn, x, limit)
+    assert (got.double() - fn(x.double())).abs().max() < 2e-7
+    assert torch.equal(got[x == 0].signbit(), fn(x[x == 0]).signbit())  # sin(-0.0) = -0.0
+    assert _activation_count(region) * 8 < _activation_count(_bounded_region(fn, x[:, :8], INF)[0])
+
+
+def test_sin_within_pi_goes_to_the_activation_directly():
+    x = torch.cat([torch.linspace(-3.0, 3.0, 1001), torch.tensor([0.0, -0.0, 1e-30])]).reshape(1, -1)
+    region, (got,) = _bounded_region(torch.sin, x, 3.0)
+    torch.testing.assert_close(got, torch.sin(x), rtol=1e-6, atol=1e-7)
+    assert "nl.sin" in region.kernels[0].source and _activation_count(region) < 8
+
+
+@pytest.mark.parametrize("bound", [math.pi, 1.0, 100.0, trigonometry.CODY_WAITE_LIMIT])
+def test_bounded_forms_are_chosen_by_the_bound_only_within_their_limits(bound):
+    aten = torch.ops.aten
+    assert trigonometry.bounded_form(aten.cos.default, bound) is not None
+    assert trigonometry.bounded_form(aten.tan.default, bound) is None  # its poles need the full form
+    assert trigonometry.bounded_form(aten.sin.default, trigonometry.CODY_WAITE_LIMIT * 1.001) is None
+    # the bare activation only where the bound, with its rounding slack, stays inside [-pi, pi]
+    direct = trigonometry.bounded_form(aten.sin.default, 3.0)
+    chosen = trigonometry.bounded_form(aten.sin.default, bound)
+    assert chosen is not None and (chosen is direct) == (bound < math.pi)
+
+
+@settings(max_examples=6, deadline=None)
+@given(exponent=st.integers(-4, 12), values=st.lists(st.floats(-1.0, 1.0, width=32), min_size=1, max_size=64),
+       cosine=st.booleans())
+def test_any_values_within_the_bound_match_float64(exponent, values, cosine):
+    fn = torch.cos if cosine else torch.sin
+    bound = 2.0**exponent
+    x = (torch.tensor(values, dtype=torch.float32) * bound).reshape(1, -1)
+    _, (got,) = _bounded_region(fn, x, bound)
+    assert (got.double() - fn(x.double())).abs().max() < 2e-7
+
+
+def test_pi_pieces_give_exact_products_and_the_error_bound_holds():
+    mpmath.mp.prec = 300
+    most = trigonometry.multiplier_max(trigonometry.CODY_WAITE_LIMIT)
+    q = torch.arange(0, 2 * math.ceil(most) + 1, dtype=torch.float64) / 2
+    for shift in (False, True):
+        pieces = trigonometry.pi_pieces(trigonometry.CODY_WAITE_LIMIT, shift)
+        for piece in pieces[:-1]:  # every multiple of 1/2 up to `most` times the piece is an exact fp32
+            assert torch.equal((q * piece).float().double(), q * piece)
+        assert all(piece > 0 for piece in pieces) or shift  # sin's: x - 0 * C keeps -0.0
+        assert abs(sum(mpmath.mpf(piece) for piece in pieces) - mpmath.pi) * most < 2.0**-30
+        assert trigonometry.reduction_error(trigonometry.CODY_WAITE_LIMIT, shift) <= trigonometry.REDUCTION_ERROR_MAX
+    assert trigonometry.reduction_error(2.0**20, True) > trigonometry.REDUCTION_ERROR_MAX  # why the limit is there

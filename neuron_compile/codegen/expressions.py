@@ -337,7 +337,9 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
     if entry.form == "sequence":
         emitted = len(lines)
         SEQUENCES[expr.op](args, dst, vector, scope, lines)
-        scope.balance.note("vector", len(lines) - emitted)
+        activations = sum(line.startswith("nisa.activation(") for line in lines[emitted:])
+        scope.balance.note("vector", len(lines) - emitted - activations)
+        scope.balance.note("scalar", activations)
     else:
         lines.append(PLAIN_FORMS[entry.form](entry, args, dst, scope))
     return out
@@ -356,6 +358,10 @@ def _tensor_scalar(dst: str, data: str, stages, operand: str | None = None, engi
 
 def _binary(entry: op_table.OpSpec, args, dst: str, scope: TileScope) -> str:
     a, b = args
+    if entry.name == "mul" and a == b and a.tile is not None and not a.vector:
+        # x * x of a full tile: ScalarE's square (the same fp32 product, rounded once), off the busier VectorE
+        scope.balance.note("scalar")
+        return f"nisa.activation(dst={dst}, op=nl.square, data={scope.ref_text(a)})"
     engine = scope.balance.pick(list(args), scope)
     if _is_constant(b, a):
         return _tensor_scalar(dst, scope.ref_text(a), ((entry.nl_op, None),), scope.operand_text(b), engine)
@@ -461,7 +467,8 @@ def _emit_div(args, dst, vector, scope, lines) -> None:
 
 def _emit_pow(args, dst, vector, scope, lines) -> None:
     """Elementwise exponents: the ALU power (C pow semantics, on GpSimd; a number base is memset first). A number
-    exponent: 2 is a multiply, 1 a copy, any other the tensor_scalar power."""
+    exponent: 2 is ScalarE's square of a full tile (a multiply of a (P, 1) vector), 1 a copy, any other the
+    tensor_scalar power."""
     base, exponent = args
     if exponent.tile is not None:
         base_text = _fp32_text(base, vector, scope, lines, "true")
@@ -471,7 +478,9 @@ def _emit_pow(args, dst, vector, scope, lines) -> None:
     if base.value is not None or exponent.value is None:
         raise ExpressionError("pow needs a tensor base and a number exponent")
     base_text = scope.ref_text(base)
-    if exponent.value == 2.0:
+    if exponent.value == 2.0 and not vector:
+        lines.append(f"nisa.activation(dst={dst}, op=nl.square, data={base_text})")  # ScalarE, as in _binary
+    elif exponent.value == 2.0:
         lines.append(f"nisa.tensor_tensor(dst={dst}, data1={base_text}, data2={base_text}, op=nl.multiply)")
     elif exponent.value == 1.0:
         lines.append(f"nisa.tensor_copy(dst={dst}, src={base_text})")

@@ -1,27 +1,117 @@
 """Kernel kind ``concat``: every input copied into its slice of one output buffer (``ir.Concat``, aten.cat).
 
-One kernel writes the whole output (a buffer has one writer). Fusion: none (a concat takes no epilogue).
-Tiling: one pointwise plan per part. Codegen: the parts' pointwise bodies one after the other, with fresh tiles
-per iteration (concat.py.j2).
+One kernel writes the whole output (a buffer has one writer). Fusion: a pointwise producer whose outputs only the
+concat reads is inlined into the parts that read it over their own domain (a prologue: rotate_half's ``neg``); a
+pointwise consumer over the concat's domain that reads its outputs with their own index map is distributed over
+the parts (an epilogue: each part computes the consumer on its slice, reading the other operands through the
+sliced access patterns), so ``cat`` -> ``mul`` -> ``add`` is one kernel and the concatenation itself need not reach
+HBM. Tiling: one pointwise plan per part. Codegen: the parts' pointwise bodies one after the other, with fresh
+tiles per iteration (concat.py.j2).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import TileAllocator
 from neuron_compile.codegen.kernel_text import kernel_context, kernel_names, render_template
 from neuron_compile.dims import LoopDim
-from neuron_compile.kind_registry import KernelKind, describe, register_kind
+from neuron_compile.kind_registry import KernelKind, describe, kind_of, loads, register_kind
+from neuron_compile.kinds.fusion_rules import stored_exprs
 from neuron_compile.kinds.pointwise import plan_pointwise, pointwise_body
 from neuron_compile.tiles import TilePlan
+
+
+def slice_layout(layout: ir.Layout, start: tuple[int, ...], extent: tuple[int, ...]) -> ir.Layout:
+    """``layout`` (over a concat's domain) restricted to the box of ``extent`` elements from ``start``."""
+    offset = layout.offset + sum(first * stride for first, stride in zip(start, layout.strides))
+    return ir.Layout(tuple(extent), layout.strides, offset)
+
+
+def _has_iota(expr: ir.Expr) -> bool:
+    return isinstance(expr, ir.Iota) or (isinstance(expr, ir.Op) and any(_has_iota(arg) for arg in expr.args))
+
+
+def epilogue_refusal(group: ir.Concat, consumer) -> str | None:
+    """None if the pointwise ``consumer`` may be distributed over ``group``'s parts (see the module docstring)."""
+    if len(group.starts) != len(group.parts):
+        return "the concat's parts have no known place in its output"
+    if sum(math.prod(part.domain) for part in group.parts) != math.prod(group.domain):
+        return "the concat's parts do not cover its output"
+    if tuple(consumer.domain) != tuple(group.domain):
+        return f"domains differ: {list(consumer.domain)} vs {list(group.domain)}"
+    if any(_has_iota(store.expr) for store in consumer.stores):
+        return "the epilogue computes an index (iota), which the parts' slices would shift"
+    written = {store.buffer.name: store.layout for store in group.stores}
+    for load in loads(consumer):
+        if load.buffer in written and not ir.same_index_map(load.layout, written[load.buffer]):
+            return f"{load.buffer} is read through a view that changes the index map"
+    return None
+
+
+def with_epilogue(part: ir.Pointwise, start: tuple[int, ...], consumer) -> ir.Pointwise:
+    """``part`` also computing ``consumer``'s stores on its slice: reads of what the part stores become its
+    expressions, other loads are sliced to the part's box."""
+    stored = stored_exprs(part.stores)
+
+    def leaf(node):
+        if isinstance(node, ir.Load) and node.buffer in stored:
+            return stored[node.buffer].expr
+        return dataclasses.replace(node, layout=slice_layout(node.layout, start, part.domain))
+
+    added = tuple(ir.Store(store.buffer, ir.map_leaves(store.expr, leaf), slice_layout(store.layout, start, part.domain))
+                  for store in consumer.stores)
+    return dataclasses.replace(part, stores=part.stores + added)
+
+
+def prologue_refusal(producer, consumer: ir.Concat, outside: set[str]) -> str | None:
+    """None if the pointwise ``producer`` may be inlined into the parts of ``consumer`` that read it."""
+    if not kind_of(producer).elementwise:
+        return f"a concat part's prologue must be pointwise, not {type(producer).__name__}"
+    if outside:
+        return f"the prologue's outputs {sorted(outside)} are needed outside the kernel"
+    stores = stored_exprs(producer.stores)
+    for part in consumer.parts:
+        for load in loads(part):
+            if load.buffer not in stores:
+                continue
+            if tuple(producer.domain) != tuple(part.domain):
+                return f"prologue domain {list(producer.domain)} differs from the part's {list(part.domain)}"
+            if not ir.same_index_map(load.layout, stores[load.buffer].layout):
+                return f"{load.buffer} is read through a view that changes the index map"
+    return None
+
+
+def inline_prologue(producer, part: ir.Pointwise) -> ir.Pointwise:
+    stores = stored_exprs(producer.stores)
+
+    def leaf(node):
+        return stores[node.buffer].expr if isinstance(node, ir.Load) and node.buffer in stores else node
+
+    return dataclasses.replace(part, stores=tuple(
+        dataclasses.replace(store, expr=ir.map_leaves(store.expr, leaf)) for store in part.stores))
 
 
 class ConcatKind(KernelKind):
     node_type = ir.Concat
     name = "concat"
-    refusal = "a concat kernel takes no epilogue"
+    takes_prologue = True
+
+    def epilogue_reason(self, group, consumer, outside):
+        return epilogue_refusal(group, consumer)
+
+    def merge_epilogue(self, group, consumer):
+        parts = tuple(with_epilogue(part, start, consumer) for part, start in zip(group.parts, group.starts))
+        full = tuple(ir.Store(store.buffer, ir.Result(), store.layout) for store in consumer.stores)
+        return dataclasses.replace(group, parts=parts, epilogue_stores=group.epilogue_stores + full)
+
+    def prologue_reason(self, producer, consumer, outside):
+        return prologue_refusal(producer, consumer, outside)
+
+    def merge_prologue(self, producer, consumer):
+        return dataclasses.replace(consumer, parts=tuple(inline_prologue(producer, part) for part in consumer.parts))
 
     def exprs(self, node):
         return [store.expr for part in node.parts for store in part.stores]
@@ -38,7 +128,10 @@ class ConcatKind(KernelKind):
         return "\n".join([head] + [describe(part) for part in node.parts])
 
     def prune(self, node, needed):
-        return node if node.output.name in needed else None
+        """The parts keeping only the needed stores (the concatenation itself may go); None if none is."""
+        parts = tuple(dataclasses.replace(part, stores=tuple(s for s in part.stores if s.buffer.name in needed))
+                      for part in node.parts)
+        return dataclasses.replace(node, parts=parts) if any(part.stores for part in parts) else None
 
     def plan(self, node, target):
         parts = tuple(plan_pointwise(part, target) for part in node.parts)

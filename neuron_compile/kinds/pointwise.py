@@ -2,13 +2,18 @@
 
 Fusion: a pointwise consumer joins its producer's group when it reads the producer with its own index map over
 the same domain (a chain). Tiling: the output as [rows, cols] (rows on partitions in chunks of 128, cols in free
-chunks sized to the SBUF share); a long last dim is split by a divisor so rows fill the partitions. Codegen: per
-tile one DMA per input through its access pattern, the expression body, one DMA per store (pointwise.py.j2).
+chunks sized to the SBUF share); a long last dim is split by a divisor so rows fill the partitions. A short last
+dim (a 64-wide attention head, each head an outer loop) takes the innermost outer dim into the free axis as well
+(``widen_free``): a tile then holds [rows, heads x 64], its DMAs move a few KiB per partition instead of 128 B,
+and there are heads-times fewer of them (each DMA has a fixed cost). Codegen: per tile one DMA per input through
+its access pattern (two free entries, flattened into the tile's columns, when widened), the expression body, one
+DMA per store (pointwise.py.j2).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import TileAllocator, TileScope
@@ -17,6 +22,9 @@ from neuron_compile.dims import LoopDim, collapse
 from neuron_compile.kind_registry import register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
 from neuron_compile.tiles import TilePlan, count_tiles, free_tile, largest_divisor_at_most
+
+# A tile's free axis shorter than this (elements per partition) takes an outer dim in too: DMAs of >= 1 KiB.
+WIDE_FREE_MIN = 512
 
 
 def plan_pointwise(node: ir.Pointwise, target) -> TilePlan:
@@ -37,23 +45,37 @@ def plan_pointwise(node: ir.Pointwise, target) -> TilePlan:
     tiles = count_tiles([store.expr for store in node.stores])
     partition = dataclasses.replace(dims[-2], tile=min(dims[-2].size, target.partitions))
     free = dataclasses.replace(dims[-1], tile=free_tile(dims[-1].size, tiles, target))
-    return TilePlan("pointwise", tuple(dims[:-2]), partition, (free,), tiles)
+    outer, free_dims = widen_free(dims[:-2], free, tiles, target)
+    return TilePlan("pointwise", tuple(outer), partition, free_dims, tiles)
+
+
+def widen_free(outer: list[LoopDim], free: LoopDim, tiles: int, target) -> tuple[list[LoopDim], tuple[LoopDim, ...]]:
+    """(outer dims, free dims): a free dim shorter than ``WIDE_FREE_MIN`` and taken whole is joined by the
+    innermost outer dim, walked in chunks as the first free entry (as many as the SBUF share holds)."""
+    if not outer or free.tile < free.size or free.size >= WIDE_FREE_MIN:
+        return outer, (free,)
+    chunks = max(1, free_tile(outer[-1].size * free.size, tiles, target) // free.size)
+    return outer[:-1], (dataclasses.replace(outer[-1], tile=min(outer[-1].size, chunks)), free)
 
 
 def pointwise_body(node: ir.Pointwise, plan: TilePlan, allocator: TileAllocator) -> list[str]:
-    """The lines of one [rows, cols] tile: loads, the expressions, the stores (concat parts reuse it)."""
+    """The lines of one [rows, cols] tile (cols x the inner free dim's size when widened): loads, the expressions,
+    the stores (concat parts reuse it)."""
     patterns = Patterns(plan)
-    free = [(plan.free[0], "cols")]
+    free = [(plan.free[0], "cols")] + [(dim, str(dim.size)) for dim in plan.free[1:]]
+    inner = math.prod(dim.size for dim in plan.free[1:])
+    columns = "[0:rows, 0:cols]" if inner == 1 else f"[0:rows, 0:cols * {inner}]"
 
     def load_pattern(load: ir.Load, tile: str):
-        return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, True)
+        # a DMA fills the tile row-major: two free entries land flattened in the tile's columns
+        return f"{tile}{columns}", patterns.hbm(load.buffer, load.layout, free, True)
 
     def vector_pattern(load: ir.Load, tile: str):
-        if plan.free[0].stride(load.layout) != 0:
+        if any(dim.stride(load.layout) != 0 for dim in plan.free):
             return None
         return f"{tile}[0:rows, 0:1]", patterns.hbm(load.buffer, load.layout, [(LoopDim(1, None), "1")], False)
 
-    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, vector_pattern=vector_pattern)
+    scope = TileScope(allocator, plan.free[0].tile * inner, columns, load_pattern, vector_pattern=vector_pattern)
     body: list[str] = []
     store_lines(node.stores, scope, patterns, free, True, body)
     return body

@@ -87,7 +87,7 @@ def lower_cat(ctx, node):
     tensors = node.args[0]
     output = ctx.output_buffer(node, "cat")
     dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(output.layout.shape)
-    parts, start = [], 0
+    parts, starts, start = [], [], 0
     for tensor in tensors:
         value = ctx.value(tensor)
         shape = value.layout.shape
@@ -97,8 +97,9 @@ def lower_cat(ctx, node):
         target = ir.Layout(shape, output.layout.strides, output.layout.offset + start * output.layout.strides[dim])
         source = ir.Load(value.buffer, value.layout, value.dtype)
         parts.append(ir.Pointwise(ctx.fresh_name("part"), shape, (ir.Store(output, source, target),)))
+        starts.append(tuple(start if d == dim else 0 for d in range(len(shape))))
         start += shape[dim]
-    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), output.layout.shape, tuple(parts), output))
+    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), output.layout.shape, tuple(parts), output, tuple(starts)))
     return TensorValue(output.name, output.layout, output.dtype)
 
 
@@ -187,7 +188,7 @@ def padded_copy(ctx, value: TensorValue | None, lead: tuple[int, ...], sizes, pa
     buffer = buffer if buffer is not None else ctx.scratch_buffer(shape, dtype, "padded")
     strides = buffer.layout.strides
     nlead = len(lead)
-    parts = []
+    parts, boxes = [], []
 
     def part(starts, extents, expr):
         if 0 in extents:
@@ -195,6 +196,7 @@ def padded_copy(ctx, value: TensorValue | None, lead: tuple[int, ...], sizes, pa
         offset = buffer.layout.offset + sum(start * stride for start, stride in zip(starts, strides))
         target = ir.Layout(tuple(extents), strides, offset)
         parts.append(ir.Pointwise(ctx.fresh_name("part"), tuple(extents), (ir.Store(buffer, expr, target),)))
+        boxes.append(tuple(starts))
 
     interior_starts = [0] * nlead + list(padding)
     interior_extents = [*lead, *sizes]
@@ -208,7 +210,7 @@ def padded_copy(ctx, value: TensorValue | None, lead: tuple[int, ...], sizes, pa
             starts = interior_starts[:axis] + [start] + [0] * (len(shape) - axis - 1)
             extents = interior_extents[:axis] + [extent] + list(shape[axis + 1:])
             part(starts, extents, ir.Scalar(float(band_value)))
-    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), shape, tuple(parts), buffer))
+    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), shape, tuple(parts), buffer, tuple(boxes)))
     return buffer
 
 
@@ -351,7 +353,7 @@ def lower_slice_scatter(ctx, node):
     source, src = ctx.value(node.args[0]), ctx.value(node.args[1])
     buffer = ctx.output_buffer(node, "slice_scatter")
     shape = buffer.layout.shape
-    parts = []
+    parts, starts = [], []
     for lo, hi, value, value_start in ((0, start, source, 0), (start, end, src, 0), (end, shape[dim], source, end)):
         if hi <= lo:
             continue
@@ -362,7 +364,8 @@ def lower_slice_scatter(ctx, node):
         if value.dtype != buffer.dtype:
             expr = ir.Op("cast", (expr,), dtype=buffer.dtype)
         parts.append(ir.Pointwise(ctx.fresh_name("part"), extents, (ir.Store(buffer, expr, write),)))
-    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), shape, tuple(parts), buffer))
+        starts.append(tuple(lo if d == dim else 0 for d in range(len(shape))))
+    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), shape, tuple(parts), buffer, tuple(starts)))
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
 
 

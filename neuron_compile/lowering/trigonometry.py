@@ -30,18 +30,31 @@ absolute, tan within 5e-7 relative.
 
 The expressions are large DAGs (every product feeds three sums); ``ir.Op`` hashes each node once and prints
 each shared subexpression once, which keeps compiling them fast and their dumps short.
+
+When value ranges bound the argument (passes/value_range.py; a rotary embedding's positions times its
+frequencies, with the frequencies' call-time guard from passes/input_ranges.py), sin and cos take a cheaper exact
+path (``bounded_form``): |x| <= pi (sin) goes to the activation as it is; |x| <= ``CODY_WAITE_LIMIT`` takes a
+Cody-Waite reduction in half turns, x + s pi/2 = n pi + r with n = round(x / pi + s/2) and r = x - (n - s/2) pi,
+pi split into pieces of few enough bits that every product (n - s/2) * piece is exact fp32 and the subtractions
+are exact where it matters (``reduction_error`` bounds the error per binade of x and the import checks it
+against ``REDUCTION_ERROR_MAX``); then sin(x + s pi/2) = (-1)**n sin(r) with |r| <= pi/2 + 2e-3. About 20
+instructions instead of ~400; tan keeps the full reduction (its poles need the reduced argument's relative
+accuracy).
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
+import numpy as np
 import torch
 
 from neuron_compile import ir
 from neuron_compile.lowering.math_expressions import INF, absolute, add, lt, mul, sub, where
 from neuron_compile.lowering.pointwise import emit_pointwise, load_input
 from neuron_compile.lowering.registry import register_lowering
+from neuron_compile.passes.value_range import value_range
 
 aten = torch.ops.aten
 
@@ -187,7 +200,132 @@ def tan(x):
 
 FORMS = {aten.sin.default: sin, aten.cos.default: cos, aten.tan.default: tan}
 
+# ---------------------------------------------------------------- bounded arguments: Cody-Waite
+
+PI_BITS = 0xC90FDAA22168C234C4C6628B80DC1CD129024E088A67CC74  # floor(pi * 2**190)
+PI = Fraction(PI_BITS, 2**190)  # within 2**-190 of pi
+FP32_SIGNIFICAND_BITS = 24
+CODY_WAITE_LIMIT = 2.0**12  # |x| up to here: the reduction's error stays below REDUCTION_ERROR_MAX (checked)
+REDUCTION_ERROR_MAX = 2.0**-23  # absolute error of r besides its own rounding to fp32 (2**-24 relative)
+PIECE_TAIL_MAX = 2.0**-28  # the last piece's share of the error: (|q| * |pi - pieces| rounded to fp32)
+BOUND_SLACK = 1.0 + 2.0**-20  # value-range bounds ignore fp32 roundings (one part in 2**24 each)
+
+
+def _fp32(value: float) -> float:
+    return float(np.float32(value))
+
+
+def _floor_log2(value: Fraction) -> int:
+    exponent = value.numerator.bit_length() - value.denominator.bit_length()
+    return exponent - 1 if Fraction(2) ** exponent > value else exponent
+
+
+def _to_bits(value: Fraction, bits: int, truncate: bool) -> Fraction:
+    """``value`` rounded to its leading ``bits`` bits: to nearest, or (``truncate``, value > 0) toward zero."""
+    step = Fraction(2) ** (_floor_log2(abs(value)) + 1 - bits)
+    return (value // step if truncate else round(value / step)) * step
+
+
+def multiplier_max(limit: float) -> float:
+    """The largest |q| = |n - s/2| for |x| <= limit (n rounds x / pi + s/2, with its fp32 errors; the limit with
+    ``BOUND_SLACK``)."""
+    return limit * BOUND_SLACK / math.pi * BOUND_SLACK + 1.0
+
+
+def pi_pieces(limit: float, half_turn_shift: bool) -> tuple[float, ...]:
+    """pi as C_1 + ... + C_k + C_last: each C_i with few enough significant bits that q * C_i is an exact fp32 for
+    every q (a multiple of 1/2 with |q| <= ``multiplier_max``), until the rest times that q is below
+    ``PIECE_TAIL_MAX``; C_last the fp32 nearest the rest. For sin (no shift) the pieces are truncated, so all are
+    positive: for q = 0 every product is +0 and x - q * C_i keeps x's sign of zero (sin(-0.0) = -0.0). For cos
+    they are rounded to nearest (fewer pieces: fewer roundings where x is tiny and q = +-1/2)."""
+    most = multiplier_max(limit)
+    bits = FP32_SIGNIFICAND_BITS - int(2 * most).bit_length()
+    pieces, rest = [], PI
+    while most * abs(float(rest)) * 2.0**-23 > PIECE_TAIL_MAX:
+        pieces.append(_to_bits(rest, bits, truncate=not half_turn_shift))
+        rest -= pieces[-1]
+    return (*(float(piece) for piece in pieces), _fp32(float(rest)))
+
+
+def _ulp(value: float) -> float:
+    """The fp32 spacing at |value| (normal or subnormal)."""
+    return 2.0 ** max(math.frexp(abs(value))[1] - FP32_SIGNIFICAND_BITS, -149)
+
+
+def _lowest_bit(value: float) -> float:
+    mantissa, exponent = math.frexp(value)
+    bits = 0
+    while not (mantissa * 2**bits).is_integer():
+        bits += 1
+    return 2.0 ** (exponent - bits)
+
+
+def _binade_error(low: float, high: float, pieces: tuple[float, ...], half_turn_shift: bool) -> float:
+    """The worst absolute error of r for x in [low, high): the exact steps' roundings (a step is exact when r_i, a
+    multiple of the grid of x and q * C_i, stays below 2**24 grid steps), the last product's rounding and the
+    tail of pi the pieces leave out."""
+    most = high / math.pi * BOUND_SLACK + (1.0 if half_turn_shift else 0.5)
+    if not half_turn_shift and most < 1.0:
+        return 0.0  # n = 0: r = x exactly
+    unit = 0.5 if half_turn_shift else 1.0  # q is a multiple of it
+    grid_x = _ulp(low)
+    error, partial = 0.0, Fraction(0)
+    for piece in pieces[:-1]:
+        partial += Fraction(piece)
+        bound = math.pi / 2 + math.pi * 2.0**-20 * most + error + most * abs(float(PI - partial))
+        if bound >= 2.0**FP32_SIGNIFICAND_BITS * min(grid_x, unit * _lowest_bit(piece)):
+            error += _ulp(bound) / 2
+    last = pieces[-1]
+    return error + _ulp(most * last) / 2 + most * abs(float(PI - partial - Fraction(last)))
+
+
+def reduction_error(limit: float, half_turn_shift: bool) -> float:
+    """The worst absolute error of the reduced angle r over every fp32 |x| <= limit (with ``BOUND_SLACK``: the
+    bound a value range proves may be off by its roundings), binade by binade, besides r's own final rounding."""
+    pieces, largest = pi_pieces(limit, half_turn_shift), limit * BOUND_SLACK
+    return max(_binade_error(2.0**e, min(2.0 ** (e + 1), largest), pieces, half_turn_shift)
+               for e in range(-149, math.floor(math.log2(largest)) + 1))
+
+
+def check_reduction() -> None:
+    for shift in (False, True):
+        error = reduction_error(CODY_WAITE_LIMIT, shift)
+        if error > REDUCTION_ERROR_MAX:
+            raise ArithmeticError(f"Cody-Waite reduction to {CODY_WAITE_LIMIT}: error {error} > {REDUCTION_ERROR_MAX}")
+
+
+def half_turn_sine(x, half_turn_shift: bool):
+    """sin(x + s pi/2) for |x| <= CODY_WAITE_LIMIT (s = 1: cos x): (-1)**n sin(r), r = x - (n - s/2) pi."""
+    turns = mul(x, _fp32(1 / math.pi))
+    n = round_magic(add(turns, 0.5) if half_turn_shift else turns, ROUND_MAGIC)
+    q = sub(n, 0.5) if half_turn_shift else n
+    reduced = x
+    for piece in pi_pieces(CODY_WAITE_LIMIT, half_turn_shift):
+        reduced = sub(reduced, mul(q, piece))
+    return _signed(_sin(reduced), _is_odd(n))
+
+
+def bounded_form(target, bound: float):
+    """The cheap form of sin / cos for arguments a value range bounds by +-bound, or None (the full reduction)."""
+    if target is aten.sin.default and bound * BOUND_SLACK <= math.pi:
+        return _sin  # the activation's own range
+    if target in (aten.sin.default, aten.cos.default) and bound <= CODY_WAITE_LIMIT:
+        return lambda x: half_turn_sine(x, target is aten.cos.default)
+    return None
+
+
+def _form(node):
+    argument = value_range(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
+    if argument is not None:
+        cheap = bounded_form(node.target, max(-argument.low, argument.high))
+        if cheap is not None:
+            return cheap
+    return FORMS[node.target]
+
 
 @register_lowering(*FORMS)
 def lower_trigonometric(ctx, node):
-    return emit_pointwise(ctx, node, FORMS[node.target](load_input(ctx, node)))
+    return emit_pointwise(ctx, node, _form(node)(load_input(ctx, node)))
+
+
+check_reduction()

@@ -14,6 +14,12 @@ fusion may create a cycle in the group DAG, and a random draw (dropout's mask) s
 evaluate it once per element: a reduction recomputing its prologue would draw a second, different mask.
 A producer's store is kept only if its buffer is still read outside the group or is a region output. The rules
 live with the kernel kinds (neuron_compile/kinds/); this module is the greedy driver.
+
+Before grouping, a cheap pointwise node (one store, one input, at most ``INLINE_MAX_OPS`` operations: a cast, a
+square, a negation) is inlined into its readers (``inline_cheap``) when every reader reads it with its own index
+map: recomputing it costs an instruction or two where storing it costs an HBM round trip, and a kernel when its
+producer cannot take it (rms norm's ``x.float()`` and ``x.float() ** 2``: 4-byte copies of a 2-byte tensor,
+written by the residual's matmul epilogue and read back by the norm, which now reads ``x`` itself).
 """
 
 from __future__ import annotations
@@ -65,8 +71,59 @@ def merge(group: ir.Node, consumer: ir.Node) -> ir.Node:
 FUSION_OFF = "fusion is off (config fusion=False, NEURON_COMPILE_FUSION=0)"
 
 
+INLINE_MAX_OPS = 3
+
+
+def _operations(expr: ir.Expr, seen: set) -> int:
+    if not isinstance(expr, ir.Op) or expr in seen:
+        return 0
+    seen.add(expr)
+    return 1 + sum(_operations(arg, seen) for arg in expr.args)
+
+
+def _cheap_store(node: ir.Node) -> ir.Store | None:
+    """The store of an elementwise node computing at most INLINE_MAX_OPS operations of one load, else None."""
+    if not kinds.kind_of(node).elementwise or len(kinds.stores(node)) != 1:
+        return None
+    store = kinds.stores(node)[0]
+    if len(ir.loads_of(store.expr)) != 1 or len(ir.access_layouts(store.expr)) != 1:
+        return None  # several inputs, or an iota
+    return store if _operations(store.expr, set()) <= INLINE_MAX_OPS else None
+
+
+def _inlinable(nodes: list[ir.Node], region_outputs: set[str]) -> dict[str, ir.Store]:
+    """The cheap stores (by buffer) that every reader reads through the store's own index map as an expression leaf
+    (a matmul or gather operand cannot take an expression), and that are not region outputs."""
+    cheap = {store.buffer.name: store for store in map(_cheap_store, nodes)
+             if store is not None and store.buffer.name not in region_outputs}
+    for node in nodes:
+        kind = kinds.kind_of(node)
+        for load in kind.operand_loads(node):
+            cheap.pop(load.buffer, None)
+        for load in (leaf for expr in kind.exprs(node) for leaf in ir.loads_of(expr)):
+            if load.buffer in cheap and not ir.same_index_map(load.layout, cheap[load.buffer].layout):
+                cheap.pop(load.buffer)
+    return cheap
+
+
+def inline_cheap(nodes: list[ir.Node], region_outputs: set[str]) -> list[ir.Node]:
+    """``nodes`` with the inlinable cheap nodes' expressions in place of their loads, and those nodes gone."""
+    cheap = _inlinable(nodes, region_outputs)
+    if not cheap:
+        return nodes
+
+    def inline(expr: ir.Expr) -> ir.Expr:  # recursively: a cheap node may read another one
+        return ir.map_leaves(expr, lambda leaf: inline(cheap[leaf.buffer].expr)
+                             if isinstance(leaf, ir.Load) and leaf.buffer in cheap else leaf)
+
+    kept = [node for node in nodes if not (_writers(node) and _writers(node) <= set(cheap))]
+    return [kinds.map_exprs(node, inline) for node in kept]
+
+
 def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True) -> FusionResult:
     """Greedy fusion in graph order (see the module docstring); ``enabled=False`` keeps one kernel per node."""
+    if enabled:
+        nodes = inline_cheap(nodes, region_outputs)
     groups: dict[int, ir.Node] = {}
     group_of: dict[str, int] = {}  # buffer -> id of the group writing it
     members: dict[int, list[ir.Node]] = {}

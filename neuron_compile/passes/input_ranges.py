@@ -1,4 +1,4 @@
-"""Specialization stage (graph pass, after ``specialize``): bounds on integer graph inputs, from a call-time guard.
+"""Specialization stage (graph pass, after ``specialize``): bounds on graph inputs, from a call-time guard.
 
 Input: an ATen GraphModule with concrete shapes and the real arguments of one call. Output: the same graph (a copy,
 when anything is bounded) whose integer placeholders carry ``meta[RANGE_KEY] = Interval(-GUARD_BOUND,
@@ -15,14 +15,23 @@ key (``runtime/cache.signature_of``). A call whose integers leave the bound gets
 The bound is one class, not the values seen: +-2**20 leaves room below the fp32-exact +-2**24 for the sums and
 offsets position arithmetic adds, and a single class means a value moving inside it (the next token's position,
 labels with or without -100) never recompiles.
+
+Float inputs are guarded only where a bound pays: small float inputs whose values reach the argument of a sin or
+cos through ops value ranges follow (``range_guarded_floats``: a rotary embedding's ``inv_freq`` times the
+positions), so lowering/trigonometry.py can choose a cheap argument reduction. Their guard
+(``guard_float_bound``) checks that every value is finite and within a power of two (at least 1, at most
+``FLOAT_GUARD_MAX``): a class per binade, so a buffer that never changes compiles once, and a value leaving its
+class compiles (or finds) the graph for the new class, or the unbounded one with the exact reduction.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from neuron_compile.passes.value_range import RANGE_KEY, Interval
+from neuron_compile.passes.value_range import RANGE_KEY, RULES, Interval
 
 # Integer inputs whose every value lies within +-GUARD_BOUND are bounded by it (2**4 below the exact fp32 integers:
 # room for a few additions and small multiples).
@@ -31,19 +40,19 @@ GUARD_BOUND = 2**20
 GUARDED_NUMEL = 4096
 GUARDED_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 GUARDED_INTERVAL = Interval(-float(GUARD_BOUND), float(GUARD_BOUND))
+# Float inputs: finite values within +-2**k for the smallest k >= 0 that holds them, up to 2**20; beyond, unbounded.
+FLOAT_GUARD_MAX = 2.0**20
+GUARDED_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The ops whose argument's range decides the code lowered for them (the trigonometry's argument reduction).
+RANGE_CONSUMERS = (torch.ops.aten.sin.default, torch.ops.aten.cos.default)
 
 
 def guard_bound(value) -> Interval | None:
     """``GUARDED_INTERVAL`` if ``value`` is a small integer tensor whose values all lie within it, else None.
 
-    Fake and meta tensors (no values), sparse ones and empty tensors (no values to bound) give None."""
-    if not isinstance(value, torch.Tensor) or value.dtype not in GUARDED_DTYPES:
-        return None
-    if value.layout != torch.strided or value.device.type == "meta":
-        return None  # sparse and meta tensors: no cheap minimum and maximum of their values
-    if value.numel() == 0 or value.numel() > GUARDED_NUMEL:
-        return None
-    if isinstance(value, FakeTensor):
+    Fake and meta tensors (no values), sparse ones (no cheap minimum and maximum) and empty tensors (no values to
+    bound) give None."""
+    if not _checkable(value, GUARDED_DTYPES):
         return None
     low, high = torch.aminmax(value.detach())
     if -GUARD_BOUND <= int(low) and int(high) <= GUARD_BOUND:
@@ -51,11 +60,60 @@ def guard_bound(value) -> Interval | None:
     return None
 
 
-def bound_integer_inputs(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
-    """``gm`` with each integer placeholder whose argument passes ``guard_bound`` bounded by it (a copy of the graph;
-    ``gm`` itself, which the dispatch cache shares between signatures, is not touched); ``gm`` when none does."""
+def _checkable(value, dtypes) -> bool:
+    """A real (not fake or meta), strided, non-empty tensor of ``dtypes`` small enough to check on every call."""
+    if not isinstance(value, torch.Tensor) or value.dtype not in dtypes or isinstance(value, FakeTensor):
+        return False
+    if value.layout != torch.strided or value.device.type == "meta":
+        return False
+    return 0 < value.numel() <= GUARDED_NUMEL
+
+
+def guard_float_bound(value) -> Interval | None:
+    """``Interval(-2**k, 2**k)`` for the smallest ``k >= 0`` holding every value of a small float tensor, if all are
+    finite and ``2**k <= FLOAT_GUARD_MAX``; None otherwise (and for what ``guard_bound`` also refuses)."""
+    if not _checkable(value, GUARDED_FLOAT_DTYPES):
+        return None
+    magnitude = float(value.detach().abs().amax())  # nan propagates: refused below
+    if not magnitude <= FLOAT_GUARD_MAX:
+        return None
+    bound = 2.0 ** max(0, math.ceil(math.log2(magnitude))) if magnitude > 0 else 1.0
+    return Interval(-bound, bound)
+
+
+def range_guarded_floats(gm: torch.fx.GraphModule) -> frozenset[int]:
+    """Positions of the placeholders whose float values reach a ``RANGE_CONSUMERS`` argument through ops value
+    ranges follow (passes/value_range.py's rules): the float inputs worth a call-time guard."""
+    reached, stack = set(), [node.args[0] for node in gm.graph.nodes
+                             if node.op == "call_function" and node.target in RANGE_CONSUMERS]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, torch.fx.Node) or node in reached:
+            continue
+        reached.add(node)
+        if node.op == "call_function" and node.target in RULES:
+            stack.extend(node.all_input_nodes)
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
-    bounds = [guard_bound(arg) for arg in args]
+    return frozenset(position for position, node in enumerate(placeholders)
+                     if node in reached and _is_float(node.meta.get("val")))
+
+
+def _is_float(meta) -> bool:
+    return isinstance(meta, torch.Tensor) and meta.dtype in GUARDED_FLOAT_DTYPES
+
+
+def input_bounds(args: list, float_guarded: frozenset[int]) -> list[Interval | None]:
+    """Each argument's bound: ``guard_bound`` for integers, ``guard_float_bound`` at the float-guarded positions."""
+    return [guard_float_bound(arg) if position in float_guarded else guard_bound(arg)
+            for position, arg in enumerate(args)]
+
+
+def bound_integer_inputs(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
+    """``gm`` with each integer placeholder whose argument passes ``guard_bound`` bounded by it, and each float one of
+    ``range_guarded_floats`` by ``guard_float_bound`` (a copy of the graph; ``gm`` itself, which the dispatch cache
+    shares between signatures, is not touched); ``gm`` when none is bounded."""
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    bounds = input_bounds(args, range_guarded_floats(gm))
     if not any(bound is not None for bound in bounds):
         return gm
     graph = torch.fx.Graph()
@@ -76,4 +134,4 @@ def describe_bounds(gm: torch.fx.GraphModule) -> str:
     """The bounded placeholders, one line each (the pass's dump text)."""
     lines = [f"{node.name}: {node.meta[RANGE_KEY]}" for node in gm.graph.nodes
              if node.op == "placeholder" and node.meta.get(RANGE_KEY) is not None]
-    return "\n".join(lines) if lines else "(no integer input bounded)"
+    return "\n".join(lines) if lines else "(no input bounded)"

@@ -14,7 +14,8 @@ call-time check of their values (passes/input_ranges.py sets their placeholders'
 position); the rest stay eager.
 
 Float intervals are kept only where they come from such integers (interpolate's ``(arange + 0.5) * scale``)
-so that a float -> int cast of them can be proved to fit. One fp32 rounding moves a bound by one part in 2**24,
+so that a float -> int cast of them can be proved to fit, or from a float input's call-time guard (a rotary
+embedding's frequencies times its positions: lowering/trigonometry.py picks sin's and cos's argument reduction). One fp32 rounding moves a bound by one part in 2**24,
 inside the slack the callers leave (see ``EXACT_INTEGER_BOUND``); where roundings add up (float sums) or are
 coarser (bf16 results), the interval is widened by their worst case.
 """

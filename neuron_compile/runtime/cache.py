@@ -1,8 +1,8 @@
 """Runtime stage: the dispatch cache from a call signature to a compiled (partitioned) graph.
 
 Input: a dispatch key — the ``Config`` and ``dispatch_signature(args)``: each argument's shape / stride / storage
-offset / dtype / device (or type and value) and, for a small integer tensor, whether its values pass the guard of
-``passes/input_ranges.py`` — and a function that compiles on a miss. Output: the compiled entry, compiled at most
+offset / dtype / device (or type and value) and, for a small integer tensor (and a float one the graph's sin / cos
+read through value ranges), the bound its values pass in the guard of ``passes/input_ranges.py`` — and a function that compiles on a miss. Output: the compiled entry, compiled at most
 once per key even when threads race.
 
 Two forms of one signature: ``dispatch_signature`` is what every call builds, plain tuples of what torch hands
@@ -23,7 +23,7 @@ from typing import Generic, TypeVar
 import torch
 
 from neuron_compile.config import Config
-from neuron_compile.passes.input_ranges import GUARDED_DTYPES, guard_bound
+from neuron_compile.passes.input_ranges import GUARDED_DTYPES, guard_bound, guard_float_bound
 
 Entry = TypeVar("Entry")
 MAX_ENTRIES = 256  # compiled signatures kept per graph
@@ -37,13 +37,14 @@ class TensorSignature:
     storage_offset: int
     dtype: str
     device: str
-    # An integer tensor's value bound (``passes/input_ranges.guard_bound``, as text): the graph compiled for it
-    # lowers integer math that relies on it, so a call outside it needs another entry. None: not bounded.
+    # An integer tensor's value bound (``passes/input_ranges.guard_bound``, as text), or a float one's
+    # (``guard_float_bound``, for the inputs the graph's guard covers): the graph compiled for it lowers math that
+    # relies on it, so a call outside it needs another entry. None: not bounded.
     bound: str | None = None
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorSignature:
-        bound = guard_bound(tensor)
+    def of(cls, tensor: torch.Tensor, float_guard: bool = False) -> TensorSignature:
+        bound = guard_float_bound(tensor) if float_guard else guard_bound(tensor)
         return cls(
             tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), str(tensor.dtype), str(tensor.device),
             None if bound is None else str(bound),
@@ -68,23 +69,32 @@ def graph_hash(gm: torch.fx.GraphModule) -> str:
     return hashlib.sha256(gm.code.encode()).hexdigest()[:16]
 
 
-def dispatch_signature(args: Sequence[object]) -> tuple:
+def dispatch_signature(args: Sequence[object], float_guarded: frozenset[int] = frozenset()) -> tuple:
     """The per-call dispatch signature: one tuple per argument, as discriminating as ``signature_of`` (a bool, an
-    int and a float of equal value differ by their type) and several times cheaper to build and hash."""
+    int and a float of equal value differ by their type) and several times cheaper to build and hash. The tensors
+    at ``float_guarded`` positions carry their float bound."""
     return tuple([
-        (arg.shape, arg.stride(), arg.storage_offset(), arg.dtype, arg.device,
-         guard_bound(arg) if arg.dtype in BOUNDED_DTYPES else None)
+        (arg.shape, arg.stride(), arg.storage_offset(), arg.dtype, arg.device, _bound(arg, position in float_guarded))
         if isinstance(arg, torch.Tensor)
         else (type(arg), arg if isinstance(arg, bool | int | float) else repr(arg))
-        for arg in args
+        for position, arg in enumerate(args)
     ])
 
 
-def signature_of(args: Sequence[object]) -> tuple[TensorSignature | ScalarSignature, ...]:
+def _bound(tensor: torch.Tensor, float_guard: bool):
+    if float_guard:
+        return guard_float_bound(tensor)
+    return guard_bound(tensor) if tensor.dtype in BOUNDED_DTYPES else None
+
+
+def signature_of(args: Sequence[object], float_guarded: frozenset[int] = frozenset()
+                 ) -> tuple[TensorSignature | ScalarSignature, ...]:
+    """Each argument's signature; the tensors at ``float_guarded`` positions carry their float bound
+    (``passes/input_ranges.range_guarded_floats`` of the graph)."""
     signature = []
-    for arg in args:
+    for position, arg in enumerate(args):
         if isinstance(arg, torch.Tensor):
-            signature.append(TensorSignature.of(arg))
+            signature.append(TensorSignature.of(arg, float_guard=position in float_guarded))
         elif isinstance(arg, bool | int | float):
             signature.append(ScalarSignature(type(arg).__name__, arg))
         else:

@@ -31,6 +31,7 @@ from neuron_compile import config as config_module
 from neuron_compile.config import Config
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.passes.bucket import BucketPlan, plan_buckets
+from neuron_compile.passes.input_ranges import range_guarded_floats
 from neuron_compile.passes.partition import PartitionReport, op_name
 from neuron_compile.passes.specialize import is_dynamic
 from neuron_compile.pipeline import PassContext, compile_region, configured_target, run_passes
@@ -376,6 +377,8 @@ class CompiledGraph:
         self.option_items = tuple(self.options.items())  # config.get's memo key for our options, built once
         self.dynamo_graph = dynamo_graph  # its Dynamo graph's index (compile_events), for the dump folder
         self.graph_hash = graph_hash(gm)
+        # Float inputs whose value bound decides code (a rotary embedding's frequencies): part of the dispatch key.
+        self.float_guarded = range_guarded_floats(gm)
         self.cache: DispatchCache[torch.fx.GraphModule] = DispatchCache()
         self._warned_recompiles = False
         self._bucket_plans: dict[int, BucketPlan] = {}
@@ -383,7 +386,7 @@ class CompiledGraph:
     def lookup(self, config: Config, args: list) -> tuple[tuple, torch.fx.GraphModule | None]:
         """The hit path: this call's dispatch key (the config and ``dispatch_signature``) and the graph compiled
         for it, None on a miss."""
-        key = (config, dispatch_signature(args))
+        key = (config, dispatch_signature(args, self.float_guarded))
         return key, self.cache.lookup(key)
 
     def __call__(self, args: list):
@@ -416,7 +419,7 @@ class CompiledGraph:
     def _compile(self, key: tuple, args: list, bucketing: str = "") -> torch.fx.GraphModule:
         """A miss: compile for this signature (once, when threads race), with the readable GraphKey recorded."""
         config = key[0]
-        graph_key = GraphKey(self.graph_hash, signature_of(args), config)
+        graph_key = GraphKey(self.graph_hash, signature_of(args, self.float_guarded), config)
         first = len(self.cache) == 0
         compiled, compiled_now = self.cache.get_or_compile(
             key, lambda: _compile_or_fall_back(self.gm, args, graph_key, self.kind, self.dynamo_graph, bucketing)

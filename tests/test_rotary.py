@@ -1,0 +1,85 @@
+"""The rotary embedding of a Llama layer (``q * cos + rotate_half(q) * sin``) on the simulator against eager, and
+the tile plans that keep its DMAs long: a pointwise kernel over [heads, seq, 64] takes the heads into its free axis
+(kinds/pointwise.py ``widen_free``), so one DMA moves [128 rows, heads x 64] instead of [128, 64] per head."""
+
+from __future__ import annotations
+
+import torch
+
+import neuron_compile
+from lowering_harness import check_against_eager, random_tensor
+from neuron_compile import ir
+from neuron_compile.hardware import get_target
+from neuron_compile.kinds.pointwise import WIDE_FREE_MIN, plan_pointwise
+
+
+def _head_major(heads: int, seq: int, dim: int, name: str = "q") -> ir.Load:
+    """A [1, heads, seq, dim] view of a [seq, heads * dim] projection (the permuted q of a Llama layer)."""
+    layout = ir.Layout((1, heads, seq, dim), (0, dim, heads * dim, 1))
+    return ir.Load(name, layout, "float32")
+
+
+def _pointwise(heads: int, seq: int, dim: int = 64) -> ir.Pointwise:
+    domain = (1, heads, seq, dim)
+    out = ir.Buffer("out", "float32", ir.Layout(domain, ir.contiguous_strides(domain)))
+    cos = ir.Load("cos", ir.Layout(domain, (0, 0, dim, 1)), "float32")
+    expr = ir.op("mul", _head_major(heads, seq, dim), cos)
+    return ir.Pointwise("kernel", domain, (ir.Store(out, expr, out.layout),))
+
+
+def test_short_rows_take_the_heads_into_the_free_axis():
+    plan = plan_pointwise(_pointwise(32, 256), get_target("trn2"))
+    assert plan.outer == () and plan.partition.size == 256
+    assert [(dim.size, dim.tile) for dim in plan.free] == [(32, 32), (64, 64)]  # [128, 32 x 64] per tile
+
+
+def test_long_rows_and_lone_dims_keep_one_free_dim():
+    target = get_target("trn2")
+    assert len(plan_pointwise(_pointwise(4, 256, dim=WIDE_FREE_MIN), target).free) == 1
+    assert len(plan_pointwise(_pointwise(1, 256), target).free) == 1  # no outer dim to take in
+
+
+def test_many_heads_are_walked_in_chunks_with_a_ragged_last_one():
+    plan = plan_pointwise(_pointwise(200, 130), get_target("trn2"))
+    heads = plan.free[0]
+    assert heads.size == 200 and 1 < heads.tile < 200 and 200 % heads.tile  # a ragged last chunk
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(q_projection, cos, sin, heads: int):
+    """transformers' apply_rotary_pos_emb on a [seq, heads * dim] projection viewed as [1, heads, seq, dim]."""
+    seq = q_projection.shape[0]
+    q = q_projection.view(1, seq, heads, -1).transpose(1, 2)
+    return q * cos[None, None] + rotate_half(q) * sin[None, None]
+
+
+def _rotary_inputs(heads: int, seq: int, dtype):
+    q = random_tensor((seq, heads * 64), dtype, seed=1)
+    angles = torch.arange(seq).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64))[None]
+    emb = torch.cat((angles, angles), dim=-1)
+    return q, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def test_rotary_matches_eager_with_ragged_rows_and_many_heads():
+    for heads, seq, dtype in ((4, 130, torch.float32), (200, 129, torch.float32), (8, 256, torch.bfloat16)):
+        q, cos, sin = _rotary_inputs(heads, seq, dtype)
+        check_against_eager(lambda a, c, s, h=heads: apply_rotary(a, c, s, h), q, cos, sin)
+
+
+def _estimated_seconds(q, cos, sin) -> float:
+    neuron_compile.reset_stats()
+    check_against_eager(lambda a, c, s: apply_rotary(a, c, s, 16), q, cos, sin)
+    return neuron_compile.stats()["est_time_s"]
+
+
+def test_widened_tiles_cut_the_rotary_kernels_time(monkeypatch):
+    from neuron_compile.kinds import pointwise
+
+    inputs = _rotary_inputs(16, 256, torch.bfloat16)
+    widened = _estimated_seconds(*inputs)
+    monkeypatch.setattr(pointwise, "WIDE_FREE_MIN", 0)  # one 64-wide head per tile, as before
+    assert widened < 0.6 * _estimated_seconds(*inputs)
