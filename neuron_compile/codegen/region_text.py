@@ -1,8 +1,8 @@
 """Codegen stage: a region's kernels as one NKI kernel, launched once (``render_region_kernel``).
 
-Input: the region's kernels in launch order (each an IR node, its TilePlan, its name and input buffers), the
-buffers the region kernel takes as parameters (the region's inputs and the buffers no kernel writes), and the
-buffers the caller reads afterwards. Output: a ``KernelSource`` whose module defines every kernel as a subkernel
+Input: the region's kernels in launch order (each an IR node, its TilePlan, its name and input buffers) and the
+buffers the caller reads afterwards. Output: a ``KernelSource`` (its parameters: the buffers the kernels read and
+none writes, the region's inputs among them) whose module defines every kernel as a subkernel
 (kernel_text.subkernel_form: a plain function writing the HBM tensors it is given) and one ``@nki.jit`` function
 that allocates the region's outputs in ``nl.shared_hbm`` and its intermediates in private HBM, calls the
 subkernels in order and returns the outputs.

@@ -2,8 +2,8 @@
 
 Input: a dispatch key — the ``Config`` and ``dispatch_signature(args)``: each argument's shape / stride / storage
 offset / dtype / device (or type and value) and, for a small integer tensor (and a float one the graph's sin / cos
-read through value ranges), the bound its values pass in the guard of ``passes/input_ranges.py`` — and a function that compiles on a miss. Output: the compiled entry, compiled at most
-once per key even when threads race.
+read through value ranges), the bound its values pass in the guard of ``passes/input_ranges.py`` — and a function
+that compiles on a miss. Output: the compiled entry, compiled at most once per key even when threads race.
 
 Two forms of one signature: ``dispatch_signature`` is what every call builds, plain tuples of what torch hands
 back (``torch.Size``, dtype and device objects) because it runs per argument per call and must cost about a

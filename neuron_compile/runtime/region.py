@@ -1,14 +1,14 @@
 """Runtime stage: a compiled NKI region, ready to launch (``CompiledRegion``).
 
-Input: the region's input buffers, its kernels, what is launched (loaded by a launcher: one region kernel that
-calls every kernel, codegen/region_text.py, or each kernel, with ``Config.launch_unit`` "kernel"), the launcher,
-and where each graph output is read from. Output, per call: one torch tensor per graph output with eager's dtype, shape and strides,
-aliasing what eager's would: a view of a region input is a view of that input; any other output is an ordinary
-(non-view) tensor over the torch-allocated storage of the buffer a kernel wrote, so it can be resized and
-written in place like eager's (``output_tensor``); graph inputs the region mutates are written after every
-kernel ran (outputs that are views of inputs need no kernel). Kernels run only through the launcher
-(runtime/launcher.py: the simulator or a Neuron device); this module hands it flat torch tensors and gets torch
-tensors back, and adds every launch to the stats.
+Input: the region's input buffers, its kernels, what is launched (loaded by a launcher: one region kernel that calls
+every kernel, codegen/region_text.py, or each kernel, with ``Config.launch_unit`` "kernel"), the launcher, and where
+each graph output is read from. Output, per call: one torch tensor per graph output with eager's dtype, shape and
+strides, aliasing what eager's would: a view of a region input is a view of that input; any other output is an
+ordinary (non-view) tensor over the torch-allocated storage of the buffer a kernel wrote, so it can be resized and
+written in place like eager's (``output_tensor``); graph inputs the region mutates are written after every kernel
+ran (outputs that are views of inputs need no kernel). Kernels run only through the launcher (runtime/launcher.py:
+the simulator or a Neuron device); this module hands it flat torch tensors and gets torch tensors back, and adds
+every launch to the stats.
 """
 
 from __future__ import annotations
