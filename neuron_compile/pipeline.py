@@ -135,7 +135,8 @@ def check_single_writer(kernels: list[ir.Node]) -> None:
 
 def _fuse(lowered: LoweredRegion, context: PassContext) -> FusedRegion:
     region_outputs = {value.buffer for value in lowered.outputs} | {value.buffer for _, value in lowered.mutations}
-    fused: FusionResult = fuse(lowered.nodes, region_outputs, enabled=getattr(context.config, "fusion", True))
+    fused: FusionResult = fuse(lowered.nodes, region_outputs, enabled=getattr(context.config, "fusion", True),
+                               target=context.target)
     check_single_writer(fused.kernels)
     return FusedRegion(lowered, fused.kernels, fused.decisions)
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from lowering_harness import check_against_eager, random_tensor, trace
 from neuron_compile import ir, kinds
 from neuron_compile.lowering import lower_graph
-from neuron_compile.passes.fusion import can_fuse, fuse
+from neuron_compile.passes.fusion import can_fuse, fuse, inline_cheap
 
 
 def _fused(fn, *inputs):
@@ -289,3 +289,26 @@ def test_cheap_nodes_read_through_another_view_or_returned_are_kept():
     stored = {store.buffer.name for kernel in result.kernels for store in kinds.stores(kernel)}
     assert len(stored) == 4  # x * 2 (read transposed), x + 1 (an output) and the two results
     check_against_eager(fn, x)
+
+
+def test_a_reader_that_would_not_fit_keeps_the_cheap_nodes_it_reads():
+    """A cheap node is inlined only where its reader still fits the target; otherwise both stay as they were
+    (an argmax over a flat 2700-element row took more tiles than SBUF holds once its inputs were inlined)."""
+    a, b = random_tensor((2, 130, 64), torch.bfloat16, seed=10), random_tensor((2, 130, 64), torch.bfloat16, seed=11)
+    weight = random_tensor((64,), torch.bfloat16, seed=12)
+    lowered = lower_graph(trace(_llama_rms_norm, a, b, weight))
+    outputs = {value.buffer for value in lowered.outputs}
+    rejected = []
+
+    def fits(node):
+        rejected.append(node)
+        return not isinstance(node, ir.Reduction)  # as if the norm were over the budget once inlined
+
+    kept = inline_cheap(lowered.nodes, outputs, fits=fits)
+    assert any(isinstance(node, ir.Reduction) for node in rejected)
+    norm = next(node for node in kept if isinstance(node, ir.Reduction))
+    original = next(node for node in lowered.nodes if isinstance(node, ir.Reduction))
+    assert norm == original  # its loads untouched: the fp32 copies it reads are still written
+    written = {store.buffer.name for node in kept for store in kinds.stores(node)}
+    assert {load.buffer for load in kinds.loads(norm)} <= written | {buffer.name for buffer in lowered.inputs}
+    assert inline_cheap(lowered.nodes, outputs, fits=lambda node: True) != lowered.nodes  # it would inline otherwise

@@ -29,6 +29,7 @@ import dataclasses
 import networkx as nx
 
 from neuron_compile import ir, kinds
+from neuron_compile.passes.tiling import TilingError, plan_kernel
 
 
 @dataclasses.dataclass
@@ -74,6 +75,18 @@ FUSION_OFF = "fusion is off (config fusion=False, NEURON_COMPILE_FUSION=0)"
 INLINE_MAX_OPS = 3
 
 
+def _fits(target):
+    """Whether a node can be tiled on ``target`` (passes/tiling.py raises TilingError when it cannot)."""
+    def fits(node: ir.Node) -> bool:
+        try:
+            plan_kernel(node, target)
+        except TilingError:
+            return False
+        return True
+
+    return fits
+
+
 def _operations(expr: ir.Expr, seen: set) -> int:
     if not isinstance(expr, ir.Op) or expr in seen:
         return 0
@@ -106,24 +119,33 @@ def _inlinable(nodes: list[ir.Node], region_outputs: set[str]) -> dict[str, ir.S
     return cheap
 
 
-def inline_cheap(nodes: list[ir.Node], region_outputs: set[str]) -> list[ir.Node]:
-    """``nodes`` with the inlinable cheap nodes' expressions in place of their loads, and those nodes gone."""
+def inline_cheap(nodes: list[ir.Node], region_outputs: set[str], fits=None) -> list[ir.Node]:
+    """``nodes`` with the inlinable cheap nodes' expressions in place of their loads, and those nodes gone. A
+    reader that would no longer fit the target once inlined (``fits(node)`` False: its tiles over the SBUF budget)
+    keeps its loads, and the cheap nodes it reads stay."""
     cheap = _inlinable(nodes, region_outputs)
-    if not cheap:
-        return nodes
+    while cheap:
+        def inline(expr: ir.Expr, cheap=cheap) -> ir.Expr:  # recursively: a cheap node may read another one
+            return ir.map_leaves(expr, lambda leaf: inline(cheap[leaf.buffer].expr)
+                                 if isinstance(leaf, ir.Load) and leaf.buffer in cheap else leaf)
 
-    def inline(expr: ir.Expr) -> ir.Expr:  # recursively: a cheap node may read another one
-        return ir.map_leaves(expr, lambda leaf: inline(cheap[leaf.buffer].expr)
-                             if isinstance(leaf, ir.Load) and leaf.buffer in cheap else leaf)
+        kept = [node for node in nodes if not (_writers(node) and _writers(node) <= set(cheap))]
+        inlined = [kinds.map_exprs(node, inline) for node in kept]
+        misfits = [node for node, new in zip(kept, inlined, strict=True)
+                   if new is not node and fits is not None and not fits(new)]
+        if not misfits:
+            return inlined
+        for node in misfits:  # leave these readers' loads alone, and with them the nodes they read
+            for load in (leaf for expr in kinds.kind_of(node).exprs(node) for leaf in ir.loads_of(expr)):
+                cheap.pop(load.buffer, None)
+    return nodes
 
-    kept = [node for node in nodes if not (_writers(node) and _writers(node) <= set(cheap))]
-    return [kinds.map_exprs(node, inline) for node in kept]
 
-
-def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True) -> FusionResult:
-    """Greedy fusion in graph order (see the module docstring); ``enabled=False`` keeps one kernel per node."""
+def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, target=None) -> FusionResult:
+    """Greedy fusion in graph order (see the module docstring); ``enabled=False`` keeps one kernel per node. With a
+    ``target``, cheap nodes are inlined only into readers that still fit it."""
     if enabled:
-        nodes = inline_cheap(nodes, region_outputs)
+        nodes = inline_cheap(nodes, region_outputs, fits=None if target is None else _fits(target))
     groups: dict[int, ir.Node] = {}
     group_of: dict[str, int] = {}  # buffer -> id of the group writing it
     members: dict[int, list[ir.Node]] = {}
