@@ -155,7 +155,7 @@ _SPECS = [
     # copies of the operands
     _sequence("pow", 2, ("tensor_tensor", "tensor_copy", *_WIDEN)),
     # exact selects and sign transfers on the fp32 bit patterns (int32 views)
-    _sequence("where", 3, ("tensor_tensor", *_WIDEN), exact=True),
+    _sequence("where", 3, ("tensor_copy_predicated", *_WIDEN), exact=True),
     _sequence("copysign", 2, ("tensor_tensor", *_WIDEN), exact=True),
     # 2**(127 - E) for x's biased exponent E: the exact rescaling that keeps a reciprocal's input in range
     _sequence("inverse_power_of_two", 1, _WIDEN),

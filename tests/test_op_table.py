@@ -161,7 +161,7 @@ def test_tiles_are_named_for_what_they_hold_and_every_one_is_used():
     expressions.emit(expr, scope, lines)
     declared = [line.split(" = ")[0] for line in scope.allocator.lines]
     assert declared[:4] == ["x_tile_1", "gt_2", "exp_3", "s_column_4"]
-    assert "as_bfloat16" in declared[-1] and {"mul_5", "where_6", "mask_9"} <= set(declared)
+    assert "as_bfloat16" in declared[-1] and {"mul_5", "where_6", "predicate_7"} <= set(declared)
     assert len(set(declared)) == len(declared) and all(name.isidentifier() for name in declared)
     body = "\n".join(lines)
     for name in declared:  # no tile is allocated and left unused (a load of x used to leave a (P, 1) tile)
