@@ -32,6 +32,10 @@ NEURON_COMPILE_FLASH_ATTENTION  flash_attention  ``1`` (default) | ``0``: SDPA a
 NEURON_COMPILE_LAUNCH_UNIT  launch_unit          ``region`` (default: a region's kernels launched as one kernel,
                                                  codegen/region_text.py) | ``kernel`` (one launch per kernel;
                                                  to measure what one launch per region saves)
+NEURON_COMPILE_TRANSPOSED_WEIGHTS  transposed_weights  ``1`` (default) | ``0``: inference graphs read a column-major
+                                                 copy of each weight parameter their matmuls read transposed,
+                                                 made once per weight version (runtime/weight_layouts.py; costs
+                                                 one more copy of those weights in memory)
 NEURON_COMPILE_LOGS        logs                  log topics, ``TORCH_LOGS``-style: ``+dispatch,cache`` (logs.py)
 =========================  ====================  ===========================================================
 
@@ -85,6 +89,7 @@ class Config:
     fusion: bool = True
     flash_attention: bool = True
     launch_unit: str = "region"
+    transposed_weights: bool = True
     logs: str = ""
 
     def __post_init__(self):
@@ -155,7 +160,7 @@ def _coerce(name: str, value: object, source: str) -> object:
     """Convert a string (from the environment) or a Python value to the field's type, naming the source."""
     if name == "cache_size":
         return _coerce_size(value, source)
-    if name in ("fusion", "flash_attention"):
+    if name in ("fusion", "flash_attention", "transposed_weights"):
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.strip().lower() in _BOOLEANS:

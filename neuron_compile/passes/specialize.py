@@ -4,7 +4,7 @@ Input: an ATen GraphModule from aot_autograd (placeholders may be SymInts and te
 when Dynamo compiled with ``dynamic=True``, ``mark_dynamic`` or automatic dynamic shapes) and the concrete
 arguments of one call. Output: a GraphModule with the same placeholders (so it takes the same arguments)
 whose every ``node.meta["val"]`` has concrete sizes and strides; SymInt arithmetic is folded into constants.
-A graph that is already static is returned as is.
+A graph that is already static, called with the strides it was traced with, is returned as is.
 
 How: a copy of the graph is run node by node on fake tensors of this call's arguments (a ``FakeTensorMode``
 without a shape environment, so every size is a plain int), each node's ``meta["val"]`` is replaced by what
@@ -101,9 +101,21 @@ def _fold_numbers(graph: torch.fx.Graph) -> None:
             graph.erase_node(node)
 
 
+def _strides_differ(gm: torch.fx.GraphModule, args: list) -> bool:
+    """True if a tensor argument has other strides than its placeholder was traced with (a weight the runtime
+    passes column-major, runtime/weight_layouts.py): the kernels must then be planned for the call's layout."""
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    for node, arg in zip(placeholders, args, strict=False):
+        traced = node.meta.get("val")
+        if isinstance(arg, torch.Tensor) and isinstance(traced, torch.Tensor) and arg.stride() != traced.stride():
+            return True
+    return False
+
+
 def specialize(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
-    """``gm`` with the concrete shapes of ``args`` (real tensors and ints of one call); static graphs unchanged."""
-    if not is_dynamic(gm):
+    """``gm`` with the concrete shapes and strides of ``args`` (real tensors and ints of one call); a static graph
+    called with the strides it was traced with is returned unchanged."""
+    if not is_dynamic(gm) and not _strides_differ(gm, args):
         return gm
     graph = torch.fx.Graph()
     output = graph.graph_copy(gm.graph, {})  # node metas are copied (shallowly): ``gm`` keeps its own

@@ -32,10 +32,11 @@ from neuron_compile.config import Config
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.passes.bucket import BucketPlan, plan_buckets
 from neuron_compile.passes.input_ranges import range_guarded_floats
+from neuron_compile.passes.layouts import column_major_inputs
 from neuron_compile.passes.partition import PartitionReport, op_name
 from neuron_compile.passes.specialize import is_dynamic
 from neuron_compile.pipeline import PassContext, compile_region, configured_target, run_passes
-from neuron_compile.runtime import compile_events, dump, stats, trace_artifacts
+from neuron_compile.runtime import compile_events, dump, stats, trace_artifacts, weight_layouts
 from neuron_compile.runtime.cache import (
     DispatchCache,
     GraphKey,
@@ -379,6 +380,8 @@ class CompiledGraph:
         self.graph_hash = graph_hash(gm)
         # Float inputs whose value bound decides code (a rotary embedding's frequencies): part of the dispatch key.
         self.float_guarded = range_guarded_floats(gm)
+        # Weights the matmuls read transposed: inference graphs get them column-major (runtime/weight_layouts.py).
+        self.column_major = column_major_inputs(gm) if kind == "inference" else ()
         self.cache: DispatchCache[torch.fx.GraphModule] = DispatchCache()
         self._warned_recompiles = False
         self._bucket_plans: dict[int, BucketPlan] = {}
@@ -391,6 +394,8 @@ class CompiledGraph:
 
     def __call__(self, args: list):
         config = config_module.get(self.option_items)  # once per call
+        if self.column_major and config.transposed_weights:
+            args = weight_layouts.COPIES.apply(args, self.column_major)
         plan = self.bucket_plan(config.bucket)
         if plan is None or not plan.active:
             return self._run(config, args, plan)  # a declined plan: its reasons go to the record

@@ -31,6 +31,9 @@ class Stats:
     disk_cache_corrupt: int = 0
     disk_cache_evictions: int = 0
     kernels_launched: int = 0
+    # Column-major weight copies made for inference graphs (runtime/weight_layouts.py): count and bytes.
+    weight_copies: int = 0
+    weight_copy_bytes: int = 0
     nki_nodes: int = 0  # ATen nodes placed in NKI regions (counted at compile time, per signature)
     fallback_nodes: int = 0  # ATen nodes executed eagerly (counted at compile time, per signature)
     fallback_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
