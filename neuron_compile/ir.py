@@ -104,10 +104,13 @@ class Scalar:
 
 @dataclass(frozen=True)
 class Result:
-    """The value the node's main operation produced (reduction row value, softmax row, matmul tile)."""
+    """The value the node's main operation produced (reduction row value, softmax row, matmul tile). ``operand`` 1
+    is a paired matmul's second product (``MatMul.b2``)."""
+
+    operand: int = 0
 
     def __str__(self) -> str:
-        return "result"
+        return "result" if self.operand == 0 else f"result{self.operand}"
 
 
 @dataclass(frozen=True)
@@ -337,7 +340,9 @@ class MatMul:
     """``a @ b`` over domain (*batch, M, N); ``a`` is (*batch, M, K), ``b`` is (*batch, K, N); mm has one size-1,
     stride-0 batch dim.
 
-    Stores read ``Result()`` (the fp32 product tile) plus loads over (*batch, M, N) — the epilogue.
+    Stores read ``Result()`` (the fp32 product tile) plus loads over (*batch, M, N) — the epilogue. A paired
+    matmul (horizontal fusion: a gated MLP's up and gate projections read the same ``a``) also multiplies ``a`` by
+    ``b2``, of ``b``'s shape, and its epilogue reads that product as ``Result(1)``.
     """
 
     name: str
@@ -346,6 +351,7 @@ class MatMul:
     a: Load
     b: Load
     stores: tuple[Store, ...]
+    b2: Load | None = None
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,14 @@ class KernelKind:
     def merge_prologue(self, producer, consumer):
         raise NotImplementedError(f"{self.name} takes no prologue")
 
+    def sibling_reason(self, first, second, outside: set[str]) -> str | None:
+        """None if ``first``, whose outputs only the later ``second`` reads (both whole kernels of this kind), may
+        be computed inside ``second`` (horizontal fusion: one pass over their shared input)."""
+        return f"{self.name} kernels take no sibling"
+
+    def merge_sibling(self, first, second):
+        raise NotImplementedError(f"{self.name} takes no sibling")
+
     def prune(self, node, needed: set[str]):
         """``node`` keeping only the stores whose buffers are ``needed`` (None: nothing left to compute)."""
         return dataclasses.replace(node, stores=tuple(store for store in node.stores if store.buffer.name in needed))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import networkx as nx
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowering_harness import check_against_eager, random_tensor, trace
-from neuron_compile import ir, kinds
+from neuron_compile import config, ir, kinds
+from neuron_compile.hardware import get_target
 from neuron_compile.lowering import lower_graph
 from neuron_compile.passes.fusion import can_fuse, fuse, inline_cheap
 
@@ -312,3 +314,50 @@ def test_a_reader_that_would_not_fit_keeps_the_cheap_nodes_it_reads():
     written = {store.buffer.name for node in kept for store in kinds.stores(node)}
     assert {load.buffer for load in kinds.loads(norm)} <= written | {buffer.name for buffer in lowered.inputs}
     assert inline_cheap(lowered.nodes, outputs, fits=lambda node: True) != lowered.nodes  # it would inline otherwise
+
+
+def _gated_mlp(x, gate, up, down):
+    return (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+
+
+def _gated_mlp_inputs(rows=130, hidden=96, inner=200, dtype=torch.float32):
+    return (random_tensor((rows, hidden), dtype, seed=1), random_tensor((inner, hidden), dtype, seed=2, low=-0.2, high=0.2),
+            random_tensor((inner, hidden), dtype, seed=3, low=-0.2, high=0.2),
+            random_tensor((hidden, inner), dtype, seed=4, low=-0.2, high=0.2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_and_up_projections_share_one_paired_matmul(dtype):
+    """The gate is computed inside the up projection's kernel (one pass over x, the gate never stored)."""
+    inputs = _gated_mlp_inputs(dtype=dtype)
+    lowered = lower_graph(trace(_gated_mlp, *inputs))
+    result = fuse(lowered.nodes, {value.buffer for value in lowered.outputs}, target=get_target("trn2"))
+    paired = [kernel for kernel in result.kernels if isinstance(kernel, ir.MatMul) and kernel.b2 is not None]
+    assert len(result.kernels) == 2 and len(paired) == 1
+    assert any(" inside " in decision and decision.endswith("fused") for decision in result.decisions)
+    assert any(ir.uses_result(store.expr) and "result1" in str(store.expr) for store in paired[0].stores)
+    check_against_eager(_gated_mlp, *inputs, fp32_reference=dtype == torch.bfloat16)
+
+
+def test_projections_needed_elsewhere_are_not_paired_and_say_why():
+    def gate_also_returned(x, gate, up, down):
+        gated, upped = x @ gate.t(), x @ up.t()
+        return (torch.nn.functional.silu(gated) * upped) @ down.t(), gated, upped
+
+    inputs = _gated_mlp_inputs(rows=40)
+    lowered = lower_graph(trace(gate_also_returned, *inputs))
+    result = fuse(lowered.nodes, {value.buffer for value in lowered.outputs}, target=get_target("trn2"))
+    assert not any(isinstance(kernel, ir.MatMul) and kernel.b2 is not None for kernel in result.kernels)
+    assert any("are needed outside" in decision for decision in result.decisions)
+    check_against_eager(gate_also_returned, *inputs)
+
+
+def test_without_a_dma_transpose_the_projections_stay_apart():
+    """trn1 has no DMA transpose, which the paired form needs: the pair is refused, the result still right."""
+    inputs = _gated_mlp_inputs(rows=40)
+    lowered = lower_graph(trace(_gated_mlp, *inputs))
+    result = fuse(lowered.nodes, {value.buffer for value in lowered.outputs}, target=get_target("trn1"))
+    assert not any(isinstance(kernel, ir.MatMul) and kernel.b2 is not None for kernel in result.kernels)
+    assert any("would not fit" in decision for decision in result.decisions)
+    with config.patch(target="trn1"):
+        check_against_eager(_gated_mlp, *inputs)

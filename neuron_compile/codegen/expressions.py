@@ -139,13 +139,13 @@ class TileScope:
     """One tile-shaped working set: ``slice_text`` like ``[0:rows, 0:cols]`` over tiles of ``free`` elements.
 
     ``load_pattern(load, tile)`` returns the SBUF destination slice and the HBM ``AccessPattern`` of a load in this
-    scope; ``result`` is the Ref that ``ir.Result()`` stands for.
+    scope; ``result`` is the Ref that ``ir.Result()`` stands for, ``more_results`` those of ``Result(1)``, ...
     """
 
     def __init__(self, allocator: TileAllocator, free: int, slice_text: str, load_pattern, result: Ref | None = None,
-                 vector_pattern=None):
+                 vector_pattern=None, more_results: tuple[Ref, ...] = ()):
         self.allocator, self.free, self.slice_text = allocator, free, slice_text
-        self.load_pattern, self.result = load_pattern, result
+        self.load_pattern, self.results = load_pattern, (result, *more_results)
         # vector_pattern(load, tile) -> (dst, src) for loads constant along the free axis, else None
         self.vector_pattern = vector_pattern
         self.memo: dict = {}
@@ -214,9 +214,9 @@ def _emit_uncached(expr, scope, lines) -> Ref:
     if isinstance(expr, ir.Scalar):
         return Ref(value=float(expr.value))
     if isinstance(expr, ir.Result):
-        if scope.result is None:
-            raise ExpressionError("result() used outside a kernel that produces one")
-        return scope.result
+        if expr.operand >= len(scope.results) or scope.results[expr.operand] is None:
+            raise ExpressionError(f"{expr}() used outside a kernel that produces it")
+        return scope.results[expr.operand]
     if isinstance(expr, ir.Iota):
         return _emit_iota(expr, scope, lines)
     if isinstance(expr, ir.RandomKeep):

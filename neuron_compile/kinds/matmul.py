@@ -8,6 +8,7 @@ rows and transposed on TensorE; for large K the moving operand is streamed per K
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from neuron_compile import ir
@@ -23,33 +24,39 @@ from neuron_compile.codegen.kernel_text import (
 )
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import register_kind
-from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
+from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue, matching_index_reason
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import TRANSPOSE_BLOCK, TilePlan, TilingError, count_tiles, needs_transpose
 
 
 def plan_matmul(node: ir.MatMul, target) -> TilePlan:
     """The DMA-transposing form where the target has it and a^T of one row block fits beside b's tiles, else
-    the TensorE-transposing form."""
-    return plan_resident(node, target) or plan_transposing(node, target)
+    the TensorE-transposing form (which a paired matmul does not have: sibling fusion pairs only where the
+    resident form fits)."""
+    resident = plan_resident(node, target)
+    if resident is None and node.b2 is not None:
+        raise TilingError(f"{node.name}: a paired matmul needs the resident form (DMA transpose, a^T of one row "
+                          f"block beside both operands' tiles), which {target.name} cannot hold")
+    return resident or plan_transposing(node, target)
 
 
 def plan_resident(node: ir.MatMul, target) -> TilePlan | None:
     """a^T resident for as many 128-row blocks as fit (``row_group``), b streamed once per group, N tiles of
     512 (256, 128 if K is large). SBUF per partition: the group's a^T chunks, two N tiles' b chunks (this one's
     and the next one's, loaded while this one multiplies) and two sets of epilogue tiles. None when the target
-    has no DMA transpose or not even one row block fits."""
+    has no DMA transpose or not even one row block fits. A paired matmul keeps two of each b and PSUM tile."""
     if not target.dma_transpose:
         return None
     *batch, m, n = node.domain
     itemsize = 2 if node.a.dtype == "bfloat16" else 4
+    operands = 1 if node.b2 is None else 2
     k_tile = min(node.k, target.partitions)
     k_tiles = math.ceil(node.k / k_tile)
     tiles = count_tiles([store.expr for store in node.stores])
     budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE)
     block_bytes = k_tiles * target.gemm_stationary_fmax * itemsize
     for n_tile in sorted({min(n, size) for size in (target.gemm_moving_fmax, 256, 128)}, reverse=True):
-        room = budget - 2 * k_tiles * n_tile * itemsize - 2 * tiles * n_tile * 4
+        room = budget - 2 * operands * k_tiles * n_tile * itemsize - 2 * tiles * n_tile * 4
         blocks = min(math.ceil(m / target.gemm_stationary_fmax), room // block_bytes)
         if blocks >= 1:
             outer = tuple(LoopDim(size, dim, 1, 1) for dim, size in enumerate(batch))
@@ -98,7 +105,7 @@ def render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[s
     return render_transposing(node, plan, name, parameters)
 
 
-def operand_loads(node: ir.MatMul, k_tile: int) -> tuple[str, str]:
+def operand_loads(node: ir.MatMul, k_tile: int) -> tuple[str, ...]:
     """The instructions that bring a^T [K, rows] into ``stationary[block]`` and b [K, cols] into ``moving``, both
     [k_tile, K chunks, 128 or cols] (element (p, kt, j) is K index kt * k_tile + p): one DMA per operand tile, a
     DMA transpose when the operand's K is its contiguous dim. With ragged K chunks (K not a multiple of
@@ -109,10 +116,11 @@ def operand_loads(node: ir.MatMul, k_tile: int) -> tuple[str, str]:
     whole = node.k % k_tile == 0
     k_terms = [] if whole else [("k0", None)]
     loads = []
-    for operand, tile, free, count, k_stride, other_stride, loop_var in (
-        (node.a, "stationary[block]", "rows", "rows", a_k, a_m, "p0"),
-        (node.b, "moving", "cols", "cols", b_k, b_n, "f0"),
-    ):
+    operands = [(node.a, "stationary[block]", "rows", "rows", a_k, a_m, "p0"), (node.b, "moving", "cols", "cols", b_k, b_n, "f0")]
+    if node.b2 is not None:
+        second = node.b2.layout
+        operands.append((node.b2, "second_moving", "cols", "cols", second.strides[batch], second.strides[batch + 1], "f0"))
+    for operand, tile, free, count, k_stride, other_stride, loop_var in operands:
         strides = operand.layout.strides
         terms = [(f"o{i}", strides[i]) for i in range(batch)] + [(loop_var, other_stride)]
         terms += [(var, k_stride) for var, _ in k_terms]
@@ -132,7 +140,7 @@ def operand_loads(node: ir.MatMul, k_tile: int) -> tuple[str, str]:
         else:
             entries = [*k_entries, [other_stride, count]]
             loads.append(f"nisa.dma_copy(dst={dst}, src={operand.buffer}.ap({entries_text(entries)}, offset={offset}))")
-    return loads[0], loads[1]
+    return tuple(loads)
 
 
 def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
@@ -144,21 +152,28 @@ def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list
         return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, True)
 
     product = allocator.new("product", plan.free[0].tile)
-    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=product))
+    second_product = allocator.new("second_product", plan.free[0].tile) if node.b2 is not None else None
+    more_results = () if second_product is None else (Ref(tile=second_product),)
+    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=product),
+                      more_results=more_results)
     epilogue: list[str] = []
     store_lines(node.stores, scope, patterns, free, True, epilogue)
-    load_stationary, load_moving = operand_loads(node, plan.k_tile)
+    load_stationary, load_moving, *load_second_moving = operand_loads(node, plan.k_tile)
     # PSUM -> SBUF on ScalarE: VectorE has the epilogue's work
-    evacuate = f"nisa.activation(dst={product}[0:rows, 0:cols], op=nl.copy, data=accumulator[0:rows, 0:cols])"
+    evacuate = [f"nisa.activation(dst={tile}[0:rows, 0:cols], op=nl.copy, data={psum}[0:rows, 0:cols])"
+                for tile, psum in ((product, "accumulator"), (second_product, "second_accumulator")) if tile]
     context = kernel_context(
         node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue, evacuate=evacuate,
         load_stationary=load_stationary, load_moving=load_moving, operand_dtype=NL_DTYPES[node.a.dtype],
+        load_second_moving=load_second_moving[0] if load_second_moving else None,
         k=node.k, k_tile=plan.k_tile, k_tiles=plan.k_tiles, whole_k=node.k % plan.k_tile == 0,
     )
     return render_template("matmul_resident.py.j2", **context)
 
 
 def render_transposing(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    if node.b2 is not None:
+        raise TilingError(f"{node.name}: a paired matmul has no TensorE-transposing form")
     patterns = Patterns(plan)
     allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
     dtype = node.a.dtype
@@ -206,20 +221,56 @@ def render_transposing(node: ir.MatMul, plan: TilePlan, name: str, parameters: l
     return render_template("matmul.py.j2", **context)
 
 
+def sibling_reason(kind, first: ir.MatMul, second: ir.MatMul, outside: set[str]) -> str | None:
+    """None if ``first`` (one store, read only by ``second``'s epilogue with its own index map) and ``second`` multiply
+    the same ``a`` over the same domain: ``second`` then computes both products (a gated MLP: up and gate)."""
+    if not isinstance(first, ir.MatMul) or not isinstance(second, ir.MatMul):
+        return "sibling fusion pairs two matmuls"
+    if first.b2 is not None or second.b2 is not None:
+        return "one of the matmuls is already paired"
+    if (first.a, first.domain, first.k, first.b.dtype) != (second.a, second.domain, second.k, second.b.dtype):
+        return "the matmuls do not share their left operand, domain and K"
+    if len(first.stores) != 1 or outside:
+        return f"{first.name}'s outputs are needed outside {second.name}"
+    if any(load.buffer == first.stores[0].buffer.name for load in kind.operand_loads(second)):
+        return f"{second.name} multiplies {first.name}'s output"
+    return matching_index_reason(kind, first, second)
+
+
+def merge_sibling(first: ir.MatMul, second: ir.MatMul) -> ir.MatMul:
+    """``second`` multiplying by ``first.b`` too: its reads of ``first``'s output become ``first``'s epilogue over
+    ``Result(1)``."""
+    (store,) = first.stores
+    first_expr = ir.map_leaves(store.expr, lambda leaf: ir.Result(1) if isinstance(leaf, ir.Result) else leaf)
+
+    def inline(leaf):
+        return first_expr if isinstance(leaf, ir.Load) and leaf.buffer == store.buffer.name else leaf
+
+    stores = tuple(dataclasses.replace(s, expr=ir.map_leaves(s.expr, inline)) for s in second.stores)
+    return dataclasses.replace(second, b2=first.b, stores=stores)
+
+
 class MatMulKind(MatchingIndexEpilogue):
     node_type = ir.MatMul
     name = "matmul"
 
     def operand_loads(self, node):
-        return [node.a, node.b]
+        return [node.a, node.b] + ([node.b2] if node.b2 is not None else [])
 
     def describe_head(self, node):
-        return f" K={node.k}\n  a: {node.a}\n  b: {node.b}"
+        second = f"\n  b2: {node.b2} (result1)" if node.b2 is not None else ""
+        return f" K={node.k}\n  a: {node.a}\n  b: {node.b}{second}"
 
     def restate(self, layout, group):
         if len(layout.shape) == 2 and group.domain[0] == 1:  # mm's domain has a size-1 batch dim
             layout = ir.Layout((1, *layout.shape), (0, *layout.strides), layout.offset)
         return super().restate(layout, group)
+
+    def sibling_reason(self, first, second, outside):
+        return sibling_reason(self, first, second, outside)
+
+    def merge_sibling(self, first, second):
+        return merge_sibling(first, second)
 
     def plan(self, node, target):
         return plan_matmul(node, target)

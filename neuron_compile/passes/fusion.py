@@ -15,6 +15,9 @@ evaluate it once per element: a reduction recomputing its prologue would draw a 
 A producer's store is kept only if its buffer is still read outside the group or is a region output. The rules
 live with the kernel kinds (neuron_compile/kinds/); this module is the greedy driver.
 
+After grouping, ``fuse_siblings`` computes a kernel inside the one later kernel that reads it when both share their
+main input and their kind pairs them (a gated MLP's gate and up projections: one matmul kernel with two products).
+
 Before grouping, a cheap pointwise node (one store, one input, at most ``INLINE_MAX_OPS`` operations: a cast, a
 square, a negation) is inlined into its readers (``inline_cheap``) when every reader reads it with its own index
 map: recomputing it costs an instruction or two where storing it costs an HBM round trip, and a kernel when its
@@ -144,8 +147,9 @@ def inline_cheap(nodes: list[ir.Node], region_outputs: set[str], fits=None) -> l
 def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, target=None) -> FusionResult:
     """Greedy fusion in graph order (see the module docstring); ``enabled=False`` keeps one kernel per node. With a
     ``target``, cheap nodes are inlined only into readers that still fit it."""
+    fits = None if target is None else _fits(target)
     if enabled:
-        nodes = inline_cheap(nodes, region_outputs, fits=None if target is None else _fits(target))
+        nodes = inline_cheap(nodes, region_outputs, fits=fits)
     groups: dict[int, ir.Node] = {}
     group_of: dict[str, int] = {}  # buffer -> id of the group writing it
     members: dict[int, list[ir.Node]] = {}
@@ -157,7 +161,7 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
             readers.setdefault(buffer, set()).add(node.name)
     for node in nodes:
         producers = sorted({group_of[b] for b in _reads(node) if b in group_of})
-        target = None
+        joined = None
         for candidate in producers:
             group = groups[candidate]
             inside = {member.name for member in members[candidate]} | {node.name}
@@ -170,21 +174,21 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
                 reason = "fusing would create a cycle through another kernel"
             decisions.append(f"{node.name} into {group.name}: " + ("fused" if reason is None else reason))
             if reason is None:
-                target = candidate
+                joined = candidate
                 break
-        if target is None:
-            target = len(groups) + 1
-            groups[target] = node
-            members[target] = [node]
-            dag.add_node(target)
+        if joined is None:
+            joined = len(groups) + 1
+            groups[joined] = node
+            members[joined] = [node]
+            dag.add_node(joined)
         else:
-            groups[target] = merge(groups[target], node)
-            members[target].append(node)
+            groups[joined] = merge(groups[joined], node)
+            members[joined].append(node)
         for buffer in _writers(node):
-            group_of[buffer] = target
+            group_of[buffer] = joined
         for producer in producers:
-            if producer != target:
-                dag.add_edge(producer, target)
+            if producer != joined:
+                dag.add_edge(producer, joined)
     # A buffer must reach HBM if it is a region output or still read by another group.
     needed = set(region_outputs)
     for group_id, group in groups.items():
@@ -192,4 +196,38 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
             if group_of.get(buffer) is not None:
                 needed.add(buffer)
     kernels = [kinds.kind_of(groups[group_id]).prune(groups[group_id], needed) for group_id in nx.topological_sort(dag)]
-    return FusionResult([kernel for kernel in kernels if kernel is not None and kinds.stores(kernel)], decisions)
+    kernels = [kernel for kernel in kernels if kernel is not None and kinds.stores(kernel)]
+    if enabled:
+        kernels = fuse_siblings(kernels, region_outputs, decisions, fits)
+    return FusionResult(kernels, decisions)
+
+
+def fuse_siblings(kernels: list[ir.Node], region_outputs: set[str], decisions: list[str], fits=None) -> list[ir.Node]:
+    """Horizontal fusion: a kernel whose outputs only a later kernel of its kind reads, and that shares that kernel's
+    main input, is computed inside it when the kind allows (a gated MLP's gate projection inside its up projection,
+    whose epilogue reads it: one pass over their input, and the gate never goes through HBM). The pair takes the
+    later kernel's place, so everything either one reads is ready."""
+    kernels = list(kernels)
+    index = 0
+    while index < len(kernels):
+        second = kernels[index]
+        for first in kernels[:index]:
+            written = _writers(first)
+            if type(first) is not type(second) or not written & _reads(second):
+                continue
+            others = [node for node in kernels if node is not first and node is not second]
+            outside = {buffer for buffer in written
+                       if buffer in region_outputs or any(buffer in _reads(node) for node in others)}
+            kind = kinds.kind_of(second)
+            reason = kind.sibling_reason(first, second, outside)
+            merged = kind.merge_sibling(first, second) if reason is None else None
+            if merged is not None and fits is not None and not fits(merged):
+                reason = "the paired kernel would not fit the target's SBUF"
+            decisions.append(f"{first.name} inside {second.name}: " + ("fused" if reason is None else reason))
+            if reason is None:
+                kernels[index] = merged
+                kernels.remove(first)
+                index -= 1
+                break
+        index += 1
+    return kernels
