@@ -135,12 +135,12 @@ def inline_cheap(nodes: list[ir.Node], region_outputs: set[str], fits=None) -> l
         kept = [node for node in nodes if not (_writers(node) and _writers(node) <= set(cheap))]
         inlined = [kinds.map_exprs(node, inline) for node in kept]
         misfits = [node for node, new in zip(kept, inlined, strict=True)
-                   if new is not node and fits is not None and not fits(new)]
+                   if fits is not None and _reads(node) & set(cheap) and not fits(new)]
         if not misfits:
             return inlined
         for node in misfits:  # leave these readers' loads alone, and with them the nodes they read
-            for load in (leaf for expr in kinds.kind_of(node).exprs(node) for leaf in ir.loads_of(expr)):
-                cheap.pop(load.buffer, None)
+            for buffer in _reads(node):  # each pass drops at least one cheap node, so the loop ends
+                cheap.pop(buffer, None)
     return nodes
 
 
