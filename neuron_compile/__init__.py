@@ -25,6 +25,8 @@ as a torch operator, eager and compiled: neuron_compile/nki_op.py).
 - ``kernels_launched``, ``hbm_bytes``, ``flops``, ``est_time_s``, ``roofline_s``: kernel launches and the
   simulator's cost-model figures summed over launches; ``est_lower_bound_s``: the same with every kernel's
   engines perfectly overlapped (its busiest engine); ``launch_s``: the launch costs within ``est_time_s``.
+- ``weight_copies`` / ``weight_copy_bytes``: column-major copies made of parameters that inference matmuls read
+  transposed (``NEURON_COMPILE_TRANSPOSED_WEIGHTS``); a copy is remade only when its parameter changes.
 
 ``with record_launches() as launches:`` appends one ``Launch(kernel, report, source)`` per kernel launched inside the
 block (the kernel's name and its cost report: the per-kernel figures behind the sums; ``bench/kernel_bench.py``).
