@@ -122,8 +122,7 @@ def reduction_kernel_0(arg0_1, arg1_1):
         mul_28 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
         cols = 64
         nisa.dma_copy(dst=arg0_1_tile_2[0:rows, 0:cols], src=arg0_1.ap([[64, rows], [1, cols]], offset=p0 * 64))
-        nisa.activation(dst=pow_3[0:rows, 0:cols], op=nl.square, data=arg0_1_tile_2[0:rows, 0:cols])
-        nisa.tensor_reduce(dst=acc_1[0:rows, 0:1], op=nl.add, data=pow_3[0:rows, 0:cols], axis=1, keepdims=True)
+        nisa.activation(dst=pow_3[0:rows, 0:cols], op=nl.square, data=arg0_1_tile_2[0:rows, 0:cols], reduce_op=nl.add, reduce_res=acc_1[0:rows, 0:1])
         nisa.tensor_scalar(dst=acc_1[0:rows, 0:1], data=acc_1[0:rows, 0:1], op0=nl.multiply, operand0=0.015625)
         nisa.tensor_scalar(dst=add_4[0:rows, 0:1], data=acc_1[0:rows, 0:1], op0=nl.add, operand0=1e-06)
         nisa.tensor_scalar(dst=gt_5[0:rows, 0:1], data=add_4[0:rows, 0:1], op0=nl.greater, operand0=0.0)

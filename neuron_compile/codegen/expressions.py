@@ -226,8 +226,53 @@ def _emit_uncached(expr, scope, lines) -> Ref:
     rounded = _emit_rounded_op(expr, scope, lines)
     if rounded is not None:
         return rounded
-    args = [emit(arg, scope, lines) for arg in expr.args]
-    return _emit_op(expr, args, scope, lines)
+    return _emit_op(expr, _operands(expr, scope, lines), scope, lines)
+
+
+# Casts to fp32 that change no value: the engines read these dtypes and compute in fp32 anyway.
+EXACT_WIDENING = {"bfloat16", "float16"}
+
+
+def _operands(expr: ir.Op, scope: TileScope, lines: list[str]) -> list[Ref]:
+    """The Refs of ``expr``'s arguments. An instruction of one of the plain forms reads a bf16 / fp16 tile as
+    it reads an fp32 one (it computes in fp32), so an argument that only widens such a tile to fp32 is read
+    from that tile: no tensor_copy, unless something else (a store, a sequence) needs the fp32 tile."""
+    if op_table.spec(expr.op).form not in PLAIN_FORMS:
+        return [emit(arg, scope, lines) for arg in expr.args]
+    return [_widened_source(arg, scope, lines) or emit(arg, scope, lines) for arg in expr.args]
+
+
+def _widened_source(arg: ir.Expr, scope: TileScope, lines: list[str]) -> Ref | None:
+    """The full bf16 / fp16 tile that ``arg`` (a cast to fp32) widens, or None (nothing emitted for the cast)."""
+    if not (isinstance(arg, ir.Op) and arg.dtype == "float32" and op_table.spec(arg.op).form == "copy"):
+        return None
+    source = emit(arg.args[0], scope, lines)
+    if source.tile is None or source.vector or source.dtype not in EXACT_WIDENING:
+        return None
+    return source
+
+
+def emit_row_summed(expr: ir.Expr, scope: TileScope, lines: list[str], row_sums: str) -> Ref | None:
+    """``expr`` computed by one ScalarE activation that also writes each row's sum of its result into
+    ``row_sums`` (its ``reduce_res``, a (P, 1) slice): a sum over a square or an activation then needs no
+    tensor_reduce on VectorE. None, with nothing emitted, when ``expr`` is not one activation of a full tile."""
+    if expr in scope.memo or not isinstance(expr, ir.Op):
+        return None
+    entry = op_table.spec(expr.op)
+    squared = (expr.op == "pow" and isinstance(expr.args[1], ir.Scalar) and expr.args[1].value == 2.0) or (
+        expr.op == "mul" and expr.args[0] == expr.args[1])
+    if not squared and entry.form != "activation":
+        return None
+    operand = _widened_source(expr.args[0], scope, lines) or emit(expr.args[0], scope, lines)
+    if operand.tile is None or operand.vector:
+        return None  # a number or a row vector: the caller's plain path (the operand's lines are harmless)
+    out = Ref(tile=scope.tile(stem=expr.op))
+    function = "nl.square" if squared else entry.nl_op
+    scope.balance.note("scalar")
+    lines.append(f"nisa.activation(dst={scope.ref_text(out)}, op={function}, data={scope.ref_text(operand)}, "
+                 f"reduce_op=nl.add, reduce_res={row_sums})")
+    scope.memo[expr] = out
+    return out
 
 
 ROUNDING_DTYPES = {"bfloat16"}
@@ -243,7 +288,7 @@ def _emit_rounded_op(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref |
     inner = expr.args[0]
     if not isinstance(inner, ir.Op) or inner in scope.memo or op_table.spec(inner.op).form not in PLAIN_FORMS:
         return None
-    args = [emit(arg, scope, lines) for arg in inner.args]
+    args = _operands(inner, scope, lines)
     tiles = [arg for arg in args if arg.tile is not None]
     entry = op_table.spec(inner.op)
     if not tiles or all(arg.vector for arg in tiles):

@@ -15,7 +15,7 @@ import dataclasses
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope, emit, number
+from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope, emit, emit_row_summed, number
 from neuron_compile.codegen.kernel_text import (
     Patterns,
     epilogue_scope,
@@ -80,23 +80,32 @@ def _reduce_pass(node, prologue: TileScope, transform, reduce_op: str, accumulat
     """One walk over the row: prologue, optional per-element ``transform``, reduce, combine chunk partials."""
     lines: list[str] = []
     prologue.memo = {}  # a second pass re-emits the loads (same tiles) because a chunked row was overwritten
+    target = partial if chunked else accumulator
+    if reduce_op == "nl.add" and transform is None:
+        summed = emit_row_summed(node.prologue, prologue, lines, f"{target}[0:rows, 0:1]")
+        if summed is not None:
+            return lines + _combine_partials(reduce_op, accumulator, partial, chunked)
     value = emit(node.prologue, prologue, lines)
     if value.tile is None:  # a reduction of a fill (sum of full(1): a count): reduce a tile holding it
         constant = Ref(tile=prologue.tile(key=("reduced constant", value.value)))
         lines.append(f"nisa.memset(dst={prologue.ref_text(constant)}, value={number(value.value)})")
         value = constant
     data = transform(prologue.ref_text(value), lines) if transform else prologue.ref_text(value)
-    target = partial if chunked else accumulator
     lines.append(f"nisa.tensor_reduce(dst={target}[0:rows, 0:1], op={reduce_op}, data={data}, axis=1, keepdims=True)")
-    if chunked:
-        lines += [
-            "if f0 == 0:",
-            f"    nisa.tensor_copy(dst={accumulator}[0:rows, 0:1], src={partial}[0:rows, 0:1])",
-            "else:",
-            f"    nisa.tensor_tensor(dst={accumulator}[0:rows, 0:1], data1={accumulator}[0:rows, 0:1], "
-            f"data2={partial}[0:rows, 0:1], op={reduce_op})",
-        ]
-    return lines
+    return lines + _combine_partials(reduce_op, accumulator, partial, chunked)
+
+
+def _combine_partials(reduce_op: str, accumulator: str, partial: str, chunked: bool) -> list[str]:
+    """A chunked row: the first chunk's partial starts the accumulator, the others combine into it."""
+    if not chunked:
+        return []
+    return [
+        "if f0 == 0:",
+        f"    nisa.tensor_copy(dst={accumulator}[0:rows, 0:1], src={partial}[0:rows, 0:1])",
+        "else:",
+        f"    nisa.tensor_tensor(dst={accumulator}[0:rows, 0:1], data1={accumulator}[0:rows, 0:1], "
+        f"data2={partial}[0:rows, 0:1], op={reduce_op})",
+    ]
 
 
 def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
