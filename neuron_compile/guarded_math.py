@@ -100,8 +100,25 @@ def safe_log(u) -> ir.Op:
     return _op("where", positive, core, special)
 
 
-def safe_sqrt(v) -> ir.Op:
-    """sqrt(v) = sqrt(v * 4**k) / 2**k; sqrt(+-0) = +-0, sqrt(inf) = inf, negatives and nan -> nan."""
+def _floored(v, floor: float | None, scaling: Scaling):
+    """With ``floor`` (every value of v but nan is at least it) above the scaling's ``small``: (v scaled into
+    range, the 0/1 ``big`` flag, the 0/1 ``ordinary`` flag), the tiny, zero and negative cases left out, as they
+    cannot occur. None otherwise."""
+    if floor is None or floor < scaling.small:
+        return None
+    big = _op("gt", v, scaling.big)
+    return _op("where", big, _op("mul", v, scaling.big_scale), v), big, _op("lt", v, INF)  # lt is false for nan
+
+
+def safe_sqrt(v, floor: float | None = None) -> ir.Op:
+    """sqrt(v) = sqrt(v * 4**k) / 2**k; sqrt(+-0) = +-0, sqrt(inf) = inf, negatives and nan -> nan. With a
+    ``floor`` above 2**-100 only large values are scaled."""
+    floored = _floored(v, floor, SCALINGS["sqrt"])
+    if floored is not None:
+        scaled, big, ordinary = floored
+        factor = _op("where", big, 2.0**50, 1.0)
+        core = _op("mul", _op(_in_range("sqrt"), _op("where", ordinary, scaled, 1.0)), factor)
+        return _op("where", ordinary, core, _op("where", _op("eq", v, INF), INF, math.nan))
     scaled, big, small = _scaled(v, SCALINGS["sqrt"])
     factor = _op("where", big, 2.0**50, _op("where", small, 2.0**-50, 1.0))
     positive = _finite_positive(v)
@@ -110,8 +127,15 @@ def safe_sqrt(v) -> ir.Op:
     return _op("where", positive, core, special)
 
 
-def safe_rsqrt(v) -> ir.Op:
-    """1/sqrt(v) = rsqrt(v * 4**k) * 2**k; rsqrt(+-0) = +-inf, rsqrt(inf) = 0, negatives and nan -> nan."""
+def safe_rsqrt(v, floor: float | None = None) -> ir.Op:
+    """1/sqrt(v) = rsqrt(v * 4**k) * 2**k; rsqrt(+-0) = +-inf, rsqrt(inf) = 0, negatives and nan -> nan. With a
+    ``floor`` above 2**-86 (RMSNorm's ``mean(x * x) + eps``) only large values are scaled."""
+    floored = _floored(v, floor, SCALINGS["rsqrt"])
+    if floored is not None:
+        scaled, big, ordinary = floored
+        factor = _op("where", big, 2.0**-50, 1.0)
+        core = _op("mul", _op(_in_range("rsqrt"), _op("where", ordinary, scaled, 1.0)), factor)
+        return _op("where", ordinary, core, _op("where", _op("eq", v, INF), 0.0, math.nan))
     scaled, big, small = _scaled(v, SCALINGS["rsqrt"])
     factor = _op("where", big, 2.0**-50, _op("where", small, 2.0**50, 1.0))
     positive = _finite_positive(v)
@@ -138,6 +162,7 @@ def safe_reciprocal(y) -> ir.Op:
 
 
 EXPANSIONS = {"log": safe_log, "sqrt": safe_sqrt, "rsqrt": safe_rsqrt, "reciprocal": safe_reciprocal}
+FLOORED = {"sqrt", "rsqrt"}  # the expansions that take a ``floor``
 if set(EXPANSIONS) != set(RANGE_LIMITED):
     raise RangeGuardError(f"range-limited functions {sorted(RANGE_LIMITED)}, expansions for {sorted(EXPANSIONS)}")
 check_scalings()

@@ -55,6 +55,11 @@ class KernelKind:
         stores = tuple(dataclasses.replace(store, expr=fn(store.expr)) for store in node.stores)
         return dataclasses.replace(node, stores=stores)
 
+    def result_floors(self, node, floor_of: Callable[[ir.Expr], float | None]) -> tuple[float | None, ...]:
+        """Lower bounds on the values ``ir.Result(i)`` stands for in the node's expressions (every value but nan
+        is at least the bound; None: unknown), given ``floor_of``, the same for an expression of the node."""
+        return ()
+
     def describe(self, node) -> str:
         lines = [f"{type(node).__name__} {node.name} domain={list(node.domain)}{self.describe_head(node)}"]
         lines += [f"  {store.buffer.name} = {store.expr}" for store in node.stores]

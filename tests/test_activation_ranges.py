@@ -59,3 +59,48 @@ def test_normalizations_with_zero_epsilon_and_huge_inputs():
     x[1] = 3e38
     check_against_eager(lambda a: torch.nn.functional.layer_norm(a, (40,), eps=0.0), x)
     check_against_eager(lambda a: torch.linalg.vector_norm(a, dim=1), x)
+
+
+def _rms_norm(a: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = a.float().pow(2).mean(-1, keepdim=True)
+    return (a.float() * torch.rsqrt(variance + eps)).to(a.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_a_floor_on_special_rows(dtype):
+    """mean(x * x) + eps has a floor of eps: the guard keeps only the large-input scaling and inf / nan, and every
+    special row still matches eager (the simulator refuses an rsqrt input outside its range)."""
+    x = random_tensor((130, 48), seed=5)
+    x[0] = 0.0  # mean 0: rsqrt(eps)
+    x[1] = 3e38  # mean(x * x) overflows to inf: rsqrt(inf) = 0, then 3e38 * 0 = 0
+    x[2] = 2.0**60  # mean 2**120: above the instruction's range, scaled
+    x[3, 7] = float("nan")
+    x[4] = 1e-30  # tiny squares: the floor is eps, not the squares
+    x = x.to(dtype)
+    for eps in (1e-6, 2.0**-80):
+        region = check_against_eager(lambda a: _rms_norm(a, eps), x)
+        assert "copysign" not in "".join(kernel.source for kernel in region.kernels)  # the floored form ran
+    root_mean_square = check_against_eager(lambda a: torch.sqrt(a.float().pow(2).mean(-1) + 1e-5), x)
+    sources = "".join(kernel.source for kernel in root_mean_square.kernels)
+    assert "nl.sqrt" in sources and f"op0=nl.less, operand0={2.0**-100!r}" not in sources  # no small-value test
+    region = check_against_eager(lambda a: _rms_norm(a, 0.0), x)  # no eps, no floor: rsqrt(0) = inf, guarded
+    assert "copysign" in "".join(kernel.source for kernel in region.kernels)
+
+
+def test_the_floor_of_a_mean_of_squares_plus_eps_drops_the_small_value_guards():
+    from neuron_compile.expression_floors import Floors
+
+    x = ir.Load("x", ir.Layout((4,), (1,), 0), "float32")
+    mean_plus_eps = ir.Op("add", (ir.Result(), ir.Scalar(1e-6)))
+    floors = Floors(results=(0.0,))
+    assert 0.0 < floors.of(mean_plus_eps) <= 1e-6
+    floored = str(guard_expression(ir.Op("rsqrt", (mean_plus_eps,)), floors=floors))
+    full = str(guard_expression(ir.Op("rsqrt", (mean_plus_eps,))))
+    assert "copysign" in full and "copysign" not in floored  # rsqrt(0) = inf cannot happen above a floor
+    assert floored.count("where(") < full.count("where(")
+    # no floor, or one below the instruction's scaling threshold: the full guard
+    assert str(guard_expression(ir.Op("rsqrt", (ir.Result(),)), floors=floors)) == str(
+        guard_expression(ir.Op("rsqrt", (ir.Result(),))))
+    assert Floors().of(ir.Op("add", (x, ir.Scalar(1.0)))) is None  # a load nobody bounded
+    assert Floors().of(ir.Op("sub", (ir.Op("mul", (x, x)), ir.Scalar(1.0)))) is None
+    assert Floors(buffers={"x": 2.0}).of(ir.Op("cast", (x,), "bfloat16")) < 2.0  # a bf16 rounding may go down

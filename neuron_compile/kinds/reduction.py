@@ -245,6 +245,14 @@ class ReductionKind(ProloguedKind):
         return dataclasses.replace(
             node, row_stores=tuple(dataclasses.replace(store, expr=fn(store.expr)) for store in node.row_stores))
 
+    def result_floors(self, node, floor_of):
+        """A sum, mean or variance of non-negative values is non-negative (fp32 rounding keeps that); a max or
+        min is one of the prologue's values."""
+        floor = floor_of(node.prologue)
+        if node.op == "var" or (node.op in ("sum", "mean") and floor is not None and floor >= 0):
+            return (0.0,)
+        return (floor,) if node.op in ("max", "min") else (None,)
+
     def describe(self, node):
         lines = [super().describe(node)]
         lines += [f"  {store.buffer.name} (over the row) = {store.expr}" for store in node.row_stores]

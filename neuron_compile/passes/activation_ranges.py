@@ -21,20 +21,25 @@ from __future__ import annotations
 import dataclasses
 
 from neuron_compile import ir, kinds
-from neuron_compile.guarded_math import EXPANSIONS, safe_reciprocal
+from neuron_compile.expression_floors import Floors
+from neuron_compile.guarded_math import EXPANSIONS, FLOORED, safe_reciprocal
 
 _op = ir.op
 
 
-def guard_expression(expr: ir.Expr, memo: dict | None = None) -> ir.Expr:
-    """``expr`` with every guarded function (and division by a non-number) in its exact guarded form."""
+def guard_expression(expr: ir.Expr, memo: dict | None = None, floors: Floors | None = None) -> ir.Expr:
+    """``expr`` with every guarded function (and division by a non-number) in its exact guarded form; ``floors``
+    (lower bounds of its subexpressions) lets sqrt and rsqrt of a value bounded away from zero skip the guards for
+    tiny, zero and negative inputs."""
     memo = {} if memo is None else memo
     if not isinstance(expr, ir.Op):
         return expr
     if expr in memo:
         return memo[expr]
-    args = tuple(guard_expression(arg, memo) for arg in expr.args)
-    if expr.op in EXPANSIONS:
+    args = tuple(guard_expression(arg, memo, floors) for arg in expr.args)
+    if expr.op in FLOORED and floors is not None:
+        result = EXPANSIONS[expr.op](*args, floor=floors.of(expr.args[0]))
+    elif expr.op in EXPANSIONS:
         result = EXPANSIONS[expr.op](*args)
     elif expr.op == "div" and not isinstance(args[1], ir.Scalar):
         result = _op("mul", args[0], safe_reciprocal(args[1]))
@@ -44,13 +49,25 @@ def guard_expression(expr: ir.Expr, memo: dict | None = None) -> ir.Expr:
     return result
 
 
-def guard_node(node: ir.Node, memo: dict | None = None) -> ir.Node:
-    """``node`` with every expression guarded (its kernel kind knows where its expressions are)."""
-    memo = {} if memo is None else memo
-    return kinds.map_exprs(node, lambda expr: guard_expression(expr, memo))
+def guard_node(node: ir.Node, buffer_floors: dict[str, float] | None = None) -> ir.Node:
+    """``node`` with every expression guarded (its kernel kind knows where its expressions are). The floors of
+    the buffers written before it (``buffer_floors``) and of its own results bound what sqrt and rsqrt see; the
+    floors of the buffers it writes are added to ``buffer_floors``."""
+    buffer_floors = {} if buffer_floors is None else buffer_floors
+    kind = kinds.kind_of(node)
+    results = kind.result_floors(node, Floors(buffers=buffer_floors).of)
+    floors = Floors(results, buffer_floors)
+    memo: dict = {}  # one per node: ir.Result() means a different value in each
+    guarded = kind.map_exprs(node, lambda expr: guard_expression(expr, memo, floors))
+    for store in kind.stores(node):
+        floor = floors.of(store.expr)
+        if floor is not None:
+            buffer_floors[store.buffer.name] = floor
+    return guarded
 
 
 def guard_activation_ranges(nodes: list[ir.Node]) -> list[ir.Node]:
-    """The pass: every node with its range-limited functions guarded (one memo: shared subexpressions once)."""
-    memo: dict = {}
-    return [guard_node(node, memo) for node in nodes]
+    """The pass: every node with its range-limited functions guarded, in graph order (a buffer's floor is known
+    before its readers are guarded)."""
+    buffer_floors: dict[str, float] = {}
+    return [guard_node(node, buffer_floors) for node in nodes]
