@@ -21,7 +21,7 @@ from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import KernelKind, describe, kind_of, loads, register_kind
 from neuron_compile.kinds.fusion_rules import stored_exprs
 from neuron_compile.kinds.pointwise import plan_pointwise, pointwise_body
-from neuron_compile.tiles import TilePlan
+from neuron_compile.tiles import TilePlan, count_tiles
 
 
 def slice_layout(layout: ir.Layout, start: tuple[int, ...], extent: tuple[int, ...]) -> ir.Layout:
@@ -134,7 +134,10 @@ class ConcatKind(KernelKind):
         return dataclasses.replace(node, parts=parts) if any(part.stores for part in parts) else None
 
     def plan(self, node, target):
-        parts = tuple(plan_pointwise(part, target) for part in node.parts)
+        # A part's tiles stay allocated while the next part runs (they are the kernel's locals), so every part is
+        # sized for the SBUF the parts' tiles take together.
+        together = sum(count_tiles([store.expr for store in part.stores]) for part in node.parts)
+        parts = tuple(plan_pointwise(part, target, tiles=together) for part in node.parts)
         synthetic = LoopDim(1, None)
         tiles = max(part.tiles_per_iteration for part in parts)
         return TilePlan("concat", (), synthetic, (synthetic,), tiles, parts=parts)

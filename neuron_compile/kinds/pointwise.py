@@ -27,7 +27,8 @@ from neuron_compile.tiles import TilePlan, count_tiles, free_tile, largest_divis
 WIDE_FREE_MIN = 512
 
 
-def plan_pointwise(node: ir.Pointwise, target) -> TilePlan:
+def plan_pointwise(node: ir.Pointwise, target, tiles: int | None = None) -> TilePlan:
+    """The node's tile plan; ``tiles``: how many tiles of this size share SBUF (default: the node's own)."""
     layouts = [store.layout for store in node.stores]
     layouts += [layout for store in node.stores for layout in ir.access_layouts(store.expr)]
     dims = collapse(node.domain, list(range(len(node.domain))), layouts)
@@ -42,7 +43,7 @@ def plan_pointwise(node: ir.Pointwise, target) -> TilePlan:
         if len(dims) == 1 or rows > dims[-2].size:
             split = [LoopDim(rows, last.source, cols * last.multiplier), LoopDim(cols, last.source, last.multiplier)]
             dims = [*dims[:-1], *split]
-    tiles = count_tiles([store.expr for store in node.stores])
+    tiles = tiles or count_tiles([store.expr for store in node.stores])
     partition = dataclasses.replace(dims[-2], tile=min(dims[-2].size, target.partitions))
     free = dataclasses.replace(dims[-1], tile=free_tile(dims[-1].size, tiles, target))
     outer, free_dims = widen_free(dims[:-2], free, tiles, target)

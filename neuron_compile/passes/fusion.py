@@ -18,9 +18,9 @@ live with the kernel kinds (neuron_compile/kinds/); this module is the greedy dr
 After grouping, ``fuse_siblings`` computes a kernel inside the one later kernel that reads it when both share their
 main input and their kind pairs them (a gated MLP's gate and up projections: one matmul kernel with two products).
 
-Before grouping, a cheap pointwise node (one store, one input, at most ``INLINE_MAX_OPS`` operations: a cast, a
-square, a negation) is inlined into its readers (``inline_cheap``) when every reader reads it with its own index
-map: recomputing it costs an instruction or two where storing it costs an HBM round trip, and a kernel when its
+Before grouping, a cheap pointwise node (one store, one input or one reader, at most ``INLINE_MAX_OPS`` operations:
+a cast, a square, a negation, a rotary embedding's ``q * cos``) is inlined into its readers (``inline_cheap``) when
+every reader reads it with its own index map: recomputing it costs an instruction or two where storing it costs an HBM round trip, and a kernel when its
 producer cannot take it (rms norm's ``x.float()`` and ``x.float() ** 2``: 4-byte copies of a 2-byte tensor,
 written by the residual's matmul epilogue and read back by the norm, which now reads ``x`` itself).
 """
@@ -97,20 +97,35 @@ def _operations(expr: ir.Expr, seen: set) -> int:
     return 1 + sum(_operations(arg, seen) for arg in expr.args)
 
 
-def _cheap_store(node: ir.Node) -> ir.Store | None:
-    """The store of an elementwise node computing at most INLINE_MAX_OPS operations of one load, else None."""
+def _cheap_store(node: ir.Node, readers: int) -> ir.Store | None:
+    """The store of an elementwise node computing at most INLINE_MAX_OPS operations of one load (of several when
+    one node reads it: inlined there, no load or instruction is made twice), else None."""
     if not kinds.kind_of(node).elementwise or len(kinds.stores(node)) != 1:
         return None
     store = kinds.stores(node)[0]
-    if len(ir.loads_of(store.expr)) != 1 or len(ir.access_layouts(store.expr)) != 1:
-        return None  # several inputs, or an iota
+    if len(ir.access_layouts(store.expr)) != len(ir.loads_of(store.expr)):
+        return None  # an iota
+    if len(ir.loads_of(store.expr)) != 1 and readers != 1:
+        return None
     return store if _operations(store.expr, set()) <= INLINE_MAX_OPS else None
+
+
+def _reader_counts(nodes: list[ir.Node]) -> dict[str, int]:
+    """How many nodes read each buffer."""
+    counts: dict[str, int] = {}
+    for node in nodes:
+        for buffer in _reads(node):
+            counts[buffer] = counts.get(buffer, 0) + 1
+    return counts
 
 
 def _inlinable(nodes: list[ir.Node], region_outputs: set[str]) -> dict[str, ir.Store]:
     """The cheap stores (by buffer) that every reader reads through the store's own index map as an expression leaf
     (a matmul or gather operand cannot take an expression), and that are not region outputs."""
-    cheap = {store.buffer.name: store for store in map(_cheap_store, nodes)
+    readers = _reader_counts(nodes)
+    stores = (_cheap_store(node, readers.get(kinds.stores(node)[0].buffer.name, 0)) if kinds.stores(node) else None
+              for node in nodes)
+    cheap = {store.buffer.name: store for store in stores
              if store is not None and store.buffer.name not in region_outputs}
     for node in nodes:
         kind = kinds.kind_of(node)
