@@ -5,8 +5,9 @@ Input: ``_c10d_functional`` nodes of an ATen graph (what Dynamo traces from DTen
 reduce_scatter_tensor (sum, avg, max, min), all_to_all_single with even splits, and wait_tensor. Output: one
 ``ir.Collective`` per collective over its process group's ranks (read from torch.distributed at compile time),
 preceded by a copy when its input is not a whole contiguous buffer, and followed by a division for avg (NKI
-reduces with add, maximum or minimum only). ``wait_tensor`` is the value it waits on: our kernels run
-synchronously, so a collective's result is complete when its kernel returns.
+reduces with add, maximum or minimum only). ``wait_tensor`` of a lowered collective is the value it waits on:
+our kernels run synchronously, so a collective's result is complete when its kernel returns; the wait of an eager
+collective stays eager with it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from neuron_compile import ir, process_groups
 from neuron_compile.lowering.pointwise import emit_pointwise
-from neuron_compile.lowering.registry import LoweringContext, TensorValue, load, register_lowering
+from neuron_compile.lowering.registry import LoweringContext, TensorValue, load, register_lowering, unsupported_reason
 
 functional = torch.ops._c10d_functional
 REDUCE_OPS = {"sum": "add", "avg": "add", "max": "maximum", "min": "minimum"}
@@ -104,6 +105,18 @@ def lower_all_to_all(ctx, node):
     return _emit_collective(ctx, node, "all_to_all")
 
 
-@register_lowering(functional.wait_tensor.default)
+def _check_wait(node: torch.fx.Node, target) -> str | None:
+    """A wait is lowered only on a collective that is: an eager collective returns before its data arrives, and
+    only the eager wait_tensor completes it (a kernel reading the tensor without it reads unfinished data)."""
+    waited = node.args[0]
+    if not isinstance(waited, torch.fx.Node) or not process_groups.is_collective(waited):
+        return f"{node.target}: waits on {getattr(waited, 'target', waited)}, not a functional collective"
+    reason = unsupported_reason(waited, target)
+    if reason is not None:
+        return f"{node.target}: its collective runs eagerly ({reason}), so must its wait"
+    return None
+
+
+@register_lowering(functional.wait_tensor.default, target_check=_check_wait)
 def lower_wait_tensor(ctx, node):
     return ctx.value(node.args[0])
