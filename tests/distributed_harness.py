@@ -57,6 +57,11 @@ def neuron_stats() -> dict:
 # ---------------------------------------------------------------- one all_reduce graph
 
 
+def smoke(rank: int, world_size: int) -> dict:
+    """The fast test's workloads in one spawn: ``all_reduce_graph`` and ``every_collective_graph``."""
+    return dict(all_reduce=all_reduce_graph(rank, world_size), every=every_collective_graph(rank, world_size))
+
+
 def all_reduce_graph(rank: int, world_size: int) -> dict:
     """``relu(all_reduce(x * 2) + 1)`` compiled with backend="neuron" vs eager; the kernels' texts."""
     import torch.distributed._functional_collectives as funcol
@@ -108,6 +113,29 @@ def mismatched_all_gather(rank: int, world_size: int) -> str:
     except nki.NkiValidationError as error:
         return str(error)
     return "no error"
+
+
+def every_collective_graph(rank: int, world_size: int, dtype: torch.dtype = torch.float32) -> dict:
+    """all_reduce (sum, avg, max), all_gather, reduce_scatter of a transposed (non-contiguous) view, all_to_all,
+    between pointwise ops in one graph, compiled with backend="neuron" vs eager."""
+    import torch.distributed._functional_collectives as funcol
+
+    import neuron_compile
+
+    group = dist.group.WORLD
+
+    def step(x):
+        summed = funcol.all_reduce(x * 2, "sum", group)
+        gathered = funcol.all_gather_tensor(summed + 1, 0, group)
+        scattered = funcol.reduce_scatter_tensor(gathered.t().contiguous().t() * 0.5, "sum", 0, group)
+        exchanged = funcol.all_to_all_single(scattered, None, None, group)
+        averaged = funcol.all_reduce(exchanged - 1, "avg", group)
+        return funcol.all_reduce(averaged, "max", group).relu(), averaged
+
+    x = (torch.randn(4 * world_size, 6, generator=torch.Generator().manual_seed(rank)) + rank).to(dtype)
+    neuron_compile.reset_stats()
+    compiled = torch.compile(step, backend="neuron")(x)
+    return dict(compiled=compiled, eager=step(x), stats=neuron_stats())
 
 
 # ---------------------------------------------------------------- tiny Llama

@@ -24,21 +24,36 @@ WORLD = 2
 
 
 @needs_gloo
-def test_all_reduce_graph_on_two_ranks_runs_a_collective_kernel():
-    results = distributed_harness.run_ranks(distributed_harness.all_reduce_graph, WORLD)
-    eagers = [result["eager"] for result in results]
+def test_collective_graphs_on_two_ranks_run_collective_kernels():
+    results = distributed_harness.run_ranks(distributed_harness.smoke, WORLD)
+    eagers = [result["all_reduce"]["eager"] for result in results]
     # the reduction is real: both ranks hold the sum of both ranks' inputs, which differ
     torch.testing.assert_close(eagers[0], eagers[1], rtol=0, atol=0)
     for result in results:
-        torch.testing.assert_close(result["compiled"], result["eager"], rtol=0, atol=0)
-        stats = result["stats"]
+        single = result["all_reduce"]
+        torch.testing.assert_close(single["compiled"], single["eager"], rtol=0, atol=0)
+        stats = single["stats"]
         assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
         assert stats["collectives"] == 1
         assert stats["collective_bytes"] == 8 * 32 * 4
         assert stats["est_comm_s"] == pytest.approx(comm_cost.collective_time_s("all_reduce", WORLD, 1024, 1024))
-        text = "\n".join(result["sources"])
+        text = "\n".join(single["sources"])
         assert "import nki.collectives as ncc" in text
         assert "ncc.all_reduce(" in text and "replica_group=ncc.ReplicaGroup([[0, 1]])" in text
+        _check_every_collective(result["every"])
+
+
+def _check_every_collective(result: dict) -> None:
+    """all_reduce (sum, avg, max), all_gather, reduce_scatter of a staged non-contiguous view and all_to_all in one
+    graph: eager's values exactly (each rank sums the same two numbers in the same order), every node in kernels."""
+    for compiled, eager in zip(result["compiled"], result["eager"], strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    stats = result["stats"]
+    assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
+    assert stats["collectives"] == 6
+    rows, columns, item = 4 * WORLD, 6, result["eager"][0].element_size()
+    # inputs: x-sized for the all_reduces, the all_gather and the all_to_all; the gathered tensor for reduce_scatter
+    assert stats["collective_bytes"] == (5 + WORLD) * rows * columns * item
 
 
 @needs_gloo
@@ -54,6 +69,13 @@ def test_uneven_all_to_all_runs_eagerly_with_its_reason_and_a_collective_rule_na
         assert result["stats"]["collectives"] == 0
     errors = distributed_harness.run_ranks(distributed_harness.mismatched_all_gather, WORLD)
     assert all("err_collective_shape" in error and "16" in error for error in errors), errors
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_every_collective_in_bfloat16_matches_eager():
+    for result in distributed_harness.run_ranks(distributed_harness.every_collective_graph, WORLD, torch.bfloat16):
+        _check_every_collective(result)
 
 
 @needs_gloo
