@@ -3,15 +3,20 @@ all_gather, reduce_scatter, all_to_all).
 
 Fusion: none (a collective takes no epilogue or prologue: its result exists only once every rank made the call).
 Tiling: none (the collective moves whole flat HBM tensors; the plan is a single synthetic dim for the dumps).
-Codegen (collective.py.j2): the kernel module imports ``nki.collectives as ncc`` and makes one call with the source
-parameter and the output tensor, the replica group listing the process group's ranks, ``collective_dim=0`` and
-the reduction operator. On the simulator the call runs through torch.distributed (runtime/simulator/collectives.py);
-on a device, through the Neuron collectives — the same text.
+Codegen (collective.py.j2): the kernel module imports ``nki.collectives as ncc``; the kernel copies its source into
+private HBM, makes one call into a private HBM tensor (with LNC 1 a collective's sources must be private HBM, and
+shared HBM destinations need NKI_LNC1_SHARED_HBM=1), with the replica group listing the process group's ranks,
+``collective_dim=0`` and the reduction operator, and copies the result into its output. On the simulator the call
+runs through torch.distributed (runtime/simulator/collectives.py); on a device, through the Neuron collectives:
+the same text.
 """
 
 from __future__ import annotations
 
+import math
+
 from neuron_compile import ir
+from neuron_compile.codegen.expressions import NL_DTYPES
 from neuron_compile.codegen.kernel_text import kernel_context, render_template
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import KernelKind, register_kind
@@ -22,12 +27,11 @@ REDUCING = ("all_reduce", "reduce_scatter")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
-def collective_call(node: ir.Collective, source: str) -> str:
-    """The ``ncc.<collective>(...)`` line of ``node`` reading the parameter ``source``."""
+def collective_call(node: ir.Collective, source: str, destination: str) -> str:
+    """The ``ncc.<collective>(...)`` line of ``node`` reading ``source`` and writing ``destination``."""
     if node.collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {node.collective!r} (known: {COLLECTIVES})")
-    (store,) = node.stores
-    arguments = [f"srcs=[{source}]", f"dsts=[{store.buffer.name}]",
+    arguments = [f"srcs=[{source}]", f"dsts=[{destination}]",
                  f"replica_group=ncc.ReplicaGroup({[list(ranks) for ranks in node.ranks]})"]
     if node.collective != "all_reduce":
         arguments.append("collective_dim=0")
@@ -52,7 +56,8 @@ class CollectiveKind(KernelKind):
         return node
 
     def describe_head(self, node):
-        return f" {node.collective}({node.reduce if node.collective in REDUCING else ''}) ranks={list(node.ranks)}"
+        reduction = f" op={node.reduce}" if node.collective in REDUCING else ""
+        return f" {node.collective}{reduction} ranks={[list(ranks) for ranks in node.ranks]}"
 
     def describe(self, node):
         lines = [f"Collective {node.name} domain={list(node.domain)}{self.describe_head(node)}"]
@@ -66,8 +71,14 @@ class CollectiveKind(KernelKind):
         return TilePlan("collective", (), whole, (whole,), 0)
 
     def render(self, node, plan, name, parameters):
+        (store,) = node.stores
+        dtype = NL_DTYPES[store.buffer.dtype]
+        staging = [f"sent = nl.ndarray(({math.prod(node.source.layout.shape)},), dtype={dtype}, buffer=nl.private_hbm)",
+                   f"received = nl.ndarray(({math.prod(node.domain)},), dtype={dtype}, buffer=nl.private_hbm)",
+                   f"nisa.dma_copy(dst=sent, src={node.source.buffer})"]
         context = kernel_context(node, plan, name, parameters, allocations=[], collectives=True,
-                                 collective=node.collective, call=collective_call(node, node.source.buffer))
+                                 collective=node.collective, staging=staging, output=store.buffer.name,
+                                 call=collective_call(node, "sent", "received"))
         return render_template("collective.py.j2", **context)
 
 

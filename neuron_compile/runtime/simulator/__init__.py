@@ -35,8 +35,8 @@ from neuron_compile.runtime.simulator.memory import KernelContext, hbm_input, in
 from neuron_compile.runtime.simulator.tensor import NkiTensor
 from neuron_compile.runtime.simulator.trace import InstructionRecord
 
-__all__ = ["jit", "simulate", "language", "isa", "collectives", "typing", "run_kernel", "load_module", "nki_import_alias", "KernelRun",
-           "Kernel", "launch_hooks", "NkiValidationError", "NkiCapacityError", "NkiNotSimulatedError"]
+__all__ = ["jit", "simulate", "language", "isa", "collectives", "typing", "run_kernel", "load_module",
+           "nki_import_alias", "KernelRun", "Kernel", "launch_hooks", "NkiValidationError", "NkiCapacityError", "NkiNotSimulatedError"]
 
 # Callables receiving every KernelRun after a launch (the CLI's --report registers one).
 launch_hooks: list = []
