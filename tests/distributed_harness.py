@@ -58,8 +58,16 @@ def neuron_stats() -> dict:
 
 
 def smoke(rank: int, world_size: int) -> dict:
-    """The fast test's workloads in one spawn: ``all_reduce_graph`` and ``every_collective_graph``."""
-    return dict(all_reduce=all_reduce_graph(rank, world_size), every=every_collective_graph(rank, world_size))
+    """The fast test's workloads in one spawn: ``all_reduce_graph``, ``every_collective_graph``, and the process
+    groups a graph's collectives name, as the on-disk cache key records them."""
+    from neuron_compile import process_groups
+
+    def collective(x):
+        return torch.ops._c10d_functional.all_reduce.default(x, "sum", dist.group.WORLD.group_name)
+
+    groups = process_groups.graph_groups(torch.fx.symbolic_trace(collective))
+    return dict(all_reduce=all_reduce_graph(rank, world_size), every=every_collective_graph(rank, world_size),
+                groups=groups, group_name=dist.group.WORLD.group_name)
 
 
 def all_reduce_graph(rank: int, world_size: int) -> dict:

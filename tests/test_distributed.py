@@ -41,6 +41,8 @@ def test_collective_graphs_on_two_ranks_run_collective_kernels():
         assert "import nki.collectives as ncc" in text
         assert "ncc.all_reduce(" in text and "replica_group=ncc.ReplicaGroup([[0, 1]])" in text
         _check_every_collective(result["every"])
+        # the cache key names the group's ranks: the graph's group name alone is the same for any world size
+        assert result["groups"] == [f"{result['group_name']}: {list(range(WORLD))}"]
 
 
 def _check_every_collective(result: dict) -> None:
