@@ -186,6 +186,28 @@ def tensor_parallel_llama(rank: int, world_size: int) -> dict:
     return dict(logits=logits, expected=expected, stats=neuron_stats())
 
 
+def tensor_parallel_llama_gradients(rank: int, world_size: int) -> dict:
+    """Loss and full gradients of one forward and backward of the sharded tiny Llama compiled with
+    backend="neuron" (the backward graph holds the column-parallel inputs' all_reduces), and of the whole model
+    run eagerly in one process."""
+    import neuron_compile
+
+    reference = tiny_llama().train()
+    model = copy.deepcopy(reference)
+    tensor_parallel_plan(model)
+    ids = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(7))
+    neuron_compile.reset_stats()
+    loss = torch.compile(model, backend="neuron")(ids, labels=ids).loss
+    loss.backward()
+    expected = reference(ids, labels=ids).loss
+    expected.backward()
+    gradients = {key: (param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad).detach()
+                 for key, param in model.named_parameters()}
+    return dict(loss=float(loss.detach()), expected=float(expected.detach()), gradients=gradients,
+                expected_gradients={key: param.grad.detach() for key, param in reference.named_parameters()},
+                stats=neuron_stats())
+
+
 # ---------------------------------------------------------------- FSDP2 training
 
 

@@ -98,6 +98,21 @@ def test_tensor_parallel_llama_logits_match_single_process_eager():
 
 @needs_gloo
 @pytest.mark.slow
+def test_tensor_parallel_llama_backward_matches_single_process_eager():
+    results = distributed_harness.run_ranks(distributed_harness.tensor_parallel_llama_gradients, WORLD)
+    for result in results:
+        assert result["loss"] == pytest.approx(result["expected"], rel=1e-6)
+        for name, expected in result["expected_gradients"].items():
+            error = (result["gradients"][name] - expected).abs().max() / expected.abs().max()
+            assert error < 2e-6, (name, float(error))  # fp32 rounding of sums in another order
+        stats = result["stats"]
+        assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
+        # forward: 2 per layer (row-parallel outputs); backward: the gradients of the column-parallel inputs
+        assert stats["collectives"] > 2 * distributed_harness.TINY_LLAMA["num_hidden_layers"]
+
+
+@needs_gloo
+@pytest.mark.slow
 def test_fsdp2_training_with_compiled_layers_matches_eager():
     results = distributed_harness.run_ranks(distributed_harness.fsdp_llama_training, WORLD)
     for result in results:
