@@ -7,7 +7,7 @@ Input: nothing (definitions). Output: frozen, hashable, printable dataclasses.
 * Expression trees (``Load``, ``Scalar``, ``Op``, ``Result``, ``Iota``, ``RandomKeep``) describe per-element math
   over a node's iteration domain; they are data, not closures, so they print and hash.
 * IR nodes (``Pointwise``, ``Reduction``, ``RowNormalize``, ``Scan``, ``MatMul``, ``Attention``, ``Concat``,
-  ``Gather``, ``Scatter``)
+  ``Gather``, ``Scatter``, ``Collective``)
   each write one or more ``Store``s; what a node reads, how it fuses, tiles and renders is its kernel kind's
   (neuron_compile/kinds/).
 """
@@ -466,4 +466,25 @@ class Scatter:
     row_dims: int = 0
 
 
-Node = Pointwise | Reduction | RowNormalize | Scan | MatMul | Attention | Concat | Gather | Scatter
+@dataclass(frozen=True)
+class Collective:
+    """A collective across the ranks of a torch.distributed job, run by ``nki.collectives`` (_c10d_functional
+    all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single with even splits).
+
+    ``collective`` is all_reduce | all_gather | reduce_scatter | all_to_all; ``reduce`` the reduction of the first
+    and third (add | maximum | minimum). ``source`` reads a whole contiguous buffer (offset 0, its span its
+    elements): the collective moves flat HBM tensors, so the lowering copies any other view first. ``ranks``: the
+    replica group's rank-lists. Chunks are taken along dim 0 in rank order. The one store writes ``Result()`` into
+    a contiguous buffer of the output's shape (``domain``).
+    """
+
+    name: str
+    domain: tuple[int, ...]
+    collective: str
+    source: Load
+    ranks: tuple[tuple[int, ...], ...]
+    stores: tuple[Store, ...]
+    reduce: str = "add"
+
+
+Node = Pointwise | Reduction | RowNormalize | Scan | MatMul | Attention | Concat | Gather | Scatter | Collective

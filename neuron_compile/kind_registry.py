@@ -36,6 +36,7 @@ class KernelKind:
     # the kind evaluates each expression once per element of its stores' tiles, so a random draw (ir.RandomKeep)
     # may live in it; kinds that recompute their math (row passes, chunked rows) or walk other tiles may not
     holds_random = False
+    uses_collectives = False  # its kernel text calls nki.collectives (the module imports it)
 
     # ---- what a node reads and writes
     def stores(self, node) -> tuple[ir.Store, ...]:

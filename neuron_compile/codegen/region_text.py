@@ -65,5 +65,6 @@ def render_region_kernel(name: str, kernels: list[PlannedKernelText], wanted: li
         parameters=parameters, outputs=[_allocation(buffer, "nl.shared_hbm") for buffer in outputs],
         scratch=[_allocation(buffer, "nl.hbm") for buffer in scratch], calls=calls,
         returns=", ".join(returned),
+        collectives=any(kinds.kind_of(kernel.node).uses_collectives for kernel in kernels),
     )
     return KernelSource(name, source, tuple(parameters), tuple(outputs))

@@ -17,9 +17,20 @@ from neuron_compile.kind_registry import (
     registered_node_types,
     stores,
 )
-from neuron_compile.kinds import attention, concat, gather, matmul, pointwise, reduction, row_normalize, scan, scatter
+from neuron_compile.kinds import (
+    attention,
+    collective,
+    concat,
+    gather,
+    matmul,
+    pointwise,
+    reduction,
+    row_normalize,
+    scan,
+    scatter,
+)
 
-KINDS = (pointwise, reduction, row_normalize, scan, matmul, attention, concat, gather, scatter)
+KINDS = (pointwise, reduction, row_normalize, scan, matmul, attention, concat, gather, scatter, collective)
 
 __all__ = ["KINDS", "KernelKind", "UnknownKernelKind", "describe", "kind_of", "loads", "map_exprs",
            "random_reason", "registered_kinds", "registered_node_types", "stores"]

@@ -14,6 +14,7 @@ from neuron_compile.lowering import (  # noqa: F401
     arg_reduction,
     attention,
     attention_backward,
+    collectives,
     convolution,
     creation,
     dropout,

@@ -170,7 +170,8 @@ def describe_region(name: str, ops: list[str]) -> str:
 
 def _count_region_fallback(ops: list[str], reason: str) -> None:
     for op in ops:
-        if op.startswith(("aten.", "prims.")):  # getitem and other glue are not ATen compute
+        # getitem and other glue are not compute; torch.distributed's functional collectives are (collective kernels)
+        if op.startswith(("aten.", "prims.", "_c10d_functional.")):
             stats.add_fallback(op, reason)
 
 

@@ -43,6 +43,7 @@ except ImportError:  # not on POSIX: no inter-process lock; writes stay atomic
 
 import torch
 
+from neuron_compile import process_groups
 from neuron_compile.config import Config
 from neuron_compile.passes.value_range import RANGE_KEY
 from neuron_compile.runtime import stats
@@ -171,6 +172,9 @@ def region_key_parts(gm: torch.fx.GraphModule, example_inputs, config: Config | 
     ranges = [str(node.meta.get(RANGE_KEY)) for node in gm.graph.nodes if node.op == "placeholder"]
     if any(bound != "None" for bound in ranges):  # absent otherwise: keys of regions without bounds are unchanged
         parts["input ranges"] = ranges
+    groups = process_groups.graph_groups(gm)
+    if groups:  # the kernels name the groups' ranks; absent otherwise, as above
+        parts["process groups"] = groups
     return parts
 
 

@@ -43,6 +43,11 @@ class Stats:
     est_lower_bound_s: float = 0.0  # launch costs plus each kernel's busiest engine (perfect overlap)
     launch_s: float = 0.0  # the launch costs alone (a NEFF boundary per kernel)
     roofline_s: float = 0.0  # max(FLOPs / TensorE peak, HBM bytes / bandwidth), summed over launches
+    # nki.collectives calls in launched kernels, the bytes of their inputs on this rank, and their estimated time
+    # on the trn2 links (a ring model, runtime/simulator/comm_cost.py), not part of est_time_s
+    collectives: int = 0
+    collective_bytes: int = 0
+    est_comm_s: float = 0.0
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -119,4 +124,6 @@ def count_launch(kernel: str, report: object, source: object = None) -> None:
         kernels_launched=1, hbm_bytes=int(report.hbm_bytes_read + report.hbm_bytes_written),
         flops=int(report.flops), est_time_s=float(report.est_time_s), roofline_s=float(report.roofline_s),
         launch_s=float(report.launch_s), est_lower_bound_s=float(report.est_lower_bound_s),
+        collectives=len(getattr(report, "collectives", ())),
+        collective_bytes=int(getattr(report, "collective_bytes", 0)), est_comm_s=float(getattr(report, "est_comm_s", 0.0)),
     )

@@ -16,16 +16,17 @@ second through sys.modules for the duration of a ``with`` block.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import functools
 import linecache
 import sys
 import types
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from neuron_compile.runtime.simulator import isa, language
+from neuron_compile.runtime.simulator import collectives, isa, language
 from neuron_compile.runtime.simulator import nki_typing as typing
 from neuron_compile.runtime.simulator.blas_threads import single_threaded_blas
 from neuron_compile.runtime.simulator.errors import NkiCapacityError, NkiNotSimulatedError, NkiValidationError
@@ -34,8 +35,8 @@ from neuron_compile.runtime.simulator.memory import KernelContext, hbm_input, in
 from neuron_compile.runtime.simulator.tensor import NkiTensor
 from neuron_compile.runtime.simulator.trace import InstructionRecord
 
-__all__ = ["jit", "simulate", "language", "isa", "typing", "run_kernel", "load_module", "nki_import_alias", "KernelRun",
-           "Kernel", "launch_hooks", "NkiValidationError", "NkiCapacityError", "NkiNotSimulatedError"]
+__all__ = ["jit", "simulate", "language", "isa", "collectives", "typing", "run_kernel", "load_module",
+           "nki_import_alias", "KernelRun", "Kernel", "launch_hooks", "NkiValidationError", "NkiCapacityError", "NkiNotSimulatedError"]
 
 # Callables receiving every KernelRun after a launch (the CLI's --report registers one).
 launch_hooks: list = []
@@ -50,12 +51,17 @@ class KernelRun:
     target: Target
     sbuf_peak_bytes: int = 0  # most SBUF bytes per partition live at once (any program of the launch)
     psum_peak_banks: int = 0  # most PSUM banks live at once
+    collectives: list = field(default_factory=list)  # a collectives.CollectiveRecord per nki.collectives call
 
     @functools.cached_property
     def report(self):
-        from neuron_compile.runtime.simulator import cost  # written separately; imported only when asked
+        from neuron_compile.runtime.simulator import comm_cost, cost  # written separately; imported only when asked
 
-        return cost.cost_report(self.trace, self.target)
+        report = cost.cost_report(self.trace, self.target)
+        if not self.collectives:
+            return report
+        return dataclasses.replace(report, collectives=tuple(self.collectives),
+                                   est_comm_s=comm_cost.collectives_time_s(self.collectives))
 
 
 def _is_torch(value) -> bool:
@@ -153,6 +159,7 @@ def _launch(fn, args, kwargs, target: Target, lnc: int) -> tuple[KernelRun, obje
     shared_outputs: list[NkiTensor] = []
     result = None
     sbuf_peak = psum_peak = 0
+    collective_records: list = []
     with single_threaded_blas():  # thousands of small matmuls: threads cost more than they give
         for pid in range(lnc):
             context = KernelContext(target=target, program_id=pid, num_programs=lnc, trace=trace,
@@ -163,12 +170,14 @@ def _launch(fn, args, kwargs, target: Target, lnc: int) -> tuple[KernelRun, obje
                 shared_outputs.extend(context.outputs_allocated)
             sbuf_peak = max(sbuf_peak, context.sbuf_peak_bytes)
             psum_peak = max(psum_peak, context.psum_peak_banks)
+            collective_records.extend(context.collectives)
     _write_back_mutated_inputs([*args, *kwargs.values()], [*hbm_args, *hbm_kwargs.values()])
     outputs = _collect_outputs(result)
     for tensor in outputs:
         _check_output(tensor)
     arrays = [_output_array(t) for t in outputs]
-    run = KernelRun(outputs=arrays, trace=trace, target=target, sbuf_peak_bytes=sbuf_peak, psum_peak_banks=psum_peak)
+    run = KernelRun(outputs=arrays, trace=trace, target=target, sbuf_peak_bytes=sbuf_peak, psum_peak_banks=psum_peak,
+                    collectives=collective_records)
     for hook in list(launch_hooks):
         hook(run)
     return run, result
@@ -241,7 +250,8 @@ def run_kernel(fn, args, *, target: Target | str | None = None, lnc: int = 1) ->
 
 # ------------------------------------------------------------------------------------------------ imports
 _SELF = sys.modules[__name__]
-_SUBMODULES = {"nki": _SELF, "nki.language": language, "nki.isa": isa, "nki.typing": typing}
+_SUBMODULES = {"nki": _SELF, "nki.language": language, "nki.isa": isa, "nki.typing": typing,
+               "nki.collectives": collectives}
 
 
 def _alias_import(name, globals=None, locals=None, fromlist=(), level=0):  # noqa: A002 - __import__ signature

@@ -65,6 +65,7 @@ class KernelContext:
     # the units (SBUF bytes per partition, PSUM banks) those ids hold per buffer kind
     free_memory_ids: dict = field(default_factory=dict)
     pooled_units: dict = field(default_factory=dict)
+    collectives: list = field(default_factory=list)  # collectives.CollectiveRecord per nki.collectives call
 
 
 # The stack of running kernels, one per thread: threads that launch kernels at the same time (a compiled model

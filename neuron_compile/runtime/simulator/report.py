@@ -91,6 +91,15 @@ class CostReport:
     wait_s_per_queue: dict[str, float] = field(default_factory=dict)
     cores: int = 1
     sections: tuple[SectionCost, ...] = ()
+    # nki.collectives calls (simulator/collectives.py CollectiveRecord) and their time on the links
+    # (comm_cost.py), apart from est_time_s: the kernels' compute schedule
+    collectives: tuple = ()
+    est_comm_s: float = 0.0
+
+    @property
+    def collective_bytes(self) -> int:
+        """Bytes the collectives moved in: each one's input on this rank."""
+        return sum(record.bytes for record in self.collectives)
 
     @property
     def hbm_bytes(self) -> int:
@@ -216,4 +225,6 @@ def sum_reports(reports: Iterable[CostReport]) -> CostReport:
         wait_s_per_queue=_add_dicts(r.wait_s_per_queue for r in reports),
         cores=max(r.cores for r in reports),
         sections=tuple(section for r in reports for section in r.sections),
+        collectives=tuple(record for r in reports for record in r.collectives),
+        est_comm_s=sum(r.est_comm_s for r in reports),
     )

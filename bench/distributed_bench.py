@@ -1,0 +1,176 @@
+"""Distributed graphs through backend="neuron": collectives as kernels, on CPU processes joined by gloo.
+
+Per world size (ranks are processes on this machine, a FileStore rendezvous) and workload, on rank 0:
+
+- all_reduce: ``relu(all_reduce(x * 2) + 1)`` on an [8, 1024] fp32 tensor (functional collectives);
+- TP forward: a random Llama (``--hidden``, ``--layers``) with ColwiseParallel q/k/v/gate/up and RowwiseParallel
+  o/down projections (``parallelize_module``), one forward of a [2, 12] batch compiled whole;
+- FSDP2 step: the same Llama, every decoder layer and the root ``fully_shard``-ed and each layer compiled, one
+  AdamW step (the second; the first compiles). FSDP2's all-gathers and reduce-scatters run in its hooks, outside
+  the compiled layers: they are eager torch.distributed calls, not kernels, and are not in the table.
+
+Columns: max |error| against the same model run eagerly in one process (TP: logits; FSDP2: the step's loss;
+all_reduce: against eager on the ranks), kernels launched, collective kernels run (nki.collectives calls) and the
+bytes of their inputs on the rank, est comm: the ring model's time for those collectives on trn2 links
+(runtime/simulator/comm_cost.py: 320 GB/s per link and 5 us per ring step are assumptions), est compute: the cost
+model's kernel time (est_time_s; communication not included, no overlap assumed), eager fallbacks (ATen and
+collective nodes that ran eagerly), and the wall time of the run on this CPU.
+
+    .venv/bin/python bench/distributed_bench.py
+    .venv/bin/python bench/distributed_bench.py --world-sizes 2 4 --hidden 256 --layers 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+VOCAB = 96
+HEAD_DIM = 16
+STATS = ("kernels_launched", "collectives", "collective_bytes", "est_comm_s", "est_time_s", "fallback_nodes")
+
+
+def llama(hidden: int, layers: int, world_size: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = max(4, hidden // HEAD_DIM // 4, world_size)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+                         max_position_embeddings=64, attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def snapshot(wall_s: float, error: float) -> dict:
+    import neuron_compile
+
+    stats = neuron_compile.stats()
+    return {key: stats[key] for key in STATS} | {"wall_s": wall_s, "error": error}
+
+
+def all_reduce_row(rank: int, world_size: int, hidden: int, layers: int) -> dict:
+    import torch.distributed._functional_collectives as funcol
+
+    import neuron_compile
+
+    def step(x):
+        return (funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1).relu()
+
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(rank))
+    neuron_compile.reset_stats()
+    start = time.perf_counter()
+    out = torch.compile(step, backend="neuron")(x)
+    return snapshot(time.perf_counter() - start, float((out - step(x)).abs().max()))
+
+
+def tensor_parallel_row(rank: int, world_size: int, hidden: int, layers: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import neuron_compile
+
+    reference = llama(hidden, layers, world_size).eval()
+    model = copy.deepcopy(reference)
+    mesh = init_device_mesh("cpu", (world_size,))
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        neuron_compile.reset_stats()
+        start = time.perf_counter()
+        logits = torch.compile(model, backend="neuron")(ids).logits
+    return snapshot(time.perf_counter() - start, float((logits - expected).abs().max()))
+
+
+def fsdp_row(rank: int, world_size: int, hidden: int, layers: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    import neuron_compile
+
+    reference = llama(hidden, layers, world_size).train()
+    model = copy.deepcopy(reference)
+    for layer in model.model.layers:
+        fully_shard(layer)
+        layer.compile(backend="neuron")
+    fully_shard(model)
+    batch = torch.randint(0, VOCAB, (2 * world_size, 12), generator=torch.Generator().manual_seed(11))
+    local = batch.chunk(world_size)[rank]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(2):
+        if step == 1:
+            neuron_compile.reset_stats()
+            start = time.perf_counter()
+        loss = model(local, labels=local).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected = reference(batch, labels=batch).loss
+        expected.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    wall = time.perf_counter() - start
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return snapshot(wall, abs(float(total) / world_size - float(expected.detach())))
+
+
+WORKLOADS = {"all_reduce": all_reduce_row, "TP forward": tensor_parallel_row, "FSDP2 step": fsdp_row}
+
+
+def rank_entry(rank: int, world_size: int, init_file: str, out_dir: str, workload: str, hidden: int,
+               layers: int) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=900))
+    try:
+        row = WORKLOADS[workload](rank, world_size, hidden, layers)
+        torch.save(row, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world_size: int, workload: str, hidden: int, layers: int) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(rank_entry, args=(world_size, os.path.join(folder, "store"), folder, workload, hidden, layers),
+                 nprocs=world_size, join=True)
+        return torch.load(os.path.join(folder, "rank0.pt"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    header = (f"{'ranks':>5}  {'workload':<11} {'model':<10} {'max err':>9} {'kernels':>7} {'collect.':>8} "
+              f"{'bytes':>9} {'est comm us':>11} {'est compute us':>14} {'fallbacks':>9} {'wall s':>7}")
+    print(header)
+    print("-" * len(header))
+    for world_size in args.world_sizes:
+        for workload in args.workloads:
+            row = run(world_size, workload, args.hidden, args.layers)
+            model = "x[8,1024]" if workload == "all_reduce" else f"h{args.hidden} L{args.layers}"
+            print(f"{world_size:>5}  {workload:<11} {model:<10} {row['error']:>9.2e} {row['kernels_launched']:>7} "
+                  f"{row['collectives']:>8} {row['collective_bytes']:>9} {row['est_comm_s'] * 1e6:>11.1f} "
+                  f"{row['est_time_s'] * 1e6:>14.1f} {row['fallback_nodes']:>9} {row['wall_s']:>7.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""Test helper: run a function on several CPU processes joined by torch.distributed (gloo, a FileStore), and the
+distributed workloads the tests and the bench run: one functional all_reduce graph, a tiny random Llama under
+tensor parallelism (``parallelize_module``), and FSDP2 (``fully_shard``) training of it with compiled layers.
+
+``run_ranks(worker, world_size, *args)`` spawns the ranks, calls ``worker(rank, world_size, *args)`` in each and
+returns their results in rank order (each must be picklable by ``torch.save``). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RANK_TIMEOUT = datetime.timedelta(seconds=300)  # a rank that waits longer on a collective fails instead of hanging
+TINY_LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+
+
+def gloo_available() -> bool:
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def _rank_entry(rank: int, worker, world_size: int, init_file: str, out_dir: str, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=RANK_TIMEOUT)
+    try:
+        result = worker(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(worker, world_size: int, *args) -> list:
+    """``worker(rank, world_size, *args)`` on ``world_size`` spawned processes; their results in rank order."""
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "store")
+        mp.spawn(_rank_entry, args=(worker, world_size, init_file, folder, args), nprocs=world_size, join=True)
+        return [torch.load(os.path.join(folder, f"rank{rank}.pt"), weights_only=False) for rank in range(world_size)]
+
+
+def neuron_stats() -> dict:
+    import neuron_compile
+
+    stats = neuron_compile.stats()
+    keys = ("kernels_launched", "nki_nodes", "fallback_nodes", "collectives", "collective_bytes", "est_comm_s",
+            "est_time_s")
+    return {key: stats[key] for key in keys} | {"fallback_reasons": dict(stats["fallback_reasons"])}
+
+
+# ---------------------------------------------------------------- one all_reduce graph
+
+
+def smoke(rank: int, world_size: int) -> dict:
+    """The fast test's workloads in one spawn: ``all_reduce_graph``, ``every_collective_graph``, and the process
+    groups a graph's collectives name, as the on-disk cache key records them."""
+    from neuron_compile import process_groups
+
+    def collective(x):
+        return torch.ops._c10d_functional.all_reduce.default(x, "sum", dist.group.WORLD.group_name)
+
+    groups = process_groups.graph_groups(torch.fx.symbolic_trace(collective))
+    return dict(all_reduce=all_reduce_graph(rank, world_size), every=every_collective_graph(rank, world_size),
+                groups=groups, group_name=dist.group.WORLD.group_name)
+
+
+def all_reduce_graph(rank: int, world_size: int) -> dict:
+    """``relu(all_reduce(x * 2) + 1)`` compiled with backend="neuron" vs eager; the kernels' texts."""
+    import torch.distributed._functional_collectives as funcol
+
+    import neuron_compile
+
+    def step(x):
+        return (funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1).relu()
+
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)) - 0.5
+    neuron_compile.reset_stats()
+    with neuron_compile.record_launches() as launches:
+        compiled = torch.compile(step, backend="neuron")(x)
+    return dict(compiled=compiled, eager=step(x), stats=neuron_stats(),
+                sources=[launch.source.source for launch in launches if launch.source is not None])
+
+
+def uneven_all_to_all_graph(rank: int, world_size: int) -> dict:
+    """An all_to_all_single with uneven splits (not lowered: it must run eagerly, with the reason counted)."""
+    import torch.distributed._functional_collectives as funcol
+
+    import neuron_compile
+
+    inputs = [1] + [world_size + 1] * (world_size - 1)  # rank r sends inputs[j] rows to rank j
+    outputs = [inputs[rank]] * world_size
+
+    def step(x):
+        return funcol.all_to_all_single(x * 2, outputs, inputs, dist.group.WORLD).relu()
+
+    x = torch.randn(sum(inputs), 16, generator=torch.Generator().manual_seed(rank))
+    neuron_compile.reset_stats()
+    compiled = torch.compile(step, backend="neuron")(x)
+    return dict(compiled=compiled, eager=step(x), stats=neuron_stats())
+
+
+def mismatched_all_gather(rank: int, world_size: int) -> str:
+    """The simulator's error for an all_gather whose destination is not world_size times its source."""
+    from neuron_compile.runtime import simulator as nki
+    from neuron_compile.runtime.simulator import collectives as ncc
+
+    def kernel(x):
+        out = nki.language.ndarray((x.shape[0],), dtype=x.dtype, buffer=nki.language.shared_hbm)
+        ncc.all_gather(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup([list(range(world_size))]),
+                       collective_dim=0)
+        return out
+
+    try:
+        nki.run_kernel(kernel, [torch.ones(8).numpy()])
+    except nki.NkiValidationError as error:
+        return str(error)
+    return "no error"
+
+
+def every_collective_graph(rank: int, world_size: int, dtype: torch.dtype = torch.float32) -> dict:
+    """all_reduce (sum, avg, max), all_gather, reduce_scatter of a transposed (non-contiguous) view, all_to_all,
+    between pointwise ops in one graph, compiled with backend="neuron" vs eager."""
+    import torch.distributed._functional_collectives as funcol
+
+    import neuron_compile
+
+    group = dist.group.WORLD
+
+    def step(x):
+        summed = funcol.all_reduce(x * 2, "sum", group)
+        gathered = funcol.all_gather_tensor(summed + 1, 0, group)
+        scattered = funcol.reduce_scatter_tensor(gathered.t().contiguous().t() * 0.5, "sum", 0, group)
+        exchanged = funcol.all_to_all_single(scattered, None, None, group)
+        averaged = funcol.all_reduce(exchanged - 1, "avg", group)
+        return funcol.all_reduce(averaged, "max", group).relu(), averaged
+
+    x = (torch.randn(4 * world_size, 6, generator=torch.Generator().manual_seed(rank)) + rank).to(dtype)
+    neuron_compile.reset_stats()
+    compiled = torch.compile(step, backend="neuron")(x)
+    return dict(compiled=compiled, eager=step(x), stats=neuron_stats())
+
+
+# ---------------------------------------------------------------- tiny Llama
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**TINY_LLAMA, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
+
+
+def tensor_parallel_plan(model) -> None:
+    """Column-parallel q/k/v, gate and up projections; row-parallel o and down projections (Megatron style)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+
+
+def tensor_parallel_llama(rank: int, world_size: int) -> dict:
+    """Logits of the tiny Llama sharded over the ranks and compiled with backend="neuron", and of the whole model
+    run eagerly in one process."""
+    import neuron_compile
+
+    reference = tiny_llama()
+    model = copy.deepcopy(reference)
+    tensor_parallel_plan(model)
+    ids = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        neuron_compile.reset_stats()
+        logits = torch.compile(model, backend="neuron")(ids).logits
+    return dict(logits=logits, expected=expected, stats=neuron_stats())
+
+
+def tensor_parallel_llama_gradients(rank: int, world_size: int) -> dict:
+    """Loss and full gradients of one forward and backward of the sharded tiny Llama compiled with
+    backend="neuron" (the backward graph holds the column-parallel inputs' all_reduces), and of the whole model
+    run eagerly in one process."""
+    import neuron_compile
+
+    reference = tiny_llama().train()
+    model = copy.deepcopy(reference)
+    tensor_parallel_plan(model)
+    ids = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(7))
+    neuron_compile.reset_stats()
+    loss = torch.compile(model, backend="neuron")(ids, labels=ids).loss
+    loss.backward()
+    expected = reference(ids, labels=ids).loss
+    expected.backward()
+    gradients = {key: (param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad).detach()
+                 for key, param in model.named_parameters()}
+    return dict(loss=float(loss.detach()), expected=float(expected.detach()), gradients=gradients,
+                expected_gradients={key: param.grad.detach() for key, param in reference.named_parameters()},
+                stats=neuron_stats())
+
+
+# ---------------------------------------------------------------- FSDP2 training
+
+
+def _loss(model, ids) -> torch.Tensor:
+    return model(ids, labels=ids).loss
+
+
+def _sharded_llama(reference, backend: str | None):
+    """A copy of ``reference`` with every decoder layer and the root ``fully_shard``-ed, each layer compiled with
+    ``backend`` (None: eager), as torchtitan applies FSDP2 with compile."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = copy.deepcopy(reference)
+    for layer in model.model.layers:
+        fully_shard(layer)
+        if backend is not None:
+            layer.compile(backend=backend)
+    fully_shard(model)
+    return model
+
+
+def _train_step(model, optimizer, ids, gradients: dict | None = None) -> torch.Tensor:
+    """One AdamW step; ``gradients`` (when given) receives each parameter's full gradient before the step."""
+    loss = _loss(model, ids)
+    loss.backward()
+    if gradients is not None:
+        gradients.update({key: (param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad).clone()
+                          for key, param in model.named_parameters()})
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def fsdp_llama_training(rank: int, world_size: int, steps: int = 3) -> dict:
+    """``steps`` AdamW steps of the tiny Llama three ways: FSDP2 with each layer compiled with backend="neuron",
+    FSDP2 eagerly (each rank on its slice of the global batch), and the whole model eagerly on the whole batch in
+    one process. Per step the global loss of each run; each run's full gradients of the first step; at the end each
+    run's full parameters."""
+    import neuron_compile
+
+    single = tiny_llama().train()
+    runs = {"neuron": _sharded_llama(single, "neuron"), "eager": _sharded_llama(single, None), "single": single}
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-2) for name, model in runs.items()}
+    batch = torch.randint(0, TINY_LLAMA["vocab_size"], (2 * world_size, 12),
+                          generator=torch.Generator().manual_seed(11))
+    local = batch.chunk(world_size)[rank]
+    losses: dict[str, list[float]] = {name: [] for name in runs}
+    first_gradients: dict[str, dict] = {name: {} for name in runs}
+    neuron_compile.reset_stats()
+    for step in range(steps):
+        for name, model in runs.items():
+            gradients = first_gradients[name] if step == 0 else None
+            loss = _train_step(model, optimizers[name], batch if name == "single" else local, gradients)
+            if name != "single":
+                dist.all_reduce(loss)  # the mean over equal slices is the mean over the batch
+                loss /= world_size
+            losses[name].append(float(loss))
+    parameters = {name: {key: (param.full_tensor() if name != "single" else param).detach()
+                         for key, param in model.named_parameters()} for name, model in runs.items()}
+    return dict(losses=losses, parameters=parameters, first_gradients=first_gradients, stats=neuron_stats())

@@ -1,0 +1,168 @@
+"""Distributed graphs: torch.distributed functional collectives as collective kernels (nki.collectives) run by
+the simulator across gloo processes; tensor parallel and FSDP2 runs of a tiny Llama compiled with
+backend="neuron" against single-process eager; the communication cost model; the simulator's collective rules."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import distributed_harness  # noqa: E402
+
+from neuron_compile.runtime import simulator as nki  # noqa: E402
+from neuron_compile.runtime.simulator import comm_cost  # noqa: E402
+from neuron_compile.runtime.simulator import collectives as ncc  # noqa: E402
+
+needs_gloo = pytest.mark.skipif(not distributed_harness.gloo_available(), reason="torch.distributed gloo unavailable")
+WORLD = 2
+
+
+@needs_gloo
+def test_collective_graphs_on_two_ranks_run_collective_kernels():
+    results = distributed_harness.run_ranks(distributed_harness.smoke, WORLD)
+    eagers = [result["all_reduce"]["eager"] for result in results]
+    # the reduction is real: both ranks hold the sum of both ranks' inputs, which differ
+    torch.testing.assert_close(eagers[0], eagers[1], rtol=0, atol=0)
+    for result in results:
+        single = result["all_reduce"]
+        torch.testing.assert_close(single["compiled"], single["eager"], rtol=0, atol=0)
+        stats = single["stats"]
+        assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
+        assert stats["collectives"] == 1
+        assert stats["collective_bytes"] == 8 * 32 * 4
+        assert stats["est_comm_s"] == pytest.approx(comm_cost.collective_time_s("all_reduce", WORLD, 1024, 1024))
+        text = "\n".join(single["sources"])
+        assert "import nki.collectives as ncc" in text
+        assert "ncc.all_reduce(" in text and "replica_group=ncc.ReplicaGroup([[0, 1]])" in text
+        _check_every_collective(result["every"])
+        # the cache key names the group's ranks: the graph's group name alone is the same for any world size
+        assert result["groups"] == [f"{result['group_name']}: {list(range(WORLD))}"]
+
+
+def _check_every_collective(result: dict) -> None:
+    """all_reduce (sum, avg, max), all_gather, reduce_scatter of a staged non-contiguous view and all_to_all in one
+    graph: eager's values exactly (each rank sums the same two numbers in the same order), every node in kernels."""
+    for compiled, eager in zip(result["compiled"], result["eager"], strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    stats = result["stats"]
+    assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
+    assert stats["collectives"] == 6
+    rows, columns, item = 4 * WORLD, 6, result["eager"][0].element_size()
+    # inputs: x-sized for the all_reduces, the all_gather and the all_to_all; the gathered tensor for reduce_scatter
+    assert stats["collective_bytes"] == (5 + WORLD) * rows * columns * item
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_uneven_all_to_all_runs_eagerly_with_its_reason_and_a_collective_rule_names_the_sizes():
+    results = distributed_harness.run_ranks(distributed_harness.uneven_all_to_all_graph, WORLD)
+    for result in results:
+        torch.testing.assert_close(result["compiled"], result["eager"], rtol=0, atol=0)
+        reasons = result["stats"]["fallback_reasons"]
+        assert any("uneven splits" in reason for reason in reasons), reasons
+        # the wait stays eager with its collective: a kernel reading the result without it read unfinished data
+        assert any("wait_tensor" in reason and "runs eagerly" in reason for reason in reasons), reasons
+        assert result["stats"]["collectives"] == 0
+    errors = distributed_harness.run_ranks(distributed_harness.mismatched_all_gather, WORLD)
+    assert all("err_collective_shape" in error and "16" in error for error in errors), errors
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_every_collective_in_bfloat16_matches_eager():
+    for result in distributed_harness.run_ranks(distributed_harness.every_collective_graph, WORLD, torch.bfloat16):
+        _check_every_collective(result)
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_tensor_parallel_llama_logits_match_single_process_eager():
+    results = distributed_harness.run_ranks(distributed_harness.tensor_parallel_llama, WORLD)
+    for result in results:
+        # fp32 sums in another order (kernels, and the row-parallel partial sums added across ranks)
+        torch.testing.assert_close(result["logits"], result["expected"], rtol=1e-5, atol=1e-5)
+        stats = result["stats"]
+        assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
+        # a row-parallel o_proj and down_proj per layer each end in an all_reduce of the [2, 12, 64] output
+        layers = distributed_harness.TINY_LLAMA["num_hidden_layers"]
+        assert stats["collectives"] == 2 * layers
+        assert stats["collective_bytes"] == 2 * layers * 2 * 12 * 64 * 4
+        assert stats["est_comm_s"] > 0
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_tensor_parallel_llama_backward_matches_single_process_eager():
+    results = distributed_harness.run_ranks(distributed_harness.tensor_parallel_llama_gradients, WORLD)
+    for result in results:
+        assert result["loss"] == pytest.approx(result["expected"], rel=1e-6)
+        for name, expected in result["expected_gradients"].items():
+            error = (result["gradients"][name] - expected).abs().max() / expected.abs().max()
+            assert error < 2e-6, (name, float(error))  # fp32 rounding of sums in another order
+        stats = result["stats"]
+        assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
+        # forward: 2 per layer (row-parallel outputs); backward: the gradients of the column-parallel inputs
+        assert stats["collectives"] > 2 * distributed_harness.TINY_LLAMA["num_hidden_layers"]
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_fsdp2_training_with_compiled_layers_matches_eager():
+    results = distributed_harness.run_ranks(distributed_harness.fsdp_llama_training, WORLD)
+    for result in results:
+        losses = result["losses"]
+        np.testing.assert_allclose(losses["neuron"], losses["single"], rtol=1e-6)
+        assert result["stats"]["fallback_nodes"] == 0, result["stats"]["fallback_reasons"]
+        assert result["stats"]["kernels_launched"] > 0
+        gradients = result["first_gradients"]
+        for name, expected in gradients["single"].items():
+            error = (gradients["neuron"][name] - expected).abs().max() / expected.abs().max()
+            assert error < 2e-6, (name, float(error))  # fp32 rounding of sums in another order
+        # AdamW's first steps divide each gradient by its own magnitude, so the rounding noise of gradients near
+        # zero moves parameters by up to ~1e-5 (eager FSDP2 itself differs from one process by as much)
+        parameters = result["parameters"]
+        for name, expected in parameters["single"].items():
+            torch.testing.assert_close(parameters["neuron"][name], expected, rtol=0, atol=1e-4)
+
+
+def test_ring_model_follows_its_formula():
+    megabyte = 1 << 20
+    latency, bandwidth = comm_cost.STEP_LATENCY_S, comm_cost.LINK_BYTES_PER_S
+    assert comm_cost.collective_time_s("all_reduce", 1, megabyte, megabyte) == 0.0
+    assert comm_cost.collective_time_s("all_reduce", 4, megabyte, megabyte) == pytest.approx(
+        2 * 3 / 4 * megabyte / bandwidth + 6 * latency)
+    assert comm_cost.collective_time_s("all_gather", 4, megabyte, 4 * megabyte) == pytest.approx(
+        3 / 4 * 4 * megabyte / bandwidth + 3 * latency)
+    assert comm_cost.collective_time_s("reduce_scatter", 2, megabyte, megabyte // 2) == pytest.approx(
+        1 / 2 * megabyte / bandwidth + latency)
+    with pytest.raises(ValueError, match="comm_unknown_collective"):
+        comm_cost.collective_time_s("broadcast", 2, 1, 1)
+
+
+def _all_reduce_kernel(x):
+    out = nki.language.ndarray(x.shape, dtype=x.dtype, buffer=nki.language.shared_hbm)
+    ncc.all_reduce(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup([[0, 1]]), op=nki.language.add)
+    return out
+
+
+def test_collective_without_a_process_group_is_a_named_error():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        pytest.skip("this process is part of a torch.distributed job")
+    with pytest.raises(nki.NkiValidationError, match="err_collective_no_process_group"):
+        nki.run_kernel(_all_reduce_kernel, [np.ones(8, np.float32)])
+
+
+def test_collective_rejects_an_operator_nki_does_not_reduce_with():
+    def kernel(x):
+        out = nki.language.ndarray(x.shape, dtype=x.dtype, buffer=nki.language.shared_hbm)
+        ncc.all_reduce(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup([[0, 1]]), op=nki.language.multiply)
+        return out
+
+    with pytest.raises(nki.NkiValidationError, match="err_collective_op"):
+        nki.run_kernel(kernel, [np.ones(8, np.float32)])
