@@ -361,3 +361,31 @@ def test_without_a_dma_transpose_the_projections_stay_apart():
     assert any("would not fit" in decision for decision in result.decisions)
     with config.patch(target="trn1"):
         check_against_eager(_gated_mlp, *inputs)
+
+
+def _key_value_projections(x, wk, wv):
+    return x @ wk.t(), x @ wv.t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_independent_projections_of_one_input_share_a_kernel(dtype):
+    """Attention's k and v projections: both outputs are stored, from one pass over x."""
+    x, wk, wv, _ = _gated_mlp_inputs(rows=130, hidden=96, inner=64, dtype=dtype)
+    lowered = lower_graph(trace(_key_value_projections, x, wk, wv))
+    result = fuse(lowered.nodes, {value.buffer for value in lowered.outputs}, target=get_target("trn2"))
+    (paired,) = result.kernels
+    assert isinstance(paired, ir.MatMul) and paired.b2 is not None and len(paired.stores) == 2
+    check_against_eager(_key_value_projections, x, wk, wv)
+
+
+def test_a_reader_between_two_projections_keeps_them_apart():
+    def key_sum_then_value(x, wk, wv):
+        k = x @ wk.t()
+        return k, x @ wv.t() + k.sum(-1, keepdim=True)  # the sum of k is read by v's epilogue
+
+    x, wk, wv, _ = _gated_mlp_inputs(rows=40, hidden=96, inner=64)
+    lowered = lower_graph(trace(key_sum_then_value, x, wk, wv))
+    result = fuse(lowered.nodes, {value.buffer for value in lowered.outputs}, target=get_target("trn2"))
+    assert not any(isinstance(kernel, ir.MatMul) and kernel.b2 is not None for kernel in result.kernels)
+    assert any("a kernel between them reads" in decision for decision in result.decisions)
+    check_against_eager(key_sum_then_value, x, wk, wv)

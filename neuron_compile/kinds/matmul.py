@@ -23,7 +23,7 @@ from neuron_compile.codegen.kernel_text import (
     store_lines,
 )
 from neuron_compile.dims import LoopDim
-from neuron_compile.kind_registry import register_kind
+from neuron_compile.kind_registry import loads, register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue, matching_index_reason
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import TRANSPOSE_BLOCK, TilePlan, TilingError, count_tiles, needs_transpose
@@ -222,29 +222,38 @@ def render_transposing(node: ir.MatMul, plan: TilePlan, name: str, parameters: l
 
 
 def sibling_reason(kind, first: ir.MatMul, second: ir.MatMul, outside: set[str]) -> str | None:
-    """None if ``first`` (one store, read only by ``second``'s epilogue with its own index map) and ``second`` multiply
-    the same ``a`` over the same domain: ``second`` then computes both products (a gated MLP: up and gate)."""
+    """None if ``first`` and ``second`` multiply the same ``a`` over the same domain, so that ``second`` can compute
+    both products in one pass over ``a``: ``first``'s output is then either read only by ``second``'s epilogue with
+    its own index map (a gated MLP: up and gate; it never reaches HBM) or stored as it is (attention's k and v)."""
     if not isinstance(first, ir.MatMul) or not isinstance(second, ir.MatMul):
         return "sibling fusion pairs two matmuls"
     if first.b2 is not None or second.b2 is not None:
         return "one of the matmuls is already paired"
     if (first.a, first.domain, first.k, first.b.dtype) != (second.a, second.domain, second.k, second.b.dtype):
         return "the matmuls do not share their left operand, domain and K"
+    written = {store.buffer.name for store in first.stores}
+    if any(load.buffer in written for load in kind.operand_loads(second)):
+        return f"{second.name} multiplies {first.name}'s output"
+    if not written & {load.buffer for load in loads(second)}:
+        return None  # independent: both stored
     if len(first.stores) != 1 or outside:
         return f"{first.name}'s outputs are needed outside {second.name}"
-    if any(load.buffer == first.stores[0].buffer.name for load in kind.operand_loads(second)):
-        return f"{second.name} multiplies {first.name}'s output"
     return matching_index_reason(kind, first, second)
 
 
 def merge_sibling(first: ir.MatMul, second: ir.MatMul) -> ir.MatMul:
-    """``second`` multiplying by ``first.b`` too: its reads of ``first``'s output become ``first``'s epilogue over
-    ``Result(1)``."""
-    (store,) = first.stores
-    first_expr = ir.map_leaves(store.expr, lambda leaf: ir.Result(1) if isinstance(leaf, ir.Result) else leaf)
+    """``second`` multiplying by ``first.b`` too: ``first``'s stores over ``Result(1)`` join ``second``'s when
+    something else reads them, else ``second``'s reads of ``first``'s output become ``first``'s epilogue."""
+    def as_second_product(expr: ir.Expr) -> ir.Expr:
+        return ir.map_leaves(expr, lambda leaf: ir.Result(1) if isinstance(leaf, ir.Result) else leaf)
+
+    written = {store.buffer.name: as_second_product(store.expr) for store in first.stores}
+    if not written.keys() & {load.buffer for load in loads(second)}:
+        stores = second.stores + tuple(dataclasses.replace(s, expr=written[s.buffer.name]) for s in first.stores)
+        return dataclasses.replace(second, b2=first.b, stores=stores)
 
     def inline(leaf):
-        return first_expr if isinstance(leaf, ir.Load) and leaf.buffer == store.buffer.name else leaf
+        return written[leaf.buffer] if isinstance(leaf, ir.Load) and leaf.buffer in written else leaf
 
     stores = tuple(dataclasses.replace(s, expr=ir.map_leaves(s.expr, inline)) for s in second.stores)
     return dataclasses.replace(second, b2=first.b, stores=stores)

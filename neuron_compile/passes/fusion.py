@@ -218,23 +218,26 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
 
 
 def fuse_siblings(kernels: list[ir.Node], region_outputs: set[str], decisions: list[str], fits=None) -> list[ir.Node]:
-    """Horizontal fusion: a kernel whose outputs only a later kernel of its kind reads, and that shares that kernel's
-    main input, is computed inside it when the kind allows (a gated MLP's gate projection inside its up projection,
-    whose epilogue reads it: one pass over their input, and the gate never goes through HBM). The pair takes the
-    later kernel's place, so everything either one reads is ready."""
+    """Horizontal fusion: a kernel that shares a later kernel's main input is computed inside it when their kind
+    allows: one pass over the input (a gated MLP's gate projection inside its up projection, whose epilogue reads it
+    so that the gate never goes through HBM; attention's k projection inside its v projection). The pair takes the
+    later kernel's place, so everything either one reads is ready; a kernel that reads the earlier one's outputs
+    before that place keeps them apart."""
     kernels = list(kernels)
     index = 0
     while index < len(kernels):
         second = kernels[index]
-        for first in kernels[:index]:
+        for position, first in enumerate(kernels[:index]):
             written = _writers(first)
-            if type(first) is not type(second) or not written & _reads(second):
+            if type(first) is not type(second):
                 continue
             others = [node for node in kernels if node is not first and node is not second]
             outside = {buffer for buffer in written
                        if buffer in region_outputs or any(buffer in _reads(node) for node in others)}
             kind = kinds.kind_of(second)
             reason = kind.sibling_reason(first, second, outside)
+            if reason is None and any(written & _reads(node) for node in kernels[position + 1:index]):
+                reason = f"a kernel between them reads {first.name}'s outputs"
             merged = kind.merge_sibling(first, second) if reason is None else None
             if merged is not None and fits is not None and not fits(merged):
                 reason = "the paired kernel would not fit the target's SBUF"
