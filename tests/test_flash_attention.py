@@ -238,3 +238,30 @@ def test_bf16_gradients_are_as_close_to_fp32_as_eagers():
     for mine, theirs, exact in zip(ours, eager, truth):
         assert mine.dtype == torch.bfloat16
         assert (mine.float() - exact).abs().max() <= 2 * (theirs.float() - exact).abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("queries,keys", [(1, 1), (127, 127), (129, 129), (200, 200), (600, 600), (300, 130),
+                                          (130, 700)])
+def test_the_causal_mask_is_a_bias_on_tensor_engine(queries, keys, dtype):
+    """Causal: a query tile sees keys 0 .. its last query; the keys from its first query on get the mask as a bias
+    accumulated on TensorE (identity x mask tile) in the last block; rows past the last key see every key."""
+    q, k, v = qkv(1, 4, queries, keys, 64, dtype, kv_heads=2)
+    region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=True, enable_gqa=True), q, k, v,
+                                 tolerances=TOLERANCES)
+    (kernel,) = region.kernels
+    assert "causal mask on TensorE" in kernel.source and "affine_select(dst=logits" not in kernel.source
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_scale_too_small_for_the_bias_keeps_the_mask_in_sbuf(dtype):
+    """scale * 3.39e38 (the bias) would not dominate the logits under 3e-33: the mask stays an affine_select to
+    -inf in SBUF, and the answer is eager's (uniform weights over each row's visible keys)."""
+    q, k, v = qkv(1, 2, 200, 200, 64, dtype)
+    region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=True, scale=1e-34), q, k, v,
+                                 tolerances=TOLERANCES)
+    (kernel,) = region.kernels
+    assert "causal mask on TensorE" not in kernel.source and "affine_select(dst=logits" in kernel.source
+    region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=True, scale=3e-33), q, k, v,
+                                 tolerances=TOLERANCES)
+    assert "causal mask on TensorE" in region.kernels[0].source

@@ -354,7 +354,7 @@ Attention kernel_2 domain=[1, 1, 2, 130, 16] scale=0.25 causal=True
   v: load(arg2_1, ap(shape=[1, 1, 2, 130, 16], strides=[2080, 2080, 0, 16, 1], offset=0))
   attention_1 = result
 
-Tile plan: attention: outer [1/1, 1/1, 2/1] partition 130/128 free [16/16] D 1x16, key blocks of 130, k^T and v resident per head
+Tile plan: attention: outer [1/1, 1/1, 2/1] partition 130/128 free [16/16] D 1x16, key blocks of 130, k^T and v resident per head, causal mask on TensorE
 \"\"\"
 
 import nki
@@ -371,6 +371,16 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
     # rescaled by exp(m_old - m_new)), then the probabilities transposed on TensorE and multiplied with v.
     # The scores never leave the chip.
     cols = 16
+    # The causal mask as a bias on TensorE: identity x mask tile accumulates -3.3895313892515355e+38 onto the scores of the
+    # keys after each query (of the diagonal's 128 keys), in the scores' own PSUM bank.
+    identity = nl.ndarray((128, 128), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=identity, value=1.0, engine=nisa.engine.gpsimd)
+    nisa.affine_select(dst=identity, pattern=[[-1, 128]], channel_multiplier=1, on_true_tile=identity,
+                       on_false_value=0.0, cmp_op=nl.equal)
+    causal_mask = nl.ndarray((128, 128), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=causal_mask, value=0.0, engine=nisa.engine.gpsimd)
+    nisa.affine_select(dst=causal_mask, pattern=[[-1, 128]], channel_multiplier=1, on_true_tile=causal_mask,
+                       on_false_value=-3.3895313892515355e+38, cmp_op=nl.greater_equal)
     for o0 in range(1):
         for o1 in range(1):
             # k^T and v of this key/value head stay in SBUF for every query tile and query head of its group.
@@ -384,19 +394,12 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
                     queries_t = nl.ndarray((16, 1, 128), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.dma_transpose(dst=queries_t[0:16, 0:1, 0:rows], src=arg0_1.ap([[16, rows], [16, 1], [1, 16]], offset=o0 * 4160 + o1 * 4160 + o2 * 2080 + p0 * 16), axes=(2, 1, 0))
                     # The row statistics are (P, 1) columns on GpSimd, which has the slack; VectorE and ScalarE have the rows.
-                    # The running max is kept negated (-m), the bias the exponentials take.
-                    negated_max = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.memset(dst=negated_max[0:rows, 0:1], value=3.4028234663852886e+38, engine=nisa.engine.gpsimd)
-                    running_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.memset(dst=running_sum[0:rows, 0:1], value=0.0, engine=nisa.engine.gpsimd)
-                    accumulator = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.memset(dst=accumulator[0:rows, 0:cols], value=0.0, engine=nisa.engine.gpsimd)
-                    # Causal (key j masked for query i > j): the keys before the tile's first query in unmasked blocks, then the
-                    # diagonal block of at most 128 keys, masked; the keys after the tile's last query are skipped.
-                    visible = min(130, p0)
-                    blocks = [(kv0, min(130, visible - kv0), False) for kv0 in range(0, visible, 130)]
-                    if p0 < 130:
-                        blocks.append((p0, min(rows, 130 - p0), True))
+                    # The running max is kept negated (-m), the bias the exponentials take; the first block sets all three.
+                    # Causal (key j masked for query i > j): the tile sees keys 0 .. its last query, in blocks; the keys that need
+                    # the mask (the diagonal, from the tile's first query on) fall in the last block, and nothing above is visible.
+                    visible = min(130, p0 + rows)
+                    blocks = [(kv0, min(130, visible - kv0), kv0 + 130 >= visible and p0 < 130)
+                              for kv0 in range(0, visible, 130)]
 
                     def block_scores(kv0, block_cols, diagonal):
                         \"\"\"S = q k^T for the keys kv0 .. kv0 + block_cols and its row max: the raw PSUM tile, which exp scales on
@@ -417,16 +420,11 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
                             for dc in range(1):
                                 nisa.nc_matmul(dst=scores[0:rows, m0:m0 + mm], stationary=queries_t[0:16, dc, 0:rows],
                                                moving=keys_t[0:16, dc, kv0 + m0:kv0 + m0 + mm])
-                        if diagonal:  # scaled into SBUF, where the keys after each query are masked
-                            logits = nl.ndarray((128, 130), dtype=nl.float32, buffer=nl.sbuf)
-                            nisa.activation(dst=logits[0:rows, 0:block_cols], op=nl.copy, data=scores[0:rows, 0:block_cols],
-                                            scale=0.25)
-                            nisa.affine_select(dst=logits[0:rows, 0:block_cols], pattern=[[-1, block_cols]], channel_multiplier=1,
-                                               on_true_tile=logits[0:rows, 0:block_cols], on_false_value=float('-inf'),
-                                               cmp_op=nl.greater_equal, offset=p0 - kv0)
-                            logit_scale = 1.0
-                        else:
-                            logits, logit_scale = scores, 0.25
+                        if diagonal:  # keys p0 .. of this block: the mask tile's columns, accumulated onto their scores
+                            masked = kv0 + block_cols - p0
+                            nisa.nc_matmul(dst=scores[0:rows, p0 - kv0:p0 - kv0 + masked], stationary=identity[0:rows, 0:rows],
+                                           moving=causal_mask[0:rows, 0:masked], accumulate=True)
+                        logits, logit_scale = scores, 0.25
                         block_max = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
                         nisa.tensor_reduce(dst=block_max[0:rows, 0:1], op=nl.maximum, data=logits[0:rows, 0:block_cols], axis=1,
                                            keepdims=True)
@@ -438,24 +436,30 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
                     for index, (kv0, block_cols, _) in enumerate(blocks):
                         scores, logits, logit_scale, block_max = next_block
                         chunks = (block_cols + 127) // 128
-                        # -m_new = min(-m_old, -scale * block max)
                         new_negated_max = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.tensor_scalar(dst=new_negated_max[0:rows, 0:1], data=block_max[0:rows, 0:1], op0=nl.multiply,
-                                           operand0=-logit_scale, op1=nl.minimum, operand1=negated_max[0:rows, 0:1],
-                                           engine=nisa.engine.gpsimd)
-                        # exp(m_old - m_new): how much the earlier blocks' sum and output shrink
-                        correction = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.activation(dst=correction[0:rows, 0:1], op=nl.exp, data=negated_max[0:rows, 0:1], scale=-1.0,
-                                        bias=new_negated_max[0:rows, 0:1])
+                        if index == 0:  # -m = min(-scale * block max, 3.4028234663852886e+38): a row whose keys are all -inf gets exp(-inf) = 0
+                            nisa.tensor_scalar(dst=new_negated_max[0:rows, 0:1], data=block_max[0:rows, 0:1], op0=nl.multiply,
+                                               operand0=-logit_scale, op1=nl.minimum, operand1=3.4028234663852886e+38, engine=nisa.engine.gpsimd)
+                        else:  # -m_new = min(-m_old, -scale * block max)
+                            nisa.tensor_scalar(dst=new_negated_max[0:rows, 0:1], data=block_max[0:rows, 0:1], op0=nl.multiply,
+                                               operand0=-logit_scale, op1=nl.minimum, operand1=negated_max[0:rows, 0:1],
+                                               engine=nisa.engine.gpsimd)
+                            # exp(m_old - m_new): how much the earlier blocks' sum and output shrink
+                            correction = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+                            nisa.activation(dst=correction[0:rows, 0:1], op=nl.exp, data=negated_max[0:rows, 0:1], scale=-1.0,
+                                            bias=new_negated_max[0:rows, 0:1])
                         probabilities = nl.ndarray((128, 130), dtype=nl.float32, buffer=nl.sbuf)
                         block_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
                         nisa.activation(dst=probabilities[0:rows, 0:block_cols], op=nl.exp, data=logits[0:rows, 0:block_cols],
                                         bias=new_negated_max[0:rows, 0:1], scale=logit_scale, reduce_op=nl.add,
                                         reduce_res=block_sum[0:rows, 0:1])
-                        new_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.scalar_tensor_tensor(dst=new_sum[0:rows, 0:1], data=running_sum[0:rows, 0:1], op0=nl.multiply,
-                                                  operand0=correction[0:rows, 0:1], op1=nl.add, operand1=block_sum[0:rows, 0:1],
-                                                  engine=nisa.engine.gpsimd)
+                        if index == 0:
+                            new_sum = block_sum
+                        else:
+                            new_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+                            nisa.scalar_tensor_tensor(dst=new_sum[0:rows, 0:1], data=running_sum[0:rows, 0:1], op0=nl.multiply,
+                                                      operand0=correction[0:rows, 0:1], op1=nl.add, operand1=block_sum[0:rows, 0:1],
+                                                      engine=nisa.engine.gpsimd)
                         if index + 1 < len(blocks):
                             next_block = block_scores(*blocks[index + 1])
                         # P^T [keys, queries] chunk by chunk (the keys go on partitions, the contraction dim of P @ v), all the
@@ -475,13 +479,18 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
                                 nisa.activation(dst=probabilities_t[0:kk, c, 0:rows], op=nl.copy, data=transposed_psum[0:kk, c, 0:rows])
                             nisa.nc_matmul(dst=block_output[0:rows, 0:cols], stationary=probabilities_t[0:kk, c, 0:rows], accumulate=c > 0,
                                            moving=values[0:kk, kv0 // 128 + c, 0:cols])
-                        # the output so far, rescaled (GpSimd, in SBUF), plus this block's (VectorE, from PSUM)
-                        rescaled = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.tensor_scalar(dst=rescaled[0:rows, 0:cols], data=accumulator[0:rows, 0:cols], op0=nl.multiply,
-                                           operand0=correction[0:rows, 0:1], engine=nisa.engine.gpsimd)
-                        new_accumulator = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.tensor_tensor(dst=new_accumulator[0:rows, 0:cols], data1=rescaled[0:rows, 0:cols],
-                                           data2=block_output[0:rows, 0:cols], op=nl.add)
+                        if len(blocks) == 1:  # the only block: its output stays in PSUM for the normalization
+                            new_accumulator = block_output
+                        elif index == 0:  # the first of several: into SBUF, as the PSUM bank goes to a later block
+                            new_accumulator = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
+                            nisa.activation(dst=new_accumulator[0:rows, 0:cols], op=nl.copy, data=block_output[0:rows, 0:cols])
+                        else:  # the output so far, rescaled (GpSimd, in SBUF), plus this block's (VectorE, from PSUM)
+                            rescaled = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
+                            nisa.tensor_scalar(dst=rescaled[0:rows, 0:cols], data=accumulator[0:rows, 0:cols], op0=nl.multiply,
+                                               operand0=correction[0:rows, 0:1], engine=nisa.engine.gpsimd)
+                            new_accumulator = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
+                            nisa.tensor_tensor(dst=new_accumulator[0:rows, 0:cols], data1=rescaled[0:rows, 0:cols],
+                                               data2=block_output[0:rows, 0:cols], op=nl.add)
                         negated_max, running_sum, accumulator = new_negated_max, new_sum, new_accumulator
                     # Normalize: a row with every key masked has sum 0 and output 0, as eager gives (a sum is 0 or at least 1).
                     safe_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)

@@ -45,21 +45,29 @@ from neuron_compile.tiles import (
 # then gives exp(-inf) = 0 (never exp(-inf + inf) = nan), and a row masked with finfo.min everywhere keeps
 # eager's uniform weights.
 LOWEST_FP32 = -3.4028234663852886e38
+# The causal bias: the lowest finite bf16 (also an fp32), so the mask tile holds it in either operand dtype. Added to
+# the scores before the scale, it dominates them only while scale * 3.39e38 is far below any logit; under this
+# scale (scale * 3.39e38 < 1e6) the kernel masks in SBUF with affine_select instead.
+CAUSAL_BIAS = -3.3895313892515355e38
+MIN_CAUSAL_BIAS_SCALE = 3e-33
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionPlan(TilePlan):
     """``partition`` is the query tile, ``free`` the output's head dim, ``k_tile`` x ``k_tiles`` the chunks of D.
     ``key_block`` keys per score tile; ``resident``: k^T and v of a head stay in SBUF across query tiles;
-    ``transpose_loads``: q and k come in through ``dma_transpose`` (D contiguous, target has it)."""
+    ``transpose_loads``: q and k come in through ``dma_transpose`` (D contiguous, target has it); ``causal_bias``:
+    the causal mask is accumulated onto the scores on TensorE (else applied in SBUF with affine_select)."""
 
     key_block: int = 0
     resident: bool = False
     transpose_loads: bool = False
+    causal_bias: bool = False
 
     def describe(self) -> str:
         text = super().describe() + f" D {self.k_tiles}x{self.k_tile}, key blocks of {self.key_block}"
-        return text + (", k^T and v resident per head" if self.resident else ", k^T and v loaded per key block")
+        text += ", k^T and v resident per head" if self.resident else ", k^T and v loaded per key block"
+        return text + (", causal mask on TensorE" if self.causal_bias else "")
 
 
 def plan_attention(node: ir.Attention, target) -> AttentionPlan:
@@ -69,10 +77,9 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
         raise TilingError(f"{node.name}: {reason}")
     k_tile, k_tiles = attention_head_chunks(node.depth, target.partitions)
     itemsize = 2 if node.q.dtype == "bfloat16" else 4
-    # PSUM per block: its scores (then its P @ v) and its transposed probabilities; with the next block's scores
-    # issued ahead, 8 banks hold two bf16 blocks of two banks of scores each, or fp32 blocks of one
-    score_banks = 2 if itemsize == 2 else 1
-    key_block = min(node.keys, score_banks * target.gemm_moving_fmax)
+    # PSUM per block: its scores (then its P @ v) in one bank and its transposed probabilities: with the next
+    # block's scores issued ahead, the next block's matmul runs while this block's softmax does
+    key_block = min(node.keys, target.gemm_moving_fmax)
     key_chunks = math.ceil(node.keys / target.partitions)
     tiles = count_tiles([store.expr for store in node.stores])
     # SBUF bytes per partition of one query tile: q^T, the scores (fp32 when masked), the probabilities and their
@@ -92,8 +99,9 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     rank = len(batch)
     transpose_loads = target.dma_transpose and all(
         needs_transpose(load.layout.strides[rank + 1], load.layout.strides[rank]) for load in (node.q, node.k))
+    causal_bias = node.causal and node.mask is None and node.scale >= MIN_CAUSAL_BIAS_SCALE
     return AttentionPlan("attention", outer, partition, free, tiles, k_tile, k_tiles, key_block=key_block,
-                         resident=resident, transpose_loads=transpose_loads)
+                         resident=resident, transpose_loads=transpose_loads, causal_bias=causal_bias)
 
 
 def transposed_load(plan: AttentionPlan, patterns: Patterns, load: ir.Load, dst: str, start: str, count: str) -> str:
@@ -188,6 +196,7 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
         key_load=key_load, value_loads=value_lines,
         mask_load=mask_load(plan, patterns, node.mask, "mask_tile[0:rows, 0:block_cols]") if node.mask else None,
         mask_dtype=NL_DTYPES[node.mask.dtype] if node.mask else None, lowest=LOWEST_FP32, epilogue_source=output,
+        masked_value=CAUSAL_BIAS,
         logsumexp_store=logsumexp_store(patterns, node.logsumexp) if node.logsumexp else None,
     )
     return render_template("attention.py.j2", **context)
