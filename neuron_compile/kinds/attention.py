@@ -1,13 +1,16 @@
 """Kernel kind ``attention``: flash attention, ``softmax(q @ k^T * scale + mask) @ v`` in one kernel (``ir.Attention``).
 
-Tiling: queries in tiles of 128 on partitions; keys in blocks of 1024 (bf16: two PSUM banks of fp32 scores) or
-512 (fp32: one); the head dim D (up to 256) in chunks of at most 128 accumulated in PSUM. k^T and v of one
-key/value head stay resident in SBUF while every query tile (and every query head of a grouped-query group)
-streams past them, so q, k, v and the output cross HBM once; when they do not fit, they are loaded per key block.
-Per block: the scores in PSUM, the online softmax (running max and sum per query row, the output accumulator
-rescaled), the probabilities transposed on TensorE and multiplied with v; the next block's scores are issued
-before this block's transposes (software pipelining). Causal: unmasked blocks below the query tile, one masked
-block on its diagonal, nothing above. The training forward also writes each row's log-sum-exp.
+Tiling: queries in tiles of 128 on partitions; keys in blocks of 512 (one PSUM bank of fp32 scores); the head
+dim D (up to 256) in chunks of at most 128 accumulated in PSUM. k^T and v of one key/value head stay resident in
+SBUF while every query tile (and every query head of a grouped-query group) streams past them, so q, k, v and the
+output cross HBM once; when they do not fit, they are loaded per key block. Per block: the scores in PSUM, the
+online softmax (running max and sum per query row on GpSimd, the output accumulator rescaled), the probabilities
+transposed on TensorE and multiplied with v. The (query tile, key block) steps are software pipelined: a step
+issues the scores of the block two ahead, the softmax of the next and its own P @ v, and stores the tile finished
+a step before. Causal: a query tile sees keys 0 .. its last query; the keys from its first query on (in its last
+block) get the mask as a bias accumulated onto the scores on TensorE (identity x a constant mask tile), unless
+the scale is too small for the bias to dominate (then an affine_select in SBUF on a diagonal block of its own).
+The training forward also writes each row's log-sum-exp.
 Fusion: pointwise consumers over the output domain are epilogues on the normalized output tile.
 Codegen: attention.py.j2.
 """
@@ -182,14 +185,16 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
     kv_dims, group_dims = head_loops(node, plan)
     # k^T and v come in one key block at a time, into the resident tiles (the first query tile starts on the
     # first block while the others arrive) or into the block's own tiles
-    start, count = ("load_start", "load_cols") if plan.resident else ("kv0", "block_cols")
+    start, count = ("load_start", "load_cols") if plan.resident else ("kv0", "block_cols")  # (load_head's names)
     key_columns = f"{start}:{start} + {count}" if plan.resident else f"0:{count}"
     key_load = transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {key_columns}]",
                                start, count)
     value_lines = value_loads(plan, patterns, node, f"{start} // 128" if plan.resident else "0", start, count)
     context = kernel_context(
         node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue,
-        kv_dims=kv_dims, group_dims=group_dims, operand_dtype=NL_DTYPES[node.q.dtype], value_dim=value_dim,
+        kv_dims=kv_dims, group_dims=group_dims, kv_params=", ".join(f"o{i}" for i in kv_dims),
+        tile_params="".join(f"o{i}, " for i in kv_dims + group_dims),
+        group_first="".join(f"o{j} == 0 and " for j in group_dims), operand_dtype=NL_DTYPES[node.q.dtype], value_dim=value_dim,
         keys=node.keys, key_chunks=math.ceil(node.keys / 128), scale=float(node.scale), causal=node.causal,
         query_load=transposed_load(plan, patterns, node.q, f"queries_t[0:{plan.k_tile}, 0:{plan.k_tiles}, 0:rows]",
                                    "p0", "rows"),
