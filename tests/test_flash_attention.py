@@ -265,3 +265,37 @@ def test_a_scale_too_small_for_the_bias_keeps_the_mask_in_sbuf(dtype):
     region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=True, scale=3e-33), q, k, v,
                                  tolerances=TOLERANCES)
     assert "causal mask on TensorE" in region.kernels[0].source
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("queries,keys", [(2, 2), (17, 17), (37, 37), (64, 64), (37, 300), (20, 9)])
+def test_query_heads_of_a_group_share_a_query_tile(queries, keys, causal, dtype):
+    """Few queries per head: the eight query heads of a key/value group are stacked on the partitions (row r is
+    query p0 + r // 8 of head r % 8, 16 queries per tile), so one scores matmul covers the group against its k^T;
+    ragged tiles (17 = 16 + 1 queries), more keys than queries and fewer, causal (the mask tile follows the
+    stacking) or not."""
+    q, k, v = qkv(2, 16, queries, keys, 64, dtype, kv_heads=2)
+    region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=causal, enable_gqa=True), q, k, v,
+                                 tolerances=TOLERANCES)
+    (kernel,) = region.kernels
+    assert "8 query heads per tile" in kernel.source
+
+
+def test_query_heads_keep_a_tile_each_where_sharing_would_not_halve_the_tiles():
+    for queries, shared in ((1, False), (100, False), (127, False), (129, False), (200, False), (40, True)):
+        q, k, v = qkv(1, 8, queries, queries, 32, torch.bfloat16, kv_heads=1)
+        region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=True, enable_gqa=True), q, k, v,
+                                     tolerances=TOLERANCES)
+        assert ("query heads per tile" in region.kernels[0].source) == shared, queries
+
+
+def test_the_training_forward_with_shared_query_tiles_writes_eagers_logsumexp():
+    q, k, v = (t.requires_grad_() for t in qkv(1, 8, 30, 30, 32, torch.float32, kv_heads=2))
+
+    def attention(q, k, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)[:2]
+
+    region = check_against_eager(lambda q, k, v: attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)),
+                                 q.detach(), k.detach(), v.detach(), tolerances=TOLERANCES)
+    assert any("query heads per tile" in kernel.source for kernel in region.kernels)
