@@ -381,6 +381,7 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
     nisa.memset(dst=causal_mask, value=0.0, engine=nisa.engine.gpsimd)
     nisa.affine_select(dst=causal_mask, pattern=[[-1, 128]], channel_multiplier=1, on_true_tile=causal_mask,
                        on_false_value=-3.3895313892515355e+38, cmp_op=nl.greater_equal)
+    copies = [0]  # P^T chunks copied out of PSUM so far, kernel-wide: every 3th on VectorE
     def load_head(o0, o1):
         \"\"\"k^T and v of one key/value head, resident in SBUF for every query tile and query head of its group: a
         DMA per key block, so that the first tile waits for the first block only.\"\"\"
@@ -489,7 +490,8 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
             c0 = c * 128
             kk = min(128, block_cols - c0)
             nisa.nc_transpose(dst=transposed_psum[0:kk, c, 0:rows], data=probabilities[0:rows, c0:c0 + kk])
-            if c % 4 == 3:  # one PSUM -> SBUF copy in four on VectorE (it has the row max), three on ScalarE
+            copies[0] += 1
+            if copies[0] % 3 == 0:  # one PSUM -> SBUF copy in 3 on VectorE (it has the row max), the others on ScalarE
                 nisa.tensor_copy(dst=probabilities_t[0:kk, c, 0:rows], src=transposed_psum[0:kk, c, 0:rows])
             else:
                 nisa.activation(dst=probabilities_t[0:kk, c, 0:rows], op=nl.copy, data=transposed_psum[0:kk, c, 0:rows])
