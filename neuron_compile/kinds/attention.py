@@ -10,7 +10,8 @@ issues the scores of the block two ahead, the softmax of the next and its own P 
 a step before. Causal: a query tile sees keys 0 .. its last query; the keys from its first query on (in its last
 block) get the mask as a bias accumulated onto the scores on TensorE (identity x a constant mask tile), unless
 the scale is too small for the bias to dominate (then an affine_select in SBUF on a diagonal block of its own).
-The training forward also writes each row's log-sum-exp.
+With few queries per head, the query heads of a grouped-query group share each query tile (stacked on the
+partitions), where that at least halves the tiles. The training forward also writes each row's log-sum-exp.
 Fusion: pointwise consumers over the output domain are epilogues on the normalized output tile.
 Codegen: attention.py.j2.
 """
