@@ -524,7 +524,7 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
 
 
     # Software pipelined over the stream of (query tile, key block) steps: each step issues the scores of the block
-    # two ahead, the softmax of the next one and its own P @ v, and stores the tile a block before, so that no
+    # 3 ahead, the softmax of the next one and its own P @ v, and stores the tile a block before, so that no
     # engine waits in program order behind one block's dependency chain (scores -> max -> exp -> P^T -> P @ v).
     tiles = [(o0, o1, o2, p0,) for o0 in range(1) for o1 in range(1) for o2 in range(2) for p0 in range(0, 130, 128)]
     steps = []  # (tile, block index, block) in issue order; a step's entry is dropped once done, freeing its tiles
@@ -542,8 +542,8 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         if cursor["index"] == len(tile["blocks"]):
             cursor["tile"], cursor["index"], cursor["open"] = cursor["tile"] + 1, 0, None
 
-    issue_scores()
-    issue_scores()
+    for _ in range(3 + 1):
+        issue_scores()
     block_softmax(*steps[0])
     finished = None
     position = 0
