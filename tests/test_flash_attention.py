@@ -159,7 +159,12 @@ def test_keys_too_many_to_keep_resident_stream_per_block():
     q, k, v = qkv(1, 1, 130, 8192, 256, torch.float32)
     region = check_against_eager(lambda q, k, v: SDPA(q, k, v), q, k, v, tolerances=TOLERANCES)
     source = region.kernels[0].source
-    assert "loaded per key block" in source and "stay in SBUF" not in source
+    assert "loaded per key block" in source and "def load_head" not in source
+    # causal: the first 600 queries see keys 0 .. 599 only, the mask bias in each tile's last streamed block
+    q = random_tensor((1, 1, 600, 256), seed=1)
+    region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=True), q, k, v, tolerances=TOLERANCES)
+    source = region.kernels[0].source
+    assert "loaded per key block" in source and "causal mask on TensorE" in source
 
 
 def test_the_three_kernel_form_where_the_flash_kernel_does_not_apply():
@@ -238,3 +243,64 @@ def test_bf16_gradients_are_as_close_to_fp32_as_eagers():
     for mine, theirs, exact in zip(ours, eager, truth):
         assert mine.dtype == torch.bfloat16
         assert (mine.float() - exact).abs().max() <= 2 * (theirs.float() - exact).abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("queries,keys", [(1, 1), (127, 127), (129, 129), (200, 200), (600, 600), (300, 130),
+                                          (130, 700)])
+def test_the_causal_mask_is_a_bias_on_tensor_engine(queries, keys, dtype):
+    """Causal: a query tile sees keys 0 .. its last query; the keys from its first query on get the mask as a bias
+    accumulated on TensorE (identity x mask tile) in the last block; rows past the last key see every key."""
+    q, k, v = qkv(1, 4, queries, keys, 64, dtype, kv_heads=2)
+    region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=True, enable_gqa=True), q, k, v,
+                                 tolerances=TOLERANCES)
+    (kernel,) = region.kernels
+    assert "causal mask on TensorE" in kernel.source and "affine_select(dst=logits" not in kernel.source
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_scale_too_small_for_the_bias_keeps_the_mask_in_sbuf(dtype):
+    """scale * 3.39e38 (the bias) would not dominate the logits under 3e-33: the mask stays an affine_select to
+    -inf in SBUF, and the answer is eager's (uniform weights over each row's visible keys)."""
+    q, k, v = qkv(1, 2, 200, 200, 64, dtype)
+    region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=True, scale=1e-34), q, k, v,
+                                 tolerances=TOLERANCES)
+    (kernel,) = region.kernels
+    assert "causal mask on TensorE" not in kernel.source and "affine_select(dst=logits" in kernel.source
+    region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=True, scale=3e-33), q, k, v,
+                                 tolerances=TOLERANCES)
+    assert "causal mask on TensorE" in region.kernels[0].source
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("queries,keys", [(2, 2), (17, 17), (37, 37), (64, 64), (37, 300), (20, 9)])
+def test_query_heads_of_a_group_share_a_query_tile(queries, keys, causal, dtype):
+    """Few queries per head: the eight query heads of a key/value group are stacked on the partitions (row r is
+    query p0 + r // 8 of head r % 8, 16 queries per tile), so one scores matmul covers the group against its k^T;
+    ragged tiles (17 = 16 + 1 queries), more keys than queries and fewer, causal (the mask tile follows the
+    stacking) or not."""
+    q, k, v = qkv(2, 16, queries, keys, 64, dtype, kv_heads=2)
+    region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=causal, enable_gqa=True), q, k, v,
+                                 tolerances=TOLERANCES)
+    (kernel,) = region.kernels
+    assert "8 query heads per tile" in kernel.source
+
+
+def test_query_heads_keep_a_tile_each_where_sharing_would_not_halve_the_tiles():
+    for queries, shared in ((1, False), (100, False), (127, False), (129, False), (200, False), (40, True)):
+        q, k, v = qkv(1, 8, queries, queries, 32, torch.bfloat16, kv_heads=1)
+        region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=True, enable_gqa=True), q, k, v,
+                                     tolerances=TOLERANCES)
+        assert ("query heads per tile" in region.kernels[0].source) == shared, queries
+
+
+def test_the_training_forward_with_shared_query_tiles_writes_eagers_logsumexp():
+    q, k, v = (t.requires_grad_() for t in qkv(1, 8, 30, 30, 32, torch.float32, kv_heads=2))
+
+    def attention(q, k, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)[:2]
+
+    region = check_against_eager(lambda q, k, v: attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)),
+                                 q.detach(), k.detach(), v.detach(), tolerances=TOLERANCES)
+    assert any("query heads per tile" in kernel.source for kernel in region.kernels)

@@ -329,7 +329,7 @@ Attention kernel_2 domain=[1, 1, 2, 130, 16] scale=0.25 causal=True
   v: load(arg2_1, ap(shape=[1, 1, 2, 130, 16], strides=[2080, 2080, 0, 16, 1], offset=0))
   attention_1 = result
 
-Tile plan: attention: outer [1/1, 1/1, 2/1] partition 130/128 free [16/16] D 1x16, key blocks of 130, k^T and v resident per head
+Tile plan: attention: outer [1/1, 1/1, 2/1] partition 130/128 free [16/16] D 1x16, key blocks of 130, k^T and v resident per head, causal mask on TensorE
 \"\"\"
 
 import nki
@@ -346,127 +346,195 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
     # rescaled by exp(m_old - m_new)), then the probabilities transposed on TensorE and multiplied with v.
     # The scores never leave the chip.
     cols = 16
-    for o0 in range(1):
-        for o1 in range(1):
-            # k^T and v of this key/value head stay in SBUF for every query tile and query head of its group.
-            keys_t = nl.ndarray((16, 1, 130), dtype=nl.float32, buffer=nl.sbuf)
-            values = nl.ndarray((128, 2, 16), dtype=nl.float32, buffer=nl.sbuf)
-            loaded_keys = 0  # the first query tile to reach a key block loads it, just before it needs it
+    # The causal mask as a bias on TensorE: identity x mask tile accumulates -3.3895313892515355e+38 onto the scores of the
+    # keys after each query (of the diagonal's 128 keys), in the scores' own PSUM bank.
+    identity = nl.ndarray((128, 128), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=identity, value=1.0, engine=nisa.engine.gpsimd)
+    nisa.affine_select(dst=identity, pattern=[[-1, 128]], channel_multiplier=1, on_true_tile=identity,
+                       on_false_value=0.0, cmp_op=nl.equal)
+    causal_mask = nl.ndarray((128, 128), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=causal_mask, value=0.0, engine=nisa.engine.gpsimd)
+    nisa.affine_select(dst=causal_mask, pattern=[[-1, 128]], channel_multiplier=1, on_true_tile=causal_mask,
+                       on_false_value=-3.3895313892515355e+38, cmp_op=nl.greater_equal)
+    copies = [0]  # P^T chunks copied out of PSUM so far, kernel-wide: every 3th on VectorE
+    def load_head(o0, o1):
+        \"\"\"k^T and v of one key/value head, resident in SBUF for every query tile and query head of its group: a
+        DMA per key block, so that the first tile waits for the first block only.\"\"\"
+        keys_t = nl.ndarray((16, 1, 130), dtype=nl.float32, buffer=nl.sbuf)
+        values = nl.ndarray((128, 2, 16), dtype=nl.float32, buffer=nl.sbuf)
+        for load_start in range(0, 130, 130):
+            load_cols = min(130, 130 - load_start)
+            nisa.dma_transpose(dst=keys_t[0:16, 0:1, load_start:load_start + load_cols], src=arg1_1.ap([[16, load_cols], [16, 1], [1, 16]], offset=o0 * 2080 + o1 * 2080 + load_start * 16), axes=(2, 1, 0))
+            whole = load_cols // 128
+            if whole:
+                nisa.dma_copy(dst=values[0:128, load_start // 128:load_start // 128 + whole, 0:16], src=arg2_1.ap([[16, 128], [2048, whole], [1, 16]], offset=o0 * 2080 + o1 * 2080 + load_start * 16))
+            if load_cols % 128:
+                nisa.dma_copy(dst=values[0:load_cols % 128, load_start // 128 + whole, 0:16], src=arg2_1.ap([[16, load_cols % 128], [1, 16]], offset=o0 * 2080 + o1 * 2080 + load_start * 16 + whole * 2048))
+        return keys_t, values
 
-            for o2 in range(2):
-                for p0 in range(0, 130, 128):
-                    rows = min(128, 130 - p0)
-                    queries_t = nl.ndarray((16, 1, 128), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.dma_transpose(dst=queries_t[0:16, 0:1, 0:rows], src=arg0_1.ap([[16, rows], [16, 1], [1, 16]], offset=o0 * 4160 + o1 * 4160 + o2 * 2080 + p0 * 16), axes=(2, 1, 0))
-                    # The row statistics are (P, 1) columns on GpSimd, which has the slack; VectorE and ScalarE have the rows.
-                    # The running max is kept negated (-m), the bias the exponentials take.
-                    negated_max = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.memset(dst=negated_max[0:rows, 0:1], value=3.4028234663852886e+38, engine=nisa.engine.gpsimd)
-                    running_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.memset(dst=running_sum[0:rows, 0:1], value=0.0, engine=nisa.engine.gpsimd)
-                    accumulator = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.memset(dst=accumulator[0:rows, 0:cols], value=0.0, engine=nisa.engine.gpsimd)
-                    # Causal (key j masked for query i > j): the keys before the tile's first query in unmasked blocks, then the
-                    # diagonal block of at most 128 keys, masked; the keys after the tile's last query are skipped.
-                    visible = min(130, p0)
-                    blocks = [(kv0, min(130, visible - kv0), False) for kv0 in range(0, visible, 130)]
-                    if p0 < 130:
-                        blocks.append((p0, min(rows, 130 - p0), True))
 
-                    def block_scores(kv0, block_cols, diagonal):
-                        \"\"\"S = q k^T for the keys kv0 .. kv0 + block_cols and its row max: the raw PSUM tile, which exp scales on
-                        the way, or, where a mask applies, the scaled and masked scores in SBUF (then the scale is 1).\"\"\"
-                        nonlocal loaded_keys
-                        while loaded_keys < kv0 + block_cols:  # the first query tile to reach a key block loads all of it
-                            load_start, load_cols = loaded_keys, min(130, 130 - loaded_keys)
-                            nisa.dma_transpose(dst=keys_t[0:16, 0:1, load_start:load_start + load_cols], src=arg1_1.ap([[16, load_cols], [16, 1], [1, 16]], offset=o0 * 2080 + o1 * 2080 + load_start * 16), axes=(2, 1, 0))
-                            whole = load_cols // 128
-                            if whole:
-                                nisa.dma_copy(dst=values[0:128, load_start // 128:load_start // 128 + whole, 0:16], src=arg2_1.ap([[16, 128], [2048, whole], [1, 16]], offset=o0 * 2080 + o1 * 2080 + load_start * 16))
-                            if load_cols % 128:
-                                nisa.dma_copy(dst=values[0:load_cols % 128, load_start // 128 + whole, 0:16], src=arg2_1.ap([[16, load_cols % 128], [1, 16]], offset=o0 * 2080 + o1 * 2080 + load_start * 16 + whole * 2048))
-                            loaded_keys = load_start + load_cols
-                        scores = nl.ndarray((128, 130), dtype=nl.float32, buffer=nl.psum)
-                        for m0 in range(0, block_cols, 130):  # one matmul per PSUM bank of the score tile
-                            mm = min(130, block_cols - m0)
-                            for dc in range(1):
-                                nisa.nc_matmul(dst=scores[0:rows, m0:m0 + mm], stationary=queries_t[0:16, dc, 0:rows],
-                                               moving=keys_t[0:16, dc, kv0 + m0:kv0 + m0 + mm])
-                        if diagonal:  # scaled into SBUF, where the keys after each query are masked
-                            logits = nl.ndarray((128, 130), dtype=nl.float32, buffer=nl.sbuf)
-                            nisa.activation(dst=logits[0:rows, 0:block_cols], op=nl.copy, data=scores[0:rows, 0:block_cols],
-                                            scale=0.25)
-                            nisa.affine_select(dst=logits[0:rows, 0:block_cols], pattern=[[-1, block_cols]], channel_multiplier=1,
-                                               on_true_tile=logits[0:rows, 0:block_cols], on_false_value=float('-inf'),
-                                               cmp_op=nl.greater_equal, offset=p0 - kv0)
-                            logit_scale = 1.0
-                        else:
-                            logits, logit_scale = scores, 0.25
-                        block_max = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.tensor_reduce(dst=block_max[0:rows, 0:1], op=nl.maximum, data=logits[0:rows, 0:block_cols], axis=1,
-                                           keepdims=True)
-                        return scores, logits, logit_scale, block_max
+    head = []  # the resident k^T and v of the current key/value head
+    def open_tile(o0, o1, o2, p0):
+        \"\"\"A query tile: its q^T, its key blocks and its online-softmax state (set by its first block).\"\"\"
+        rows = min(128, 130 - p0)
+        if o2 == 0 and p0 == 0:  # the head's first tile: its k^T and v start loading
+            head[:] = [load_head(o0, o1)]
+        keys_t, values = head[0]
+        queries_t = nl.ndarray((16, 1, 128), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=queries_t[0:16, 0:1, 0:rows], src=arg0_1.ap([[16, rows], [16, 1], [1, 16]], offset=o0 * 4160 + o1 * 4160 + o2 * 2080 + p0 * 16), axes=(2, 1, 0))
+        # Causal (key j masked for query i > j): the tile sees keys 0 .. its last query, in blocks; the keys that need
+        # the mask (the diagonal, from the tile's first query on) fall in the last block, and nothing above is visible.
+        visible = min(130, p0 + rows)
+        blocks = [(kv0, min(130, visible - kv0), kv0 + 130 >= visible and p0 < 130)
+                  for kv0 in range(0, visible, 130)]
 
-                    # Software pipelined: each block issues the next block's scores and row max before its own transposes and
-                    # P @ v, so that TensorE and VectorE have work while its exponentials finish.
-                    next_block = block_scores(*blocks[0])
-                    for index, (kv0, block_cols, _) in enumerate(blocks):
-                        scores, logits, logit_scale, block_max = next_block
-                        chunks = (block_cols + 127) // 128
-                        # -m_new = min(-m_old, -scale * block max)
-                        new_negated_max = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.tensor_scalar(dst=new_negated_max[0:rows, 0:1], data=block_max[0:rows, 0:1], op0=nl.multiply,
-                                           operand0=-logit_scale, op1=nl.minimum, operand1=negated_max[0:rows, 0:1],
-                                           engine=nisa.engine.gpsimd)
-                        # exp(m_old - m_new): how much the earlier blocks' sum and output shrink
-                        correction = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.activation(dst=correction[0:rows, 0:1], op=nl.exp, data=negated_max[0:rows, 0:1], scale=-1.0,
-                                        bias=new_negated_max[0:rows, 0:1])
-                        probabilities = nl.ndarray((128, 130), dtype=nl.float32, buffer=nl.sbuf)
-                        block_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.activation(dst=probabilities[0:rows, 0:block_cols], op=nl.exp, data=logits[0:rows, 0:block_cols],
-                                        bias=new_negated_max[0:rows, 0:1], scale=logit_scale, reduce_op=nl.add,
-                                        reduce_res=block_sum[0:rows, 0:1])
-                        new_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.scalar_tensor_tensor(dst=new_sum[0:rows, 0:1], data=running_sum[0:rows, 0:1], op0=nl.multiply,
-                                                  operand0=correction[0:rows, 0:1], op1=nl.add, operand1=block_sum[0:rows, 0:1],
-                                                  engine=nisa.engine.gpsimd)
-                        if index + 1 < len(blocks):
-                            next_block = block_scores(*blocks[index + 1])
-                        # P^T [keys, queries] chunk by chunk (the keys go on partitions, the contraction dim of P @ v), all the
-                        # block's chunks in one PSUM bank so that the next blocks' tiles find free banks
-                        # (128 query columns per chunk whatever the tile's rows, so that no chunk straddles a PSUM bank)
-                        transposed_psum = nl.ndarray((128, 2, 128), dtype=nl.float32, buffer=nl.psum)
-                        probabilities_t = nl.ndarray((128, 2, 128), dtype=nl.float32, buffer=nl.sbuf)
-                        # this block's P @ v goes into the score tile's first bank, read by now: the next blocks find free banks
-                        block_output = scores
-                        for c in range(chunks):
-                            c0 = c * 128
-                            kk = min(128, block_cols - c0)
-                            nisa.nc_transpose(dst=transposed_psum[0:kk, c, 0:rows], data=probabilities[0:rows, c0:c0 + kk])
-                            if c % 4 == 3:  # one PSUM -> SBUF copy in four on VectorE (it has the row max), three on ScalarE
-                                nisa.tensor_copy(dst=probabilities_t[0:kk, c, 0:rows], src=transposed_psum[0:kk, c, 0:rows])
-                            else:
-                                nisa.activation(dst=probabilities_t[0:kk, c, 0:rows], op=nl.copy, data=transposed_psum[0:kk, c, 0:rows])
-                            nisa.nc_matmul(dst=block_output[0:rows, 0:cols], stationary=probabilities_t[0:kk, c, 0:rows], accumulate=c > 0,
-                                           moving=values[0:kk, kv0 // 128 + c, 0:cols])
-                        # the output so far, rescaled (GpSimd, in SBUF), plus this block's (VectorE, from PSUM)
-                        rescaled = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.tensor_scalar(dst=rescaled[0:rows, 0:cols], data=accumulator[0:rows, 0:cols], op0=nl.multiply,
-                                           operand0=correction[0:rows, 0:1], engine=nisa.engine.gpsimd)
-                        new_accumulator = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.tensor_tensor(dst=new_accumulator[0:rows, 0:cols], data1=rescaled[0:rows, 0:cols],
-                                           data2=block_output[0:rows, 0:cols], op=nl.add)
-                        negated_max, running_sum, accumulator = new_negated_max, new_sum, new_accumulator
-                    # Normalize: a row with every key masked has sum 0 and output 0, as eager gives (a sum is 0 or at least 1).
-                    safe_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=safe_sum[0:rows, 0:1], data=running_sum[0:rows, 0:1], op0=nl.maximum, operand0=1.0)
-                    inverse_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.activation(dst=inverse_sum[0:rows, 0:1], op=nl.reciprocal, data=safe_sum[0:rows, 0:1])
-                    output_1 = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=output_1[0:rows, 0:cols], data=accumulator[0:rows, 0:cols], op0=nl.multiply,
-                                       operand0=inverse_sum[0:rows, 0:1])
-                    nisa.dma_copy(dst=attention_1.ap([[16, rows], [1, cols]], offset=o0 * 4160 + o1 * 4160 + o2 * 2080 + p0 * 16), src=output_1[0:rows, 0:cols])
+        return {"params": (o0, o1, o2, p0, rows), "rows": rows, "queries_t": queries_t, "keys_t": keys_t,
+                "values": values, "blocks": blocks}
+
+    def block_scores(tile, index):
+        \"\"\"S = q k^T for the tile's block ``index`` and its row max: the raw PSUM tile, which exp scales on the way,
+        or, where a mask applies, the scaled and masked scores in SBUF (then the scale is 1).\"\"\"
+        o0, o1, o2, p0, rows = tile["params"]
+        queries_t, keys_t, values = tile["queries_t"], tile["keys_t"], tile["values"]
+        kv0, block_cols, diagonal = tile["blocks"][index]
+        scores = nl.ndarray((128, 130), dtype=nl.float32, buffer=nl.psum)
+        for m0 in range(0, block_cols, 130):  # one matmul per PSUM bank of the score tile
+            mm = min(130, block_cols - m0)
+            for dc in range(1):
+                nisa.nc_matmul(dst=scores[0:rows, m0:m0 + mm], stationary=queries_t[0:16, dc, 0:rows],
+                               moving=keys_t[0:16, dc, kv0 + m0:kv0 + m0 + mm])
+        if diagonal:  # keys p0 .. of this block: the mask tile's columns, accumulated onto their scores
+            masked = kv0 + block_cols - p0
+            nisa.nc_matmul(dst=scores[0:rows, p0 - kv0:p0 - kv0 + masked], stationary=identity[0:rows, 0:rows],
+                           moving=causal_mask[0:rows, 0:masked], accumulate=True)
+        logits, logit_scale = scores, 0.25
+        block_max = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=block_max[0:rows, 0:1], op=nl.maximum, data=logits[0:rows, 0:block_cols], axis=1,
+                           keepdims=True)
+        return {"scores": scores, "logits": logits, "logit_scale": logit_scale, "block_max": block_max, "values": values}
+
+    def block_softmax(tile, index, block):
+        \"\"\"The block's exponentials and row sums, and the tile's running max and sum (GpSimd has the (P, 1) columns,
+        which VectorE and ScalarE, busy with the rows, need not take).\"\"\"
+        rows, kv0, block_cols = tile["rows"], tile["blocks"][index][0], tile["blocks"][index][1]
+        logits, logit_scale, block_max = block["logits"], block["logit_scale"], block["block_max"]
+        negated_max, running_sum = tile.get("negated_max"), tile.get("running_sum")
+        new_negated_max = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        if index == 0:  # -m = min(-scale * block max, 3.4028234663852886e+38): a row whose keys are all -inf gets exp(-inf) = 0
+            nisa.tensor_scalar(dst=new_negated_max[0:rows, 0:1], data=block_max[0:rows, 0:1], op0=nl.multiply,
+                               operand0=-logit_scale, op1=nl.minimum, operand1=3.4028234663852886e+38, engine=nisa.engine.gpsimd)
+        else:  # -m_new = min(-m_old, -scale * block max)
+            nisa.tensor_scalar(dst=new_negated_max[0:rows, 0:1], data=block_max[0:rows, 0:1], op0=nl.multiply,
+                               operand0=-logit_scale, op1=nl.minimum, operand1=negated_max[0:rows, 0:1],
+                               engine=nisa.engine.gpsimd)
+            # exp(m_old - m_new): how much the earlier blocks' sum and output shrink
+            correction = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=correction[0:rows, 0:1], op=nl.exp, data=negated_max[0:rows, 0:1], scale=-1.0,
+                            bias=new_negated_max[0:rows, 0:1])
+        probabilities = nl.ndarray((128, 130), dtype=nl.float32, buffer=nl.sbuf)
+        block_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=probabilities[0:rows, 0:block_cols], op=nl.exp, data=logits[0:rows, 0:block_cols],
+                        bias=new_negated_max[0:rows, 0:1], scale=logit_scale, reduce_op=nl.add,
+                        reduce_res=block_sum[0:rows, 0:1])
+        if index == 0:
+            new_sum = block_sum
+        else:
+            new_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=new_sum[0:rows, 0:1], data=running_sum[0:rows, 0:1], op0=nl.multiply,
+                                      operand0=correction[0:rows, 0:1], op1=nl.add, operand1=block_sum[0:rows, 0:1],
+                                      engine=nisa.engine.gpsimd)
+            block["correction"] = correction
+        block["probabilities"] = probabilities
+        tile["negated_max"], tile["running_sum"] = new_negated_max, new_sum
+
+    def attend_block(tile, index, block):
+        \"\"\"P^T on TensorE, P @ v, and the tile's output accumulator.\"\"\"
+        rows, blocks, accumulator = tile["rows"], tile["blocks"], tile.get("accumulator")
+        kv0, block_cols = blocks[index][0], blocks[index][1]
+        scores, values, probabilities = block["scores"], block["values"], block["probabilities"]
+        correction = block.get("correction")
+        chunks = (block_cols + 127) // 128
+        # P^T [keys, queries] chunk by chunk (the keys go on partitions, the contraction dim of P @ v), all the
+        # block's chunks in one PSUM bank so that the next blocks' tiles find free banks
+        # (128 query columns per chunk whatever the tile's rows, so that no chunk straddles a PSUM bank)
+        transposed_psum = nl.ndarray((128, 2, 128), dtype=nl.float32, buffer=nl.psum)
+        probabilities_t = nl.ndarray((128, 2, 128), dtype=nl.float32, buffer=nl.sbuf)
+        # this block's P @ v goes into the score tile's first bank, read by now: the next blocks find free banks
+        block_output = scores
+        for c in range(chunks):
+            c0 = c * 128
+            kk = min(128, block_cols - c0)
+            nisa.nc_transpose(dst=transposed_psum[0:kk, c, 0:rows], data=probabilities[0:rows, c0:c0 + kk])
+            copies[0] += 1
+            if copies[0] % 3 == 0:  # one PSUM -> SBUF copy in 3 on VectorE (it has the row max), the others on ScalarE
+                nisa.tensor_copy(dst=probabilities_t[0:kk, c, 0:rows], src=transposed_psum[0:kk, c, 0:rows])
+            else:
+                nisa.activation(dst=probabilities_t[0:kk, c, 0:rows], op=nl.copy, data=transposed_psum[0:kk, c, 0:rows])
+            nisa.nc_matmul(dst=block_output[0:rows, 0:cols], stationary=probabilities_t[0:kk, c, 0:rows], accumulate=c > 0,
+                           moving=values[0:kk, kv0 // 128 + c, 0:cols])
+        if len(blocks) == 1:  # the only block: its output stays in PSUM for the normalization
+            new_accumulator = block_output
+        elif index == 0:  # the first of several: into SBUF, as the PSUM bank goes to a later block
+            new_accumulator = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=new_accumulator[0:rows, 0:cols], op=nl.copy, data=block_output[0:rows, 0:cols])
+        else:  # the output so far, rescaled (GpSimd, in SBUF), plus this block's (VectorE, from PSUM)
+            rescaled = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=rescaled[0:rows, 0:cols], data=accumulator[0:rows, 0:cols], op0=nl.multiply,
+                               operand0=correction[0:rows, 0:1], engine=nisa.engine.gpsimd)
+            new_accumulator = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=new_accumulator[0:rows, 0:cols], data1=rescaled[0:rows, 0:cols],
+                               data2=block_output[0:rows, 0:cols], op=nl.add)
+        tile["accumulator"] = new_accumulator
+
+    def store_tile(o0, o1, o2, p0, rows, negated_max, running_sum, accumulator):
+        \"\"\"The normalization, the epilogue and the store.\"\"\"
+        # Normalize: every row sees a key (its own, when causal), whose exp(0) = 1 makes the sum at least 1.
+        safe_sum = running_sum
+        inverse_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(dst=inverse_sum[0:rows, 0:1], data=safe_sum[0:rows, 0:1], engine=nisa.engine.gpsimd)
+        output_1 = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=output_1[0:rows, 0:cols], data=accumulator[0:rows, 0:cols], op0=nl.multiply,
+                           operand0=inverse_sum[0:rows, 0:1])
+        nisa.dma_copy(dst=attention_1.ap([[16, rows], [1, cols]], offset=o0 * 4160 + o1 * 4160 + o2 * 2080 + p0 * 16), src=output_1[0:rows, 0:cols])
+
+
+    # Software pipelined over the stream of (query tile, key block) steps: each step issues the scores of the block
+    # 3 ahead, the softmax of the next one and its own P @ v, and stores the tile a block before, so that no
+    # engine waits in program order behind one block's dependency chain (scores -> max -> exp -> P^T -> P @ v).
+    tiles = [(o0, o1, o2, p0,) for o0 in range(1) for o1 in range(1) for o2 in range(2) for p0 in range(0, 130, 128)]
+    steps = []  # (tile, block index, block) in issue order; a step's entry is dropped once done, freeing its tiles
+    cursor = {"tile": 0, "index": 0, "open": None}
+
+    def issue_scores():
+        \"\"\"The scores of the next step, opening its query tile at the tile's first block.\"\"\"
+        if cursor["tile"] == len(tiles):
+            return
+        if cursor["index"] == 0:
+            cursor["open"] = open_tile(*tiles[cursor["tile"]])
+        tile, index = cursor["open"], cursor["index"]
+        steps.append((tile, index, block_scores(tile, index)))
+        cursor["index"] = index + 1
+        if cursor["index"] == len(tile["blocks"]):
+            cursor["tile"], cursor["index"], cursor["open"] = cursor["tile"] + 1, 0, None
+
+    for _ in range(3 + 1):
+        issue_scores()
+    block_softmax(*steps[0])
+    finished = None
+    position = 0
+    while position < len(steps):
+        issue_scores()
+        if position + 1 < len(steps):
+            block_softmax(*steps[position + 1])
+        tile, index, block = steps[position]
+        steps[position] = None
+        attend_block(tile, index, block)
+        block = None
+        if finished is not None:
+            store_tile(*finished["params"], finished["negated_max"], finished["running_sum"], finished["accumulator"])
+        finished = tile if index + 1 == len(tile["blocks"]) else None
+        position += 1
+    store_tile(*finished["params"], finished["negated_max"], finished["running_sum"], finished["accumulator"])
 
     return attention_1
 """)

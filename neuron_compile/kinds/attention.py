@@ -1,13 +1,17 @@
 """Kernel kind ``attention``: flash attention, ``softmax(q @ k^T * scale + mask) @ v`` in one kernel (``ir.Attention``).
 
-Tiling: queries in tiles of 128 on partitions; keys in blocks of 1024 (bf16: two PSUM banks of fp32 scores) or
-512 (fp32: one); the head dim D (up to 256) in chunks of at most 128 accumulated in PSUM. k^T and v of one
-key/value head stay resident in SBUF while every query tile (and every query head of a grouped-query group)
-streams past them, so q, k, v and the output cross HBM once; when they do not fit, they are loaded per key block.
-Per block: the scores in PSUM, the online softmax (running max and sum per query row, the output accumulator
-rescaled), the probabilities transposed on TensorE and multiplied with v; the next block's scores are issued
-before this block's transposes (software pipelining). Causal: unmasked blocks below the query tile, one masked
-block on its diagonal, nothing above. The training forward also writes each row's log-sum-exp.
+Tiling: queries in tiles of 128 on partitions; keys in blocks of 512 (one PSUM bank of fp32 scores); the head
+dim D (up to 256) in chunks of at most 128 accumulated in PSUM. k^T and v of one key/value head stay resident in
+SBUF while every query tile (and every query head of a grouped-query group) streams past them, so q, k, v and the
+output cross HBM once; when they do not fit, they are loaded per key block. Per block: the scores in PSUM, the
+online softmax (running max and sum per query row on GpSimd, the output accumulator rescaled), the probabilities
+transposed on TensorE and multiplied with v. The (query tile, key block) steps are software pipelined: a step
+issues the scores of the block SCORES_AHEAD ahead, the softmax of the next and its own P @ v, and stores the tile
+finished a step before. Causal: a query tile sees keys 0 .. its last query; the keys from its first query on (in
+its last block) get the mask as a bias accumulated onto the scores on TensorE (identity x a constant mask tile), unless
+the scale is too small for the bias to dominate (then an affine_select in SBUF on a diagonal block of its own).
+With few queries per head, the query heads of a grouped-query group share each query tile (stacked on the
+partitions), where that at least halves the tiles. The training forward also writes each row's log-sum-exp.
 Fusion: pointwise consumers over the output domain are epilogues on the normalized output tile.
 Codegen: attention.py.j2.
 """
@@ -18,7 +22,7 @@ import dataclasses
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope
+from neuron_compile.codegen.expressions import NL_DTYPES, AccessPattern, Ref, TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import (
     Patterns,
     entries_text,
@@ -45,21 +49,44 @@ from neuron_compile.tiles import (
 # then gives exp(-inf) = 0 (never exp(-inf + inf) = nan), and a row masked with finfo.min everywhere keeps
 # eager's uniform weights.
 LOWEST_FP32 = -3.4028234663852886e38
+# The causal bias: the lowest finite bf16 (also an fp32), so the mask tile holds it in either operand dtype. Added to
+# the scores before the scale, it dominates them only while scale * 3.39e38 is far below any logit; under this
+# scale (scale * 3.39e38 < 1e6) the kernel masks in SBUF with affine_select instead.
+CAUSAL_BIAS = -3.3895313892515355e38
+MIN_CAUSAL_BIAS_SCALE = 3e-33
+# One P^T chunk in three leaves PSUM through VectorE, the others through ScalarE: per block VectorE has the row max
+# and ScalarE the exponentials, both over the block's keys, and this evens them out (measured, bf16: one in four
+# 39.3 / 27.6 / 38.4 us, one in three 38.4 / 28.1 / 38.1 us, one in two 42.2 / 28.3 / 37.9 us for seq 1024 D 64
+# non-causal / causal and the goal point's attention).
+VECTOR_COPY_PERIOD = 3
+# The pipeline issues a block's scores this many steps ahead of its P @ v (its softmax one step ahead): PSUM then
+# holds 4 score banks, the P^T bank and a finished tile's output, 6 of 8. Measured (kernel alone, the goal point's
+# attention / seq 1024 D 64 bf16 non-causal / causal): 1 ahead 38.1 / 38.4 / 28.1 us, 2 ahead 38.6 / 38.3 / 27.3,
+# 3 ahead 34.4 / 38.0 / 27.0, 4 ahead 39.8 / 38.8 / 28.0; 5 ahead overflows PSUM.
+SCORES_AHEAD = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionPlan(TilePlan):
     """``partition`` is the query tile, ``free`` the output's head dim, ``k_tile`` x ``k_tiles`` the chunks of D.
     ``key_block`` keys per score tile; ``resident``: k^T and v of a head stay in SBUF across query tiles;
-    ``transpose_loads``: q and k come in through ``dma_transpose`` (D contiguous, target has it)."""
+    ``transpose_loads``: q and k come in through ``dma_transpose`` (D contiguous, target has it); ``causal_bias``:
+    the causal mask is accumulated onto the scores on TensorE (else applied in SBUF with affine_select); ``lanes``
+    query heads of one key/value group (outer dim ``lane_dim``) share a query tile: row r is query p0 + r // lanes
+    of head r % lanes, ``partition.tile`` queries each."""
 
     key_block: int = 0
     resident: bool = False
     transpose_loads: bool = False
+    causal_bias: bool = False
+    lanes: int = 1
+    lane_dim: int = -1
 
     def describe(self) -> str:
         text = super().describe() + f" D {self.k_tiles}x{self.k_tile}, key blocks of {self.key_block}"
-        return text + (", k^T and v resident per head" if self.resident else ", k^T and v loaded per key block")
+        text += ", k^T and v resident per head" if self.resident else ", k^T and v loaded per key block"
+        text += f", {self.lanes} query heads per tile" if self.lanes > 1 else ""
+        return text + (", causal mask on TensorE" if self.causal_bias else "")
 
 
 def plan_attention(node: ir.Attention, target) -> AttentionPlan:
@@ -69,10 +96,9 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
         raise TilingError(f"{node.name}: {reason}")
     k_tile, k_tiles = attention_head_chunks(node.depth, target.partitions)
     itemsize = 2 if node.q.dtype == "bfloat16" else 4
-    # PSUM per block: its scores (then its P @ v) and its transposed probabilities; with the next block's scores
-    # issued ahead, 8 banks hold two bf16 blocks of two banks of scores each, or fp32 blocks of one
-    score_banks = 2 if itemsize == 2 else 1
-    key_block = min(node.keys, score_banks * target.gemm_moving_fmax)
+    # PSUM per block: its scores (then its P @ v) in one bank and its transposed probabilities: with the next
+    # block's scores issued ahead, the next block's matmul runs while this block's softmax does
+    key_block = min(node.keys, target.gemm_moving_fmax)
     key_chunks = math.ceil(node.keys / target.partitions)
     tiles = count_tiles([store.expr for store in node.stores])
     # SBUF bytes per partition of one query tile: q^T, the scores (fp32 when masked), the probabilities and their
@@ -87,13 +113,49 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
         raise TilingError(f"{node.name}: a query tile needs {2 * (per_block + per_query_tile)} B per partition, over "
                           f"the SBUF budget ({int(budget)} B on {target.name})")
     outer = tuple(LoopDim(size, dim, 1, 1) for dim, size in enumerate(batch))
-    partition = LoopDim(queries, len(batch), 1, min(queries, target.partitions))
+    causal_bias = node.causal and node.mask is None and node.scale >= MIN_CAUSAL_BIAS_SCALE
+    lane_dim = query_group_dim(node, batch, target) if node.mask is None and (causal_bias or not node.causal) else None
+    lanes = batch[lane_dim] if lane_dim is not None else 1
+    partition = LoopDim(queries, len(batch), 1, min(queries, target.partitions // lanes))
     free = (LoopDim(value_dim, len(batch) + 1, 1, value_dim),)
     rank = len(batch)
     transpose_loads = target.dma_transpose and all(
         needs_transpose(load.layout.strides[rank + 1], load.layout.strides[rank]) for load in (node.q, node.k))
     return AttentionPlan("attention", outer, partition, free, tiles, k_tile, k_tiles, key_block=key_block,
-                         resident=resident, transpose_loads=transpose_loads)
+                         resident=resident, transpose_loads=transpose_loads, causal_bias=causal_bias,
+                         lanes=lanes, lane_dim=-1 if lane_dim is None else lane_dim)
+
+
+def query_group_dim(node: ir.Attention, batch: list[int], target) -> int | None:
+    """The outer dim that picks a query head within a key/value group (stride 0 in k and v), when its heads
+    should share each query tile: when that at least halves the query tiles of a tile per head (few queries per
+    head). Not otherwise: the stacked q^T lands in SBUF in runs of one row per head, which DMA bursts pay for
+    (measured: 8 heads of 37 queries 16.8 -> 14.3 us, of 100 queries 22.0 -> 24.2 us, of 256 39.4 -> 48.1 us)."""
+    rank = len(batch)
+    shared = [dim for dim, size in enumerate(batch)
+              if size > 1 and node.k.layout.strides[dim] == 0 and node.v.layout.strides[dim] == 0]
+    queries = node.domain[rank]
+    if len(shared) != 1 or queries < 2 or batch[shared[0]] > target.partitions // 2:
+        return None
+    group = batch[shared[0]]
+    lane_queries = min(queries, target.partitions // group)
+    if 2 * math.ceil(queries / lane_queries) > group * math.ceil(queries / target.partitions):
+        return None
+    return shared[0]
+
+
+class LanePatterns(Patterns):
+    """HBM access patterns of a query tile shared by the query heads of a group (``AttentionPlan.lanes``): the
+    partition axis walks queries (``lane_rows`` of them) and within each query the group's heads."""
+
+    def outer_terms(self, layout: ir.Layout) -> list[tuple[str, int]]:
+        return [term for i, term in enumerate(super().outer_terms(layout)) if i != self.plan.lane_dim]
+
+    def hbm(self, tensor: str, layout: ir.Layout, free: list[tuple[LoopDim, str]], chunked_free: bool) -> AccessPattern:
+        pattern = super().hbm(tensor, layout, free, chunked_free)
+        lane = self.plan.outer[self.plan.lane_dim]
+        entries = ((pattern.entries[0][0], "lane_rows"), (lane.stride(layout), lane.size), *pattern.entries[1:])
+        return AccessPattern(tensor, entries, pattern.offset)
 
 
 def transposed_load(plan: AttentionPlan, patterns: Patterns, load: ir.Load, dst: str, start: str, count: str) -> str:
@@ -104,11 +166,15 @@ def transposed_load(plan: AttentionPlan, patterns: Patterns, load: ir.Load, dst:
     terms = patterns.outer_terms(load.layout) + ([(start, seq_stride)] if start != "0" else [])
     offset = offset_text(load.layout.offset, terms)
     chunks = [[depth_stride * plan.k_tile, plan.k_tiles], [depth_stride, plan.k_tile]]
+    rows = [[seq_stride, count]]
+    if load is not None and plan.lanes > 1 and load.layout.strides[plan.lane_dim]:  # q: queries, then heads
+        rows.append([load.layout.strides[plan.lane_dim], plan.lanes])
     if plan.transpose_loads:
-        entries = [[seq_stride, count], *chunks]
+        axes = "(2, 1, 0)" if len(rows) == 1 else "(3, 2, 0, 1)"
+        entries = [*rows, *chunks]
         return f"nisa.dma_transpose(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, offset={offset}), " \
-               "axes=(2, 1, 0))"
-    entries = [*reversed(chunks), [seq_stride, count]]
+               f"axes={axes})"
+    entries = [*reversed(chunks), *rows]
     return f"nisa.dma_copy(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, offset={offset}))"
 
 
@@ -154,40 +220,53 @@ def head_loops(node: ir.Attention, plan: AttentionPlan) -> tuple[list[int], list
     """The outer dims split into those that choose a key/value head and those that only choose a query head of
     its group (stride 0 in k and v): k^T and v load once per key/value head, outside the group's loops."""
     shared = [i for i, dim in enumerate(plan.outer)
-              if dim.stride(node.k.layout) == 0 and dim.stride(node.v.layout) == 0]
-    return [i for i in range(len(plan.outer)) if i not in shared], shared
+              if dim.stride(node.k.layout) == 0 and dim.stride(node.v.layout) == 0 and i != plan.lane_dim]
+    return [i for i in range(len(plan.outer)) if i not in shared and i != plan.lane_dim], shared
 
 
 def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, parameters: list[str]) -> str:
-    patterns = Patterns(plan)
-    allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
+    patterns = LanePatterns(plan) if plan.lanes > 1 else Patterns(plan)
+    partitions = plan.partition.tile * plan.lanes
+    allocator = TileAllocator(partitions, reserved=kernel_names(node, parameters))
     value_dim = node.domain[-1]
     free = [(plan.free[0], "cols")]
 
     def load_pattern(load: ir.Load, tile: str):
         return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, False)
 
-    output = allocator.new("output", value_dim)
-    scope = TileScope(allocator, value_dim, "[0:rows, 0:cols]", load_pattern, Ref(tile=output))
+    # The normalization writes the output tile in the stored dtype when the result is stored as it is (one
+    # rounding either way), rather than in fp32 and then a cast copy on VectorE.
+    stored = {store.buffer.dtype for store in node.stores}
+    as_is = len(stored) == 1 and all(isinstance(store.expr, ir.Result) for store in node.stores)
+    output_dtype = stored.pop() if as_is else "float32"
+    output = allocator.new("output", value_dim, dtype=output_dtype)
+    scope = TileScope(allocator, value_dim, "[0:rows, 0:cols]", load_pattern, Ref(tile=output, dtype=output_dtype))
     epilogue: list[str] = []
     store_lines(node.stores, scope, patterns, free, False, epilogue)
     kv_dims, group_dims = head_loops(node, plan)
     # k^T and v come in one key block at a time, into the resident tiles (the first query tile starts on the
     # first block while the others arrive) or into the block's own tiles
-    start, count = ("load_start", "load_cols") if plan.resident else ("kv0", "block_cols")
+    start, count = ("load_start", "load_cols") if plan.resident else ("kv0", "block_cols")  # (load_head's names)
     key_columns = f"{start}:{start} + {count}" if plan.resident else f"0:{count}"
     key_load = transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {key_columns}]",
                                start, count)
+    # q^T: [D chunk, chunk, rows], or with lanes [D chunk, chunk, queries, heads] (row r = query r // lanes)
+    query_rows = f"0:lane_rows, 0:{plan.lanes}" if plan.lanes > 1 else "0:rows"
     value_lines = value_loads(plan, patterns, node, f"{start} // 128" if plan.resident else "0", start, count)
     context = kernel_context(
         node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue,
-        kv_dims=kv_dims, group_dims=group_dims, operand_dtype=NL_DTYPES[node.q.dtype], value_dim=value_dim,
+        kv_dims=kv_dims, group_dims=group_dims, kv_params=", ".join(f"o{i}" for i in kv_dims),
+        tile_params="".join(f"o{i}, " for i in kv_dims + group_dims),
+        group_first="".join(f"o{j} == 0 and " for j in group_dims), operand_dtype=NL_DTYPES[node.q.dtype], value_dim=value_dim,
         keys=node.keys, key_chunks=math.ceil(node.keys / 128), scale=float(node.scale), causal=node.causal,
-        query_load=transposed_load(plan, patterns, node.q, f"queries_t[0:{plan.k_tile}, 0:{plan.k_tiles}, 0:rows]",
-                                   "p0", "rows"),
+        query_load=transposed_load(plan, patterns, node.q, f"queries_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {query_rows}]",
+                                   "p0", "lane_rows" if plan.lanes > 1 else "rows"),
+        partitions=partitions, query_rows=query_rows,
+        query_columns=f"{plan.partition.tile}, {plan.lanes}" if plan.lanes > 1 else plan.partition.tile,
         key_load=key_load, value_loads=value_lines,
         mask_load=mask_load(plan, patterns, node.mask, "mask_tile[0:rows, 0:block_cols]") if node.mask else None,
         mask_dtype=NL_DTYPES[node.mask.dtype] if node.mask else None, lowest=LOWEST_FP32, epilogue_source=output,
+        masked_value=CAUSAL_BIAS, scores_ahead=SCORES_AHEAD, vector_copy_period=VECTOR_COPY_PERIOD,
         logsumexp_store=logsumexp_store(patterns, node.logsumexp) if node.logsumexp else None,
     )
     return render_template("attention.py.j2", **context)
