@@ -429,7 +429,10 @@ PLAIN_FORMS = {"binary": _binary, "tensor_scalar": _unary_tensor_scalar, "activa
 
 
 def _emit_cast(dtype: str, source: Ref, vector: bool, scope: TileScope, lines: list[str]) -> Ref:
-    """``tensor_copy`` into a tile of ``dtype`` (a number is memset there)."""
+    """``tensor_copy`` into a tile of ``dtype`` (a number is memset there); a full tile already rounded to
+    ``dtype`` (a bf16 tile) is its own cast."""
+    if source.tile is not None and not source.vector and source.dtype == dtype and dtype in ROUNDING_DTYPES:
+        return source
     if vector and dtype != "float32":
         # Round the row vector to the dtype, then keep it fp32: tensor_scalar operands must be fp32.
         rounded = scope.tile(dtype, vector=True, stem=f"as_{dtype}")

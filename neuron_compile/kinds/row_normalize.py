@@ -10,7 +10,7 @@ Neuron compiler itself emits: load, row max, exp(x - max) with its row sum, reci
 from __future__ import annotations
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import Ref, TileAllocator, TileScope, emit
+from neuron_compile.codegen.expressions import ROUNDING_DTYPES, Ref, TileAllocator, TileScope, emit
 from neuron_compile.codegen.kernel_text import (
     Patterns,
     kernel_context,
@@ -49,13 +49,15 @@ def render_row_normalize(node: ir.RowNormalize, plan: TilePlan, name: str, param
                     f"on_true_tile={data}, on_false_value=float('-inf'), cmp_op=nl.greater_equal, offset=p0)")
         data = f"{masked}{window}"
     row_max, negated_max, row_sum = (allocator.new(stem, 1) for stem in ("row_max", "negated_max", "row_sum"))
-    exps, result = allocator.new("exps", row_free), allocator.new("softmax", row_free)
+    result_dtype = stored_dtype(node)
+    exps, result = allocator.new("exps", row_free), allocator.new("softmax", row_free, result_dtype)
     body += [
         f"nisa.tensor_reduce(dst={row_max}[0:rows, 0:1], op=nl.maximum, data={data}, axis=1, keepdims=True)",
         f"nisa.tensor_scalar(dst={negated_max}[0:rows, 0:1], data={row_max}[0:rows, 0:1], op0=nl.multiply, "
         "operand0=-1.0)",
-        f"nisa.activation(dst={exps}{window}, op=nl.exp, data={data}, bias={negated_max}[0:rows, 0:1])",
-        f"nisa.tensor_reduce(dst={row_sum}[0:rows, 0:1], op=nl.add, data={exps}{window}, axis=1, keepdims=True)",
+        # the row sum accumulates on ScalarE as the exponentials are written: no tensor_reduce on VectorE
+        f"nisa.activation(dst={exps}{window}, op=nl.exp, data={data}, bias={negated_max}[0:rows, 0:1], "
+        f"reduce_op=nl.add, reduce_res={row_sum}[0:rows, 0:1])",
     ]
     if node.op == "softmax":
         body += [
@@ -69,11 +71,25 @@ def render_row_normalize(node: ir.RowNormalize, plan: TilePlan, name: str, param
             f"nisa.tensor_scalar(dst={result}{window}, data={data}, op0=nl.subtract, operand0={row_max}[0:rows, 0:1], "
             f"op1=nl.subtract, operand1={row_sum}[0:rows, 0:1])",
         ]
-    scope = TileScope(allocator, row_free, window, prologue.load_pattern, Ref(tile=result))
+    scope = TileScope(allocator, row_free, window, prologue.load_pattern, Ref(tile=result, dtype=result_dtype))
     scope.tiles = prologue.tiles  # reuse the loaded tiles of operands read again by the epilogue
     store_lines(node.stores, scope, patterns, free, False, body)
     context = kernel_context(node, plan, name, parameters, allocations=allocator.lines, body=body)
     return render_template("row_normalize.py.j2", **context)
+
+
+def stored_dtype(node: ir.RowNormalize) -> str:
+    """The dtype the normalized tile is written in: that of its stores when every store is the result rounded to
+    one bf16-like dtype (stored as it is in a buffer of that dtype, or cast to it): the engines round to the
+    destination once, as eager rounds its fp32 result. fp32 otherwise."""
+    def written_dtype(store: ir.Store) -> str | None:
+        if store.expr == ir.Result():
+            return store.buffer.dtype
+        rounded = isinstance(store.expr, ir.Op) and store.expr.op == "cast" and store.expr.args == (ir.Result(),)
+        return store.expr.dtype if rounded and store.expr.dtype == store.buffer.dtype else None
+
+    dtypes = {written_dtype(store) for store in node.stores}
+    return dtypes.pop() if len(dtypes) == 1 and dtypes <= ROUNDING_DTYPES else "float32"
 
 
 class RowNormalizeKind(ProloguedKind):
