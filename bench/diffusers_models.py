@@ -1,0 +1,199 @@
+"""Tiny random-weight diffusers models that declare ``_repeated_blocks``, each with matching dummy inputs.
+
+A bench helper (read by bench/diffusers_bench.py and by the diffusers tests): ``MODELS`` maps a diffusers class
+name to a builder that returns ``(model, kwargs)``: the model in eval mode, built from a tiny config with random
+weights (seeded), and the keyword arguments of one forward call. Nothing is downloaded. Needs diffusers.
+
+Configs are the smallest that each class accepts: 1-2 blocks of each repeated kind, 2 heads, head dims of 8-16,
+a few dozen image and text tokens. ``UNLISTED`` names the classes with ``_repeated_blocks`` that have no builder
+here yet, with why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+SEED = 0
+
+
+def _random(generator: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator)
+
+
+def _built(class_name: str, **config):
+    import diffusers
+
+    torch.manual_seed(SEED)
+    return getattr(diffusers, class_name)(**config).eval()
+
+
+def _flux_like(class_name: str, pooled: bool, guidance: bool, pooled_input: bool | None = None, **extra) -> tuple:
+    """Flux and its relatives (Chroma, LongCat-Image, Ovis-Image): a 4x4 latent grid of 4 channels, 24 text
+    tokens, rotary positions from 3-axis ids."""
+    config = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                  num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=[4, 4, 8], **extra)
+    if pooled:
+        config["pooled_projection_dim"] = 32
+    model = _built(class_name, **config)
+    generator = torch.Generator().manual_seed(SEED)
+    kwargs = dict(hidden_states=_random(generator, 1, 16, 4), encoder_hidden_states=_random(generator, 1, 24, 32),
+                  img_ids=_random(generator, 16, 3), txt_ids=_random(generator, 24, 3), timestep=torch.tensor([1.0]))
+    if pooled if pooled_input is None else pooled_input:
+        kwargs["pooled_projections"] = _random(generator, 1, 32)
+    if guidance:
+        kwargs["guidance"] = torch.tensor([3.5])
+    return model, kwargs
+
+
+def flux():
+    return _flux_like("FluxTransformer2DModel", pooled=True, guidance=False)
+
+
+def chroma():
+    return _flux_like("ChromaTransformer2DModel", pooled=False, guidance=False, approximator_num_channels=8,
+                      approximator_hidden_dim=16, approximator_layers=1)
+
+
+def longcat_image():
+    return _flux_like("LongCatImageTransformer2DModel", pooled=True, guidance=True, pooled_input=False)
+
+
+def ovis_image():
+    return _flux_like("OvisImageTransformer2DModel", pooled=False, guidance=False, out_channels=4)
+
+
+def _grid_ids(t: int, h: int, w: int, l: int) -> torch.Tensor:
+    return torch.cartesian_prod(torch.arange(t), torch.arange(h), torch.arange(w), torch.arange(l)).unsqueeze(0)
+
+
+def flux2():
+    model = _built("Flux2Transformer2DModel", patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                   timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4])
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 16, 4), encoder_hidden_states=_random(generator, 1, 24, 32),
+                       img_ids=_grid_ids(1, 4, 4, 1), txt_ids=_grid_ids(1, 1, 1, 24), timestep=torch.tensor([1.0]),
+                       guidance=torch.tensor([1.0]))
+
+
+def qwen_image():
+    model = _built("QwenImageTransformer2DModel", patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                   attention_head_dim=16, num_attention_heads=4, joint_attention_dim=16, guidance_embeds=False,
+                   axes_dims_rope=(8, 4, 4))
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 16, 16), encoder_hidden_states=_random(generator, 1, 8, 16),
+                       encoder_hidden_states_mask=torch.ones(1, 8, dtype=torch.long), timestep=torch.tensor([1.0]),
+                       img_shapes=[(1, 4, 4)])
+
+
+def _wan_like(class_name: str, **extra) -> tuple:
+    """Wan and the models built on its block (SkyReels-V2, ChronoEdit): 2 frames of 16x16 latents, 4 channels."""
+    model = _built(class_name, patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                   out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                   qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **extra)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 4, 2, 16, 16),
+                       encoder_hidden_states=_random(generator, 1, 12, 16), timestep=torch.tensor([500]))
+
+
+def wan():
+    return _wan_like("WanTransformer3DModel")
+
+
+def skyreels_v2():
+    return _wan_like("SkyReelsV2Transformer3DModel")
+
+
+def chronoedit():
+    return _wan_like("ChronoEditTransformer3DModel", rope_temporal_skip_len=8)
+
+
+def ltx_video():
+    model = _built("LTXVideoTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2,
+                   attention_head_dim=8, cross_attention_dim=16, num_layers=1, qk_norm="rms_norm_across_heads",
+                   caption_channels=16)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 2 * 8 * 8, 4), encoder_hidden_states=_random(generator, 1, 16, 16),
+                       timestep=torch.tensor([500]), encoder_attention_mask=torch.ones(1, 16, dtype=torch.bool),
+                       num_frames=2, height=8, width=8)
+
+
+def hunyuan_video():
+    model = _built("HunyuanVideoTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2,
+                   attention_head_dim=10, num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=1,
+                   patch_size_t=1, guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8,
+                   rope_axes_dim=(2, 4, 4))
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 4, 1, 8, 8), timestep=torch.tensor([500]),
+                       encoder_hidden_states=_random(generator, 1, 12, 16), pooled_projections=_random(generator, 1, 8),
+                       encoder_attention_mask=torch.ones(1, 12), guidance=torch.tensor([3.5]))
+
+
+def glm_image():
+    model = _built("GlmImageTransformer2DModel", patch_size=2, in_channels=4, out_channels=4, num_layers=1,
+                   attention_head_dim=8, num_attention_heads=2, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
+                   prior_vq_quantizer_codebook_size=64)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 4, 8, 8), encoder_hidden_states=_random(generator, 1, 12, 32),
+                       prior_token_id=torch.tensor([3]), prior_token_drop=torch.zeros(1, dtype=torch.bool),
+                       timestep=torch.tensor([500]), target_size=torch.tensor([[8.0, 8.0]]),
+                       crop_coords=torch.tensor([[0.0, 0.0]]))
+
+
+def ernie_image():
+    model = _built("ErnieImageTransformer2DModel", hidden_size=16, num_attention_heads=1, num_layers=1,
+                   ffn_hidden_size=16, in_channels=16, out_channels=16, patch_size=1, text_in_dim=16, rope_theta=256,
+                   rope_axes_dim=(8, 4, 4), eps=1e-6, qk_layernorm=True)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 16, 8, 8), timestep=torch.tensor([1.0]),
+                       text_bth=_random(generator, 1, 16, 16), text_lens=torch.tensor([16]))
+
+
+def z_image():
+    model = _built("ZImageTransformer2DModel", all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=16,
+                   n_layers=1, n_refiner_layers=1, n_heads=1, n_kv_heads=2, qk_norm=True, cap_feat_dim=16,
+                   rope_theta=256.0, t_scale=1000.0, axes_dims=[8, 4, 4], axes_lens=[256, 32, 32])
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(x=[_random(generator, 16, 1, 8, 8)], cap_feats=[_random(generator, 16, 16)],
+                       t=torch.tensor([0.5]))
+
+
+def unet_2d_condition():
+    model = _built("UNet2DConditionModel", block_out_channels=(8, 16), norm_num_groups=4, down_block_types=(
+        "CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=8, attention_head_dim=2, out_channels=4, in_channels=4, layers_per_block=1, sample_size=16)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(sample=_random(generator, 1, 4, 16, 16), timestep=torch.tensor([10]),
+                       encoder_hidden_states=_random(generator, 1, 4, 8))
+
+
+MODELS: dict[str, Callable[[], tuple]] = {
+    "FluxTransformer2DModel": flux,
+    "Flux2Transformer2DModel": flux2,
+    "ChromaTransformer2DModel": chroma,
+    "LongCatImageTransformer2DModel": longcat_image,
+    "OvisImageTransformer2DModel": ovis_image,
+    "QwenImageTransformer2DModel": qwen_image,
+    "WanTransformer3DModel": wan,
+    "SkyReelsV2Transformer3DModel": skyreels_v2,
+    "ChronoEditTransformer3DModel": chronoedit,
+    "LTXVideoTransformer3DModel": ltx_video,
+    "HunyuanVideoTransformer3DModel": hunyuan_video,
+    "GlmImageTransformer2DModel": glm_image,
+    "ErnieImageTransformer2DModel": ernie_image,
+    "ZImageTransformer2DModel": z_image,
+    "UNet2DConditionModel": unet_2d_condition,
+}
+
+
+def first_output(output) -> torch.Tensor:
+    """The sample tensor of a model's output (``.sample``, a tuple's first item, or a list of per-item tensors)."""
+    if hasattr(output, "sample"):
+        output = output.sample
+    if isinstance(output, tuple | list):
+        output = output[0]
+    if isinstance(output, list):
+        output = torch.stack(output)
+    return output
