@@ -110,6 +110,25 @@ def chronoedit():
     return _wan_like("ChronoEditTransformer3DModel", rope_temporal_skip_len=8)
 
 
+def anyflow():
+    model = _built("AnyFlowTransformer3DModel", patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                   in_channels=4, out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2,
+                   cross_attn_norm=True, rope_max_seq_len=32, gate_value=0.25, deltatime_type="r")
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 2, 4, 8, 8), encoder_hidden_states=_random(generator, 1, 12, 16),
+                       timestep=torch.tensor([[500.0, 500.0]]), r_timestep=torch.tensor([[400.0, 400.0]]))
+
+
+def wan_vace():
+    model = _built("WanVACETransformer3DModel", patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                   in_channels=16, out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=4,
+                   cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32, vace_layers=[0, 2],
+                   vace_in_channels=48)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 16, 2, 8, 8), encoder_hidden_states=_random(generator, 1, 12, 32),
+                       control_hidden_states=_random(generator, 1, 48, 2, 8, 8), timestep=torch.tensor([500]))
+
+
 def ltx_video():
     model = _built("LTXVideoTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2,
                    attention_head_dim=8, cross_attention_dim=16, num_layers=1, qk_norm="rms_norm_across_heads",
@@ -129,6 +148,69 @@ def hunyuan_video():
     return model, dict(hidden_states=_random(generator, 1, 4, 1, 8, 8), timestep=torch.tensor([500]),
                        encoder_hidden_states=_random(generator, 1, 12, 16), pooled_projections=_random(generator, 1, 8),
                        encoder_attention_mask=torch.ones(1, 12), guidance=torch.tensor([3.5]))
+
+
+def ltx2_video():
+    model = _built("LTX2VideoTransformer3DModel", in_channels=4, out_channels=4, patch_size=1, patch_size_t=1,
+                   num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4,
+                   audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
+                   audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads", caption_channels=16,
+                   rope_double_precision=False)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 2 * 8 * 8, 4), audio_hidden_states=_random(generator, 1, 9, 4),
+                       encoder_hidden_states=_random(generator, 1, 16, 16),
+                       audio_encoder_hidden_states=_random(generator, 1, 16, 16), timestep=torch.tensor([500]),
+                       encoder_attention_mask=torch.ones(1, 16, dtype=torch.bool), num_frames=2, height=8, width=8,
+                       audio_num_frames=9, fps=25.0)
+
+
+def motif_video():
+    model = _built("MotifVideoTransformer3DModel", in_channels=33, out_channels=16, num_attention_heads=2,
+                   attention_head_dim=12, num_layers=1, num_single_layers=1, num_decoder_layers=0, mlp_ratio=4.0,
+                   patch_size=1, patch_size_t=1, qk_norm="rms_norm", norm_type="layer_norm", text_embed_dim=32,
+                   image_embed_dim=4, rope_theta=256.0, rope_axes_dim=(4, 4, 4),
+                   enable_text_cross_attention_dual=False, enable_text_cross_attention_single=False)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 33, 9, 4, 4), encoder_hidden_states=_random(generator, 1, 12, 32),
+                       timestep=torch.tensor([500]))
+
+
+def nucleus_moe_image():
+    model = _built("NucleusMoEImageTransformer2DModel", patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                   attention_head_dim=16, num_attention_heads=4, joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
+                   moe_enabled=False, capacity_factors=[8.0, 8.0])
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 16, 16), encoder_hidden_states=_random(generator, 1, 8, 16),
+                       encoder_hidden_states_mask=torch.ones(1, 8, dtype=torch.long), timestep=torch.tensor([1.0]),
+                       img_shapes=[(1, 4, 4)])
+
+
+def longcat_audio_dit():
+    model = _built("LongCatAudioDiTTransformer", dit_dim=64, dit_depth=2, dit_heads=4, dit_text_dim=32, latent_dim=8,
+                   text_conv=False)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 16, 8), encoder_hidden_states=_random(generator, 1, 10, 32),
+                       encoder_attention_mask=torch.ones(1, 10, dtype=torch.bool),
+                       attention_mask=torch.ones(1, 16, dtype=torch.bool), timestep=torch.ones(1))
+
+
+def minimax_music3():
+    model = _built("MiniMaxMusic3Transformer1DModel", in_channels=8, condition_dim=16, num_layers=2,
+                   num_attention_heads=2, attention_head_dim=8, ff_inner_dim=32, rotary_dim=4, fourier_embedding_dim=8)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 8, 24), encoder_hidden_states=_random(generator, 1, 24, 16),
+                       timestep=torch.full((1,), 0.5))
+
+
+def bria_fibo():
+    model = _built("BriaFiboTransformer2DModel", patch_size=1, in_channels=48, num_layers=1, num_single_layers=1,
+                   attention_head_dim=8, num_attention_heads=2, joint_attention_dim=64, text_encoder_dim=32,
+                   pooled_projection_dim=None, axes_dims_rope=[0, 4, 4])
+    generator = torch.Generator().manual_seed(SEED)
+    text = _random(generator, 1, 32, 64)
+    return model, dict(hidden_states=_random(generator, 1, 64, 48), encoder_hidden_states=text,
+                       img_ids=_random(generator, 64, 3), txt_ids=_random(generator, 32, 3), timestep=torch.tensor([1.0]),
+                       text_encoder_layers=[text[:, :, :32], text[:, :, :32]])
 
 
 def glm_image():
@@ -179,7 +261,15 @@ MODELS: dict[str, Callable[[], tuple]] = {
     "WanTransformer3DModel": wan,
     "SkyReelsV2Transformer3DModel": skyreels_v2,
     "ChronoEditTransformer3DModel": chronoedit,
+    "AnyFlowTransformer3DModel": anyflow,
+    "WanVACETransformer3DModel": wan_vace,
     "LTXVideoTransformer3DModel": ltx_video,
+    "LTX2VideoTransformer3DModel": ltx2_video,
+    "MotifVideoTransformer3DModel": motif_video,
+    "NucleusMoEImageTransformer2DModel": nucleus_moe_image,
+    "LongCatAudioDiTTransformer": longcat_audio_dit,
+    "MiniMaxMusic3Transformer1DModel": minimax_music3,
+    "BriaFiboTransformer2DModel": bria_fibo,
     "HunyuanVideoTransformer3DModel": hunyuan_video,
     "GlmImageTransformer2DModel": glm_image,
     "ErnieImageTransformer2DModel": ernie_image,
