@@ -81,16 +81,16 @@ def run_child(class_name: str, backend: str, timeout: float) -> dict:
 
 def row(class_name: str, results: dict) -> str:
     neuron, inductor, passthrough = (results[backend] for backend in BACKENDS)
-    if "failure" in passthrough:
+    if "failure" in passthrough and passthrough["failure"] != "not run":
         return f"| {class_name} | fails with a pass-through backend too: {passthrough['failure']} |||||||||"
     if "failure" in neuron:
         return f"| {class_name} | neuron failed: {neuron['failure']} |||||||||"
     nodes = neuron["nki_nodes"] + neuron["fallback_nodes"]
     share = 100.0 * neuron["nki_nodes"] / nodes if nodes else 0.0
-    inductor_s = f"{inductor['compile_s']:.1f}" if "failure" not in inductor else "failed"
+    inductor_s = f"{inductor['compile_s']:.1f}" if "failure" not in inductor else inductor["failure"][:40]
     return (f"| {class_name} | {neuron['error']:.1e} ({neuron['error'] / max(neuron['scale'], 1e-30):.0e}) | "
             f"{neuron['nki_nodes']}/{neuron['fallback_nodes']} | {share:.1f}% | {neuron['kernels']} | "
-            f"{neuron['graphs']}/{passthrough['graphs']} | {neuron['compile_s']:.1f} | {inductor_s} | "
+            f"{neuron['graphs']}/{passthrough.get('graphs', '-')} | {neuron['compile_s']:.1f} | {inductor_s} | "
             f"{neuron['region_failures']} | {neuron['top_reason']} |")
 
 
