@@ -23,10 +23,17 @@ def _random(generator: torch.Generator, *shape: int) -> torch.Tensor:
 
 
 def _built(class_name: str, **config):
+    """The model with random weights; parameters a class initializes to zero (adaLN-zero gates, zero output
+    projections) get small random values too, else a block may add nothing and a wrong kernel go unseen."""
     import diffusers
 
     torch.manual_seed(SEED)
-    return getattr(diffusers, class_name)(**config).eval()
+    model = getattr(diffusers, class_name)(**config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.is_floating_point() and not parameter.any():
+                parameter.normal_(0.0, 0.1)
+    return model
 
 
 def _flux_like(class_name: str, pooled: bool, guidance: bool, pooled_input: bool | None = None, **extra) -> tuple:
