@@ -94,8 +94,8 @@ def row(class_name: str, results: dict) -> str:
             f"{neuron['region_failures']} | {neuron['top_reason']} |")
 
 
-HEADER = ("| model | max error (relative) | NKI / eager nodes | NKI share | kernels per call | graphs ours/pass-through "
-          "| compile s ours | compile s Inductor | failed regions | top fallback |\n"
+HEADER = ("| model | max error (relative) | NKI / eager nodes | NKI share | kernels per call "
+          "| graphs ours/pass-through | compile s ours | compile s Inductor | failed regions | top fallback |\n"
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
 

@@ -91,7 +91,8 @@ def flux3():
                    axes_dims_rope=(4, 4, 4, 4))
     generator = torch.Generator().manual_seed(SEED)
     return model, dict(hidden_states=_random(generator, 1, 16, 4), encoder_hidden_states=_random(generator, 1, 24, 32),
-                       timestep=torch.tensor([1.0]), img_ids=_grid_ids(1, 4, 4, 1)[0], txt_ids=_grid_ids(1, 1, 1, 24)[0])
+                       timestep=torch.tensor([1.0]),
+                       img_ids=_grid_ids(1, 4, 4, 1)[0], txt_ids=_grid_ids(1, 1, 1, 24)[0])
 
 
 def hunyuan_image():
@@ -140,7 +141,8 @@ def anyflow():
                    in_channels=4, out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2,
                    cross_attn_norm=True, rope_max_seq_len=32, gate_value=0.25, deltatime_type="r")
     generator = torch.Generator().manual_seed(SEED)
-    return model, dict(hidden_states=_random(generator, 1, 2, 4, 8, 8), encoder_hidden_states=_random(generator, 1, 12, 16),
+    return model, dict(hidden_states=_random(generator, 1, 2, 4, 8, 8),
+                       encoder_hidden_states=_random(generator, 1, 12, 16),
                        timestep=torch.tensor([[500.0, 500.0]]), r_timestep=torch.tensor([[400.0, 400.0]]))
 
 
@@ -150,7 +152,8 @@ def wan_vace():
                    cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32, vace_layers=[0, 2],
                    vace_in_channels=48)
     generator = torch.Generator().manual_seed(SEED)
-    return model, dict(hidden_states=_random(generator, 1, 16, 2, 8, 8), encoder_hidden_states=_random(generator, 1, 12, 32),
+    return model, dict(hidden_states=_random(generator, 1, 16, 2, 8, 8),
+                       encoder_hidden_states=_random(generator, 1, 12, 32),
                        control_hidden_states=_random(generator, 1, 48, 2, 8, 8), timestep=torch.tensor([500]))
 
 
@@ -159,7 +162,8 @@ def ltx_video():
                    attention_head_dim=8, cross_attention_dim=16, num_layers=1, qk_norm="rms_norm_across_heads",
                    caption_channels=16)
     generator = torch.Generator().manual_seed(SEED)
-    return model, dict(hidden_states=_random(generator, 1, 2 * 8 * 8, 4), encoder_hidden_states=_random(generator, 1, 16, 16),
+    return model, dict(hidden_states=_random(generator, 1, 2 * 8 * 8, 4),
+                       encoder_hidden_states=_random(generator, 1, 16, 16),
                        timestep=torch.tensor([500]), encoder_attention_mask=torch.ones(1, 16, dtype=torch.bool),
                        num_frames=2, height=8, width=8)
 
@@ -182,7 +186,8 @@ def ltx2_video():
                    audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads", caption_channels=16,
                    rope_double_precision=False)
     generator = torch.Generator().manual_seed(SEED)
-    return model, dict(hidden_states=_random(generator, 1, 2 * 8 * 8, 4), audio_hidden_states=_random(generator, 1, 9, 4),
+    return model, dict(hidden_states=_random(generator, 1, 2 * 8 * 8, 4),
+                       audio_hidden_states=_random(generator, 1, 9, 4),
                        encoder_hidden_states=_random(generator, 1, 16, 16),
                        audio_encoder_hidden_states=_random(generator, 1, 16, 16), timestep=torch.tensor([500]),
                        encoder_attention_mask=torch.ones(1, 16, dtype=torch.bool), num_frames=2, height=8, width=8,
@@ -196,7 +201,8 @@ def motif_video():
                    image_embed_dim=4, rope_theta=256.0, rope_axes_dim=(4, 4, 4),
                    enable_text_cross_attention_dual=False, enable_text_cross_attention_single=False)
     generator = torch.Generator().manual_seed(SEED)
-    return model, dict(hidden_states=_random(generator, 1, 33, 9, 4, 4), encoder_hidden_states=_random(generator, 1, 12, 32),
+    return model, dict(hidden_states=_random(generator, 1, 33, 9, 4, 4),
+                       encoder_hidden_states=_random(generator, 1, 12, 32),
                        timestep=torch.tensor([500]))
 
 
@@ -234,7 +240,8 @@ def bria_fibo():
     generator = torch.Generator().manual_seed(SEED)
     text = _random(generator, 1, 32, 64)
     return model, dict(hidden_states=_random(generator, 1, 64, 48), encoder_hidden_states=text,
-                       img_ids=_random(generator, 64, 3), txt_ids=_random(generator, 32, 3), timestep=torch.tensor([1.0]),
+                       img_ids=_random(generator, 64, 3), txt_ids=_random(generator, 32, 3),
+                       timestep=torch.tensor([1.0]),
                        text_encoder_layers=[text[:, :, :32], text[:, :, :32]])
 
 
@@ -316,14 +323,16 @@ def stable_audio3():
                    num_memory_tokens=3, use_differential_attention=False)
     generator = torch.Generator().manual_seed(SEED)
     return model, dict(hidden_states=_random(generator, 1, 8, 16), timestep=torch.tensor([0.3]),
-                       encoder_hidden_states=_random(generator, 1, 4, 16), global_hidden_states=_random(generator, 1, 12))
+                       encoder_hidden_states=_random(generator, 1, 4, 16),
+                       global_hidden_states=_random(generator, 1, 12))
 
 
 def joy_image_edit():
     model = _built("JoyImageEditTransformer3DModel", patch_size=[1, 2, 2], in_channels=16, hidden_size=32,
                    num_attention_heads=2, text_dim=16, num_layers=2, rope_dim_list=[4, 6, 6], theta=256)
     generator = torch.Generator().manual_seed(SEED)
-    return model, dict(hidden_states=_random(generator, 1, 16, 1, 4, 4), encoder_hidden_states=_random(generator, 1, 12, 16),
+    return model, dict(hidden_states=_random(generator, 1, 16, 1, 4, 4),
+                       encoder_hidden_states=_random(generator, 1, 12, 16),
                        timestep=torch.tensor([1.0]))
 
 
@@ -332,7 +341,8 @@ def glm_image():
                    attention_head_dim=8, num_attention_heads=2, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
                    prior_vq_quantizer_codebook_size=64)
     generator = torch.Generator().manual_seed(SEED)
-    return model, dict(hidden_states=_random(generator, 1, 4, 8, 8), encoder_hidden_states=_random(generator, 1, 12, 32),
+    return model, dict(hidden_states=_random(generator, 1, 4, 8, 8),
+                       encoder_hidden_states=_random(generator, 1, 12, 32),
                        prior_token_id=torch.tensor([3]), prior_token_drop=torch.zeros(1, dtype=torch.bool),
                        timestep=torch.tensor([500]), target_size=torch.tensor([[8.0, 8.0]]),
                        crop_coords=torch.tensor([[0.0, 0.0]]))
@@ -416,7 +426,7 @@ UNLISTED: dict[str, str] = {
     "RFD4ProteinaTransformer": "protein-structure inputs not worked out yet",
     "SanaWMTransformer3DModel": "camera-control inputs not worked out yet",
     "SanaWMLTX2RefinerTransformer3DModel": "camera-control inputs not worked out yet",
-    "WanAnimateTransformer3DModel": "its motion encoder needs 21 latent frames: 1344 tokens per block, slow on the simulator",
+    "WanAnimateTransformer3DModel": "its motion encoder needs 21 latent frames: 1344 tokens a block, slow here",
     "WanAnimate2Transformer3DModel": "no tiny config worked out yet",
 }
 

@@ -42,7 +42,7 @@ def tiny_flux():
 def test_flux_blocks_compiled_per_class_match_eager():
     expected, actual, stats = regional(*tiny_flux())
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    assert stats["graphs_compiled"] == 2  # FluxTransformerBlock (two instances, one compile), FluxSingleTransformerBlock
+    assert stats["graphs_compiled"] == 2  # FluxTransformerBlock (two instances: one compile), the single block
     assert stats["fallback_nodes"] == 0 and stats["nki_nodes"] > 200
 
 

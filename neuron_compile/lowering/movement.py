@@ -341,9 +341,10 @@ def _slice_bounds(node: torch.fx.Node):
 
 
 def _slice_scatter_runs(size: int, start: int, end: int, step: int):
-    """The output positions along the scattered dim as runs (first position, count, from_src): each run is every ``step``-th position of one residue class, all read from the input or all from
-    src. With step 1 these are the three boxes before, inside and after the slice; with a step, each residue
-    class is one run, and the class the slice walks is split into before / src / after."""
+    """The output positions along the scattered dim as runs (first position, count, from_src): each run is every
+    ``step``-th position of one residue class, all read from the input or all from src. With step 1 these are the
+    three boxes before, inside and after the slice; with a step, each residue class is one run, and the class the
+    slice walks is split into before / src / after."""
     count = len(range(start, end, step))
     runs = []
     for residue in range(min(step, size)):
