@@ -5,10 +5,11 @@ Per model class, each backend in a fresh process (Dynamo's caches and recompile 
 call against eager. Columns: the largest difference from eager (and relative to eager's largest value), the ATen
 nodes placed in NKI kernels vs run eagerly (share), kernels launched per call, Dynamo graphs compiled (against a
 pass-through backend: ``eager``), the first call's CPU seconds beyond a warm call (compile time) for ours and
-for Inductor, and the top fallback reason. A backend that fails says so in the row.
+for Inductor, and the top fallback reason. A backend that fails says so in the row. By default both sides may hit
+their on-disk caches from earlier runs; ``--cold`` turns them off for cold compile times.
 
     PYTHONPATH=. python bench/diffusers_bench.py
-    PYTHONPATH=. python bench/diffusers_bench.py --only FluxTransformer2DModel,WanTransformer3DModel
+    PYTHONPATH=. python bench/diffusers_bench.py --only FluxTransformer2DModel,WanTransformer3DModel --cold
 """
 
 from __future__ import annotations
@@ -64,10 +65,16 @@ def child(class_name: str, backend: str) -> dict:
                 top_reason=f"{reasons[0][0]} (x{reasons[0][1]})" if reasons else "")
 
 
-def run_child(class_name: str, backend: str, timeout: float) -> dict:
+# Cold compiles: our on-disk kernel cache and Inductor's caches off, so neither side reuses an earlier run's work.
+COLD_ENVIRONMENT = {"NEURON_COMPILE_CACHE": "off", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+
+
+def run_child(class_name: str, backend: str, timeout: float, cold: bool = False) -> dict:
     command = [sys.executable, __file__, "--child", class_name, "--backend", backend]
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__),
                                                                  os.environ.get("PYTHONPATH", "")]))
+    if cold:
+        environment.update(COLD_ENVIRONMENT)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)
     except subprocess.TimeoutExpired:
@@ -104,6 +111,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated class names (default: all in diffusers_models)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="neuron,inductor,eager")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per child process")
+    parser.add_argument("--cold", action="store_true", help="caches off on both sides (NEURON_COMPILE_CACHE=off, "
+                        "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1): cold compile times")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
@@ -117,7 +126,7 @@ def main() -> None:
     wanted = arguments.backends.split(",")
     print(HEADER, flush=True)
     for name in names:
-        results = {backend: run_child(name, backend, arguments.timeout) if backend in wanted
+        results = {backend: run_child(name, backend, arguments.timeout, arguments.cold) if backend in wanted
                    else dict(failure="not run") for backend in BACKENDS}
         print(row(name, results), flush=True)
 
