@@ -31,7 +31,6 @@ import torch.fx
 
 aten = torch.ops.aten
 COMPLEX_DTYPES = (torch.complex64,)
-PAIR_DTYPE = torch.float32
 
 # Views whose dim argument (the second) is re-aimed at the pair tensor.
 DIM_VIEWS = (aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.select.int)
