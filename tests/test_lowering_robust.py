@@ -305,3 +305,25 @@ def test_split_with_an_empty_piece_is_views():
     x = random_tensor((6, 129))
     # One region for the whole graph (check_against_eager raises on a node it cannot lower), the empty piece too.
     check_against_eager(lambda t: [p * 2 for p in torch.split(t, [2, 0, 4], dim=0)], x)
+
+
+def test_region_reads_an_input_whose_size_one_dims_have_other_strides():
+    # Eager may give an intermediate other strides on its size-1 dims than the fake tensor the region was compiled
+    # for (AnyFlow's rotary: [1, 2, 32, 12] with stride 24 where 768 was traced): the same elements are read.
+    from neuron_compile.pipeline import compile_region
+
+    x = random_tensor((1, 2, 32, 12))
+    region = compile_region(trace(lambda t: t * 2.0 + 1.0, x), [x])
+    restrided = torch.as_strided(x.clone(), (1, 2, 32, 12), (24, 384, 12, 1))
+    restrided.copy_(x)
+    torch.testing.assert_close(region(restrided)[0], x * 2.0 + 1.0)
+
+
+def test_region_called_with_other_strides_on_a_real_dim_raises_a_named_error():
+    from neuron_compile.lowering import LoweringError
+    from neuron_compile.pipeline import compile_region
+
+    x = random_tensor((1, 2, 32, 12))
+    region = compile_region(trace(lambda t: t * 2.0, x), [x])
+    with pytest.raises(LoweringError, match=r"called with \[1, 2, 32, 12\] \[768, 12, 24, 1\]"):
+        region(x.transpose(1, 2).contiguous().transpose(1, 2))

@@ -340,32 +340,56 @@ def _slice_bounds(node: torch.fx.Node):
     return dim, start, end, step
 
 
-def _check_slice_scatter(node: torch.fx.Node) -> str | None:
-    _, _, _, step = _slice_bounds(node)
-    return None if step == 1 else f"aten.slice_scatter: step {step} (only step 1)"
+def _slice_scatter_runs(size: int, start: int, end: int, step: int):
+    """The output positions along the scattered dim as runs (first position, count, from_src): each run is every
+    ``step``-th position of one residue class, all read from the input or all from src. With step 1 these are the
+    three boxes before, inside and after the slice; with a step, each residue class is one run, and the class the
+    slice walks is split into before / src / after."""
+    count = len(range(start, end, step))
+    runs = []
+    for residue in range(min(step, size)):
+        total = len(range(residue, size, step))
+        if count == 0 or residue != start % step:
+            runs.append((residue, total, False))
+            continue
+        first = (start - residue) // step
+        runs += [(residue, first, False), (start, count, True), (start + count * step, total - first - count, False)]
+    return [run for run in runs if run[1] > 0]
 
 
-@register_lowering(aten.slice_scatter.default, check=_check_slice_scatter)
+def _strided_part(ctx, value, buffer, dim: int, run, step: int) -> ir.Pointwise:
+    """One run of a slice_scatter: ``count`` positions ``step`` apart along ``dim``, copied from ``value``
+    (src, read whole along the dim, or the input, read at the same positions) into ``buffer``."""
+    position, count, from_src = run
+    shape = buffer.layout.shape
+    extents = tuple(count if d == dim else n for d, n in enumerate(shape))
+    read_first, read_step = (0, 1) if from_src else (position, step)
+    read = ir.Layout(extents, tuple(stride * read_step if d == dim else stride
+                                    for d, stride in enumerate(value.layout.strides)),
+                     value.layout.offset + read_first * value.layout.strides[dim])
+    write = ir.Layout(extents, tuple(stride * step if d == dim else stride
+                                     for d, stride in enumerate(buffer.layout.strides)),
+                      buffer.layout.offset + position * buffer.layout.strides[dim])
+    expr = ir.Load(value.buffer, broadcast_layout(read, extents), value.dtype)
+    if value.dtype != buffer.dtype:
+        expr = ir.Op("cast", (expr,), dtype=buffer.dtype)
+    return ir.Pointwise(ctx.fresh_name("part"), extents, (ir.Store(buffer, expr, write),))
+
+
+@register_lowering(aten.slice_scatter.default)
 def lower_slice_scatter(ctx, node):
-    # out = input with out[..., start:end, ...] = src along dim: three non-overlapping parts of one Concat
-    # (input before the slice, src, input after it), each written exactly once.
-    dim, start, end, _ = _slice_bounds(node)
+    # out = input with out[..., start:end:step, ...] = src along dim: non-overlapping runs of one Concat (the input
+    # before the slice, src, the input after it; with a step, also the residue classes the slice skips), each
+    # position written exactly once. Runs of a step are strided, not boxes: their places stay unknown (no epilogue
+    # is distributed over them).
+    dim, start, end, step = _slice_bounds(node)
     source, src = ctx.value(node.args[0]), ctx.value(node.args[1])
     buffer = ctx.output_buffer(node, "slice_scatter")
     shape = buffer.layout.shape
-    parts, starts = [], []
-    for lo, hi, value, value_start in ((0, start, source, 0), (start, end, src, 0), (end, shape[dim], source, end)):
-        if hi <= lo:
-            continue
-        extents = tuple(hi - lo if d == dim else n for d, n in enumerate(shape))
-        read = ir.Layout(extents, value.layout.strides, value.layout.offset + value_start * value.layout.strides[dim])
-        write = ir.Layout(extents, buffer.layout.strides, buffer.layout.offset + lo * buffer.layout.strides[dim])
-        expr = ir.Load(value.buffer, broadcast_layout(read, extents), value.dtype)
-        if value.dtype != buffer.dtype:
-            expr = ir.Op("cast", (expr,), dtype=buffer.dtype)
-        parts.append(ir.Pointwise(ctx.fresh_name("part"), extents, (ir.Store(buffer, expr, write),)))
-        starts.append(tuple(lo if d == dim else 0 for d in range(len(shape))))
-    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), shape, tuple(parts), buffer, tuple(starts)))
+    runs = _slice_scatter_runs(shape[dim], start, end, step)
+    parts = tuple(_strided_part(ctx, src if run[2] else source, buffer, dim, run, step) for run in runs)
+    starts = tuple(tuple(run[0] if d == dim else 0 for d in range(len(shape))) for run in runs) if step == 1 else ()
+    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), shape, parts, buffer, starts))
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
 
 

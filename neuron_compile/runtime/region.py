@@ -134,11 +134,13 @@ class CompiledRegion:
 
     @staticmethod
     def _check_input(buffer: ir.Buffer, tensor: torch.Tensor) -> None:
-        # An empty tensor has no element to read: its strides (which eager picks freely) do not matter.
-        strides_matter = tensor.numel() > 0
-        if tuple(tensor.shape) != buffer.layout.shape or (
-            strides_matter and tuple(tensor.stride()) != buffer.layout.strides
-        ):
+        # An empty tensor has no element to read, and a dim of size 1 is only ever read at index 0: their strides
+        # (which eager picks freely, and may pick differently from the fake tensors the region was compiled for)
+        # do not change which elements the kernels read.
+        strides_differ = tensor.numel() > 0 and any(
+            size > 1 and stride != compiled
+            for size, stride, compiled in zip(tensor.shape, tensor.stride(), buffer.layout.strides))
+        if tuple(tensor.shape) != buffer.layout.shape or strides_differ:
             raise LoweringError(
                 f"input {buffer.name}: compiled for shape {list(buffer.layout.shape)} strides "
                 f"{list(buffer.layout.strides)}, called with {list(tensor.shape)} {list(tensor.stride())}"

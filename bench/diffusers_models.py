@@ -1,0 +1,442 @@
+"""Tiny random-weight diffusers models that declare ``_repeated_blocks``, each with matching dummy inputs.
+
+A bench helper (read by bench/diffusers_bench.py and by the diffusers tests): ``MODELS`` maps a diffusers class
+name to a builder that returns ``(model, kwargs)``: the model in eval mode, built from a tiny config with random
+weights (seeded), and the keyword arguments of one forward call. Nothing is downloaded. Needs diffusers.
+
+Configs are the smallest that each class accepts: 1-2 blocks of each repeated kind, 2-4 heads, head dims of 8-16,
+a few dozen to a few hundred image and text tokens. ``UNLISTED`` names the classes with ``_repeated_blocks`` (48 in
+diffusers 0.42) that have no builder here yet, with why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+SEED = 0
+
+
+def _random(generator: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator)
+
+
+def _built(class_name: str, **config):
+    """The model with random weights; parameters a class initializes to zero (adaLN-zero gates, zero output
+    projections) get small random values too, else a block may add nothing and a wrong kernel go unseen."""
+    import diffusers
+
+    torch.manual_seed(SEED)
+    model = getattr(diffusers, class_name)(**config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.is_floating_point() and not parameter.any():
+                parameter.normal_(0.0, 0.1)
+    return model
+
+
+def _flux_like(class_name: str, pooled: bool, guidance: bool, pooled_input: bool | None = None, **extra) -> tuple:
+    """Flux and its relatives (Chroma, LongCat-Image, Ovis-Image): a 4x4 latent grid of 4 channels, 24 text
+    tokens, rotary positions from 3-axis ids."""
+    config = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                  num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=[4, 4, 8], **extra)
+    if pooled:
+        config["pooled_projection_dim"] = 32
+    model = _built(class_name, **config)
+    generator = torch.Generator().manual_seed(SEED)
+    kwargs = dict(hidden_states=_random(generator, 1, 16, 4), encoder_hidden_states=_random(generator, 1, 24, 32),
+                  img_ids=_random(generator, 16, 3), txt_ids=_random(generator, 24, 3), timestep=torch.tensor([1.0]))
+    if pooled if pooled_input is None else pooled_input:
+        kwargs["pooled_projections"] = _random(generator, 1, 32)
+    if guidance:
+        kwargs["guidance"] = torch.tensor([3.5])
+    return model, kwargs
+
+
+def flux():
+    return _flux_like("FluxTransformer2DModel", pooled=True, guidance=False)
+
+
+def chroma():
+    return _flux_like("ChromaTransformer2DModel", pooled=False, guidance=False, approximator_num_channels=8,
+                      approximator_hidden_dim=16, approximator_layers=1)
+
+
+def longcat_image():
+    return _flux_like("LongCatImageTransformer2DModel", pooled=True, guidance=True, pooled_input=False)
+
+
+def ovis_image():
+    return _flux_like("OvisImageTransformer2DModel", pooled=False, guidance=False, out_channels=4)
+
+
+def _grid_ids(t: int, h: int, w: int, l: int) -> torch.Tensor:
+    return torch.cartesian_prod(torch.arange(t), torch.arange(h), torch.arange(w), torch.arange(l)).unsqueeze(0)
+
+
+def flux2():
+    model = _built("Flux2Transformer2DModel", patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                   timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4])
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 16, 4), encoder_hidden_states=_random(generator, 1, 24, 32),
+                       img_ids=_grid_ids(1, 4, 4, 1), txt_ids=_grid_ids(1, 1, 1, 24), timestep=torch.tensor([1.0]),
+                       guidance=torch.tensor([1.0]))
+
+
+def flux3():
+    model = _built("Flux3Transformer2DModel", in_channels=4, cond_in_channels=4, num_layers=1, num_single_layers=1,
+                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, timestep_channels=256,
+                   axes_dims_rope=(4, 4, 4, 4))
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 16, 4), encoder_hidden_states=_random(generator, 1, 24, 32),
+                       timestep=torch.tensor([1.0]),
+                       img_ids=_grid_ids(1, 4, 4, 1)[0], txt_ids=_grid_ids(1, 1, 1, 24)[0])
+
+
+def hunyuan_image():
+    model = _built("HunyuanImageTransformer2DModel", in_channels=4, out_channels=4, num_attention_heads=2,
+                   attention_head_dim=8, num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=(1, 1),
+                   text_embed_dim=16, rope_axes_dim=(4, 4))
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 4, 8, 8), timestep=torch.tensor([500.0]),
+                       encoder_hidden_states=_random(generator, 1, 12, 16), encoder_attention_mask=torch.ones(1, 12))
+
+
+def qwen_image():
+    model = _built("QwenImageTransformer2DModel", patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                   attention_head_dim=16, num_attention_heads=4, joint_attention_dim=16, guidance_embeds=False,
+                   axes_dims_rope=(8, 4, 4))
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 16, 16), encoder_hidden_states=_random(generator, 1, 8, 16),
+                       encoder_hidden_states_mask=torch.ones(1, 8, dtype=torch.long), timestep=torch.tensor([1.0]),
+                       img_shapes=[(1, 4, 4)])
+
+
+def _wan_like(class_name: str, **extra) -> tuple:
+    """Wan and the models built on its block (SkyReels-V2, ChronoEdit): 2 frames of 16x16 latents, 4 channels."""
+    model = _built(class_name, patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                   out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                   qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **extra)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 4, 2, 16, 16),
+                       encoder_hidden_states=_random(generator, 1, 12, 16), timestep=torch.tensor([500]))
+
+
+def wan():
+    return _wan_like("WanTransformer3DModel")
+
+
+def skyreels_v2():
+    return _wan_like("SkyReelsV2Transformer3DModel")
+
+
+def chronoedit():
+    return _wan_like("ChronoEditTransformer3DModel", rope_temporal_skip_len=8)
+
+
+def anyflow():
+    model = _built("AnyFlowTransformer3DModel", patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                   in_channels=4, out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2,
+                   cross_attn_norm=True, rope_max_seq_len=32, gate_value=0.25, deltatime_type="r")
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 2, 4, 8, 8),
+                       encoder_hidden_states=_random(generator, 1, 12, 16),
+                       timestep=torch.tensor([[500.0, 500.0]]), r_timestep=torch.tensor([[400.0, 400.0]]))
+
+
+def wan_vace():
+    model = _built("WanVACETransformer3DModel", patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                   in_channels=16, out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=4,
+                   cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32, vace_layers=[0, 2],
+                   vace_in_channels=48)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 16, 2, 8, 8),
+                       encoder_hidden_states=_random(generator, 1, 12, 32),
+                       control_hidden_states=_random(generator, 1, 48, 2, 8, 8), timestep=torch.tensor([500]))
+
+
+def ltx_video():
+    model = _built("LTXVideoTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2,
+                   attention_head_dim=8, cross_attention_dim=16, num_layers=1, qk_norm="rms_norm_across_heads",
+                   caption_channels=16)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 2 * 8 * 8, 4),
+                       encoder_hidden_states=_random(generator, 1, 16, 16),
+                       timestep=torch.tensor([500]), encoder_attention_mask=torch.ones(1, 16, dtype=torch.bool),
+                       num_frames=2, height=8, width=8)
+
+
+def hunyuan_video():
+    model = _built("HunyuanVideoTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2,
+                   attention_head_dim=10, num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=1,
+                   patch_size_t=1, guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8,
+                   rope_axes_dim=(2, 4, 4))
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 4, 1, 8, 8), timestep=torch.tensor([500]),
+                       encoder_hidden_states=_random(generator, 1, 12, 16), pooled_projections=_random(generator, 1, 8),
+                       encoder_attention_mask=torch.ones(1, 12), guidance=torch.tensor([3.5]))
+
+
+def ltx2_video():
+    model = _built("LTX2VideoTransformer3DModel", in_channels=4, out_channels=4, patch_size=1, patch_size_t=1,
+                   num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4,
+                   audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
+                   audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads", caption_channels=16,
+                   rope_double_precision=False)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 2 * 8 * 8, 4),
+                       audio_hidden_states=_random(generator, 1, 9, 4),
+                       encoder_hidden_states=_random(generator, 1, 16, 16),
+                       audio_encoder_hidden_states=_random(generator, 1, 16, 16), timestep=torch.tensor([500]),
+                       encoder_attention_mask=torch.ones(1, 16, dtype=torch.bool), num_frames=2, height=8, width=8,
+                       audio_num_frames=9, fps=25.0)
+
+
+def motif_video():
+    model = _built("MotifVideoTransformer3DModel", in_channels=33, out_channels=16, num_attention_heads=2,
+                   attention_head_dim=12, num_layers=1, num_single_layers=1, num_decoder_layers=0, mlp_ratio=4.0,
+                   patch_size=1, patch_size_t=1, qk_norm="rms_norm", norm_type="layer_norm", text_embed_dim=32,
+                   image_embed_dim=4, rope_theta=256.0, rope_axes_dim=(4, 4, 4),
+                   enable_text_cross_attention_dual=False, enable_text_cross_attention_single=False)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 33, 9, 4, 4),
+                       encoder_hidden_states=_random(generator, 1, 12, 32),
+                       timestep=torch.tensor([500]))
+
+
+def nucleus_moe_image():
+    model = _built("NucleusMoEImageTransformer2DModel", patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                   attention_head_dim=16, num_attention_heads=4, joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
+                   moe_enabled=False, capacity_factors=[8.0, 8.0])
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 16, 16), encoder_hidden_states=_random(generator, 1, 8, 16),
+                       encoder_hidden_states_mask=torch.ones(1, 8, dtype=torch.long), timestep=torch.tensor([1.0]),
+                       img_shapes=[(1, 4, 4)])
+
+
+def longcat_audio_dit():
+    model = _built("LongCatAudioDiTTransformer", dit_dim=64, dit_depth=2, dit_heads=4, dit_text_dim=32, latent_dim=8,
+                   text_conv=False)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 16, 8), encoder_hidden_states=_random(generator, 1, 10, 32),
+                       encoder_attention_mask=torch.ones(1, 10, dtype=torch.bool),
+                       attention_mask=torch.ones(1, 16, dtype=torch.bool), timestep=torch.ones(1))
+
+
+def minimax_music3():
+    model = _built("MiniMaxMusic3Transformer1DModel", in_channels=8, condition_dim=16, num_layers=2,
+                   num_attention_heads=2, attention_head_dim=8, ff_inner_dim=32, rotary_dim=4, fourier_embedding_dim=8)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 8, 24), encoder_hidden_states=_random(generator, 1, 24, 16),
+                       timestep=torch.full((1,), 0.5))
+
+
+def bria_fibo():
+    model = _built("BriaFiboTransformer2DModel", patch_size=1, in_channels=48, num_layers=1, num_single_layers=1,
+                   attention_head_dim=8, num_attention_heads=2, joint_attention_dim=64, text_encoder_dim=32,
+                   pooled_projection_dim=None, axes_dims_rope=[0, 4, 4])
+    generator = torch.Generator().manual_seed(SEED)
+    text = _random(generator, 1, 32, 64)
+    return model, dict(hidden_states=_random(generator, 1, 64, 48), encoder_hidden_states=text,
+                       img_ids=_random(generator, 64, 3), txt_ids=_random(generator, 32, 3),
+                       timestep=torch.tensor([1.0]),
+                       text_encoder_layers=[text[:, :, :32], text[:, :, :32]])
+
+
+def helios():
+    model = _built("HeliosTransformer3DModel", patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                   in_channels=4, out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2,
+                   cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_dim=(4, 4, 4),
+                   has_multi_term_memory_patch=True, guidance_cross_attn=True, zero_history_timestep=True,
+                   is_amplify_history=False)
+    generator = torch.Generator().manual_seed(SEED)
+    frames, height, width = 2, 8, 8
+    return model, dict(hidden_states=_random(generator, 1, 4, frames, height, width), timestep=torch.tensor([500]),
+                       encoder_hidden_states=_random(generator, 1, 12, 16), indices_hidden_states=torch.ones(1, frames),
+                       indices_latents_history_short=torch.ones(1, frames - 1),
+                       indices_latents_history_mid=torch.ones(1, frames - 1),
+                       indices_latents_history_long=torch.ones(1, (frames - 1) * 4),
+                       latents_history_short=_random(generator, 1, 4, frames - 1, height, width),
+                       latents_history_mid=_random(generator, 1, 4, frames - 1, height, width),
+                       latents_history_long=_random(generator, 1, 4, (frames - 1) * 4, height, width))
+
+
+def hunyuan_video15():
+    model = _built("HunyuanVideo15Transformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2,
+                   attention_head_dim=8, num_layers=2, num_refiner_layers=1, mlp_ratio=2.0, patch_size=1,
+                   patch_size_t=1, text_embed_dim=16, text_embed_2_dim=8, image_embed_dim=12, rope_axes_dim=(2, 2, 4),
+                   target_size=16, task_type="t2v")
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 4, 1, 8, 8), timestep=torch.tensor([1.0]),
+                       encoder_hidden_states=_random(generator, 1, 6, 16),
+                       encoder_hidden_states_2=_random(generator, 1, 4, 8), encoder_attention_mask=torch.ones(1, 6),
+                       encoder_attention_mask_2=torch.ones(1, 4), image_embeds=torch.zeros(1, 3, 12))
+
+
+def krea2():
+    model = _built("Krea2Transformer2DModel", in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=32, timestep_embed_dim=8, text_hidden_dim=16,
+                   num_text_layers=3, text_num_attention_heads=2, text_num_key_value_heads=1, text_intermediate_size=16,
+                   num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(4, 2, 2), rope_theta=1000.0,
+                   norm_eps=1e-5)
+    generator = torch.Generator().manual_seed(SEED)
+    text_tokens, grid = 4, 2
+    positions = torch.zeros(text_tokens + grid * grid, 3)
+    positions[text_tokens:, 1] = torch.arange(grid).repeat_interleave(grid)
+    positions[text_tokens:, 2] = torch.arange(grid).repeat(grid)
+    mask = torch.ones(1, text_tokens, dtype=torch.bool)
+    mask[:, -1] = False
+    return model, dict(hidden_states=_random(generator, 1, grid * grid, 16),
+                       encoder_hidden_states=_random(generator, 1, text_tokens, 3, 16), timestep=torch.tensor([0.5]),
+                       position_ids=positions, encoder_attention_mask=mask)
+
+
+def ideogram4():
+    from diffusers.models.transformers import transformer_ideogram4 as ideogram
+
+    model = _built("Ideogram4Transformer2DModel", in_channels=16, num_layers=2, attention_head_dim=8,
+                   num_attention_heads=4, intermediate_size=32, adaln_dim=16, llm_features_dim=24, rope_theta=10_000,
+                   mrope_section=(2, 1, 1), norm_eps=1e-5)
+    generator = torch.Generator().manual_seed(SEED)
+    text_tokens, image_tokens = 4, 4
+    hidden = torch.zeros(1, text_tokens + image_tokens, 16)
+    hidden[:, text_tokens:] = _random(generator, 1, image_tokens, 16)
+    text = torch.zeros(1, text_tokens + image_tokens, 24)
+    text[:, :text_tokens] = _random(generator, 1, text_tokens, 24)
+    positions = torch.zeros(1, text_tokens + image_tokens, 3, dtype=torch.long)
+    positions[:, :text_tokens] = torch.arange(text_tokens)[:, None]
+    positions[:, text_tokens:, 0] = ideogram.IMAGE_POSITION_OFFSET
+    positions[:, text_tokens:, 1] = torch.tensor([0, 0, 1, 1]) + ideogram.IMAGE_POSITION_OFFSET
+    positions[:, text_tokens:, 2] = torch.tensor([0, 1, 0, 1]) + ideogram.IMAGE_POSITION_OFFSET
+    indicator = torch.full((1, text_tokens + image_tokens), ideogram.OUTPUT_IMAGE_INDICATOR, dtype=torch.long)
+    indicator[:, :text_tokens] = ideogram.LLM_TOKEN_INDICATOR
+    return model, dict(hidden_states=hidden, encoder_hidden_states=text, timestep=torch.tensor([0.5]),
+                       position_ids=positions, segment_ids=torch.ones(1, text_tokens + image_tokens, dtype=torch.long),
+                       indicator=indicator)
+
+
+def stable_audio3():
+    model = _built("StableAudio3DiTModel", io_channels=8, patch_size=1, embed_dim=32, depth=2, num_heads=4,
+                   cond_token_dim=16, global_cond_dim=12, local_add_cond_dim=5, timestep_features_dim=16, ff_mult=2,
+                   num_memory_tokens=3, use_differential_attention=False)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 8, 16), timestep=torch.tensor([0.3]),
+                       encoder_hidden_states=_random(generator, 1, 4, 16),
+                       global_hidden_states=_random(generator, 1, 12))
+
+
+def joy_image_edit():
+    model = _built("JoyImageEditTransformer3DModel", patch_size=[1, 2, 2], in_channels=16, hidden_size=32,
+                   num_attention_heads=2, text_dim=16, num_layers=2, rope_dim_list=[4, 6, 6], theta=256)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 16, 1, 4, 4),
+                       encoder_hidden_states=_random(generator, 1, 12, 16),
+                       timestep=torch.tensor([1.0]))
+
+
+def glm_image():
+    model = _built("GlmImageTransformer2DModel", patch_size=2, in_channels=4, out_channels=4, num_layers=1,
+                   attention_head_dim=8, num_attention_heads=2, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
+                   prior_vq_quantizer_codebook_size=64)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 4, 8, 8),
+                       encoder_hidden_states=_random(generator, 1, 12, 32),
+                       prior_token_id=torch.tensor([3]), prior_token_drop=torch.zeros(1, dtype=torch.bool),
+                       timestep=torch.tensor([500]), target_size=torch.tensor([[8.0, 8.0]]),
+                       crop_coords=torch.tensor([[0.0, 0.0]]))
+
+
+def ernie_image():
+    model = _built("ErnieImageTransformer2DModel", hidden_size=16, num_attention_heads=1, num_layers=1,
+                   ffn_hidden_size=16, in_channels=16, out_channels=16, patch_size=1, text_in_dim=16, rope_theta=256,
+                   rope_axes_dim=(8, 4, 4), eps=1e-6, qk_layernorm=True)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(hidden_states=_random(generator, 1, 16, 8, 8), timestep=torch.tensor([1.0]),
+                       text_bth=_random(generator, 1, 16, 16), text_lens=torch.tensor([16]))
+
+
+def z_image():
+    model = _built("ZImageTransformer2DModel", all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=16,
+                   n_layers=1, n_refiner_layers=1, n_heads=1, n_kv_heads=2, qk_norm=True, cap_feat_dim=16,
+                   rope_theta=256.0, t_scale=1000.0, axes_dims=[8, 4, 4], axes_lens=[256, 32, 32])
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(x=[_random(generator, 16, 1, 8, 8)], cap_feats=[_random(generator, 16, 16)],
+                       t=torch.tensor([0.5]))
+
+
+def unet_2d_condition():
+    model = _built("UNet2DConditionModel", block_out_channels=(8, 16), norm_num_groups=4, down_block_types=(
+        "CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=8, attention_head_dim=2, out_channels=4, in_channels=4, layers_per_block=1, sample_size=16)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(sample=_random(generator, 1, 4, 16, 16), timestep=torch.tensor([10]),
+                       encoder_hidden_states=_random(generator, 1, 4, 8))
+
+
+MODELS: dict[str, Callable[[], tuple]] = {
+    "FluxTransformer2DModel": flux,
+    "Flux2Transformer2DModel": flux2,
+    "ChromaTransformer2DModel": chroma,
+    "LongCatImageTransformer2DModel": longcat_image,
+    "OvisImageTransformer2DModel": ovis_image,
+    "Flux3Transformer2DModel": flux3,
+    "HunyuanImageTransformer2DModel": hunyuan_image,
+    "QwenImageTransformer2DModel": qwen_image,
+    "WanTransformer3DModel": wan,
+    "SkyReelsV2Transformer3DModel": skyreels_v2,
+    "ChronoEditTransformer3DModel": chronoedit,
+    "AnyFlowTransformer3DModel": anyflow,
+    "WanVACETransformer3DModel": wan_vace,
+    "LTXVideoTransformer3DModel": ltx_video,
+    "LTX2VideoTransformer3DModel": ltx2_video,
+    "MotifVideoTransformer3DModel": motif_video,
+    "NucleusMoEImageTransformer2DModel": nucleus_moe_image,
+    "LongCatAudioDiTTransformer": longcat_audio_dit,
+    "MiniMaxMusic3Transformer1DModel": minimax_music3,
+    "BriaFiboTransformer2DModel": bria_fibo,
+    "HunyuanVideoTransformer3DModel": hunyuan_video,
+    "HeliosTransformer3DModel": helios,
+    "HunyuanVideo15Transformer3DModel": hunyuan_video15,
+    "Krea2Transformer2DModel": krea2,
+    "Ideogram4Transformer2DModel": ideogram4,
+    "StableAudio3DiTModel": stable_audio3,
+    "JoyImageEditTransformer3DModel": joy_image_edit,
+    "GlmImageTransformer2DModel": glm_image,
+    "ErnieImageTransformer2DModel": ernie_image,
+    "ZImageTransformer2DModel": z_image,
+    "UNet2DConditionModel": unet_2d_condition,
+}
+
+
+UNLISTED: dict[str, str] = {
+    "AnyFlowFARTransformer3DModel": "needs the block-causal attention mask its pipeline builds per chunk partition",
+    "AutoencoderKLMiniMaxH3": "a VAE whose decoder blocks take the packed video layout of MiniMax-H3",
+    "BriaFibo2Transformer2DModel": "its gist-token perceiver has a 256-token minimum: not a tiny config",
+    "Cosmos3OmniTransformer": "packed multimodal sequences (index lists, per-frame token shapes) as inputs",
+    "DreamLiteUNetModel": "no tiny config worked out yet",
+    "JoyImageEditPlusTransformer3DModel": "packed multi-image inputs (shape_list) not worked out yet",
+    "Kandinsky5Transformer3DModel": "no tiny config worked out yet",
+    "Kandinsky6Transformer3DModel": "no tiny config worked out yet",
+    "Kandinsky6SRTransformer3DModel": "no tiny config worked out yet",
+    "MiniMaxH3Transformer3DModel": "packed video / audio layout inputs not worked out yet",
+    "QwenImage21Transformer2DModel": "VLM image-slot masks and KV-cache inputs not worked out yet",
+    "RFD4ProteinaAutoencoder": "protein-structure inputs not worked out yet",
+    "RFD4ProteinaTransformer": "protein-structure inputs not worked out yet",
+    "SanaWMTransformer3DModel": "camera-control inputs not worked out yet",
+    "SanaWMLTX2RefinerTransformer3DModel": "camera-control inputs not worked out yet",
+    "WanAnimateTransformer3DModel": "its motion encoder needs 21 latent frames: 1344 tokens a block, slow here",
+    "WanAnimate2Transformer3DModel": "no tiny config worked out yet",
+}
+
+
+def first_output(output) -> torch.Tensor:
+    """The sample tensor of a model's output (``.sample``, a tuple's first item, or a list of per-item tensors)."""
+    if hasattr(output, "sample"):
+        output = output.sample
+    if isinstance(output, tuple | list):
+        output = output[0]
+    if isinstance(output, list):
+        output = torch.stack(output)
+    return output
