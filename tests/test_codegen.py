@@ -133,3 +133,25 @@ def test_tiles_never_shadow_kernel_parameters_named_like_them():
         assigned = {line.split("=")[0].strip() for line in kernel.source.splitlines() if "nl.ndarray(" in line}
         assert not assigned & set(kernel.parameters), kernel.source
     torch.testing.assert_close(region(*inputs)[0], gm(*inputs)[0], rtol=1e-5, atol=1e-6)
+
+
+def _masked_softmax(scores: torch.Tensor) -> torch.Tensor:
+    seq = scores.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    return torch.softmax((scores / 8.0).masked_fill(~causal, float("-inf")), dim=-1)
+
+
+@pytest.mark.parametrize("seq", [1, 127, 130])
+def test_a_bf16_masked_softmax_rounds_once_per_value_and_sums_on_scalar_engine(seq):
+    """scores / 8 written straight as bf16, the -inf fill a scalar of the predicated copy, the row sum from the
+    exponentials' activation, the result normalized into the bf16 tile that is stored: eager's values."""
+    scores = random_tensor((2, seq, seq), torch.bfloat16, seed=4, low=-30.0, high=30.0)
+    region = check_against_eager(_masked_softmax, scores)
+    if seq == 1:
+        return  # one column: (P, 1) row vectors, another path (checked against eager above)
+    (softmax,) = [kernel.source for kernel in region.kernels if "RowNormalize" in kernel.source]
+    assert "src=float('-inf'), predicate=" in softmax
+    assert "reduce_res=" in softmax and "op=nl.add, data=exps" not in softmax
+    assert "operand0=0.125" in softmax and "div_bfloat16" in softmax
+    stored = softmax.split("nisa.dma_copy(dst=softmax")[1]
+    assert "softmax_" in stored and "as_bfloat16" not in stored  # the normalized bf16 tile goes out as it is

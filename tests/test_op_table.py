@@ -117,6 +117,9 @@ def test_every_table_entry_renders_to_its_instructions(name):
     entry = op_table.OPS[name]
     for case in _operand_cases(entry.arity):
         lines, _ = _render(name, case)
+        if name == "cast" and case == ("bf16",):
+            assert lines == []  # a bf16 tile cast to bf16 is the tile itself
+            continue
         called = set(re.findall(r"nisa\.(\w+)\(", "\n".join(lines)))
         assert lines and called <= set(entry.instructions), (case, called - set(entry.instructions))
         if entry.form == "activation":

@@ -286,6 +286,8 @@ def _emit_rounded_op(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref |
     if not (isinstance(expr, ir.Op) and expr.dtype in ROUNDING_DTYPES and op_table.spec(expr.op).form == "copy"):
         return None
     inner = expr.args[0]
+    if isinstance(inner, ir.Op) and inner not in scope.memo and _divides_by_number(inner):
+        return _emit_rounded_scaling(expr.dtype, inner, scope, lines)
     if not isinstance(inner, ir.Op) or inner in scope.memo or op_table.spec(inner.op).form not in PLAIN_FORMS:
         return None
     args = _operands(inner, scope, lines)
@@ -295,6 +297,23 @@ def _emit_rounded_op(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref |
         return None  # numbers only, or (P, 1) row vectors (tensor_scalar operands stay fp32): the plain path
     out = Ref(tile=scope.tile(expr.dtype, stem=f"{inner.op}_{expr.dtype}"), dtype=expr.dtype)
     lines.append(PLAIN_FORMS[entry.form](entry, args, scope.ref_text(out), scope))
+    return out
+
+
+def _divides_by_number(expr: ir.Op) -> bool:
+    return expr.op == "div" and isinstance(expr.args[1], ir.Scalar) and expr.args[1].value != 0
+
+
+def _emit_rounded_scaling(dtype: str, division: ir.Op, scope: TileScope, lines: list[str]) -> Ref | None:
+    """``cast(x / number, dtype)`` as one multiply by the inverse (as ``_emit_div`` computes it) writing the
+    ``dtype`` tile; None when x is not a full tile."""
+    numerator = _widened_source(division.args[0], scope, lines) or emit(division.args[0], scope, lines)
+    if numerator.tile is None or numerator.vector:
+        return None
+    out = Ref(tile=scope.tile(dtype, stem=f"div_{dtype}"), dtype=dtype)
+    factor = 1.0 / division.args[1].value
+    lines.append(_tensor_scalar(scope.ref_text(out), scope.ref_text(numerator), (("nl.multiply", factor),),
+                                engine=scope.balance.pick([numerator], scope)))
     return out
 
 
@@ -433,6 +452,8 @@ def _emit_cast(dtype: str, source: Ref, vector: bool, scope: TileScope, lines: l
     ``dtype`` (a bf16 tile) is its own cast."""
     if source.tile is not None and not source.vector and source.dtype == dtype and dtype in ROUNDING_DTYPES:
         return source
+    if source.value is not None and _representable(source.value, dtype):
+        return source  # masked_fill's cast[bfloat16](-inf): a number the instructions take as it is
     if vector and dtype != "float32":
         # Round the row vector to the dtype, then keep it fp32: tensor_scalar operands must be fp32.
         rounded = scope.tile(dtype, vector=True, stem=f"as_{dtype}")
@@ -446,6 +467,18 @@ def _emit_cast(dtype: str, source: Ref, vector: bool, scope: TileScope, lines: l
     else:
         lines.append(f"nisa.tensor_copy(dst={scope.ref_text(out)}, src={scope.ref_text(source)})")
     return out
+
+
+def _representable(value: float, dtype: str) -> bool:
+    """Whether the float ``value`` is exactly a value of the float ``dtype`` (its cast changes nothing)."""
+    if dtype not in ("float32", "bfloat16") or math.isnan(value):
+        return False
+    if math.isinf(value):
+        return True
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    if struct.unpack("<f", struct.pack("<I", bits))[0] != value:
+        return False  # not an fp32 value
+    return dtype == "float32" or bits & 0xFFFF == 0  # bf16 is fp32's upper half
 
 
 # ---------------------------------------------------------------- sequences: several instructions per op
@@ -554,7 +587,9 @@ def _emit_where(args, dst, vector, scope, lines) -> None:
     if on_false.value is not None:
         lines.append(f"nisa.memset(dst={dst}, value={number(on_false.value)})")
     else:
-        false_text = _fp32_text(on_false, vector, scope, lines, "false")
+        widens = on_false.tile is not None and on_false.vector == vector and on_false.dtype in EXACT_WIDENING
+        # the copy into the fp32 dst widens a bf16 / fp16 tile exactly: no fp32 copy of it first
+        false_text = scope.ref_text(on_false) if widens else _fp32_text(on_false, vector, scope, lines, "false")
         if false_text != dst:
             lines.append(f"nisa.tensor_copy(dst={dst}, src={false_text})")
     lines.append(f"nisa.tensor_copy_predicated(dst={dst}, src={true_text}, predicate={predicate})")

@@ -98,14 +98,15 @@ def _operations(expr: ir.Expr, seen: set) -> int:
 
 
 def _cheap_store(node: ir.Node, readers: int) -> ir.Store | None:
-    """The store of an elementwise node computing at most INLINE_MAX_OPS operations of one load (of several when
-    one node reads it: inlined there, no load or instruction is made twice), else None."""
+    """The store of an elementwise node computing at most INLINE_MAX_OPS operations of one load or of none (a
+    constant), or of several when one node reads it (inlined there, no load or instruction is made twice), else
+    None."""
     if not kinds.kind_of(node).elementwise or len(kinds.stores(node)) != 1:
         return None
     store = kinds.stores(node)[0]
     if len(ir.access_layouts(store.expr)) != len(ir.loads_of(store.expr)):
         return None  # an iota
-    if len(ir.loads_of(store.expr)) != 1 and readers != 1:
+    if len(ir.loads_of(store.expr)) > 1 and readers != 1:
         return None
     return store if _operations(store.expr, set()) <= INLINE_MAX_OPS else None
 
@@ -132,7 +133,8 @@ def _inlinable(nodes: list[ir.Node], region_outputs: set[str]) -> dict[str, ir.S
         for load in kind.operand_loads(node):
             cheap.pop(load.buffer, None)
         for load in (leaf for expr in kind.exprs(node) for leaf in ir.loads_of(expr)):
-            if load.buffer in cheap and not ir.same_index_map(load.layout, cheap[load.buffer].layout):
+            constant = load.buffer in cheap and not ir.loads_of(cheap[load.buffer].expr)  # any index map reads it
+            if load.buffer in cheap and not constant and not ir.same_index_map(load.layout, cheap[load.buffer].layout):
                 cheap.pop(load.buffer)
     return cheap
 
