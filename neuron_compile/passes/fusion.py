@@ -21,8 +21,9 @@ main input and their kind pairs them (a gated MLP's gate and up projections: one
 Before grouping, a cheap pointwise node (one store, one input or one reader, at most ``INLINE_MAX_OPS`` operations:
 a cast, a square, a negation, a rotary embedding's ``q * cos``) is inlined into its readers (``inline_cheap``) when
 every reader reads it with its own index map (a constant, with any): recomputing it costs an instruction or two
-where storing it costs an HBM round trip, and a kernel when its producer cannot take it (rms norm's ``x.float()`` and ``x.float() ** 2``: 4-byte copies of a 2-byte tensor,
-written by the residual's matmul epilogue and read back by the norm, which now reads ``x`` itself).
+where storing it costs an HBM round trip, and a kernel when its producer cannot take it (rms norm's ``x.float()``
+and ``x.float() ** 2``: 4-byte copies of a 2-byte tensor, written by the residual's matmul epilogue and read back
+by the norm, which now reads ``x`` itself).
 """
 
 from __future__ import annotations
