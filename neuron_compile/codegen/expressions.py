@@ -288,6 +288,8 @@ def _emit_rounded_op(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref |
     inner = expr.args[0]
     if isinstance(inner, ir.Op) and inner not in scope.memo and _divides_by_number(inner):
         return _emit_rounded_scaling(expr.dtype, inner, scope, lines)
+    if isinstance(inner, ir.Op) and inner not in scope.memo and inner.op == "where":
+        return _emit_rounded_select(expr.dtype, inner, scope, lines)
     if not isinstance(inner, ir.Op) or inner in scope.memo or op_table.spec(inner.op).form not in PLAIN_FORMS:
         return None
     args = _operands(inner, scope, lines)
@@ -314,6 +316,33 @@ def _emit_rounded_scaling(dtype: str, division: ir.Op, scope: TileScope, lines: 
     factor = 1.0 / division.args[1].value
     lines.append(_tensor_scalar(scope.ref_text(out), scope.ref_text(numerator), (("nl.multiply", factor),),
                                 engine=scope.balance.pick([numerator], scope)))
+    return out
+
+
+def _emit_rounded_select(dtype: str, select: ir.Op, scope: TileScope, lines: list[str]) -> Ref | None:
+    """``cast(where(c, a, b), dtype)`` whose branches are tiles of ``dtype`` or numbers it holds exactly (masked_fill
+    of bf16 scores with -inf): the select writes a ``dtype`` tile, no fp32 select and rounding copy. None
+    otherwise."""
+    args = [emit(arg, scope, lines) for arg in select.args]
+
+    def exact(ref: Ref) -> bool:
+        if ref.value is not None:
+            return _representable(ref.value, dtype)
+        return ref.tile is not None and not ref.vector and ref.dtype == dtype
+
+    if args[0].tile is None or args[0].vector or not all(exact(branch) for branch in args[1:]):
+        return None
+    condition, on_true, on_false = args
+    predicate = _predicate_text(condition, False, scope, lines)
+    out = Ref(tile=scope.tile(dtype, stem=f"where_{dtype}"), dtype=dtype)
+    dst = scope.ref_text(out)
+    if on_false.value is not None:
+        lines.append(f"nisa.memset(dst={dst}, value={number(on_false.value)})")
+    else:
+        lines.append(f"nisa.tensor_copy(dst={dst}, src={scope.ref_text(on_false)})")
+    source = number(on_true.value) if on_true.value is not None else scope.ref_text(on_true)  # dst's dtype
+    lines.append(f"nisa.tensor_copy_predicated(dst={dst}, src={source}, predicate={predicate})")
+    scope.balance.note("vector", 2)
     return out
 
 
