@@ -15,8 +15,9 @@ evaluate it once per element: a reduction recomputing its prologue would draw a 
 A producer's store is kept only if its buffer is still read outside the group or is a region output. The rules
 live with the kernel kinds (neuron_compile/kinds/); this module is the greedy driver.
 
-After grouping, ``fuse_siblings`` computes a kernel inside the one later kernel that reads it when both share their
-main input and their kind pairs them (a gated MLP's gate and up projections: one matmul kernel with two products).
+After grouping, ``fuse_siblings`` computes a kernel inside a later kernel of its kind when both share their main
+input and their kind pairs them: one matmul kernel with two products (a gated MLP's gate and up projections, the
+gate read by the up projection's epilogue; attention's k and v projections, both stored).
 
 Before grouping, a cheap pointwise node (one store, one input or one reader, at most ``INLINE_MAX_OPS`` operations:
 a cast, a square, a negation, a rotary embedding's ``q * cos``) is inlined into its readers (``inline_cheap``) when
