@@ -52,9 +52,7 @@ class Floors:
 
     def _op_floor(self, expr: ir.Op) -> float | None:
         op, args = expr.op, expr.args
-        squared = (op == "pow" and isinstance(args[1], ir.Scalar) and args[1].value == 2.0) or (
-            op == "mul" and args[0] == args[1])
-        if squared or op in NON_NEGATIVE_OPS:
+        if ir.is_square(expr) or op in NON_NEGATIVE_OPS:
             return 0.0
         floors = [self.of(arg) for arg in args]
         if op == "cast":

@@ -266,6 +266,14 @@ def uses_result(expr: Expr) -> bool:
     return isinstance(expr, Op) and any(uses_result(arg) for arg in expr.args)
 
 
+def is_square(expr: Expr) -> bool:
+    """``pow(x, 2)`` or ``mul(x, x)``."""
+    if not isinstance(expr, Op):
+        return False
+    return (expr.op == "pow" and isinstance(expr.args[1], Scalar) and expr.args[1].value == 2.0) or (
+        expr.op == "mul" and expr.args[0] == expr.args[1])
+
+
 # ---------------------------------------------------------------- nodes
 
 

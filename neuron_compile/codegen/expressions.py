@@ -259,8 +259,7 @@ def emit_row_summed(expr: ir.Expr, scope: TileScope, lines: list[str], row_sums:
     if expr in scope.memo or not isinstance(expr, ir.Op):
         return None
     entry = op_table.spec(expr.op)
-    squared = (expr.op == "pow" and isinstance(expr.args[1], ir.Scalar) and expr.args[1].value == 2.0) or (
-        expr.op == "mul" and expr.args[0] == expr.args[1])
+    squared = ir.is_square(expr)
     if not squared and entry.form != "activation":
         return None
     operand = _widened_source(expr.args[0], scope, lines) or emit(expr.args[0], scope, lines)
@@ -303,7 +302,13 @@ def _emit_rounded_op(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref |
 
 
 def _divides_by_number(expr: ir.Op) -> bool:
-    return expr.op == "div" and isinstance(expr.args[1], ir.Scalar) and expr.args[1].value != 0
+    return expr.op == "div" and isinstance(expr.args[1], ir.Scalar)
+
+
+def _division_factor(denominator: float) -> float:
+    """x / d as the multiply x * factor: x / 0 is x * inf in IEEE arithmetic (inf with the sign of x, nan for
+    0 / 0), as eager gives."""
+    return 1.0 / denominator if denominator else math.copysign(math.inf, denominator)
 
 
 def _emit_rounded_scaling(dtype: str, division: ir.Op, scope: TileScope, lines: list[str]) -> Ref | None:
@@ -313,7 +318,7 @@ def _emit_rounded_scaling(dtype: str, division: ir.Op, scope: TileScope, lines: 
     if numerator.tile is None or numerator.vector:
         return None
     out = Ref(tile=scope.tile(dtype, stem=f"div_{dtype}"), dtype=dtype)
-    factor = 1.0 / division.args[1].value
+    factor = _division_factor(division.args[1].value)
     lines.append(_tensor_scalar(scope.ref_text(out), scope.ref_text(numerator), (("nl.multiply", factor),),
                                 engine=scope.balance.pick([numerator], scope)))
     return out
@@ -332,17 +337,10 @@ def _emit_rounded_select(dtype: str, select: ir.Op, scope: TileScope, lines: lis
 
     if args[0].tile is None or args[0].vector or not all(exact(branch) for branch in args[1:]):
         return None
-    condition, on_true, on_false = args
-    predicate = _predicate_text(condition, False, scope, lines)
     out = Ref(tile=scope.tile(dtype, stem=f"where_{dtype}"), dtype=dtype)
-    dst = scope.ref_text(out)
-    if on_false.value is not None:
-        lines.append(f"nisa.memset(dst={dst}, value={number(on_false.value)})")
-    else:
-        lines.append(f"nisa.tensor_copy(dst={dst}, src={scope.ref_text(on_false)})")
-    source = number(on_true.value) if on_true.value is not None else scope.ref_text(on_true)  # dst's dtype
-    lines.append(f"nisa.tensor_copy_predicated(dst={dst}, src={source}, predicate={predicate})")
-    scope.balance.note("vector", 2)
+    emitted = len(lines)
+    _emit_where(args, scope.ref_text(out), False, scope, lines, dtype)
+    scope.balance.note("vector", len(lines) - emitted)
     return out
 
 
@@ -560,9 +558,7 @@ def _emit_div(args, dst, vector, scope, lines) -> None:
     numerator, denominator = args
     text = scope.ref_text
     if denominator.value is not None:
-        # x / 0 is x * inf in IEEE arithmetic (inf with the sign of x, nan for 0 / 0), as eager gives.
-        factor = 1.0 / denominator.value if denominator.value else math.copysign(math.inf, denominator.value)
-        lines.append(_tensor_scalar(dst, text(numerator), (("nl.multiply", factor),)))
+        lines.append(_tensor_scalar(dst, text(numerator), (("nl.multiply", _division_factor(denominator.value)),)))
     elif _is_constant(denominator, numerator):
         inverse = Ref(tile=scope.tile(vector=True, stem="reciprocal"), vector=True)
         lines.append(f"nisa.activation(dst={text(inverse)}, op=nl.reciprocal, data={text(denominator)})")
@@ -598,35 +594,43 @@ def _emit_pow(args, dst, vector, scope, lines) -> None:
         lines.append(_tensor_scalar(dst, base_text, (("nl.power", exponent.value),)))
 
 
-def _emit_where(args, dst, vector, scope, lines) -> None:
-    """dst = on_false, then ``tensor_copy_predicated`` of on_true where the condition holds: an exact select (inf
-    and nan pass through untouched; an arithmetic blend c * a + (1 - c) * b would make 0 * inf = nan). A number
-    is a memset or the copy's scalar source. Over (P, 1) row vectors (every operand constant along the free axis,
-    e.g. a one-column domain) it works on [rows, 1] slices."""
+def _emit_where(args, dst, vector, scope, lines, dtype: str = "float32") -> None:
+    """dst (of ``dtype``) = on_false, then ``tensor_copy_predicated`` of on_true where the condition holds: an exact
+    select (inf and nan pass through untouched; an arithmetic blend c * a + (1 - c) * b would make 0 * inf = nan). A
+    number is a memset or the copy's scalar source; a tile of ``dtype`` is read as it is, any other is copied to fp32
+    first (the predicated copy's source shares its destination's dtype). Over (P, 1) row vectors (every operand
+    constant along the free axis, e.g. a one-column domain) it works on [rows, 1] slices."""
     condition, on_true, on_false = args
     if condition.value is not None:
         raise ExpressionError("where with a constant condition")
     predicate = _predicate_text(condition, vector, scope, lines)
-    true_text = _select_source(on_true, vector, scope, lines, "true")
+    true_text = _select_source(on_true, vector, scope, lines, "true", dtype)
     if true_text == dst:  # dst already holds on_true: bring on_false in where the condition fails
-        false_text = _select_source(on_false, vector, scope, lines, "false")
+        false_text = _select_source(on_false, vector, scope, lines, "false", dtype)
         lines.append(f"nisa.tensor_copy_predicated(dst={dst}, src={false_text}, predicate={predicate}, "
                      "reverse_pred=True)")
         return
     if on_false.value is not None:
         lines.append(f"nisa.memset(dst={dst}, value={number(on_false.value)})")
     else:
-        widens = on_false.tile is not None and on_false.vector == vector and on_false.dtype in EXACT_WIDENING
-        # the copy into the fp32 dst widens a bf16 / fp16 tile exactly: no fp32 copy of it first
-        false_text = scope.ref_text(on_false) if widens else _fp32_text(on_false, vector, scope, lines, "false")
+        # a plain copy also widens a bf16 / fp16 tile into the fp32 dst exactly: no fp32 copy of it first
+        widens = dtype == "float32" and on_false.dtype in EXACT_WIDENING
+        direct = on_false.tile is not None and on_false.vector == vector and (widens or on_false.dtype == dtype)
+        false_text = scope.ref_text(on_false) if direct else _fp32_text(on_false, vector, scope, lines, "false")
         if false_text != dst:
             lines.append(f"nisa.tensor_copy(dst={dst}, src={false_text})")
     lines.append(f"nisa.tensor_copy_predicated(dst={dst}, src={true_text}, predicate={predicate})")
 
 
-def _select_source(ref: Ref, vector: bool, scope: TileScope, lines: list[str], role: str) -> str:
-    """A number as itself (the predicated copy's scalar source), anything else as an fp32 slice."""
-    return number(ref.value) if ref.value is not None else _fp32_text(ref, vector, scope, lines, role)
+def _select_source(ref: Ref, vector: bool, scope: TileScope, lines: list[str], role: str,
+                   dtype: str = "float32") -> str:
+    """A number as itself (the predicated copy's scalar source), a tile of ``dtype`` as it is, anything else as an
+    fp32 slice."""
+    if ref.value is not None:
+        return number(ref.value)
+    if ref.tile is not None and ref.vector == vector and ref.dtype == dtype:
+        return scope.ref_text(ref)
+    return _fp32_text(ref, vector, scope, lines, role)
 
 
 def _predicate_text(condition: Ref, vector: bool, scope: TileScope, lines: list[str]) -> str:

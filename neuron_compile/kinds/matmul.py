@@ -221,6 +221,12 @@ def render_transposing(node: ir.MatMul, plan: TilePlan, name: str, parameters: l
     return render_template("matmul.py.j2", **context)
 
 
+def reads_output_of(second: ir.MatMul, first: ir.MatMul) -> bool:
+    """Whether ``second`` reads a buffer ``first`` writes."""
+    written = {store.buffer.name for store in first.stores}
+    return any(load.buffer in written for load in loads(second))
+
+
 def sibling_reason(kind, first: ir.MatMul, second: ir.MatMul, outside: set[str]) -> str | None:
     """None if ``first`` and ``second`` multiply the same ``a`` over the same domain, so that ``second`` can compute
     both products in one pass over ``a``: ``first``'s output is then either read only by ``second``'s epilogue with
@@ -234,7 +240,7 @@ def sibling_reason(kind, first: ir.MatMul, second: ir.MatMul, outside: set[str])
     written = {store.buffer.name for store in first.stores}
     if any(load.buffer in written for load in kind.operand_loads(second)):
         return f"{second.name} multiplies {first.name}'s output"
-    if not written & {load.buffer for load in loads(second)}:
+    if not reads_output_of(second, first):
         return None  # independent: both stored
     if len(first.stores) != 1 or outside:
         return f"{first.name}'s outputs are needed outside {second.name}"
@@ -248,7 +254,7 @@ def merge_sibling(first: ir.MatMul, second: ir.MatMul) -> ir.MatMul:
         return ir.map_leaves(expr, lambda leaf: ir.Result(1) if isinstance(leaf, ir.Result) else leaf)
 
     written = {store.buffer.name: as_second_product(store.expr) for store in first.stores}
-    if not written.keys() & {load.buffer for load in loads(second)}:
+    if not reads_output_of(second, first):
         stores = second.stores + tuple(dataclasses.replace(s, expr=written[s.buffer.name]) for s in first.stores)
         return dataclasses.replace(second, b2=first.b, stores=stores)
 

@@ -99,7 +99,7 @@ def _operations(expr: ir.Expr, seen: set) -> int:
     return 1 + sum(_operations(arg, seen) for arg in expr.args)
 
 
-def _cheap_store(node: ir.Node, readers: int) -> ir.Store | None:
+def _cheap_store(node: ir.Node, readers: dict[str, int]) -> ir.Store | None:
     """The store of an elementwise node computing at most INLINE_MAX_OPS operations of one load or of none (a
     constant), or of several when one node reads it (inlined there, no load or instruction is made twice), else
     None."""
@@ -108,7 +108,7 @@ def _cheap_store(node: ir.Node, readers: int) -> ir.Store | None:
     store = kinds.stores(node)[0]
     if len(ir.access_layouts(store.expr)) != len(ir.loads_of(store.expr)):
         return None  # an iota
-    if len(ir.loads_of(store.expr)) > 1 and readers != 1:
+    if len(ir.loads_of(store.expr)) > 1 and readers.get(store.buffer.name, 0) != 1:
         return None
     return store if _operations(store.expr, set()) <= INLINE_MAX_OPS else None
 
@@ -126,9 +126,7 @@ def _inlinable(nodes: list[ir.Node], region_outputs: set[str]) -> dict[str, ir.S
     """The cheap stores (by buffer) that every reader reads through the store's own index map as an expression leaf
     (a matmul or gather operand cannot take an expression), and that are not region outputs."""
     readers = _reader_counts(nodes)
-    stores = (_cheap_store(node, readers.get(kinds.stores(node)[0].buffer.name, 0)) if kinds.stores(node) else None
-              for node in nodes)
-    cheap = {store.buffer.name: store for store in stores
+    cheap = {store.buffer.name: store for store in (_cheap_store(node, readers) for node in nodes)
              if store is not None and store.buffer.name not in region_outputs}
     for node in nodes:
         kind = kinds.kind_of(node)
@@ -228,19 +226,21 @@ def fuse_siblings(kernels: list[ir.Node], region_outputs: set[str], decisions: l
     later kernel's place, so everything either one reads is ready; a kernel that reads the earlier one's outputs
     before that place keeps them apart."""
     kernels = list(kernels)
+    reads = {kernel.name: _reads(kernel) for kernel in kernels}
     index = 0
     while index < len(kernels):
         second = kernels[index]
         for position, first in enumerate(kernels[:index]):
             written = _writers(first)
-            if type(first) is not type(second):
-                continue
+            related = written & reads[second.name] or reads[first.name] & reads[second.name]
+            if type(first) is not type(second) or not related:
+                continue  # only kernels that share an input, or read one another, can be siblings
             others = [node for node in kernels if node is not first and node is not second]
             outside = {buffer for buffer in written
-                       if buffer in region_outputs or any(buffer in _reads(node) for node in others)}
+                       if buffer in region_outputs or any(buffer in reads[node.name] for node in others)}
             kind = kinds.kind_of(second)
             reason = kind.sibling_reason(first, second, outside)
-            if reason is None and any(written & _reads(node) for node in kernels[position + 1:index]):
+            if reason is None and any(written & reads[node.name] for node in kernels[position + 1:index]):
                 reason = f"a kernel between them reads {first.name}'s outputs"
             merged = kind.merge_sibling(first, second) if reason is None else None
             if merged is not None and fits is not None and not fits(merged):
@@ -248,6 +248,7 @@ def fuse_siblings(kernels: list[ir.Node], region_outputs: set[str], decisions: l
             decisions.append(f"{first.name} inside {second.name}: " + ("fused" if reason is None else reason))
             if reason is None:
                 kernels[index] = merged
+                reads[merged.name] = _reads(merged)
                 kernels.remove(first)
                 index -= 1
                 break
