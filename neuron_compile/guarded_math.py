@@ -100,25 +100,25 @@ def safe_log(u) -> ir.Op:
     return _op("where", positive, core, special)
 
 
-def _floored(v, floor: float | None, scaling: Scaling):
-    """With ``floor`` (every value of v but nan is at least it) above the scaling's ``small``: (v scaled into
-    range, the 0/1 ``big`` flag, the 0/1 ``ordinary`` flag), the tiny, zero and negative cases left out, as they
-    cannot occur. None otherwise."""
+def _floored_root(name: str, v, floor: float | None, undo_big: float, at_inf: float) -> ir.Op | None:
+    """sqrt or rsqrt (``name``) of v whose every value but nan is at least ``floor``, when the floor is above the
+    scaling's ``small``: only large values are scaled (by the scaling's power of two, undone by ``undo_big``), the
+    tiny, zero and negative cases cannot occur; inf gives ``at_inf``, nan nan. None for a lower or no floor."""
+    scaling = SCALINGS[name]
     if floor is None or floor < scaling.small:
         return None
-    big = _op("gt", v, scaling.big)
-    return _op("where", big, _op("mul", v, scaling.big_scale), v), big, _op("lt", v, INF)  # lt is false for nan
+    big, ordinary = _op("gt", v, scaling.big), _op("lt", v, INF)  # lt is false for nan
+    scaled = _op("where", big, _op("mul", v, scaling.big_scale), v)
+    core = _op("mul", _op(_in_range(name), _op("where", ordinary, scaled, 1.0)), _op("where", big, undo_big, 1.0))
+    return _op("where", ordinary, core, _op("where", _op("eq", v, INF), at_inf, math.nan))
 
 
 def safe_sqrt(v, floor: float | None = None) -> ir.Op:
     """sqrt(v) = sqrt(v * 4**k) / 2**k; sqrt(+-0) = +-0, sqrt(inf) = inf, negatives and nan -> nan. With a
     ``floor`` above 2**-100 only large values are scaled."""
-    floored = _floored(v, floor, SCALINGS["sqrt"])
+    floored = _floored_root("sqrt", v, floor, 2.0**50, INF)
     if floored is not None:
-        scaled, big, ordinary = floored
-        factor = _op("where", big, 2.0**50, 1.0)
-        core = _op("mul", _op(_in_range("sqrt"), _op("where", ordinary, scaled, 1.0)), factor)
-        return _op("where", ordinary, core, _op("where", _op("eq", v, INF), INF, math.nan))
+        return floored
     scaled, big, small = _scaled(v, SCALINGS["sqrt"])
     factor = _op("where", big, 2.0**50, _op("where", small, 2.0**-50, 1.0))
     positive = _finite_positive(v)
@@ -130,12 +130,9 @@ def safe_sqrt(v, floor: float | None = None) -> ir.Op:
 def safe_rsqrt(v, floor: float | None = None) -> ir.Op:
     """1/sqrt(v) = rsqrt(v * 4**k) * 2**k; rsqrt(+-0) = +-inf, rsqrt(inf) = 0, negatives and nan -> nan. With a
     ``floor`` above 2**-86 (RMSNorm's ``mean(x * x) + eps``) only large values are scaled."""
-    floored = _floored(v, floor, SCALINGS["rsqrt"])
+    floored = _floored_root("rsqrt", v, floor, 2.0**-50, 0.0)
     if floored is not None:
-        scaled, big, ordinary = floored
-        factor = _op("where", big, 2.0**-50, 1.0)
-        core = _op("mul", _op(_in_range("rsqrt"), _op("where", ordinary, scaled, 1.0)), factor)
-        return _op("where", ordinary, core, _op("where", _op("eq", v, INF), 0.0, math.nan))
+        return floored
     scaled, big, small = _scaled(v, SCALINGS["rsqrt"])
     factor = _op("where", big, 2.0**-50, _op("where", small, 2.0**50, 1.0))
     positive = _finite_positive(v)
