@@ -24,6 +24,13 @@ CASES = [
     (F.conv1d, (2, 4, 8), (2, 2, 3), dict(stride=3, padding=1, groups=2, dilation=2)),
     (F.conv1d, (1, 128, 5), (128, 1, 2), dict(groups=128)),  # depthwise
     (F.conv3d, (1, 2, 5, 5, 5), (3, 2, 2, 3, 2), dict(padding=1)),
+    # Stride 1, wide rows: over 128 channels both sides, many 512-column tiles, dilation, 3-D, one output row.
+    (F.conv2d, (1, 130, 5, 7), (129, 130, 3, 3), dict(padding=1)),
+    (F.conv2d, (2, 4, 30, 31), (3, 4, 3, 3), dict(padding=1)),
+    (F.conv2d, (1, 3, 9, 8), (2, 3, 3, 2), dict(padding=(2, 1), dilation=(2, 3))),
+    (F.conv3d, (1, 3, 3, 5, 6), (2, 3, 3, 3, 3), dict(padding=1)),
+    (F.conv2d, (1, 2, 1, 9), (2, 2, 1, 3), dict()),
+    (F.conv2d, (1, 4, 6, 6), (4, 2, 3, 3), dict(padding=1, groups=2)),
 ]
 
 
@@ -39,6 +46,16 @@ def test_convolution_without_bias_and_non_contiguous_input():
     x = random_tensor((2, 6, 7, 3), seed=4).permute(0, 3, 1, 2)  # channels last
     weight = random_tensor((5, 3, 2, 2), seed=5)
     check_against_eager(lambda x, w: F.conv2d(x, w, stride=2, padding=1), x, weight, tolerances=TOLERANCES)
+
+
+def test_wide_row_convolution_of_channels_last_and_sliced_inputs():
+    # Channels last (the output too): the wide rows are copied out into eager's strides; a slice has rows that are
+    # not contiguous, so it is copied first.
+    x = random_tensor((1, 7, 6, 3), seed=6).permute(0, 3, 1, 2)
+    weight = random_tensor((4, 3, 3, 3), seed=7)
+    check_against_eager(lambda x, w: F.conv2d(x, w, padding=1), x, weight, tolerances=TOLERANCES)
+    sliced = random_tensor((1, 3, 8, 10), seed=8)[:, :, 1:, 2:]
+    check_against_eager(lambda x, w: F.conv2d(x, w), sliced, weight, tolerances=TOLERANCES)
 
 
 def _convolution_node(fn, *inputs):

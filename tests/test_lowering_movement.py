@@ -235,7 +235,10 @@ def test_constant_pad_nd_of_a_transposed_input_and_its_reason():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "shape, repeats, transpose",
-    [((3, 129), (2, 1), False), ((3, 129), (2, 3, 2), False), ((3, 129), (1, 2), True), ((5,), (130,), False)],
+    [((3, 129), (2, 1), False), ((3, 129), (2, 3, 2), False), ((3, 129), (1, 2), True), ((5,), (130,), False),
+     # One frame of a 5-D video repeated (a VAE's causal padding), and repeats over new leading dims: dims repeated
+     # once or of size 1 take one copy dim each, so these fit the rank limit.
+     ((1, 3, 1, 4, 5), (1, 1, 2, 1, 1), False), ((2, 3), (1, 1, 1, 1, 2), False), ((2, 1, 3, 1), (2, 3, 2, 2), False)],
 )
 def test_repeat_matches_eager(shape, repeats, transpose, dtype):
     x = random_tensor(shape, dtype, seed=len(repeats))
@@ -243,9 +246,9 @@ def test_repeat_matches_eager(shape, repeats, transpose, dtype):
 
 
 def test_repeat_beyond_the_rank_limit_keeps_a_reason():
-    gm = trace(lambda t: t.repeat(1, 1, 1, 1, 2), random_tensor((2, 3)))
+    gm = trace(lambda t: t.repeat(2, 2, 2, 2, 2), random_tensor((2, 2, 2, 2, 2)))
     node = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.repeat.default)
-    assert "limit 8" in unsupported_reason(node)
+    assert "needs 10 dims" in unsupported_reason(node) and "limit 8" in unsupported_reason(node)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

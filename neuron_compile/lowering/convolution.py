@@ -5,14 +5,18 @@ then one ``ir.MatMul`` per kernel position: for position ``kk``, every output el
 
     sum_ci weight[g * Cout/G + co, ci, kk] * x_padded[n, g * Cin/G + ci, o * stride + kk * dilation]
 
-which is a batched matmul with batch dims (*n, g, *out[:-1]), M = Cout/G, K = Cin/G, N = out[-1]: the
-weight slice and the shifted input are both plain access patterns (im2col without a copy). Each matmul's
-epilogue adds the previous position's partial sum (an fp32 scratch buffer, as eager accumulates in fp32) — the
-first adds the bias — and the last stores the result in the output's layout and dtype.
+which is a batched matmul with M = Cout/G, K = Cin/G: the weight slice and the shifted input are both plain
+access patterns (im2col without a copy). With stride 1 (every layer of a VAE decoder but its downsamplers) the
+rows are computed as wide as the padded input's: output (r, c) reads input element r * row + c, so all the output
+rows are one column range (N = out rows * input row) and each position is one matmul over the whole image; a copy
+keeps the valid columns. Strided convolutions take one matmul per output row instead: batch dims
+(*n, g, *out[:-1]), N = out[-1]. Each matmul's epilogue adds the previous position's partial sum (an fp32 scratch
+buffer, as eager accumulates in fp32) — the first adds the bias — and the last stores the result.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -48,63 +52,132 @@ def _check_convolution(node: torch.fx.Node) -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class PositionMatmuls:
+    """How one kernel position's matmul walks the input and the output: batch dims (*n, g, *rows) with M = Cout/G,
+    K = Cin/G and N columns; strides of the lead dims and the row dims on each side, and of one column."""
+
+    lead: tuple[int, ...]
+    rows: tuple[int, ...]
+    columns: int
+    input: ir.Load  # only its buffer, offset and dtype are used; strides below
+    input_strides: tuple[int, ...]  # (*lead, channel, *rows, column)
+    output: ir.Buffer
+    output_offset: int
+    output_strides: tuple[int, ...]  # (*lead, channel, *rows, column)
+
+
 @register_lowering(aten.convolution.default, check=_check_convolution)
 def lower_convolution(ctx, node):
     source_arg, weight_arg, bias_arg, stride, padding, dilation, _, _, groups = node.args[:9]
     source, weight = ctx.value(source_arg), ctx.value(weight_arg)
-    w_shape = weight.layout.shape
-    dims = len(w_shape) - 2
+    dims = len(weight.layout.shape) - 2
     stride, padding, dilation = (list(v) * dims if len(v) == 1 else list(v) for v in (stride, padding, dilation))
-    lead = source.layout.shape[:-dims - 1]  # (n,) or () for an unbatched input
-    channels, sizes = source.layout.shape[-dims - 1], list(source.layout.shape[-dims:])
     out = ctx.output_buffer(node, "convolution")
-    outs = list(out.layout.shape[-dims:])
+    bias = ctx.value(bias_arg) if bias_arg is not None else None
+    if dims > 1 and all(s == 1 for s in stride):
+        plan, wide = _wide_row_plan(ctx, source, weight, out, padding, dilation)
+    else:
+        plan, wide = _row_plan(ctx, source, out, stride, padding), None
+    _accumulate_positions(ctx, plan, weight, bias, dilation, groups)
+    if wide is not None:  # the valid columns of the wide rows, in the output's layout
+        view = ir.Layout(out.layout.shape, wide.layout.strides, 0)
+        ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), out.layout.shape,
+                              (ir.Store(out, ir.Load(wide.name, view, wide.dtype), out.layout),)))
+    return TensorValue(out.name, out.layout, out.dtype)
+
+
+def _padded_input(ctx, source: TensorValue, padding, slack_rows: int) -> ir.Load:
+    """The input, zero-padded (and ``slack_rows`` more zero rows after the first spatial dim) when asked."""
+    dims = len(padding)
+    if not any(padding) and not slack_rows:
+        return ir.Load(source.buffer, source.layout, source.dtype)
+    lead, sizes = tuple(source.layout.shape[:-dims]), list(source.layout.shape[-dims:])
+    totals = [n + 2 * p for n, p in zip(sizes, padding)]
+    totals[0] += slack_rows
+    padded = padded_copy(ctx, source, lead, sizes, padding, totals, source.dtype)
+    return ir.Load(padded.name, padded.layout, padded.dtype)
+
+
+def _row_plan(ctx, source: TensorValue, out: ir.Buffer, stride, padding) -> PositionMatmuls:
+    """One matmul per output row: batch (*n, g, *out[:-1]), N = out[-1], a strided row of the (padded) input."""
+    dims = len(stride)
+    data = _padded_input(ctx, source, padding, slack_rows=0)
+    spatial = data.layout.strides[-dims:]
+    input_strides = (*data.layout.strides[:-dims], *(st * s for st, s in zip(stride, spatial)))
+    outs = out.layout.shape[-dims:]
+    return PositionMatmuls(out.layout.shape[:-dims - 1], tuple(outs[:-1]), outs[-1], data, input_strides,
+                           out, out.layout.offset, out.layout.strides)
+
+
+def _wide_row_plan(ctx, source: TensorValue, weight: TensorValue, out: ir.Buffer, padding, dilation):
+    """Stride 1: one matmul per kernel position over every output row at once. Output row r, column c reads input
+    element r * row + c (+ the position's offset) of the contiguous (padded) input, so the rows are computed as wide
+    as the input's (the columns past the output's width are never read back) and N = out rows * input row: a
+    single stride. One zero row after the input keeps the last position's wide read inside the buffer. Returns the
+    plan and the wide result buffer the valid columns are copied from (None when the rows are not wider)."""
+    dims = len(padding)
+    kernel = weight.layout.shape[2:]
+    reaches_past = any((k - 1) * d for k, d in zip(kernel[1:], dilation[1:]))
+    sizes = source.layout.shape[-dims:]
+    contiguous_rows = source.layout.strides[-dims:] == ir.contiguous_strides(sizes)
+    slack = 1 if reaches_past or not contiguous_rows else 0
+    data = _padded_input(ctx, source, padding, slack_rows=slack)
+    padded_sizes = data.layout.shape[-dims:]
+    outs = out.layout.shape[-dims:]
+    lead = out.layout.shape[:-dims - 1]
+    columns = outs[0] * data.layout.strides[-dims]
+    input_strides = (*data.layout.strides[:-dims], 1)
+    if tuple(padded_sizes[1:]) == tuple(outs[1:]) and out.layout.strides[-dims:] == ir.contiguous_strides(outs):
+        return PositionMatmuls(lead, (), columns, data, input_strides, out, out.layout.offset,
+                               (*out.layout.strides[:-dims], 1)), None
+    wide = ctx.scratch_buffer((*out.layout.shape[:-dims], outs[0], *padded_sizes[1:]), out.dtype, "wide_rows")
+    return PositionMatmuls(lead, (), columns, data, input_strides, wide, 0,
+                           (*wide.layout.strides[:-dims], 1)), wide
+
+
+def _accumulate_positions(ctx, plan: PositionMatmuls, weight: TensorValue, bias: TensorValue | None, dilation,
+                          groups: int) -> None:
+    """One matmul per kernel position; each epilogue adds the previous position's fp32 partial sum (the first adds
+    the bias), the last stores into the plan's output."""
+    w_shape = weight.layout.shape
     kernel = list(w_shape[2:])
     out_per_group, in_per_group = w_shape[0] // groups, w_shape[1]
-
-    if any(padding):
-        totals = [n + 2 * p for n, p in zip(sizes, padding)]
-        padded = padded_copy(ctx, source, (*lead, channels), sizes, padding, totals, source.dtype)
-        data = ir.Load(padded.name, padded.layout, padded.dtype)
-    else:
-        data = ir.Load(source.buffer, source.layout, source.dtype)
-    x_lead = data.layout.strides[:len(lead)]
-    x_channel, x_spatial = data.layout.strides[len(lead)], data.layout.strides[len(lead) + 1:]
+    nlead, nrows = len(plan.lead), len(plan.rows)
+    batch = (*plan.lead, groups, *plan.rows)
+    domain = (*batch, out_per_group, plan.columns)
+    zeros_lead, zeros_rows = (0,) * nlead, (0,) * nrows
     w_out, w_in, *w_spatial = weight.layout.strides
-    o_lead = out.layout.strides[:len(lead)]
-    o_channel, o_spatial = out.layout.strides[len(lead)], out.layout.strides[len(lead) + 1:]
-
-    batch = (*lead, groups, *outs[:-1])
-    domain = (*batch, out_per_group, outs[-1])
-    zeros_lead, zeros_out = (0,) * len(lead), (0,) * (dims - 1)
-    # Output (*n, g, *out[:-1], co, out[-1]) in the output buffer; the bias per output channel.
-    store_layout = ir.Layout(domain, (*o_lead, out_per_group * o_channel, *o_spatial[:-1], o_channel, o_spatial[-1]),
-                             out.layout.offset)
+    x_lead, x_channel = plan.input_strides[:nlead], plan.input_strides[nlead]
+    x_rows, x_column = plan.input_strides[nlead + 1:-1], plan.input_strides[-1]
+    o_lead, o_channel = plan.output_strides[:nlead], plan.output_strides[nlead]
+    o_rows, o_column = plan.output_strides[nlead + 1:-1], plan.output_strides[-1]
+    store_layout = ir.Layout(domain, (*o_lead, out_per_group * o_channel, *o_rows, o_channel, o_column),
+                             plan.output_offset)
+    x_spatial = plan.input.layout.strides[-len(kernel):]  # a kernel position offsets the read by these
     partial = None
     positions = list(itertools.product(*(range(k) for k in kernel)))
     for index, position in enumerate(positions):
         a_offset = weight.layout.offset + sum(p * s for p, s in zip(position, w_spatial))
         a = ir.Load(weight.buffer, ir.Layout((*batch, out_per_group, in_per_group),
-                                             (*zeros_lead, out_per_group * w_out, *zeros_out, w_out, w_in), a_offset),
+                                             (*zeros_lead, out_per_group * w_out, *zeros_rows, w_out, w_in), a_offset),
                     weight.dtype)
-        b_offset = data.layout.offset + sum(p * d * s for p, d, s in zip(position, dilation, x_spatial))
-        b_out = [st * s for st, s in zip(stride, x_spatial)]
-        b = ir.Load(data.buffer, ir.Layout((*batch, in_per_group, outs[-1]),
-                                           (*x_lead, in_per_group * x_channel, *b_out[:-1], x_channel, b_out[-1]),
-                                           b_offset), data.dtype)
+        b_offset = plan.input.layout.offset + sum(p * d * s for p, d, s in zip(position, dilation, x_spatial))
+        b = ir.Load(plan.input.buffer, ir.Layout((*batch, in_per_group, plan.columns),
+                                                 (*x_lead, in_per_group * x_channel, *x_rows, x_channel, x_column),
+                                                 b_offset), plan.input.dtype)
         expr = ir.Result()
         if partial is not None:
             expr = ir.Op("add", (expr, ir.Load(partial.name, partial.layout, partial.dtype)))
-        elif bias_arg is not None:
-            bias = ctx.value(bias_arg)
+        elif bias is not None:
             (bias_stride,) = bias.layout.strides
-            bias_layout = ir.Layout(domain, (*zeros_lead, out_per_group * bias_stride, *zeros_out, bias_stride, 0),
+            bias_layout = ir.Layout(domain, (*zeros_lead, out_per_group * bias_stride, *zeros_rows, bias_stride, 0),
                                     bias.layout.offset)
             expr = ir.Op("add", (expr, ir.Load(bias.buffer, bias_layout, bias.dtype)))
         if index == len(positions) - 1:
-            store = ir.Store(out, expr, store_layout)
+            store = ir.Store(plan.output, expr, store_layout)
         else:
             partial = ctx.scratch_buffer(domain, "float32", "conv_partial")
             store = ir.Store(partial, expr, partial.layout)
         ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), domain, in_per_group, a, b, (store,)))
-    return TensorValue(out.name, out.layout, out.dtype)
+

@@ -397,10 +397,17 @@ def _repeats(node: torch.fx.Node) -> list[int]:
     return list(node.args[1])
 
 
+def _repeat_copy_rank(node: torch.fx.Node) -> int:
+    """Dims of the copy's domain: two for a dim both repeated and longer than 1, one otherwise."""
+    repeats = _repeats(node)
+    sizes = (1,) * (len(repeats) - node.args[0].meta["val"].dim()) + tuple(node.args[0].meta["val"].shape)
+    return sum(2 if repeat > 1 and size > 1 else 1 for repeat, size in zip(repeats, sizes))
+
+
 def _check_repeat(node: torch.fx.Node) -> str | None:
-    dims = len(_repeats(node))
-    if 2 * dims > MAX_RANK:
-        return f"aten.repeat: {dims} repeat dims need a {2 * dims}-D copy (limit {MAX_RANK})"
+    rank = _repeat_copy_rank(node)
+    if rank > MAX_RANK:
+        return f"aten.repeat: the copy needs {rank} dims (two per dim both repeated and longer than 1; limit {MAX_RANK})"
     return None
 
 
@@ -408,6 +415,7 @@ def _check_repeat(node: torch.fx.Node) -> str | None:
 def lower_repeat(ctx, node):
     # Output dim k of size r_k * s_k is the pair (copy index, source index): the source read with stride 0 on
     # the copy index, the output written through its own strides split in two. One copy kernel, no index math.
+    # A dim repeated once, or of size 1, needs no split (VAEs repeat one frame of a 5-D video: (1, 1, k, 1, 1)).
     value = ctx.value(node.args[0])
     repeats = _repeats(node)
     pad = len(repeats) - len(value.layout.shape)
@@ -416,9 +424,14 @@ def lower_repeat(ctx, node):
     buffer = ctx.output_buffer(node, "repeat")
     domain, read_strides, write_strides = [], [], []
     for repeat, size, stride, out_stride in zip(repeats, sizes, strides, buffer.layout.strides):
-        domain += [repeat, size]
-        read_strides += [0, stride]
-        write_strides += [size * out_stride, out_stride]
+        if repeat == 1:
+            domain, read_strides, write_strides = domain + [size], read_strides + [stride], write_strides + [out_stride]
+        elif size == 1:
+            domain, read_strides, write_strides = domain + [repeat], read_strides + [0], write_strides + [out_stride]
+        else:
+            domain += [repeat, size]
+            read_strides += [0, stride]
+            write_strides += [size * out_stride, out_stride]
     domain = tuple(domain)
     read = ir.Layout(domain, tuple(read_strides), value.layout.offset)
     write = ir.Layout(domain, tuple(write_strides), buffer.layout.offset)
