@@ -45,6 +45,18 @@ def test_group_norm_channels_last_no_affine_and_large_offset():
     check_against_eager(_group_norm((2, 6, 40), 2, eps=0.5), shifted, weight[:6], bias[:6])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_group_norm_of_long_channels_last_rows_copies_them_contiguous(dtype):
+    # A VAE decoder after its attention block: each group's row is 4 channels (stride 1) x 1024 pixels (stride
+    # 32), two dims too long to walk unchunked (this ran eagerly), so the rows are read from a contiguous copy.
+    shape = (1, 32, 32, 32)
+    x = random_tensor(shape, dtype, seed=8).contiguous(memory_format=torch.channels_last)
+    weight, bias = random_tensor((32,), dtype, seed=9), random_tensor((32,), dtype, seed=10)
+    node = _group_norm_node(_group_norm(shape, 8), x, weight, bias)
+    assert unsupported_reason(node) is None
+    check_against_eager(_group_norm(shape, 8), x, weight, bias, tolerances=NORM_TOLERANCES)
+
+
 def _group_norm_node(fn, *inputs):
     gm = trace(fn, *inputs)
     return next(node for node in gm.graph.nodes if node.target is aten.native_group_norm.default)

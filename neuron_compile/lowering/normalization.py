@@ -147,16 +147,40 @@ def _check_group_norm(node: torch.fx.Node) -> str | None:
     for arg in (weight, bias):
         if arg is not None and arg.meta["val"].dtype != meta.dtype:
             return f"{node.target}: weight/bias dtype {arg.meta['val'].dtype} differs from input {meta.dtype}"
-    grouped = _group_domain(ir.Layout(tuple(meta.shape), tuple(meta.stride())), groups)
+    reason = _group_row_reason(node, ir.Layout(tuple(meta.shape), tuple(meta.stride())), groups)
+    if reason is not None and _group_row_reason(node, _contiguous(meta.shape), groups) is None:
+        return None  # walked from a contiguous copy (see _group_norm_source)
+    return reason
+
+
+def _contiguous(shape) -> ir.Layout:
+    return ir.Layout(tuple(shape), ir.contiguous_strides(tuple(shape)))
+
+
+def _group_row_reason(node: torch.fx.Node, layout: ir.Layout, groups: int) -> str | None:
+    grouped = _group_domain(layout, groups)
     fake = torch.empty_strided(grouped.shape, grouped.strides, device="meta")
     return row_shape_reason(node, fake, tuple(range(2, len(grouped.shape))))
+
+
+def _group_norm_source(ctx, node: torch.fx.Node, source: TensorValue, groups: int) -> TensorValue:
+    """The input, or a contiguous copy of it when its group rows cannot be walked in place: channels last (a VAE
+    decoder after its attention block) splits each group's row into channels (stride 1) and pixels (stride C),
+    two dims that do not merge, and a row that long is walked in chunks along one dim only."""
+    if _group_row_reason(node, source.layout, groups) is None:
+        return source
+    layout = _contiguous(source.layout.shape)
+    copy = ctx.scratch_buffer(layout.shape, source.dtype, "contiguous")
+    ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), layout.shape,
+                          (ir.Store(copy, ir.Load(source.buffer, source.layout, source.dtype), copy.layout),)))
+    return TensorValue(copy.name, copy.layout, copy.dtype)
 
 
 @register_lowering(aten.native_group_norm.default, check=_check_group_norm, multi_output=True)
 def lower_group_norm(ctx, node):
     """out = (x - mean) * rstd * weight[c] + bias[c], mean and rstd = 1 / sqrt(var + eps) per (n, group)."""
     source_arg, weight, bias, _, _, _, groups, eps = node.args[:8]
-    source = ctx.value(source_arg)
+    source = _group_norm_source(ctx, node, ctx.value(source_arg), groups)
     grouped = _group_domain(source.layout, groups)
     domain = grouped.shape
     reduce_dims = tuple(range(2, len(domain)))
