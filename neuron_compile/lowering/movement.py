@@ -12,6 +12,7 @@ import torch
 from neuron_compile import ir
 from neuron_compile.lowering.pointwise import emit_pointwise
 from neuron_compile.lowering.registry import (
+    COMPLEX_INPUT_OPS,
     INTEGER_DTYPES,
     INTEGER_OPS,
     MAX_RANK,
@@ -438,3 +439,20 @@ def lower_repeat(ctx, node):
     expr = ir.Load(value.buffer, broadcast_layout(read, domain), value.dtype)
     ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), domain, (ir.Store(buffer, expr, write),)))
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
+def _check_view_as_real(node: torch.fx.Node) -> str | None:
+    source = node.args[0]
+    if source.meta["val"].dtype is not torch.complex64 or source.op != "placeholder":
+        return (f"{node.target}: only of a complex64 graph input (other complex values are pairs already, "
+                "passes/complex_pairs.py)")
+    return None
+
+
+@register_lowering(aten.view_as_real.default, check=_check_view_as_real)
+def lower_view_as_real(ctx, node):
+    # The input's buffer already holds its fp32 pairs (registry.input_layout): the view is that buffer as it is.
+    return ctx.value(node.args[0])
+
+
+COMPLEX_INPUT_OPS.add(aten.view_as_real.default)

@@ -37,6 +37,9 @@ INTEGER_OPS: set = set()
 # Ops whose lowerings compute integers in fp32 tiles: exact when every integer they read or write (and the float
 # a cast to an integer reads) is proved within +-2**24 by passes/value_range.py; otherwise eager, with that reason.
 INTEGER_ARITHMETIC_OPS: set = set()
+# complex64 has no NKI dtype: a complex graph input enters a region as its fp32 (real, imaginary) pairs (a view,
+# torch.view_as_real, taken at the region boundary), and only the ops in this set may read it there.
+COMPLEX_INPUT_OPS: set = set()
 
 
 # Tensors of higher rank run eagerly. Tiling collapses mergeable dims and walks the rest as outer loops, so rank
@@ -146,6 +149,8 @@ def unsupported_reason(node: torch.fx.Node, target: Target | str | None = None) 
     identity = _EMPTY_INPUT_LOWERINGS.get(node.target)
     integer_ops = INTEGER_OPS | INTEGER_ARITHMETIC_OPS
     for meta in _tensor_metas(node):
+        if meta.dtype is torch.complex64 and node.target in COMPLEX_INPUT_OPS:
+            continue  # the op's check says which complex values it takes
         if meta.dtype not in SUPPORTED_DTYPES or (meta.dtype in INTEGER_DTYPES and node.target not in integer_ops):
             return f"dtype {str(meta.dtype).removeprefix('torch.')}"
         # An empty result needs no instructions (lower_graph gives it a buffer and no kernel); cat skips empty
@@ -298,6 +303,14 @@ def broadcast_layout(layout: ir.Layout, shape: tuple[int, ...]) -> ir.Layout:
     return ir.Layout(tuple(shape), tuple(out), layout.offset)
 
 
+def input_layout(meta: torch.Tensor) -> tuple[ir.Layout, str]:
+    """A graph input's buffer layout and kernel dtype; a complex64 input is read as its fp32 pairs: one more dim
+    of 2 (real, imaginary), every stride doubled (the region binds ``torch.view_as_real`` of the tensor)."""
+    if meta.dtype is torch.complex64:
+        return ir.Layout((*meta.shape, 2), (*(2 * stride for stride in meta.stride()), 1), 0), "float32"
+    return ir.Layout(tuple(meta.shape), tuple(meta.stride()), 0), dtype_name(meta.dtype)
+
+
 def load(ctx: LoweringContext, arg, shape: tuple[int, ...]) -> ir.Expr:
     """An operand as an expression over a domain of ``shape``: a broadcast Load, or a Scalar."""
     if isinstance(arg, bool):
@@ -319,8 +332,8 @@ def lower_graph(gm: torch.fx.GraphModule, target: Target | str | None = None, *,
             meta = node.meta.get("val")
             if not isinstance(meta, torch.Tensor):
                 raise LoweringError(f"graph input {node.name} is not a tensor ({type(meta).__name__})")
-            layout = ir.Layout(tuple(meta.shape), tuple(meta.stride()), 0)
-            buffer = ir.Buffer(node.name, dtype_name(meta.dtype), layout)
+            layout, dtype = input_layout(meta)
+            buffer = ir.Buffer(node.name, dtype, layout)
             ctx.buffers[buffer.name] = buffer
             ctx.values[node] = TensorValue(buffer.name, layout, buffer.dtype)
             inputs.append(buffer)

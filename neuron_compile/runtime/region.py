@@ -101,6 +101,8 @@ class CompiledRegion:
         storage: dict[str, torch.Tensor] = {}  # input buffer -> the flat view of the input tensor
         written: dict[str, torch.Tensor] = {}  # kernel-written buffer -> its torch-allocated flat tensor
         for buffer, tensor in zip(self.inputs, tensors):
+            if tensor.is_complex():  # compiled as its fp32 (real, imaginary) pairs: registry.input_layout
+                tensor = torch.view_as_real(tensor)
             self._check_input(buffer, tensor)
             flat[buffer.name] = kernel_argument(tensor, buffer)
             storage[buffer.name] = torch.as_strided(tensor, (buffer.layout.span(),), (1,), tensor.storage_offset())
