@@ -26,6 +26,7 @@ from neuron_compile.lowering.registry import (
     broadcast_layout,
     register_lowering,
 )
+from neuron_compile.lowering.repeated_indices import lower_repeated_index, repeat_factors
 
 aten = torch.ops.aten
 
@@ -53,6 +54,8 @@ def _gather_operands(node: torch.fx.Node):
 
 
 def _check_gather(node: torch.fx.Node) -> str | None:
+    if node.args[0].meta["val"].dtype in FLOAT_SOURCES and repeat_factors(node) is not None:
+        return None  # nearest upsampling: a strided copy (repeated_indices.py), none of a gather's limits
     if _several_indices(node):
         return _check_multi_index(node)
     operands = _gather_operands(node)
@@ -98,6 +101,9 @@ def _several_indices(node: torch.fx.Node) -> bool:
 
 @register_lowering(aten.index_select.default, aten.embedding.default, aten.index.Tensor, check=_check_gather)
 def lower_gather(ctx, node):
+    factors = repeat_factors(node) if node.args[0].meta["val"].dtype in FLOAT_SOURCES else None
+    if factors is not None:
+        return lower_repeated_index(ctx, node, factors)
     if _several_indices(node):
         return lower_multi_index(ctx, node)
     source_node, dim, index_node = _gather_operands(node)
