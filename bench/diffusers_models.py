@@ -375,6 +375,38 @@ def unet_2d_condition():
                        encoder_hidden_states=_random(generator, 1, 4, 8))
 
 
+def _kandinsky_inputs(generator: torch.Generator) -> dict:
+    """A (B, T, H, W, C) video latent of 2 frames of 4 x 4 (2 x 2 patches of 2 x 2), 8 text tokens."""
+    return dict(hidden_states=_random(generator, 1, 2, 4, 4, 4), encoder_hidden_states=_random(generator, 1, 8, 16),
+                timestep=torch.tensor([500.0]), pooled_projections=_random(generator, 1, 8))
+
+
+def kandinsky5():
+    model = _built("Kandinsky5Transformer3DModel", in_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16,
+                   out_visual_dim=4, patch_size=(1, 2, 2), model_dim=32, ff_dim=64, num_text_blocks=1,
+                   num_visual_blocks=2, axes_dims=(4, 6, 6))
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(**_kandinsky_inputs(generator), text_rope_pos=torch.arange(8),
+                       visual_rope_pos=[torch.arange(2), torch.arange(2), torch.arange(2)])
+
+
+def kandinsky6():
+    model = _built("Kandinsky6Transformer3DModel", in_visual_dim=4, out_visual_dim=4, in_text_dim=16, in_text_dim2=8,
+                   time_dim=16, patch_size=(1, 2, 2), model_dim=32, ff_dim=64, num_text_blocks=1, num_visual_blocks=1,
+                   axes_dims=(4, 6, 6), visual_cond=False, in_audio_dim=4, out_audio_dim=4, model_dim_a=16,
+                   time_dim_a=16, ff_dim_a=32, axes_dims_a=(8,))
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(**_kandinsky_inputs(generator), audio_hidden_states=_random(generator, 1, 6, 4))
+
+
+def dreamlite_unet():
+    model = _built("DreamLiteUNetModel", block_out_channels=(16, 32, 32), norm_num_groups=4, cross_attention_dim=16,
+                   attention_head_dim=8, layers_per_block=1, sample_size=16, in_channels=4, out_channels=4, ff_mult=2)
+    generator = torch.Generator().manual_seed(SEED)
+    return model, dict(sample=_random(generator, 1, 4, 16, 16), timestep=torch.tensor([10]),
+                       encoder_hidden_states=_random(generator, 1, 6, 16))
+
+
 MODELS: dict[str, Callable[[], tuple]] = {
     "FluxTransformer2DModel": flux,
     "Flux2Transformer2DModel": flux2,
@@ -407,6 +439,9 @@ MODELS: dict[str, Callable[[], tuple]] = {
     "ErnieImageTransformer2DModel": ernie_image,
     "ZImageTransformer2DModel": z_image,
     "UNet2DConditionModel": unet_2d_condition,
+    "Kandinsky5Transformer3DModel": kandinsky5,
+    "Kandinsky6Transformer3DModel": kandinsky6,
+    "DreamLiteUNetModel": dreamlite_unet,
 }
 
 
@@ -415,10 +450,7 @@ UNLISTED: dict[str, str] = {
     "AutoencoderKLMiniMaxH3": "a VAE whose decoder blocks take the packed video layout of MiniMax-H3",
     "BriaFibo2Transformer2DModel": "its gist-token perceiver has a 256-token minimum: not a tiny config",
     "Cosmos3OmniTransformer": "packed multimodal sequences (index lists, per-frame token shapes) as inputs",
-    "DreamLiteUNetModel": "no tiny config worked out yet",
     "JoyImageEditPlusTransformer3DModel": "packed multi-image inputs (shape_list) not worked out yet",
-    "Kandinsky5Transformer3DModel": "no tiny config worked out yet",
-    "Kandinsky6Transformer3DModel": "no tiny config worked out yet",
     "Kandinsky6SRTransformer3DModel": "no tiny config worked out yet",
     "MiniMaxH3Transformer3DModel": "packed video / audio layout inputs not worked out yet",
     "QwenImage21Transformer2DModel": "VLM image-slot masks and KV-cache inputs not worked out yet",
@@ -427,7 +459,7 @@ UNLISTED: dict[str, str] = {
     "SanaWMTransformer3DModel": "camera-control inputs not worked out yet",
     "SanaWMLTX2RefinerTransformer3DModel": "camera-control inputs not worked out yet",
     "WanAnimateTransformer3DModel": "its motion encoder needs 21 latent frames: 1344 tokens a block, slow here",
-    "WanAnimate2Transformer3DModel": "no tiny config worked out yet",
+    "WanAnimate2Transformer3DModel": "a reference KV-cache pass, then cached denoising: not worked out yet",
 }
 
 
