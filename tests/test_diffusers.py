@@ -46,6 +46,26 @@ def test_flux_blocks_compiled_per_class_match_eager():
     assert stats["fallback_nodes"] == 0 and stats["nki_nodes"] > 200
 
 
+def test_vae_decoder_compiled_matches_eager():
+    # A two-level AutoencoderKL decoder (its mid-block attention makes the rest channels last): stride-1
+    # convolutions, group norms, silu, the nearest upsampler and attention, all in kernels.
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[4, 8], layers_per_block=1, latent_channels=4,
+        norm_num_groups=2, sample_size=4).eval()
+    latents = torch.randn(1, 4, 2, 2, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    neuron_compile.reset_stats()
+    with torch.no_grad():
+        expected = vae.decoder(latents)
+        actual = torch.compile(vae.decoder, backend="neuron")(latents)
+    torch._dynamo.reset()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    stats = neuron_compile.stats()
+    assert stats["graphs_compiled"] == 1 and stats["fallback_nodes"] == 0 and stats["nki_nodes"] > 100
+
+
 @pytest.mark.slow
 def test_qwen_image_rotary_runs_as_real_pairs():
     torch.manual_seed(0)
