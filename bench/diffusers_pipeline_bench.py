@@ -61,7 +61,8 @@ def child(name: str, dtype_name: str, backend: str) -> dict:
         return (actual.float() - expected.float()).abs().max().item() / expected.float().abs().max().item()
 
     return dict(latents=error(latents, expected_latents), pixels=error(pixels, expected_pixels), graphs=graphs,
-                nki=stats["nki_nodes"], fallback=stats["fallback_nodes"], reasons=stats["fallback_reasons"].most_common(),
+                nki=stats["nki_nodes"], fallback=stats["fallback_nodes"],
+                reasons=stats["fallback_reasons"].most_common(),
                 eager_s=eager_s, first_s=first_s, warm_s=warm_s, est_s=warm["est_time_s"],
                 roofline_s=warm["roofline_s"])
 

@@ -408,7 +408,8 @@ def _repeat_copy_rank(node: torch.fx.Node) -> int:
 def _check_repeat(node: torch.fx.Node) -> str | None:
     rank = _repeat_copy_rank(node)
     if rank > MAX_RANK:
-        return f"aten.repeat: the copy needs {rank} dims (two per dim both repeated and longer than 1; limit {MAX_RANK})"
+        return (f"aten.repeat: the copy needs {rank} dims (two per dim both repeated and longer than 1; "
+                f"limit {MAX_RANK})")
     return None
 
 
