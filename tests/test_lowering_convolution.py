@@ -31,6 +31,11 @@ CASES = [
     (F.conv3d, (1, 3, 3, 5, 6), (2, 3, 3, 3, 3), dict(padding=1)),
     (F.conv2d, (1, 2, 1, 9), (2, 2, 1, 3), dict()),
     (F.conv2d, (1, 4, 6, 6), (4, 2, 3, 3), dict(padding=1, groups=2)),
+    # Depthwise (one input channel per group): one pointwise kernel summing the positions.
+    (F.conv2d, (2, 130, 5, 7), (130, 1, 3, 3), dict(padding=1, groups=130)),
+    (F.conv2d, (1, 3, 9, 8), (6, 1, 3, 2), dict(stride=2, padding=(1, 0), dilation=(2, 1), groups=3)),  # x2 channels
+    (F.conv3d, (1, 4, 3, 5, 5), (4, 1, 3, 3, 3), dict(padding=1, groups=4)),
+    (F.conv2d, (1, 1, 1), (2, 1, 1, 1), dict()),  # unbatched, one pixel, one input channel
 ]
 
 

@@ -9,9 +9,11 @@ which is a batched matmul with M = Cout/G, K = Cin/G: the weight slice and the s
 access patterns (im2col without a copy). With stride 1 (every layer of a VAE decoder but its downsamplers) the
 rows are computed as wide as the padded input's: output (r, c) reads input element r * row + c, so all the output
 rows are one column range (N = out rows * input row) and each position is one matmul over the whole image; a copy
-keeps the valid columns. Strided convolutions take one matmul per output row instead: batch dims
-(*n, g, *out[:-1]), N = out[-1]. Each matmul's epilogue adds the previous position's partial sum (an fp32 scratch
-buffer, as eager accumulates in fp32) — the first adds the bias — and the last stores the result.
+keeps the valid columns. A depthwise convolution (one input channel per group, K = 1) is one pointwise kernel
+instead: the positions' shifted inputs times their weights, summed. Strided convolutions take one matmul per
+output row: batch dims (*n, g, *out[:-1]), N = out[-1]. Each matmul's epilogue adds the previous position's
+partial sum (an fp32 scratch buffer, as eager accumulates in fp32) — the first adds the bias — and the last stores
+the result.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ def lower_convolution(ctx, node):
     stride, padding, dilation = (list(v) * dims if len(v) == 1 else list(v) for v in (stride, padding, dilation))
     out = ctx.output_buffer(node, "convolution")
     bias = ctx.value(bias_arg) if bias_arg is not None else None
+    if weight.layout.shape[1] == 1:
+        _depthwise_convolution(ctx, source, weight, bias, out, stride, padding, dilation, groups)
+        return TensorValue(out.name, out.layout, out.dtype)
     if dims > 1 and all(s == 1 for s in stride):
         plan, wide = _wide_row_plan(ctx, source, weight, out, padding, dilation)
     else:
@@ -181,3 +186,38 @@ def _accumulate_positions(ctx, plan: PositionMatmuls, weight: TensorValue, bias:
             store = ir.Store(partial, expr, partial.layout)
         ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), domain, in_per_group, a, b, (store,)))
 
+
+
+def _depthwise_convolution(ctx, source: TensorValue, weight: TensorValue, bias: TensorValue | None, out: ir.Buffer,
+                           stride, padding, dilation, groups: int) -> None:
+    """One input channel per group (depthwise, K = 1): a matmul per position would multiply 1 x 1 tiles, so the
+    whole convolution is one pointwise kernel over (*n, g, Cout / G, *out): the sum over kernel positions of the
+    shifted (padded) input times the position's weight, broadcast along the pixels, in fp32 as eager sums."""
+    dims = len(stride)
+    data = _padded_input(ctx, source, padding, slack_rows=0)
+    outs = out.layout.shape[-dims:]
+    lead = out.layout.shape[:-dims - 1]
+    out_per_group = weight.layout.shape[0] // groups
+    domain = (*lead, groups, out_per_group, *outs)
+    zeros_lead, zeros_spatial = (0,) * len(lead), (0,) * dims
+    x_strides = data.layout.strides
+    x_spatial = x_strides[-dims:]
+    read = (*x_strides[:len(lead)], x_strides[len(lead)], 0, *(st * s for st, s in zip(stride, x_spatial)))
+    w_out, _, *w_spatial = weight.layout.strides
+    w_read = (*zeros_lead, out_per_group * w_out, w_out, *zeros_spatial)
+    total = None
+    for position in itertools.product(*(range(k) for k in weight.layout.shape[2:])):
+        x_offset = data.layout.offset + sum(p * d * s for p, d, s in zip(position, dilation, x_spatial))
+        w_offset = weight.layout.offset + sum(p * s for p, s in zip(position, w_spatial))
+        term = ir.Op("mul", (ir.Load(data.buffer, ir.Layout(domain, read, x_offset), data.dtype),
+                             ir.Load(weight.buffer, ir.Layout(domain, w_read, w_offset), weight.dtype)))
+        total = term if total is None else ir.Op("add", (total, term))
+    if bias is not None:
+        (bias_stride,) = bias.layout.strides
+        bias_read = (*zeros_lead, out_per_group * bias_stride, bias_stride, *zeros_spatial)
+        total = ir.Op("add", (total, ir.Load(bias.buffer, ir.Layout(domain, bias_read, bias.layout.offset),
+                                             bias.dtype)))
+    o_strides = out.layout.strides
+    write = (*o_strides[:len(lead)], out_per_group * o_strides[len(lead)], *o_strides[len(lead):])
+    ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), domain, (ir.Store(out, total, ir.Layout(domain, write,
+                                                                                              out.layout.offset)),)))
