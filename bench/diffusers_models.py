@@ -407,6 +407,35 @@ def dreamlite_unet():
                        encoder_hidden_states=_random(generator, 1, 6, 16))
 
 
+def sana_wm():
+    model = _built("SanaWMTransformer3DModel", in_channels=4, num_layers=2, hidden_size=32, num_attention_heads=2,
+                   softmax_every_n=2, linear_head_dim=16, chunk_plucker_channels=8, chunk_plucker_post_attn_blocks=2,
+                   image_size=64, caption_channels=16, mlp_ratio=2.0, mixed_precision="fp32", fp32_attention=False)
+    generator = torch.Generator().manual_seed(SEED)
+    frames = 2
+    # Camera conditions per frame: a flattened 4x4 camera-to-world matrix (identity: a still camera), then the
+    # intrinsics fx, fy, cx, cy of a 32 x 32 image.
+    camera = torch.cat([torch.eye(4).reshape(1, 1, 16), torch.tensor([[[32.0, 32.0, 16.0, 16.0]]])], -1)
+    return model, dict(hidden_states=_random(generator, 1, 4, frames, 4, 4), timestep=torch.full((1, 1, frames), 500.0),
+                       encoder_hidden_states=_random(generator, 1, 1, 8, 16), encoder_attention_mask=torch.ones(1, 8),
+                       camera_conditions=camera.expand(1, frames, 20),
+                       chunk_plucker=_random(generator, 1, 8, frames, 4, 4))
+
+
+def sana_wm_refiner():
+    model = _built("SanaWMLTX2RefinerTransformer3DModel", in_channels=4, out_channels=4, num_attention_heads=2,
+                   attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
+                   audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
+                   caption_channels=16, rope_double_precision=False)
+    generator = torch.Generator().manual_seed(SEED)
+    tokens = 2 * 4 * 4  # one refined block of 2 latent frames of 4 x 4, at absolute frames 0 and 1
+    rotary = model.build_rotary_emb_for_absolute_positions(1, [0, 1], 4, 4, torch.device("cpu"), 25.0)
+    return model, dict(hidden_states=_random(generator, 1, tokens, 4),
+                       encoder_hidden_states=_random(generator, 1, 8, 16), timestep=torch.full((1, tokens), 500.0),
+                       video_rotary_emb=rotary,
+                       encoder_attention_mask=torch.ones(1, 8))
+
+
 MODELS: dict[str, Callable[[], tuple]] = {
     "FluxTransformer2DModel": flux,
     "Flux2Transformer2DModel": flux2,
@@ -442,6 +471,8 @@ MODELS: dict[str, Callable[[], tuple]] = {
     "Kandinsky5Transformer3DModel": kandinsky5,
     "Kandinsky6Transformer3DModel": kandinsky6,
     "DreamLiteUNetModel": dreamlite_unet,
+    "SanaWMTransformer3DModel": sana_wm,
+    "SanaWMLTX2RefinerTransformer3DModel": sana_wm_refiner,
 }
 
 
@@ -456,8 +487,6 @@ UNLISTED: dict[str, str] = {
     "QwenImage21Transformer2DModel": "VLM image-slot masks and KV-cache inputs not worked out yet",
     "RFD4ProteinaAutoencoder": "protein-structure inputs not worked out yet",
     "RFD4ProteinaTransformer": "protein-structure inputs not worked out yet",
-    "SanaWMTransformer3DModel": "camera-control inputs not worked out yet",
-    "SanaWMLTX2RefinerTransformer3DModel": "camera-control inputs not worked out yet",
     "WanAnimateTransformer3DModel": "its motion encoder needs 21 latent frames: 1344 tokens a block, slow here",
     "WanAnimate2Transformer3DModel": "a reference KV-cache pass, then cached denoising: not worked out yet",
 }
