@@ -71,6 +71,28 @@ def test_rewritten_graph_has_no_complex_arithmetic_and_computes_the_same():
     torch.testing.assert_close(rewritten(x, frequencies), rotary(x, frequencies), rtol=1e-6, atol=1e-6)
 
 
+def permuted_rotary(x, frequencies):
+    """SANA-WM's UCPE layout: the rotary half of head-major features read token-major, joined back to the other
+    half and permuted back: in eager the complex product keeps its input's permuted strides, so the final reshape
+    is a view."""
+    features = x.permute(0, 2, 1, 3)
+    projected, rotated = features.split(4, dim=-1)
+    pairs = torch.view_as_complex(rotated.unflatten(-1, (-1, 2)))
+    rotated = torch.view_as_real(pairs * frequencies).flatten(-2, -1)
+    return torch.cat([projected, rotated], dim=-1).permute(0, 2, 1, 3).reshape(1, 16, 16)
+
+
+def test_values_laid_out_unlike_eager_are_read_through_their_own_strides():
+    # The pairs' cat is contiguous where eager's product was permuted: the nodes after it are re-propagated, or
+    # the reshape would be lowered as a view through eager's strides (a wrong answer: 3.2 off before the fix).
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 16, 2, 8, generator=generator)
+    frequencies = torch.polar(torch.ones(16, 2), torch.randn(16, 2, generator=generator))
+    result, stats = compiled_with_stats(permuted_rotary, x, frequencies)
+    torch.testing.assert_close(result, permuted_rotary(x, frequencies), rtol=1e-5, atol=1e-5)
+    assert stats["fallback_nodes"] == 0
+
+
 def mixed_arithmetic(x, y, scale):
     """Complex by complex, by a real tensor and by a complex scalar; sums, differences, views and halves."""
     a = torch.view_as_complex(x)

@@ -28,6 +28,8 @@ import copy
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 aten = torch.ops.aten
 COMPLEX_DTYPES = (torch.complex64,)
@@ -81,7 +83,20 @@ def rewrite_complex_pairs(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
+    refresh_values(gm)
     return gm
+
+
+def refresh_values(gm: torch.fx.GraphModule) -> None:
+    """Recompute every node's meta value from the graph inputs'. A replacement can lay its value out differently
+    from the node it replaces (the halves' cat is contiguous where eager's complex product kept its permuted input's
+    strides), and a later view lowered through the stale strides would read the wrong elements."""
+    inputs = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
+    fakes = [value for value in inputs if isinstance(value, FakeTensor)]
+    if fakes:
+        FakeTensorProp(gm, mode=fakes[0].fake_mode).propagate_dont_convert_inputs(*inputs)
+    else:
+        FakeTensorProp(gm, mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
 
 
 class PairRewriter:
