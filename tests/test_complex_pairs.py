@@ -130,18 +130,36 @@ def test_polar_and_a_complex_graph_output_match_eager():
         "aten.view_as_complex.default: no lowering for aten.view_as_complex.default"}
 
 
-def conjugate_product(x, y):
-    return torch.view_as_real(torch.view_as_complex(x) * torch.view_as_complex(y).conj_physical())
+def inverse_rotary(x, frequencies):
+    """SANA-WM's inverse rotary: the pairs times the conjugate frequencies (a lazy ``conj()`` view), and a
+    ``conj_physical`` of a product."""
+    pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+    inverse = pairs * frequencies.unsqueeze(1).conj()
+    return torch.view_as_real(inverse).flatten(-2), torch.view_as_real((inverse * pairs).conj_physical())
+
+
+def test_conjugates_match_eager_in_kernels():
+    x, frequencies = rotary_inputs(tokens=8, heads=2, head_dim=8)
+    gm = fake_traced(inverse_rotary, x, frequencies)
+    assert unsupported_complex_nodes(gm) == [] and complex_ops(rewrite_complex_pairs(gm)) == []
+    result, stats = compiled_with_stats(inverse_rotary, x, frequencies)
+    for got, want in zip(result, inverse_rotary(x, frequencies), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert stats["fallback_nodes"] == 0
+
+
+def complex_quotient(x, y):
+    return torch.view_as_real(torch.view_as_complex(x) / torch.view_as_complex(y))
 
 
 def test_a_graph_with_an_unsupported_complex_op_is_left_whole():
     generator = torch.Generator().manual_seed(3)
     x, y = torch.randn(4, 8, 2, generator=generator), torch.randn(4, 8, 2, generator=generator)
-    gm = fake_traced(conjugate_product, x, y)
+    gm = fake_traced(complex_quotient, x, y)
     assert unsupported_complex_nodes(gm)
     assert rewrite_complex_pairs(gm) is gm
-    result, stats = compiled_with_stats(conjugate_product, x, y)
-    torch.testing.assert_close(result, conjugate_product(x, y), rtol=1e-6, atol=1e-6)
+    result, stats = compiled_with_stats(complex_quotient, x, y)
+    torch.testing.assert_close(result, complex_quotient(x, y), rtol=1e-6, atol=1e-6)
     assert stats["fallback_nodes"] > 0
     # view_as_real of a computed complex value (not rewritten here) keeps a reason naming what it takes.
     assert any("only of a complex64 graph input" in reason for reason in stats["fallback_reasons"])

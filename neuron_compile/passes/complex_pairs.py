@@ -8,17 +8,20 @@ trailing dimension of 2 (real, imaginary), and complex ops are real arithmetic o
 - ``mul`` of two complex values is ``(ar*br - ai*bi, ar*bi + ai*br)`` (selects, multiplies and a ``cat`` of the
   two halves); complex by real is the pair tensor times the real value (unsqueezed on the pair dimension);
 - ``add`` / ``sub`` / ``neg`` act on the pairs; ``real`` / ``imag`` are selects; ``polar(abs, angle)`` is
-  ``cat(abs*cos, abs*sin)``;
+  ``cat(abs*cos, abs*sin)``; the conjugate (``_conj``, the lazy view ``c.conj()`` traces to, or ``conj_physical``)
+  is ``cat(real, -imaginary)`` (SANA-WM's inverse rotary);
 - views (``view``, ``reshape``, ``unsqueeze``, ``squeeze``, ``permute``, ``expand``, ``slice``, ``select``,
   ``clone``) keep the pair dimension last.
 
-A complex graph input enters through one ``view_as_real`` (a view, run eagerly); a complex graph output leaves
-through one ``view_as_complex``. Why: diffusers' rotary embeddings (QwenImage, Lumina, HiDream...) multiply
+A complex graph input enters through one ``view_as_real`` (a view: the region binds the input's pairs, see
+lowering/registry.py ``input_layout``); a complex graph output leaves through one ``view_as_complex``. The pairs
+may be laid out unlike eager's complex values, so every node's meta value is recomputed afterwards, and a ``view``
+the new layout does not allow reads a contiguous clone. Why: diffusers' rotary embeddings (QwenImage, Lumina, HiDream...) multiply
 ``view_as_complex`` query / key pairs by complex frequencies; NKI has no complex dtype, and without this the
 rotary multiply and its neighbours run eagerly between two NKI regions. The arithmetic is the one eager's
 complex multiply does in fp32, so results agree to an ulp or so.
 
-All or nothing: a graph with a complex op outside these (``conj``, ``abs``, complex ``div``, FFTs, ...) is
+All or nothing: a graph with a complex op outside these (``abs``, complex ``div``, FFTs, ...) is
 returned unchanged (those nodes keep their eager fallback), never half rewritten.
 """
 
@@ -29,7 +32,6 @@ import copy
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 aten = torch.ops.aten
 COMPLEX_DTYPES = (torch.complex64,)
@@ -40,7 +42,8 @@ SHAPE_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.defaul
 SAME_SHAPE = (aten.clone.default, aten.alias.default, aten.neg.default)
 ELEMENTWISE = (aten.add.Tensor, aten.sub.Tensor)
 ENTRY_EXIT = (aten.view_as_complex.default, aten.view_as_real.default)
-REWRITTEN = (*DIM_VIEWS, *SHAPE_VIEWS, *SAME_SHAPE, *ELEMENTWISE, *ENTRY_EXIT, aten.mul.Tensor,
+CONJUGATES = (aten._conj.default, aten.conj_physical.default, aten._conj_physical.default)
+REWRITTEN = (*DIM_VIEWS, *SHAPE_VIEWS, *SAME_SHAPE, *ELEMENTWISE, *ENTRY_EXIT, *CONJUGATES, aten.mul.Tensor,
              aten.permute.default, aten.squeeze.default, aten.real.default, aten.imag.default, aten.polar.default)
 
 
@@ -90,13 +93,54 @@ def rewrite_complex_pairs(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def refresh_values(gm: torch.fx.GraphModule) -> None:
     """Recompute every node's meta value from the graph inputs'. A replacement can lay its value out differently
     from the node it replaces (the halves' cat is contiguous where eager's complex product kept its permuted input's
-    strides), and a later view lowered through the stale strides would read the wrong elements."""
-    inputs = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
+    strides), and a later view lowered through the stale strides would read the wrong elements. A ``view`` that the
+    new layout no longer allows reads a contiguous copy (a clone) instead."""
+    inputs = [node.meta.get("val") for node in gm.graph.nodes if node.op == "placeholder"]
     fakes = [value for value in inputs if isinstance(value, FakeTensor)]
-    if fakes:
-        FakeTensorProp(gm, mode=fakes[0].fake_mode).propagate_dont_convert_inputs(*inputs)
-    else:
-        FakeTensorProp(gm, mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
+    mode = fakes[0].fake_mode if fakes else FakeTensorMode(allow_non_fake_inputs=True)
+    values: dict[torch.fx.Node, object] = {}
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder":
+            value = node.meta.get("val")
+            values[node] = value if isinstance(value, FakeTensor) or not isinstance(value, torch.Tensor) else \
+                mode.from_tensor(value, static_shapes=True)
+        elif node.op == "get_attr":
+            values[node] = node.meta.get("val")
+        elif node.op == "call_function":
+            values[node] = _refreshed_value(gm, node, values, mode)
+            node.meta["val"] = values[node]
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _refreshed_value(gm: torch.fx.GraphModule, node: torch.fx.Node, values: dict, mode: FakeTensorMode):
+    def run():
+        args = torch.fx.node.map_arg(node.args, values.__getitem__)
+        kwargs = torch.fx.node.map_arg(node.kwargs, values.__getitem__)
+        with mode:
+            return node.target(*args, **kwargs)
+
+    if node.target not in (aten.view.default, aten._unsafe_view.default):
+        return run()
+    source = node.args[0]
+    with mode:
+        viewable = _can_view(values[source], node.args[1])
+    if not viewable:
+        with gm.graph.inserting_before(node):
+            copy = gm.graph.call_function(aten.clone.default, (source,), {"memory_format": torch.contiguous_format})
+        with mode:
+            values[copy] = values[source].clone(memory_format=torch.contiguous_format)
+        copy.meta["val"] = values[copy]
+        node.replace_input_with(source, copy)
+    return run()
+
+
+def _can_view(value: torch.Tensor, shape) -> bool:
+    try:
+        value.view(shape)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 class PairRewriter:
@@ -148,6 +192,9 @@ class PairRewriter:
             return self.emit(target, *(self.pairs[arg] for arg in args))
         if target in SAME_SHAPE:
             return self.emit(target, source, **node.kwargs)
+        if target in CONJUGATES:
+            real, imaginary = self._halves(source)
+            return self._joined(real, self.emit(aten.neg.default, imaginary))
         if target in (aten.real.default, aten.imag.default):
             return self.emit(aten.select.int, source, -1, 0 if target is aten.real.default else 1)
         if target is aten.polar.default:
