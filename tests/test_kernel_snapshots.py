@@ -89,17 +89,6 @@ def reduction_kernel_0(arg0_1, arg1_1):
     # Kernel outputs: flat HBM tensors, written through access patterns with eager's strides.
     pointwise_11 = nl.ndarray((8320,), dtype=nl.float32, buffer=nl.shared_hbm)
     # Row reduction: kept dims on partitions, reduced dims on the free axis.
-    # arg1_1 is the same for every row: one [1, 64] load, spread to the partitions on TensorE
-    ones_18 = nl.ndarray((1, 128), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=ones_18[0:1, 0:128], value=1.0)
-    arg1_1_row_19 = nl.ndarray((1, 64), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=arg1_1_row_19[0:1, 0:64], src=arg1_1.ap([[0, 1], [1, 64]], offset=0))
-    arg1_1_everywhere_20 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
-    for c0 in range(0, 64, 512):
-        span = min(512, 64 - c0)
-        spread_21 = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=spread_21[0:128, 0:span], stationary=ones_18[0:1, 0:128], moving=arg1_1_row_19[0:1, c0:c0 + span])
-        nisa.tensor_copy(dst=arg1_1_everywhere_20[0:128, c0:c0 + span], src=spread_21[0:128, 0:span])
     for p0 in range(0, 130, 128):
         rows = min(128, 130 - p0)
         # Fresh tiles per row block: the next block's loads need not wait for this one's readers.
@@ -120,7 +109,8 @@ def reduction_kernel_0(arg0_1, arg1_1):
         where_15 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
         where_16 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
         mul_17 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
-        mul_22 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+        arg1_1_tile_18 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+        mul_19 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
         cols = 64
         nisa.dma_copy(dst=arg0_1_tile_2[0:rows, 0:cols], src=arg0_1.ap([[64, rows], [1, cols]], offset=p0 * 64))
         nisa.activation(dst=pow_3[0:rows, 0:cols], op=nl.square, data=arg0_1_tile_2[0:rows, 0:cols], reduce_op=nl.add, reduce_res=acc_1[0:rows, 0:1])
@@ -148,8 +138,9 @@ def reduction_kernel_0(arg0_1, arg1_1):
         nisa.tensor_copy(dst=where_16[0:rows, 0:1], src=where_15[0:rows, 0:1])
         nisa.tensor_copy_predicated(dst=where_16[0:rows, 0:1], src=mul_13[0:rows, 0:1], predicate=predicate_9[0:rows, 0:1])
         nisa.tensor_scalar(dst=mul_17[0:rows, 0:cols], data=arg0_1_tile_2[0:rows, 0:cols], op0=nl.multiply, operand0=where_16[0:rows, 0:1])
-        nisa.tensor_tensor(dst=mul_22[0:rows, 0:cols], data1=mul_17[0:rows, 0:cols], data2=arg1_1_everywhere_20[0:rows, 0:cols], op=nl.multiply, engine=nisa.engine.gpsimd)
-        nisa.dma_copy(dst=pointwise_11.ap([[64, rows], [1, cols]], offset=p0 * 64), src=mul_22[0:rows, 0:cols])
+        nisa.dma_copy(dst=arg1_1_tile_18[0:rows, 0:cols], src=arg1_1.ap([[0, rows], [1, cols]], offset=0))
+        nisa.tensor_tensor(dst=mul_19[0:rows, 0:cols], data1=mul_17[0:rows, 0:cols], data2=arg1_1_tile_18[0:rows, 0:cols], op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=pointwise_11.ap([[64, rows], [1, cols]], offset=p0 * 64), src=mul_19[0:rows, 0:cols])
     return pointwise_11
 """)
 

@@ -13,12 +13,18 @@ appended to ``lines`` (the template places them before the loops).
 
 from __future__ import annotations
 
+import math
+
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import NL_DTYPES, AccessPattern, TileAllocator
 from neuron_compile.tiles import TilePlan
 
 PSUM_BANK_COLUMNS = 512  # fp32 columns of one PSUM bank: one matmul's moving free size
 SPREADABLE_DTYPES = ("bfloat16", "float16", "float32")  # TensorE inputs that 1.0 x value reproduces exactly
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Below this the broadcast DMA is cheaper than the spread's chain (a DMA, a matmul, a PSUM copy before the first
+# use): a decode step's single row, a narrow weight over a few rows.
+MIN_REPEATED_BYTES = 256 * 1024
 
 
 class RowBroadcast:
@@ -36,7 +42,15 @@ class RowBroadcast:
         along_rows = [plan.partition, *plan.outer]
         return (whole_row and load.dtype in SPREADABLE_DTYPES
                 and all(dim.stride(layout) == 0 for dim in along_rows)
-                and any(dim.stride(layout) != 0 for dim in plan.free))
+                and any(dim.stride(layout) != 0 for dim in plan.free)
+                and self.repeated_bytes(load) >= MIN_REPEATED_BYTES)
+
+    def repeated_bytes(self, load: ir.Load) -> int:
+        """What the broadcast DMAs would move: the row once per partition of every row block."""
+        blocks = math.prod(dim.size for dim in self.plan.outer) * math.ceil(
+            self.plan.partition.size / self.plan.partition.tile)
+        row = math.prod(dim.size for dim in self.plan.free) * DTYPE_BYTES[load.dtype]
+        return blocks * self.plan.partition.tile * row
 
     def tile_for(self, load: ir.Load) -> str | None:
         """The name of a [partitions, width] tile holding ``load``'s row on every partition, or None if the load
@@ -44,9 +58,7 @@ class RowBroadcast:
         if load in self.tiles or not self.applies(load):
             return self.tiles.get(load)
         partitions = self.plan.partition.tile
-        width = 1
-        for dim in self.plan.free:
-            width *= dim.size
+        width = math.prod(dim.size for dim in self.plan.free)
         entries = ((0, 1), *((dim.stride(load.layout), dim.size) for dim in self.plan.free))
         source = AccessPattern(load.buffer, entries, str(load.layout.offset))
         dtype = NL_DTYPES[load.dtype]
