@@ -100,3 +100,14 @@ def test_the_rewrite_follows_the_flash_attention_switch():
     with neuron_compile.config.patch(flash_attention=False):
         stats = check_through_backend(causal_attention, q, k, v)
     assert not only_qkv_and_output_cross_hbm(stats, q)
+
+
+def test_a_block_reading_the_attention_through_views_matches_eager():
+    """The demo's block: q, k, v split from one projection and transposed, the output transposed back and
+    reshaped for the projection after it. The rewritten attention must leave those readers' strides as traced."""
+    from neuron_compile.demo import TinyDecoderBlock
+
+    torch.manual_seed(0)
+    block = TinyDecoderBlock().eval()
+    with torch.no_grad():
+        check_through_backend(block, random_tensor((2, 16, 64), seed=4))

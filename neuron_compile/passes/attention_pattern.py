@@ -5,14 +5,16 @@ a copy in which each match of
 
     softmax(q @ k^T [/ c | * c] [masked: where(mask, -inf, scores) | + additive_mask], dim=-1) @ v
 
-(the two products as ``bmm`` over views of 4-D [batch, heads, seq, head_dim] tensors, ``k^T`` a transpose of the
-last two dims) is one ``aten.scaled_dot_product_attention(q, k, v, attn_mask, scale=...)`` node, which the
-lowering turns into the flash-attention kernel: the S x L scores and probabilities never reach HBM (three kernels
-moved them through HBM twice). Masks must be computed from constants alone (the aranges of a ``tril``): they are
-evaluated here, the lower-triangular boolean one becomes ``is_causal=True`` (generated on chip), any other an
-additive float mask; a mask computed from the graph's inputs keeps the graph as written (it could mask a whole
-row, which the softmax makes NaN and the flash kernel 0). Why: models and tutorials write attention by hand (GPT-2 style, the kernel bench's causal
-attention); Inductor's ``fuse_attention`` pass makes the same rewrite.
+(the two products as the [batch x heads, seq, head_dim] bmms that matmul decomposes to) is one
+``aten.scaled_dot_product_attention(q, k, v, attn_mask, scale=...)`` node over the bmms' own operands viewed as
+[batch x heads, 1, seq, head_dim], whose output has the replaced bmm's shape and strides (the graph's readers stay
+as traced), and which the lowering turns into the flash-attention kernel: the S x L scores and probabilities never
+reach HBM (three kernels moved them through HBM twice). Masks must be constants computed in the graph (the aranges
+of a ``tril``): they are evaluated here, the lower-triangular boolean one becomes ``is_causal=True`` (generated on
+chip), any other an additive float mask; a mask computed from the graph's inputs keeps the graph as written (it
+could mask a whole row, which the softmax makes NaN and the flash kernel 0). Why: models and tutorials write
+attention by hand (the kernel bench's causal attention, the demo's blocks); Inductor's ``fuse_attention`` pass
+makes the same rewrite.
 
 A match needs every intermediate (scores, probabilities) to have no other reader: a training graph that saves
 the probabilities for the backward keeps its three kernels. The flash kernel computes the scores and softmax in
@@ -42,14 +44,14 @@ MAX_EVALUATED_MASK = 1 << 24  # elements of a constant mask evaluated at compile
 class AttentionMatch:
     """One hand-written attention: its operands and the node whose value the SDPA node replaces."""
 
-    q: torch.fx.Node
-    k: torch.fx.Node
-    v: torch.fx.Node
+    q: torch.fx.Node  # the bmm operands: [batch x heads, queries, dim]
+    k: torch.fx.Node  # [batch x heads, dim, keys]: k transposed
+    v: torch.fx.Node  # [batch x heads, keys, dim]
     scale: float
     boolean_mask: torch.fx.Node | None  # a boolean mask of the scores (None: none)
     true_masks: bool  # the boolean mask is True where a key is masked out (where(mask, -inf, s)), else attended
     additive: torch.fx.Node | None  # an additive float mask
-    output: torch.fx.Node
+    output: torch.fx.Node  # the probabilities @ v bmm
 
 
 def fuse_attention(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -67,13 +69,9 @@ def fuse_attention(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
-def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
-def _source_4d(node) -> torch.fx.Node | None:
-    """The 4-D tensor a bmm operand is a view of (through expands to its own size, copies, and views that keep
-    the shape or merge the two leading dims), or None."""
+def _unviewed(node) -> torch.fx.Node | None:
+    """The tensor a bmm operand is a view of (through expands to its own size, copies, and views that keep the
+    shape or merge the two leading dims of a 4-D [batch, heads, ...] tensor), or None."""
     while isinstance(node, torch.fx.Node) and node.target in CARRIERS:
         source = node.args[0]
         if not isinstance(source, torch.fx.Node):
@@ -83,9 +81,7 @@ def _source_4d(node) -> torch.fx.Node | None:
         if shape != inner and not merges_heads:
             return None
         node = source
-    if isinstance(node, torch.fx.Node) and node.meta["val"].dim() == 4:
-        return node
-    return None
+    return node if isinstance(node, torch.fx.Node) else None
 
 
 def _skip_casts(node):
@@ -93,17 +89,6 @@ def _skip_casts(node):
     while isinstance(node, torch.fx.Node) and node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}:
         node = node.args[0]
     return node
-
-
-def _transposed(node) -> torch.fx.Node | None:
-    """``k`` when ``node`` is k with its last two dims swapped."""
-    if node is None:
-        return None
-    if node.target is aten.permute.default and list(node.args[1]) == [0, 1, 3, 2]:
-        return node.args[0]
-    if node.target is aten.transpose.int and sorted(d % 4 for d in node.args[1:3]) == [2, 3]:
-        return node.args[0]
-    return None
 
 
 def _scores_of(softmax_input: torch.fx.Node):
@@ -121,9 +106,10 @@ def _scores_of(softmax_input: torch.fx.Node):
     if node.target in (aten.div.Tensor, aten.mul.Tensor) and isinstance(node.args[1], (int, float)):
         scale = 1.0 / node.args[1] if node.target is aten.div.Tensor else float(node.args[1])
         node = node.args[0]
-    if node.target in (aten.view.default, aten._unsafe_view.default) and node.args[0].target is aten.bmm.default:
-        path = _path(softmax_input, scaled) + _path(scaled, node.args[0])
-        return node.args[0], scale, boolean_mask, true_masks, additive, path
+    product = node.args[0] if node.target in (aten.view.default, aten._unsafe_view.default) else node
+    if isinstance(product, torch.fx.Node) and product.target is aten.bmm.default:
+        path = _path(softmax_input, scaled) + _path(scaled, product)
+        return product, scale, boolean_mask, true_masks, additive, path
     return None
 
 
@@ -142,34 +128,35 @@ def _reaches(node: torch.fx.Node, end: torch.fx.Node, depth: int = 8) -> bool:
 
 
 def _match(node: torch.fx.Node) -> AttentionMatch | None:
-    """The hand-written attention whose output view is ``node``, or None."""
-    if node.op != "call_function" or node.target not in (aten.view.default, aten._unsafe_view.default):
+    """The hand-written attention whose probabilities @ v product is ``node`` (a bmm), or None."""
+    if node.op != "call_function" or node.target is not aten.bmm.default:
         return None
-    product = node.args[0]
-    if product.target is not aten.bmm.default or _only_user(product) is not node or node.meta["val"].dim() != 4:
-        return None
-    probabilities, v = product.args
-    softmax = _skip_casts(_source_4d(probabilities))
-    if softmax is None or softmax.target is not aten._softmax.default or softmax.args[1] not in (-1, 3) \
-            or softmax.args[2]:
+    probabilities, v = node.args
+    softmax = _skip_casts(_unviewed(probabilities))
+    if softmax is None or softmax.target is not aten._softmax.default or softmax.args[2] \
+            or softmax.args[1] % softmax.meta["val"].dim() != softmax.meta["val"].dim() - 1:
         return None
     found = _scores_of(_skip_casts(softmax.args[0]))
     if found is None:
         return None
     scores, scale, boolean_mask, true_masks, additive, path = found
-    q, k = _source_4d(scores.args[0]), _transposed(_source_4d(scores.args[1]))
-    v = _source_4d(v)
     # every node from the scores' bmm to the probabilities has no reader but the next one
     chain = [*_path(probabilities, softmax), softmax, *_path(softmax.args[0], path[0]), *path, scores]
-    if q is None or k is None or v is None or any(len(link.users) != 1 for link in chain):
+    if any(len(link.users) != 1 for link in chain):
         return None
-    query, key, value = (operand.meta["val"] for operand in (q, k, v))
+    q, k_transposed = scores.args
+    query, key, value = (operand.meta["val"] for operand in (q, k_transposed, v))
     if query.dtype not in ATTENTION_DTYPES or not query.dtype == key.dtype == value.dtype == node.meta["val"].dtype:
         return None
-    if key.shape[:-1] != value.shape[:-1] or query.shape[:2] != key.shape[:2]:
-        return None  # grouped-query heads repeated by expand + reshape are not matched
-    match = AttentionMatch(q, k, v, scale, boolean_mask, true_masks, additive, node)
-    return match if _every_row_attends(match) else None
+    match = AttentionMatch(q, k_transposed, v, scale, boolean_mask, true_masks, additive, node)
+    return match if _broadcast_mask(match) and _every_row_attends(match) else None
+
+
+def _broadcast_mask(match: AttentionMatch) -> bool:
+    """Whether the mask (if any) is one [queries, keys] matrix for every batch and head: the SDPA node runs on
+    the bmm's [batch x heads, 1, queries, head_dim] operands."""
+    mask = match.boolean_mask if match.boolean_mask is not None else match.additive
+    return mask is None or all(size == 1 for size in mask.meta["val"].shape[:-2])
 
 
 def _every_row_attends(match: AttentionMatch) -> bool:
@@ -229,7 +216,7 @@ def _is_causal(match: AttentionMatch) -> bool:
         return False
     if match.additive is not None and not bool(((_evaluated_mask(match) == 0) | ~attended).all()):
         return False
-    queries, keys = match.q.meta["val"].shape[-2], match.k.meta["val"].shape[-2]
+    queries, keys = match.q.meta["val"].shape[-2], match.k.meta["val"].shape[-1]
     causal = torch.ones(queries, keys, dtype=torch.bool).tril()
     return queries == keys and bool((attended.expand(*attended.shape[:-2], queries, keys) == causal).all())
 
@@ -242,13 +229,19 @@ def _emit(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
 
 
 def _replace(graph: torch.fx.Graph, match: AttentionMatch) -> None:
+    """The probabilities' bmm replaced by SDPA over the bmms' own 3-D operands as [batch x heads, 1, seq, dim]:
+    its output (contiguous, as the bmm's) feeds the same readers, whose shapes and strides stay as traced."""
     with graph.inserting_before(match.output):
         causal = (match.boolean_mask is not None or match.additive is not None) and _is_causal(match)
         mask = None if causal else match.additive
         if match.boolean_mask is not None and not causal:
             mask = _additive_mask(graph, match)
-        attention = _emit(graph, SDPA, match.q, match.k, match.v, mask, 0.0, causal, scale=match.scale)
-    match.output.replace_all_uses_with(attention)
+        q = _emit(graph, aten.unsqueeze.default, match.q, 1)
+        k = _emit(graph, aten.unsqueeze.default, _emit(graph, aten.transpose.int, match.k, 1, 2), 1)
+        v = _emit(graph, aten.unsqueeze.default, match.v, 1)
+        attention = _emit(graph, SDPA, q, k, v, mask, 0.0, causal, scale=match.scale)
+        output = _emit(graph, aten.squeeze.dim, attention, 1)
+    match.output.replace_all_uses_with(output)
 
 
 def _additive_mask(graph: torch.fx.Graph, match: AttentionMatch) -> torch.fx.Node:
