@@ -170,19 +170,53 @@ def tensor_parallel_plan(model) -> None:
         parallelize_module(layer, mesh, plan)
 
 
-def tensor_parallel_llama(rank: int, world_size: int) -> dict:
-    """Logits of the tiny Llama sharded over the ranks and compiled with backend="neuron", and of the whole model
-    run eagerly in one process."""
+def sequence_parallel_plan(model) -> None:
+    """Tensor parallel with sequence parallel between the blocks (as torchtitan plans it): the embedding's output,
+    the norms and the residual stream sharded along the sequence; attention and MLP inputs gathered to whole
+    sequences, their row-parallel outputs reduce-scattered back to sequence shards; the LM head gathers. The
+    sequence-sharded values stay DTensors (``use_local_output=False``): transformers derives positions and masks
+    from the embedding's (global) shape."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    parallelize_module(model.model, mesh, {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "norm": SequenceParallel(),
+    })
+    parallelize_module(model, mesh, {"lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    gathered = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                  desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    plan = {
+        "input_layernorm": SequenceParallel(), "self_attn": gathered,
+        "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+
+
+def tensor_parallel_llama(rank: int, world_size: int, sequence_parallel: bool = False) -> dict:
+    """Logits of the tiny Llama sharded over the ranks (tensor parallel, with sequence parallel if asked) and
+    compiled with backend="neuron", and of the whole model run eagerly in one process."""
     import neuron_compile
 
     reference = tiny_llama()
     model = copy.deepcopy(reference)
-    tensor_parallel_plan(model)
+    (sequence_parallel_plan if sequence_parallel else tensor_parallel_plan)(model)
     ids = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         expected = reference(ids).logits
         neuron_compile.reset_stats()
         logits = torch.compile(model, backend="neuron")(ids).logits
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
     return dict(logits=logits, expected=expected, stats=neuron_stats())
 
 

@@ -98,6 +98,24 @@ def test_tensor_parallel_llama_logits_match_single_process_eager():
 
 @needs_gloo
 @pytest.mark.slow
+def test_sequence_parallel_llama_logits_match_single_process_eager():
+    """Sequence parallel between the blocks: all-gathers before attention and the MLP, reduce-scatters after
+    them, all collective kernels; the one eager node is the sharded embedding's int64 index_put (it zeroes the
+    token ids other ranks hold), so the non-collective ATen nodes are >= 99% in NKI."""
+    results = distributed_harness.run_ranks(distributed_harness.tensor_parallel_llama, WORLD, True)
+    for result in results:
+        torch.testing.assert_close(result["logits"], result["expected"], rtol=1e-5, atol=1e-5)
+        stats = result["stats"]
+        assert set(stats["fallback_reasons"]) <= {"aten.index_put.default: aten.index_put.default: self dtype "
+                                                  "(only float32, bfloat16)"}, stats["fallback_reasons"]
+        assert stats["fallback_nodes"] <= 1
+        layers = distributed_harness.TINY_LLAMA["num_hidden_layers"]
+        assert stats["collectives"] >= 4 * layers  # a gather and a scatter around attention and the MLP
+        assert stats["nki_nodes"] >= 0.99 * (stats["nki_nodes"] + stats["fallback_nodes"])
+
+
+@needs_gloo
+@pytest.mark.slow
 def test_tensor_parallel_llama_backward_matches_single_process_eager():
     results = distributed_harness.run_ranks(distributed_harness.tensor_parallel_llama_gradients, WORLD)
     for result in results:
