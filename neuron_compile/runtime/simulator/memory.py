@@ -55,8 +55,9 @@ class KernelContext:
     # returns the k-th of them, since on hardware all LNC programs write one shared output
     shared_reuse: list[NkiTensor] = field(default_factory=list)
     allocations: int = 0  # numbers unnamed tensors in error messages
-    # ScalarE accumulator registers (one per partition) driven by activation's reduce_cmd
-    reduce_registers: np.ndarray = field(default_factory=lambda: np.zeros(128, dtype=np.float32))
+    # the engines' accumulator registers (accumulators.py): engine name -> 128 fp32 values, one per lane, driven
+    # by the reduce_cmd of ScalarE's activation / activate2 and VectorE's accumulating instructions
+    accumulators: dict = field(default_factory=dict)
     launched: bool = False  # False for the throwaway context used outside any kernel
     launch_frame: object = None  # the simulator's launch frame: where attributing instructions stops looking
     # the engines' PRNG states (isa_random.py): engine name -> (128, words) uint32 lane states, absent until seeded

@@ -39,6 +39,16 @@ def require_buffers(op: str, role: str, tensor: NkiTensor, allowed: tuple[str, .
         )
 
 
+def require_version(op: str, minimum: str, what: str = "") -> None:
+    """Refuse an instruction (or a feature of one: ``what``) that the target's NeuronCore version lacks."""
+    version = current().target.nc_version
+    if version < minimum:  # gen2 < gen3 < gen4
+        raise NkiValidationError(
+            "err_unsupported_arch", f"{what or op} needs NeuronCore {minimum} or newer; the target "
+            f"{current().target.name} is {version}", op,
+        )
+
+
 def check_tile(op: str, role: str, tensor: NkiTensor, compute: bool = True) -> None:
     """Partition count, start partition (compute engines only) and free size of an on-chip operand."""
     if not tensor.on_chip:

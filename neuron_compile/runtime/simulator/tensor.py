@@ -411,7 +411,7 @@ class NkiTensor:
             )
         start = self.offset + int(offset)
         if scalar_offset is not None:
-            start += int(scalar_offset) * math.prod(self.shape[indirect_dim + 1:])
+            start += _scalar_offset_value(scalar_offset) * math.prod(self.shape[indirect_dim + 1:])
         indirect = None
         if vector_offset is not None:
             if self.on_chip:
@@ -431,6 +431,22 @@ class NkiTensor:
     def __array__(self, dtype=None, copy=None):
         values = np.array(self.read())
         return values.astype(dtype) if dtype is not None else values
+
+
+def _scalar_offset_value(scalar_offset) -> int:
+    """A dynamic offset: an int, a register (nisa.register_alloc), or a one-element on-chip tensor."""
+    if isinstance(scalar_offset, NkiTensor):
+        if scalar_offset.size != 1 or not scalar_offset.on_chip:
+            raise NkiValidationError(
+                "err_scalar_offset",
+                f"scalar_offset {scalar_offset.name} {scalar_offset.shape} in {scalar_offset.buffer} must be a (1, 1) "
+                "SBUF tensor or a register",
+            )
+        value = np.asarray(scalar_offset.read()).reshape(-1)[0]
+        if not float(value).is_integer():
+            raise NkiValidationError("err_scalar_offset", f"scalar_offset {scalar_offset.name} holds {value!r}")
+        return int(value)
+    return int(scalar_offset)
 
 
 def _is_contiguous(shape, strides) -> bool:
