@@ -1,0 +1,268 @@
+"""Bench: AWS's public library of production NKI kernels (aws-neuron/nki-library) on the simulator, unchanged,
+against the library's own torch references and tolerances. Prints one table, kernel by kernel: whether it
+runs, whether it matches, the largest error, the estimated device time, and what is missing when it does not.
+
+    python bench/nkilib_bench.py --library CHECKOUT [--only NAME ...] [--list]
+
+CHECKOUT is a checkout of aws-neuron/nki-library (fetched by the user, outside this repository: nothing of
+it is part of neuron_compile). The library imports ``nki``; the simulator's import alias binds ``nki`` (and the
+legacy ``neuronxcc.nki``) to the simulator while a case imports and runs, and unbinds it after.
+
+Each case below is one configuration of a kernel, its inputs drawn as the library's own tests draw them (same
+shapes, seeds and dtypes, from the test files' parameter tables) and compared with the library's torch
+reference at the tolerances its tests use, the way its comparator reads them: |kernel - reference| <= atol +
+rtol * max|reference| element by element. The cases are data: adding a kernel is adding a Case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from neuron_compile.runtime import simulator
+
+BF16 = ml_dtypes.bfloat16
+PACKAGE = "nkilib_src.nkilib"
+
+
+@dataclass
+class Case:
+    """One kernel configuration: ``entry`` and ``reference`` are "module:function" under the library package."""
+
+    name: str
+    entry: str
+    reference: str
+    inputs: Callable[[], dict]
+    lnc: int = 1
+    rtol: float = 1e-5
+    atol: float = 1e-5
+    # the reference's outputs to compare, in the kernel's output order (default: all of them)
+    compared: tuple = ()
+    # inputs the kernel writes its result into (kernels that return nothing): their names, in order
+    written_inputs: tuple = ()
+    # the reference's arguments from the kernel's inputs (default: the inputs its signature names)
+    reference_inputs: Callable[[dict], dict] | None = None
+    note: str = ""
+
+
+def gaussian(shape, dtype, seed):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def legacy_randn(shape, dtype, seed=42):
+    np.random.seed(seed)
+    return np.random.randn(*shape).astype(dtype)
+
+
+def cross_entropy_inputs(positions: int, vocab: int, batch: int, chunk: int):
+    np.random.seed(42)
+    logits = np.random.randn(positions, vocab).astype(BF16)
+    targets = np.random.randint(0, vocab, size=(positions,), dtype=np.int32)
+    return {"logits_hbm": logits, "targets_hbm": targets, "positions_per_batch": batch, "chunk_size": chunk,
+            "dtype": BF16}
+
+
+def sparse_routing(tokens: int, experts: int, top_k: int, seed=42):
+    np.random.seed(seed)
+    ones = tokens * top_k
+    flat = np.random.permutation(np.concatenate([np.ones(ones), np.zeros(tokens * experts - ones)]))
+    return flat.reshape(tokens, experts).astype(np.float32)
+
+
+CASES = [
+    Case("cumsum", "core.cumsum.cumsum:cumsum", "core.cumsum.cumsum_torch:cumsum_torch_ref",
+         lambda: {"x": legacy_randn((1, 256), np.float32)}, rtol=1e-3, atol=1e-3),
+    Case("cumsum", "core.cumsum.cumsum:cumsum", "core.cumsum.cumsum_torch:cumsum_torch_ref",
+         lambda: {"x": legacy_randn((64, 4, 1024), BF16)}, rtol=1e-2, atol=1e-3),
+    Case("cascaded_max", "core.max.cascaded_max:cascaded_max", "core.max.cascaded_max_torch:cascaded_max_torch_ref",
+         lambda: {"input_tensor": legacy_randn((4, 5, 4058), np.float32)}),
+    Case("cascaded_max", "core.max.cascaded_max:cascaded_max", "core.max.cascaded_max_torch:cascaded_max_torch_ref",
+         lambda: {"input_tensor": legacy_randn((8, 5, 4058), np.float32)}, lnc=2),
+    Case("RoPE", "core.embeddings.rope:RoPE", "core.embeddings.rope_torch:rope_torch_ref",
+         lambda: {"x_in": gaussian((64, 1, 8, 16), BF16, 1), "cos": gaussian((32, 1, 16), BF16, 2),
+                  "sin": gaussian((32, 1, 16), BF16, 3), "lnc_shard": True, "contiguous_layout": True,
+                  "relayout_in_sbuf": False}, lnc=2, rtol=2**-7, atol=1e-3),
+    Case("rope_hf", "core.embeddings.rope_hf:rope_hf", "core.embeddings.rope_hf_torch:rope_hf_torch_ref",
+         lambda: _rope_hf_inputs(), rtol=1e-6, atol=1e-6),
+    Case("find_nonzero_indices", "core.subkernels.find_nonzero_indices:find_nonzero_indices",
+         "core.subkernels.find_nonzero_indices_torch:find_nonzero_indices_torch_ref",
+         lambda: {"input_tensor": sparse_routing(256, 8, 2), "chunk_size": 256}, lnc=2, rtol=0, atol=0),
+    Case("cross_entropy_forward", "experimental.loss.cross_entropy:cross_entropy_forward",
+         "experimental.loss.cross_entropy_torch:cross_entropy_forward_torch_ref",
+         lambda: cross_entropy_inputs(64, 32128, 32, 32128), lnc=2, rtol=1e-2, atol=1e-2,
+         reference_inputs=lambda i: {"logits": _to_torch(i["logits_hbm"]),
+                                     "targets": torch.from_numpy(i["targets_hbm"]).long()}),
+    Case("conv1d", "experimental.conv.conv1d:conv1d", "experimental.conv.conv1d_torch:conv1d_torch_ref",
+         lambda: {"x_in": gaussian((1, 128, 256), np.float32, 1), "filters": gaussian((3, 128, 128), np.float32, 2),
+                  "bias": gaussian((128,), np.float32, 3), "stride": 1, "padding": (1, 1), "dilation": 1,
+                  "activation_fn": None, "lnc_shard": False}, rtol=1e-5, atol=1e-5),
+    Case("dynamic_elementwise_add", "experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add",
+         "experimental.dynamic_shapes.dynamic_elementwise_add_torch:dynamic_elementwise_add_torch_ref",
+         lambda: _dynamic_add_inputs(), rtol=1e-2, atol=1e-2),
+]
+
+
+def _rope_hf_inputs():
+    np.random.seed(42)
+    q = np.random.randn(1, 4, 128, 64).astype(np.float32)
+    k = np.random.randn(1, 2, 128, 64).astype(np.float32)
+    return {"q": q, "k": k, "q_out": np.zeros_like(q), "k_out": np.zeros_like(k),
+            "cos": np.random.randn(1, 128, 64).astype(np.float32),
+            "sin": np.random.randn(1, 128, 64).astype(np.float32), "backward": False}
+
+
+def _dynamic_add_inputs():
+    a, b = gaussian((512, 1024), BF16, 1), gaussian((512, 1024), BF16, 2)
+    return {"input_a": a, "input_b": b, "num_m_tiles": np.array([[512 // 128]], dtype=np.int32)}
+
+
+# ------------------------------------------------------------------------------------------------ running
+@dataclass
+class Outcome:
+    case: Case
+    runs: bool = False
+    matches: bool = False
+    max_error: float = float("nan")
+    est_us: float = float("nan")
+    wall_s: float = 0.0
+    missing: str = ""
+    details: list = field(default_factory=list)
+
+
+def _resolve(spec: str):
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(f"{PACKAGE}.{module}"), name)
+
+
+def _to_torch(value):
+    if isinstance(value, np.ndarray):
+        if value.dtype == BF16:
+            return torch.from_numpy(value.astype(np.float32)).to(torch.bfloat16)
+        return torch.from_numpy(value.copy())
+    return value
+
+
+def _as_float64(value) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64).numpy()
+    return np.asarray(value).astype(np.float64)
+
+
+def _compare(case: Case, got: list, want: list, outcome: Outcome) -> None:
+    if len(got) != len(want):
+        outcome.missing = f"{len(got)} outputs, the reference has {len(want)}"
+        return
+    worst, matches = 0.0, True
+    for g, w in zip(got, want):
+        g, w = _as_float64(g), _as_float64(w)
+        if g.size != w.size:
+            outcome.missing = f"output shape {g.shape}, reference {w.shape}"
+            return
+        g, w = g.reshape(w.shape), w
+        error = np.abs(g - w)
+        worst = max(worst, float(np.nanmax(error)) if error.size else 0.0)
+        # the library's comparison: within atol + rtol * (the largest finite reference magnitude)
+        finite = np.abs(w[np.isfinite(w)])
+        scale = float(finite.max()) if finite.size else 0.0
+        same_infinity = np.isinf(g) & np.isinf(w) & (np.sign(g) == np.sign(w))
+        matches &= bool(np.all((error <= case.atol + case.rtol * scale) | same_infinity))
+    outcome.matches, outcome.max_error = matches, worst
+
+
+def _named_in(function, inputs: dict) -> dict:
+    """The inputs ``function``'s signature names (all of them when it takes ``**kwargs``)."""
+    parameters = inspect.signature(function).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(inputs)
+    return {k: v for k, v in inputs.items() if k in parameters}
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, simulator.NkiNotSimulatedError):
+        return f"not simulated: {error.op}"
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}"[:150]
+
+
+def run_case(case: Case) -> Outcome:
+    outcome = Outcome(case)
+    started = time.perf_counter()
+    with simulator.nki_import_alias():
+        try:
+            kernel, reference = _resolve(case.entry), _resolve(case.reference)
+            inputs = case.inputs()
+            launcher = kernel[case.lnc] if isinstance(kernel, simulator.Kernel) else simulator.jit(kernel)[case.lnc]
+            result = launcher(**inputs)
+            outcome.runs = True
+            run = launcher.last_run
+            outcome.est_us = run.report.est_time_s * 1e6 if run is not None else float("nan")
+        except Exception as error:  # noqa: BLE001 - a bench reports every failure as a row
+            outcome.missing = _reason(error)
+            outcome.details = traceback.format_exc().splitlines()[-12:]
+            outcome.wall_s = time.perf_counter() - started
+            return outcome
+    got = list(result) if isinstance(result, (tuple, list)) else ([] if result is None else [result])
+    got += [inputs[name] for name in case.written_inputs]
+    try:
+        arguments = case.reference_inputs(inputs) if case.reference_inputs else _named_in(reference, inputs)
+        expected = reference(**{k: _to_torch(v) for k, v in arguments.items()})
+    except Exception as error:  # noqa: BLE001
+        outcome.missing = f"the torch reference failed: {_reason(error)}"
+        return outcome
+    if isinstance(expected, dict):
+        want = list(expected.values())
+    else:
+        want = list(expected) if isinstance(expected, (tuple, list)) else [expected]
+    if case.compared:
+        want = [expected[name] for name in case.compared]
+    _compare(case, got, want, outcome)
+    outcome.wall_s = time.perf_counter() - started
+    return outcome
+
+
+def print_table(outcomes: list[Outcome]) -> None:
+    header = f"{'kernel':<26} {'lnc':>3} {'runs':>4} {'match':>5} {'max err':>9} {'est us':>9} {'sim s':>6}  missing / error"
+    print(header)
+    print("-" * len(header))
+    for o in outcomes:
+        error = "" if np.isnan(o.max_error) else f"{o.max_error:.2e}"
+        est = "" if np.isnan(o.est_us) else f"{o.est_us:.1f}"
+        print(f"{o.case.name:<26} {o.case.lnc:>3} {'yes' if o.runs else 'no':>4} {'yes' if o.matches else 'no':>5} "
+              f"{error:>9} {est:>9} {o.wall_s:>6.1f}  {o.missing or o.case.note}")
+    runs = sum(o.runs for o in outcomes)
+    matches = sum(o.matches for o in outcomes)
+    print(f"\n{len(outcomes)} cases: {runs} run, {matches} match their torch reference")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--library", required=True, help="a checkout of aws-neuron/nki-library")
+    parser.add_argument("--only", nargs="*", default=(), help="run the cases of these kernels only")
+    parser.add_argument("--traceback", action="store_true", help="print the end of each failure's traceback")
+    args = parser.parse_args(argv)
+    source = os.path.join(args.library, "src")
+    sys.path.insert(0, source if os.path.isdir(os.path.join(source, "nkilib_src")) else args.library)
+    cases = [c for c in CASES if not args.only or c.name in args.only]
+    outcomes = []
+    for case in cases:
+        outcome = run_case(case)
+        outcomes.append(outcome)
+        if args.traceback and outcome.details:
+            print(f"--- {case.name}", *outcome.details, sep="\n", file=sys.stderr)
+    print_table(outcomes)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
