@@ -19,6 +19,7 @@ import numpy as np
 from neuron_compile.runtime.simulator import ops
 from neuron_compile.runtime.simulator.errors import NkiValidationError
 from neuron_compile.runtime.simulator.memory import current
+from neuron_compile.runtime.simulator.rules import is_float, require_tensor, store
 
 LANES = 128
 COMMANDS = ("idle", "reset", "reduce", "reset_reduce", "load_reduce")
@@ -85,3 +86,26 @@ def accumulate(engine: str, command: str, reduce_op: str, partial: np.ndarray, f
     if command in ("reduce", "reset_reduce", "load_reduce"):
         lanes[...] = fold(lanes, partial)
     return lanes.copy()
+
+
+def reduce_res_tile(op: str, reduce_res, partitions: int):
+    """``reduce_res`` checked: a (P, 1) SBUF/PSUM tile of a float dtype."""
+    tile = require_tensor(op, "reduce_res", reduce_res)
+    if tile.partitions != partitions or tile.free_size != 1 or not tile.on_chip:
+        raise NkiValidationError(
+            "err_reduce_res_shape", f"reduce_res {tile.name} {tile.shape} in {tile.buffer} must be a ({partitions}, 1) "
+            "SBUF/PSUM tile", op,
+        )
+    if not is_float(tile.dtype):
+        raise NkiValidationError("err_reduce_res_dtype", f"reduce_res {tile.name} is {tile.dtype.name}, not a float", op)
+    return tile
+
+
+def reduce_into(op: str, engine: str, command: str, reduce_op: str, partial: np.ndarray, first_lane: int,
+                reduce_res=None, initial=None, negate: bool = False) -> None:
+    """Run ``command`` on the engine's registers with this instruction's ``partial`` and write the registers
+    into ``reduce_res`` when given (negated with ``negate``; the registers keep their sign)."""
+    lanes = accumulate(engine, command, reduce_op, partial, first_lane, initial)
+    if reduce_res is not None:
+        tile = reduce_res_tile(op, reduce_res, partial.shape[0])
+        store(tile, (-lanes if negate else lanes)[:, None])

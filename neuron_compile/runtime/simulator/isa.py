@@ -35,7 +35,9 @@ from neuron_compile.runtime.simulator.isa_activation import (
     activation,
     activation_reduce,
 )
+from neuron_compile.runtime.simulator.isa_accumulate import exponential, tensor_scalar_cumulative, tensor_scalar_reduce
 from neuron_compile.runtime.simulator.isa_dma import dma_copy, dma_transpose
+from neuron_compile.runtime.simulator.isa_gather import local_gather, nc_n_gather, nonzero_with_count, sequence_bounds
 from neuron_compile.runtime.simulator.isa_registers import (
     VirtualRegister,
     register_alloc,
@@ -56,9 +58,12 @@ from neuron_compile.runtime.simulator.isa_stats import (
     bn_stats,
     max8,
     nc_find_index8,
+    nc_match_replace8,
     tensor_partition_reduce,
     tensor_tensor_scan,
 )
+from neuron_compile.runtime.simulator.isa_select import range_select, select_reduce
+from neuron_compile.runtime.simulator.isa_shuffle import nc_stream_shuffle
 from neuron_compile.runtime.simulator.rules import (
     FLOAT32,
     cast_to,
@@ -87,7 +92,9 @@ __all__ = [
     "tensor_partition_reduce", "max8", "nc_find_index8", "set_rng_seed", "rand_set_state", "rand_get_state", "rng",
     "rand2", "dropout", "activate2", "dma_engine", "constants", "tensor_engine", "vector_engine", "scalar_engine",
     "gpsimd_engine", "unknown_engine", "VirtualRegister", "register_alloc", "register_move", "register_load",
-    "register_store", "get_nc_sub_version",
+    "register_store", "get_nc_sub_version", "tensor_scalar_reduce", "tensor_scalar_cumulative", "exponential",
+    "select_reduce", "range_select", "local_gather", "nc_n_gather", "sequence_bounds", "nonzero_with_count",
+    "nc_match_replace8", "nc_stream_shuffle",
 ]
 
 
@@ -527,12 +534,7 @@ def reciprocal(dst, data, engine=None, name=None):
     record(name, eng, dst, [("data", data)], flops=data.size)
 
 
-_NOT_SIMULATED = {
-    "nc_matmul_mx", "tensor_scalar_reduce", "tensor_scalar_cumulative",
-    "exponential", "quantize_mx", "range_select", "select_reduce",
-    "sequence_bounds", "local_gather", "nc_n_gather", "dma_compute", "nc_match_replace8",
-    "nc_stream_shuffle", "core_barrier", "sendrecv", "nonzero_with_count", "topk",
-}
+_NOT_SIMULATED = {"nc_matmul_mx", "quantize_mx", "dma_compute", "core_barrier", "sendrecv", "topk"}
 
 
 def __getattr__(name: str):

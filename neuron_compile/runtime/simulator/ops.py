@@ -191,6 +191,10 @@ _UFUNC_NAMES = {  # legacy kernels pass numpy ufuncs
 }
 
 
+# nl.max / nl.min (the reductions) stand for the maximum / minimum operators where an instruction takes an op
+REDUCTION_ALIASES = {"max": "maximum", "min": "minimum"}
+
+
 def resolve(op, instruction: str, role: str = "op") -> Op:
     """The Op for ``op`` (an Op, a numpy ufunc or an op name)."""
     if isinstance(op, Op):
@@ -198,6 +202,7 @@ def resolve(op, instruction: str, role: str = "op") -> Op:
     name = _UFUNC_NAMES.get(op) if not isinstance(op, str) else op
     if name is None and callable(op):
         name = getattr(op, "__name__", None)
+    name = REDUCTION_ALIASES.get(name, name)
     if name in ALL_OPS:
         return ALL_OPS[name]
     raise NkiValidationError("err_unsupported_op", f"{role}={op!r} is not an NKI ALU/activation operator", instruction)

@@ -198,8 +198,9 @@ def region(tensor: NkiTensor) -> Region:
     return Region(tensor.storage.memory_id, (first, first + tensor.shape[0]), (low * item, (high + 1) * item))
 
 
-# Operand roles an instruction writes although they are passed as sources (activation's reduce_res).
-_WRITTEN_SOURCES = {"reduce_res"}
+# Operand roles an instruction writes although they are passed as sources (activation's reduce_res,
+# nc_match_replace8's dst_idx).
+_WRITTEN_SOURCES = {"reduce_res", "dst_idx"}
 
 
 def _regions(dst: NkiTensor | None, srcs: list[tuple[str, NkiTensor]], name: str):
