@@ -297,7 +297,9 @@ def load_module(source: str, name: str) -> types.ModuleType:
     module_builtins["__import__"] = _alias_import
     module.__dict__["__builtins__"] = module_builtins
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    exec(compile(source, filename, "exec"), module.__dict__)
+    # dont_inherit: the source gets its own __future__ flags, not this module's (postponed annotations would send
+    # dataclasses looking the module up in sys.modules, where a loaded kernel module never is)
+    exec(compile(source, filename, "exec", dont_inherit=True), module.__dict__)
     return module
 
 

@@ -1,0 +1,237 @@
+"""The API surface published kernels rely on: nki.dtype, nki.isa.constants and the engine selectors,
+nl.NKIObject, the legacy neuronxcc.nki import alias, virtual registers and dynamic loops, dynamic offsets,
+shared constants, and the rules the simulator keeps no stricter than the hardware (returning the caller's
+HBM tensors, activation bias dtypes, partition broadcasts)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from neuron_compile.runtime import simulator as nki
+from neuron_compile.runtime.simulator.errors import NkiValidationError
+
+nl = nki.language
+nisa = nki.isa
+F32 = np.float32
+
+
+def _load(src, dtype=None):
+    tile = nl.ndarray(src.shape, dtype or src.dtype)
+    nisa.dma_copy(tile, src)
+    return tile
+
+
+def _store(tile):
+    out = nl.ndarray(tile.shape, tile.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(out, tile)
+    return out
+
+
+LEGACY_SOURCE = '''
+import nki
+import nki.language as nl
+import nki.isa as nisa
+import neuronxcc.nki.typing as nt
+from nki.isa.constants import oob_mode, dge_mode
+from nki.language import NKIObject
+from dataclasses import dataclass
+
+
+@dataclass
+class Config(NKIObject):
+    scale: float = 2.0
+
+
+@nki.jit
+def scaled(x: nt.tensor[4, 8], dtype: nki.dtype = nl.float32, config: Config = Config()):
+    tile = nl.ndarray(x.shape, dtype)
+    nisa.dma_copy(tile, x, dge_mode=dge_mode.none, oob_mode=oob_mode.error)
+    nisa.tensor_scalar(tile, tile, nl.multiply, config.scale, engine=nisa.vector_engine)
+    out = nl.ndarray(x.shape, dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(out, tile)
+    return out
+'''
+
+
+def test_published_kernel_imports_load_through_the_loader_without_sys_modules():
+    before = set(sys.modules)
+    module = nki.load_module(LEGACY_SOURCE, "legacy_names")
+    assert not {name for name in set(sys.modules) - before if name.split(".")[0] in ("nki", "neuronxcc")}
+    x = np.arange(32, dtype=F32).reshape(4, 8)
+    np.testing.assert_array_equal(module.scaled(x), 2 * x)
+
+
+def test_import_alias_binds_the_legacy_names_only_inside_the_block():
+    with nki.nki_import_alias():
+        import neuronxcc.nki.language as legacy_nl
+        from nki.isa.constants import oob_mode
+
+        assert legacy_nl is nl and oob_mode is nisa.oob_mode
+        assert sys.modules["nki.dtype"].bfloat16 == nl.bfloat16
+    assert "neuronxcc" not in sys.modules and "nki.isa.constants" not in sys.modules
+
+
+def test_engine_selectors_and_constants_are_the_enums():
+    assert nisa.vector_engine is nisa.engine.vector and nisa.gpsimd_engine is nisa.engine.gpsimd
+    assert nisa.constants.dma_engine.gpsimd_dma.value == 2
+    assert nisa.matmul_perf_mode.double_row.value == "double_row"
+    assert nisa.get_nc_sub_version() == 0
+
+
+def test_nki_object_takes_keywords_and_dataclass_subclasses_keep_theirs():
+    base = nl.NKIObject(a=1, b="x")
+    assert (base.a, base.b) == (1, "x")
+
+    @dataclass
+    class Tiling(nl.NKIObject):
+        rows: int = 128
+        cols: int = 512
+
+    assert Tiling(cols=64) == Tiling(128, 64)
+
+
+def test_packed_x4_dtypes_allocate_and_move():
+    def kernel(x):
+        tile = nl.ndarray((4, 2), nl.float8_e4m3fn_x4)
+        nisa.dma_copy(tile, x.view(nl.float8_e4m3fn_x4))
+        out = nl.ndarray((4, 2), nl.uint32, buffer=nl.shared_hbm)
+        nisa.dma_copy(out, tile.view(nl.uint32))
+        return out
+
+    x = np.arange(8, dtype=np.uint32).reshape(4, 2)
+    np.testing.assert_array_equal(nki.run_kernel(kernel, [x]).outputs[0], x)
+
+
+def test_registers_drive_dynamic_loops_and_offsets():
+    def kernel(data, count):
+        bound = nl.ndarray((1, 1), nl.int32)
+        nisa.dma_copy(bound, count)
+        trips = nisa.register_alloc()
+        nisa.register_load(trips, bound)
+        acc = nl.zeros((1, 8), F32)
+        row = nl.ndarray((1, 8), F32)
+        for i in nl.dynamic_range(trips):
+            nisa.dma_copy(row, data.ap([[8, 1], [1, 8]], scalar_offset=i, indirect_dim=0))
+            nisa.tensor_tensor(acc, acc, row, nl.add)
+
+        def body(i):
+            nisa.dma_copy(row, data.ap([[8, 1], [1, 8]], scalar_offset=i, indirect_dim=0))
+            nisa.tensor_tensor(acc, acc, row, nl.add)
+
+        nl.fori_loop(0, trips, body)
+        left = nisa.register_alloc(2)
+
+        def countdown(r):
+            nisa.tensor_scalar(acc, acc, nl.multiply, 2.0)
+            nisa.register_move(r, int(r) - 1)
+            return r
+
+        nl.while_loop(left, countdown)
+        stored = nl.ndarray((1, 1), nl.int32)
+        nisa.register_store(stored, trips)
+        return _store(acc), _store(stored)
+
+    data = np.arange(48, dtype=F32).reshape(6, 8)
+    acc, stored = nki.run_kernel(kernel, [data, np.array([[3]], np.int32)]).outputs
+    np.testing.assert_array_equal(acc[0], 4 * 2 * data[:3].sum(axis=0))
+    assert stored[0, 0] == 3
+
+
+def test_scalar_offset_reads_a_one_element_sbuf_tensor():
+    def kernel(data, where):
+        position = _load(where)
+        row = nl.ndarray((1, 4), F32)
+        nisa.dma_copy(row, data.ap([[4, 1], [1, 4]], scalar_offset=position, indirect_dim=0))
+        return _store(row)
+
+    data = np.arange(20, dtype=F32).reshape(5, 4)
+    np.testing.assert_array_equal(nki.run_kernel(kernel, [data, np.array([[3]], np.int32)]).outputs[0], data[3:4])
+
+
+@pytest.mark.parametrize("bad", [lambda: nisa.register_load(nisa.register_alloc(), nl.zeros((2, 2), nl.int32)),
+                                 lambda: int(nisa.register_alloc()),
+                                 lambda: nisa.register_move(nisa.register_alloc(), 2**40),
+                                 lambda: nl.dynamic_range(0, 4, step=0)])
+def test_register_misuse_is_a_named_error(bad):
+    with pytest.raises(NkiValidationError, match=r"err_(register_memory|register_uninitialized|register_value|"
+                                                 r"dynamic_range_step)"):
+        nki.run_kernel(lambda: bad(), [])
+
+
+def test_shared_constants_and_identity():
+    def kernel():
+        identity = nl.shared_identity_matrix(n=32, dtype=nl.bfloat16)
+        table = nl.shared_constant(np.arange(6, dtype=np.int32).reshape(2, 3))
+        return _store(identity), table
+
+    identity, table = nki.run_kernel(kernel, []).outputs
+    np.testing.assert_array_equal(identity.astype(F32), np.eye(32))
+    np.testing.assert_array_equal(table, np.arange(6).reshape(2, 3))
+
+
+def test_a_kernel_may_return_the_callers_hbm_tensors_it_wrote():
+    @nki.jit
+    def add_one_in_place(x, out):
+        tile = _load(x)
+        nisa.tensor_scalar(tile, tile, nl.add, 1.0)
+        nisa.dma_copy(out, tile)
+        return out
+
+    x, out = np.ones((4, 8), F32), np.zeros((4, 8), F32)
+    result = add_one_in_place(x, out)
+    np.testing.assert_array_equal(result, 2 * x)
+    np.testing.assert_array_equal(out, 2 * x)  # written back into the caller's array
+
+
+def test_a_kernel_may_not_return_private_hbm_it_allocated():
+    def kernel():
+        scratch = nl.ndarray((2, 2), F32, buffer=nl.private_hbm)
+        scratch.write(np.zeros((2, 2), F32))
+        return scratch
+
+    with pytest.raises(NkiValidationError, match="err_output_must_be_shared_hbm"):
+        nki.run_kernel(kernel, [])
+
+
+@pytest.mark.parametrize("bias_dtype", [nl.bfloat16, nl.float16, nl.float32])
+def test_activation_bias_may_be_any_float_dtype_but_scale_must_be_fp32(bias_dtype):
+    x = np.random.default_rng(0).uniform(-1, 1, (8, 16)).astype(F32)
+    bias = np.linspace(-1, 1, 8, dtype=F32).reshape(8, 1)
+
+    def kernel(a, b):
+        out = nl.ndarray((8, 16), F32)
+        nisa.activation(out, nl.exp, _load(a), bias=_load(b, bias_dtype))
+        return _store(out)
+
+    rounded = bias.astype(bias_dtype).astype(F32)
+    np.testing.assert_allclose(nki.run_kernel(kernel, [x, bias]).outputs[0], np.exp(x + rounded), rtol=1e-6)
+
+    def bad_scale(a, b):
+        out = nl.ndarray((8, 16), F32)
+        nisa.activation(out, nl.exp, _load(a), scale=_load(b, nl.bfloat16))
+
+    with pytest.raises(NkiValidationError, match="err_activation_scale_scalar_or_vector"):
+        nki.run_kernel(bad_scale, [x, bias])
+
+
+@pytest.mark.parametrize("dtype, shape", [(np.dtype(np.float32), (1, 7)), (nl.bfloat16, (1, 600)),
+                                          (np.dtype(np.float32), (1, 3, 5))])
+def test_broadcast_to_copies_a_one_partition_tile_to_every_partition(dtype, shape):
+    row = np.random.default_rng(1).uniform(-3, 3, shape).astype(F32).astype(dtype)
+    wide = (96,) + shape[1:]
+
+    def kernel(r):
+        return _store(nl.broadcast_to(_load(r), wide))
+
+    run = nki.run_kernel(kernel, [row])
+    np.testing.assert_array_equal(run.outputs[0], np.broadcast_to(row, wide))
+    assert any(r.name == "nc_matmul" for r in run.trace)  # the partition broadcast runs on TensorE
+
+
+def test_broadcast_to_refuses_a_partition_dim_that_is_not_one():
+    with pytest.raises(NkiValidationError, match="err_broadcast_non_unit"):
+        nki.run_kernel(lambda: nl.broadcast_to(nl.zeros((2, 4), F32), (8, 4)), [])
