@@ -107,10 +107,29 @@ CASES = [
          lambda: {"x_in": gaussian((1, 128, 256), np.float32, 1), "filters": gaussian((3, 128, 128), np.float32, 2),
                   "bias": gaussian((128,), np.float32, 3), "stride": 1, "padding": (1, 1), "dilation": 1,
                   "activation_fn": None, "lnc_shard": False}, rtol=1e-5, atol=1e-5),
+    Case("attention_cte", "core.attention.attention_cte:attention_cte",
+         "core.attention.attention_cte_torch:attention_cte_torch_ref",
+         lambda: attention_cte_inputs(1, 512, 512, 64, 0.125, BF16, causal=True), rtol=2e-2, atol=1e-5),
+    Case("attention_cte", "core.attention.attention_cte:attention_cte",
+         "core.attention.attention_cte_torch:attention_cte_torch_ref",
+         lambda: attention_cte_inputs(1, 1024, 512, 64, 0.5, np.float32, causal=False), rtol=2e-2, atol=1e-5),
+    Case("attention_cte", "core.attention.attention_cte:attention_cte",
+         "core.attention.attention_cte_torch:attention_cte_torch_ref",
+         lambda: attention_cte_inputs(2, 512, 512, 128, 0.1, BF16, causal=True), lnc=2, rtol=2e-2, atol=1e-5),
     Case("dynamic_elementwise_add", "experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add",
          "experimental.dynamic_shapes.dynamic_elementwise_add_torch:dynamic_elementwise_add_torch_ref",
          lambda: _dynamic_add_inputs(), rtol=1e-2, atol=1e-2),
 ]
+
+
+def attention_cte_inputs(batch, seq_kv, seq_q, head_dim, scale, dtype, causal, tp_q=True, tp_out=False, seed=7):
+    """The library's no-context-parallel unit configuration: q [B, Sq, D] (tp_q), k [B, D, Skv], v [B, Skv, D]."""
+    rng = np.random.default_rng(seed)
+    q = rng.random((batch, seq_q, head_dim) if tp_q else (batch, head_dim, seq_q)).astype(np.float32).astype(dtype)
+    k = rng.random((batch, head_dim, seq_kv)).astype(np.float32).astype(dtype)
+    v = rng.random((batch, seq_kv, head_dim)).astype(np.float32).astype(dtype)
+    return {"q": q, "k": k, "v": v, "scale": scale, "causal_mask": causal, "tp_q": tp_q, "tp_k": False,
+            "tp_out": tp_out}
 
 
 def _rope_hf_inputs():

@@ -205,13 +205,11 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     product = fp32_tile(stationary).T @ fp32_tile(moving)
     flags = dst.matmul_flags()
     consumed = dst.psum_flags(dst.storage.matmul_read)
-    if accumulate is None and (flags & consumed).any():
-        raise NkiValidationError(
-            "err_matmul_accumulate_after_read",
-            f"matmul into dst {dst.name} would accumulate onto a result another instruction already read (a PSUM "
-            "tile reused across output tiles); allocate the PSUM tile inside the loop or pass accumulate=False for "
-            "the first K tile", op,
-        )
+    if accumulate is None:
+        # an accumulation group whose result another instruction has read is over: the next matmul into those
+        # elements starts a new group (a PSUM tile reused across output tiles, as production kernels reuse their
+        # address-placed PSUM banks), so it overwrites them
+        flags[consumed] = False
     if accumulate is True and not flags.all():
         raise NkiValidationError(
             "err_matmul_accumulate_uninitialized",

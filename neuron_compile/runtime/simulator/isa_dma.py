@@ -21,6 +21,10 @@ from neuron_compile.runtime.simulator.rules import (
 )
 
 
+# The API's permutation when none is given: 2-d and 3-d reverse the dims, 4-d swaps the first and the last.
+DEFAULT_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+
+
 def dma_copy(dst, src, priority=None, oob_mode=None, dge_mode=None, engine=None, mask=None, name=None):
     """dst = src between HBM and SBUF (either way) or within one; never PSUM; dtype cast via fp32."""
     name = "dma_copy"
@@ -83,7 +87,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=None, oob_mode=No
         )
     if src.itemsize not in (2, 4):
         raise NkiValidationError("err_dma_transpose_dtype", f"dtype {src.dtype.name} is not 2 or 4 bytes", name)
-    axes = tuple(axes) if axes is not None else tuple(reversed(range(src.ndim)))
+    axes = tuple(axes) if axes is not None else DEFAULT_TRANSPOSE_AXES.get(src.ndim, tuple(reversed(range(src.ndim))))
     expected = tuple(src.shape[a] for a in axes)
     if dst.shape != expected:
         raise NkiValidationError(

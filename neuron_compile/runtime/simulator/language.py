@@ -8,6 +8,7 @@ ISA instructions the wrappers lower to, so the trace and every hardware rule app
 from __future__ import annotations
 
 import builtins
+import dataclasses
 
 import numpy as np
 
@@ -45,12 +46,41 @@ tensor = NkiTensor  # ``nl.tensor``: the type published kernels annotate their t
 
 
 class NKIObject:
-    """``nl.NKIObject``: the base of kernel dataclasses and configuration objects. Its constructor takes keyword
-    arguments and sets them as attributes; a ``@dataclass`` subclass gets the dataclass constructor instead."""
+    """``nl.NKIObject``: the base of kernel dataclasses and configuration objects, built by keyword.
 
-    def __init__(self, **kwargs) -> None:
+    Published kernels construct their ``@dataclass`` subclasses by keyword even where the class body declares
+    attributes without annotations (``section_idx = None``), which a plain dataclass would not take. So every
+    subclass gets this keyword constructor unless its body defines ``__init__``: ``@dataclass`` keeps an
+    ``__init__`` the class already has, and still adds its comparison and repr. Positional arguments fill the
+    dataclass fields in order; fields not given take their defaults; ``__post_init__`` runs last."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        fields = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
+        if len(args) > len(fields):
+            raise TypeError(f"{type(self).__name__} takes {len(fields)} positional arguments, got {len(args)}")
+        for field, value in zip(fields, args):
+            if field.name in kwargs:
+                raise TypeError(f"{type(self).__name__} got two values for {field.name}")
+            kwargs[field.name] = value
+        for field in fields:
+            if field.name in kwargs:
+                continue
+            if field.default is not dataclasses.MISSING:
+                kwargs[field.name] = field.default
+            elif field.default_factory is not dataclasses.MISSING:
+                kwargs[field.name] = field.default_factory()
+            else:
+                raise TypeError(f"{type(self).__name__} needs a value for {field.name}")
         for key, value in kwargs.items():
             setattr(self, key, value)
+        post_init = getattr(self, "__post_init__", None)
+        if post_init is not None:
+            post_init()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" not in cls.__dict__:
+            cls.__init__ = NKIObject.__init__
 
 
 # ------------------------------------------------------------------------------------------------ operators
@@ -73,8 +103,9 @@ globals().update(_operators())
 
 # ------------------------------------------------------------------------------------------------ creation
 def ndarray(shape, dtype, buffer=sbuf, name: str = "", address=None) -> NkiTensor:
-    """An uninitialized tensor (NaN-filled floats, 4-filled ints, as the official simulator does)."""
-    return allocate(shape, dtype, buffer, name)
+    """An uninitialized tensor (NaN-filled floats, 4-filled ints, as the official simulator does); with
+    ``address=(partition, byte offset)``, placed there in the kernel's SBUF / PSUM (memory.allocate)."""
+    return allocate(shape, dtype, buffer, name, address)
 
 
 def full(shape, fill_value, dtype, buffer=sbuf, name: str = "") -> NkiTensor:
@@ -502,7 +533,7 @@ _NOT_SIMULATED = {
 # star imports get the NKI names (dtypes, buffers, operators, functions), not this module's imports
 __all__ = sorted(
     key for key, value in globals().items()
-    if not key.startswith("_") and key not in {"annotations", "builtins", "ml_dtypes", "np", "allocate", "current",
+    if not key.startswith("_") and key not in {"annotations", "builtins", "dataclasses", "ml_dtypes", "np", "allocate", "current",
                                                 "is_float", "promote", "apply_op", "DynSlice", "NkiTensor",
                                                 "NkiNotSimulatedError", "NkiValidationError", "Operator",
                                                 "VirtualRegister"}

@@ -58,9 +58,9 @@ class Storage:
     allocation, except that the allocator hands a released on-chip slot's id to the next tensor of that size."""
 
     __slots__ = ("data", "buffer", "name", "partition_stride", "matmul_written", "matmul_read", "written",
-                 "memory_id", "__weakref__")
+                 "memory_id", "physical", "__weakref__")
 
-    def __init__(self, data: np.ndarray, buffer: Buffer, name: str, partition_stride: int):
+    def __init__(self, data: np.ndarray, buffer: Buffer, name: str, partition_stride: int, physical: bool = False):
         self.data = data
         self.buffer = buffer
         self.name = name
@@ -69,6 +69,8 @@ class Storage:
         self.matmul_read = np.zeros(data.shape, dtype=bool) if buffer.kind == "psum" else None
         self.written = False  # any instruction wrote into it (kernel outputs must be written)
         self.memory_id = next(_memory_ids)
+        # the whole SBUF or PSUM of a kernel as bytes, which tensors allocated at an address view (memory.py)
+        self.physical = physical
 
 
 def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -83,9 +85,10 @@ class NkiTensor:
     """A view of a Storage. Strides and offset are in elements of ``dtype``."""
 
     __slots__ = ("storage", "shape", "strides", "offset", "dtype", "indirect", "_array", "operand_fields",
-                 "__weakref__")
+                 "allocation_free", "__weakref__")
 
-    def __init__(self, storage: Storage, shape, strides, offset: int = 0, dtype=None, indirect=None):
+    def __init__(self, storage: Storage, shape, strides, offset: int = 0, dtype=None, indirect=None,
+                 allocation_free: int | None = None):
         self.storage = storage
         self.shape = tuple(int(s) for s in shape)
         self.strides = tuple(int(s) for s in strides)
@@ -95,6 +98,9 @@ class NkiTensor:
         self.indirect = indirect
         self._array = None  # the numpy view, built on first access (a view's geometry never changes)
         self.operand_fields = None  # cache of rules.operand()
+        # elements per partition of the tensor's own allocation, where that differs from the storage's partition
+        # stride (a tensor at an address in a kernel's physical SBUF/PSUM); None: the partition stride
+        self.allocation_free = allocation_free
     # ---------------------------------------------------------------- properties
     @property
     def buffer(self) -> Buffer:
@@ -235,14 +241,25 @@ class NkiTensor:
         """A per-element flag array of the storage, viewed like this tensor."""
         if flags is None:
             return None
-        if self.dtype.itemsize != self.storage.data.itemsize:
+        # flags are kept per element of the storage (per byte of a physical PSUM): scale this view's element
+        # offsets and strides to them
+        scale = self.dtype.itemsize // self.storage.data.itemsize
+        if not self.storage.physical and scale != 1:
             raise NkiValidationError("err_psum_view_dtype", "PSUM views must keep the allocation's element size")
-        base = flags[self.offset:] if self.offset else flags
-        return as_strided(base, self.shape, tuple(s for s in self.strides), writeable=True)
+        base = flags[self.offset * scale:] if self.offset else flags
+        return as_strided(base, self.shape, tuple(s * scale for s in self.strides), writeable=True)
 
     # ---------------------------------------------------------------- views
     def _view(self, shape, strides, offset, dtype=None, indirect=None) -> NkiTensor:
-        return NkiTensor(self.storage, shape, strides, offset, dtype or self.dtype, indirect)
+        free = self.allocation_free
+        if free is not None and dtype is not None and np.dtype(dtype).itemsize != self.itemsize:
+            free = free * self.itemsize // np.dtype(dtype).itemsize
+        return NkiTensor(self.storage, shape, strides, offset, dtype or self.dtype, indirect, free)
+
+    @property
+    def logical_partition_stride(self) -> int:
+        """Elements per partition of the allocation as the kernel sees it (the partition step of ``.ap()``)."""
+        return self.allocation_free if self.allocation_free is not None else self.partition_stride
 
     def __getitem__(self, key) -> NkiTensor:
         if not isinstance(key, tuple):
@@ -403,15 +420,21 @@ class NkiTensor:
         pattern = [(int(p[0]), int(p[1])) for p in pattern]
         if not pattern:
             raise NkiValidationError("err_ap_empty", f"empty access pattern on {self.name}")
-        if self.on_chip and pattern[0][0] != self.partition_stride:
+        logical = self.logical_partition_stride
+        if self.on_chip and pattern[0][0] != logical:
             raise NkiValidationError(
                 "err_ap_partition_step",
                 f"first [step, num] of an access pattern on {self.buffer} is the partition dim: step must be "
-                f"{self.partition_stride} (free elements per partition of {self.name}), got {pattern[0][0]}",
+                f"{logical} (free elements per partition of {self.name}), got {pattern[0][0]}",
             )
-        start = self.offset + int(offset)
+        extra = int(offset)
         if scalar_offset is not None:
-            start += _scalar_offset_value(scalar_offset) * math.prod(self.shape[indirect_dim + 1:])
+            extra += _scalar_offset_value(scalar_offset) * math.prod(self.shape[indirect_dim + 1:])
+        start = self.offset + extra
+        if self.on_chip and logical != self.partition_stride:  # the kernel's offsets, in its allocation's layout
+            partitions, free = divmod(extra, logical)
+            start = self.offset + partitions * self.partition_stride + free
+            pattern = [(self.partition_stride, pattern[0][1])] + pattern[1:]
         indirect = None
         if vector_offset is not None:
             if self.on_chip:
