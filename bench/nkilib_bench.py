@@ -38,11 +38,13 @@ PACKAGE = "nkilib_src.nkilib"
 
 @dataclass
 class Case:
-    """One kernel configuration: ``entry`` and ``reference`` are "module:function" under the library package."""
+    """One kernel configuration: ``entry`` and ``reference`` are "module:function" under the library package; a
+    reference may instead be a function of this bench (``bench_reference``), where the library's cannot be
+    imported, which the table then says."""
 
     name: str
     entry: str
-    reference: str
+    reference: str | None
     inputs: Callable[[], dict]
     lnc: int = 1
     rtol: float = 1e-5
@@ -53,6 +55,7 @@ class Case:
     written_inputs: tuple = ()
     # the reference's arguments from the kernel's inputs (default: the inputs its signature names)
     reference_inputs: Callable[[dict], dict] | None = None
+    bench_reference: Callable[..., object] | None = None
     note: str = ""
 
 
@@ -78,6 +81,87 @@ def sparse_routing(tokens: int, experts: int, top_k: int, seed=42):
     ones = tokens * top_k
     flat = np.random.permutation(np.concatenate([np.ones(ones), np.zeros(tokens * experts - ones)]))
     return flat.reshape(tokens, experts).astype(np.float32)
+
+
+
+
+def attention_cte_inputs(batch, seq_kv, seq_q, head_dim, scale, dtype, causal, tp_q=True, tp_out=False, seed=7):
+    """The library's no-context-parallel unit configuration: q [B, Sq, D] (tp_q), k [B, D, Skv], v [B, Skv, D]."""
+    rng = np.random.default_rng(seed)
+    q = rng.random((batch, seq_q, head_dim) if tp_q else (batch, head_dim, seq_q)).astype(np.float32).astype(dtype)
+    k = rng.random((batch, head_dim, seq_kv)).astype(np.float32).astype(dtype)
+    v = rng.random((batch, seq_kv, head_dim)).astype(np.float32).astype(dtype)
+    return {"q": q, "k": k, "v": v, "scale": scale, "causal_mask": causal, "tp_q": tp_q, "tp_k": False,
+            "tp_out": tp_out}
+
+
+def quantization(name: str):
+    """The library's QuantizationType member ``name`` (read while the case runs, under the import alias)."""
+    return getattr(_resolve("core.utils.common_types:QuantizationType"), name)
+
+
+def output_projection_cte_inputs(batch, seqlen, hidden, heads, head_dim, bias: bool):
+    rng = np.random.default_rng(21)
+    return {"attention": rng.random((batch, heads, head_dim, seqlen)).astype(np.float32).astype(BF16),
+            "weight": rng.random((heads * head_dim, hidden)).astype(np.float32).astype(BF16),
+            "bias": (rng.standard_normal((1, hidden)) * 100).astype(np.float32).astype(BF16) if bias else None,
+            "quantization_type": quantization("NONE"), "input_scales": None, "weight_scales": None}
+
+
+def output_projection_tkg_inputs(batch, heads, seqlen, head_dim, hidden, bias: bool, transpose_out: bool):
+    rng = np.random.default_rng(22)
+    return {"attention": rng.random((head_dim, batch, heads, seqlen)).astype(np.float32).astype(BF16),
+            "weight": rng.random((heads * head_dim, hidden)).astype(np.float32).astype(BF16),
+            "bias": (rng.standard_normal((1, hidden)) * 100).astype(np.float32).astype(BF16) if bias else None,
+            "quantization_type": quantization("NONE"), "weight_scale": None, "input_scale": None,
+            "TRANSPOSE_OUT": transpose_out, "OUT_IN_SB": False}
+
+
+def projection_reference(attention, weight, bias=None):
+    """out[b, s, h] = sum over (n, d) of attention[b, n, d, s] * weight[n * D + d, h] + bias[h], in fp32."""
+    batch, heads, head_dim, seqlen = attention.shape
+    flat = attention.float().permute(0, 3, 1, 2).reshape(batch, seqlen, heads * head_dim)
+    out = flat @ weight.float()
+    return out + bias.float() if bias is not None else out
+
+
+def router_topk_inputs(tokens, hidden, experts, k, act_fn, bias: bool):
+    """The library's router inputs: uniform in [-0.1, 0.1] from torch's generator seeded 0; x in [H, T] layout;
+    the three outputs are HBM tensors the kernel writes into."""
+    def uniform(shape):
+        generator = torch.Generator()
+        generator.manual_seed(0)
+        return torch.empty(shape, dtype=torch.float32).uniform_(-0.1, 0.1, generator=generator).numpy().astype(BF16)
+
+    act = getattr(_resolve("core.utils.common_types:RouterActFnType"), act_fn)
+    return {"x": uniform((hidden, tokens)), "w": uniform((hidden, experts)),
+            "w_bias": uniform((1, experts)) if bias else None,
+            "router_logits": np.zeros((tokens, experts), BF16), "expert_affinities": np.zeros((tokens, experts), BF16),
+            "expert_index": np.zeros((tokens, k), np.uint32), "act_fn": act, "k": k, "x_hbm_layout": 0,
+            "x_sb_layout": 0, "router_pre_norm": True, "norm_topk_prob": False}
+
+
+def nonzero_with_count_reference(input_tensor):
+    """The library test's golden: the nonzero positions of row 0, -1 padding, the count last."""
+    values = input_tensor[0].numpy()
+    found = np.flatnonzero(values)
+    out = np.full((1, values.size + 1), -1, dtype=np.int32)
+    out[0, :found.size], out[0, -1] = found, found.size
+    return out
+
+
+def _rope_hf_inputs():
+    np.random.seed(42)
+    q = np.random.randn(1, 4, 128, 64).astype(np.float32)
+    k = np.random.randn(1, 2, 128, 64).astype(np.float32)
+    return {"q": q, "k": k, "q_out": np.zeros_like(q), "k_out": np.zeros_like(k),
+            "cos": np.random.randn(1, 128, 64).astype(np.float32),
+            "sin": np.random.randn(1, 128, 64).astype(np.float32), "backward": False}
+
+
+def _dynamic_add_inputs():
+    a, b = gaussian((512, 1024), BF16, 1), gaussian((512, 1024), BF16, 2)
+    return {"input_a": a, "input_b": b, "num_m_tiles": np.array([[512 // 128]], dtype=np.int32)}
 
 
 CASES = [
@@ -116,34 +200,33 @@ CASES = [
     Case("attention_cte", "core.attention.attention_cte:attention_cte",
          "core.attention.attention_cte_torch:attention_cte_torch_ref",
          lambda: attention_cte_inputs(2, 512, 512, 128, 0.1, BF16, causal=True), lnc=2, rtol=2e-2, atol=1e-5),
+    Case("output_projection_cte", "core.output_projection.output_projection_cte.output_projection_cte:"
+         "output_projection_cte", "core.output_projection.output_projection_cte.output_projection_cte_torch:"
+         "output_projection_cte_torch_ref",
+         lambda: output_projection_cte_inputs(1, 128, 3072, 16, 64, bias=True), rtol=2e-2, atol=1e-5,
+         bench_reference=projection_reference),
+    Case("output_projection_tkg", "core.output_projection.output_projection_tkg:output_projection_tkg",
+         "core.output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
+         lambda: output_projection_tkg_inputs(4, 8, 4, 64, 3072, bias=False, transpose_out=False), rtol=2e-2,
+         atol=1e-5),
+    Case("output_projection_tkg", "core.output_projection.output_projection_tkg:output_projection_tkg",
+         "core.output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
+         lambda: output_projection_tkg_inputs(4, 8, 4, 32, 3072, bias=True, transpose_out=True), lnc=2, rtol=2e-2,
+         atol=1e-5),
+    Case("router_topk", "core.router_topk.router_topk:router_topk",
+         "core.router_topk.router_topk_torch:router_topk_torch_ref",
+         lambda: router_topk_inputs(64, 3072, 128, 4, "SOFTMAX", bias=True), rtol=2e-2, atol=1e-5),
+    Case("router_topk", "core.router_topk.router_topk:router_topk",
+         "core.router_topk.router_topk_torch:router_topk_torch_ref",
+         lambda: router_topk_inputs(128, 3072, 256, 8, "SIGMOID", bias=False), rtol=2e-2, atol=1e-5),
+    Case("find_nonzero_indices_with_count",
+         "experimental.benchmark.find_nonzero_indices_with_count:find_nonzero_indices_with_count", None,
+         lambda: {"input_tensor": (np.random.default_rng(5).random((1, 512)) < 0.2).astype(np.float32)}, rtol=0,
+         atol=0, bench_reference=nonzero_with_count_reference),
     Case("dynamic_elementwise_add", "experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add",
          "experimental.dynamic_shapes.dynamic_elementwise_add_torch:dynamic_elementwise_add_torch_ref",
          lambda: _dynamic_add_inputs(), rtol=1e-2, atol=1e-2),
 ]
-
-
-def attention_cte_inputs(batch, seq_kv, seq_q, head_dim, scale, dtype, causal, tp_q=True, tp_out=False, seed=7):
-    """The library's no-context-parallel unit configuration: q [B, Sq, D] (tp_q), k [B, D, Skv], v [B, Skv, D]."""
-    rng = np.random.default_rng(seed)
-    q = rng.random((batch, seq_q, head_dim) if tp_q else (batch, head_dim, seq_q)).astype(np.float32).astype(dtype)
-    k = rng.random((batch, head_dim, seq_kv)).astype(np.float32).astype(dtype)
-    v = rng.random((batch, seq_kv, head_dim)).astype(np.float32).astype(dtype)
-    return {"q": q, "k": k, "v": v, "scale": scale, "causal_mask": causal, "tp_q": tp_q, "tp_k": False,
-            "tp_out": tp_out}
-
-
-def _rope_hf_inputs():
-    np.random.seed(42)
-    q = np.random.randn(1, 4, 128, 64).astype(np.float32)
-    k = np.random.randn(1, 2, 128, 64).astype(np.float32)
-    return {"q": q, "k": k, "q_out": np.zeros_like(q), "k_out": np.zeros_like(k),
-            "cos": np.random.randn(1, 128, 64).astype(np.float32),
-            "sin": np.random.randn(1, 128, 64).astype(np.float32), "backward": False}
-
-
-def _dynamic_add_inputs():
-    a, b = gaussian((512, 1024), BF16, 1), gaussian((512, 1024), BF16, 2)
-    return {"input_a": a, "input_b": b, "num_m_tiles": np.array([[512 // 128]], dtype=np.int32)}
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -219,7 +302,7 @@ def run_case(case: Case) -> Outcome:
     started = time.perf_counter()
     with simulator.nki_import_alias():
         try:
-            kernel, reference = _resolve(case.entry), _resolve(case.reference)
+            kernel = _resolve(case.entry)
             inputs = case.inputs()
             launcher = kernel[case.lnc] if isinstance(kernel, simulator.Kernel) else simulator.jit(kernel)[case.lnc]
             result = launcher(**inputs)
@@ -233,6 +316,17 @@ def run_case(case: Case) -> Outcome:
             return outcome
     got = list(result) if isinstance(result, (tuple, list)) else ([] if result is None else [result])
     got += [inputs[name] for name in case.written_inputs]
+    try:
+        with simulator.nki_import_alias():  # the library's reference modules import the library too
+            reference = _resolve(case.reference) if case.reference else case.bench_reference
+        if not case.reference:
+            outcome.missing = "bench reference (the library has no torch reference for it)"
+    except Exception as error:  # noqa: BLE001
+        if case.bench_reference is None:
+            outcome.missing = f"the torch reference does not import: {_reason(error)}"
+            return outcome
+        reference = case.bench_reference
+        outcome.missing = f"bench reference (the library's: {_reason(error)})"
     try:
         arguments = case.reference_inputs(inputs) if case.reference_inputs else _named_in(reference, inputs)
         expected = reference(**{k: _to_torch(v) for k, v in arguments.items()})

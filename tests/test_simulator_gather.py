@@ -262,3 +262,15 @@ def test_limits_raise_their_rule(rule):
 def test_nonzero_with_count_needs_neuroncore_v3():
     with pytest.raises(NkiValidationError, match="err_unsupported_arch"):
         nki.run_kernel(lambda: nisa.nonzero_with_count(_tile((16, 9), nl.int32), _tile((16, 8))), [], target="trn1")
+
+
+def test_nc_find_index8_pairs_duplicates_in_ascending_order():
+    data = np.array([[1, 2, 3, 4, 8, 8, 8, 8, 8, 8, 8]], dtype=np.float32)
+    vals = np.array([[3, 8, 8, 8, 8, 8, 8, 8]], dtype=np.float32)
+
+    def kernel(d, v):
+        index = nl.ndarray((1, 8), nl.uint32)
+        nisa.nc_find_index8(index, _load(d), _load(v))
+        return _store(index)
+
+    np.testing.assert_array_equal(_run(kernel, data, vals)[0], [2, 4, 5, 6, 7, 8, 9, 10])

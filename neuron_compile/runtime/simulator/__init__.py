@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from neuron_compile.runtime.simulator import collectives, dtypes, isa, isa_constants, language
+from neuron_compile.runtime.simulator import lnc as lnc_programs
 from neuron_compile.runtime.simulator import nki_typing as typing
 from neuron_compile.runtime.simulator.blas_threads import single_threaded_blas
 from neuron_compile.runtime.simulator.errors import NkiCapacityError, NkiNotSimulatedError, NkiValidationError
@@ -174,17 +175,19 @@ def _launch(fn, args, kwargs, target: Target, lnc: int) -> tuple[KernelRun, obje
     result = None
     sbuf_peak = psum_peak = 0
     collective_records: list = []
+    contexts = [KernelContext(target=target, program_id=pid, num_programs=lnc, trace=trace,
+                              shared_reuse=shared_outputs, launched=True, launch_frame=sys._getframe())
+                for pid in range(lnc)]
     with single_threaded_blas():  # thousands of small matmuls: threads cost more than they give
-        for pid in range(lnc):
-            context = KernelContext(target=target, program_id=pid, num_programs=lnc, trace=trace,
-                                    shared_reuse=shared_outputs, launched=True, launch_frame=sys._getframe())
-            with kernel_context(context):
+        if lnc == 1:
+            with kernel_context(contexts[0]):
                 result = fn(*hbm_args, **hbm_kwargs)
-            if not shared_outputs:
-                shared_outputs.extend(context.outputs_allocated)
-            sbuf_peak = max(sbuf_peak, context.sbuf_peak_bytes)
-            psum_peak = max(psum_peak, context.psum_peak_banks)
-            collective_records.extend(context.collectives)
+        else:  # the programs run as concurrent NeuronCores, so core_barrier and sendrecv between them work
+            result = lnc_programs.run_programs(fn, hbm_args, hbm_kwargs, contexts)
+    for context in contexts:
+        sbuf_peak = max(sbuf_peak, context.sbuf_peak_bytes)
+        psum_peak = max(psum_peak, context.psum_peak_banks)
+        collective_records.extend(context.collectives)
     _write_back_mutated_inputs([*args, *kwargs.values()], [*hbm_args, *hbm_kwargs.values()])
     outputs = _collect_outputs(result)
     inputs = _input_storages([*hbm_args, *hbm_kwargs.values()])

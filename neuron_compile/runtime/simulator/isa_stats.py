@@ -140,9 +140,10 @@ def nc_find_index8(dst, data, vals, name=None):
             "err_find_index8_shape", f"vals {vals.shape} must hold 8 values per partition and dst dtype "
             f"{dst.dtype.name} must be uint16 or uint32", name,
         )
-    matches = fp32_tile(data)[:, None, :] == fp32_tile(vals)[:, :, None]  # (P, 8, F)
-    # values absent from data are undefined on hardware; report index 0 like the first match search would
-    store(dst, matches.argmax(axis=2))
+    # duplicate vals take successive occurrences, the first duplicate the first occurrence; a value absent from
+    # data is undefined on hardware: index 0 is reported, as a first-match search that finds nothing gives
+    positions, _ = _match_positions(fp32_tile(data), fp32_tile(vals), range(8))
+    store(dst, positions)
     record(name, "vector", dst, [("data", data), ("vals", vals)], flops=data.size)
 
 
@@ -170,19 +171,13 @@ def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None):
                 "err_match_replace8_shape", f"dst_idx {dst_idx.shape} {dst_idx.dtype.name} must hold 8 integer indices "
                 "per partition", name,
             )
-    values, wanted = fp32_tile(data).copy(), fp32_tile(vals)
-    matched = np.zeros(values.shape, dtype=bool)
-    positions = np.zeros(wanted.shape, dtype=np.int64)
-    rows = np.arange(values.shape[0])
-    for slot in range(7, -1, -1):
-        candidates = (values == wanted[:, slot:slot + 1]) & ~matched
-        if not candidates.any(axis=1).all():
-            raise NkiValidationError(
-                "err_match_replace8_value_absent", f"vals[:, {slot}] is absent from some partition of data {data.name} "
-                "(the hardware result is undefined then)", name,
-            )
-        positions[:, slot] = candidates.argmax(axis=1)
-        matched[rows, positions[:, slot]] = True
+    values = fp32_tile(data).copy()
+    positions, matched = _match_positions(values, fp32_tile(vals), range(7, -1, -1))
+    if (matched.sum(axis=1) < 8).any():
+        raise NkiValidationError(
+            "err_match_replace8_value_absent", f"a value of vals is absent from some partition of data {data.name} "
+            "(the hardware result is undefined then)", name,
+        )
     values[matched] = np.float32(imm)
     store(dst, values)
     srcs = [("data", data), ("vals", vals)]
@@ -190,6 +185,21 @@ def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None):
         store(dst_idx, positions)
         srcs.append(("dst_idx", dst_idx))
     record(name, "vector", dst, srcs, flops=data.size)
+
+
+def _match_positions(values: np.ndarray, wanted: np.ndarray, slots) -> tuple[np.ndarray, np.ndarray]:
+    """For each partition, the position of the first not yet matched occurrence of each wanted value, taking
+    the (P, 8) slots in the order given; also the (P, F) mask of matched positions. Absent values: position 0,
+    nothing matched."""
+    matched = np.zeros(values.shape, dtype=bool)
+    positions = np.zeros(wanted.shape, dtype=np.int64)
+    for slot in slots:
+        candidates = (values == wanted[:, slot:slot + 1]) & ~matched
+        found = candidates.any(axis=1)
+        positions[:, slot] = candidates.argmax(axis=1)
+        rows = np.flatnonzero(found)
+        matched[rows, positions[rows, slot]] = True
+    return positions, matched
 
 
 def _check_top8(name: str, dst, src) -> None:

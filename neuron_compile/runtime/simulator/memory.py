@@ -69,6 +69,7 @@ class KernelContext:
     collectives: list = field(default_factory=list)  # collectives.CollectiveRecord per nki.collectives call
     # the kernel's SBUF and PSUM as bytes (buffer kind -> Storage), made when a tensor is first placed at an address
     physical: dict = field(default_factory=dict)
+    program_group: object = None  # lnc.ProgramGroup of a launch of several programs (None: one program)
 
 
 # The stack of running kernels, one per thread: threads that launch kernels at the same time (a compiled model
@@ -211,6 +212,11 @@ def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "", address=None) 
         if shared.shape == shape and shared.dtype == dtype:
             context.outputs_allocated.append(shared)
             return shared
+        raise NkiValidationError(
+            "err_lnc_shared_output", f"shared_hbm allocation {len(context.outputs_allocated)} of program "
+            f"{context.program_id} is {shape} {dtype.name}; another program allocated it as {shared.shape} "
+            f"{shared.dtype.name} (every program allocates the same shared outputs in the same order)",
+        )
     data = np.full(math.prod(shape), _fill_value(dtype), dtype=dtype)
     tensor = new_storage_tensor(data, buffer, shape, name)
     bytes_per_partition = math.prod(shape[1:]) * dtype.itemsize
@@ -244,6 +250,7 @@ def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "", address=None) 
                         context.target.psum_banks)
     elif buffer is shared_hbm:
         context.outputs_allocated.append(tensor)
+        context.shared_reuse.append(tensor)  # the launch's list: the other programs get this tensor
     return tensor
 
 
