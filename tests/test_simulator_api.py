@@ -235,3 +235,53 @@ def test_broadcast_to_copies_a_one_partition_tile_to_every_partition(dtype, shap
 def test_broadcast_to_refuses_a_partition_dim_that_is_not_one():
     with pytest.raises(NkiValidationError, match="err_broadcast_non_unit"):
         nki.run_kernel(lambda: nl.broadcast_to(nl.zeros((2, 4), F32), (8, 4)), [])
+
+
+def test_tensors_placed_at_one_address_share_their_bytes():
+    def kernel(x):
+        whole = nl.ndarray((4, 8), F32, address=(0, 64))
+        nisa.dma_copy(whole, x)
+        second_half = nl.ndarray((4, 4), F32, address=(0, 64 + 16))  # 4 fp32 further into each partition
+        lower_rows = nl.ndarray((2, 8), F32, address=(2, 64))
+        as_bf16 = nl.ndarray((4, 16), nl.bfloat16, address=(0, 64))
+        flat = whole.ap([[8, 2], [1, 8]], offset=16)  # the kernel's own layout: rows 2 and 3
+        return _store(second_half), _store(lower_rows), _store(flat), _store(as_bf16)
+
+    x = np.arange(32, dtype=F32).reshape(4, 8)
+    second_half, lower_rows, flat, as_bf16 = nki.run_kernel(kernel, [x]).outputs
+    np.testing.assert_array_equal(second_half, x[:, 4:])
+    np.testing.assert_array_equal(lower_rows, x[2:])
+    np.testing.assert_array_equal(flat, x[2:])
+    np.testing.assert_array_equal(as_bf16.view(np.uint16), x.view(np.uint16).reshape(4, 16))
+
+
+def test_psum_tiles_placed_in_one_bank_alias_and_start_new_accumulation_groups():
+    def kernel(a, b):
+        left, right = _load(a), _load(b)
+        first = nl.ndarray((8, 8), F32, buffer=nl.psum, address=(0, 2048))
+        nisa.nc_matmul(first, left, right)
+        staged = nl.ndarray((8, 8), F32)
+        nisa.tensor_copy(staged, first)
+        again = nl.ndarray((8, 8), F32, buffer=nl.psum, address=(0, 2048))  # the same bank, next output tile
+        nisa.nc_matmul(again, left, right)
+        nisa.nc_matmul(again, left, right)
+        result = nl.ndarray((8, 8), F32)
+        nisa.tensor_copy(result, again)
+        return _store(staged), _store(result)
+
+    a, b = np.ones((8, 8), F32), np.full((8, 8), 2.0, F32)
+    staged, again = nki.run_kernel(kernel, [a, b]).outputs
+    np.testing.assert_array_equal(staged, a.T @ b)
+    np.testing.assert_array_equal(again, 2 * (a.T @ b))
+
+
+@pytest.mark.parametrize("shape, address, buffer, rule", [
+    ((4, 8), (0, 2000), nl.psum, "err_psum_address_bank"),
+    ((4, 8), (126, 0), nl.sbuf, "err_address_out_of_bounds"),
+    ((4, 8), (0, 2), nl.sbuf, "err_address_alignment"),
+    ((4, 600), (0, 15 * 1024), nl.psum, "err_address_out_of_bounds"),
+])
+def test_placement_limits(shape, address, buffer, rule):
+    with pytest.raises(NkiValidationError) as info:
+        nki.run_kernel(lambda: nl.ndarray(shape, F32, buffer=buffer, address=address), [])
+    assert info.value.rule == rule
