@@ -37,7 +37,6 @@ generation on GpSimd, HBM refresh and contention with other cores.
 from __future__ import annotations
 
 import bisect
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -158,12 +157,17 @@ class _Units:
     def __init__(self, count: int):
         self.busy: list[list[list[float]]] = [[] for _ in range(count)]
 
-    def _idle(self, unit: int, start: float, end: float) -> bool:
+    def _earliest_idle(self, unit: int, start: float, duration: float) -> float:
+        """The earliest moment >= ``start`` from which ``unit`` stays idle for ``duration``."""
         intervals = self.busy[unit]
         index = bisect.bisect_right(intervals, [start, float("inf")])
         if index and intervals[index - 1][1] > start:
-            return False
-        return index == len(intervals) or intervals[index][0] >= end
+            index -= 1
+        moment = start
+        while index < len(intervals) and intervals[index][0] < moment + duration:
+            moment = max(moment, intervals[index][1])
+            index += 1
+        return moment
 
     def _reserve(self, unit: int, start: float, end: float) -> None:
         intervals = self.busy[unit]
@@ -178,36 +182,17 @@ class _Units:
 
     def place(self, ready: float, duration: float, wanted: int = 1) -> float:
         """Reserve ``wanted`` units for ``duration`` ns from the earliest start >= ``ready`` at which that
-        many are all idle; the start."""
+        many are all idle; the start. No start before the ``wanted``-th earliest moment at which some unit is
+        idle long enough can have that many idle units, so the search jumps there until it holds."""
         wanted = min(wanted, len(self.busy))
-        for start in self._candidate_starts(ready):
-            idle = [unit for unit in range(len(self.busy)) if self._idle(unit, start, start + duration)]
-            if len(idle) >= wanted:
-                for unit in idle[:wanted]:
+        start = ready
+        while True:
+            frees = sorted((self._earliest_idle(unit, start, duration), unit) for unit in range(len(self.busy)))
+            if frees[wanted - 1][0] == start:
+                for _, unit in frees[:wanted]:
                     self._reserve(unit, start, start + duration)
                 return start
-        raise AssertionError("unreachable: every unit is idle after its last interval")
-
-    def _candidate_starts(self, ready: float):
-        """``ready``, then every interval end after it, ascending (the earliest start is one of them): merged
-        lazily from each unit's sorted intervals, so that a long schedule costs its few first candidates only."""
-        yield ready
-        heap = []
-        for unit, intervals in enumerate(self.busy):
-            index = bisect.bisect_right(intervals, [ready, float("inf")])
-            if index and intervals[index - 1][1] > ready:
-                index -= 1
-            if index < len(intervals):
-                heap.append((intervals[index][1], unit, index))
-        heapq.heapify(heap)
-        previous = ready
-        while heap:
-            end, unit, index = heapq.heappop(heap)
-            if index + 1 < len(self.busy[unit]):
-                heapq.heappush(heap, (self.busy[unit][index + 1][1], unit, index + 1))
-            if end > previous:
-                previous = end
-                yield end
+            start = frees[wanted - 1][0]
 
 
 @dataclass
