@@ -182,6 +182,26 @@ def depthwise_reference(img_ref, filter_ref, padding, stride, **_):
                                       padding=(0, padding[1][0]), groups=img_ref.shape[1])
 
 
+def qkv_inputs(batch, seqlen, hidden, fused_dim, dtype):
+    """qkv with a fused residual add and RMS norm, BSD output (the library's accuracy tests' configuration)."""
+    common = "core.utils.common_types"
+    return {"input": gaussian((batch, seqlen, hidden), dtype, 41),
+            "fused_qkv_weights": gaussian((hidden, fused_dim), dtype, 42) * dtype(0.05),
+            "output_layout": getattr(_resolve(f"{common}:QKVOutputLayout"), "BSD"),
+            "fused_residual_add": True, "mlp_prev": gaussian((batch, seqlen, hidden), dtype, 43),
+            "attention_prev": gaussian((batch, seqlen, hidden), dtype, 44),
+            "fused_norm_type": getattr(_resolve(f"{common}:NormType"), "RMS_NORM"),
+            "gamma_norm_weights": gaussian((1, hidden), dtype, 45), "norm_eps": 1e-6}
+
+
+def qkv_reference(input, fused_qkv_weights, mlp_prev, attention_prev, gamma_norm_weights, norm_eps, **_):  # noqa: A002
+    """The library test's golden for this configuration, in fp32: (input + mlp_prev + attention_prev), RMS
+    normalized with gamma, times the fused QKV weights."""
+    added = input.float() + mlp_prev.float() + attention_prev.float()
+    normed = added * torch.rsqrt(added.square().mean(dim=-1, keepdim=True) + norm_eps) * gamma_norm_weights.float()
+    return normed @ fused_qkv_weights.float()
+
+
 def _rope_hf_inputs():
     np.random.seed(42)
     q = np.random.randn(1, 4, 128, 64).astype(np.float32)
@@ -266,6 +286,10 @@ CASES = [
          "experimental.benchmark.find_nonzero_indices_with_count:find_nonzero_indices_with_count", None,
          lambda: {"input_tensor": (np.random.default_rng(5).random((1, 512)) < 0.2).astype(np.float32)}, rtol=0,
          atol=0, bench_reference=nonzero_with_count_reference),
+    Case("qkv (fused add + rms norm)", "core.qkv.qkv:qkv", None, lambda: qkv_inputs(1, 128, 512, 512, BF16),
+         rtol=2e-2, atol=1e-5, bench_reference=qkv_reference),
+    Case("qkv (fused add + rms norm)", "core.qkv.qkv:qkv", None, lambda: qkv_inputs(1, 512, 1024, 384, np.float32),
+         rtol=2e-2, atol=1e-5, bench_reference=qkv_reference),
     Case("rmsnorm_tkg", "core.subkernels.rmsnorm_tkg:rmsnorm_tkg",
          "core.subkernels.rmsnorm_torch:rmsnorm_tkg_torch_ref_lnc1",
          lambda: norm_tkg_inputs(1, 8, 8192, False, hidden_actual=None, hidden_dim_tp=False, shard_on_h=False),

@@ -274,3 +274,44 @@ def test_nc_find_index8_pairs_duplicates_in_ascending_order():
         return _store(index)
 
     np.testing.assert_array_equal(_run(kernel, data, vals)[0], [2, 4, 5, 6, 7, 8, 9, 10])
+
+
+@settings(max_examples=10, deadline=None)
+@given(p=st.integers(1, 128), f=st.sampled_from([1, 33, 256]), count=st.integers(1, 4),
+       dst_dtype=st.sampled_from([np.dtype(np.float32), nl.bfloat16]))
+def test_dma_compute_sums_its_sources_in_fp32(p, f, count, dst_dtype):
+    arrays = [np.random.default_rng(i).uniform(-2, 2, (p, f)).astype(F32) for i in range(count)]
+
+    def kernel(*sources):
+        out = nl.ndarray((p, f), dst_dtype)
+        nisa.dma_compute(out, [sources[0], *(_load(s) for s in sources[1:])], nl.add, scales=[1.0] * count)
+        return _store(out)
+
+    want = np.sum(arrays, axis=0, dtype=F32).astype(dst_dtype)
+    np.testing.assert_array_equal(_run(kernel, *arrays), want)
+
+
+def test_dma_compute_gathers_and_adds_rows_by_vector_offset():
+    table = np.arange(40, dtype=F32).reshape(10, 4)
+    rows = np.array([[7], [2], [7]], dtype=np.int32)
+
+    def kernel(t, r):
+        index, acc = _load(r), nl.ndarray((3, 4), F32)
+        nisa.memset(acc, 1.0)
+        nisa.dma_compute(acc, [acc, t.ap([[4, 3], [1, 4]], vector_offset=index, indirect_dim=0)], nl.add)
+        return _store(acc)
+
+    np.testing.assert_array_equal(_run(kernel, table, rows), 1 + table[[7, 2, 7]])
+
+
+@pytest.mark.parametrize("bad, rule", [
+    (lambda: nisa.dma_compute(_tile((4, 4)), [_tile((4, 4))], nl.multiply), "err_dma_compute_reduce_op"),
+    (lambda: nisa.dma_compute(_tile((4, 4)), [_tile((4, 4))], nl.add, scales=[2.0]), "err_dma_compute_scales"),
+    (lambda: nisa.dma_compute(_tile((4, 4)), [_tile((4, 4))] * 17, nl.add), "err_dma_compute_sources"),
+    (lambda: nisa.dma_compute(_tile((4, 4)), [_tile((4, 4), buffer=nl.psum)], nl.add), "err_dma_from_psum"),
+    (lambda: nisa.dma_compute(_tile((4, 4)), [_tile((4, 5))], nl.add), "err_dma_shape_mismatch"),
+])
+def test_dma_compute_limits(bad, rule):
+    with pytest.raises(NkiValidationError) as info:
+        nki.run_kernel(lambda: bad(), [])
+    assert info.value.rule == rule

@@ -36,7 +36,7 @@ from neuron_compile.runtime.simulator.isa_activation import (
     activation_reduce,
 )
 from neuron_compile.runtime.simulator.isa_accumulate import exponential, tensor_scalar_cumulative, tensor_scalar_reduce
-from neuron_compile.runtime.simulator.isa_dma import dma_copy, dma_transpose
+from neuron_compile.runtime.simulator.isa_dma import dma_compute, dma_copy, dma_transpose
 from neuron_compile.runtime.simulator.isa_lnc import core_barrier, sendrecv
 from neuron_compile.runtime.simulator.isa_gather import local_gather, nc_n_gather, nonzero_with_count, sequence_bounds
 from neuron_compile.runtime.simulator.isa_registers import (
@@ -95,7 +95,7 @@ __all__ = [
     "gpsimd_engine", "unknown_engine", "VirtualRegister", "register_alloc", "register_move", "register_load",
     "register_store", "get_nc_sub_version", "tensor_scalar_reduce", "tensor_scalar_cumulative", "exponential",
     "select_reduce", "range_select", "local_gather", "nc_n_gather", "sequence_bounds", "nonzero_with_count",
-    "nc_match_replace8", "nc_stream_shuffle", "core_barrier", "sendrecv",
+    "nc_match_replace8", "nc_stream_shuffle", "core_barrier", "sendrecv", "dma_compute",
 ]
 
 
@@ -533,7 +533,7 @@ def reciprocal(dst, data, engine=None, name=None):
     record(name, eng, dst, [("data", data)], flops=data.size)
 
 
-_NOT_SIMULATED = {"nc_matmul_mx", "quantize_mx", "dma_compute", "topk"}
+_NOT_SIMULATED = {"nc_matmul_mx", "quantize_mx", "topk"}
 
 
 def __getattr__(name: str):

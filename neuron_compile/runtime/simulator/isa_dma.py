@@ -1,4 +1,4 @@
-"""Simulator stage: the DMA instructions of ``nki.isa`` (dma_copy, dma_transpose).
+"""Simulator stage: the DMA instructions of ``nki.isa`` (dma_copy, dma_transpose, dma_compute).
 
 Input: HBM / SBUF views (incl. indirect ``vector_offset`` access patterns). Output: dst written, with the DMA
 rules checked (never PSUM, equal element counts, hwdge needs equal dtypes, transpose shapes) and one "dma"
@@ -8,7 +8,8 @@ InstructionRecord per transfer.
 from __future__ import annotations
 
 from neuron_compile.runtime.simulator import memory
-from neuron_compile.runtime.simulator.errors import NkiValidationError
+from neuron_compile.runtime.simulator import ops
+from neuron_compile.runtime.simulator.errors import NkiNotSimulatedError, NkiValidationError
 from neuron_compile.runtime.simulator.rules import (
     FLOAT32,
     cast_to,
@@ -103,3 +104,39 @@ def _on_chip_partitions(dst, src) -> int | None:
         if side.on_chip:
             return side.partitions
     return None
+
+
+DMA_COMPUTE_MAX_SOURCES = 16
+
+
+def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=None, name=None):
+    """dst = srcs[0] + srcs[1] + ... computed in fp32 by the DMA engines (HBM or SBUF, never PSUM); a source
+    with a vector_offset makes it a read-modify-write gather (dst in SBUF) or scatter (dst in HBM)."""
+    name = "dma_compute"
+    dst = require_tensor(name, "dst", dst)
+    sources = [require_tensor(name, f"srcs[{i}]", s) for i, s in enumerate(srcs)]
+    if not 1 <= len(sources) <= DMA_COMPUTE_MAX_SOURCES:
+        raise NkiValidationError("err_dma_compute_sources", f"{len(sources)} sources: 1 to 16", name)
+    if ops.resolve(reduce_op, name, "reduce_op").name != "add":
+        raise NkiValidationError("err_dma_compute_reduce_op", "reduce_op must be nl.add", name)
+    if scales is not None and (len(scales) != len(sources) or any(float(s) != 1.0 for s in scales)):
+        raise NkiValidationError("err_dma_compute_scales", f"scales must be all 1.0, one per source: {scales}", name)
+    indirect = any(t.indirect is not None for t in (dst, *sources))
+    if indirect and (len(sources) != 2 or not unique_indices):
+        raise NkiValidationError(
+            "err_dma_compute_indirect", "a read-modify-write with vector_offset takes exactly 2 sources and "
+            "unique_indices=True", name,
+        )
+    if indirect and getattr(oob_mode, "name", oob_mode) == "skip":
+        raise NkiNotSimulatedError("nki.isa.dma_compute with oob_mode=skip")
+    for role, tile in (("dst", dst), *((f"srcs[{i}]", s) for i, s in enumerate(sources))):
+        require_buffers(name, role, tile, ("hbm", "sbuf"), "err_dma_from_psum")
+        check_tile(name, role, tile, compute=False)
+        if tile.size != dst.size:
+            raise NkiValidationError(
+                "err_dma_shape_mismatch", f"{role} has {tile.size} elements, dst {dst.size}: they must match", name
+            )
+    total = sum(s.read().astype(FLOAT32).reshape(-1) for s in sources)
+    store(dst, total.reshape(dst.shape))
+    record(name, "dma", dst, [(f"src{i}", s) for i, s in enumerate(sources)], {"indirect": indirect},
+           flops=dst.size * (len(sources) - 1), hbm_partitions=_on_chip_partitions(dst, sources[0]))
