@@ -23,6 +23,8 @@ import os
 import sys
 import time
 import traceback
+import types
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -117,14 +119,6 @@ def output_projection_tkg_inputs(batch, heads, seqlen, head_dim, hidden, bias: b
             "TRANSPOSE_OUT": transpose_out, "OUT_IN_SB": False}
 
 
-def projection_reference(attention, weight, bias=None):
-    """out[b, s, h] = sum over (n, d) of attention[b, n, d, s] * weight[n * D + d, h] + bias[h], in fp32."""
-    batch, heads, head_dim, seqlen = attention.shape
-    flat = attention.float().permute(0, 3, 1, 2).reshape(batch, seqlen, heads * head_dim)
-    out = flat @ weight.float()
-    return out + bias.float() if bias is not None else out
-
-
 def router_topk_inputs(tokens, hidden, experts, k, act_fn, bias: bool):
     """The library's router inputs: uniform in [-0.1, 0.1] from torch's generator seeded 0; x in [H, T] layout;
     the three outputs are HBM tensors the kernel writes into."""
@@ -202,6 +196,37 @@ def qkv_reference(input, fused_qkv_weights, mlp_prev, attention_prev, gamma_norm
     return normed @ fused_qkv_weights.float()
 
 
+def moe_tkg_inputs(tokens, hidden, intermediate, experts, top_k, act_fn, all_expert: bool, bias: bool,
+                   clamp: bool = True):
+    """moe_tkg inputs as the library's builder draws them (non-quantized, fp16, post-scaled affinities): normal
+    weights, experts chosen per token with affinities normalized over the top k and placed at their columns."""
+    common = "core.utils.common_types"
+    np.random.seed(0)
+    k = top_k if top_k is not None else experts
+    if all_expert:
+        index = np.stack([np.random.choice(experts, size=k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    else:
+        index = np.random.randint(0, experts, size=(tokens, k)).astype(np.int32)
+    weights = np.random.rand(tokens, k)
+    weights /= weights.sum(axis=1, keepdims=True)
+    affinities = np.zeros((tokens, experts))
+    for token in range(tokens):
+        affinities[token, index[token]] = weights[token]
+    rng = np.random.default_rng(0)
+    f16 = np.float16
+    return {"hidden_input": rng.normal(size=(tokens, hidden)).astype(f16),
+            "expert_gate_up_weights": rng.normal(size=(experts, hidden, 2, intermediate)).astype(f16),
+            "expert_down_weights": rng.normal(size=(experts, intermediate, hidden)).astype(f16),
+            "expert_affinities": affinities.astype(BF16 if all_expert else np.float32), "expert_index": index,
+            "is_all_expert": all_expert, "rank_id": np.zeros((1, 1), np.uint32) if all_expert else None,
+            "expert_gate_up_bias": rng.normal(size=(experts, 2, intermediate)).astype(f16) if bias else None,
+            "expert_down_bias": rng.normal(size=(experts, hidden)).astype(f16) if bias else None,
+            "expert_affinities_scaling_mode": _resolve(f"{common}:ExpertAffinityScaleMode").POST_SCALE,
+            "activation_fn": getattr(_resolve(f"{common}:ActFnType"), act_fn), "output_dtype": np.dtype(f16),
+            "gate_clamp_upper_limit": 7.0 if clamp else None, "up_clamp_upper_limit": 8.0 if clamp else None,
+            "up_clamp_lower_limit": -6.0 if clamp else None}
+
+
 def _rope_hf_inputs():
     np.random.seed(42)
     q = np.random.randn(1, 4, 128, 64).astype(np.float32)
@@ -265,8 +290,7 @@ CASES = [
     Case("output_projection_cte", "core.output_projection.output_projection_cte.output_projection_cte:"
          "output_projection_cte", "core.output_projection.output_projection_cte.output_projection_cte_torch:"
          "output_projection_cte_torch_ref",
-         lambda: output_projection_cte_inputs(1, 128, 3072, 16, 64, bias=True), rtol=2e-2, atol=1e-5,
-         bench_reference=projection_reference),
+         lambda: output_projection_cte_inputs(1, 128, 3072, 16, 64, bias=True), rtol=2e-2, atol=1e-5),
     Case("output_projection_tkg", "core.output_projection.output_projection_tkg:output_projection_tkg",
          "core.output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
          lambda: output_projection_tkg_inputs(4, 8, 4, 64, 3072, bias=False, transpose_out=False), rtol=2e-2,
@@ -290,6 +314,13 @@ CASES = [
          rtol=2e-2, atol=1e-5, bench_reference=qkv_reference),
     Case("qkv (fused add + rms norm)", "core.qkv.qkv:qkv", None, lambda: qkv_inputs(1, 512, 1024, 384, np.float32),
          rtol=2e-2, atol=1e-5, bench_reference=qkv_reference),
+    Case("moe_tkg (all experts)", "core.moe.moe_tkg.moe_tkg:moe_tkg", "core.moe.moe_tkg.moe_tkg_torch:moe_tkg_torch_ref",
+         lambda: moe_tkg_inputs(4, 3072, 192, 4, None, "Swish", all_expert=True, bias=True), lnc=2, rtol=2e-2,
+         atol=1e-5),
+    Case("moe_tkg (selected experts)", "core.moe.moe_tkg.moe_tkg:moe_tkg",
+         "core.moe.moe_tkg.moe_tkg_torch:moe_tkg_torch_ref",
+         lambda: moe_tkg_inputs(5, 512, 128, 4, 2, "Swish", all_expert=False, bias=True), lnc=2, rtol=2e-2,
+         atol=1e-5),
     Case("rmsnorm_tkg", "core.subkernels.rmsnorm_tkg:rmsnorm_tkg",
          "core.subkernels.rmsnorm_torch:rmsnorm_tkg_torch_ref_lnc1",
          lambda: norm_tkg_inputs(1, 8, 8192, False, hidden_actual=None, hidden_dim_tp=False, shard_on_h=False),
@@ -319,6 +350,33 @@ CASES = [
 
 
 # ------------------------------------------------------------------------------------------------ running
+def _neuron_dtypes_stand_in() -> types.ModuleType:
+    """The library's torch references import ``neuron_dtypes`` (not public) for their MX-format paths only
+    (``static_cast``); this stand-in lets them import, and refuses by name if a case reaches an MX path."""
+    module = types.ModuleType("neuron_dtypes", "bench stand-in: neuron_dtypes is not public")
+
+    def static_cast(*args, **kwargs):
+        raise NotImplementedError("neuron_dtypes.static_cast (MX formats) is not public; no MX reference here")
+
+    module.static_cast = static_cast
+    return module
+
+
+@contextmanager
+def library_imports():
+    """``nki`` bound to the simulator and the ``neuron_dtypes`` stand-in, for as long as a case runs."""
+    previous = sys.modules.get("neuron_dtypes")
+    sys.modules["neuron_dtypes"] = _neuron_dtypes_stand_in()
+    try:
+        with simulator.nki_import_alias():
+            yield
+    finally:
+        if previous is None:
+            sys.modules.pop("neuron_dtypes", None)
+        else:
+            sys.modules["neuron_dtypes"] = previous
+
+
 @dataclass
 class Outcome:
     case: Case
@@ -389,7 +447,7 @@ def _reason(error: BaseException) -> str:
 def run_case(case: Case) -> Outcome:
     outcome = Outcome(case)
     started = time.perf_counter()
-    with simulator.nki_import_alias():
+    with library_imports():
         try:
             kernel = _resolve(case.entry)
             inputs = case.inputs()
@@ -406,7 +464,7 @@ def run_case(case: Case) -> Outcome:
     got = list(result) if isinstance(result, (tuple, list)) else ([] if result is None else [result])
     got += [inputs[name] for name in case.written_inputs]
     try:
-        with simulator.nki_import_alias():  # the library's reference modules import the library too
+        with library_imports():  # the library's reference modules import the library too
             reference = _resolve(case.reference) if case.reference else case.bench_reference
         if not case.reference:
             outcome.missing = "bench reference (the library has no torch reference for it)"

@@ -52,7 +52,8 @@ class NKIObject:
     attributes without annotations (``section_idx = None``), which a plain dataclass would not take. So every
     subclass gets this keyword constructor unless its body defines ``__init__``: ``@dataclass`` keeps an
     ``__init__`` the class already has, and still adds its comparison and repr. Positional arguments fill the
-    dataclass fields in order; fields not given take their defaults; ``__post_init__`` runs last."""
+    dataclass fields in order; fields not given take their defaults (None without one, as published kernels
+    construct such classes without every field); ``__post_init__`` runs last."""
 
     def __init__(self, *args, **kwargs) -> None:
         fields = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
@@ -69,8 +70,8 @@ class NKIObject:
                 kwargs[field.name] = field.default
             elif field.default_factory is not dataclasses.MISSING:
                 kwargs[field.name] = field.default_factory()
-            else:
-                raise TypeError(f"{type(self).__name__} needs a value for {field.name}")
+            else:  # published kernels leave fields out of the keyword constructor: they read as None
+                kwargs[field.name] = None
         for key, value in kwargs.items():
             setattr(self, key, value)
         post_init = getattr(self, "__post_init__", None)
