@@ -45,7 +45,7 @@ class Case:
     imported, which the table then says."""
 
     name: str
-    entry: str
+    entry: str | Callable
     reference: str | None
     inputs: Callable[[], dict]
     lnc: int = 1
@@ -227,6 +227,37 @@ def moe_tkg_inputs(tokens, hidden, intermediate, experts, top_k, act_fn, all_exp
             "up_clamp_lower_limit": -6.0 if clamp else None}
 
 
+def mlp_entry(hidden, gate, up, down, gamma):
+    """The bench's entry to the library's MLP (its own ``mlp`` does not parse at the commit measured): the
+    library's MLPParameters with RMS norm and SiLU, dispatched to mlp_tkg (B*S <= 96, as ``mlp`` does) or mlp_cte."""
+    common = "core.utils.common_types"
+    params = _resolve("core.mlp.mlp_parameters:MLPParameters")(
+        hidden_tensor=hidden, gate_proj_weights_tensor=gate, up_proj_weights_tensor=up, down_proj_weights_tensor=down,
+        normalization_weights_tensor=gamma, activation_fn=_resolve(f"{common}:ActFnType").SiLU,
+        normalization_type=_resolve(f"{common}:NormType").RMS_NORM, eps=1e-6, output_dtype=hidden.dtype)
+    _resolve("core.mlp.mlp_parameters:validate_mlp_arguments")(params)
+    out = simulator.language.ndarray(hidden.shape, hidden.dtype, buffer=simulator.language.shared_hbm)
+    if _resolve("core.mlp.mlp_parameters:is_mlp_tkg")(params):
+        manager = _resolve("core.utils.allocator:SbufManager")(0, 200 * 1024, _resolve("core.utils.logging:Logger")("mlp"))
+        _resolve("core.mlp.mlp_tkg.mlp_tkg:mlp_tkg")(params, out, None, sbm=manager)
+    else:
+        _resolve("core.mlp.mlp_cte.mlp_cte:mlp_cte")(params, out, None)
+    return out
+
+
+def mlp_inputs(batch, seqlen, hidden, intermediate, dtype):
+    return {"hidden": gaussian((batch, seqlen, hidden), dtype, 51), "gate": gaussian((hidden, intermediate), dtype, 52),
+            "up": gaussian((hidden, intermediate), dtype, 53), "down": gaussian((intermediate, hidden), dtype, 54),
+            "gamma": gaussian((1, hidden), dtype, 55)}
+
+
+def mlp_reference(hidden, gate, up, down, gamma):
+    """The library test's golden for RMS norm + SwiGLU MLP, in fp32."""
+    x = hidden.float()
+    x = x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + 1e-6) * gamma.float()
+    return (torch.nn.functional.silu(x @ gate.float()) * (x @ up.float())) @ down.float()
+
+
 def _rope_hf_inputs():
     np.random.seed(42)
     q = np.random.randn(1, 4, 128, 64).astype(np.float32)
@@ -321,6 +352,13 @@ CASES = [
          "core.moe.moe_tkg.moe_tkg_torch:moe_tkg_torch_ref",
          lambda: moe_tkg_inputs(5, 512, 128, 4, 2, "Swish", all_expert=False, bias=True), lnc=2, rtol=2e-2,
          atol=1e-5),
+    Case("mlp (the library's entry)", "core.mlp.mlp:mlp", None, lambda: {}, note="the library's mlp.py"),
+    Case("mlp (rms norm, SwiGLU) cte", mlp_entry, None, lambda: mlp_inputs(1, 512, 1024, 448, BF16), rtol=2e-2,
+         atol=1e-5, bench_reference=mlp_reference),
+    Case("mlp (rms norm, SwiGLU) cte", mlp_entry, None, lambda: mlp_inputs(1, 512, 1024, 448, BF16), lnc=2, rtol=2e-2,
+         atol=1e-5, bench_reference=mlp_reference),
+    Case("mlp (rms norm, SwiGLU) tkg", mlp_entry, None, lambda: mlp_inputs(4, 1, 2048, 512, BF16), rtol=2e-2,
+         atol=1e-5, bench_reference=mlp_reference),
     Case("rmsnorm_tkg", "core.subkernels.rmsnorm_tkg:rmsnorm_tkg",
          "core.subkernels.rmsnorm_torch:rmsnorm_tkg_torch_ref_lnc1",
          lambda: norm_tkg_inputs(1, 8, 8192, False, hidden_actual=None, hidden_dim_tp=False, shard_on_h=False),
@@ -449,7 +487,7 @@ def run_case(case: Case) -> Outcome:
     started = time.perf_counter()
     with library_imports():
         try:
-            kernel = _resolve(case.entry)
+            kernel = _resolve(case.entry) if isinstance(case.entry, str) else case.entry
             inputs = case.inputs()
             launcher = kernel[case.lnc] if isinstance(kernel, simulator.Kernel) else simulator.jit(kernel)[case.lnc]
             result = launcher(**inputs)

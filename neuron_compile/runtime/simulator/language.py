@@ -73,7 +73,7 @@ class NKIObject:
             else:  # published kernels leave fields out of the keyword constructor: they read as None
                 kwargs[field.name] = None
         for key, value in kwargs.items():
-            setattr(self, key, value)
+            object.__setattr__(self, key, value)  # as a frozen dataclass's own constructor sets its fields
         post_init = getattr(self, "__post_init__", None)
         if post_init is not None:
             post_init()
