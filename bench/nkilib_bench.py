@@ -46,7 +46,7 @@ class Case:
 
     name: str
     entry: str | Callable
-    reference: str | None
+    reference: str | Callable | None
     inputs: Callable[[], dict]
     lnc: int = 1
     rtol: float = 1e-5
@@ -258,6 +258,58 @@ def mlp_reference(hidden, gate, up, down, gamma):
     return (torch.nn.functional.silu(x @ gate.float()) * (x @ up.float())) @ down.float()
 
 
+TKG_ATTENTION = "core.attention"
+
+
+def attention_tkg_inputs(batch, q_heads, s_active, s_prior, full_prior, head_dim, lnc):
+    """Token-generation attention over a flat KV cache with RoPE fused, the mask built by the library's own mask
+    builder, as its test builds inputs (positions as the test derives them; no sink)."""
+    config = _resolve(f"{TKG_ATTENTION}.attention_tkg_utils:AttnTKGConfig")(
+        bs=batch, q_head=q_heads, s_active=s_active, curr_sprior=s_prior, full_sprior=full_prior, d_head=head_dim,
+        block_len=0, tp_k_prior=False, fuse_rope=True)
+    rng = np.random.default_rng(61)
+
+    def sample(shape):
+        return rng.random(shape).astype(np.float32).astype(BF16)
+
+    positions = ((np.arange(batch) * 3 + (s_prior // 4 * 3)) % (s_prior - s_active))[:, None]
+    mask = _resolve(f"{TKG_ATTENTION}.gen_mask_tkg_torch:build_full_attention_mask")(
+        cache_lens=torch.from_numpy(positions.flatten()).float(), batch=batch, num_heads=q_heads, s_active=s_active,
+        s_ctx=s_prior, lnc=lnc, block_len=0, include_active_mask=True, transposed=True,
+        enable_fa_s_prior_tiling=config.enable_fa_s_prior_tiling)
+    return {"q": sample((batch, q_heads, s_active, head_dim)), "k_active": sample((batch, 1, s_active, head_dim)),
+            "v_active": sample((batch, 1, s_active, head_dim)), "k_prior": sample((batch, 1, head_dim, full_prior)),
+            "v_prior": sample((batch, 1, full_prior, head_dim)), "mask": mask.numpy().astype(np.uint8),
+            "inv_freqs": rng.random((head_dim // 2, 1)).astype(np.float32),
+            "rope_pos_ids": np.broadcast_to(positions, (batch, s_active)).astype(np.float32), "cfg": config,
+            "lnc": lnc}
+
+
+def attention_tkg_entry(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs, rope_pos_ids, cfg, lnc):
+    """The glue the library's test wraps attention_tkg in: a buffer manager and the outputs in shared HBM."""
+    nl = simulator.language
+    manager = _resolve("core.utils.allocator:SbufManager")(0, nl.tile_size.total_available_sbuf_size - 16 * 1024,
+                                                          _resolve("core.utils.logging:Logger")("SBM"))
+    manager.open_scope()
+    out = nl.ndarray((cfg.bs, cfg.q_head, cfg.d_head, cfg.s_active), dtype=q.dtype, buffer=nl.shared_hbm)
+    k_out = nl.ndarray((cfg.bs, 1, cfg.d_head, cfg.s_active), dtype=q.dtype, buffer=nl.shared_hbm)
+    attention, rotated_k = _resolve(f"{TKG_ATTENTION}.attention_tkg:attention_tkg")(
+        q, k_active, v_active, k_prior, v_prior, mask, out, cfg, manager, inv_freqs, rope_pos_ids, None, None, None,
+        k_out)
+    manager.close_scope()
+    return attention, rotated_k
+
+
+def attention_tkg_reference(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs, rope_pos_ids, cfg, lnc):
+    """The library's torch reference, indexed by the LNC degree as its test calls it."""
+    reference = _resolve(f"{TKG_ATTENTION}.attention_tkg_torch:attention_tkg_torch_ref")[lnc]
+    out = torch.zeros((cfg.bs, cfg.q_head, cfg.d_head, cfg.s_active), dtype=torch.float32)
+    k_out = torch.zeros((cfg.bs, 1, cfg.d_head, cfg.s_active), dtype=torch.float32)
+    return reference(q=q, k_active=k_active, v_active=v_active, k_prior=k_prior, v_prior=v_prior, mask=mask, out=out,
+                     cfg=cfg, sbm=None, inv_freqs=inv_freqs, rope_pos_ids=rope_pos_ids, start_pos_ids=None, sink=None,
+                     active_blocks_table=None, k_out=k_out, DBG_TENSORS=None)
+
+
 def _rope_hf_inputs():
     np.random.seed(42)
     q = np.random.randn(1, 4, 128, 64).astype(np.float32)
@@ -318,6 +370,10 @@ CASES = [
     Case("attention_cte", "core.attention.attention_cte:attention_cte",
          "core.attention.attention_cte_torch:attention_cte_torch_ref",
          lambda: attention_cte_inputs(2, 512, 512, 128, 0.1, BF16, causal=True), lnc=2, rtol=2e-2, atol=1e-5),
+    Case("attention_tkg", attention_tkg_entry, attention_tkg_reference,
+         lambda: attention_tkg_inputs(2, 2, 4, 512, 1024, 64, lnc=1), rtol=1e-2, atol=1e-5),
+    Case("attention_tkg", attention_tkg_entry, attention_tkg_reference,
+         lambda: attention_tkg_inputs(4, 1, 5, 1024, 2048, 128, lnc=2), lnc=2, rtol=1e-2, atol=1e-5),
     Case("output_projection_cte", "core.output_projection.output_projection_cte.output_projection_cte:"
          "output_projection_cte", "core.output_projection.output_projection_cte.output_projection_cte_torch:"
          "output_projection_cte_torch_ref",
@@ -506,7 +562,10 @@ def run_case(case: Case) -> Outcome:
     got += [inputs[name] for name in case.written_inputs]
     try:
         with library_imports():  # the library's reference modules import the library too
-            reference = _resolve(case.reference) if case.reference else case.bench_reference
+            if callable(case.reference):  # the library's reference, called the way its test calls it
+                reference = case.reference
+            else:
+                reference = _resolve(case.reference) if case.reference else case.bench_reference
         if not case.reference:
             outcome.missing = "bench reference (the library has no torch reference for it)"
     except Exception as error:  # noqa: BLE001
