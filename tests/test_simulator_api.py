@@ -285,3 +285,72 @@ def test_placement_limits(shape, address, buffer, rule):
     with pytest.raises(NkiValidationError) as info:
         nki.run_kernel(lambda: nl.ndarray(shape, F32, buffer=buffer, address=address), [])
     assert info.value.rule == rule
+
+
+def test_named_views_match_numpy():
+    def kernel(x, rows):
+        tile = nl.ndarray((4, 24), F32)
+        nisa.dma_copy(tile, x)
+        split = tile.reshape_dim(1, (4, -1))  # (4, 4, 6)
+        swapped = tile.rearrange(("p", ("h", "w")), ("p", "w", "h"), {"h": 4})  # (4, 6, 4)
+        merged = split.flatten_dims(1, 2)
+        picked = nl.ndarray((3, 24), F32)
+        index = nl.ndarray((3, 1), nl.int32)
+        nisa.dma_copy(index, rows)
+        nisa.dma_copy(picked, x.vector_select(0, index))
+        one = nl.ndarray((1, 1), nl.int32)
+        nisa.memset(one, 2)
+        row_two = nl.ndarray((1, 24), F32)
+        nisa.dma_copy(row_two, x.select(0, one))
+        outs = [split.slice(2, 1, 5, 2), swapped, merged, tile.select(1, 5), picked, row_two]
+        copies = []
+        for view in outs:
+            copy = nl.ndarray(view.shape, F32)
+            nisa.tensor_copy(copy, view)
+            copies.append(_store(copy))
+        return tuple(copies)
+
+    x = np.arange(96, dtype=F32).reshape(4, 24)
+    rows = np.array([[3], [0], [3]], np.int32)
+    sliced, swapped, merged, column, picked, row_two = nki.run_kernel(kernel, [x, rows]).outputs
+    np.testing.assert_array_equal(sliced, x.reshape(4, 4, 6)[:, :, 1:5:2])
+    np.testing.assert_array_equal(swapped, x.reshape(4, 4, 6).transpose(0, 2, 1))
+    np.testing.assert_array_equal(merged, x)
+    np.testing.assert_array_equal(column, x[:, 5:6])
+    np.testing.assert_array_equal(picked, x[[3, 0, 3]])
+    np.testing.assert_array_equal(row_two, x[2:3])
+
+
+@pytest.mark.parametrize("bad, rule", [
+    (lambda t: t.reshape_dim(0, (2, 2)), "err_leading_dimension_of_tensor_must_be_partition"),
+    (lambda t: t.permute((1, 0)).flatten_dims(0, 1), "err_leading_dimension_of_tensor_must_be_partition"),
+    (lambda t: t.reshape_dim(1, (4, 3)), "err_reshape_size"),
+    (lambda t: t.slice(1, 3, 2), "err_tensor_access_out_of_bound"),
+    (lambda t: t.vector_select(0, t[:, 0:1]), "err_vector_select"),
+])
+def test_named_view_limits(bad, rule):
+    def kernel():
+        bad(nl.zeros((4, 8), F32))
+
+    with pytest.raises(NkiValidationError) as info:
+        nki.run_kernel(kernel, [])
+    assert info.value.rule == rule
+
+
+@dataclass(frozen=True)
+class _FrozenTiling(nl.NKIObject):
+    rows: int
+    cols: int = 512
+
+
+@dataclass
+class _LooseConfig(nl.NKIObject):
+    needed: int
+    section = None  # no annotation: not a dataclass field, still set by keyword
+
+
+def test_nki_object_constructs_frozen_and_partial_dataclasses_by_keyword():
+    frozen = _FrozenTiling(rows=128)
+    assert (frozen.rows, frozen.cols) == (128, 512)
+    loose = _LooseConfig(section=3)
+    assert loose.section == 3 and loose.needed is None

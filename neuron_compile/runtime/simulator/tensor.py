@@ -19,6 +19,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from neuron_compile.runtime.simulator.errors import NkiValidationError
+from neuron_compile.runtime.simulator.tensor_views import TensorViews
 
 ON_CHIP = ("sbuf", "psum")
 
@@ -81,8 +82,9 @@ def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class NkiTensor:
-    """A view of a Storage. Strides and offset are in elements of ``dtype``."""
+class NkiTensor(TensorViews):
+    """A view of a Storage. Strides and offset are in elements of ``dtype``; the named view methods (slice,
+    select, vector_select, reshape_dim, flatten_dims, rearrange) come from tensor_views.TensorViews."""
 
     __slots__ = ("storage", "shape", "strides", "offset", "dtype", "indirect", "_array", "operand_fields",
                  "allocation_free", "__weakref__")
