@@ -354,3 +354,37 @@ def test_nki_object_constructs_frozen_and_partial_dataclasses_by_keyword():
     assert (frozen.rows, frozen.cols) == (128, 512)
     loose = _LooseConfig(section=3)
     assert loose.section == 3 and loose.needed is None
+
+
+def test_language_wrappers_rms_norm_gather_and_no_reorder():
+    x = np.random.default_rng(3).uniform(-2, 2, (16, 64)).astype(F32)
+    w = np.random.default_rng(4).uniform(0.5, 1.5, (16, 64)).astype(F32)
+    where = np.random.default_rng(5).integers(0, 64, (16, 10)).astype(np.int32)
+
+    def kernel(a, b, i):
+        with nl.no_reorder():
+            normed = nl.rms_norm(_load(a), _load(b), axis=1, n=64, epsilon=1e-6)
+            gathered = nl.gather_flattened(_load(a), _load(i))
+        return _store(normed), _store(gathered)
+
+    normed, gathered = nki.run_kernel(kernel, [x, w, where]).outputs
+    want = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(normed, want, rtol=2e-6, atol=1e-6)
+    np.testing.assert_array_equal(gathered, np.take_along_axis(x, where, 1))
+
+
+@pytest.mark.parametrize("target", ["trn2", "trn3"])
+def test_rand_and_dropout_draw_after_random_seed(target):
+    def kernel():
+        seed = nl.full((1, 1), 42, dtype=nl.int32)
+        nl.random_seed(seed)
+        first = nl.rand((128, 256), nl.float32)
+        nl.random_seed(seed)
+        again = nl.rand((128, 256), nl.float32)
+        kept = nl.dropout(nl.ones((128, 256), nl.float32), 0.25)
+        return _store(first), _store(again), _store(kept)
+
+    first, again, kept = nki.run_kernel(kernel, [], target=target).outputs
+    np.testing.assert_array_equal(first, again)  # the same seed draws the same values
+    assert 0.0 <= first.min() and first.max() < 1.0 and abs(first.mean() - 0.5) < 0.01
+    assert set(np.unique(kept)) <= {0.0, 1.0} and abs((kept == 0).mean() - 0.25) < 0.01

@@ -239,7 +239,7 @@ def test_lnc_must_be_one_or_two():
         kernel[3]()
 
 
-@pytest.mark.parametrize("name", ["nisa.quantize_mx", "nisa.topk", "nl.rms_norm", "nl.no_reorder"])
+@pytest.mark.parametrize("name", ["nisa.quantize_mx", "nisa.topk", "nisa.nc_matmul_mx", "nl.fmod"])
 def test_unsimulated_nki_names_raise_not_simulated(name):
     module = nisa if name.startswith("nisa") else nl
     function = getattr(module, name.split(".")[1])

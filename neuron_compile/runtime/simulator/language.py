@@ -36,6 +36,14 @@ from neuron_compile.runtime.simulator.dtypes import (  # noqa: F401 - re-exporte
 )
 from neuron_compile.runtime.simulator.errors import NkiNotSimulatedError, NkiValidationError
 from neuron_compile.runtime.simulator.isa_registers import VirtualRegister
+from neuron_compile.runtime.simulator.language_wrappers import (  # noqa: F401 - re-exported as nl.<name>
+    dropout,
+    gather_flattened,
+    no_reorder,
+    rand,
+    random_seed,
+    rms_norm,
+)
 from neuron_compile.runtime.simulator.memory import allocate, current, hbm, private_hbm, psum, sbuf, shared_hbm
 from neuron_compile.runtime.simulator.rules import is_float, reduce_axes
 from neuron_compile.runtime.simulator.tensor import DynSlice, NkiTensor
@@ -527,7 +535,7 @@ def while_loop(init, body_fun) -> None:
 
 
 _NOT_SIMULATED = {
-    "rand", "random_seed", "gather_flattened", "rms_norm", "dropout", "no_reorder", "fmod", "mod",
+    "fmod", "mod",  # "work in simulation but fail when compiled for Trainium hardware": refused here
 }
 
 
