@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from neuron_compile.runtime import simulator as nki
+from neuron_compile.runtime.simulator import cost
 from neuron_compile.runtime.simulator.errors import NkiValidationError
 
 nl = nki.language
@@ -132,3 +133,23 @@ def test_lnc_instructions_need_neuroncore_v3():
     with pytest.raises(NkiValidationError, match="err_unsupported_arch"):
         nki.run_kernel(lambda: nisa.core_barrier(nl.ndarray((2, 2), F32, buffer=nl.shared_hbm), (0, 1)), [],
                        target="trn1")
+
+
+def test_the_schedule_joins_the_cores_at_a_barrier():
+    def kernel():
+        shared = nl.ndarray((128, 2048), F32, buffer=nl.shared_hbm)
+        tile = nl.zeros((128, 2048), F32)
+        if nl.program_id(0) == 0:  # core 0 works long before the barrier, core 1 does not
+            for _ in range(20):
+                nisa.activation(tile, nl.exp, tile)
+        nisa.dma_copy(shared, tile)
+        nisa.core_barrier(shared, (0, 1))
+        nl.zeros((128, 8), F32, name="after_barrier")
+        return shared
+
+    run = nki.run_kernel(kernel, [], lnc=2)
+    plan = cost.launch_schedule(run.trace)
+    barrier_ends = [t.end_ns for r, t in zip(run.trace, plan.timings) if r.name == "core_barrier"]
+    core1_after = [t.start_ns for r, t in zip(run.trace, plan.timings)
+                   if r.program == 1 and r.name == "memset" and r.dst.shape == (128, 8)]
+    assert core1_after and min(core1_after) >= max(barrier_ends)

@@ -36,8 +36,7 @@ nc_match_replace8, nc_stream_shuffle
 local_gather, nc_n_gather,            150 + N (GpSimd) [I: the GpSimd startup plus one element per cycle, as iota]
 sequence_bounds, nonzero_with_count
 register_load, register_store (sync)  MIN_II [I: one sequencer instruction]
-core_barrier                          MIN_II [I: a semaphore write and wait; the wait for the other core is not
-                                      scheduled: the schedule does not join the two programs' timelines]
+core_barrier                          MIN_II [I: a semaphore write and wait]; the schedule joins the two cores there
 sendrecv                              a DMA transfer of the tile (SBUF to the other core's SBUF)
 dynamic-address copies                max(600, N)
 ====================================  ==============================================================
