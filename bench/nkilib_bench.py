@@ -310,6 +310,21 @@ def attention_tkg_reference(q, k_active, v_active, k_prior, v_prior, mask, inv_f
                      active_blocks_table=None, k_out=k_out, DBG_TENSORS=None)
 
 
+def attention_bwd_inputs(batch, q_heads, kv_heads, seqlen, head_dim, dtype, causal):
+    """Flash attention backward inputs as the library's test draws them: q, k, v, dy gaussian in [B, H, D, S], the
+    forward's output and log-sum-exp from its own torch helper."""
+    q = gaussian((batch, q_heads, head_dim, seqlen), dtype, 71)
+    k = gaussian((batch, kv_heads, head_dim, seqlen), dtype, 72)
+    v = gaussian((batch, kv_heads, head_dim, seqlen), dtype, 73)
+    dy = gaussian((batch, q_heads, head_dim, seqlen), dtype, 74)
+    forward = _resolve(f"{TKG_ATTENTION}.attention_bwd_torch:compute_o_lse")
+    out, lse, _ = forward(_to_torch(q), _to_torch(k), _to_torch(v), causal, True, softmax_scale=None,
+                          sliding_window=-1, sinks=None, bound_min=None, bound_max=None)
+    return {"q_ref": q, "k_ref": k, "v_ref": v, "o_ref": out.float().numpy().astype(dtype), "dy_ref": dy,
+            "lse_ref": lse.float().numpy(), "use_causal_mask": causal, "mixed_precision": True,
+            "softmax_scale": None, "sliding_window": -1}
+
+
 def _rope_hf_inputs():
     np.random.seed(42)
     q = np.random.randn(1, 4, 128, 64).astype(np.float32)
@@ -374,6 +389,15 @@ CASES = [
          lambda: attention_tkg_inputs(2, 2, 4, 512, 1024, 64, lnc=1), rtol=1e-2, atol=1e-5),
     Case("attention_tkg", attention_tkg_entry, attention_tkg_reference,
          lambda: attention_tkg_inputs(4, 1, 5, 1024, 2048, 128, lnc=2), lnc=2, rtol=1e-2, atol=1e-5),
+    Case("attention_bwd", "core.attention.attention_bwd:attention_bwd",
+         "core.attention.attention_bwd_torch:attention_bwd_torch_ref",
+         lambda: attention_bwd_inputs(1, 1, 1, 512, 128, BF16, causal=True), rtol=2e-2, atol=1e-5),
+    Case("attention_bwd", "core.attention.attention_bwd:attention_bwd",
+         "core.attention.attention_bwd_torch:attention_bwd_torch_ref",
+         lambda: attention_bwd_inputs(1, 2, 1, 512, 64, np.float32, causal=False), rtol=2e-2, atol=1e-5),
+    Case("attention_bwd", "core.attention.attention_bwd:attention_bwd",
+         "core.attention.attention_bwd_torch:attention_bwd_torch_ref",
+         lambda: attention_bwd_inputs(2, 2, 2, 1024, 128, BF16, causal=True), lnc=2, rtol=2e-2, atol=1e-5),
     Case("output_projection_cte", "core.output_projection.output_projection_cte.output_projection_cte:"
          "output_projection_cte", "core.output_projection.output_projection_cte.output_projection_cte_torch:"
          "output_projection_cte_torch_ref",
