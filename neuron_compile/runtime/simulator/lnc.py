@@ -50,10 +50,9 @@ class ProgramGroup:
             )
 
     def _check_deadlock(self) -> None:
+        """Every unfinished program waits, and some program finished: it will never arrive."""
         live = set(range(self.programs)) - self.finished
-        if self.waiting and not set(self.waiting) >= live:
-            return
-        if self.waiting and self.finished:
+        if self.waiting and self.finished and set(self.waiting) >= live:
             kinds = sorted({kind for kind, _ in self.waiting.values()})
             raise NkiValidationError(
                 "err_lnc_deadlock", f"programs {sorted(self.waiting)} wait at a {'/'.join(kinds)} that programs "
@@ -92,18 +91,17 @@ class ProgramGroup:
     def _finish(self, program: int, error: BaseException | None) -> None:
         with self.condition:
             self.finished.add(program)
-            if error is not None and self.error is None:
+            if self.error is None:
                 self.error = error
-            elif self.error is None:
+            if self.error is None:
                 try:
                     self._check_deadlock()
                 except NkiValidationError as deadlock:
                     self.error = deadlock
-            if self.error is None and self.waiting and set(self.waiting) >= set(range(self.programs)) - self.finished:
-                self._release()
-            elif self.error is None:
+            if self.error is None:
                 following = self._next_runnable(program)
-                self.turn = following if following is not None else self.turn
+                if following is not None:
+                    self.turn = following
             self.condition.notify_all()
 
     def run(self, program: int, context, fn, args, kwargs) -> None:
