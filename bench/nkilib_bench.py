@@ -40,9 +40,10 @@ PACKAGE = "nkilib_src.nkilib"
 
 @dataclass
 class Case:
-    """One kernel configuration: ``entry`` and ``reference`` are "module:function" under the library package; a
-    reference may instead be a function of this bench (``bench_reference``), where the library's cannot be
-    imported, which the table then says."""
+    """One kernel configuration. ``entry``: "module:function" under the library package, or the bench's glue
+    around library functions where the library's test wraps the kernel. ``reference``: "module:function", a
+    bench function calling the library's reference the way its test does, or None with ``bench_reference``, a
+    torch expression of the bench where the library has no importable reference (the table then says so)."""
 
     name: str
     entry: str | Callable
@@ -51,10 +52,6 @@ class Case:
     lnc: int = 1
     rtol: float = 1e-5
     atol: float = 1e-5
-    # the reference's outputs to compare, in the kernel's output order (default: all of them)
-    compared: tuple = ()
-    # inputs the kernel writes its result into (kernels that return nothing): their names, in order
-    written_inputs: tuple = ()
     # the reference's arguments from the kernel's inputs (default: the inputs its signature names)
     reference_inputs: Callable[[dict], dict] | None = None
     bench_reference: Callable[..., object] | None = None
@@ -565,58 +562,69 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"[:150]
 
 
-def run_case(case: Case) -> Outcome:
-    outcome = Outcome(case)
-    started = time.perf_counter()
-    with library_imports():
-        try:
-            kernel = _resolve(case.entry) if isinstance(case.entry, str) else case.entry
-            inputs = case.inputs()
-            launcher = kernel[case.lnc] if isinstance(kernel, simulator.Kernel) else simulator.jit(kernel)[case.lnc]
-            result = launcher(**inputs)
-            outcome.runs = True
-            run = launcher.last_run
-            outcome.est_us = run.report.est_time_s * 1e6 if run is not None else float("nan")
-        except Exception as error:  # noqa: BLE001 - a bench reports every failure as a row
-            outcome.missing = _reason(error)
-            outcome.details = traceback.format_exc().splitlines()[-12:]
-            outcome.wall_s = time.perf_counter() - started
-            return outcome
-    got = list(result) if isinstance(result, (tuple, list)) else ([] if result is None else [result])
-    got += [inputs[name] for name in case.written_inputs]
+def _run_kernel(case: Case, outcome: Outcome):
+    """Launch the case's kernel; (inputs, outputs), or None with the reason in ``outcome``."""
     try:
-        with library_imports():  # the library's reference modules import the library too
-            if callable(case.reference):  # the library's reference, called the way its test calls it
-                reference = case.reference
-            else:
-                reference = _resolve(case.reference) if case.reference else case.bench_reference
-        if not case.reference:
-            outcome.missing = "bench reference (the library has no torch reference for it)"
+        kernel = _resolve(case.entry) if isinstance(case.entry, str) else case.entry
+        inputs = case.inputs()
+        launcher = kernel[case.lnc] if isinstance(kernel, simulator.Kernel) else simulator.jit(kernel)[case.lnc]
+        result = launcher(**inputs)
+    except Exception as error:  # noqa: BLE001 - a bench reports every failure as a row
+        outcome.missing = _reason(error)
+        outcome.details = traceback.format_exc().splitlines()[-12:]
+        return None
+    outcome.runs = True
+    if launcher.last_run is not None:
+        outcome.est_us = launcher.last_run.report.est_time_s * 1e6
+    got = list(result) if isinstance(result, (tuple, list)) else ([] if result is None else [result])
+    return inputs, got
+
+
+def _reference(case: Case, outcome: Outcome):
+    """The function the case compares against (the library's where it imports), or None."""
+    if callable(case.reference):  # the library's reference, called the way its test calls it
+        return case.reference
+    if not case.reference:
+        outcome.missing = "bench reference (the library has no torch reference for it)"
+        return case.bench_reference
+    try:
+        return _resolve(case.reference)
     except Exception as error:  # noqa: BLE001
         if case.bench_reference is None:
             outcome.missing = f"the torch reference does not import: {_reason(error)}"
-            return outcome
-        reference = case.bench_reference
+            return None
         outcome.missing = f"bench reference (the library's: {_reason(error)})"
+        return case.bench_reference
+
+
+def _expected(case: Case, reference, inputs: dict, outcome: Outcome) -> list | None:
     try:
         arguments = case.reference_inputs(inputs) if case.reference_inputs else _named_in(reference, inputs)
         expected = reference(**{k: _to_torch(v) for k, v in arguments.items()})
     except Exception as error:  # noqa: BLE001
         outcome.missing = f"the torch reference failed: {_reason(error)}"
-        return outcome
+        return None
     if isinstance(expected, dict):
-        want = list(expected.values())
-    else:
-        want = list(expected) if isinstance(expected, (tuple, list)) else [expected]
-    if case.compared:
-        want = [expected[name] for name in case.compared]
-    _compare(case, got, want, outcome)
+        return list(expected.values())
+    return list(expected) if isinstance(expected, (tuple, list)) else [expected]
+
+
+def run_case(case: Case) -> Outcome:
+    """Run one case: the kernel on the simulator, then its reference, both with the library importable."""
+    outcome = Outcome(case)
+    started = time.perf_counter()
+    with library_imports():
+        ran = _run_kernel(case, outcome)
+        reference = _reference(case, outcome) if ran is not None else None
+        want = _expected(case, reference, ran[0], outcome) if reference is not None else None
+    if want is not None:
+        _compare(case, ran[1], want, outcome)
     outcome.wall_s = time.perf_counter() - started
     return outcome
 
 
 def print_table(outcomes: list[Outcome]) -> None:
-    header = f"{'kernel':<32} {'lnc':>3} {'runs':>4} {'match':>5} {'max err':>9} {'est us':>9} {'sim s':>6}  missing / error"
+    header = f"{'kernel':<32} {'lnc':>3} {'runs':>4} {'match':>5} {'max err':>9} {'est us':>9} {'wall s':>6}  missing / error"
     print(header)
     print("-" * len(header))
     for o in outcomes:
