@@ -315,3 +315,30 @@ def test_dma_compute_limits(bad, rule):
     with pytest.raises(NkiValidationError) as info:
         nki.run_kernel(lambda: bad(), [])
     assert info.value.rule == rule
+
+
+def test_every_new_instruction_has_a_cost_model_entry():
+    def kernel():
+        data, index = _tile((16, 64)), _indices((16, 4), 3)
+        nisa.local_gather(_tile((16, 64)), data, _tile((16, 4), nl.uint16))
+        nisa.nc_n_gather(_tile((16, 4)), data, index)
+        nisa.sequence_bounds(_tile((1, 2, 64)), _tile((1, 64)))
+        nisa.nonzero_with_count(_tile((16, 65), nl.int32), data)
+        nisa.nc_stream_shuffle(_tile((32, 8)), _tile((32, 8)), list(range(32)))
+        nisa.nc_match_replace8(_tile((16, 64)), _ones((16, 64)), _ones((16, 8)), 0.0)
+        nisa.dma_compute(_tile((16, 64)), [data, data], nl.add)
+        nisa.select_reduce(_tile((16, 64)), _tile((16, 64), nl.uint8), data, 0.0)
+        nisa.range_select(_tile((16, 64)), data, nl.greater_equal, nl.less, _tile((16, 1)), _tile((16, 1)))
+        register = nisa.register_alloc(1)
+        nisa.register_store(_tile((1, 1), nl.int32), register)
+        nisa.register_load(register, _tile((1, 1), nl.int32))
+        shared = nl.ndarray((2, 2), F32, buffer=nl.shared_hbm)
+        nisa.dma_copy(shared, _tile((2, 2)))
+        nisa.core_barrier(shared, (0, 1))
+        return shared
+
+    run = nki.run_kernel(kernel, [])
+    names = {r.name for r in run.trace}
+    assert {"local_gather", "sequence_bounds", "nonzero_with_count", "nc_stream_shuffle", "nc_match_replace8",
+            "dma_compute", "select_reduce", "range_select", "register_load", "register_store", "core_barrier"} <= names
+    assert not run.report.unmodeled
