@@ -322,6 +322,15 @@ def attention_bwd_inputs(batch, q_heads, kv_heads, seqlen, head_dim, dtype, caus
             "softmax_scale": None, "sliding_window": -1}
 
 
+def indexed_flatten_inputs(tokens, experts, f_len):
+    """As the library's test: sequential int32 rows, each placed at a row offset of the flattened output."""
+    per_row = tokens // f_len
+    length = ((experts * tokens + 1024 + 127) // 128) * 128
+    return {"input_tensor": np.arange(experts * tokens, dtype=np.int32).reshape(experts, tokens), "f_len": f_len,
+            "output_len": length, "row_offsets": np.array([per_row * e for e in range(experts)], dtype=np.int32),
+            "row_offsets_start": None, "padding_val": -1}
+
+
 def _rope_hf_inputs():
     np.random.seed(42)
     q = np.random.randn(1, 4, 128, 64).astype(np.float32)
@@ -414,6 +423,12 @@ CASES = [
          "core.router_topk.router_topk_torch:router_topk_torch_ref",
          lambda: router_topk_inputs(128, 3072, 256, 8, "SIGMOID", bias=False), rtol=2e-2, atol=1e-5,
          note=ROUTER_TIES),
+    Case("indexed_flatten", "core.subkernels.indexed_flatten:indexed_flatten",
+         "core.subkernels.indexed_flatten_torch:indexed_flatten_torch_ref",
+         lambda: indexed_flatten_inputs(4096, 3, 128), lnc=2, rtol=0, atol=0),
+    Case("indexed_flatten", "core.subkernels.indexed_flatten:indexed_flatten",
+         "core.subkernels.indexed_flatten_torch:indexed_flatten_torch_ref",
+         lambda: indexed_flatten_inputs(10240, 17, 128), lnc=2, rtol=0, atol=0),
     Case("find_nonzero_indices_with_count",
          "experimental.benchmark.find_nonzero_indices_with_count:find_nonzero_indices_with_count", None,
          lambda: {"input_tensor": (np.random.default_rng(5).random((1, 512)) < 0.2).astype(np.float32)}, rtol=0,

@@ -342,3 +342,25 @@ def test_every_new_instruction_has_a_cost_model_entry():
     assert {"local_gather", "sequence_bounds", "nonzero_with_count", "nc_stream_shuffle", "nc_match_replace8",
             "dma_compute", "select_reduce", "range_select", "register_load", "register_store", "core_barrier"} <= names
     assert not run.report.unmodeled
+
+
+def test_dma_oob_skip_drops_only_the_elements_past_the_tensor():
+    table = np.zeros((6, 4), F32)
+    rows = np.arange(12, dtype=F32).reshape(3, 4)
+
+    def kernel(t, r, where):
+        tile, position = _load(r), _load(where)
+        # three rows written from a dynamic row offset: at 4, the last row falls past the 6-row table
+        nisa.dma_copy(t.ap([[4, 3], [1, 4]], scalar_offset=position, indirect_dim=0), tile, oob_mode=nisa.oob_mode.skip)
+        return t
+
+    out = nki.run_kernel(kernel, [table, rows, np.array([[4]], np.int32)]).outputs[0]
+    want = np.zeros((6, 4), F32)
+    want[4:6] = rows[:2]
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(NkiValidationError, match="err_tensor_access_out_of_bound"):
+        def strict(t, r, where):
+            nisa.dma_copy(t.ap([[4, 3], [1, 4]], scalar_offset=_load(where), indirect_dim=0), _load(r))
+            return t
+
+        nki.run_kernel(strict, [table, rows, np.array([[4]], np.int32)])

@@ -47,31 +47,28 @@ def dma_copy(dst, src, priority=None, oob_mode=None, dge_mode=None, engine=None,
             "err_dma_hwdge_dtype", f"hwdge DMA needs equal dtypes, got src {src.dtype.name}, dst {dst.dtype.name} "
             "(use .view())", name,
         )
-    values = src.read()
-    if values.dtype != dst.dtype and is_float(values.dtype) and is_float(dst.dtype):
-        values = values.astype(FLOAT32)
-    if getattr(oob_mode, "name", oob_mode) == "skip" and (src.indirect is not None or dst.indirect is not None):
-        _dma_skip_oob(dst, src, values)
+    if getattr(oob_mode, "name", oob_mode) == "skip" and not (src.in_bounds() and dst.in_bounds()):
+        _dma_skip_oob(dst, src)
     else:
+        values = src.read()
+        if values.dtype != dst.dtype and is_float(values.dtype) and is_float(dst.dtype):
+            values = values.astype(FLOAT32)
         store(dst, values.reshape(dst.shape) if values.shape != dst.shape else values)
     record(name, "dma", dst, [("src", src)],
            {"dge_mode": mode, "indirect": src.indirect is not None or dst.indirect is not None},
            hbm_partitions=_on_chip_partitions(dst, src))
 
 
-def _dma_skip_oob(dst, src, values) -> None:
-    """oob_mode=skip: indirect rows whose offsets fall outside the tensor are not transferred."""
-    side = src if src.indirect is not None else dst
-    index = side.element_indices()
-    valid = (index >= 0) & (index < side.storage.data.size)
-    flat = side._flat()
-    if side is src:
-        out = dst.read().copy()
-        out[valid.reshape(out.shape) if valid.size == out.size else valid] = flat[index[valid]].astype(out.dtype)
-        store(dst, out)
-    else:
-        flat[index[valid]] = cast_to(values.reshape(index.shape)[valid], dst.dtype)
-        dst.storage.written = True
+def _dma_skip_oob(dst, src) -> None:
+    """oob_mode=skip: the elements whose source or destination address falls outside its tensor (an indirect
+    offset or a dynamic scalar_offset past the end) are not transferred; the others are."""
+    src_index, dst_index = src.element_indices().reshape(-1), dst.element_indices().reshape(-1)
+    valid = ((src_index >= 0) & (src_index < src.flat().size)) & ((dst_index >= 0) & (dst_index < dst.flat().size))
+    values = src.flat()[src_index[valid]]
+    if values.dtype != dst.dtype and is_float(values.dtype) and is_float(dst.dtype):
+        values = values.astype(FLOAT32)
+    dst.flat()[dst_index[valid]] = cast_to(values, dst.dtype)
+    dst.storage.written = True
 
 
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=None, oob_mode=None, name=None):

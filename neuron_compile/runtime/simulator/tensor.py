@@ -158,11 +158,31 @@ class NkiTensor(TensorViews):
         return self.shape[0]
 
     # ---------------------------------------------------------------- data movement
+    def _reach(self) -> tuple[int, int]:
+        """The lowest and highest element the (direct) view addresses."""
+        low = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s < 0)
+        high = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s > 0)
+        return low, high
+
+    def in_bounds(self) -> bool:
+        """Whether every element the view addresses lies inside its storage (indirect offsets included)."""
+        if self.size == 0:
+            return True
+        limit = self.storage.data.nbytes // self.itemsize
+        if self.indirect is not None:
+            index = self.element_indices()
+            return bool(index.min() >= 0 and index.max() < limit)
+        low, high = self._reach()
+        return low >= 0 and high < limit
+
+    def flat(self) -> np.ndarray:
+        """The whole storage as a flat array of this view's dtype (element addressing for DMA bookkeeping)."""
+        return self._flat()
+
     def _check_bounds(self) -> None:
         if self.size == 0:
             return
-        low = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s < 0)
-        high = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s > 0)
+        low, high = self._reach()
         limit = self.storage.data.nbytes // self.itemsize
         if low < 0 or high >= limit:
             raise NkiValidationError(
