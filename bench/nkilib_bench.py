@@ -50,11 +50,13 @@ class Case:
     reference: str | Callable | None
     inputs: Callable[[], dict]
     lnc: int = 1
-    rtol: float = 1e-5
+    rtol: float | tuple = 1e-5  # one for every output, or one per output
     atol: float = 1e-5
     # the reference's arguments from the kernel's inputs (default: the inputs its signature names)
     reference_inputs: Callable[[dict], dict] | None = None
     bench_reference: Callable[..., object] | None = None
+    # the kernel's outputs as the library's test reads them (e.g. a packed tensor split into its parts)
+    unpack: Callable[[list, dict], list] | None = None
     note: str = ""
 
 
@@ -331,6 +333,36 @@ def indexed_flatten_inputs(tokens, experts, f_len):
             "row_offsets_start": None, "padding_val": -1}
 
 
+def rmsnorm_quant_inputs(batch, seqlen, hidden, lnc):
+    """RMS norm + fp8 row quantization, the library's ROW configuration (gaussian bf16 input and gamma)."""
+    common = "core.utils.common_types"
+    arguments = _resolve("core.rmsnorm.rmsnorm_quant:RmsNormQuantKernelArgs")(
+        quantization_type=_resolve(f"{common}:QuantizationType").ROW, lower_bound=0.0,
+        norm_type=_resolve(f"{common}:NormType").RMS_NORM, eps=1e-6)
+    return {"hidden": gaussian((batch, seqlen, hidden), BF16, 81),
+            "ln_w": gaussian((1, hidden) if lnc > 1 else (hidden,), BF16, 82), "kargs": arguments,
+            "input_dequant_scale": None}
+
+
+def rmsnorm_quant_unpack(outputs: list, inputs: dict) -> list:
+    """The test's reading of the packed output: each row's H fp8 values, then 4 bytes holding its fp32 dequant
+    scale."""
+    (packed,) = outputs
+    hidden = inputs["hidden"].shape[-1]
+    scale = np.ascontiguousarray(packed[..., hidden:]).view(np.uint8).view(np.float32)
+    return [packed[..., :hidden].astype(np.float32), scale]
+
+
+def rmsnorm_quant_reference(hidden, ln_w, kargs, **_):
+    """The library test's golden, written out: x / (rms(x) + eps) * gamma, then per row a dequant scale of
+    max|norm| / 240 and the values divided by it, rounded to fp8 e4m3."""
+    x = hidden.double()
+    norm = x / (x.square().mean(dim=-1, keepdim=True).sqrt() + kargs.eps) * ln_w.double().reshape(-1)
+    scale = norm.abs().amax(dim=-1, keepdim=True) / 240.0
+    values = (norm / scale).float().numpy().astype(ml_dtypes.float8_e4m3).astype(np.float32)
+    return [values, scale.float().numpy()]
+
+
 def _rope_hf_inputs():
     np.random.seed(42)
     q = np.random.randn(1, 4, 128, 64).astype(np.float32)
@@ -451,6 +483,10 @@ CASES = [
          atol=1e-5, bench_reference=mlp_reference),
     Case("mlp (rms norm, SwiGLU) tkg", mlp_entry, None, lambda: mlp_inputs(4, 1, 2048, 512, BF16), rtol=2e-2,
          atol=1e-5, bench_reference=mlp_reference),
+    Case("rmsnorm_quant (fp8 rows)", "core.rmsnorm.rmsnorm_quant:rmsnorm_quant_kernel", None,
+         lambda: rmsnorm_quant_inputs(1, 160, 16384, lnc=2), lnc=2, rtol=(0.072, 0.007), atol=1e-8,
+         unpack=rmsnorm_quant_unpack, bench_reference=rmsnorm_quant_reference,
+         note="the test's golden, written out in the bench"),
     Case("rmsnorm_tkg", "core.subkernels.rmsnorm_tkg:rmsnorm_tkg",
          "core.subkernels.rmsnorm_torch:rmsnorm_tkg_torch_ref_lnc1",
          lambda: norm_tkg_inputs(1, 8, 8192, False, hidden_actual=None, hidden_dim_tp=False, shard_on_h=False),
@@ -546,7 +582,8 @@ def _compare(case: Case, got: list, want: list, outcome: Outcome) -> None:
         outcome.missing = f"{len(got)} outputs, the reference has {len(want)}"
         return
     worst, matches = 0.0, True
-    for g, w in zip(got, want):
+    rtols = case.rtol if isinstance(case.rtol, tuple) else (case.rtol,) * len(want)
+    for g, w, rtol in zip(got, want, rtols):
         g, w = _as_float64(g), _as_float64(w)
         if g.size != w.size:
             outcome.missing = f"output shape {g.shape}, reference {w.shape}"
@@ -558,7 +595,7 @@ def _compare(case: Case, got: list, want: list, outcome: Outcome) -> None:
         finite = np.abs(w[np.isfinite(w)])
         scale = float(finite.max()) if finite.size else 0.0
         same_infinity = np.isinf(g) & np.isinf(w) & (np.sign(g) == np.sign(w))
-        matches &= bool(np.all((error <= case.atol + case.rtol * scale) | same_infinity))
+        matches &= bool(np.all((error <= case.atol + rtol * scale) | same_infinity))
     outcome.matches, outcome.max_error = matches, worst
 
 
@@ -592,7 +629,7 @@ def _run_kernel(case: Case, outcome: Outcome):
     if launcher.last_run is not None:
         outcome.est_us = launcher.last_run.report.est_time_s * 1e6
     got = list(result) if isinstance(result, (tuple, list)) else ([] if result is None else [result])
-    return inputs, got
+    return inputs, (case.unpack(got, inputs) if case.unpack else got)
 
 
 def _reference(case: Case, outcome: Outcome):

@@ -388,3 +388,14 @@ def test_rand_and_dropout_draw_after_random_seed(target):
     np.testing.assert_array_equal(first, again)  # the same seed draws the same values
     assert 0.0 <= first.min() and first.max() < 1.0 and abs(first.mean() - 0.5) < 0.01
     assert set(np.unique(kept)) <= {0.0, 1.0} and abs((kept == 0).mean() - 0.25) < 0.01
+
+
+def test_ap_with_a_narrower_dtype_counts_its_pattern_in_that_dtype():
+    def kernel(x):
+        scales = _load(x)  # (4, 1) float32: 4 bytes per partition
+        out = nl.ndarray((4, 4), nl.uint8, buffer=nl.shared_hbm)
+        nisa.dma_copy(out, scales.ap([[4, 4], [1, 4]], dtype=nl.uint8))
+        return out
+
+    x = np.array([[1.5], [-2.0], [3.25], [1e-3]], dtype=F32)
+    np.testing.assert_array_equal(nki.run_kernel(kernel, [x]).outputs[0], x.view(np.uint8).reshape(4, 4))

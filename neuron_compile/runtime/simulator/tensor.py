@@ -442,6 +442,10 @@ class NkiTensor(TensorViews):
         pattern = [(int(p[0]), int(p[1])) for p in pattern]
         if not pattern:
             raise NkiValidationError("err_ap_empty", f"empty access pattern on {self.name}")
+        if dtype is not None and np.dtype(dtype).itemsize != self.itemsize:
+            # the pattern counts elements of the new dtype: view the tensor as it first (same bytes)
+            return self._as_dtype_for_ap(np.dtype(dtype)).ap(pattern, offset, scalar_offset, vector_offset,
+                                                            indirect_dim)
         logical = self.logical_partition_stride
         if self.on_chip and pattern[0][0] != logical:
             raise NkiValidationError(
@@ -465,6 +469,19 @@ class NkiTensor(TensorViews):
                 raise NkiValidationError("err_indirect_offset_buffer", "vector_offset must be an SBUF tile (P, 1)")
             indirect = (vector_offset, int(indirect_dim))
         return self._view([c for _, c in pattern], [s for s, _ in pattern], start, dtype, indirect)
+
+    def _as_dtype_for_ap(self, dtype: np.dtype) -> NkiTensor:
+        """This tensor's allocation read as ``dtype``: offsets and the partition stride rescaled to its elements."""
+        old, new = self.itemsize, dtype.itemsize
+        if (self.offset * old) % new or (self.partition_stride * old) % new:
+            raise NkiValidationError(
+                "err_view_dtype_size", f"ap(dtype={dtype.name}) of {self.name}: its offset and partition size in bytes "
+                f"must divide by {new}",
+            )
+        free = self.logical_partition_stride * old // new
+        return NkiTensor(self.storage, (self.partitions, free) if self.on_chip else (self.size * old // new,),
+                         (self.partition_stride * old // new, 1) if self.on_chip else (1,), self.offset * old // new,
+                         dtype, None, free if self.allocation_free is not None else None)
 
     def get_pattern(self) -> list[list[int]]:
         return [[s, n] for s, n in zip(self.strides, self.shape)]
