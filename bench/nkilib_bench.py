@@ -333,31 +333,39 @@ def indexed_flatten_inputs(tokens, experts, f_len):
             "row_offsets_start": None, "padding_val": -1}
 
 
-def rmsnorm_quant_inputs(batch, seqlen, hidden, lnc):
-    """RMS norm + fp8 row quantization, the library's ROW configuration (gaussian bf16 input and gamma)."""
+def rmsnorm_quant_inputs(batch, seqlen, hidden, lnc, quantization="ROW"):
+    """RMS norm + fp8 quantization as the library's test configures it (gaussian bf16 input and gamma; a static
+    dequant scale near 0.5 filling a (128, 1) tile)."""
     common = "core.utils.common_types"
     arguments = _resolve("core.rmsnorm.rmsnorm_quant:RmsNormQuantKernelArgs")(
-        quantization_type=_resolve(f"{common}:QuantizationType").ROW, lower_bound=0.0,
+        quantization_type=getattr(_resolve(f"{common}:QuantizationType"), quantization), lower_bound=0.0,
         norm_type=_resolve(f"{common}:NormType").RMS_NORM, eps=1e-6)
+    static = quantization == "STATIC"
     return {"hidden": gaussian((batch, seqlen, hidden), BF16, 81),
             "ln_w": gaussian((1, hidden) if lnc > 1 else (hidden,), BF16, 82), "kargs": arguments,
-            "input_dequant_scale": None}
+            "input_dequant_scale": np.full((128, 1), 0.4875, np.float32) if static else None}
 
 
 def rmsnorm_quant_unpack(outputs: list, inputs: dict) -> list:
-    """The test's reading of the packed output: each row's H fp8 values, then 4 bytes holding its fp32 dequant
-    scale."""
+    """The test's reading of the packed output: each row's H fp8 values, then (row quantization) 4 bytes holding
+    its fp32 dequant scale."""
     (packed,) = outputs
     hidden = inputs["hidden"].shape[-1]
+    if inputs["input_dequant_scale"] is not None:
+        return [packed.astype(np.float32)]
     scale = np.ascontiguousarray(packed[..., hidden:]).view(np.uint8).view(np.float32)
     return [packed[..., :hidden].astype(np.float32), scale]
 
 
-def rmsnorm_quant_reference(hidden, ln_w, kargs, **_):
-    """The library test's golden, written out: x / (rms(x) + eps) * gamma, then per row a dequant scale of
-    max|norm| / 240 and the values divided by it, rounded to fp8 e4m3."""
+def rmsnorm_quant_reference(hidden, ln_w, kargs, input_dequant_scale=None, **_):
+    """The library test's golden, written out: x / (rms(x) + eps) * gamma; row quantization: per row a dequant
+    scale of max|norm| / 240 and the values divided by it; static: the values divided by the given scale and
+    clipped to +-240; rounded to fp8 e4m3."""
     x = hidden.double()
     norm = x / (x.square().mean(dim=-1, keepdim=True).sqrt() + kargs.eps) * ln_w.double().reshape(-1)
+    if input_dequant_scale is not None:
+        quantized = (norm / float(input_dequant_scale[0, 0])).clamp(-240.0, 240.0)
+        return [quantized.float().numpy().astype(ml_dtypes.float8_e4m3).astype(np.float32)]
     scale = norm.abs().amax(dim=-1, keepdim=True) / 240.0
     values = (norm / scale).float().numpy().astype(ml_dtypes.float8_e4m3).astype(np.float32)
     return [values, scale.float().numpy()]
@@ -380,6 +388,11 @@ def _dynamic_add_inputs():
 # Why router_topk's expert_index differs (checked row by row): only in rows where two experts' bf16 logits are
 # equal, whose order torch.topk leaves unspecified; the logits and affinities match.
 ROUTER_TIES = "expert_index differs only among experts with equal bf16 logits (tie order); logits, affinities match"
+
+# Why the static fp8 case misses (checked element by element): 24 of its 2.6M values, in [16, 32) where one e4m3
+# step is 2, land one step from the golden's rounding (the kernel normalizes in another order), and the test's
+# tolerance there, 0.072 * max|reference| = 1.87, is below one step.
+STATIC_QUANT_STEP = "one fp8 step (2.0) off at 24 of 2.6M values >= 16; tolerance 0.072 * max = 1.87 < one step"
 
 CASES = [
     Case("cumsum", "core.cumsum.cumsum:cumsum", "core.cumsum.cumsum_torch:cumsum_torch_ref",
@@ -487,6 +500,9 @@ CASES = [
          lambda: rmsnorm_quant_inputs(1, 160, 16384, lnc=2), lnc=2, rtol=(0.072, 0.007), atol=1e-8,
          unpack=rmsnorm_quant_unpack, bench_reference=rmsnorm_quant_reference,
          note="the test's golden, written out in the bench"),
+    Case("rmsnorm_quant (fp8 static)", "core.rmsnorm.rmsnorm_quant:rmsnorm_quant_kernel", None,
+         lambda: rmsnorm_quant_inputs(1, 160, 16384, lnc=2, quantization="STATIC"), lnc=2, rtol=0.072, atol=1e-8,
+         unpack=rmsnorm_quant_unpack, bench_reference=rmsnorm_quant_reference, note=STATIC_QUANT_STEP),
     Case("rmsnorm_tkg", "core.subkernels.rmsnorm_tkg:rmsnorm_tkg",
          "core.subkernels.rmsnorm_torch:rmsnorm_tkg_torch_ref_lnc1",
          lambda: norm_tkg_inputs(1, 8, 8192, False, hidden_actual=None, hidden_dim_tp=False, shard_on_h=False),
@@ -675,6 +691,12 @@ def run_case(case: Case) -> Outcome:
     return outcome
 
 
+def _remark(outcome: Outcome) -> str:
+    """What is missing, and why a case that runs does not match where that is known."""
+    why = "" if outcome.matches or not outcome.runs else outcome.case.note
+    return "; ".join(text for text in (why, outcome.missing) if text)
+
+
 def print_table(outcomes: list[Outcome]) -> None:
     header = f"{'kernel':<32} {'lnc':>3} {'runs':>4} {'match':>5} {'max err':>9} {'est us':>9} {'wall s':>6}  missing / error"
     print(header)
@@ -683,7 +705,7 @@ def print_table(outcomes: list[Outcome]) -> None:
         error = "" if np.isnan(o.max_error) else f"{o.max_error:.2e}"
         est = "" if np.isnan(o.est_us) else f"{o.est_us:.1f}"
         print(f"{o.case.name:<32} {o.case.lnc:>3} {'yes' if o.runs else 'no':>4} {'yes' if o.matches else 'no':>5} "
-              f"{error:>9} {est:>9} {o.wall_s:>6.1f}  {o.missing or ('' if o.matches else o.case.note)}")
+              f"{error:>9} {est:>9} {o.wall_s:>6.1f}  {_remark(o)}")
     runs = sum(o.runs for o in outcomes)
     matches = sum(o.matches for o in outcomes)
     print(f"\n{len(outcomes)} cases: {runs} run, {matches} match their torch reference")
