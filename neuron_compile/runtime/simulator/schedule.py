@@ -273,7 +273,7 @@ class _Synchronizations:
     def not_before(self, program: int) -> float:
         """The earliest start of the program's next instruction: when its last point released everyone."""
         passed = self.passed.get(program, 0)
-        if not passed:
+        if not passed or self.programs < 2:  # a single core has no one to wait for at its barriers
             return 0.0
         arrivals = self.arrivals[passed - 1]
         return max(arrivals) if len(arrivals) >= self.programs else 0.0
