@@ -9,7 +9,8 @@ and reads it on every call, so a cache hit does no layout arithmetic, name searc
 
 ``StableViews`` keeps, per input, the flat view of a storage seen at the same address on two calls in a row
 (parameters, buffers, weight copies), so a hit does not remake it; a tensor new on every call (an activation) gets
-a fresh view, and no view of it is kept.
+a fresh view, and no view of it is kept. A kept view holds its storage alive until the input moves: one storage per
+input at most, and one its owner held anyway.
 
 ``ValidatedSignatures`` remembers the input signatures (shape, strides, dtype per tensor) a region's first-call
 checks accepted: the checks are a function of exactly those, so a later call with one of them skips them, and any
