@@ -40,8 +40,7 @@ def output_tensor(written: torch.Tensor, layout: ir.Layout) -> torch.Tensor:
     from one buffer share its storage, as eager's views of one intermediate do (aot_autograd regenerates those
     aliases itself); no other output shares it."""
     offset = written.storage_offset() + layout.offset
-    owned = torch.empty((0,), dtype=written.dtype, device=written.device)
-    return owned.set_(written.untyped_storage(), offset, layout.shape, layout.strides)
+    return written.new_empty((0,)).set_(written.untyped_storage(), offset, layout.shape, layout.strides)
 
 
 def fill_random_seeds(buffers: dict[str, ir.Buffer], flat: dict[str, torch.Tensor]) -> None:
@@ -165,7 +164,7 @@ class CompiledRegion:
         """Launch one kernel through the launcher; its outputs join ``flat``; the launch joins the stats."""
         outputs, report = self.launcher.launch(kernel, arguments)
         for buffer, output in zip(kernel.source.outputs, outputs):
-            flat[buffer.name] = output.reshape(-1)
+            flat[buffer.name] = output if output.dim() == 1 else output.reshape(-1)  # launchers return flat buffers
         stats.count_launch(kernel.source.name, report, kernel.source)
 
     def _buffer(self, name: str, flat: dict[str, torch.Tensor]) -> torch.Tensor:
