@@ -144,10 +144,16 @@ def test_kept_parameter_views_see_in_place_updates_and_new_storage():
     torch.testing.assert_close(region(x, weight)[0], _matmul_then_sum(x, weight)[0])
     weight.data = torch.randn(16, 4)  # another storage
     torch.testing.assert_close(region(x, weight)[0], _matmul_then_sum(x, weight)[0])
+    for _ in range(2):  # kept again
+        torch.testing.assert_close(region(x, weight)[0], _matmul_then_sum(x, weight)[0])
     weight.untyped_storage().resize_(0)  # FSDP2 frees and regathers a parameter's memory this way
     weight.untyped_storage().resize_(16 * 4 * 4)
     with torch.no_grad():
         weight.copy_(torch.ones(16, 4))
+    torch.testing.assert_close(region(x, weight)[0], _matmul_then_sum(x, weight)[0])
+    region(x, weight)  # kept again
+    weight.untyped_storage().resize_(0)  # freed for good: the kept view's storage holds nothing now
+    weight.data = torch.full((16, 4), 2.0)  # a new storage, which may well land at the freed address
     torch.testing.assert_close(region(x, weight)[0], _matmul_then_sum(x, weight)[0])
 
 

@@ -2,9 +2,9 @@
 
 Input: a compiled region's input buffers, launched kernels, graph outputs, mutations and eager's output dtypes.
 Output: a ``LaunchPlan`` of plain tuples: per input its buffer name, the storage span its kernels read and whether
-int64 values are narrowed to the int32 kernel dtype; per launched kernel the
-buffers it takes, in order; per graph output where it is read from (an input's storage or a kernel-written buffer)
-and the torch dtype handed back; per mutation the input it writes. ``CompiledRegion`` builds one when it is made
+int64 values are narrowed to the int32 kernel dtype; per launched kernel the buffers it takes, in order; per graph
+output where it is read from (an input's storage or a kernel-written buffer) and the torch dtype handed back; per
+mutation the input it writes. ``CompiledRegion`` builds one when it is made
 and reads it on every call, so a cache hit does no layout arithmetic, name search or dtype table lookup.
 
 ``StableViews`` keeps, per input, the flat view of a storage seen at the same address on two calls in a row
@@ -117,21 +117,27 @@ class ValidatedSignatures:
 
 class StableViews:
     """Per region input, the flat argument view of the storage it had on the last two calls, when that storage
-    stayed at one address (see the module docstring). A view is looked up by the tensor's data pointer (its
-    storage's address plus its offset) and dtype; the kept view holds that storage alive, so no other storage can
-    have that address meanwhile: an equal pointer is the same memory, and the span the view covers is the slot's."""
+    stayed at one address (see the module docstring). A kept view serves a call when it starts at the tensor's data
+    pointer (its storage's address plus its offset), has its dtype, and its storage still covers the slot's span:
+    it then reads the very memory a new view would (two live storages cannot share an address unless they share
+    the memory), also after its storage was freed and regathered in place (FSDP2's ``resize_``)."""
 
     def __init__(self, inputs: int):
-        # per input: (data pointer, dtype, the flat view or None when the pointer was new on the last call)
-        self._slots: list[tuple[int, torch.dtype, torch.Tensor | None]] = [(0, None, None)] * inputs
+        # per input: (its data pointer on the last call, the kept view or None)
+        self._slots: list[tuple[int, torch.Tensor | None]] = [(0, None)] * inputs
 
     def view(self, index: int, tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
         """The flat view of ``tensor`` for input ``index`` (``slot``): the kept one, or a new one."""
-        pointer, dtype = tensor.data_ptr(), tensor.dtype
-        kept_pointer, kept_dtype, kept = self._slots[index]
-        if kept is not None and pointer == kept_pointer and dtype == kept_dtype:
+        pointer = tensor.data_ptr()
+        last_pointer, kept = self._slots[index]  # one tuple: threads see it whole
+        if kept is not None and kept.data_ptr() == pointer and kept.dtype == tensor.dtype and _covers(kept, slot):
             return kept
         flat = flat_argument(tensor, slot)
-        repeated = pointer == kept_pointer and dtype == kept_dtype and pointer != 0
-        self._slots[index] = (pointer, dtype, flat if repeated else None)  # one tuple: threads see it whole
+        repeated = pointer == last_pointer and pointer != 0
+        self._slots[index] = (pointer, flat if repeated else None)
         return flat
+
+
+def _covers(view: torch.Tensor, slot: InputSlot) -> bool:
+    """Whether ``view``'s storage still holds the slot's span from the view's offset (a freed one holds nothing)."""
+    return view.untyped_storage().nbytes() >= (view.storage_offset() + slot.span) * view.element_size()

@@ -24,8 +24,8 @@ from neuron_compile.lowering import SUPPORTED_DTYPES, LoweringError
 from neuron_compile.runtime import stats
 from neuron_compile.runtime.launch_plan import (
     StableViews,
-    flat_argument,
     ValidatedSignatures,
+    flat_argument,
     input_signature,
     launch_plan,
 )
