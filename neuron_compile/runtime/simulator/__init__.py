@@ -49,7 +49,7 @@ class KernelRun:
     """One launch: the kernel's outputs, its instruction trace and the target it ran on."""
 
     outputs: list[np.ndarray]
-    trace: list[InstructionRecord]
+    trace: list[InstructionRecord] | None  # None: launched with ``trace=False`` (no instruction recorded, no report)
     target: Target
     sbuf_peak_bytes: int = 0  # most SBUF bytes per partition live at once (any program of the launch)
     psum_peak_banks: int = 0  # most PSUM banks live at once
@@ -59,6 +59,8 @@ class KernelRun:
     def report(self):
         from neuron_compile.runtime.simulator import comm_cost, cost  # written separately; imported only when asked
 
+        if self.trace is None:
+            raise ValueError("this launch ran with trace=False: it recorded no instruction, so it has no cost report")
         report = cost.cost_report(self.trace, self.target)
         if not self.collectives:
             return report
@@ -163,14 +165,14 @@ def _output_array(tensor: NkiTensor) -> np.ndarray:
     return np.array(tensor.read())
 
 
-def _launch(fn, args, kwargs, target: Target, lnc: int) -> tuple[KernelRun, object]:
+def _launch(fn, args, kwargs, target: Target, lnc: int, traced: bool = True) -> tuple[KernelRun, object]:
     if lnc not in (1, 2):
         raise NkiValidationError("err_lnc", f"kernel[lnc]: lnc must be 1 or 2, got {lnc}")
     names = getattr(fn, "__code__", None)
     arg_names = names.co_varnames[: names.co_argcount] if names else ()
     hbm_args = [_kernel_argument(a, arg_names[i] if i < len(arg_names) else f"arg{i}") for i, a in enumerate(args)]
     hbm_kwargs = {k: _kernel_argument(v, k) for k, v in kwargs.items()}
-    trace: list[InstructionRecord] = []
+    trace: list[InstructionRecord] | None = [] if traced else None
     shared_outputs: list[NkiTensor] = []
     result = None
     sbuf_peak = psum_peak = 0
@@ -256,11 +258,15 @@ def simulate(kernel):
     return target
 
 
-def run_kernel(fn, args, *, target: Target | str | None = None, lnc: int = 1) -> KernelRun:
-    """Launch ``fn`` (a Kernel or a plain kernel function) on numpy/torch ``args``; return the KernelRun."""
+def run_kernel(fn, args, *, target: Target | str | None = None, lnc: int = 1, trace: bool = True) -> KernelRun:
+    """Launch ``fn`` (a Kernel or a plain kernel function) on numpy/torch ``args``; return the KernelRun.
+
+    ``trace=False`` runs every instruction and every check but records no trace (its run has no report): for a
+    caller that already holds the report of an identical launch (runtime/launcher.py). With ``launch_hooks``
+    registered, the launch is traced anyway: the hooks read its report."""
     body = fn.fn if isinstance(fn, Kernel) else fn
     resolved = target if isinstance(target, Target) else get_target(target)
-    run, _ = _launch(body, tuple(args), {}, resolved, lnc)
+    run, _ = _launch(body, tuple(args), {}, resolved, lnc, traced=trace or bool(launch_hooks))
     if isinstance(fn, Kernel):
         fn.last_run = run
     return run

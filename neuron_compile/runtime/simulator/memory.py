@@ -45,7 +45,8 @@ class KernelContext:
     target: Target
     program_id: int = 0
     num_programs: int = 1
-    trace: list[InstructionRecord] = field(default_factory=list)
+    # the launch's instruction trace; None: a launch that records none (run_kernel's trace=False)
+    trace: list[InstructionRecord] | None = field(default_factory=list)
     sbuf_live_bytes: int = 0  # per partition
     psum_live_banks: int = 0
     sbuf_peak_bytes: int = 0

@@ -242,11 +242,13 @@ def calling_section(launch_frame=None) -> str:
 
 def record(name: str, engine: str, dst: NkiTensor | None, srcs: list[tuple[str, object]], attrs: dict | None = None,
            flops: int = 0, hbm_partitions: int | None = None) -> None:
+    context = current()
+    if context.trace is None:  # a launch whose trace its caller already holds: the bookkeeping alone is skipped
+        return
     tensors = [(role, t) for role, t in srcs if isinstance(t, NkiTensor)]
     infos = tuple(operand(role, t, hbm_partitions) for role, t in tensors)
     dst_info = operand("dst", dst, hbm_partitions) if dst is not None else None
     reads, writes = _regions(dst, tensors, name)
-    context = current()
     context.trace.append(
         InstructionRecord(name=name, engine=engine, dst=dst_info, srcs=infos, attrs=attrs or {}, flops=int(flops),
                           reads=reads, writes=writes, program=context.program_id,
