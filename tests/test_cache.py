@@ -48,6 +48,18 @@ def test_least_recently_used_signature_is_evicted():
     assert first in cache and third in cache and second not in cache
 
 
+def test_repeated_hits_on_one_key_keep_it_the_most_recently_used():
+    cache = DispatchCache(max_entries=2)
+    first, second, third = (key(torch.zeros(size)) for size in (1, 2, 3))
+    cache.get_or_compile(first, lambda: "first")
+    assert cache.lookup(first) == "first" and cache.lookup(first) == "first"  # the second one: the last-hit path
+    cache.get_or_compile(second, lambda: "second")
+    assert cache.lookup(first) == "first" and cache.lookup(first) == "first"  # touched again after second came
+    cache.get_or_compile(third, lambda: "third")
+    assert first in cache and third in cache and second not in cache
+    assert cache.lookup(key(torch.zeros(2))) is None  # an equal key, not the same object, is looked up by value
+
+
 def test_a_failed_compile_is_not_cached():
     cache = DispatchCache()
 

@@ -52,3 +52,31 @@ def test_inputs_that_require_grad_add_no_nodes():
     weight = torch.randn(5, requires_grad=True)
     specialized = specialize(gm, [torch.randn(5), weight])
     assert aten_ops(specialized) == aten_ops(gm)
+
+
+def test_an_in_place_metadata_change_leaves_earlier_records_as_they_were():
+    def transpose_a_copy(x):
+        copy = torch.ops.aten.clone.default(x)
+        torch.ops.aten.t_.default(copy)  # changes the copy's shape after the clone node recorded it
+        return (copy,)
+
+    gm = make_fx(transpose_a_copy)(torch.randn(4, 6))
+    column_major = torch.randn(6, 4).t()  # the traced shape with other strides: specialize propagates
+    specialized = specialize(gm, [column_major])
+    clone = next(node for node in specialized.graph.nodes if node.target is torch.ops.aten.clone.default)
+    assert tuple(clone.meta["val"].shape) == (4, 6)
+    assert tuple(specialized(column_major)[0].shape) == (6, 4)
+
+
+def test_a_graph_mutating_only_data_records_without_snapshots():
+    def add_into(x, y):
+        torch.ops.aten.copy_.default(x, torch.ops.aten.add.Tensor(x, y))
+        return (torch.ops.aten.mul.Tensor(x, 2.0),)
+
+    gm = make_fx(add_into)(torch.randn(4, 6), torch.randn(4, 6))
+    x, y = torch.randn(6, 4).t(), torch.randn(4, 6)
+    specialized = specialize(gm, [x.clone(), y])
+    expected = (x + y) * 2.0
+    torch.testing.assert_close(specialized(x, y)[0], expected)
+    assert all(tuple(node.meta["val"].shape) == (4, 6) for node in specialized.graph.nodes
+               if node.op == "call_function")

@@ -74,7 +74,10 @@ def guard_float_bound(value) -> Interval | None:
     finite and ``2**k <= FLOAT_GUARD_MAX``; None otherwise (and for what ``guard_bound`` also refuses)."""
     if not _checkable(value, GUARDED_FLOAT_DTYPES):
         return None
-    magnitude = float(value.detach().abs().amax())  # nan propagates: refused below
+    low, high = torch.aminmax(value.detach())  # one op: this runs on every call of the graph
+    magnitude = max(-float(low), float(high))
+    if math.isnan(magnitude):  # max() of a nan and a number may pick the number: refuse nan explicitly
+        return None
     if not magnitude <= FLOAT_GUARD_MAX:
         return None
     bound = 2.0 ** max(0, math.ceil(math.log2(magnitude))) if magnitude > 0 else 1.0

@@ -57,8 +57,18 @@ def _snapshot(value):
     return map_aggregate(value, lambda item: item.detach() if isinstance(item, FakeTensor) else item)
 
 
+def _may_change_metadata(gm: torch.fx.GraphModule) -> bool:
+    """Whether an in-place op of ``gm`` might change a tensor's metadata after it was recorded: any mutating op
+    but ``copy_`` (the only one functionalized graphs keep for input mutations, and it changes data only). Without
+    one, no record needs a snapshot: a fake tensor's detach costs about as much as the op that made it."""
+    return any(node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+               and node.target._schema.is_mutable and node.target is not aten.copy_.default
+               for node in gm.graph.nodes)
+
+
 def _propagate(gm: torch.fx.GraphModule, args: list, mode: FakeTensorMode) -> None:
     """Run ``gm``'s graph on fakes of ``args`` under ``mode`` and store each node's value in ``meta["val"]``."""
+    record = _snapshot if _may_change_metadata(gm) else (lambda value: value)
     values: dict[torch.fx.Node, object] = {}
     arguments = iter(args)
     for node in gm.graph.nodes:
@@ -78,7 +88,7 @@ def _propagate(gm: torch.fx.GraphModule, args: list, mode: FakeTensorMode) -> No
         else:  # call_module / call_method: not in aot_autograd's ATen graphs
             raise NotImplementedError(f"specialize: node {node.name} is a {node.op}, not an ATen graph node")
         values[node] = value
-        node.meta["val"] = _snapshot(value)
+        node.meta["val"] = record(value)
         for key in SYMBOLIC_META:
             node.meta.pop(key, None)
 

@@ -114,6 +114,7 @@ class DispatchCache(Generic[Entry]):
         self._entries: collections.OrderedDict[Hashable, Entry] = collections.OrderedDict()
         self._entries_lock = threading.Lock()  # guards the map; held only briefly
         self._compile_lock = threading.Lock()  # one compile at a time per graph: compiles are rare
+        self._last_hit: tuple[Hashable, Entry] | None = None  # the last key found and its entry
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -122,10 +123,16 @@ class DispatchCache(Generic[Entry]):
         return key in self._entries
 
     def lookup(self, key: Hashable) -> Entry | None:
+        last = self._last_hit  # one read: another thread may replace it meanwhile
+        if last is not None and last[0] == key:
+            # A call like the previous one (the common case): comparing the keys costs about half of hashing one
+            # (CPython does not keep a tuple's hash), and the entry is already the most recently used.
+            return last[1]
         with self._entries_lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
+                self._last_hit = (key, entry)
             return entry
 
     def get_or_compile(self, key: Hashable, compile_entry: Callable[[], Entry]) -> tuple[Entry, bool]:
@@ -142,4 +149,6 @@ class DispatchCache(Generic[Entry]):
                 self._entries[key] = entry
                 while len(self._entries) > self.max_entries:
                     self._entries.popitem(last=False)
+                # The newest entry is the most recently used: a later hit on the previous one must move it again.
+                self._last_hit = (key, entry)
             return entry, True

@@ -201,15 +201,24 @@ class RegionModule(torch.nn.Module):
         )
         self.node_ops = [placement.op for placement in record.report.regions[name]]  # one entry per node
         self.costs_dumped = False  # with a dump folder: whether the first launch's cost reports were written
+        # Whether the outputs' shapes and dtypes were checked once and are fixed by the region's launch plan (a
+        # CompiledRegion's are: its layouts and dtypes are constants), so later calls need not check them again.
+        self.outputs_checked = False
+
+    def __call__(self, *tensors):
+        # Straight to forward: nothing registers hooks on this internal module, and nn.Module's hook dispatch
+        # would cost every call.
+        return self.forward(*tensors)
 
     def _check(self, outputs) -> None:
         _check_outputs(outputs, self.expected, self.region_name)
+        self.outputs_checked = bool(getattr(self.compiled, "outputs_planned", False))
 
     def forward(self, *tensors):
         if self.compiled is None:
             return self.eager(*tensors)
-        dump_dir = self.record.key.config.dump_dir
-        if (dump_dir or trace_artifacts.enabled()) and not self.costs_dumped:
+        if not self.costs_dumped and (self.record.key.config.dump_dir or trace_artifacts.enabled()):
+            dump_dir = self.record.key.config.dump_dir
             self.costs_dumped = True  # the first launch's reports: later launches of a kernel cost the same
             with stats.record_launches() as launches:
                 outputs = self.run(*tensors)
@@ -229,13 +238,14 @@ class RegionModule(torch.nn.Module):
         if self.compiled is None:
             return self.eager(*tensors)
         try:
+            if self.outputs_checked:
+                return tuple(self.compiled(*tensors))
             if getattr(self.compiled, "mutations", None):
                 # The region writes graph inputs: check its outputs before it does, so that an eager rerun
                 # after a failure reads the inputs unchanged.
-                outputs = tuple(self.compiled(*tensors, validate=self._check))
-            else:
-                outputs = tuple(self.compiled(*tensors))
-                self._check(outputs)
+                return tuple(self.compiled(*tensors, validate=self._check))
+            outputs = tuple(self.compiled(*tensors))
+            self._check(outputs)
             return outputs
         except Exception as error:  # noqa: BLE001 -- any kernel failure falls back, per Config.fallback
             message = (
@@ -420,7 +430,9 @@ class CompiledGraph:
             compiled = self._compile(key, args, plan.describe() if plan is not None else "")
         else:
             stats.add(cache_hits=1)
-        return compiled(*args)
+        # forward, not __call__: GraphModule's call wrapper and nn.Module's hook dispatch cost every hit, and no
+        # hook is ever registered on this graph of ours
+        return compiled.forward(*args)
 
     def _compile(self, key: tuple, args: list, bucketing: str = "") -> torch.fx.GraphModule:
         """A miss: compile for this signature (once, when threads race), with the readable GraphKey recorded."""

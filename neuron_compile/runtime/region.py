@@ -8,7 +8,8 @@ ordinary (non-view) tensor over the torch-allocated storage of the buffer a kern
 written in place like eager's (``output_tensor``); graph inputs the region mutates are written after every kernel
 ran (outputs that are views of inputs need no kernel). Kernels run only through the launcher (runtime/launcher.py:
 the simulator or a Neuron device); this module hands it flat torch tensors and gets torch tensors back, and adds
-every launch to the stats.
+every launch to the stats. What a call does is planned once per region (runtime/launch_plan.py): a cache hit reads
+the plan and checks its inputs only when their shapes, strides or dtypes are new to the region.
 """
 
 from __future__ import annotations
@@ -21,23 +22,14 @@ from neuron_compile import ir
 from neuron_compile.codegen.render import KernelSource
 from neuron_compile.lowering import SUPPORTED_DTYPES, LoweringError
 from neuron_compile.runtime import stats
+from neuron_compile.runtime.launch_plan import (
+    StableViews,
+    ValidatedSignatures,
+    flat_argument,
+    input_signature,
+    launch_plan,
+)
 from neuron_compile.runtime.launcher import TORCH_DTYPES, Launcher, LoadedKernel, select_launcher
-
-INT32_RANGE = (-(2**31), 2**31 - 1)
-
-
-def kernel_argument(tensor: torch.Tensor, buffer: ir.Buffer) -> torch.Tensor:
-    """The storage span a buffer's layouts read, from the tensor's storage offset, as a flat tensor in the
-    kernel's dtype (a view where the dtypes agree)."""
-    flat = torch.as_strided(tensor.detach(), (buffer.layout.span(),), (1,), tensor.storage_offset())
-    if buffer.dtype == "int32" and flat.dtype != torch.int32:
-        # int64 is narrowed to the int32 kernel dtype only when every value fits; otherwise the region fails
-        # here and the call runs eagerly (a silent wrap would be a wrong answer).
-        if flat.numel() and (int(flat.min()) < INT32_RANGE[0] or int(flat.max()) > INT32_RANGE[1]):
-            raise LoweringError(f"input {buffer.name}: int64 values beyond int32, the kernel dtype")
-        return flat.to(torch.int32)
-    return flat
-
 
 def output_tensor(written: torch.Tensor, layout: ir.Layout) -> torch.Tensor:
     """A graph output read from a kernel-written buffer (``written``: flat, torch-allocated, resizable): an
@@ -48,8 +40,7 @@ def output_tensor(written: torch.Tensor, layout: ir.Layout) -> torch.Tensor:
     from one buffer share its storage, as eager's views of one intermediate do (aot_autograd regenerates those
     aliases itself); no other output shares it."""
     offset = written.storage_offset() + layout.offset
-    owned = torch.empty((0,), dtype=written.dtype, device=written.device)
-    return owned.set_(written.untyped_storage(), offset, layout.shape, layout.strides)
+    return written.new_empty((0,)).set_(written.untyped_storage(), offset, layout.shape, layout.strides)
 
 
 def fill_random_seeds(buffers: dict[str, ir.Buffer], flat: dict[str, torch.Tensor]) -> None:
@@ -80,6 +71,11 @@ class CompiledRegion:
         self.nki_nodes = nki_nodes
         self.target = target
         self.fusion_decisions: list[str] = decisions
+        # What every call does, worked out once; the input signatures whose checks passed (runtime/launch_plan.py).
+        self.plan = launch_plan(self.inputs, self.launched, self.outputs, self.mutations, self.output_dtypes)
+        self.validated = ValidatedSignatures()
+        self.views = StableViews(len(self.inputs))
+        self.outputs_planned = True  # every call's outputs have the plan's shapes and dtypes (RegionModule)
 
     @property
     def launch_sources(self) -> list[KernelSource]:
@@ -95,43 +91,54 @@ class CompiledRegion:
         )
 
     def __call__(self, *tensors: torch.Tensor, validate=None):
-        if len(tensors) != len(self.inputs):
-            raise LoweringError(f"region expects {len(self.inputs)} inputs, got {len(tensors)}")
+        plan = self.plan
+        if len(tensors) != len(plan.inputs):
+            raise LoweringError(f"region expects {len(plan.inputs)} inputs, got {len(tensors)}")
+        # A complex64 input was compiled as its fp32 (real, imaginary) pairs (lowering/registry.py input_layout).
+        tensors = tuple(torch.view_as_real(tensor) if tensor.is_complex() else tensor for tensor in tensors)
+        signature = input_signature(tensors)
+        if signature not in self.validated:
+            for buffer, tensor in zip(self.inputs, tensors):
+                self._check_input(buffer, tensor)
+            self.validated.add(signature)
         flat: dict[str, torch.Tensor] = {}  # buffer -> flat tensor in the kernel dtype (inputs, kernel outputs)
-        storage: dict[str, torch.Tensor] = {}  # input buffer -> the flat view of the input tensor
-        written: dict[str, torch.Tensor] = {}  # kernel-written buffer -> its torch-allocated flat tensor
-        for buffer, tensor in zip(self.inputs, tensors):
-            if tensor.is_complex():  # compiled as its fp32 (real, imaginary) pairs: registry.input_layout
-                tensor = torch.view_as_real(tensor)
-            self._check_input(buffer, tensor)
-            flat[buffer.name] = kernel_argument(tensor, buffer)
-            storage[buffer.name] = torch.as_strided(tensor, (buffer.layout.span(),), (1,), tensor.storage_offset())
+        views = self.views
+        for index, (slot, tensor) in enumerate(zip(plan.inputs, tensors)):
+            if slot.narrow_to_int32:  # a converted copy: its values are checked on every call
+                flat[slot.name] = flat_argument(tensor, slot)
+            else:
+                flat[slot.name] = views.view(index, tensor, slot)
         fill_random_seeds(self.buffers, flat)
-        for kernel in self.launched:
-            self._launch(kernel, flat)
-        results = []
-        for index, value in enumerate(self.outputs):
-            if value.buffer in storage:  # a view of a region input, as eager's view op gives
-                base = storage[value.buffer]
-                # as_strided's offset is absolute in the storage; layouts are relative to the buffer's first element.
-                offset = base.storage_offset() + value.layout.offset
-                results.append(torch.as_strided(base, value.layout.shape, value.layout.strides, offset))
-                continue
-            if value.buffer not in written:
-                buffer = self._buffer(value.buffer, flat)
-                dtype = TORCH_DTYPES[value.dtype]
-                if value.dtype == "int32" and self.output_dtypes[index:index + 1] == [torch.int64]:
-                    dtype = torch.int64  # NKI has no int64: widen
-                written[value.buffer] = buffer if buffer.dtype == dtype else buffer.to(dtype)
-            results.append(output_tensor(written[value.buffer], value.layout))
+        for kernel, parameters in plan.kernels:
+            self._launch(kernel, [flat[name] if name in flat else self._buffer(name, flat) for name in parameters],
+                         flat)
+        results = self._outputs(tensors, flat)
         if validate is not None:
-            validate(tuple(results))  # before any input is written: a failure here can still fall back eagerly
-        for name, value in self.mutations:
+            validate(results)  # before any input is written: a failure here can still fall back eagerly
+        for index, buffer, layout in plan.mutations:
             # On the device the kernel's store could target the input's HBM directly; launched kernels return fresh
             # outputs, so the stored view is written into the input tensor here, once every kernel ran.
-            written = self._buffer(value.buffer, flat)
-            target = tensors[[buffer.name for buffer in self.inputs].index(name)]
-            target.copy_(torch.as_strided(written, value.layout.shape, value.layout.strides, value.layout.offset))
+            written = self._buffer(buffer, flat)
+            tensors[index].copy_(torch.as_strided(written, layout.shape, layout.strides, layout.offset))
+        return results
+
+    def _outputs(self, tensors, flat: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The graph outputs: views of region inputs as eager's view ops give them, the others over the storage of
+        the buffers kernels wrote (one torch tensor per buffer, shared by the outputs it holds)."""
+        results = []
+        written: dict[str, torch.Tensor] = {}  # kernel-written buffer -> its flat tensor in the output dtype
+        for slot in self.plan.outputs:
+            layout = slot.layout
+            if slot.input_index >= 0:
+                tensor = tensors[slot.input_index]
+                # as_strided's offset is absolute in the storage; layouts are relative to the buffer's first element.
+                results.append(torch.as_strided(tensor, layout.shape, layout.strides,
+                                                tensor.storage_offset() + layout.offset))
+                continue
+            if slot.buffer not in written:
+                buffer = self._buffer(slot.buffer, flat)
+                written[slot.buffer] = buffer if buffer.dtype == slot.dtype else buffer.to(slot.dtype)
+            results.append(output_tensor(written[slot.buffer], layout))
         return tuple(results)
 
     @staticmethod
@@ -155,11 +162,11 @@ class CompiledRegion:
                 "dtype differs from the one eager produced)"
             )
 
-    def _launch(self, kernel: LoadedKernel, flat: dict[str, torch.Tensor]) -> None:
+    def _launch(self, kernel: LoadedKernel, arguments: list[torch.Tensor], flat: dict[str, torch.Tensor]) -> None:
         """Launch one kernel through the launcher; its outputs join ``flat``; the launch joins the stats."""
-        outputs, report = self.launcher.launch(kernel, [self._buffer(name, flat) for name in kernel.source.parameters])
+        outputs, report = self.launcher.launch(kernel, arguments)
         for buffer, output in zip(kernel.source.outputs, outputs):
-            flat[buffer.name] = output.reshape(-1)
+            flat[buffer.name] = output if output.dim() == 1 else output.reshape(-1)  # launchers return flat buffers
         stats.count_launch(kernel.source.name, report, kernel.source)
 
     def _buffer(self, name: str, flat: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -65,6 +65,8 @@ class Launch:
 _lock = threading.Lock()
 _stats = Stats()
 _recorders: list[list[Launch]] = []
+COUNTS_KEPT = 1024  # launch_counts' memo: reports whose counters are kept
+_counts_by_report: dict[int, tuple[object, tuple]] = {}
 
 
 def add(**counts) -> None:
@@ -83,6 +85,8 @@ def add_fallback(op: str, reason: str, count: int = 1) -> None:
 
 def add_launch(kernel: str, report: object, source: object = None) -> None:
     """Hand one launch to every active ``record_launches()`` block."""
+    if not _recorders:  # read without the lock: a block entered while this launch runs may or may not see it
+        return
     with _lock:
         for recorder in _recorders:
             recorder.append(Launch(kernel, report, source))
@@ -115,15 +119,30 @@ def reset() -> None:
 
 def count_launch(kernel: str, report: object, source: object = None) -> None:
     """One kernel launch: handed to the recorders, counted, and its cost-model figures summed (a launcher without
-    a cost model, the device, gives no report)."""
+    a cost model, the device, gives no report). One lock per launch: a cache hit calls this for every launch."""
     add_launch(kernel, report, source)
-    if report is None:
-        add(kernels_launched=1)
-        return
-    add(
-        kernels_launched=1, hbm_bytes=int(report.hbm_bytes_read + report.hbm_bytes_written),
-        flops=int(report.flops), est_time_s=float(report.est_time_s), roofline_s=float(report.roofline_s),
-        launch_s=float(report.launch_s), est_lower_bound_s=float(report.est_lower_bound_s),
-        collectives=len(getattr(report, "collectives", ())),
-        collective_bytes=int(getattr(report, "collective_bytes", 0)), est_comm_s=float(getattr(report, "est_comm_s", 0.0)),
+    counts = launch_counts(report) if report is not None else ()
+    with _lock:
+        _stats.kernels_launched += 1
+        for name, value in counts:
+            setattr(_stats, name, getattr(_stats, name) + value)
+
+
+def launch_counts(report) -> tuple[tuple[str, int | float], ...]:
+    """The counters one launch adds, from its cost report; the same report object (the launcher reuses a kernel's
+    first report for identical launches) gives the tuple computed the first time."""
+    cached = _counts_by_report.get(id(report))
+    if cached is not None and cached[0] is report:
+        return cached[1]
+    counts = (
+        ("hbm_bytes", int(report.hbm_bytes_read + report.hbm_bytes_written)), ("flops", int(report.flops)),
+        ("est_time_s", float(report.est_time_s)), ("roofline_s", float(report.roofline_s)),
+        ("launch_s", float(report.launch_s)), ("est_lower_bound_s", float(report.est_lower_bound_s)),
+        ("collectives", len(getattr(report, "collectives", ()))),
+        ("collective_bytes", int(getattr(report, "collective_bytes", 0))),
+        ("est_comm_s", float(getattr(report, "est_comm_s", 0.0))),
     )
+    if len(_counts_by_report) >= COUNTS_KEPT:
+        _counts_by_report.clear()
+    _counts_by_report[id(report)] = (report, counts)  # the report is kept: its id cannot be reused meanwhile
+    return counts

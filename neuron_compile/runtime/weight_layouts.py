@@ -15,35 +15,49 @@ weight; ``NEURON_COMPILE_TRANSPOSED_WEIGHTS=0`` keeps the weights as given.
 
 from __future__ import annotations
 
+import functools
 import threading
+import weakref
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from neuron_compile.runtime import stats
 
 
 class ColumnMajorCopies:
-    """Parameter -> (version, data pointer, its column-major copy); thread-safe."""
+    """Parameter -> (version, data pointer, its column-major copy); thread-safe.
+
+    Keyed by ``id`` in a plain dict, with a weak reference that tells the parameter apart from a later object of
+    the same id and drops the entry when the parameter dies: torch's ``WeakIdKeyDictionary`` makes a weak reference
+    on every lookup, and a cache hit looks up every transposed weight of the graph."""
 
     def __init__(self):
-        self._copies = WeakIdKeyDictionary()
-        self._lock = threading.Lock()
+        self._copies: dict[int, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}
+        # Reentrant: a parameter may die (and _forget run) in a garbage collection inside the locked section.
+        self._lock = threading.RLock()
 
     def copy_of(self, weight: torch.nn.Parameter) -> torch.Tensor:
         """``weight``'s column-major copy, made now if the weight changed since the last one."""
         stamp = (weight._version, weight.data_ptr())
-        entry = self._copies.get(weight)
-        if entry is not None and entry[0] == stamp:
-            return entry[1]
+        entry = self._copies.get(id(weight))
+        if entry is not None and entry[0]() is weight and entry[1] == stamp:
+            return entry[2]
         with self._lock:
-            entry = self._copies.get(weight)
-            if entry is None or entry[0] != stamp:
+            entry = self._copies.get(id(weight))
+            if entry is None or entry[0]() is not weight or entry[1] != stamp:
                 with torch.no_grad():
                     copy = weight.detach().t().contiguous().t()
-                entry = self._copies[weight] = (stamp, copy)
+                forget = functools.partial(self._forget, id(weight))
+                entry = self._copies[id(weight)] = (weakref.ref(weight, forget), stamp, copy)
                 stats.add(weight_copies=1, weight_copy_bytes=copy.numel() * copy.element_size())
-        return entry[1]
+        return entry[2]
+
+    def _forget(self, key: int, dead: weakref.ref) -> None:
+        """A parameter died: drop its copy (unless a new object of the same id has taken the entry since)."""
+        with self._lock:
+            entry = self._copies.get(key)
+            if entry is not None and entry[0] is dead:
+                del self._copies[key]
 
     def apply(self, args: list, indices: tuple[int, ...]) -> list:
         """``args`` with the parameters at ``indices`` replaced by their copies (a new list; ``args`` unchanged)."""

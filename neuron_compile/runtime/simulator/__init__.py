@@ -8,9 +8,10 @@ and its arguments (numpy arrays or torch tensors, plus Python scalars). Output: 
 ``nl.shared_hbm`` tensors as numpy arrays (torch tensors when called with torch tensors), and a ``KernelRun``
 with the instruction trace and the target, whose ``report`` is the cost model's CostReport.
 
-``load_module`` and ``nki_import_alias`` bind ``import nki`` / ``nki.language`` / ``nki.isa`` in NKI source
-to this package: the first through a private ``__import__`` in the module's builtins (no global state), the
-second through sys.modules for the duration of a ``with`` block.
+``load_module`` and ``nki_import_alias`` bind ``import nki`` / ``nki.language`` / ``nki.isa`` (and
+``nki.isa.constants``, ``nki.dtype``, ``nki.typing``, ``nki.collectives``, and the same modules under the legacy
+``neuronxcc.nki``) in NKI source to this package: the first through a private ``__import__`` in the module's
+builtins (no global state), the second through sys.modules for the duration of a ``with`` block.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from neuron_compile.runtime.simulator import collectives, isa, language
+from neuron_compile.runtime.simulator import collectives, dtypes, isa, isa_constants, language
+from neuron_compile.runtime.simulator import lnc as lnc_programs
 from neuron_compile.runtime.simulator import nki_typing as typing
 from neuron_compile.runtime.simulator.blas_threads import single_threaded_blas
 from neuron_compile.runtime.simulator.errors import NkiCapacityError, NkiNotSimulatedError, NkiValidationError
@@ -35,7 +37,7 @@ from neuron_compile.runtime.simulator.memory import KernelContext, hbm_input, in
 from neuron_compile.runtime.simulator.tensor import NkiTensor
 from neuron_compile.runtime.simulator.trace import InstructionRecord
 
-__all__ = ["jit", "simulate", "language", "isa", "collectives", "typing", "run_kernel", "load_module",
+__all__ = ["jit", "simulate", "language", "isa", "collectives", "typing", "dtype", "run_kernel", "load_module",
            "nki_import_alias", "KernelRun", "Kernel", "launch_hooks", "NkiValidationError", "NkiCapacityError", "NkiNotSimulatedError"]
 
 # Callables receiving every KernelRun after a launch (the CLI's --report registers one).
@@ -47,7 +49,7 @@ class KernelRun:
     """One launch: the kernel's outputs, its instruction trace and the target it ran on."""
 
     outputs: list[np.ndarray]
-    trace: list[InstructionRecord]
+    trace: list[InstructionRecord] | None  # None: launched with ``trace=False`` (no instruction recorded, no report)
     target: Target
     sbuf_peak_bytes: int = 0  # most SBUF bytes per partition live at once (any program of the launch)
     psum_peak_banks: int = 0  # most PSUM banks live at once
@@ -57,6 +59,8 @@ class KernelRun:
     def report(self):
         from neuron_compile.runtime.simulator import comm_cost, cost  # written separately; imported only when asked
 
+        if self.trace is None:
+            raise ValueError("this launch ran with trace=False: it recorded no instruction, so it has no cost report")
         report = cost.cost_report(self.trace, self.target)
         if not self.collectives:
             return report
@@ -128,11 +132,24 @@ def _collect_outputs(result) -> list[NkiTensor]:
     )
 
 
-def _check_output(tensor: NkiTensor) -> None:
-    if tensor.buffer is not language.shared_hbm:
+def _input_storages(arguments) -> set[int]:
+    """Ids of the storages of the kernel's HBM tensor arguments (nested lists and tuples included)."""
+    found = set()
+    for value in arguments:
+        if isinstance(value, NkiTensor):
+            found.add(id(value.storage))
+        elif isinstance(value, (list, tuple)):
+            found |= _input_storages(value)
+    return found
+
+
+def _check_output(tensor: NkiTensor, input_storages: set[int]) -> None:
+    """A kernel returns nl.shared_hbm tensors it allocated, or HBM tensors it was given (written in place)."""
+    if tensor.buffer is not language.shared_hbm and id(tensor.storage) not in input_storages:
         raise NkiValidationError(
             "err_output_must_be_shared_hbm",
-            f"kernel output {tensor.name} is in {tensor.buffer}; kernel outputs must be nl.shared_hbm",
+            f"kernel output {tensor.name} is in {tensor.buffer}; kernel outputs must be nl.shared_hbm tensors the "
+            "kernel allocates, or HBM tensors it was given",
         )
     if not tensor.storage.written:
         raise NkiValidationError(
@@ -148,33 +165,36 @@ def _output_array(tensor: NkiTensor) -> np.ndarray:
     return np.array(tensor.read())
 
 
-def _launch(fn, args, kwargs, target: Target, lnc: int) -> tuple[KernelRun, object]:
+def _launch(fn, args, kwargs, target: Target, lnc: int, traced: bool = True) -> tuple[KernelRun, object]:
     if lnc not in (1, 2):
         raise NkiValidationError("err_lnc", f"kernel[lnc]: lnc must be 1 or 2, got {lnc}")
     names = getattr(fn, "__code__", None)
     arg_names = names.co_varnames[: names.co_argcount] if names else ()
     hbm_args = [_kernel_argument(a, arg_names[i] if i < len(arg_names) else f"arg{i}") for i, a in enumerate(args)]
     hbm_kwargs = {k: _kernel_argument(v, k) for k, v in kwargs.items()}
-    trace: list[InstructionRecord] = []
+    trace: list[InstructionRecord] | None = [] if traced else None
     shared_outputs: list[NkiTensor] = []
     result = None
     sbuf_peak = psum_peak = 0
     collective_records: list = []
+    contexts = [KernelContext(target=target, program_id=pid, num_programs=lnc, trace=trace,
+                              shared_reuse=shared_outputs, launched=True, launch_frame=sys._getframe())
+                for pid in range(lnc)]
     with single_threaded_blas():  # thousands of small matmuls: threads cost more than they give
-        for pid in range(lnc):
-            context = KernelContext(target=target, program_id=pid, num_programs=lnc, trace=trace,
-                                    shared_reuse=shared_outputs, launched=True, launch_frame=sys._getframe())
-            with kernel_context(context):
+        if lnc == 1:
+            with kernel_context(contexts[0]):
                 result = fn(*hbm_args, **hbm_kwargs)
-            if not shared_outputs:
-                shared_outputs.extend(context.outputs_allocated)
-            sbuf_peak = max(sbuf_peak, context.sbuf_peak_bytes)
-            psum_peak = max(psum_peak, context.psum_peak_banks)
-            collective_records.extend(context.collectives)
+        else:  # the programs run as concurrent NeuronCores, so core_barrier and sendrecv between them work
+            result = lnc_programs.run_programs(fn, hbm_args, hbm_kwargs, contexts)
+    for context in contexts:
+        sbuf_peak = max(sbuf_peak, context.sbuf_peak_bytes)
+        psum_peak = max(psum_peak, context.psum_peak_banks)
+        collective_records.extend(context.collectives)
     _write_back_mutated_inputs([*args, *kwargs.values()], [*hbm_args, *hbm_kwargs.values()])
     outputs = _collect_outputs(result)
+    inputs = _input_storages([*hbm_args, *hbm_kwargs.values()])
     for tensor in outputs:
-        _check_output(tensor)
+        _check_output(tensor, inputs)
     arrays = [_output_array(t) for t in outputs]
     run = KernelRun(outputs=arrays, trace=trace, target=target, sbuf_peak_bytes=sbuf_peak, psum_peak_banks=psum_peak,
                     collectives=collective_records)
@@ -238,11 +258,15 @@ def simulate(kernel):
     return target
 
 
-def run_kernel(fn, args, *, target: Target | str | None = None, lnc: int = 1) -> KernelRun:
-    """Launch ``fn`` (a Kernel or a plain kernel function) on numpy/torch ``args``; return the KernelRun."""
+def run_kernel(fn, args, *, target: Target | str | None = None, lnc: int = 1, trace: bool = True) -> KernelRun:
+    """Launch ``fn`` (a Kernel or a plain kernel function) on numpy/torch ``args``; return the KernelRun.
+
+    ``trace=False`` runs every instruction and every check but records no trace (its run has no report): for a
+    caller that already holds the report of an identical launch (runtime/launcher.py). With ``launch_hooks``
+    registered, the launch is traced anyway: the hooks read its report."""
     body = fn.fn if isinstance(fn, Kernel) else fn
     resolved = target if isinstance(target, Target) else get_target(target)
-    run, _ = _launch(body, tuple(args), {}, resolved, lnc)
+    run, _ = _launch(body, tuple(args), {}, resolved, lnc, traced=trace or bool(launch_hooks))
     if isinstance(fn, Kernel):
         fn.last_run = run
     return run
@@ -250,15 +274,26 @@ def run_kernel(fn, args, *, target: Target | str | None = None, lnc: int = 1) ->
 
 # ------------------------------------------------------------------------------------------------ imports
 _SELF = sys.modules[__name__]
-_SUBMODULES = {"nki": _SELF, "nki.language": language, "nki.isa": isa, "nki.typing": typing,
-               "nki.collectives": collectives}
+dtype = dtypes  # ``nki.dtype``: published kernels annotate dtype arguments with it
+_SUBMODULES = {"nki": _SELF, "nki.language": language, "nki.isa": isa, "nki.isa.constants": isa_constants,
+               "nki.typing": typing, "nki.collectives": collectives, "nki.dtype": dtypes}
+# The legacy namespace of the neuronx-cc wheel, which published kernels still name in type hints
+# (``import neuronxcc.nki.typing as nt``): the same modules under ``neuronxcc.nki``.
+_LEGACY_ROOT = types.ModuleType("neuronxcc", "neuronxcc.nki as the neuron_compile simulator (an import alias)")
+_LEGACY_ROOT.nki = _SELF
+_ALIASES = {**_SUBMODULES, "neuronxcc": _LEGACY_ROOT,
+            **{f"neuronxcc.{name}": module for name, module in _SUBMODULES.items()}}
+
+
+def _aliased(name: str) -> bool:
+    return name.split(".")[0] in ("nki", "neuronxcc")
 
 
 def _alias_import(name, globals=None, locals=None, fromlist=(), level=0):  # noqa: A002 - __import__ signature
-    if level == 0 and (name == "nki" or name.startswith("nki.")):
-        if name not in _SUBMODULES:
-            raise ImportError(f"{name} is not simulated by neuron_compile (available: {sorted(_SUBMODULES)})")
-        return _SUBMODULES[name] if fromlist else _SELF
+    if level == 0 and _aliased(name):
+        if name not in _ALIASES:
+            raise ImportError(f"{name} is not simulated by neuron_compile (available: {sorted(_ALIASES)})")
+        return _ALIASES[name] if fromlist else _ALIASES[name.split(".")[0]]
     return builtins.__import__(name, globals, locals, fromlist, level)
 
 
@@ -271,15 +306,18 @@ def load_module(source: str, name: str) -> types.ModuleType:
     module_builtins["__import__"] = _alias_import
     module.__dict__["__builtins__"] = module_builtins
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    exec(compile(source, filename, "exec"), module.__dict__)
+    # dont_inherit: the source gets its own __future__ flags, not this module's (postponed annotations would send
+    # dataclasses looking the module up in sys.modules, where a loaded kernel module never is)
+    exec(compile(source, filename, "exec", dont_inherit=True), module.__dict__)
     return module
 
 
 @contextmanager
 def nki_import_alias():
-    """Make ``import nki`` (and nki.language, nki.isa) resolve to this simulator until the block exits."""
-    saved = {key: sys.modules.get(key) for key in _SUBMODULES}
-    sys.modules.update(_SUBMODULES)
+    """Make ``import nki`` (and nki.language, nki.isa, ..., and the legacy ``neuronxcc.nki``) resolve to this
+    simulator until the block exits; the previous sys.modules entries are put back then."""
+    saved = {key: sys.modules.get(key) for key in _ALIASES}
+    sys.modules.update(_ALIASES)
     try:
         yield _SELF
     finally:

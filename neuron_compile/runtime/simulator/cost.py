@@ -28,6 +28,16 @@ tensor_tensor_scan                    max(MIN_II, 2N)
 scalar_tensor_tensor                  2N (N for bf16 subtract -> multiply)
 rng, rand2, dropout, set_rng_seed,    [I] VectorE max(MIN_II, N), GpSimd 150 + N: no SDK figure; costed as one
 rand_set_state, rand_get_state        pass over the elements (N: elements or state words per partition)
+activate2 (ScalarE)                   max(MIN_II, N) [I: activation's figure; the tensor-scalar stage is inline]
+tensor_scalar_reduce,                 max(MIN_II, N) [I: tensor_scalar's figure; the SDK calls the reduction "a
+tensor_scalar_cumulative,             small additional cost"]; select_reduce, range_select, nc_match_replace8,
+select_reduce, range_select,          nc_stream_shuffle (VectorE): max(MIN_II, N) [I: one pass over the elements]
+nc_match_replace8, nc_stream_shuffle
+local_gather, nc_n_gather,            150 + N (GpSimd) [I: the GpSimd startup plus one element per cycle, as iota]
+sequence_bounds, nonzero_with_count
+register_load, register_store (sync)  MIN_II [I: one sequencer instruction]
+core_barrier                          MIN_II [I: a semaphore write and wait]; the schedule joins the two cores there
+sendrecv                              a DMA transfer of the tile (SBUF to the other core's SBUF)
 dynamic-address copies                max(600, N)
 ====================================  ==============================================================
 
@@ -227,8 +237,18 @@ _STREAMING = {
     "bn_aggr": lambda r, n: 13 * n / 3,
     "tensor_tensor_scan": lambda r, n: 2 * n,
     "scalar_tensor_tensor": _scalar_tensor_tensor_cycles,
+    "tensor_scalar_reduce": lambda r, n: n,
+    "tensor_scalar_cumulative": lambda r, n: n,
+    "select_reduce": lambda r, n: n,
+    "range_select": lambda r, n: n,
+    "nc_match_replace8": lambda r, n: n,
+    "nc_stream_shuffle": lambda r, n: n,
+    "core_barrier": lambda r, n: MIN_II,
+    "register_load": lambda r, n: MIN_II,
+    "register_store": lambda r, n: MIN_II,
 }
-_GPSIMD_STARTUP_OPS = {"iota", "affine_select"}
+_GPSIMD_STARTUP_OPS = {"iota", "affine_select", "local_gather", "nc_n_gather", "sequence_bounds",
+                       "nonzero_with_count"}
 _RANDOM_OPS = {"rng", "rand2", "dropout", "set_rng_seed", "rand_set_state", "rand_get_state"}
 _DYNAMIC_COPIES = {"tensor_copy_dynamic_src", "tensor_copy_dynamic_dst"}
 _PERF_MODE_OPS = {"tensor_copy", "tensor_scalar", "tensor_tensor"}

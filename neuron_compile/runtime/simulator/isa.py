@@ -8,15 +8,44 @@ fp32 and round to the destination dtype; matmul accumulates in PSUM with the fir
 
 from __future__ import annotations
 
-import enum
-
 import numpy as np
 
+from neuron_compile.runtime.simulator import isa_constants as constants
 from neuron_compile.runtime.simulator import ops as _ops
 from neuron_compile.runtime.simulator.errors import NkiNotSimulatedError, NkiValidationError
 from neuron_compile.runtime.simulator.memory import current
 from neuron_compile.runtime.simulator.tensor import NkiTensor
-from neuron_compile.runtime.simulator.isa_dma import dma_copy, dma_transpose
+from neuron_compile.runtime.simulator.isa_constants import (
+    dge_mode,
+    dma_engine,
+    engine,
+    gpsimd_engine,
+    matmul_perf_mode,
+    nc_version,
+    oob_mode,
+    reduce_cmd,
+    scalar_engine,
+    tensor_engine,
+    unknown_engine,
+    vector_engine,
+)
+from neuron_compile.runtime.simulator.isa_activation import (
+    ACTIVATION_RANGES,
+    activate2,
+    activation,
+    activation_reduce,
+)
+from neuron_compile.runtime.simulator.isa_accumulate import exponential, tensor_scalar_cumulative, tensor_scalar_reduce
+from neuron_compile.runtime.simulator.isa_dma import dma_compute, dma_copy, dma_transpose
+from neuron_compile.runtime.simulator.isa_lnc import core_barrier, sendrecv
+from neuron_compile.runtime.simulator.isa_gather import local_gather, nc_n_gather, nonzero_with_count, sequence_bounds
+from neuron_compile.runtime.simulator.isa_registers import (
+    VirtualRegister,
+    register_alloc,
+    register_load,
+    register_move,
+    register_store,
+)
 from neuron_compile.runtime.simulator.isa_random import (
     dropout,
     rand2,
@@ -30,9 +59,12 @@ from neuron_compile.runtime.simulator.isa_stats import (
     bn_stats,
     max8,
     nc_find_index8,
+    nc_match_replace8,
     tensor_partition_reduce,
     tensor_tensor_scan,
 )
+from neuron_compile.runtime.simulator.isa_select import range_select, select_reduce
+from neuron_compile.runtime.simulator.isa_shuffle import nc_stream_shuffle
 from neuron_compile.runtime.simulator.rules import (
     FLOAT32,
     cast_to,
@@ -59,56 +91,24 @@ __all__ = [
     "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce", "tensor_copy", "tensor_copy_predicated", "memset", "iota",
     "affine_select", "dma_copy", "dma_transpose", "bn_stats", "bn_aggr", "tensor_tensor_scan", "reciprocal",
     "tensor_partition_reduce", "max8", "nc_find_index8", "set_rng_seed", "rand_set_state", "rand_get_state", "rng",
-    "rand2", "dropout",
+    "rand2", "dropout", "activate2", "dma_engine", "constants", "tensor_engine", "vector_engine", "scalar_engine",
+    "gpsimd_engine", "unknown_engine", "VirtualRegister", "register_alloc", "register_move", "register_load",
+    "register_store", "get_nc_sub_version", "tensor_scalar_reduce", "tensor_scalar_cumulative", "exponential",
+    "select_reduce", "range_select", "local_gather", "nc_n_gather", "sequence_bounds", "nonzero_with_count",
+    "nc_match_replace8", "nc_stream_shuffle", "core_barrier", "sendrecv", "dma_compute",
 ]
-
-
-class engine(enum.IntEnum):  # noqa: N801 - NKI's enum names
-    unknown = 0
-    tensor = 1
-    scalar = 2
-    gpsimd = 3
-    dma = 4
-    vector = 5
-    sync = 6
-
-
-class reduce_cmd(enum.IntEnum):  # noqa: N801
-    idle = 0
-    reset = 1
-    reduce = 2
-    reset_reduce = 3
-    load_reduce = 4
-
-
-class dge_mode(enum.IntEnum):  # noqa: N801
-    unknown = 0
-    swdge = 1
-    hwdge = 2
-    none = 3
-
-
-class oob_mode(enum.IntEnum):  # noqa: N801
-    error = 0
-    skip = 1
-
-
-class matmul_perf_mode(enum.IntEnum):  # noqa: N801
-    none = 0
-    double_row = 1
-
-
-class nc_version(enum.IntEnum):  # noqa: N801
-    gen2 = 2
-    gen3 = 3
-    gen4 = 4
 
 
 def get_nc_version() -> nc_version:
     return nc_version[current().target.nc_version]
 
 
-_MATMUL_INPUT_DTYPES = {"float8_e4m3", "float8_e5m2", "float8_e4m3fn", "bfloat16", "float16", "float32"}
+def get_nc_sub_version() -> int:
+    """The silicon revision within the NeuronCore generation: 0 (the first) for every simulated target."""
+    return 0
+
+
+MATMUL_INPUT_DTYPES = {"float8_e4m3", "float8_e5m2", "float8_e4m3fn", "bfloat16", "float16", "float32"}
 
 
 def _check_tiling(op: str, stationary, tile_position, tile_size) -> None:
@@ -177,9 +177,9 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             "err_matmul_moving_fmax", f"moving free size {n} exceeds gemm_moving_fmax {target.gemm_moving_fmax}", op
         )
     for role, t in (("stationary", stationary), ("moving", moving)):
-        if t.dtype.name not in _MATMUL_INPUT_DTYPES:
+        if t.dtype.name not in MATMUL_INPUT_DTYPES:
             raise NkiValidationError(
-                "err_matmul_input_dtype", f"{role} dtype {t.dtype.name} not in {sorted(_MATMUL_INPUT_DTYPES)}", op
+                "err_matmul_input_dtype", f"{role} dtype {t.dtype.name} not in {sorted(MATMUL_INPUT_DTYPES)}", op
             )
     if (stationary.dtype == FLOAT32) != (moving.dtype == FLOAT32):
         raise NkiValidationError(
@@ -206,13 +206,11 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     product = fp32_tile(stationary).T @ fp32_tile(moving)
     flags = dst.matmul_flags()
     consumed = dst.psum_flags(dst.storage.matmul_read)
-    if accumulate is None and (flags & consumed).any():
-        raise NkiValidationError(
-            "err_matmul_accumulate_after_read",
-            f"matmul into dst {dst.name} would accumulate onto a result another instruction already read (a PSUM "
-            "tile reused across output tiles); allocate the PSUM tile inside the loop or pass accumulate=False for "
-            "the first K tile", op,
-        )
+    if accumulate is None:
+        # an accumulation group whose result another instruction has read is over: the next matmul into those
+        # elements starts a new group (a PSUM tile reused across output tiles, as production kernels reuse their
+        # address-placed PSUM banks), so it overwrites them
+        flags[consumed] = False
     if accumulate is True and not flags.all():
         raise NkiValidationError(
             "err_matmul_accumulate_uninitialized",
@@ -272,126 +270,6 @@ def nc_transpose(dst, data, engine=None, name=None):
     record(op, eng, dst, [("data", data)])
 
 
-def _apply_activation(op: str, func, data, bias, scale) -> np.ndarray:
-    """op(data * scale + bias) in fp32, shape (P, free)."""
-    p = data.partitions
-    gen2 = current().target.nc_version == "gen2"
-    if bias is not None and gen2 and not hasattr(bias, "shape"):
-        raise NkiValidationError("err_activation_bias_invalid_type", "bias must be a (P, 1) tile on gen2", op)
-    bias_values = None
-    if bias is not None:
-        bias_values = scalar_or_vector(op, "bias", bias, p, "err_activation_bias_invalid_type")
-    scale_values = scalar_or_vector(op, "scale", scale, p, "err_activation_scale_scalar_or_vector")
-    x = fp32_tile(data)
-    if not (scale_values.ndim == 0 and scale_values == 1):
-        x = x * scale_values
-    if bias_values is not None:
-        x = x + bias_values
-    _check_activation_range(op, func.name, x)
-    return func.fn(x).astype(FLOAT32, copy=False)
-
-
-SIN_LIMIT = np.float32(np.pi)  # the fp32 nearest pi (slightly above it): the widest fp32 reading of [-pi, pi]
-# Valid inputs of the Scalar engine's piecewise approximations (nki-spec §1.5): outside, the hardware gives invalid
-# results where numpy would be right, so the simulator refuses. Per function: the range as the error states it,
-# and which inputs are valid.
-ACTIVATION_RANGES = {
-    "sin": ("[-pi, pi]", lambda x: np.abs(x) <= SIN_LIMIT),  # no range reduction: sin(9.0) gives ~27.65
-    "arctan": ("[-pi/2, pi/2]", lambda x: np.isnan(x) | (np.abs(x) <= np.float32(np.pi / 2))),
-    "log": ("[2**-64, 2**64]", lambda x: np.isnan(x) | ((x >= 2.0**-64) & (x <= 2.0**64))),
-    "sqrt": ("[2**-116, 2**118]", lambda x: np.isnan(x) | ((x >= 2.0**-116) & (x <= 2.0**118))),
-    "rsqrt": ("[2**-87, 2**97]", lambda x: np.isnan(x) | ((x >= 2.0**-87) & (x <= 2.0**97))),
-    "reciprocal": ("+-[2**-42, 2**42]", lambda x: np.isnan(x) | ((np.abs(x) >= 2.0**-42) & (np.abs(x) <= 2.0**42))),
-}
-
-
-def _check_activation_range(op: str, function: str, x: np.ndarray) -> None:
-    """Refuse inputs outside a function's valid range. nan passes (it propagates), except into sin, whose
-    valid range is all that is known of it."""
-    if function not in ACTIVATION_RANGES:
-        return
-    valid_range, valid = ACTIVATION_RANGES[function]
-    with np.errstate(invalid="ignore"):
-        outside = ~valid(x)
-    if outside.any():
-        raise NkiValidationError(
-            "err_activation_input_out_of_range",
-            f"{function} is valid on {valid_range} only; {int(outside.sum())} input(s) outside, e.g. "
-            f"{x[outside].flat[0]!r}",
-            op,
-        )
-
-
-def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None, name=None):
-    """dst = op(data * scale + bias) on ScalarE; optional add-reduction along the free dim into reduce_res."""
-    name = "activation"
-    dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
-    func = _ops.resolve(op, name)
-    check_elementwise(name, dst, [("data", data)], "scalar")
-    y = _apply_activation(name, func, data, bias, scale)
-    store(dst, y)
-    srcs = [("data", data), ("bias", bias), ("scale", scale)]
-    command = getattr(reduce_cmd, "name", reduce_cmd) or "idle"
-    if command != "idle":
-        _accumulate_reduce_registers(name, command, reduce_op, reduce_res, y)
-    elif reduce_res is not None:
-        _activation_reduce_into(name, reduce_op, reduce_res, y, data.partitions)
-    if reduce_res is not None:
-        srcs.append(("reduce_res", reduce_res))
-    reduces = reduce_res is not None or command != "idle"
-    record(name, "scalar", dst, srcs, {"op": func.name, "reduce": reduces, "reduce_cmd": command}, flops=data.size)
-
-
-def _accumulate_reduce_registers(name: str, command: str, reduce_op, reduce_res, y: np.ndarray) -> None:
-    """ScalarE's per-partition accumulator registers: reset / reduce / reset_reduce / load_reduce, which let one
-    sum span several activation instructions (e.g. the free-dim chunks of a long row)."""
-    registers = current().reduce_registers
-    p = y.shape[0]
-    if command in ("reset", "reset_reduce"):
-        registers[:p] = 0
-    if command == "load_reduce":
-        if reduce_res is None:
-            raise NkiValidationError("err_activation_reduce_res_shape", "load_reduce needs reduce_res to load", name)
-        registers[:p] = fp32_tile(require_tensor(name, "reduce_res", reduce_res))[:, 0]
-    if command in ("reduce", "reset_reduce", "load_reduce"):
-        reduce = _ops.resolve(reduce_op, name, "reduce_op") if reduce_op is not None else _ops.BINARY["add"]
-        if reduce.name != "add":
-            raise NkiValidationError("err_activation_reduce_op", f"reduce_op must be nl.add, got {reduce.name}", name)
-        registers[:p] += y.sum(axis=1, dtype=FLOAT32)
-    if reduce_res is not None:
-        reduce_res = require_tensor(name, "reduce_res", reduce_res)
-        if reduce_res.partitions != p or reduce_res.free_size != 1:
-            raise NkiValidationError(
-                "err_activation_reduce_res_shape", f"reduce_res {reduce_res.shape} must be ({p}, 1)", name
-            )
-        store(reduce_res, registers[:p, None])
-
-
-def _activation_reduce_into(name: str, reduce_op, reduce_res, y: np.ndarray, partitions: int) -> None:
-    reduce = _ops.resolve(reduce_op, name, "reduce_op") if reduce_op is not None else _ops.BINARY["add"]
-    if reduce.name != "add":
-        raise NkiValidationError("err_activation_reduce_op", f"reduce_op must be nl.add, got {reduce.name}", name)
-    reduce_res = require_tensor(name, "reduce_res", reduce_res)
-    if reduce_res.partitions != partitions or reduce_res.free_size != 1:
-        raise NkiValidationError(
-            "err_activation_reduce_res_shape", f"reduce_res {reduce_res.shape} must be ({partitions}, 1)", name
-        )
-    store(reduce_res, y.sum(axis=1, dtype=FLOAT32, keepdims=True))
-
-
-def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
-    """activation with a per-partition add-reduction of the result into reduce_res (P, 1)."""
-    name = "activation_reduce"
-    dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
-    func = _ops.resolve(op, name)
-    check_elementwise(name, dst, [("data", data)], "scalar")
-    y = _apply_activation(name, func, data, bias, scale)
-    store(dst, y)
-    _activation_reduce_into(name, reduce_op, reduce_res, y, data.partitions)
-    record(name, "scalar", dst, [("data", data), ("bias", bias), ("scale", scale), ("reduce_res", reduce_res)],
-           {"op": func.name, "reduce": True}, flops=data.size)
-
-
 def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
     """dst = op(data1, data2) elementwise (same partitions, same elements per partition)."""
     name = "tensor_tensor"
@@ -434,6 +312,8 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
     func0 = _ops.resolve(op0, name, "op0")
     func1 = _ops.resolve(op1, name, "op1") if op1 is not None else None
+    if func1 is not None and func1.kind == "bypass":
+        func1 = None
     eng = engine_name(engine, "vector")
     check_elementwise(name, dst, [("data", data)], eng)
     if func1 is not None and (func0.kind == "bitvec") != (func1.kind == "bitvec"):
@@ -653,14 +533,7 @@ def reciprocal(dst, data, engine=None, name=None):
     record(name, eng, dst, [("data", data)], flops=data.size)
 
 
-_NOT_SIMULATED = {
-    "nc_matmul_mx", "activate2", "tensor_scalar_reduce", "tensor_scalar_cumulative",
-    "exponential", "quantize_mx", "range_select", "select_reduce",
-    "sequence_bounds", "local_gather", "nc_n_gather", "dma_compute", "nc_match_replace8",
-    "nc_stream_shuffle", "register_alloc", "register_move", "register_load", "register_store", "core_barrier",
-    "sendrecv", "nonzero_with_count", "topk",
-    "dma_engine",
-}
+_NOT_SIMULATED = {"nc_matmul_mx", "quantize_mx", "topk"}
 
 
 def __getattr__(name: str):

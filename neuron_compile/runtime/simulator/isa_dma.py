@@ -1,4 +1,4 @@
-"""Simulator stage: the DMA instructions of ``nki.isa`` (dma_copy, dma_transpose).
+"""Simulator stage: the DMA instructions of ``nki.isa`` (dma_copy, dma_transpose, dma_compute).
 
 Input: HBM / SBUF views (incl. indirect ``vector_offset`` access patterns). Output: dst written, with the DMA
 rules checked (never PSUM, equal element counts, hwdge needs equal dtypes, transpose shapes) and one "dma"
@@ -8,7 +8,8 @@ InstructionRecord per transfer.
 from __future__ import annotations
 
 from neuron_compile.runtime.simulator import memory
-from neuron_compile.runtime.simulator.errors import NkiValidationError
+from neuron_compile.runtime.simulator import ops
+from neuron_compile.runtime.simulator.errors import NkiNotSimulatedError, NkiValidationError
 from neuron_compile.runtime.simulator.rules import (
     FLOAT32,
     cast_to,
@@ -19,6 +20,10 @@ from neuron_compile.runtime.simulator.rules import (
     require_tensor,
     store,
 )
+
+
+# The API's permutation when none is given: 2-d and 3-d reverse the dims, 4-d swaps the first and the last.
+DEFAULT_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
 
 
 def dma_copy(dst, src, priority=None, oob_mode=None, dge_mode=None, engine=None, mask=None, name=None):
@@ -42,31 +47,28 @@ def dma_copy(dst, src, priority=None, oob_mode=None, dge_mode=None, engine=None,
             "err_dma_hwdge_dtype", f"hwdge DMA needs equal dtypes, got src {src.dtype.name}, dst {dst.dtype.name} "
             "(use .view())", name,
         )
-    values = src.read()
-    if values.dtype != dst.dtype and is_float(values.dtype) and is_float(dst.dtype):
-        values = values.astype(FLOAT32)
-    if getattr(oob_mode, "name", oob_mode) == "skip" and (src.indirect is not None or dst.indirect is not None):
-        _dma_skip_oob(dst, src, values)
+    if getattr(oob_mode, "name", oob_mode) == "skip" and not (src.in_bounds() and dst.in_bounds()):
+        _dma_skip_oob(dst, src)
     else:
+        values = src.read()
+        if values.dtype != dst.dtype and is_float(values.dtype) and is_float(dst.dtype):
+            values = values.astype(FLOAT32)
         store(dst, values.reshape(dst.shape) if values.shape != dst.shape else values)
     record(name, "dma", dst, [("src", src)],
            {"dge_mode": mode, "indirect": src.indirect is not None or dst.indirect is not None},
            hbm_partitions=_on_chip_partitions(dst, src))
 
 
-def _dma_skip_oob(dst, src, values) -> None:
-    """oob_mode=skip: indirect rows whose offsets fall outside the tensor are not transferred."""
-    side = src if src.indirect is not None else dst
-    index = side.element_indices()
-    valid = (index >= 0) & (index < side.storage.data.size)
-    flat = side._flat()
-    if side is src:
-        out = dst.read().copy()
-        out[valid.reshape(out.shape) if valid.size == out.size else valid] = flat[index[valid]].astype(out.dtype)
-        store(dst, out)
-    else:
-        flat[index[valid]] = cast_to(values.reshape(index.shape)[valid], dst.dtype)
-        dst.storage.written = True
+def _dma_skip_oob(dst, src) -> None:
+    """oob_mode=skip: the elements whose source or destination address falls outside its tensor (an indirect
+    offset or a dynamic scalar_offset past the end) are not transferred; the others are."""
+    src_index, dst_index = src.element_indices().reshape(-1), dst.element_indices().reshape(-1)
+    valid = ((src_index >= 0) & (src_index < src.flat().size)) & ((dst_index >= 0) & (dst_index < dst.flat().size))
+    values = src.flat()[src_index[valid]]
+    if values.dtype != dst.dtype and is_float(values.dtype) and is_float(dst.dtype):
+        values = values.astype(FLOAT32)
+    dst.flat()[dst_index[valid]] = cast_to(values, dst.dtype)
+    dst.storage.written = True
 
 
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=None, oob_mode=None, name=None):
@@ -83,7 +85,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=None, oob_mode=No
         )
     if src.itemsize not in (2, 4):
         raise NkiValidationError("err_dma_transpose_dtype", f"dtype {src.dtype.name} is not 2 or 4 bytes", name)
-    axes = tuple(axes) if axes is not None else tuple(reversed(range(src.ndim)))
+    axes = tuple(axes) if axes is not None else DEFAULT_TRANSPOSE_AXES.get(src.ndim, tuple(reversed(range(src.ndim))))
     expected = tuple(src.shape[a] for a in axes)
     if dst.shape != expected:
         raise NkiValidationError(
@@ -99,3 +101,39 @@ def _on_chip_partitions(dst, src) -> int | None:
         if side.on_chip:
             return side.partitions
     return None
+
+
+DMA_COMPUTE_MAX_SOURCES = 16
+
+
+def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=None, name=None):
+    """dst = srcs[0] + srcs[1] + ... computed in fp32 by the DMA engines (HBM or SBUF, never PSUM); a source
+    with a vector_offset makes it a read-modify-write gather (dst in SBUF) or scatter (dst in HBM)."""
+    name = "dma_compute"
+    dst = require_tensor(name, "dst", dst)
+    sources = [require_tensor(name, f"srcs[{i}]", s) for i, s in enumerate(srcs)]
+    if not 1 <= len(sources) <= DMA_COMPUTE_MAX_SOURCES:
+        raise NkiValidationError("err_dma_compute_sources", f"{len(sources)} sources: 1 to 16", name)
+    if ops.resolve(reduce_op, name, "reduce_op").name != "add":
+        raise NkiValidationError("err_dma_compute_reduce_op", "reduce_op must be nl.add", name)
+    if scales is not None and (len(scales) != len(sources) or any(float(s) != 1.0 for s in scales)):
+        raise NkiValidationError("err_dma_compute_scales", f"scales must be all 1.0, one per source: {scales}", name)
+    indirect = any(t.indirect is not None for t in (dst, *sources))
+    if indirect and (len(sources) != 2 or not unique_indices):
+        raise NkiValidationError(
+            "err_dma_compute_indirect", "a read-modify-write with vector_offset takes exactly 2 sources and "
+            "unique_indices=True", name,
+        )
+    if indirect and getattr(oob_mode, "name", oob_mode) == "skip":
+        raise NkiNotSimulatedError("nki.isa.dma_compute with oob_mode=skip")
+    for role, tile in (("dst", dst), *((f"srcs[{i}]", s) for i, s in enumerate(sources))):
+        require_buffers(name, role, tile, ("hbm", "sbuf"), "err_dma_from_psum")
+        check_tile(name, role, tile, compute=False)
+        if tile.size != dst.size:
+            raise NkiValidationError(
+                "err_dma_shape_mismatch", f"{role} has {tile.size} elements, dst {dst.size}: they must match", name
+            )
+    total = sum(s.read().astype(FLOAT32).reshape(-1) for s in sources)
+    store(dst, total.reshape(dst.shape))
+    record(name, "dma", dst, [(f"src{i}", s) for i, s in enumerate(sources)], {"indirect": indirect},
+           flops=dst.size * (len(sources) - 1), hbm_partitions=_on_chip_partitions(dst, sources[0]))

@@ -40,6 +40,7 @@ from neuron_compile.runtime.simulator.rules import (
     is_float,
     record,
     require_buffers,
+    require_version,
     require_tensor,
     scalar_or_vector,
     store,
@@ -96,23 +97,14 @@ def uniform(bits: np.ndarray) -> np.ndarray:
     return (bits >> np.uint32(32 - UNIFORM_BITS)).astype(FLOAT32) * np.float32(2.0**-UNIFORM_BITS)
 
 
-def _require_version(op: str, minimum: str, what: str = "") -> None:
-    version = current().target.nc_version
-    if version < minimum:  # gen2 < gen3 < gen4
-        raise NkiValidationError(
-            "err_unsupported_arch", f"{what or op} needs NeuronCore {minimum} or newer; the target "
-            f"{current().target.name} is {version}", op,
-        )
-
-
 def _state_engine(op: str, engine) -> str:
     """rand_set_state / rand_get_state: GpSimd, or VectorE from NeuronCore-v4 (gen4) on."""
-    _require_version(op, "gen3")
+    require_version(op, "gen3")
     eng = engine_name(engine, "gpsimd")
     if eng not in STATE_WORDS:
         raise NkiValidationError("err_rng_engine", f"engine {eng}: the PRNG state lives on gpsimd or vector", op)
     if eng == "vector":
-        _require_version(op, "gen4", "the Vector engine's PRNG state")
+        require_version(op, "gen4", "the Vector engine's PRNG state")
     return eng
 
 
@@ -189,7 +181,7 @@ def rng(dst, engine=None, name=None):
     if eng not in ("vector", "gpsimd"):
         raise NkiValidationError("err_rng_engine", f"engine {eng}: rng runs on vector or gpsimd", op)
     if eng == "gpsimd":
-        _require_version(op, "gen3", "rng on the GpSimd engine")
+        require_version(op, "gen3", "rng on the GpSimd engine")
     require_buffers(op, "dst", dst, ("sbuf", "psum"))
     check_tile(op, "dst", dst)
     check_no_psum_on_gpsimd(op, eng, ("dst", dst))
@@ -207,7 +199,7 @@ def rand2(dst, min, max, name=None):  # noqa: A002 - the API's parameter names
     """Uniform values in [min, max) (fp32, rounded to dst's dtype) on VectorE; NeuronCore-v4 and newer."""
     op = "rand2"
     dst = require_tensor(op, "dst", dst)
-    _require_version(op, "gen4")
+    require_version(op, "gen4")
     require_buffers(op, "dst", dst, ("sbuf", "psum"))
     check_tile(op, "dst", dst)
     if dst.dtype.name not in RAND2_DTYPES:

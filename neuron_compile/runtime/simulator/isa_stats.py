@@ -1,5 +1,5 @@
 """Simulator stage: the statistics, scan and selection instructions of ``nki.isa`` (bn_stats, bn_aggr,
-tensor_tensor_scan, tensor_partition_reduce, max8, nc_find_index8).
+tensor_tensor_scan, tensor_partition_reduce, max8, nc_find_index8, nc_match_replace8).
 
 Input: SBUF/PSUM tiles. Output: dst written (fp32 math, rounded to dst), rules checked, one InstructionRecord
 each.
@@ -140,10 +140,66 @@ def nc_find_index8(dst, data, vals, name=None):
             "err_find_index8_shape", f"vals {vals.shape} must hold 8 values per partition and dst dtype "
             f"{dst.dtype.name} must be uint16 or uint32", name,
         )
-    matches = fp32_tile(data)[:, None, :] == fp32_tile(vals)[:, :, None]  # (P, 8, F)
-    # values absent from data are undefined on hardware; report index 0 like the first match search would
-    store(dst, matches.argmax(axis=2))
+    # duplicate vals take successive occurrences, the first duplicate the first occurrence; a value absent from
+    # data is undefined on hardware: index 0 is reported, as a first-match search that finds nothing gives
+    positions, _ = _match_positions(fp32_tile(data), fp32_tile(vals), range(8))
+    store(dst, positions)
     record(name, "vector", dst, [("data", data), ("vals", vals)], flops=data.size)
+
+
+def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None):
+    """dst = data with the first not yet matched occurrence of each of the 8 vals of each partition replaced
+    by imm (VectorE); the vals are matched from the last to the first, so duplicate vals take successive
+    occurrences, and the matched positions go to dst_idx (the first occurrence in the highest slot)."""
+    name = "nc_match_replace8"
+    dst, data, vals = (require_tensor(name, r, t) for r, t in (("dst", dst), ("data", data), ("vals", vals)))
+    for role, t in (("dst", dst), ("data", data), ("vals", vals)):
+        require_buffers(name, role, t, ("sbuf", "psum"))
+        check_tile(name, role, t)
+    check_same_partitions(name, data, dst, "data", "dst")
+    check_same_partitions(name, vals, data, "vals", "data")
+    check_same_free(name, dst, data, "dst", "data")
+    if not 8 <= data.free_size <= 16384:
+        raise NkiValidationError("err_top8_shape", f"data {data.shape} must hold 8..16384 elements per partition", name)
+    if vals.free_size != 8:
+        raise NkiValidationError("err_match_replace8_shape", f"vals {vals.shape} must hold 8 values per partition", name)
+    if dst_idx is not None:
+        dst_idx = require_tensor(name, "dst_idx", dst_idx)
+        check_same_partitions(name, dst_idx, data, "dst_idx", "data")
+        if dst_idx.free_size != 8 or dst_idx.dtype.name not in ("uint16", "uint32", "int32"):
+            raise NkiValidationError(
+                "err_match_replace8_shape", f"dst_idx {dst_idx.shape} {dst_idx.dtype.name} must hold 8 integer indices "
+                "per partition", name,
+            )
+    values = fp32_tile(data).copy()
+    positions, matched = _match_positions(values, fp32_tile(vals), range(7, -1, -1))
+    if (matched.sum(axis=1) < 8).any():
+        raise NkiValidationError(
+            "err_match_replace8_value_absent", f"a value of vals is absent from some partition of data {data.name} "
+            "(the hardware result is undefined then)", name,
+        )
+    values[matched] = np.float32(imm)
+    store(dst, values)
+    srcs = [("data", data), ("vals", vals)]
+    if dst_idx is not None:
+        store(dst_idx, positions)
+        srcs.append(("dst_idx", dst_idx))
+    record(name, "vector", dst, srcs, flops=data.size)
+
+
+def _match_positions(values: np.ndarray, wanted: np.ndarray, slots) -> tuple[np.ndarray, np.ndarray]:
+    """For each partition, the position of the first not yet matched occurrence of each wanted value, taking
+    the (P, 8) slots in the order given; also the (P, F) mask of matched positions. Absent values: position 0,
+    nothing matched."""
+    matched = np.zeros(values.shape, dtype=bool)
+    positions = np.zeros(wanted.shape, dtype=np.int64)
+    for slot in slots:
+        candidates = (values == wanted[:, slot:slot + 1]) & ~matched
+        found = candidates.any(axis=1)
+        positions[:, slot] = candidates.argmax(axis=1)
+        rows = np.flatnonzero(found)
+        matched[rows, positions[rows, slot]] = True
+    return positions, matched
 
 
 def _check_top8(name: str, dst, src) -> None:

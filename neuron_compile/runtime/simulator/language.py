@@ -8,29 +8,88 @@ ISA instructions the wrappers lower to, so the trace and every hardware rule app
 from __future__ import annotations
 
 import builtins
+import dataclasses
 
-import ml_dtypes
 import numpy as np
 
 from neuron_compile.runtime.simulator import isa as _isa
 from neuron_compile.runtime.simulator import ops as _ops
+from neuron_compile.runtime.simulator.dtypes import (  # noqa: F401 - re-exported as nl.<dtype>
+    bfloat16,
+    bool_,
+    float4_e2m1fn_x4,
+    float8_e4m3,
+    float8_e4m3fn,
+    float8_e4m3fn_x4,
+    float8_e5m2,
+    float8_e5m2_x4,
+    float8_e8m0fnu,
+    float16,
+    float32,
+    int8,
+    int16,
+    int32,
+    tfloat32,
+    uint8,
+    uint16,
+    uint32,
+)
 from neuron_compile.runtime.simulator.errors import NkiNotSimulatedError, NkiValidationError
+from neuron_compile.runtime.simulator.isa_registers import VirtualRegister
+from neuron_compile.runtime.simulator.language_wrappers import (  # noqa: F401 - re-exported as nl.<name>
+    dropout,
+    gather_flattened,
+    no_reorder,
+    rand,
+    random_seed,
+    rms_norm,
+)
 from neuron_compile.runtime.simulator.memory import allocate, current, hbm, private_hbm, psum, sbuf, shared_hbm
 from neuron_compile.runtime.simulator.rules import is_float, reduce_axes
 from neuron_compile.runtime.simulator.tensor import DynSlice, NkiTensor
 
 # ------------------------------------------------------------------------------------------------ dtypes
-bfloat16 = np.dtype(ml_dtypes.bfloat16)
-float8_e4m3 = np.dtype(ml_dtypes.float8_e4m3)
-float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
-float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
-float16 = np.dtype(np.float16)
-float32 = np.dtype(np.float32)
-tfloat32 = np.dtype(np.float32)  # simulated as fp32 (tf32 rounding happens inside TensorE)
-int8, int16, int32 = np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32)
-uint8, uint16, uint32 = np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32)
-bool_ = np.dtype(np.uint8)  # NKI's bool_ is a byte
+# nl.float32 & co. are the dtypes of nki.dtype (dtypes.py)
+tensor = NkiTensor  # ``nl.tensor``: the type published kernels annotate their tensor arguments with
 
+
+class NKIObject:
+    """``nl.NKIObject``: the base of kernel dataclasses and configuration objects, built by keyword.
+
+    Published kernels construct their ``@dataclass`` subclasses by keyword even where the class body declares
+    attributes without annotations (``section_idx = None``), which a plain dataclass would not take. So every
+    subclass gets this keyword constructor unless its body defines ``__init__``: ``@dataclass`` keeps an
+    ``__init__`` the class already has, and still adds its comparison and repr. Positional arguments fill the
+    dataclass fields in order; fields not given take their defaults (None without one, as published kernels
+    construct such classes without every field); ``__post_init__`` runs last."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        fields = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
+        if len(args) > len(fields):
+            raise TypeError(f"{type(self).__name__} takes {len(fields)} positional arguments, got {len(args)}")
+        for field, value in zip(fields, args):
+            if field.name in kwargs:
+                raise TypeError(f"{type(self).__name__} got two values for {field.name}")
+            kwargs[field.name] = value
+        for field in fields:
+            if field.name in kwargs:
+                continue
+            if field.default is not dataclasses.MISSING:
+                kwargs[field.name] = field.default
+            elif field.default_factory is not dataclasses.MISSING:
+                kwargs[field.name] = field.default_factory()
+            else:  # published kernels leave fields out of the keyword constructor: they read as None
+                kwargs[field.name] = None
+        for key, value in kwargs.items():
+            object.__setattr__(self, key, value)  # as a frozen dataclass's own constructor sets its fields
+        post_init = getattr(self, "__post_init__", None)
+        if post_init is not None:
+            post_init()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" not in cls.__dict__:
+            cls.__init__ = NKIObject.__init__
 
 
 # ------------------------------------------------------------------------------------------------ operators
@@ -53,8 +112,9 @@ globals().update(_operators())
 
 # ------------------------------------------------------------------------------------------------ creation
 def ndarray(shape, dtype, buffer=sbuf, name: str = "", address=None) -> NkiTensor:
-    """An uninitialized tensor (NaN-filled floats, 4-filled ints, as the official simulator does)."""
-    return allocate(shape, dtype, buffer, name)
+    """An uninitialized tensor (NaN-filled floats, 4-filled ints, as the official simulator does); with
+    ``address=(partition, byte offset)``, placed there in the kernel's SBUF / PSUM (memory.allocate)."""
+    return allocate(shape, dtype, buffer, name, address)
 
 
 def full(shape, fill_value, dtype, buffer=sbuf, name: str = "") -> NkiTensor:
@@ -226,11 +286,44 @@ def matmul(x: NkiTensor, y: NkiTensor, transpose_x: bool = False) -> NkiTensor:
     return out
 
 
-def broadcast_to(x: NkiTensor, shape) -> NkiTensor:
-    """A stride-0 view of ``x`` with size-1 dims stretched to ``shape`` (same rank; not the partition dim)."""
+def broadcast_to(x: NkiTensor, shape, dtype=None) -> NkiTensor:
+    """``x`` with size-1 dims stretched to ``shape`` (same rank). Free dims stretch as a stride-0 view; the
+    partition dim of an on-chip tile has no stride to set to 0, so a [1, ...] tile is copied to every partition
+    of a new SBUF tile by TensorE (a matmul with a row of ones, exact: 1 * x in fp32), as the compiler does."""
+    shape = tuple(int(s) for s in shape)
     if len(shape) != x.ndim:
-        raise NkiValidationError("err_broadcast_rank", f"broadcast_to {tuple(shape)} must keep the rank of {x.shape}")
-    return x.broadcast_to(tuple(shape))
+        raise NkiValidationError("err_broadcast_rank", f"broadcast_to {shape} must keep the rank of {x.shape}")
+    if x.on_chip and shape[0] != x.shape[0]:
+        if x.shape[0] != 1:
+            raise NkiValidationError(
+                "err_broadcast_non_unit", f"broadcast_to {shape}: partition dim {x.shape[0]} of {x.name} is not 1"
+            )
+        x = _broadcast_partitions(x, shape[0])
+    view = x.broadcast_to(shape)
+    return copy(view, dtype) if dtype is not None and np.dtype(dtype) != view.dtype else view
+
+
+def _broadcast_partitions(row: NkiTensor, partitions: int) -> NkiTensor:
+    """A new SBUF tile holding the one-partition tile ``row`` on each of ``partitions`` partitions."""
+    if row.dtype.name not in _isa.MATMUL_INPUT_DTYPES:
+        raise NkiValidationError(
+            "err_broadcast_dtype", f"broadcasting {row.name} ({row.dtype.name}) across partitions goes through "
+            f"TensorE, which reads {sorted(_isa.MATMUL_INPUT_DTYPES)}; cast it first",
+        )
+    free = row.free_size
+    if row.kind != "sbuf" or not row.is_contiguous():
+        row = copy(row)
+    flat_row = row.reshape((1, free))
+    ones = full((1, partitions), 1.0, row.dtype)
+    out = allocate((partitions,) + row.shape[1:], row.dtype, sbuf)
+    flat_out = out.reshape((partitions, free))
+    chunk = tile_size.gemm_moving_fmax
+    for start in range(0, free, chunk):
+        size = builtins.min(chunk, free - start)
+        product = allocate((partitions, size), float32, psum)
+        _isa.nc_matmul(product, ones, flat_row[:, start:start + size])
+        _isa.tensor_copy(flat_out[:, start:start + size], product)
+    return out
 
 
 def expand_dims(x: NkiTensor, axis: int) -> NkiTensor:
@@ -392,19 +485,67 @@ def softmax(x: NkiTensor, axis=-1, dtype=None) -> NkiTensor:
     return out
 
 
+# ------------------------------------------------------------------------------------------------ constants
+def shared_constant(constant) -> NkiTensor:
+    """A shared-HBM tensor holding ``constant`` (a numpy array, or the path of a ``.npy`` file), as the
+    compiler embeds it in the binary; its dtype must be a Neuron dtype."""
+    values = np.load(constant) if isinstance(constant, str) else np.asarray(constant)
+    tensor = allocate(values.shape or (1,), values.dtype, shared_hbm, "shared_constant")
+    tensor.write(values.reshape(tensor.shape))
+    return tensor
+
+
+def shared_identity_matrix(n: int, dtype=uint8, dst: NkiTensor | None = None) -> NkiTensor:
+    """An (n, n) identity matrix in SBUF (``dst`` when given), loaded by DMA from a constant in HBM."""
+    dtype = np.dtype(dtype)
+    constant = allocate((n, n), dtype, private_hbm, "identity_constant")
+    constant.write(np.eye(n, dtype=np.float32).astype(dtype))
+    tile = dst if dst is not None else allocate((n, n), dtype, sbuf, "identity")
+    _isa.dma_copy(tile, constant)
+    return tile
+
+
+# ------------------------------------------------------------------------------------------------ dynamic loops
+def dynamic_range(start, stop=None, step: int = 1):
+    """A loop whose bounds may be registers (``nisa.register_alloc``); the simulator knows their values, so it
+    iterates them as Python ints. ``step`` must be a positive compile-time integer."""
+    if not isinstance(step, int) or step <= 0:
+        raise NkiValidationError("err_dynamic_range_step", f"step must be a positive compile-time int, got {step!r}")
+    if stop is None:
+        start, stop = 0, start
+    return range(int(start), int(stop), step)
+
+
+def fori_loop(lower, upper, body_fun, step: int = 1) -> None:
+    """``body_fun(i)`` for i in [lower, upper) by step; ``i`` is a register holding the iteration value."""
+    for value in dynamic_range(lower, upper, step):
+        body_fun(VirtualRegister(value))
+
+
+def while_loop(init, body_fun) -> None:
+    """While the condition register is nonzero: ``condition = body_fun(condition)`` (checked before each
+    iteration; the body gets a copy of the register and returns the next condition register)."""
+    condition = init
+    while int(condition) != 0:
+        condition = body_fun(VirtualRegister(int(condition)))
+        if not isinstance(condition, VirtualRegister):
+            raise NkiValidationError(
+                "err_while_loop_condition", f"the body of nl.while_loop must return a register, got {condition!r}"
+            )
+
+
 _NOT_SIMULATED = {
-    "rand", "random_seed", "shared_constant", "shared_identity_matrix", "gather_flattened", "rms_norm",
-    "dropout", "fori_loop", "while_loop", "dynamic_range", "no_reorder", "fmod",
-    "mod", "prelu", "bypass",
+    "fmod", "mod",  # "work in simulation but fail when compiled for Trainium hardware": refused here
 }
 
 
 # star imports get the NKI names (dtypes, buffers, operators, functions), not this module's imports
 __all__ = sorted(
     key for key, value in globals().items()
-    if not key.startswith("_") and key not in {"annotations", "builtins", "ml_dtypes", "np", "allocate", "current",
+    if not key.startswith("_") and key not in {"annotations", "builtins", "dataclasses", "ml_dtypes", "np", "allocate", "current",
                                                 "is_float", "promote", "apply_op", "DynSlice", "NkiTensor",
-                                                "NkiNotSimulatedError", "NkiValidationError", "Operator"}
+                                                "NkiNotSimulatedError", "NkiValidationError", "Operator",
+                                                "VirtualRegister"}
 )
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from neuron_compile.runtime.simulator.errors import NkiCapacityError, NkiValidationError
 from neuron_compile.hardware import Target, get_target
-from neuron_compile.runtime.simulator.tensor import Buffer, NkiTensor, new_storage_tensor
+from neuron_compile.runtime.simulator.tensor import Buffer, NkiTensor, Storage, new_storage_tensor
 from neuron_compile.runtime.simulator.trace import InstructionRecord
 
 UNINITIALIZED_INT = 4  # the official simulator's fill value for integer buffers
@@ -45,7 +45,8 @@ class KernelContext:
     target: Target
     program_id: int = 0
     num_programs: int = 1
-    trace: list[InstructionRecord] = field(default_factory=list)
+    # the launch's instruction trace; None: a launch that records none (run_kernel's trace=False)
+    trace: list[InstructionRecord] | None = field(default_factory=list)
     sbuf_live_bytes: int = 0  # per partition
     psum_live_banks: int = 0
     sbuf_peak_bytes: int = 0
@@ -55,8 +56,9 @@ class KernelContext:
     # returns the k-th of them, since on hardware all LNC programs write one shared output
     shared_reuse: list[NkiTensor] = field(default_factory=list)
     allocations: int = 0  # numbers unnamed tensors in error messages
-    # ScalarE accumulator registers (one per partition) driven by activation's reduce_cmd
-    reduce_registers: np.ndarray = field(default_factory=lambda: np.zeros(128, dtype=np.float32))
+    # the engines' accumulator registers (accumulators.py): engine name -> 128 fp32 values, one per lane, driven
+    # by the reduce_cmd of ScalarE's activation / activate2 and VectorE's accumulating instructions
+    accumulators: dict = field(default_factory=dict)
     launched: bool = False  # False for the throwaway context used outside any kernel
     launch_frame: object = None  # the simulator's launch frame: where attributing instructions stops looking
     # the engines' PRNG states (isa_random.py): engine name -> (128, words) uint32 lane states, absent until seeded
@@ -66,6 +68,9 @@ class KernelContext:
     free_memory_ids: dict = field(default_factory=dict)
     pooled_units: dict = field(default_factory=dict)
     collectives: list = field(default_factory=list)  # collectives.CollectiveRecord per nki.collectives call
+    # the kernel's SBUF and PSUM as bytes (buffer kind -> Storage), made when a tensor is first placed at an address
+    physical: dict = field(default_factory=dict)
+    program_group: object = None  # lnc.ProgramGroup of a launch of several programs (None: one program)
 
 
 # The stack of running kernels, one per thread: threads that launch kernels at the same time (a compiled model
@@ -133,8 +138,51 @@ def _fill_value(dtype: np.dtype):
     return np.nan if dtype.kind == "f" or dtype.name.startswith(("bfloat", "float")) else UNINITIALIZED_INT
 
 
-def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
-    """A new uninitialized tensor (NaN / 4 filled) in ``buffer``, accounted against the target's capacity."""
+PHYSICAL_FILL = 0xFF  # unwritten physical SBUF/PSUM bytes: NaN for every float dtype, -1 for signed ints
+
+
+def _physical_memory(context: KernelContext, buffer: Buffer):
+    """The kernel's whole SBUF or PSUM as one byte storage (one row of bytes per partition)."""
+    memory = context.physical.get(buffer.kind)
+    if memory is None:
+        target = context.target
+        row = target.sbuf_bytes_per_partition if buffer.kind == "sbuf" else target.psum_banks * target.psum_bank_bytes
+        data = np.full(target.partitions * row, PHYSICAL_FILL, dtype=np.uint8)
+        memory = context.physical[buffer.kind] = Storage(data, buffer, f"{buffer.name}_memory", row, physical=True)
+    return memory
+
+
+def _placed(context: KernelContext, shape: tuple, dtype: np.dtype, buffer: Buffer, name: str, address) -> NkiTensor:
+    """A tensor at ``address`` = (partition offset, byte offset within each partition) of the kernel's physical
+    SBUF or PSUM: tensors placed at overlapping addresses share their bytes, as on the device. The byte reading of
+    the free offset is the one production kernels use (their allocators count bytes, PSUM banks are 2048 apart);
+    placed tensors are the kernel's own budget, so they are not counted against capacity."""
+    partition, offset = (int(a) for a in address)
+    memory = _physical_memory(context, buffer)
+    row = memory.partition_stride
+    free_bytes = math.prod(shape[1:]) * dtype.itemsize
+    if partition < 0 or partition + shape[0] > context.target.partitions or offset < 0 or offset + free_bytes > row:
+        raise NkiValidationError(
+            "err_address_out_of_bounds",
+            f"{name} {shape} {dtype.name} at address ({partition}, {offset}) reaches past {buffer.name}: "
+            f"{context.target.partitions} partitions of {row} bytes",
+        )
+    if offset % dtype.itemsize:
+        raise NkiValidationError("err_address_alignment", f"{name} at byte {offset} is not {dtype.name}-aligned")
+    if buffer.kind == "psum" and offset % context.target.psum_bank_bytes:
+        raise NkiValidationError(
+            "err_psum_address_bank", f"{name} at PSUM byte {offset}: a PSUM tensor must start at a bank boundary "
+            f"(a multiple of {context.target.psum_bank_bytes})",
+        )
+    item = dtype.itemsize
+    strides = (row // item,) + tuple(math.prod(shape[d + 1:]) for d in range(1, len(shape)))
+    return NkiTensor(memory, shape, strides, (partition * row + offset) // item, dtype,
+                     allocation_free=math.prod(shape[1:]))
+
+
+def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "", address=None) -> NkiTensor:
+    """A new uninitialized tensor (NaN / 4 filled) in ``buffer``, accounted against the target's capacity; with
+    an ``address``, a tensor placed in the kernel's physical SBUF / PSUM (``_placed``)."""
     shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
     dtype = np.dtype(dtype)
     if not isinstance(buffer, Buffer):
@@ -158,11 +206,18 @@ def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
                 f"Size of partition dimension {shape[0]} of {name} exceeds architecture limitation of "
                 f"{context.target.partitions}.",
             )
+    if address is not None and buffer.kind in ("sbuf", "psum"):
+        return _placed(context, shape, dtype, buffer, name, address)
     if buffer is shared_hbm and len(context.outputs_allocated) < len(context.shared_reuse):
         shared = context.shared_reuse[len(context.outputs_allocated)]
         if shared.shape == shape and shared.dtype == dtype:
             context.outputs_allocated.append(shared)
             return shared
+        raise NkiValidationError(
+            "err_lnc_shared_output", f"shared_hbm allocation {len(context.outputs_allocated)} of program "
+            f"{context.program_id} is {shape} {dtype.name}; another program allocated it as {shared.shape} "
+            f"{shared.dtype.name} (every program allocates the same shared outputs in the same order)",
+        )
     data = np.full(math.prod(shape), _fill_value(dtype), dtype=dtype)
     tensor = new_storage_tensor(data, buffer, shape, name)
     bytes_per_partition = math.prod(shape[1:]) * dtype.itemsize
@@ -196,6 +251,7 @@ def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
                         context.target.psum_banks)
     elif buffer is shared_hbm:
         context.outputs_allocated.append(tensor)
+        context.shared_reuse.append(tensor)  # the launch's list: the other programs get this tensor
     return tensor
 
 

@@ -86,7 +86,8 @@ def _shift_right(a, b):
 
 
 class Op:
-    """An NKI operator. ``kind``: "arith" (binary fp32), "bitvec" (binary, ints), "unary" (activation)."""
+    """An NKI operator. ``kind``: "arith" (binary fp32), "bitvec" (binary, ints), "unary" (activation),
+    "bypass" (a tensor-scalar stage that does nothing)."""
 
     __slots__ = ("name", "kind", "fn", "reduce_ufunc", "__weakref__")
 
@@ -134,6 +135,8 @@ BINARY = {
     "bitwise_xor": Op("bitwise_xor", "bitvec", np.bitwise_xor, np.bitwise_xor),
     "left_shift": Op("left_shift", "bitvec", np.left_shift),
     "right_shift": Op("right_shift", "bitvec", _shift_right),
+    # "no operation" in a tensor-scalar stage (tensor_scalar's op1, activate2's op0/op1): the data passes through
+    "bypass": Op("bypass", "bypass", lambda data, operand: data),
 }
 
 UNARY = {
@@ -146,6 +149,7 @@ UNARY = {
     "tanh": Op("tanh", "unary", np.tanh),
     "sigmoid": Op("sigmoid", "unary", _sigmoid),
     "relu": Op("relu", "unary", lambda x: np.maximum(x, np.float32(0))),
+    "prelu": Op("prelu", "unary", lambda x: np.maximum(x, np.float32(0))),  # slope 0 unless activate2's relu_param
     "gelu": Op("gelu", "unary", _gelu),
     "gelu_dx": Op("gelu_dx", "unary", _gelu_dx),
     "gelu_apprx_tanh": Op("gelu_apprx_tanh", "unary", _gelu_tanh),
@@ -187,6 +191,10 @@ _UFUNC_NAMES = {  # legacy kernels pass numpy ufuncs
 }
 
 
+# nl.max / nl.min (the reductions) stand for the maximum / minimum operators where an instruction takes an op
+REDUCTION_ALIASES = {"max": "maximum", "min": "minimum"}
+
+
 def resolve(op, instruction: str, role: str = "op") -> Op:
     """The Op for ``op`` (an Op, a numpy ufunc or an op name)."""
     if isinstance(op, Op):
@@ -194,6 +202,7 @@ def resolve(op, instruction: str, role: str = "op") -> Op:
     name = _UFUNC_NAMES.get(op) if not isinstance(op, str) else op
     if name is None and callable(op):
         name = getattr(op, "__name__", None)
+    name = REDUCTION_ALIASES.get(name, name)
     if name in ALL_OPS:
         return ALL_OPS[name]
     raise NkiValidationError("err_unsupported_op", f"{role}={op!r} is not an NKI ALU/activation operator", instruction)

@@ -39,6 +39,16 @@ def require_buffers(op: str, role: str, tensor: NkiTensor, allowed: tuple[str, .
         )
 
 
+def require_version(op: str, minimum: str, what: str = "") -> None:
+    """Refuse an instruction (or a feature of one: ``what``) that the target's NeuronCore version lacks."""
+    version = current().target.nc_version
+    if version < minimum:  # gen2 < gen3 < gen4
+        raise NkiValidationError(
+            "err_unsupported_arch", f"{what or op} needs NeuronCore {minimum} or newer; the target "
+            f"{current().target.name} is {version}", op,
+        )
+
+
 def check_tile(op: str, role: str, tensor: NkiTensor, compute: bool = True) -> None:
     """Partition count, start partition (compute engines only) and free size of an on-chip operand."""
     if not tensor.on_chip:
@@ -188,8 +198,9 @@ def region(tensor: NkiTensor) -> Region:
     return Region(tensor.storage.memory_id, (first, first + tensor.shape[0]), (low * item, (high + 1) * item))
 
 
-# Operand roles an instruction writes although they are passed as sources (activation's reduce_res).
-_WRITTEN_SOURCES = {"reduce_res"}
+# Operand roles an instruction writes although they are passed as sources (activation's reduce_res,
+# nc_match_replace8's dst_idx).
+_WRITTEN_SOURCES = {"reduce_res", "dst_idx"}
 
 
 def _regions(dst: NkiTensor | None, srcs: list[tuple[str, NkiTensor]], name: str):
@@ -231,11 +242,13 @@ def calling_section(launch_frame=None) -> str:
 
 def record(name: str, engine: str, dst: NkiTensor | None, srcs: list[tuple[str, object]], attrs: dict | None = None,
            flops: int = 0, hbm_partitions: int | None = None) -> None:
+    context = current()
+    if context.trace is None:  # a launch whose trace its caller already holds: the bookkeeping alone is skipped
+        return
     tensors = [(role, t) for role, t in srcs if isinstance(t, NkiTensor)]
     infos = tuple(operand(role, t, hbm_partitions) for role, t in tensors)
     dst_info = operand("dst", dst, hbm_partitions) if dst is not None else None
     reads, writes = _regions(dst, tensors, name)
-    context = current()
     context.trace.append(
         InstructionRecord(name=name, engine=engine, dst=dst_info, srcs=infos, attrs=attrs or {}, flops=int(flops),
                           reads=reads, writes=writes, program=context.program_id,

@@ -27,7 +27,8 @@ The model, as a device profile shows it:
   dependent back-to-back instructions in the SDK's cost notes); a dependency between two queues also waits
   ``SEMAPHORE_WAIT_NS`` for the semaphore the producer signals and the consumer waits on.
 * Cores. With lnc=2 the two programs of a launch run on two NeuronCores, each with its own engines and DMA
-  engines; the launch's makespan is the later of the two.
+  engines; the launch's makespan is the later of the two. At a core_barrier or sendrecv the cores wait for each
+  other: what either does after its k-th such point starts no earlier than the later core's arrival there.
 
 [I] The semaphore figure and the dependency latency are inferences (the SDK documents the overheads, not
 their exact size); what the model does not see: instruction fetch, SBUF bank conflicts, DMA descriptor
@@ -37,7 +38,6 @@ generation on GpSimd, HBM refresh and contention with other cores.
 from __future__ import annotations
 
 import bisect
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -158,12 +158,17 @@ class _Units:
     def __init__(self, count: int):
         self.busy: list[list[list[float]]] = [[] for _ in range(count)]
 
-    def _idle(self, unit: int, start: float, end: float) -> bool:
+    def _earliest_idle(self, unit: int, start: float, duration: float) -> float:
+        """The earliest moment >= ``start`` from which ``unit`` stays idle for ``duration``."""
         intervals = self.busy[unit]
         index = bisect.bisect_right(intervals, [start, float("inf")])
         if index and intervals[index - 1][1] > start:
-            return False
-        return index == len(intervals) or intervals[index][0] >= end
+            index -= 1
+        moment = start
+        while index < len(intervals) and intervals[index][0] < moment + duration:
+            moment = max(moment, intervals[index][1])
+            index += 1
+        return moment
 
     def _reserve(self, unit: int, start: float, end: float) -> None:
         intervals = self.busy[unit]
@@ -178,36 +183,17 @@ class _Units:
 
     def place(self, ready: float, duration: float, wanted: int = 1) -> float:
         """Reserve ``wanted`` units for ``duration`` ns from the earliest start >= ``ready`` at which that
-        many are all idle; the start."""
+        many are all idle; the start. No start before the ``wanted``-th earliest moment at which some unit is
+        idle long enough can have that many idle units, so the search jumps there until it holds."""
         wanted = min(wanted, len(self.busy))
-        for start in self._candidate_starts(ready):
-            idle = [unit for unit in range(len(self.busy)) if self._idle(unit, start, start + duration)]
-            if len(idle) >= wanted:
-                for unit in idle[:wanted]:
+        start = ready
+        while True:
+            frees = sorted((self._earliest_idle(unit, start, duration), unit) for unit in range(len(self.busy)))
+            if frees[wanted - 1][0] == start:
+                for _, unit in frees[:wanted]:
                     self._reserve(unit, start, start + duration)
                 return start
-        raise AssertionError("unreachable: every unit is idle after its last interval")
-
-    def _candidate_starts(self, ready: float):
-        """``ready``, then every interval end after it, ascending (the earliest start is one of them): merged
-        lazily from each unit's sorted intervals, so that a long schedule costs its few first candidates only."""
-        yield ready
-        heap = []
-        for unit, intervals in enumerate(self.busy):
-            index = bisect.bisect_right(intervals, [ready, float("inf")])
-            if index and intervals[index - 1][1] > ready:
-                index -= 1
-            if index < len(intervals):
-                heap.append((intervals[index][1], unit, index))
-        heapq.heapify(heap)
-        previous = ready
-        while heap:
-            end, unit, index = heapq.heappop(heap)
-            if index + 1 < len(self.busy[unit]):
-                heapq.heappush(heap, (self.busy[unit][index + 1][1], unit, index + 1))
-            if end > previous:
-                previous = end
-                yield end
+            start = frees[wanted - 1][0]
 
 
 @dataclass
@@ -223,11 +209,12 @@ class _Core:
     def __post_init__(self) -> None:
         self.dma_engines = _Units(self.dma_engine_count)
 
-    def place(self, record: InstructionRecord, cost: InstructionCost) -> Timing:
-        """Start the instruction as early as its dependencies and a free engine allow (the compiler's
-        instruction scheduler reorders independent instructions; program order binds only through memory)."""
+    def place(self, record: InstructionRecord, cost: InstructionCost, not_before: float = 0.0) -> Timing:
+        """Start the instruction as early as its dependencies, a free engine and ``not_before`` (the release of
+        the cores' last synchronization point) allow (the compiler's instruction scheduler reorders independent
+        instructions; program order binds only through memory)."""
         queue = cost.queue
-        ready = self.memory.ready_ns(record, queue)
+        ready = max(self.memory.ready_ns(record, queue), not_before)
         if cost.dma_engines:
             start, occupied_until = self._place_transfer(ready, cost)
             landed = occupied_until + max(0.0, cost.latency_ns - cost.occupancy_ns)
@@ -273,17 +260,50 @@ def idle_ns_per_queue(timings: Sequence[Timing]) -> dict[str, float]:
     return idle
 
 
+class _Synchronizations:
+    """The points where the cores of an LNC=2 launch wait for each other (core_barrier, sendrecv): the k-th such
+    point of every program ends together, so what a program does after it starts no earlier than the last
+    program's arrival there. The launch's trace lists every program's k-th point before anything after it."""
+
+    def __init__(self, trace: Sequence[InstructionRecord]):
+        self.programs = len({record.program for record in trace})
+        self.passed: dict[int, int] = {}  # program -> synchronization points it has passed
+        self.arrivals: list[list[float]] = []  # per point, the end of each program's instruction there
+
+    def not_before(self, program: int) -> float:
+        """The earliest start of the program's next instruction: when its last point released everyone."""
+        passed = self.passed.get(program, 0)
+        if not passed or self.programs < 2:  # a single core has no one to wait for at its barriers
+            return 0.0
+        arrivals = self.arrivals[passed - 1]
+        return max(arrivals) if len(arrivals) >= self.programs else 0.0
+
+    def arrive(self, program: int, end_ns: float) -> None:
+        point = self.passed.get(program, 0)
+        if point == len(self.arrivals):
+            self.arrivals.append([])
+        self.arrivals[point].append(end_ns)
+        self.passed[program] = point + 1
+
+
+SYNCHRONIZING = ("core_barrier", "sendrecv")
+
+
 def schedule(trace: Sequence[InstructionRecord], costs: Sequence[InstructionCost], dma_engines: int = 16) -> Schedule:
     """Place every instruction of ``trace`` (program order: what it defines is which access comes first) on
     its core's engines; ``costs[i]`` is the cost of ``trace[i]``."""
     cores: dict[int, _Core] = {}
     timings = []
     serial = 0.0
+    synchronizations = _Synchronizations(trace)
     for record, cost in zip(trace, costs):
         core = cores.get(record.program)
         if core is None:
             core = cores[record.program] = _Core(dma_engines)
-        timings.append(core.place(record, cost))
+        timing = core.place(record, cost, synchronizations.not_before(record.program))
+        if record.name in SYNCHRONIZING:
+            synchronizations.arrive(record.program, timing.end_ns)
+        timings.append(timing)
         serial += (cost.latency_ns if cost.dma_engines else cost.duration_ns + cost.visible_after_ns)
         serial += SEMAPHORE_WAIT_NS if record.reads or record.writes else 0.0
     per_core = {program: core.end_ns for program, core in sorted(cores.items())}

@@ -19,6 +19,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from neuron_compile.runtime.simulator.errors import NkiValidationError
+from neuron_compile.runtime.simulator.tensor_views import TensorViews
 
 ON_CHIP = ("sbuf", "psum")
 
@@ -58,9 +59,9 @@ class Storage:
     allocation, except that the allocator hands a released on-chip slot's id to the next tensor of that size."""
 
     __slots__ = ("data", "buffer", "name", "partition_stride", "matmul_written", "matmul_read", "written",
-                 "memory_id", "__weakref__")
+                 "memory_id", "physical", "__weakref__")
 
-    def __init__(self, data: np.ndarray, buffer: Buffer, name: str, partition_stride: int):
+    def __init__(self, data: np.ndarray, buffer: Buffer, name: str, partition_stride: int, physical: bool = False):
         self.data = data
         self.buffer = buffer
         self.name = name
@@ -69,6 +70,8 @@ class Storage:
         self.matmul_read = np.zeros(data.shape, dtype=bool) if buffer.kind == "psum" else None
         self.written = False  # any instruction wrote into it (kernel outputs must be written)
         self.memory_id = next(_memory_ids)
+        # the whole SBUF or PSUM of a kernel as bytes, which tensors allocated at an address view (memory.py)
+        self.physical = physical
 
 
 def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -79,13 +82,15 @@ def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class NkiTensor:
-    """A view of a Storage. Strides and offset are in elements of ``dtype``."""
+class NkiTensor(TensorViews):
+    """A view of a Storage. Strides and offset are in elements of ``dtype``; the named view methods (slice,
+    select, vector_select, reshape_dim, flatten_dims, rearrange) come from tensor_views.TensorViews."""
 
     __slots__ = ("storage", "shape", "strides", "offset", "dtype", "indirect", "_array", "operand_fields",
-                 "__weakref__")
+                 "allocation_free", "__weakref__")
 
-    def __init__(self, storage: Storage, shape, strides, offset: int = 0, dtype=None, indirect=None):
+    def __init__(self, storage: Storage, shape, strides, offset: int = 0, dtype=None, indirect=None,
+                 allocation_free: int | None = None):
         self.storage = storage
         self.shape = tuple(int(s) for s in shape)
         self.strides = tuple(int(s) for s in strides)
@@ -95,6 +100,9 @@ class NkiTensor:
         self.indirect = indirect
         self._array = None  # the numpy view, built on first access (a view's geometry never changes)
         self.operand_fields = None  # cache of rules.operand()
+        # elements per partition of the tensor's own allocation, where that differs from the storage's partition
+        # stride (a tensor at an address in a kernel's physical SBUF/PSUM); None: the partition stride
+        self.allocation_free = allocation_free
     # ---------------------------------------------------------------- properties
     @property
     def buffer(self) -> Buffer:
@@ -150,11 +158,31 @@ class NkiTensor:
         return self.shape[0]
 
     # ---------------------------------------------------------------- data movement
+    def _reach(self) -> tuple[int, int]:
+        """The lowest and highest element the (direct) view addresses."""
+        low = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s < 0)
+        high = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s > 0)
+        return low, high
+
+    def in_bounds(self) -> bool:
+        """Whether every element the view addresses lies inside its storage (indirect offsets included)."""
+        if self.size == 0:
+            return True
+        limit = self.storage.data.nbytes // self.itemsize
+        if self.indirect is not None:
+            index = self.element_indices()
+            return bool(index.min() >= 0 and index.max() < limit)
+        low, high = self._reach()
+        return low >= 0 and high < limit
+
+    def flat(self) -> np.ndarray:
+        """The whole storage as a flat array of this view's dtype (element addressing for DMA bookkeeping)."""
+        return self._flat()
+
     def _check_bounds(self) -> None:
         if self.size == 0:
             return
-        low = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s < 0)
-        high = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s > 0)
+        low, high = self._reach()
         limit = self.storage.data.nbytes // self.itemsize
         if low < 0 or high >= limit:
             raise NkiValidationError(
@@ -235,14 +263,25 @@ class NkiTensor:
         """A per-element flag array of the storage, viewed like this tensor."""
         if flags is None:
             return None
-        if self.dtype.itemsize != self.storage.data.itemsize:
+        # flags are kept per element of the storage (per byte of a physical PSUM): scale this view's element
+        # offsets and strides to them
+        scale = self.dtype.itemsize // self.storage.data.itemsize
+        if not self.storage.physical and scale != 1:
             raise NkiValidationError("err_psum_view_dtype", "PSUM views must keep the allocation's element size")
-        base = flags[self.offset:] if self.offset else flags
-        return as_strided(base, self.shape, tuple(s for s in self.strides), writeable=True)
+        base = flags[self.offset * scale:] if self.offset else flags
+        return as_strided(base, self.shape, tuple(s * scale for s in self.strides), writeable=True)
 
     # ---------------------------------------------------------------- views
     def _view(self, shape, strides, offset, dtype=None, indirect=None) -> NkiTensor:
-        return NkiTensor(self.storage, shape, strides, offset, dtype or self.dtype, indirect)
+        free = self.allocation_free
+        if free is not None and dtype is not None and np.dtype(dtype).itemsize != self.itemsize:
+            free = free * self.itemsize // np.dtype(dtype).itemsize
+        return NkiTensor(self.storage, shape, strides, offset, dtype or self.dtype, indirect, free)
+
+    @property
+    def logical_partition_stride(self) -> int:
+        """Elements per partition of the allocation as the kernel sees it (the partition step of ``.ap()``)."""
+        return self.allocation_free if self.allocation_free is not None else self.partition_stride
 
     def __getitem__(self, key) -> NkiTensor:
         if not isinstance(key, tuple):
@@ -403,15 +442,25 @@ class NkiTensor:
         pattern = [(int(p[0]), int(p[1])) for p in pattern]
         if not pattern:
             raise NkiValidationError("err_ap_empty", f"empty access pattern on {self.name}")
-        if self.on_chip and pattern[0][0] != self.partition_stride:
+        if dtype is not None and np.dtype(dtype).itemsize != self.itemsize:
+            # the pattern counts elements of the new dtype: view the tensor as it first (same bytes)
+            return self._as_dtype_for_ap(np.dtype(dtype)).ap(pattern, offset, scalar_offset, vector_offset,
+                                                            indirect_dim)
+        logical = self.logical_partition_stride
+        if self.on_chip and pattern[0][0] != logical:
             raise NkiValidationError(
                 "err_ap_partition_step",
                 f"first [step, num] of an access pattern on {self.buffer} is the partition dim: step must be "
-                f"{self.partition_stride} (free elements per partition of {self.name}), got {pattern[0][0]}",
+                f"{logical} (free elements per partition of {self.name}), got {pattern[0][0]}",
             )
-        start = self.offset + int(offset)
+        extra = int(offset)
         if scalar_offset is not None:
-            start += int(scalar_offset) * math.prod(self.shape[indirect_dim + 1:])
+            extra += _scalar_offset_value(scalar_offset) * math.prod(self.shape[indirect_dim + 1:])
+        start = self.offset + extra
+        if self.on_chip and logical != self.partition_stride:  # the kernel's offsets, in its allocation's layout
+            partitions, free = divmod(extra, logical)
+            start = self.offset + partitions * self.partition_stride + free
+            pattern = [(self.partition_stride, pattern[0][1])] + pattern[1:]
         indirect = None
         if vector_offset is not None:
             if self.on_chip:
@@ -420,6 +469,19 @@ class NkiTensor:
                 raise NkiValidationError("err_indirect_offset_buffer", "vector_offset must be an SBUF tile (P, 1)")
             indirect = (vector_offset, int(indirect_dim))
         return self._view([c for _, c in pattern], [s for s, _ in pattern], start, dtype, indirect)
+
+    def _as_dtype_for_ap(self, dtype: np.dtype) -> NkiTensor:
+        """This tensor's allocation read as ``dtype``: offsets and the partition stride rescaled to its elements."""
+        old, new = self.itemsize, dtype.itemsize
+        if (self.offset * old) % new or (self.partition_stride * old) % new:
+            raise NkiValidationError(
+                "err_view_dtype_size", f"ap(dtype={dtype.name}) of {self.name}: its offset and partition size in bytes "
+                f"must divide by {new}",
+            )
+        free = self.logical_partition_stride * old // new
+        return NkiTensor(self.storage, (self.partitions, free) if self.on_chip else (self.size * old // new,),
+                         (self.partition_stride * old // new, 1) if self.on_chip else (1,), self.offset * old // new,
+                         dtype, None, free if self.allocation_free is not None else None)
 
     def get_pattern(self) -> list[list[int]]:
         return [[s, n] for s, n in zip(self.strides, self.shape)]
@@ -431,6 +493,22 @@ class NkiTensor:
     def __array__(self, dtype=None, copy=None):
         values = np.array(self.read())
         return values.astype(dtype) if dtype is not None else values
+
+
+def _scalar_offset_value(scalar_offset) -> int:
+    """A dynamic offset: an int, a register (nisa.register_alloc), or a one-element on-chip tensor."""
+    if isinstance(scalar_offset, NkiTensor):
+        if scalar_offset.size != 1 or not scalar_offset.on_chip:
+            raise NkiValidationError(
+                "err_scalar_offset",
+                f"scalar_offset {scalar_offset.name} {scalar_offset.shape} in {scalar_offset.buffer} must be a (1, 1) "
+                "SBUF tensor or a register",
+            )
+        value = np.asarray(scalar_offset.read()).reshape(-1)[0]
+        if not float(value).is_integer():
+            raise NkiValidationError("err_scalar_offset", f"scalar_offset {scalar_offset.name} holds {value!r}")
+        return int(value)
+    return int(scalar_offset)
 
 
 def _is_contiguous(shape, strides) -> bool:

@@ -1,0 +1,143 @@
+"""Runtime stage: what a compiled region does on every call, worked out once (``LaunchPlan``).
+
+Input: a compiled region's input buffers, launched kernels, graph outputs, mutations and eager's output dtypes.
+Output: a ``LaunchPlan`` of plain tuples: per input its buffer name, the storage span its kernels read and whether
+int64 values are narrowed to the int32 kernel dtype; per launched kernel the buffers it takes, in order; per graph
+output where it is read from (an input's storage or a kernel-written buffer) and the torch dtype handed back; per
+mutation the input it writes. ``CompiledRegion`` builds one when it is made
+and reads it on every call, so a cache hit does no layout arithmetic, name search or dtype table lookup.
+
+``StableViews`` keeps, per input, the flat view of a storage seen at the same address on two calls in a row
+(parameters, buffers, weight copies), so a hit does not remake it; a tensor new on every call (an activation) gets
+a fresh view, and no view of it is kept. A kept view holds its storage alive until the input moves: one storage per
+input at most, and one its owner held anyway.
+
+``ValidatedSignatures`` remembers the input signatures (shape, strides, dtype per tensor) a region's first-call
+checks accepted: the checks are a function of exactly those, so a later call with one of them skips them, and any
+other signature is checked in full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+
+from neuron_compile import ir
+from neuron_compile.lowering import LoweringError
+from neuron_compile.runtime.launcher import TORCH_DTYPES, LoadedKernel
+
+INT32_RANGE = (-(2**31), 2**31 - 1)
+SIGNATURES_KEPT = 16  # validated input signatures remembered per region (one per distinct strides; usually one)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSlot:
+    name: str  # the region's input buffer
+    span: int  # elements of the input's storage its kernels read, from its storage offset
+    narrow_to_int32: bool  # the kernel dtype is int32: int64 values are checked and narrowed per call
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSlot:
+    buffer: str  # where the output is read from: an input buffer (a view) or a kernel-written buffer
+    layout: ir.Layout
+    input_index: int  # the input it views, -1 for a kernel-written buffer
+    dtype: torch.dtype | None  # the dtype handed back for a kernel-written buffer (int32 widened where eager's is int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    inputs: tuple[InputSlot, ...]
+    kernels: tuple[tuple[LoadedKernel, tuple[str, ...]], ...]  # (kernel, the buffers it takes in order)
+    outputs: tuple[OutputSlot, ...]
+    mutations: tuple[tuple[int, str, ir.Layout], ...]  # (input index written, buffer read, layout in that buffer)
+
+
+def launch_plan(inputs: list[ir.Buffer], launched: list[LoadedKernel], outputs, mutations,
+                output_dtypes: list[torch.dtype]) -> LaunchPlan:
+    """The plan of a region (see the module docstring); ``outputs``: a TensorValue per graph output,
+    ``mutations``: (input buffer name, TensorValue) pairs."""
+    input_index = {buffer.name: index for index, buffer in enumerate(inputs)}
+    output_slots = []
+    for index, value in enumerate(outputs):
+        if value.buffer in input_index:
+            output_slots.append(OutputSlot(value.buffer, value.layout, input_index[value.buffer], None))
+            continue
+        dtype = TORCH_DTYPES[value.dtype]
+        if value.dtype == "int32" and output_dtypes[index:index + 1] == [torch.int64]:
+            dtype = torch.int64  # NKI has no int64: widen
+        output_slots.append(OutputSlot(value.buffer, value.layout, -1, dtype))
+    return LaunchPlan(
+        inputs=tuple(InputSlot(buffer.name, buffer.layout.span(), buffer.dtype == "int32") for buffer in inputs),
+        kernels=tuple((kernel, tuple(kernel.source.parameters)) for kernel in launched),
+        outputs=tuple(output_slots),
+        mutations=tuple((input_index[name], value.buffer, value.layout) for name, value in mutations),
+    )
+
+
+def flat_argument(tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
+    """The storage span an input's kernels read, from the tensor's storage offset, as a flat tensor in the
+    kernel's dtype (a view where the dtypes agree)."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()  # the kernels' arguments are data: no autograd view of them
+    flat = torch.as_strided(tensor, (slot.span,), (1,), tensor.storage_offset())
+    if slot.narrow_to_int32 and flat.dtype != torch.int32:
+        # int64 is narrowed to the int32 kernel dtype only when every value fits; otherwise the region fails
+        # here and the call runs eagerly (a silent wrap would be a wrong answer).
+        if flat.numel() and (int(flat.min()) < INT32_RANGE[0] or int(flat.max()) > INT32_RANGE[1]):
+            raise LoweringError(f"input {slot.name}: int64 values beyond int32, the kernel dtype")
+        return flat.to(torch.int32)
+    return flat
+
+
+def input_signature(tensors) -> tuple:
+    """What a region's input checks read of its tensors: shape, strides and dtype of each."""
+    return tuple([(tensor.shape, tensor.stride(), tensor.dtype) for tensor in tensors])
+
+
+class ValidatedSignatures:
+    """The input signatures whose checks passed (see the module docstring); thread-safe, bounded."""
+
+    def __init__(self, kept: int = SIGNATURES_KEPT):
+        self.kept = kept
+        self._signatures: set[tuple] = set()
+        self._lock = threading.Lock()
+
+    def __contains__(self, signature: tuple) -> bool:
+        return signature in self._signatures
+
+    def add(self, signature: tuple) -> None:
+        with self._lock:
+            if len(self._signatures) >= self.kept:
+                self._signatures.clear()  # a region called with ever-new strides: keep checking, bounded memory
+            self._signatures.add(signature)
+
+
+class StableViews:
+    """Per region input, the flat argument view of the storage it had on the last two calls, when that storage
+    stayed at one address (see the module docstring). A kept view serves a call when it starts at the tensor's data
+    pointer (its storage's address plus its offset), has its dtype, and its storage still covers the slot's span:
+    it then reads the very memory a new view would (two live storages cannot share an address unless they share
+    the memory), also after its storage was freed and regathered in place (FSDP2's ``resize_``)."""
+
+    def __init__(self, inputs: int):
+        # per input: (its data pointer on the last call, the kept view or None)
+        self._slots: list[tuple[int, torch.Tensor | None]] = [(0, None)] * inputs
+
+    def view(self, index: int, tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
+        """The flat view of ``tensor`` for input ``index`` (``slot``): the kept one, or a new one."""
+        pointer = tensor.data_ptr()
+        last_pointer, kept = self._slots[index]  # one tuple: threads see it whole
+        if kept is not None and kept.data_ptr() == pointer and kept.dtype == tensor.dtype and _covers(kept, slot):
+            return kept
+        flat = flat_argument(tensor, slot)
+        repeated = pointer == last_pointer and pointer != 0
+        self._slots[index] = (pointer, flat if repeated else None)
+        return flat
+
+
+def _covers(view: torch.Tensor, slot: InputSlot) -> bool:
+    """Whether ``view``'s storage still holds the slot's span from the view's offset (a freed one holds nothing)."""
+    return view.untyped_storage().nbytes() >= (view.storage_offset() + slot.span) * view.element_size()

@@ -1,0 +1,175 @@
+"""The in-process cache hit (runtime/launch_plan.py, region.py, launcher.py, compiled_graph.py): a hit lowers
+nothing, reuses the first launch's cost report with the same figures, keeps every first-call check for inputs it
+has not validated, and reads parameters through kept views that still see every update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import neuron_compile
+from neuron_compile import config, pipeline
+from neuron_compile.config import Config
+from neuron_compile.lowering import LoweringError
+from neuron_compile.runtime import compiled_graph, launcher, simulator
+
+aten = torch.ops.aten
+LAUNCH_FIGURES = ("kernels_launched", "hbm_bytes", "flops", "est_time_s", "est_lower_bound_s", "launch_s",
+                  "roofline_s")
+
+
+def _matmul_then_sum(x, w):
+    h = aten.mm.default(x, w)
+    return aten.add.Tensor(h, aten.sum.dim_IntList(h, [0])),
+
+
+def _region(fn, *inputs):
+    return pipeline.compile_region(torch.fx.symbolic_trace(fn), list(inputs), Config(launcher="simulator"))
+
+
+def _inputs(rows=8):
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(rows, 16, generator=generator), torch.randn(16, 4, generator=generator)
+
+
+def _spy_traces(monkeypatch) -> list[bool]:
+    """The ``trace`` argument of every simulator launch from now on."""
+    traced, run_kernel = [], simulator.run_kernel
+
+    def spy(fn, args, **kwargs):
+        traced.append(kwargs.get("trace", True))
+        return run_kernel(fn, args, **kwargs)
+
+    monkeypatch.setattr(simulator, "run_kernel", spy)
+    return traced
+
+
+def test_a_repeated_launch_reuses_the_first_report_and_records_no_trace(monkeypatch):
+    x, w = _inputs()
+    region = _region(_matmul_then_sum, x, w)
+    traced = _spy_traces(monkeypatch)
+    kernel, flat = region.launched[0], {"x": x.reshape(-1), "w": w.reshape(-1)}
+    arguments = [flat[name] for name in kernel.source.parameters]
+    first_outputs, first_report = region.launcher.launch(kernel, arguments)
+    second_outputs, second_report = region.launcher.launch(kernel, arguments)
+    assert traced == [True, False] and second_report is first_report and first_report.flops > 0
+    for first, second in zip(first_outputs, second_outputs, strict=True):
+        assert torch.equal(first, second) and first.data_ptr() != second.data_ptr()
+
+
+def test_a_launch_with_other_argument_shapes_gets_its_own_report(monkeypatch):
+    x, w = _inputs()
+    region = _region(lambda a: (aten.mul.Tensor(a, 2.0),), x)
+    traced = _spy_traces(monkeypatch)
+    kernel = region.launched[0]
+    _, small = region.launcher.launch(kernel, [x.reshape(-1)])
+    _, large = region.launcher.launch(kernel, [torch.randn(2 * x.numel())])  # a longer span: another signature
+    assert traced == [True, True] and large is not small
+
+
+def test_an_untraced_run_computes_the_same_outputs_and_has_no_report():
+    x, w = _inputs()
+    region = _region(_matmul_then_sum, x, w)
+    kernel = region.launched[0]
+    function, flat = kernel.function, {"x": x.reshape(-1).numpy(), "w": w.reshape(-1).numpy()}
+    arrays = [flat[name] for name in kernel.source.parameters]
+    traced = simulator.run_kernel(function, arrays)
+    untraced = simulator.run_kernel(function, arrays, trace=False)
+    assert untraced.trace is None and len(traced.trace) > 0
+    for expected, got in zip(traced.outputs, untraced.outputs, strict=True):
+        assert (expected == got).all()
+    with pytest.raises(ValueError, match="trace=False"):
+        untraced.report  # noqa: B018 -- the property raises
+
+
+def test_launch_hooks_always_get_a_traced_run():
+    x, w = _inputs()
+    kernel = _region(_matmul_then_sum, x, w).launched[0]
+    flat = {"x": x.reshape(-1).numpy(), "w": w.reshape(-1).numpy()}
+    runs = []
+    simulator.launch_hooks.append(runs.append)
+    try:
+        simulator.run_kernel(kernel.function, [flat[name] for name in kernel.source.parameters], trace=False)
+    finally:
+        simulator.launch_hooks.remove(runs.append)
+    assert runs[0].trace and runs[0].report.flops > 0
+
+
+def test_a_hit_lowers_nothing_and_adds_the_same_launch_figures(monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 16))
+    x = torch.randn(24, 32)
+    compiled = torch.compile(model, backend="neuron")
+    regions_compiled = []
+    compile_region = compiled_graph.compile_region
+    monkeypatch.setattr(compiled_graph, "compile_region",
+                        lambda *args, **kwargs: regions_compiled.append(1) or compile_region(*args, **kwargs))
+    deltas = []
+    with config.patch(cache_dir="off", fallback="raise"), torch.no_grad():
+        for _ in range(3):
+            neuron_compile.reset_stats()  # from zero: each call's figures exactly, not differences of float sums
+            with neuron_compile.record_launches() as launches:
+                torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+            counts = neuron_compile.stats()
+            deltas.append({name: counts[name] for name in (*LAUNCH_FIGURES, "cache_hits")})
+            deltas[-1]["reports"] = [launch.report for launch in launches]
+    assert len(regions_compiled) == 1  # the first call compiled the one region; the hits lowered nothing
+    first, *hits = deltas
+    assert first["cache_hits"] == 0 and all(hit["cache_hits"] == 1 for hit in hits)
+    for hit in hits:  # the figures of a hit are exactly those of the miss
+        assert {name: hit[name] for name in LAUNCH_FIGURES} == {name: first[name] for name in LAUNCH_FIGURES}
+        assert hit["reports"] == first["reports"] and first["kernels_launched"] == 1
+
+
+def test_an_input_with_unvalidated_strides_is_still_checked():
+    x, w = _inputs()
+    region = _region(_matmul_then_sum, x, w)
+    region(x, w)
+    transposed = w.t().contiguous().t()  # same shape, other strides: never validated for this region
+    with pytest.raises(LoweringError, match="compiled for shape"):
+        region(x, transposed)
+    with pytest.raises(LoweringError, match="compiled for dtype"):
+        region(x, w.to(torch.bfloat16))
+    torch.testing.assert_close(region(x, w)[0], _matmul_then_sum(x, w)[0])  # the validated one still runs
+
+
+def test_kept_parameter_views_see_in_place_updates_and_new_storage():
+    x, w = _inputs()
+    weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    region = _region(_matmul_then_sum, x, weight)
+    for _ in range(2):  # the second call keeps the weight's view
+        torch.testing.assert_close(region(x, weight)[0], _matmul_then_sum(x, weight)[0])
+    with torch.no_grad():
+        weight.mul_(-3.0)  # the same storage, new values
+    torch.testing.assert_close(region(x, weight)[0], _matmul_then_sum(x, weight)[0])
+    weight.data = torch.randn(16, 4)  # another storage
+    torch.testing.assert_close(region(x, weight)[0], _matmul_then_sum(x, weight)[0])
+    for _ in range(2):  # kept again
+        torch.testing.assert_close(region(x, weight)[0], _matmul_then_sum(x, weight)[0])
+    weight.untyped_storage().resize_(0)  # FSDP2 frees and regathers a parameter's memory this way
+    weight.untyped_storage().resize_(16 * 4 * 4)
+    with torch.no_grad():
+        weight.copy_(torch.ones(16, 4))
+    torch.testing.assert_close(region(x, weight)[0], _matmul_then_sum(x, weight)[0])
+    region(x, weight)  # kept again
+    weight.untyped_storage().resize_(0)  # freed for good: the kept view's storage holds nothing now
+    weight.data = torch.full((16, 4), 2.0)  # a new storage, which may well land at the freed address
+    torch.testing.assert_close(region(x, weight)[0], _matmul_then_sum(x, weight)[0])
+
+
+def test_a_region_failing_on_a_hit_still_falls_back(monkeypatch):
+    model = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+    compiled = torch.compile(model, backend="neuron")
+    neuron_compile.reset_stats()
+    with config.patch(cache_dir="off", fallback="silent"), torch.no_grad():
+        compiled(x)  # compiles, checks the outputs once
+
+        def lost(self, kernel, tensors):
+            raise RuntimeError("device lost")
+
+        monkeypatch.setattr(launcher.SimulatorLauncher, "launch", lost)
+        torch.testing.assert_close(compiled(x), model(x))  # the hit's failure ran the region eagerly
+        torch.testing.assert_close(compiled(x), model(x))
+    counts = neuron_compile.stats()
+    assert counts["region_run_failures"] == 1 and counts["cache_hits"] == 2
