@@ -109,6 +109,13 @@ class Loads:
         entries = [[column_stride, width], [seq_stride, count]]
         return f"nisa.dma_copy(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, offset={offset}))"
 
+    def transposed_copy(self, load: ir.Load, start: str, count: str, width: int, src: str, dst: str) -> str:
+        """Rows of ``load`` already in SBUF as ``src`` transposed into ``dst`` by the DMA engines (SBUF to SBUF: no
+        second HBM read), or read again from HBM by a strided DMA where they cannot transpose."""
+        if self.plan.transpose_loads:
+            return f"nisa.dma_transpose(dst={dst}, src={src}, axes=(1, 0))"
+        return self.transposed(load, start, count, width, dst)
+
     def column(self, load: ir.Load, dst: str) -> str:
         """A per-query value [*batch, Sq] as the tile's (rows, 1) column."""
         stride = load.layout.strides[self.rank]
@@ -146,13 +153,16 @@ def render_attention_backward(node: ir.AttentionBackward, plan: AttentionBackwar
         scale=float(node.scale), operand_dtype=NL_DTYPES[node.q.dtype],
         query_dtype=NL_DTYPES[node.grad_query.buffer.dtype], key_dtype=NL_DTYPES[node.grad_key.buffer.dtype],
         value_dtype=NL_DTYPES[node.grad_value.buffer.dtype],
-        load_queries_t=loads.transposed(node.q, "p0", "rows", depth, f"queries_t[0:{depth}, 0:rows]"),
+        load_queries_t=loads.transposed_copy(node.q, "p0", "rows", depth, f"queries[0:rows, 0:{depth}]",
+                                             f"queries_t[0:{depth}, 0:rows]"),
         load_queries=loads.rows(node.q, "p0", "rows", depth, f"queries[0:rows, 0:{depth}]"),
-        load_grad_t=loads.transposed(node.grad, "p0", "rows", value_dim, f"grad_t[0:{value_dim}, 0:rows]"),
+        load_grad_t=loads.transposed_copy(node.grad, "p0", "rows", value_dim, f"grad[0:rows, 0:{value_dim}]",
+                                          f"grad_t[0:{value_dim}, 0:rows]"),
         load_grad=loads.rows(node.grad, "p0", "rows", value_dim, f"grad[0:rows, 0:{value_dim}]"),
         load_out=loads.rows(node.out, "p0", "rows", value_dim, f"outputs[0:rows, 0:{value_dim}]"),
         load_logsumexp=loads.column(node.logsumexp, "logsumexp[0:rows, 0:1]"),
-        load_keys_t=loads.transposed(node.k, "k0", "cols", depth, f"keys_t[0:{depth}, 0:cols]"),
+        load_keys_t=loads.transposed_copy(node.k, "k0", "cols", depth, f"keys[0:cols, 0:{depth}]",
+                                          f"keys_t[0:{depth}, 0:cols]"),
         load_keys=loads.rows(node.k, "k0", "cols", depth, f"keys[0:cols, 0:{depth}]"),
         load_values_t=loads.transposed(node.v, "k0", "cols", value_dim, f"values_t[0:{value_dim}, 0:cols]"),
         mask_load=loads.mask(node.mask, "mask_tile[0:rows, 0:cols]") if node.mask else None,
