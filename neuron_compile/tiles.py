@@ -123,7 +123,8 @@ def attention_backward_bytes(depth: int, value_dim: int, queries: int, keys: int
     rows = target.partitions
     query_tiles, key_tiles = math.ceil(queries / rows), math.ceil(keys / rows)
     query_side = (2 * rows + depth + value_dim) * itemsize
-    block = 6 * rows * 4 + (depth + value_dim) * 4  # k^T, k, v^T, scores, P, dS, dS^T, mask / logits; dk, dv out
+    # a key block of 512: k, k^T, v^T, P, dS, dS^T (<= 4 bytes each), the mask and logits (fp32); dk, dv out
+    block = (4 * depth + 5 * 512) * 4 + 2 * 512 * 4 + (depth + value_dim) * 4
     always = query_tiles * (depth * 4 + 8) + 2 * (block + query_side + value_dim * 4)
     if grouped:
         always += key_tiles * (depth + value_dim) * 4

@@ -1,10 +1,11 @@
 """Kernel kind ``attention_backward``: flash attention's backward (dq, dk, dv) in one kernel (``ir.AttentionBackward``).
 
-Tiling: per query head, key blocks of 128 keys (on partitions: dk and dv accumulate in two PSUM banks over every
-query tile that sees the block) in the outer loop, query tiles of 128 rows in the inner one. Each (query tile, key
-block) step recomputes the scores and the probabilities from q, k and the forward's log-sum-exp, dP = dO v^T and
-dS = P * (dP - rowsum(dO * O)) on chip; dS^T (TensorE transpose) times k adds the step's share of dq into the query
-tile's fp32 accumulator in SBUF. A head's query side (q^T, q, dO^T, dO of every tile) stays resident in SBUF when it
+Tiling: per query head, key blocks of 512 keys in the outer loop, query tiles of 128 rows in the inner one. Each
+(query tile, key block) step recomputes the scores and the probabilities from q, k and the forward's log-sum-exp,
+dP = dO v^T and dS = P * (dP - rowsum(dO * O)) on chip (one matmul and one instruction each over the block); per
+chunk of 128 keys (on partitions) dv and dk accumulate in PSUM over every query tile that sees the chunk, and
+dS^T (TensorE transpose) times k adds the chunk's share of dq in PSUM, added to the query tile's fp32 accumulator in
+SBUF once per block. A head's query side (q^T, q, dO^T, dO of every tile) stays resident in SBUF when it
 fits, else it is loaded per step. Causal: a key block skips the query tiles whose queries all come before its
 keys; the diagonal steps zero the probabilities above the diagonal (affine_select). Grouped-query attention: a
 key/value head's dk and dv are summed over its query heads in fp32 SBUF tiles, stored once.
@@ -32,6 +33,10 @@ from neuron_compile.tiles import (
 )
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
+# Keys per block: S and dP of a block are one matmul each into one PSUM bank of fp32 (the moving operand's limit),
+# P and dS one ScalarE / VectorE instruction each, and dq's share sums the block's four chunks in PSUM before its one
+# add into SBUF (measured, seq 1024 D 128 bf16: blocks of 128 keys spend 21 us of VectorE on those adds).
+KEY_BLOCK = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +46,12 @@ class AttentionBackwardPlan(TilePlan):
     q^T, k^T, dO^T and v^T come in through ``dma_transpose`` (head dim contiguous, target has it)."""
 
     group_dims: tuple[int, ...] = ()
+    key_block: int = KEY_BLOCK
     resident: bool = False
     transpose_loads: bool = False
 
     def describe(self) -> str:
-        text = super().describe() + ", key blocks of 128"
+        text = super().describe() + f", key blocks of {self.key_block} (chunks of 128)"
         text += ", query side resident per head" if self.resident else ", query side loaded per step"
         return text + (f", dk/dv summed over dims {list(self.group_dims)}" if self.group_dims else "")
 
@@ -74,8 +80,9 @@ def plan_attention_backward(node: ir.AttentionBackward, target) -> AttentionBack
     outer = tuple(LoopDim(size, dim, 1, 1) for dim, size in enumerate(batch))
     partition = LoopDim(queries, rank, 1, min(queries, target.partitions))
     free = (LoopDim(keys, rank + 1, 1, min(keys, target.partitions)),)
+    key_block = min(KEY_BLOCK, 128 * math.ceil(keys / 128))
     return AttentionBackwardPlan("attention_backward", outer, partition, free, 0, group_dims=grouped,
-                                 resident=resident, transpose_loads=transpose_loads)
+                                 key_block=key_block, resident=resident, transpose_loads=transpose_loads)
 
 
 class Loads:
@@ -96,6 +103,23 @@ class Loads:
         entries = [[seq_stride, count], [column_stride, width]]
         return f"nisa.dma_copy(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, " \
                f"offset={self.offset(load.layout, [(start, seq_stride)])}))"
+
+    def chunked_rows(self, load: ir.Load, start: str, count: str, width: int, tile: str) -> list[str]:
+        """Rows ``start`` .. of a [seq, width] operand into ``tile`` [128, chunk, width] (row r in chunk r // 128):
+        the whole chunks in one DMA, a ragged last chunk in another."""
+        seq_stride, column_stride = load.layout.strides[self.rank], load.layout.strides[self.rank + 1]
+        whole = [[seq_stride, 128], [seq_stride * 128, "whole"], [column_stride, width]]
+        tail = [[seq_stride, f"{count} % 128"], [column_stride, width]]
+        tail_offset = self.offset(load.layout, [(start, seq_stride), ("whole", seq_stride * 128)])
+        return [
+            f"whole = {count} // 128",
+            "if whole:",
+            f"    nisa.dma_copy(dst={tile}[0:128, 0:whole, 0:{width}], src={load.buffer}.ap({entries_text(whole)}, "
+            f"offset={self.offset(load.layout, [(start, seq_stride)])}))",
+            f"if {count} % 128:",
+            f"    nisa.dma_copy(dst={tile}[0:{count} % 128, whole, 0:{width}], src={load.buffer}.ap("
+            f"{entries_text(tail)}, offset={tail_offset}))",
+        ]
 
     def transposed(self, load: ir.Load, start: str, count: str, width: int, dst: str) -> str:
         """The same rows transposed into ``dst`` [width on partitions, count]: a DMA transpose when the width is
@@ -150,6 +174,7 @@ def render_attention_backward(node: ir.AttentionBackward, plan: AttentionBackwar
         group_loops=[(dim, plan.outer[dim].size) for dim in plan.group_dims],
         grouped=bool(plan.group_dims), resident=plan.resident, causal=node.causal,
         queries=queries, keys=keys, depth=depth, value_dim=value_dim, key_tiles=math.ceil(keys / 128),
+        key_block=plan.key_block, key_chunks=plan.key_block // 128,
         scale=float(node.scale), operand_dtype=NL_DTYPES[node.q.dtype],
         query_dtype=NL_DTYPES[node.grad_query.buffer.dtype], key_dtype=NL_DTYPES[node.grad_key.buffer.dtype],
         value_dtype=NL_DTYPES[node.grad_value.buffer.dtype],
@@ -161,15 +186,14 @@ def render_attention_backward(node: ir.AttentionBackward, plan: AttentionBackwar
         load_grad=loads.rows(node.grad, "p0", "rows", value_dim, f"grad[0:rows, 0:{value_dim}]"),
         load_out=loads.rows(node.out, "p0", "rows", value_dim, f"outputs[0:rows, 0:{value_dim}]"),
         load_logsumexp=loads.column(node.logsumexp, "logsumexp[0:rows, 0:1]"),
-        load_keys_t=loads.transposed_copy(node.k, "k0", "cols", depth, f"keys[0:cols, 0:{depth}]",
-                                          f"keys_t[0:{depth}, 0:cols]"),
-        load_keys=loads.rows(node.k, "k0", "cols", depth, f"keys[0:cols, 0:{depth}]"),
+        load_keys_t=loads.transposed(node.k, "k0", "cols", depth, f"keys_t[0:{depth}, 0:cols]"),
+        load_keys=loads.chunked_rows(node.k, "k0", "cols", depth, "keys"),
         load_values_t=loads.transposed(node.v, "k0", "cols", value_dim, f"values_t[0:{value_dim}, 0:cols]"),
         mask_load=loads.mask(node.mask, "mask_tile[0:rows, 0:cols]") if node.mask else None,
         mask_dtype=NL_DTYPES[node.mask.dtype] if node.mask else None,
         store_grad_query=loads.store(node.grad_query, "p0", "rows", depth, f"grad_query[0:rows, 0:{depth}]"),
-        store_grad_key=loads.store(node.grad_key, "k0", "cols", depth, f"grad_key[0:cols, 0:{depth}]"),
-        store_grad_value=loads.store(node.grad_value, "k0", "cols", value_dim, f"grad_value[0:cols, 0:{value_dim}]"),
+        store_grad_key=loads.store(node.grad_key, "start", "kk", depth, f"grad_key[0:kk, 0:{depth}]"),
+        store_grad_value=loads.store(node.grad_value, "start", "kk", value_dim, f"grad_value[0:kk, 0:{value_dim}]"),
     )
     return render_template("attention_backward.py.j2", **context)
 
