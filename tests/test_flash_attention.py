@@ -199,7 +199,9 @@ def test_the_training_forward_writes_eagers_logsumexp(causal):
 
 
 def attention_grads(fn, base, dtype):
-    tensors = [t.to(dtype).requires_grad_() for t in base]
+    # fresh leaves: ``t.to(dtype)`` returns ``t`` itself for its own dtype, and two calls would then accumulate
+    # into one .grad (the compiled and eager gradients compared would be the same tensor)
+    tensors = [t.detach().clone().to(dtype).requires_grad_() for t in base]
     out = fn(*tensors)
     (out.float() ** 2).sum().backward()
     return [t.grad for t in tensors]
