@@ -201,6 +201,8 @@ def render_attention_backward(node: ir.AttentionBackward, plan: AttentionBackwar
 class AttentionBackwardKind(KernelKind):
     node_type = ir.AttentionBackward
     name = "attention_backward"
+    # dk and dv are complete only after every query tile, dq after every key block: no tile of an epilogue's domain
+    refusal = "an attention backward kernel takes no epilogue (its gradients are complete only at its end)"
 
     def stores(self, node):
         return node.stores

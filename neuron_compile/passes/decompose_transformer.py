@@ -1,7 +1,8 @@
-"""Decomposition stage, the eval fast path of ``torch.nn``'s transformer modules: ``aten._transformer_encoder_layer_fwd``
-(``nn.TransformerEncoderLayer`` / ``nn.TransformerEncoder`` in eval mode without gradients) and
-``aten._native_multi_head_attention`` (``torch._native_multi_head_attention``; Dynamo traces ``nn.MultiheadAttention``
-through ``F.multi_head_attention_forward`` instead, which is already ATen) as the ATen ops we lower.
+"""Decomposition stage, the eval fast path of ``torch.nn``'s transformer modules:
+``aten._transformer_encoder_layer_fwd`` (``nn.TransformerEncoderLayer`` / ``nn.TransformerEncoder`` in eval mode
+without gradients) and ``aten._native_multi_head_attention`` (``torch._native_multi_head_attention``; Dynamo traces
+``nn.MultiheadAttention`` through ``F.multi_head_attention_forward`` instead, which is already ATen) as the ATen ops
+we lower.
 
 Input: nothing (a constant). Output: ``transformer_decompositions()``, entries for the decomposition table
 (passes/decompose.py). The encoder layer becomes layer norms, linears (relu or gelu between the feed-forward pair)
