@@ -6,7 +6,9 @@ dP = dO v^T and dS = P * (dP - rowsum(dO * O)) on chip (one matmul and one instr
 chunk of 128 keys (on partitions) dv and dk accumulate in PSUM over every query tile that sees the chunk, and
 dS^T (TensorE transpose) times k adds the chunk's share of dq in PSUM, added to the query tile's fp32 accumulator in
 SBUF once per block. A head's query side (q^T, q, dO^T, dO of every tile) stays resident in SBUF when it
-fits, else it is loaded per step. Causal: a key block skips the query tiles whose queries all come before its
+fits, else it is loaded per step. q, dO and k are read from HBM once per use as they are stored (queries or keys
+on partitions) and transposed on TensorE for the operands that need the head dim on partitions (v^T, needed only
+so, comes in through a DMA transpose). Causal: a key block skips the query tiles whose queries all come before its
 keys; the diagonal steps zero the probabilities above the diagonal (affine_select). Grouped-query attention: a
 key/value head's dk and dv are summed over its query heads in fp32 SBUF tiles, stored once.
 No fusion: the kernel takes no epilogue or prologue (its stores read ``Result()``).
@@ -43,7 +45,7 @@ KEY_BLOCK = 512
 class AttentionBackwardPlan(TilePlan):
     """``outer`` the batch dims, ``group_dims`` those of them that pick a query head within a key/value group (dk
     and dv sum over them); ``resident``: a head's query side stays in SBUF across key blocks; ``transpose_loads``:
-    q^T, k^T, dO^T and v^T come in through ``dma_transpose`` (head dim contiguous, target has it)."""
+    v^T comes in through ``dma_transpose`` (head dim contiguous, target has it)."""
 
     group_dims: tuple[int, ...] = ()
     key_block: int = KEY_BLOCK
@@ -74,9 +76,8 @@ def plan_attention_backward(node: ir.AttentionBackward, target) -> AttentionBack
                                                   target)
     resident = always + query_side <= target.sbuf_bytes_per_partition * SBUF_SHARE
     rank = len(batch)
-    transpose_loads = target.dma_transpose and all(
-        needs_transpose(load.layout.strides[rank + 1], load.layout.strides[rank])
-        for load in (node.q, node.k, node.grad, node.v))
+    transpose_loads = target.dma_transpose and needs_transpose(node.v.layout.strides[rank + 1],
+                                                               node.v.layout.strides[rank])
     outer = tuple(LoopDim(size, dim, 1, 1) for dim, size in enumerate(batch))
     partition = LoopDim(queries, rank, 1, min(queries, target.partitions))
     free = (LoopDim(keys, rank + 1, 1, min(keys, target.partitions)),)
@@ -133,13 +134,6 @@ class Loads:
         entries = [[column_stride, width], [seq_stride, count]]
         return f"nisa.dma_copy(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, offset={offset}))"
 
-    def transposed_copy(self, load: ir.Load, start: str, count: str, width: int, src: str, dst: str) -> str:
-        """Rows of ``load`` already in SBUF as ``src`` transposed into ``dst`` by the DMA engines (SBUF to SBUF: no
-        second HBM read), or read again from HBM by a strided DMA where they cannot transpose."""
-        if self.plan.transpose_loads:
-            return f"nisa.dma_transpose(dst={dst}, src={src}, axes=(1, 0))"
-        return self.transposed(load, start, count, width, dst)
-
     def column(self, load: ir.Load, dst: str) -> str:
         """A per-query value [*batch, Sq] as the tile's (rows, 1) column."""
         stride = load.layout.strides[self.rank]
@@ -178,15 +172,10 @@ def render_attention_backward(node: ir.AttentionBackward, plan: AttentionBackwar
         scale=float(node.scale), operand_dtype=NL_DTYPES[node.q.dtype],
         query_dtype=NL_DTYPES[node.grad_query.buffer.dtype], key_dtype=NL_DTYPES[node.grad_key.buffer.dtype],
         value_dtype=NL_DTYPES[node.grad_value.buffer.dtype],
-        load_queries_t=loads.transposed_copy(node.q, "p0", "rows", depth, f"queries[0:rows, 0:{depth}]",
-                                             f"queries_t[0:{depth}, 0:rows]"),
         load_queries=loads.rows(node.q, "p0", "rows", depth, f"queries[0:rows, 0:{depth}]"),
-        load_grad_t=loads.transposed_copy(node.grad, "p0", "rows", value_dim, f"grad[0:rows, 0:{value_dim}]",
-                                          f"grad_t[0:{value_dim}, 0:rows]"),
         load_grad=loads.rows(node.grad, "p0", "rows", value_dim, f"grad[0:rows, 0:{value_dim}]"),
         load_out=loads.rows(node.out, "p0", "rows", value_dim, f"outputs[0:rows, 0:{value_dim}]"),
         load_logsumexp=loads.column(node.logsumexp, "logsumexp[0:rows, 0:1]"),
-        load_keys_t=loads.transposed(node.k, "k0", "cols", depth, f"keys_t[0:{depth}, 0:cols]"),
         load_keys=loads.chunked_rows(node.k, "k0", "cols", depth, "keys"),
         load_values_t=loads.transposed(node.v, "k0", "cols", value_dim, f"values_t[0:{value_dim}, 0:cols]"),
         mask_load=loads.mask(node.mask, "mask_tile[0:rows, 0:cols]") if node.mask else None,
