@@ -165,3 +165,10 @@ def test_seq_4096_within_the_sbuf_and_psum_budgets(dtype):
     else:
         region = check_against_eager(backward_fn(True), *inputs, tolerances=FP32)
     assert len(backward_kernels(region)) == 1
+
+
+def test_trn1_without_dma_transpose():
+    """trn1's DMA engines do not transpose: v^T comes in through a strided DMA, the rest is unchanged."""
+    with config.patch(target="trn1"):
+        region = check_against_eager(backward_fn(True), *backward_inputs(200, 300, 64, causal=True), tolerances=FP32)
+    assert len(backward_kernels(region)) == 1 and "dma_transpose" not in region.kernels[0].source
