@@ -123,3 +123,16 @@ def test_native_multi_head_attention(mask_type, need_weights, average):
                                                   proj_bias, mask, need_weights, average, mask_type)
 
     check_eval(attention, x, *parameters)
+
+
+def test_native_multi_head_attention_with_distinct_query_key_and_value():
+    # three inputs: three projections by the qkv weight's thirds (eager's cat of three matmuls)
+    query, key, value = (random_tensor((BATCH, LENGTH, EMBED), seed=seed) for seed in (13, 14, 15))
+    parameters = native_attention((random_tensor((3 * EMBED, EMBED), seed=8), random_tensor((2, 3 * EMBED), seed=9),
+                                   random_tensor((EMBED, EMBED), seed=10)))
+
+    def attention(query, key, value, qkv_weight, qkv_bias, proj_weight, proj_bias):
+        return torch._native_multi_head_attention(query, key, value, EMBED, HEADS, qkv_weight, qkv_bias, proj_weight,
+                                                  proj_bias, None, True, True)
+
+    check_eval(attention, query, key, value, *parameters)
