@@ -117,9 +117,10 @@ def flash_attention_reason(depth: int, value_dim: int, scale: float, target) -> 
 def attention_backward_bytes(depth: int, value_dim: int, queries: int, keys: int, itemsize: int, grouped: bool,
                              target) -> tuple[int, int]:
     """SBUF bytes per partition of the fused attention backward (kinds/attention_backward.py): (what it always
-    keeps, what keeping a head's query side resident adds). Always: each query tile's dq accumulator (fp32), log-sum-
-    exp and row dot; the group's dk / dv sums (fp32) with grouped-query heads; two key blocks' and two query tiles'
-    working tiles (one loads while the other computes). Resident: every query tile's q^T, q, dO^T and dO."""
+    keeps, what keeping one query tile's query side resident adds). Always: each query tile's dq accumulator
+    (fp32), log-sum-exp and row dot; the group's dk / dv sums (fp32) with grouped-query heads; two key blocks' and
+    two query tiles' working tiles (one loads while the other computes). Per query tile kept resident: its q^T, q,
+    dO^T and dO."""
     rows = target.partitions
     query_tiles, key_tiles = math.ceil(queries / rows), math.ceil(keys / rows)
     query_side = (2 * rows + depth + value_dim) * itemsize
@@ -128,7 +129,7 @@ def attention_backward_bytes(depth: int, value_dim: int, queries: int, keys: int
     always = query_tiles * (depth * 4 + 8) + 2 * (block + query_side + value_dim * 4)
     if grouped:
         always += key_tiles * (depth + value_dim) * 4
-    return always, query_tiles * query_side
+    return always, query_side
 
 
 def attention_backward_reason(depth: int, value_dim: int, queries: int, keys: int, itemsize: int, grouped: bool,

@@ -17,9 +17,9 @@ import neuron_compile
 from lowering_harness import check_against_eager, compile_and_run, random_tensor
 from neuron_compile import config, ir
 from neuron_compile.hardware import get_target
-from neuron_compile.kinds.attention_backward import plan_attention_backward
+from neuron_compile.kinds import attention_backward as backward_kind
 from neuron_compile.runtime import compiled_graph
-from neuron_compile.tiles import TilingError, attention_backward_reason
+from neuron_compile.tiles import TilingError, attention_backward_bytes, attention_backward_reason
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -152,7 +152,7 @@ def test_the_sbuf_budget_is_checked_by_name():
     node = ir.AttentionBackward("kernel", (1, 2 ** 20, 2 ** 20), load, load, load, load, load, rows, None,
                                 1 / math.sqrt(128), False, store, store, store)
     with pytest.raises(TilingError, match="over the budget"):
-        plan_attention_backward(node, trn2)
+        backward_kind.plan_attention_backward(node, trn2)
 
 
 @pytest.mark.slow
@@ -172,3 +172,13 @@ def test_trn1_without_dma_transpose():
     with config.patch(target="trn1"):
         region = check_against_eager(backward_fn(True), *backward_inputs(200, 300, 64, causal=True), tolerances=FP32)
     assert len(backward_kernels(region)) == 1 and "dma_transpose" not in region.kernels[0].source
+
+
+def test_query_tiles_beyond_the_sbuf_budget_load_their_query_side_per_step(monkeypatch):
+    """With room for two query tiles' q, q^T, dO, dO^T only, the last two keep them resident, the first three load
+    them per step; the gradients are unchanged."""
+    trn2 = get_target("trn2")
+    always, query_side = attention_backward_bytes(64, 64, 600, 700, 4, False, trn2)
+    monkeypatch.setattr(backward_kind, "SBUF_SHARE", (always + 2.5 * query_side) / trn2.sbuf_bytes_per_partition)
+    region = check_against_eager(backward_fn(True), *backward_inputs(600, 700, 64, causal=True), tolerances=FP32)
+    assert "query side resident from query tile 3 of 5 on" in region.kernels[0].source

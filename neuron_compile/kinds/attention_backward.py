@@ -5,12 +5,14 @@ Tiling: per query head, key blocks of 512 keys in the outer loop, query tiles of
 dP = dO v^T and dS = P * (dP - rowsum(dO * O)) on chip (one matmul and one instruction each over the block); per
 chunk of 128 keys (on partitions) dv and dk accumulate in PSUM over every query tile that sees the chunk, and
 dS^T (TensorE transpose) times k adds the chunk's share of dq in PSUM, added to the query tile's fp32 accumulator in
-SBUF once per block. A head's query side (q^T, q, dO^T, dO of every tile) stays resident in SBUF when it
-fits, else it is loaded per step. q, dO and k are read from HBM once per use as they are stored (queries or keys
-on partitions) and transposed on TensorE for the operands that need the head dim on partitions (v^T, needed only
-so, comes in through a DMA transpose). Causal: a key block skips the query tiles whose queries all come before its
-keys; the diagonal steps zero the probabilities above the diagonal (affine_select). Grouped-query attention: a
-key/value head's dk and dv are summed over its query heads in fp32 SBUF tiles, stored once.
+SBUF once per block. The steps are software pipelined (a step's P and dS before the previous step's gradients).
+A query tile's query side (q^T, q, dO^T, dO) stays resident in SBUF for as many query tiles as fit (the last ones:
+causal masking shows them the most key blocks); the others load it per step. q, dO and k are read from HBM as they
+are stored (queries or keys on partitions) and transposed on TensorE where the head dim must be on partitions (v^T,
+needed only so, comes in through a DMA transpose). Causal: a key block skips the query tiles whose queries all come
+before its keys, and a tile's chunks after its last query; the diagonal steps zero the probabilities above the
+diagonal (affine_select). Grouped-query attention: a key/value head's dk and dv are summed over its query heads in
+fp32 SBUF tiles, stored once.
 No fusion: the kernel takes no epilogue or prologue (its stores read ``Result()``).
 Codegen: attention_backward.py.j2.
 """
@@ -44,17 +46,20 @@ KEY_BLOCK = 512
 @dataclasses.dataclass(frozen=True)
 class AttentionBackwardPlan(TilePlan):
     """``outer`` the batch dims, ``group_dims`` those of them that pick a query head within a key/value group (dk
-    and dv sum over them); ``resident``: a head's query side stays in SBUF across key blocks; ``transpose_loads``:
+    and dv sum over them); ``resident_from``: the query tiles from this one on keep their query side in SBUF across
+    key blocks (0: all of them), the earlier ones load it per step; ``transpose_loads``:
     v^T comes in through ``dma_transpose`` (head dim contiguous, target has it)."""
 
     group_dims: tuple[int, ...] = ()
     key_block: int = KEY_BLOCK
-    resident: bool = False
+    resident_from: int = 0
     transpose_loads: bool = False
 
     def describe(self) -> str:
         text = super().describe() + f", key blocks of {self.key_block} (chunks of 128)"
-        text += ", query side resident per head" if self.resident else ", query side loaded per step"
+        tiles = self.partition.count
+        text += ", query side resident per head" if self.resident_from == 0 else \
+            f", query side resident from query tile {self.resident_from} of {tiles} on, loaded per step before"
         return text + (f", dk/dv summed over dims {list(self.group_dims)}" if self.group_dims else "")
 
 
@@ -74,7 +79,10 @@ def plan_attention_backward(node: ir.AttentionBackward, target) -> AttentionBack
         raise TilingError(f"{node.name}: {reason}")
     always, query_side = attention_backward_bytes(node.depth, node.value_dim, queries, keys, itemsize, bool(grouped),
                                                   target)
-    resident = always + query_side <= target.sbuf_bytes_per_partition * SBUF_SHARE
+    # as many query tiles' query side as the budget holds stay resident: the last ones, which under causal masking
+    # see the most key blocks
+    query_tiles = math.ceil(queries / target.partitions)
+    resident_tiles = min(query_tiles, int((target.sbuf_bytes_per_partition * SBUF_SHARE - always) // query_side))
     rank = len(batch)
     transpose_loads = target.dma_transpose and needs_transpose(node.v.layout.strides[rank + 1],
                                                                node.v.layout.strides[rank])
@@ -83,7 +91,8 @@ def plan_attention_backward(node: ir.AttentionBackward, target) -> AttentionBack
     free = (LoopDim(keys, rank + 1, 1, min(keys, target.partitions)),)
     key_block = min(KEY_BLOCK, 128 * math.ceil(keys / 128))
     return AttentionBackwardPlan("attention_backward", outer, partition, free, 0, group_dims=grouped,
-                                 key_block=key_block, resident=resident, transpose_loads=transpose_loads)
+                                 key_block=key_block, resident_from=query_tiles - resident_tiles,
+                                 transpose_loads=transpose_loads)
 
 
 class Loads:
@@ -166,7 +175,8 @@ def render_attention_backward(node: ir.AttentionBackward, plan: AttentionBackwar
         kv_params="".join(f"o{dim}, " for dim in kv_dims),
         kv_loops=[(dim, plan.outer[dim].size) for dim in kv_dims],
         group_loops=[(dim, plan.outer[dim].size) for dim in plan.group_dims],
-        grouped=bool(plan.group_dims), resident=plan.resident, causal=node.causal,
+        grouped=bool(plan.group_dims), resident_from=plan.resident_from, query_tiles=plan.partition.count,
+        causal=node.causal,
         queries=queries, keys=keys, depth=depth, value_dim=value_dim, key_tiles=math.ceil(keys / 128),
         key_block=plan.key_block, key_chunks=plan.key_block // 128,
         scale=float(node.scale), operand_dtype=NL_DTYPES[node.q.dtype],
