@@ -86,14 +86,18 @@ def grads_through_backend(attention, base, dtype):
     return ours, grads(attention), names
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_grouped_query_heads_sum_dk_and_dv_over_the_group(causal):
+@pytest.mark.parametrize("case", ["plain", "causal", "mask"])
+def test_grouped_query_heads_sum_dk_and_dv_over_the_group(case):
     base = [random_tensor((2, 4, 140, 32), seed=1), random_tensor((2, 2, 140, 32), seed=2),
             random_tensor((2, 2, 140, 32), seed=3)]
     # heads viewed from [batch, seq, heads, depth] projections, as models make them
     base = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in base]
-    ours, eager, names = grads_through_backend(lambda q, k, v: SDPA(q, k, v, is_causal=causal, enable_gqa=True),
-                                               base, torch.float32)
+    mask = random_tensor((2, 4, 140, 140), seed=6) if case == "mask" else None  # one mask per query head
+
+    def attention(q, k, v):
+        return SDPA(q, k, v, is_causal=case == "causal", attn_mask=mask, enable_gqa=True)
+
+    ours, eager, names = grads_through_backend(attention, base, torch.float32)
     assert names == ["attention_backward_kernel_0"]
     for mine, theirs in zip(ours, eager, strict=True):
         assert mine.stride() == theirs.stride()
