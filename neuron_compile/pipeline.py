@@ -3,11 +3,12 @@
 Input: an aot_autograd ATen graph (already decomposed by our table, backend.py) and, per call signature, its
 arguments. Output: for each NKI region, a ``CompiledRegion`` ready to launch.
 
-``PASSES`` is the order, as data: graph passes (``specialize``, ``bound inputs``, ``complex pairs``, ``partition``) run
-once per graph and call signature (runtime/compiled_graph.py drives them; ``bound inputs`` applies the integer-input
-guard that the dispatch key checks on every call, passes/input_ranges.py; ``complex pairs`` carries complex64 values
-as fp32 pairs, passes/complex_pairs.py); region passes (``lower`` ... ``load``) run per NKI
-region (``compile_region``). Every pass is a function of the previous pass's output and a ``PassContext``, and has a
+``PASSES`` is the order, as data: graph passes (``specialize``, ``bound inputs``, ``complex pairs``,
+``attention pattern``, ``partition``) run once per graph and call signature (runtime/compiled_graph.py drives them;
+``bound inputs`` applies the integer-input guard that the dispatch key checks on every call,
+passes/input_ranges.py; ``complex pairs`` carries complex64 values as fp32 pairs, passes/complex_pairs.py;
+``attention pattern`` makes hand-written attention one SDPA node, passes/attention_pattern.py); region passes
+(``lower`` ... ``load``) run per NKI region (``compile_region``). Every pass is a function of the previous pass's output and a ``PassContext``, and has a
 ``describe`` that prints its output: with ``NEURON_COMPILE_DUMP`` set, the IR after every pass is written to the
 dump (``on_pass`` receives each pass's name and text). Every failure in a region pass is a ``LoweringError`` that
 names the op or the kernel. The on-disk cache (runtime/disk_cache.py) keeps the output of ``render`` (a
@@ -27,6 +28,7 @@ from neuron_compile.codegen.render import KernelSource, render_kernel
 from neuron_compile.hardware import get_target
 from neuron_compile.lowering import LoweredRegion, LoweringError, lower_graph
 from neuron_compile.passes.activation_ranges import guard_activation_ranges
+from neuron_compile.passes.attention_pattern import fuse_attention
 from neuron_compile.passes.complex_pairs import rewrite_complex_pairs
 from neuron_compile.passes.fusion import FusionResult, fuse
 from neuron_compile.passes.input_ranges import bound_integer_inputs, describe_bounds
@@ -90,6 +92,10 @@ def _bound_inputs(gm: torch.fx.GraphModule, context: PassContext) -> torch.fx.Gr
 
 def _complex_pairs(gm: torch.fx.GraphModule, context: PassContext) -> torch.fx.GraphModule:
     return rewrite_complex_pairs(gm)
+
+
+def _attention_pattern(gm: torch.fx.GraphModule, context: PassContext) -> torch.fx.GraphModule:
+    return fuse_attention(gm) if context.config is None or context.config.flash_attention else gm
 
 
 def _partition(gm: torch.fx.GraphModule, context: PassContext):
@@ -238,6 +244,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("specialize", "graph", _specialize, lambda gm: str(gm.graph)),
     Pass("bound inputs", "graph", _bound_inputs, describe_bounds),
     Pass("complex pairs", "graph", _complex_pairs, lambda gm: str(gm.graph)),
+    Pass("attention pattern", "graph", _attention_pattern, lambda gm: str(gm.graph)),
     Pass("partition", "graph", _partition, _describe_partition),
     Pass("lower", "region", _lower, _describe_lowered),
     Pass("guard ranges", "region", _guard_ranges, _describe_lowered),

@@ -149,11 +149,11 @@ def every_collective_graph(rank: int, world_size: int, dtype: torch.dtype = torc
 # ---------------------------------------------------------------- tiny Llama
 
 
-def tiny_llama(seed: int = 0):
+def tiny_llama(seed: int = 0, **sizes):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**TINY_LLAMA, attn_implementation="sdpa")
+    config = LlamaConfig(**(TINY_LLAMA | sizes), attn_implementation="sdpa")
     return LlamaForCausalLM(config).eval()
 
 
@@ -268,3 +268,46 @@ def fsdp_llama_training(rank: int, world_size: int, steps: int = 3) -> dict:
     parameters = {name: {key: (param.full_tensor() if name != "single" else param).detach()
                          for key, param in model.named_parameters()} for name, model in runs.items()}
     return dict(losses=losses, parameters=parameters, first_gradients=first_gradients, stats=neuron_stats())
+
+
+# ---------------------------------------------------------------- DDP training
+
+# Dynamo's DDP optimizer cuts the graph after the first 1 MB of parameters (DDP's first bucket), then every
+# bucket_cap_mb, and refuses buckets under 1 MB: a 1.4 MB Llama in 1 MB buckets gives it two pieces.
+DDP_BUCKET_MB = 1
+DDP_LLAMA = dict(hidden_size=128, intermediate_size=256, head_dim=32)
+
+
+def ddp_llama_training(rank: int, world_size: int, steps: int = 10) -> dict:
+    """``steps`` AdamW steps of the tiny Llama under DDP compiled whole with backend="neuron" (Dynamo's DDP
+    optimizer splits the graph at the gradient buckets' boundaries, so the backend gets several graphs), and of
+    DDP eagerly, and of the whole model eagerly on the whole batch in one process. Per step the global loss of
+    each run, each run's gradients of the first step, and how many graphs the backend compiled."""
+    import neuron_compile
+    from torch.nn.parallel import DistributedDataParallel
+
+    single = tiny_llama(**DDP_LLAMA).train()
+    ddp = DistributedDataParallel(copy.deepcopy(single), bucket_cap_mb=DDP_BUCKET_MB)
+    eager = DistributedDataParallel(copy.deepcopy(single), bucket_cap_mb=DDP_BUCKET_MB)
+    runs = {"neuron": torch.compile(ddp, backend="neuron"), "eager": eager, "single": single}
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-2)
+                  for name, model in (("neuron", ddp), ("eager", eager), ("single", single))}
+    batch = torch.randint(0, TINY_LLAMA["vocab_size"], (2 * world_size, 12),
+                          generator=torch.Generator().manual_seed(11))
+    local = batch.chunk(world_size)[rank]
+    losses: dict[str, list[float]] = {name: [] for name in runs}
+    first_gradients: dict[str, dict] = {name: {} for name in runs}
+    neuron_compile.reset_stats()
+    for step in range(steps):
+        for name, model in runs.items():
+            gradients = first_gradients[name] if step == 0 else None
+            loss = _train_step(model, optimizers[name], batch if name == "single" else local, gradients)
+            if name != "single":
+                dist.all_reduce(loss)  # the mean over equal slices is the mean over the batch
+                loss /= world_size
+            losses[name].append(float(loss))
+    graphs = neuron_compile.stats()["graphs_compiled"]
+    # the compiled and DDP runs name parameters under their wrappers (_orig_mod., module.)
+    first_gradients = {name: {key.removeprefix("_orig_mod.").removeprefix("module."): value
+                              for key, value in gradients.items()} for name, gradients in first_gradients.items()}
+    return dict(losses=losses, first_gradients=first_gradients, stats=neuron_stats(), graphs=graphs)

@@ -114,10 +114,12 @@ def test_tensor_parallel_llama_backward_matches_single_process_eager():
 @needs_gloo
 @pytest.mark.slow
 def test_fsdp2_training_with_compiled_layers_matches_eager():
-    results = distributed_harness.run_ranks(distributed_harness.fsdp_llama_training, WORLD)
+    results = distributed_harness.run_ranks(distributed_harness.fsdp_llama_training, WORLD, 10)
     for result in results:
         losses = result["losses"]
-        np.testing.assert_allclose(losses["neuron"], losses["single"], rtol=1e-6)
+        assert len(losses["neuron"]) == 10
+        np.testing.assert_allclose(losses["neuron"][:3], losses["single"][:3], rtol=1e-6)
+        np.testing.assert_allclose(losses["neuron"], losses["single"], rtol=1e-4)  # see the DDP test
         assert result["stats"]["fallback_nodes"] == 0, result["stats"]["fallback_reasons"]
         assert result["stats"]["kernels_launched"] > 0
         gradients = result["first_gradients"]
@@ -129,6 +131,28 @@ def test_fsdp2_training_with_compiled_layers_matches_eager():
         parameters = result["parameters"]
         for name, expected in parameters["single"].items():
             torch.testing.assert_close(parameters["neuron"][name], expected, rtol=0, atol=1e-4)
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_ddp_training_compiled_whole_matches_single_process():
+    """DDP compiled as a whole: Dynamo's DDP optimizer splits the graph at the gradient buckets, every piece is
+    ours, and 10 AdamW steps follow one process training on the whole batch."""
+    results = distributed_harness.run_ranks(distributed_harness.ddp_llama_training, WORLD)
+    for result in results:
+        losses = result["losses"]
+        assert len(losses["neuron"]) == 10
+        # the first steps agree to fp32 rounding; AdamW at lr 1e-2 then amplifies the kernels' other summation
+        # order (1.3e-5 relative by step 10 here), the trainer tests' fp32 bound is 1e-4
+        np.testing.assert_allclose(losses["neuron"][:3], losses["single"][:3], rtol=1e-6)
+        np.testing.assert_allclose(losses["neuron"], losses["eager"], rtol=1e-4)
+        np.testing.assert_allclose(losses["neuron"], losses["single"], rtol=1e-4)
+        assert result["stats"]["fallback_nodes"] == 0, result["stats"]["fallback_reasons"]
+        assert result["graphs"] > 2  # forward and backward of more than one bucket's piece
+        gradients = result["first_gradients"]
+        for name, expected in gradients["single"].items():
+            error = (gradients["neuron"][name] - expected).abs().max() / expected.abs().max()
+            assert error < 2e-6, (name, float(error))  # fp32 rounding of sums in another order
 
 
 def test_ring_model_follows_its_formula():

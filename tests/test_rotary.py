@@ -83,3 +83,17 @@ def test_widened_tiles_cut_the_rotary_kernels_time(monkeypatch):
     widened = _estimated_seconds(*inputs)
     monkeypatch.setattr(pointwise, "WIDE_FREE_MIN", 0)  # one 64-wide head per tile, as before
     assert widened < 0.6 * _estimated_seconds(*inputs)
+
+
+def test_the_rotary_moves_each_input_once():
+    """q is read once although both halves of the output read both its halves (the concat's parts share one loop
+    nest and its loads), and cos / sin once although every head multiplies by them (one [rows, 32] load read
+    through a step-0 view, not a DMA repeating them per head): HBM traffic is exactly inputs + output."""
+    heads, seq = 16, 256
+    q, cos, sin = _rotary_inputs(heads, seq, torch.bfloat16)
+    neuron_compile.reset_stats()
+    check_against_eager(lambda a, c, s: apply_rotary(a, c, s, heads), q, cos, sin)
+    stats = neuron_compile.stats()
+    moved = sum(t.numel() * t.element_size() for t in (q, cos, sin)) + q.numel() * q.element_size()
+    assert stats["fallback_nodes"] == 0
+    assert stats["hbm_bytes"] == moved

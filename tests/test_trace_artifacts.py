@@ -43,8 +43,8 @@ def test_torch_trace_holds_our_stages_under_the_dynamo_compile_id(tmp_path):
     names = set(artifacts)
     expected = {
         "neuron_compile_inference_aten_graph", "neuron_compile_inference_partition", "neuron_compile_inference_fusion",
-        "neuron_compile_inference_tile_plans", "neuron_compile_inference_passes_04-lower.nki_region_0",
-        "neuron_compile_inference_passes_08-render.nki_region_0",
+        "neuron_compile_inference_tile_plans", "neuron_compile_inference_passes_05-lower.nki_region_0",
+        "neuron_compile_inference_passes_09-render.nki_region_0",
         "neuron_compile_inference_kernels_nki_region_0.matmul_kernel_0.py",
         "neuron_compile_inference_costs.nki_region_0",
     }

@@ -98,14 +98,15 @@ class TileAllocator:
         """The name the next allocation with ``stem`` gets (nothing is allocated)."""
         return f"{_identifier(stem)}_{self._number(stem)}"
 
-    def _take(self, stem: str) -> str:
+    def take_name(self, stem: str) -> str:
+        """A new distinct name for a tile the caller declares itself (outside the per-iteration allocations)."""
         number = self._number(stem)
         self.count = number
         return f"{_identifier(stem)}_{number}"
 
     def new_psum(self, stem: str, free: int) -> str:
         """A one-partition fp32 PSUM row (cross-partition results land there)."""
-        name = self._take(stem)
+        name = self.take_name(stem)
         self.lines.append(f"{name} = nl.ndarray((1, {free}), dtype=nl.float32, buffer=nl.psum)")
         self.widths.append(0)
         self.psum_tiles.add(name)
@@ -113,13 +114,13 @@ class TileAllocator:
 
     def new_element(self, stem: str, dtype: str) -> str:
         """A [1, 1] SBUF tile (one value on partition 0: a random seed)."""
-        name = self._take(stem)
+        name = self.take_name(stem)
         self.lines.append(f"{name} = nl.ndarray((1, 1), dtype={NL_DTYPES[dtype]}, buffer=nl.sbuf)")
         self.widths.append(0)
         return name
 
     def new(self, stem: str, free: int, dtype: str = "float32") -> str:
-        name = self._take(stem)
+        name = self.take_name(stem)
         self.lines.append(f"{name} = nl.ndarray(({self.partitions}, {free}), dtype={NL_DTYPES[dtype]}, buffer=nl.sbuf)")
         self.widths.append(free)
         return name
@@ -133,6 +134,25 @@ class Ref:
     dtype: str = "float32"
     value: float | None = None
     vector: bool = False  # a (P, 1) per-row value (a reduction result) rather than a full tile
+    view: str | None = None  # the operand text when the tile is read through a view (a free-axis broadcast)
+
+
+@dataclasses.dataclass(frozen=True)
+class BroadcastLoad:
+    """A load constant along a tile's first free dim (cos / sin of a rotary, the same for every head): one
+    [rows, width] DMA of the distinct elements, read by the instructions through a view that repeats them along
+    that dim (an access-pattern entry of step 0), instead of a DMA moving every repeat."""
+
+    width: int  # distinct elements per partition
+    repeats: str  # the repeated dim's extent (a loop bound like ``cols``)
+    source: AccessPattern
+
+    @property
+    def slice_text(self) -> str:
+        return f"[0:rows, 0:{self.width}]"
+
+    def view(self, tile: str) -> str:
+        return f"{tile}.ap([[{self.width}, rows], [0, {self.repeats}], [1, {self.width}]], offset=0)"
 
 
 class TileScope:
@@ -143,11 +163,16 @@ class TileScope:
     """
 
     def __init__(self, allocator: TileAllocator, free: int, slice_text: str, load_pattern, result: Ref | None = None,
-                 vector_pattern=None, more_results: tuple[Ref, ...] = ()):
+                 vector_pattern=None, more_results: tuple[Ref, ...] = (), broadcast_pattern=None):
         self.allocator, self.free, self.slice_text = allocator, free, slice_text
         self.load_pattern, self.results = load_pattern, (result, *more_results)
         # vector_pattern(load, tile) -> (dst, src) for loads constant along the free axis, else None
         self.vector_pattern = vector_pattern
+        # broadcast_pattern(load) -> a BroadcastLoad for loads constant along the tile's first free dim only
+        self.broadcast_pattern = broadcast_pattern
+        # shared_row(load) -> the name of a tile filled once before the loops, for loads the same on every
+        # partition (codegen/row_broadcast.py), else None
+        self.shared_row = None
         self.memo: dict = {}
         self.tiles: dict[tuple, str] = {}
         self.balance = EngineBalance()
@@ -162,6 +187,8 @@ class TileScope:
         return name
 
     def ref_text(self, ref: Ref) -> str:
+        if ref.view is not None:
+            return ref.view
         return f"{ref.tile}{ROW_VECTOR}" if ref.vector else f"{ref.tile}{self.slice_text}"
 
     def operand_text(self, ref: Ref) -> str:
@@ -203,11 +230,23 @@ class EngineBalance:
 
 def emit(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref:
     """Append the instructions computing ``expr`` to ``lines``; return where the value is."""
+    if isinstance(expr, ir.Load):
+        expr = _canonical_load(expr)
     if expr in scope.memo:
         return scope.memo[expr]
     ref = _emit_uncached(expr, scope, lines)
     scope.memo[expr] = ref
     return ref
+
+
+def _canonical_load(load: ir.Load) -> ir.Load:
+    """``load`` with stride 0 on its size-1 dims: two loads of the same elements are then one expression (eager
+    gives a size-1 dim the contiguous stride, a broadcast view 0), so a scope loads them once."""
+    layout = load.layout
+    strides = tuple(0 if size == 1 else stride for size, stride in zip(layout.shape, layout.strides))
+    if strides == layout.strides:
+        return load
+    return dataclasses.replace(load, layout=ir.Layout(layout.shape, strides, layout.offset))
 
 
 def _emit_uncached(expr, scope, lines) -> Ref:
@@ -349,6 +388,14 @@ def _emit_load(expr: ir.Load, scope: TileScope, lines: list[str]) -> Ref:
         column = _emit_column_load(expr, scope, lines)
         if column is not None:
             return column
+    shared = scope.shared_row(expr) if scope.shared_row is not None else None
+    if shared is not None:
+        return Ref(tile=shared, dtype=expr.dtype)
+    broadcast = scope.broadcast_pattern(expr) if scope.broadcast_pattern is not None else None
+    if broadcast is not None:
+        name = scope.allocator.new(f"{expr.buffer}_once", broadcast.width, expr.dtype)
+        lines.append(f"nisa.dma_copy(dst={name}{broadcast.slice_text}, src={broadcast.source})")
+        return Ref(tile=name, dtype=expr.dtype, view=broadcast.view(name))
     name = scope.tile(expr.dtype, key=("load", expr), stem=f"{expr.buffer}_tile")
     dst, src = scope.load_pattern(expr, name)
     lines.append(f"nisa.dma_copy(dst={dst}, src={src})")

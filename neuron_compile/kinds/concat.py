@@ -94,6 +94,30 @@ def inline_prologue(producer, part: ir.Pointwise) -> ir.Pointwise:
         dataclasses.replace(store, expr=ir.map_leaves(store.expr, leaf)) for store in part.stores))
 
 
+def shared_loops(node: ir.Concat, plan: TilePlan) -> list[list[int]]:
+    """The parts' indices grouped into loop nests: consecutive parts whose plans walk the same loops share one, so
+    their common loads (rotate_half reads both halves of q in each part) are loaded once per tile. A part that
+    reads what a part of the nest writes starts a new nest: it must see all of that part's tiles stored."""
+    groups: list[list[int]] = []
+    for index, part_plan in enumerate(plan.parts):
+        if groups and _same_loops(plan.parts[groups[-1][0]], part_plan) and not _reads_any_of(
+                node.parts[index], [node.parts[member] for member in groups[-1]]):
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
+def _same_loops(first: TilePlan, second: TilePlan) -> bool:
+    return (first.outer, first.partition, first.free) == (second.outer, second.partition, second.free)
+
+
+def _reads_any_of(part: ir.Pointwise, others: list[ir.Pointwise]) -> bool:
+    written = {store.buffer.name for other in others for store in other.stores}
+    return any(load.buffer in written for load in loads(part)) or any(
+        store.buffer.name in {load.buffer for other in others for load in loads(other)} for store in part.stores)
+
+
 class ConcatKind(KernelKind):
     node_type = ir.Concat
     name = "concat"
@@ -143,14 +167,17 @@ class ConcatKind(KernelKind):
         return TilePlan("concat", (), synthetic, (synthetic,), tiles, parts=parts)
 
     def render(self, node, plan, name, parameters):
-        parts, count = [], 0
-        for part, part_plan in zip(node.parts, plan.parts):
-            allocator = TileAllocator(part_plan.partition.tile, reserved=kernel_names(node, parameters))
-            allocator.count = count  # distinct tile names across parts
-            body = pointwise_body(part, part_plan, allocator)
+        nests, count = [], 0
+        for indices in shared_loops(node, plan):
+            loop_plan = plan.parts[indices[0]]
+            allocator = TileAllocator(loop_plan.partition.tile, reserved=kernel_names(node, parameters))
+            allocator.count = count  # distinct tile names across loops
+            stores = tuple(store for index in indices for store in node.parts[index].stores)
+            body = pointwise_body(stores, loop_plan, allocator)
             count = allocator.count
-            parts.append(dict(plan=part_plan, body=body, allocations=allocator.lines, depth=len(part_plan.outer) + 1))
-        context = kernel_context(node, plan, name, parameters, allocations=[], parts=parts)
+            nests.append(dict(plan=loop_plan, body=body, allocations=allocator.lines, inputs=indices,
+                              depth=len(loop_plan.outer) + 1))
+        context = kernel_context(node, plan, name, parameters, allocations=[], nests=nests)
         return render_template("concat.py.j2", **context)
 
 

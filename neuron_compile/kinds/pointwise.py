@@ -16,7 +16,7 @@ import dataclasses
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import TileAllocator, TileScope
+from neuron_compile.codegen.expressions import BroadcastLoad, TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template, store_lines
 from neuron_compile.dims import LoopDim, collapse
 from neuron_compile.kind_registry import register_kind
@@ -59,9 +59,10 @@ def widen_free(outer: list[LoopDim], free: LoopDim, tiles: int, target) -> tuple
     return outer[:-1], (dataclasses.replace(outer[-1], tile=min(outer[-1].size, chunks)), free)
 
 
-def pointwise_body(node: ir.Pointwise, plan: TilePlan, allocator: TileAllocator) -> list[str]:
+def pointwise_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator) -> list[str]:
     """The lines of one [rows, cols] tile (cols x the inner free dim's size when widened): loads, the expressions,
-    the stores (concat parts reuse it)."""
+    the stores. Concat parts reuse it: parts with one loop nest pass their stores together, so a load two parts
+    share (rotate_half reads both halves in each) is one DMA."""
     patterns = Patterns(plan)
     free = [(plan.free[0], "cols")] + [(dim, str(dim.size)) for dim in plan.free[1:]]
     inner = math.prod(dim.size for dim in plan.free[1:])
@@ -76,9 +77,16 @@ def pointwise_body(node: ir.Pointwise, plan: TilePlan, allocator: TileAllocator)
             return None
         return f"{tile}[0:rows, 0:1]", patterns.hbm(load.buffer, load.layout, [(LoopDim(1, None), "1")], False)
 
-    scope = TileScope(allocator, plan.free[0].tile * inner, columns, load_pattern, vector_pattern=vector_pattern)
+    def broadcast_pattern(load: ir.Load) -> BroadcastLoad | None:
+        # constant along the widened dim (the heads) but not along the inner one: load the inner row once
+        if inner == 1 or plan.free[0].stride(load.layout) != 0 or load.dtype == "bool":
+            return None
+        return BroadcastLoad(inner, "cols", patterns.hbm(load.buffer, load.layout, free[1:], False))
+
+    scope = TileScope(allocator, plan.free[0].tile * inner, columns, load_pattern, vector_pattern=vector_pattern,
+                      broadcast_pattern=broadcast_pattern)
     body: list[str] = []
-    store_lines(node.stores, scope, patterns, free, True, body)
+    store_lines(stores, scope, patterns, free, True, body)
     return body
 
 
@@ -93,7 +101,7 @@ class PointwiseKind(MatchingIndexEpilogue):
 
     def render(self, node, plan, name, parameters):
         allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
-        body = pointwise_body(node, plan, allocator)
+        body = pointwise_body(node.stores, plan, allocator)
         context = kernel_context(node, plan, name, parameters, allocations=allocator.lines, body=body)
         return render_template("pointwise.py.j2", **context)
 

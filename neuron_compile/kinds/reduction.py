@@ -25,6 +25,7 @@ from neuron_compile.codegen.kernel_text import (
     row_scopes,
     store_lines,
 )
+from neuron_compile.codegen.row_broadcast import RowBroadcast
 from neuron_compile.dims import LoopDim, reduced_dims_in_memory_order
 from neuron_compile.kind_registry import loads, register_kind
 from neuron_compile.kinds.fusion_rules import ProloguedKind, matching_index_reason, stored_exprs
@@ -112,6 +113,8 @@ def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: 
     patterns = Patterns(plan)
     allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
     prologue, row_free, free, chunked = row_scopes(node, plan, allocator, patterns)
+    shared = RowBroadcast(plan, allocator)
+    prologue.shared_row = shared.tile_for
     count = math.prod(node.domain[d] for d in node.reduce_dims)
     accumulator = allocator.new("acc", 1)
     partial = allocator.new("partial", 1) if chunked else accumulator
@@ -155,11 +158,11 @@ def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: 
         # values constant along the row load as (P, 1) columns, as in the prologue
         row = TileScope(allocator, row_free, prologue.slice_text, prologue.load_pattern,
                         Ref(tile=accumulator, vector=True), vector_pattern=prologue.vector_pattern)
-        row.tiles, row.memo = prologue.tiles, dict(prologue.memo)
+        row.tiles, row.memo, row.shared_row = prologue.tiles, dict(prologue.memo), shared.tile_for
         store_lines(node.row_stores, row, patterns, free, False, passes[-1][1])
     chunk_allocations, allocations = allocator.split_by_width(row_free) if chunked else ([], allocator.lines)
     context = kernel_context(node, plan, name, parameters, allocations=allocations, passes=passes, chunked=chunked,
-                             chunk_allocations=chunk_allocations)
+                             chunk_allocations=chunk_allocations, once=shared.lines)
     return render_template("reduction.py.j2", **context)
 
 

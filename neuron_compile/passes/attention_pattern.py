@@ -1,0 +1,261 @@
+"""Specialization stage (graph pass, before ``partition``): attention written by hand becomes one SDPA node.
+
+Input: an ATen GraphModule with shapes in ``node.meta["val"]`` (after ``specialize``). Output: the same graph, or
+a copy in which each match of
+
+    softmax(q @ k^T [/ c | * c] [masked: where(mask, -inf, scores) | + additive_mask], dim=-1) @ v
+
+(the two products as ``bmm`` over views of 4-D [batch, heads, seq, head_dim] tensors, ``k^T`` a transpose of the
+last two dims) is one ``aten.scaled_dot_product_attention(q, k, v, attn_mask, scale=...)`` node, which the
+lowering turns into the flash-attention kernel: the S x L scores and probabilities never reach HBM (three kernels
+moved them through HBM twice). Masks must be computed from constants alone (the aranges of a ``tril``): they are
+evaluated here, the lower-triangular boolean one becomes ``is_causal=True`` (generated on chip), any other an
+additive float mask; a mask computed from the graph's inputs keeps the graph as written (it could mask a whole
+row, which the softmax makes NaN and the flash kernel 0). Why: models and tutorials write attention by hand (GPT-2 style, the kernel bench's causal
+attention); Inductor's ``fuse_attention`` pass makes the same rewrite.
+
+A match needs every intermediate (scores, probabilities) to have no other reader: a training graph that saves
+the probabilities for the backward keeps its three kernels. The flash kernel computes the scores and softmax in
+fp32 where a bf16 graph rounds them to bf16 between ops, so bf16 results differ from eager's by that rounding
+(fp32: by an ulp or so). ``NEURON_COMPILE_FLASH_ATTENTION=0`` turns the rewrite off.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+# Views and copies that carry a 4-D [b, h, s, d] operand into the 3-D [b*h, s, d] form bmm takes.
+CARRIERS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+            aten.clone.default)
+MAX_EVALUATED_MASK = 1 << 24  # elements of a constant mask evaluated at compile time
+
+
+@dataclasses.dataclass
+class AttentionMatch:
+    """One hand-written attention: its operands and the node whose value the SDPA node replaces."""
+
+    q: torch.fx.Node
+    k: torch.fx.Node
+    v: torch.fx.Node
+    scale: float
+    boolean_mask: torch.fx.Node | None  # a boolean mask of the scores (None: none)
+    true_masks: bool  # the boolean mask is True where a key is masked out (where(mask, -inf, s)), else attended
+    additive: torch.fx.Node | None  # an additive float mask
+    output: torch.fx.Node
+
+
+def fuse_attention(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with each hand-written attention as one SDPA node (a copy), or ``gm`` itself when there is none."""
+    if not any(_match(node) for node in gm.graph.nodes):
+        return gm
+    gm = copy.deepcopy(gm)
+    for node in list(gm.graph.nodes):
+        found = _match(node)
+        if found is not None:
+            _replace(gm.graph, found)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _source_4d(node) -> torch.fx.Node | None:
+    """The 4-D tensor a bmm operand is a view of (through expands to its own size, copies, and views that keep
+    the shape or merge the two leading dims), or None."""
+    while isinstance(node, torch.fx.Node) and node.target in CARRIERS:
+        source = node.args[0]
+        if not isinstance(source, torch.fx.Node):
+            return None
+        shape, inner = tuple(node.meta["val"].shape), tuple(source.meta["val"].shape)
+        merges_heads = len(inner) == 4 and shape == (inner[0] * inner[1], *inner[2:])
+        if shape != inner and not merges_heads:
+            return None
+        node = source
+    if isinstance(node, torch.fx.Node) and node.meta["val"].dim() == 4:
+        return node
+    return None
+
+
+def _skip_casts(node):
+    """The node a chain of dtype conversions (transformers' ``softmax(..., dtype=float32).to(bf16)``) starts from."""
+    while isinstance(node, torch.fx.Node) and node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}:
+        node = node.args[0]
+    return node
+
+
+def _transposed(node) -> torch.fx.Node | None:
+    """``k`` when ``node`` is k with its last two dims swapped."""
+    if node is None:
+        return None
+    if node.target is aten.permute.default and list(node.args[1]) == [0, 1, 3, 2]:
+        return node.args[0]
+    if node.target is aten.transpose.int and sorted(d % 4 for d in node.args[1:3]) == [2, 3]:
+        return node.args[0]
+    return None
+
+
+def _scores_of(softmax_input: torch.fx.Node):
+    """(bmm of the scores, scale, boolean mask, whether True marks masked keys, additive mask, the nodes from the
+    softmax's input down to the bmm), or None."""
+    node, boolean_mask, true_masks, additive = softmax_input, None, False, None
+    if node.target is aten.where.self and _is_constant_value(node.args[1], -math.inf):
+        boolean_mask, true_masks, node = node.args[0], True, node.args[2]  # where(masked, -inf, scores)
+    elif node.target is aten.where.self and _is_constant_value(node.args[2], -math.inf):
+        boolean_mask, node = node.args[0], node.args[1]  # where(attended, scores, -inf)
+    elif node.target is aten.add.Tensor and isinstance(node.args[1], torch.fx.Node):
+        additive, node = node.args[1], node.args[0]
+    scale = 1.0
+    scaled = node
+    if node.target in (aten.div.Tensor, aten.mul.Tensor) and isinstance(node.args[1], (int, float)):
+        scale = 1.0 / node.args[1] if node.target is aten.div.Tensor else float(node.args[1])
+        node = node.args[0]
+    if node.target in (aten.view.default, aten._unsafe_view.default) and node.args[0].target is aten.bmm.default:
+        path = _path(softmax_input, scaled) + _path(scaled, node.args[0])
+        return node.args[0], scale, boolean_mask, true_masks, additive, path
+    return None
+
+
+def _path(start: torch.fx.Node, end: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes from ``start`` down to ``end`` (excluded), following the first tensor argument that leads there."""
+    path, node = [], start
+    while node is not end:
+        path.append(node)
+        node = next(arg for arg in node.args if isinstance(arg, torch.fx.Node) and _reaches(arg, end))
+    return path
+
+
+def _reaches(node: torch.fx.Node, end: torch.fx.Node, depth: int = 8) -> bool:
+    return node is end or (depth > 0 and any(isinstance(arg, torch.fx.Node) and _reaches(arg, end, depth - 1)
+                                             for arg in node.args))
+
+
+def _match(node: torch.fx.Node) -> AttentionMatch | None:
+    """The hand-written attention whose output view is ``node``, or None."""
+    if node.op != "call_function" or node.target not in (aten.view.default, aten._unsafe_view.default):
+        return None
+    product = node.args[0]
+    if product.target is not aten.bmm.default or _only_user(product) is not node or node.meta["val"].dim() != 4:
+        return None
+    probabilities, v = product.args
+    softmax = _skip_casts(_source_4d(probabilities))
+    if softmax is None or softmax.target is not aten._softmax.default or softmax.args[1] not in (-1, 3) \
+            or softmax.args[2]:
+        return None
+    found = _scores_of(_skip_casts(softmax.args[0]))
+    if found is None:
+        return None
+    scores, scale, boolean_mask, true_masks, additive, path = found
+    q, k = _source_4d(scores.args[0]), _transposed(_source_4d(scores.args[1]))
+    v = _source_4d(v)
+    # every node from the scores' bmm to the probabilities has no reader but the next one
+    chain = [*_path(probabilities, softmax), softmax, *_path(softmax.args[0], path[0]), *path, scores]
+    if q is None or k is None or v is None or any(len(link.users) != 1 for link in chain):
+        return None
+    query, key, value = (operand.meta["val"] for operand in (q, k, v))
+    if query.dtype not in ATTENTION_DTYPES or not query.dtype == key.dtype == value.dtype == node.meta["val"].dtype:
+        return None
+    if key.shape[:-1] != value.shape[:-1] or query.shape[:2] != key.shape[:2]:
+        return None  # grouped-query heads repeated by expand + reshape are not matched
+    match = AttentionMatch(q, k, v, scale, boolean_mask, true_masks, additive, node)
+    return match if _every_row_attends(match) else None
+
+
+def _every_row_attends(match: AttentionMatch) -> bool:
+    """Whether the mask is a constant that leaves every query at least one key. A fully masked row is NaN in the
+    hand-written softmax and 0 in the flash kernel, so a mask that could mask a whole row (one computed from the
+    graph's inputs) keeps the graph as written."""
+    if match.boolean_mask is None and match.additive is None:
+        return True
+    attended = _attended(match)
+    return attended is not None and bool(attended.any(dim=-1).all())
+
+
+def _evaluated_mask(match: AttentionMatch):
+    return _evaluate(match.boolean_mask if match.boolean_mask is not None else match.additive)
+
+
+def _attended(match: AttentionMatch):
+    """The evaluated mask as booleans, True where a query attends a key; None if it is not a constant."""
+    mask = _evaluated_mask(match)
+    if mask is None:
+        return None
+    if match.boolean_mask is not None:
+        return ~mask if match.true_masks else mask
+    return mask > -math.inf
+
+
+def _is_constant_value(arg, value: float) -> bool:
+    if isinstance(arg, (int, float)):
+        return arg == value
+    evaluated = _evaluate(arg)
+    return evaluated is not None and evaluated.numel() == 1 and evaluated.item() == value
+
+
+def _evaluate(node, depth: int = 0):
+    """The value of ``node`` when it is computed from constants alone (no graph input), else None."""
+    if not isinstance(node, torch.fx.Node):
+        return node
+    value = node.meta.get("val")
+    if node.op != "call_function" or depth > 32 or value is None or value.numel() > MAX_EVALUATED_MASK:
+        return None
+    args = [_evaluate(arg, depth + 1) if isinstance(arg, torch.fx.Node) else arg for arg in node.args]
+    if any(isinstance(arg, torch.fx.Node) and result is None for arg, result in zip(node.args, args)):
+        return None
+    if any(isinstance(arg, (list, tuple)) and any(isinstance(a, torch.fx.Node) for a in arg) for arg in node.args):
+        return None
+    try:
+        return node.target(*args, **node.kwargs)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
+def _is_causal(match: AttentionMatch) -> bool:
+    """Whether the constant mask is SDPA's causal mask (key j attended by query i iff j <= i) and nothing else
+    (an additive one holds only 0 and -inf)."""
+    attended = _attended(match)
+    if attended is None or attended.dim() < 2:
+        return False
+    if match.additive is not None and not bool(((_evaluated_mask(match) == 0) | ~attended).all()):
+        return False
+    queries, keys = match.q.meta["val"].shape[-2], match.k.meta["val"].shape[-2]
+    causal = torch.ones(queries, keys, dtype=torch.bool).tril()
+    return queries == keys and bool((attended.expand(*attended.shape[:-2], queries, keys) == causal).all())
+
+
+def _emit(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
+    """A new node computing ``target(*args, **kwargs)``, its meta value computed on the arguments' values."""
+    node = graph.call_function(target, args, kwargs)
+    node.meta["val"] = target(*torch.fx.node.map_arg(args, lambda arg: arg.meta["val"]), **kwargs)
+    return node
+
+
+def _replace(graph: torch.fx.Graph, match: AttentionMatch) -> None:
+    with graph.inserting_before(match.output):
+        causal = (match.boolean_mask is not None or match.additive is not None) and _is_causal(match)
+        mask = None if causal else match.additive
+        if match.boolean_mask is not None and not causal:
+            mask = _additive_mask(graph, match)
+        attention = _emit(graph, SDPA, match.q, match.k, match.v, mask, 0.0, causal, scale=match.scale)
+    match.output.replace_all_uses_with(attention)
+
+
+def _additive_mask(graph: torch.fx.Graph, match: AttentionMatch) -> torch.fx.Node:
+    """The boolean mask as SDPA's additive one: -inf where a key is masked, 0 elsewhere, in the inputs' dtype."""
+    masked = match.boolean_mask
+    if not match.true_masks:
+        masked = _emit(graph, aten.logical_not.default, masked)
+    mask = _emit(graph, aten.where.Scalar, masked, -math.inf, 0.0)
+    dtype = match.q.meta["val"].dtype
+    return mask if dtype == torch.float32 else _emit(graph, aten._to_copy.default, mask, dtype=dtype)
