@@ -186,3 +186,18 @@ def test_query_tiles_beyond_the_sbuf_budget_load_their_query_side_per_step(monke
     monkeypatch.setattr(backward_kind, "SBUF_SHARE", (always + 2.5 * query_side) / trn2.sbuf_bytes_per_partition)
     region = check_against_eager(backward_fn(True), *backward_inputs(600, 700, 64, causal=True), tolerances=FP32)
     assert "query side resident from query tile 3 of 5 on" in region.kernels[0].source
+
+
+def test_a_key_padding_mask_over_a_batch_and_a_negative_scale():
+    """A [batch, 1, 1, keys] mask (padding, read with stride 0 over heads and queries) and a negative scale (no
+    running max in the backward: any scale works)."""
+    q, k, v, grad = (random_tensor((2, 2, rows, 32), seed=seed) for seed, rows in ((1, 130), (2, 150), (3, 150),
+                                                                                  (4, 130)))
+    padding = torch.zeros(2, 1, 1, 150)
+    padding[1, ..., 100:] = float("-inf")
+    out, logsumexp = FLASH(q, k, v, attn_mask=padding)[:2]
+    region = check_against_eager(backward_fn(False), grad, q, k, v, out, logsumexp, padding, tolerances=FP32)
+    assert len(backward_kernels(region)) == 1
+    out, logsumexp = FLASH(q, k, v, scale=-0.5)[:2]
+    region = check_against_eager(backward_fn(False, scale=-0.5), grad, q, k, v, out, logsumexp, tolerances=FP32)
+    assert len(backward_kernels(region)) == 1
