@@ -68,9 +68,12 @@ def _masked_keys(mask, mask_type, batch, keys):
 
 
 def _nan_where_every_key_is_masked(out, masked):
-    """``out`` [B, H, T, D] with nan on the query rows whose keys are all masked (eager's softmax of -inf)."""
+    """``out`` [B, H, T, D] with nan on the query rows whose keys are all masked (eager's softmax of -inf): plus nan
+    there, plus 0 elsewhere. An add, not a select: the term is constant along the head dim, so the attention kernel
+    adds it to its output tile as a per-row column (a select would need its predicate broadcast over the tile)."""
     every_key = masked.all(dim=-1, keepdim=True)
-    return torch.where(every_key, torch.full((), float("nan"), dtype=out.dtype), out)
+    nan, zero = torch.full((), float("nan"), dtype=out.dtype), torch.zeros((), dtype=out.dtype)
+    return out + torch.where(every_key, nan, zero)
 
 
 def native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight, proj_bias,
