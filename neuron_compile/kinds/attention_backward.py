@@ -47,8 +47,8 @@ KEY_BLOCK = 512
 class AttentionBackwardPlan(TilePlan):
     """``outer`` the batch dims, ``group_dims`` those of them that pick a query head within a key/value group (dk
     and dv sum over them); ``resident_from``: the query tiles from this one on keep their query side in SBUF across
-    key blocks (0: all of them), the earlier ones load it per step; ``transpose_loads``:
-    v^T comes in through ``dma_transpose`` (head dim contiguous, target has it)."""
+    key blocks (0: all of them), the earlier ones load it per step; ``transpose_loads``: v^T comes in through
+    ``dma_transpose`` (head dim contiguous, target has it); ``free`` walks the keys in blocks of ``key_block``."""
 
     group_dims: tuple[int, ...] = ()
     key_block: int = KEY_BLOCK
@@ -88,8 +88,8 @@ def plan_attention_backward(node: ir.AttentionBackward, target) -> AttentionBack
                                                                node.v.layout.strides[rank])
     outer = tuple(LoopDim(size, dim, 1, 1) for dim, size in enumerate(batch))
     partition = LoopDim(queries, rank, 1, min(queries, target.partitions))
-    free = (LoopDim(keys, rank + 1, 1, min(keys, target.partitions)),)
     key_block = min(KEY_BLOCK, 128 * math.ceil(keys / 128))
+    free = (LoopDim(keys, rank + 1, 1, min(keys, key_block)),)
     return AttentionBackwardPlan("attention_backward", outer, partition, free, 0, group_dims=grouped,
                                  key_block=key_block, resident_from=query_tiles - resident_tiles,
                                  transpose_loads=transpose_loads)
