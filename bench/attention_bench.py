@@ -12,6 +12,12 @@ square). Every result is checked against eager (max abs error shown).
 
     python bench/attention_bench.py            # every case (the three-kernel form up to seq 4096; ~10 min)
     python bench/attention_bench.py --quick    # seq 128 and 1024 only
+    python bench/attention_bench.py --backward # the backward instead (see below)
+
+``--backward``: ``aten._scaled_dot_product_flash_attention_for_cpu_backward`` alone (dO, q, k, v, the forward's
+output and log-sum-exp from eager), the fused backward kernel (one kernel: P and dS stay on chip) against the
+separate kernels (``flash_attention=False``: P and dS through HBM) and the roofline: ``max(2.5 x the forward's FLOPs
+/ TensorE peak, (q + k + v + o + dO + dq + dk + dv) bytes / DMA bandwidth)``; errors against eager's fp32 backward.
 
 Progress goes to stderr; the table (markdown) to stdout.
 """
@@ -104,9 +110,72 @@ HEADER = ("| seq | D | causal | dtype | q+k+v+o MB | flash kernels | flash HBM M
           "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+BACKWARD_SEPARATE_MAX_SEQ = 4096  # the separate kernels' P and dS (S x S each) make the simulation too slow beyond
+
+
+def run_backward(inputs, causal: bool, fused: bool, want) -> Measured:
+    torch._dynamo.reset()
+    neuron_compile.reset_stats()
+    compiled = torch.compile(lambda *args: FLASH_BACKWARD(*args, 0.0, causal), backend="neuron")
+    with neuron_compile.config.patch(flash_attention=fused, fallback="raise"), \
+            neuron_compile.record_launches() as launches, torch.no_grad():
+        got = compiled(*inputs)
+    stats = neuron_compile.stats()
+    est = sum(float(launch.report.est_time_s) for launch in launches if launch.report is not None)
+    kernels = sum(len(launch.report.sections) for launch in launches if launch.report is not None)
+    error = max(float((ours.float() - eager).abs().max()) for ours, eager in zip(got, want))
+    return Measured(kernels, stats["hbm_bytes"], est, error)
+
+
+def backward_inputs(seq: int, depth: int, causal: bool, dtype: torch.dtype):
+    """(dO, q, k, v, out, logsumexp) in ``dtype`` (the log-sum-exp fp32) and eager's fp32 gradients."""
+    generator = torch.Generator().manual_seed(seq + depth + 1)
+    q, k, v, grad = (torch.randn(1, HEADS, seq, depth, generator=generator) for _ in range(4))
+    out, logsumexp = FLASH(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=causal)[:2]
+    want = FLASH_BACKWARD(grad, q, k, v, out.float(), logsumexp, 0.0, causal)
+    return (grad.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), out, logsumexp), want
+
+
+def measure_backward(seq: int, depth: int, causal: bool, dtype: torch.dtype) -> str:
+    inputs, want = backward_inputs(seq, depth, causal, dtype)
+    fused = run_backward(inputs, causal, True, want)
+    separate = None
+    if seq <= BACKWARD_SEPARATE_MAX_SEQ:
+        try:
+            separate = run_backward(inputs, causal, False, want)
+        except NeuronCompileError:  # their matmuls over 4096 fp32 keys overflow SBUF: the table says so
+            separate = "does not fit"
+    target = get_target("trn2")
+    peak = (target.tensor_bf16_tflops if dtype == torch.bfloat16 else target.tensor_fp32_tflops) * 1e12
+    operand_bytes = 8 * HEADS * seq * depth * (2 if dtype == torch.bfloat16 else 4)
+    compute, memory = 2.5 * 4 * HEADS * seq * seq * depth / peak, operand_bytes / target.dma_bytes_per_s
+    bound, kind = max(compute, memory), "c" if compute >= memory else "m"
+    cells = [str(seq), str(depth), "yes" if causal else "no", "bf16" if dtype == torch.bfloat16 else "fp32",
+             f"{operand_bytes / 1e6:.2f}", f"{fused.kernels}", f"{fused.hbm_bytes / 1e6:.2f}",
+             f"{fused.hbm_bytes / operand_bytes:.2f}x", f"{fused.est_s * 1e6:.1f}", f"{bound * 1e6:.1f} ({kind})",
+             f"{fused.est_s / bound:.2f}x"]
+    if isinstance(separate, Measured):
+        cells += [f"{separate.kernels}", f"{separate.hbm_bytes / 1e6:.2f}", f"{separate.est_s * 1e6:.1f}",
+                  f"{separate.est_s / fused.est_s:.2f}x"]
+    else:
+        cells += [separate or "-", "-", "-", "-"]
+    errors = [fused.max_error] + ([separate.max_error] if isinstance(separate, Measured) else [])
+    return "| " + " | ".join(cells + [f"{max(errors):.1e}"]) + " |"
+
+
+BACKWARD_HEADER = (
+    "| seq | D | causal | dtype | q,k,v,o,dO,dq,dk,dv MB | fused kernels | fused HBM MB | fused / operands "
+    "| fused est us | roofline us | fused / roofline | separate kernels | separate HBM MB | separate est us "
+    "| separate / fused | max abs err |\n"
+    "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="seq 128 and 1024 only")
+    parser.add_argument("--backward", action="store_true", help="the backward: fused kernel vs separate kernels")
     args = parser.parse_args(argv)
     seqs = QUICK_SEQS if args.quick else SEQS
     rows = []
@@ -115,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                                                         (torch.float32, torch.bfloat16)):
         print(f"[{time.time() - started:6.0f} s] seq {seq} D {depth} causal {causal} {dtype}", file=sys.stderr,
               flush=True)
-        rows.append(measure(seq, depth, causal, dtype))
-    print(HEADER)
+        rows.append((measure_backward if args.backward else measure)(seq, depth, causal, dtype))
+    print(BACKWARD_HEADER if args.backward else HEADER)
     print("\n".join(rows))
     print(f"\n(measured in {time.time() - started:.0f} s)")
     return 0

@@ -6,8 +6,8 @@ Input: nothing (definitions). Output: frozen, hashable, printable dataclasses.
   broadcast dim has stride 0. ``Layout.index_expr()`` states it as a sympy expression.
 * Expression trees (``Load``, ``Scalar``, ``Op``, ``Result``, ``Iota``, ``RandomKeep``) describe per-element math
   over a node's iteration domain; they are data, not closures, so they print and hash.
-* IR nodes (``Pointwise``, ``Reduction``, ``RowNormalize``, ``Scan``, ``MatMul``, ``Attention``, ``Concat``,
-  ``Gather``, ``Scatter``, ``Collective``)
+* IR nodes (``Pointwise``, ``Reduction``, ``RowNormalize``, ``Scan``, ``MatMul``, ``Attention``,
+  ``AttentionBackward``, ``Concat``, ``Gather``, ``Scatter``, ``Collective``)
   each write one or more ``Store``s; what a node reads, how it fuses, tiles and renders is its kernel kind's
   (neuron_compile/kinds/).
 """
@@ -396,6 +396,46 @@ class Attention:
 
 
 @dataclass(frozen=True)
+class AttentionBackward:
+    """Flash attention's backward in one kernel: dq, dk, dv of ``softmax(q @ k^T * scale + mask) @ v`` from the
+    forward's output and log-sum-exp, the probabilities and their gradient recomputed on chip per (query tile, key
+    block), so nothing of size Sq x Sk crosses HBM. ``domain`` is (*batch, Sq, Sk).
+
+    ``grad`` (dO) and ``out`` are (*batch, Sq, Dv), ``q`` (*batch, Sq, D), ``k`` (*batch, Sk, D), ``v`` (*batch,
+    Sk, Dv), ``logsumexp`` (*batch, Sq) (fp32). Grouped-query attention: a group dim of stride 0 in ``k``, ``v`` and
+    the ``grad_key`` / ``grad_value`` stores, over which the kernel sums (fp32). ``mask`` (additive, read as
+    (*batch, Sq, Sk)) and ``causal`` (top-left) as in ``Attention``. The stores read ``Result()`` (no epilogue).
+    """
+
+    name: str
+    domain: tuple[int, ...]
+    grad: Load
+    q: Load
+    k: Load
+    v: Load
+    out: Load
+    logsumexp: Load
+    mask: Load | None
+    scale: float
+    causal: bool
+    grad_query: Store
+    grad_key: Store
+    grad_value: Store
+
+    @property
+    def stores(self) -> tuple[Store, ...]:
+        return (self.grad_query, self.grad_key, self.grad_value)
+
+    @property
+    def depth(self) -> int:
+        return self.q.layout.shape[-1]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v.layout.shape[-1]
+
+
+@dataclass(frozen=True)
 class Concat:
     """Copy each part (a Pointwise over its input's shape) into its slice of one output buffer (aten.cat); the parts
     never overlap. ``starts``: where each part's box begins in ``domain`` (empty: not known). A pointwise epilogue
@@ -495,4 +535,5 @@ class Collective:
     reduce: str = "add"
 
 
-Node = Pointwise | Reduction | RowNormalize | Scan | MatMul | Attention | Concat | Gather | Scatter | Collective
+Node = (Pointwise | Reduction | RowNormalize | Scan | MatMul | Attention | AttentionBackward | Concat | Gather | Scatter
+        | Collective)

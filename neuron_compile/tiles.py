@@ -112,3 +112,34 @@ def flash_attention_reason(depth: int, value_dim: int, scale: float, target) -> 
     if not scale > 0:
         return f"scale {scale} (the running max is kept on scaled scores: a positive scale)"
     return None
+
+
+def attention_backward_bytes(depth: int, value_dim: int, queries: int, keys: int, itemsize: int, grouped: bool,
+                             target) -> tuple[int, int]:
+    """SBUF bytes per partition of the fused attention backward (kinds/attention_backward.py): (what it always
+    keeps, what keeping one query tile's query side resident adds). Always: each query tile's dq accumulator
+    (fp32), log-sum-exp and row dot; the group's dk / dv sums (fp32) with grouped-query heads; two key blocks' and
+    two query tiles' working tiles (one loads while the other computes). Per query tile kept resident: its q^T, q,
+    dO^T and dO."""
+    rows = target.partitions
+    query_tiles, key_tiles = math.ceil(queries / rows), math.ceil(keys / rows)
+    query_side = (2 * rows + depth + value_dim) * itemsize
+    # a key block of 512: k, k^T, v^T, P, dS, dS^T (<= 4 bytes each), the mask and logits (fp32); dk, dv out
+    block = (4 * depth + 5 * 512) * 4 + 2 * 512 * 4 + (depth + value_dim) * 4
+    always = query_tiles * (depth * 4 + 8) + 2 * (block + query_side + value_dim * 4)
+    if grouped:
+        always += key_tiles * (depth + value_dim) * 4
+    return always, query_side
+
+
+def attention_backward_reason(depth: int, value_dim: int, queries: int, keys: int, itemsize: int, grouped: bool,
+                              target) -> str | None:
+    """None if the fused attention backward takes these sizes on ``target``, else why not (the backward then
+    runs as separate kernels, P and dS through HBM)."""
+    if depth > target.partitions or value_dim > target.partitions:
+        return f"head dims {depth}, {value_dim}: the fused backward takes at most {target.partitions}"
+    always, _ = attention_backward_bytes(depth, value_dim, queries, keys, itemsize, grouped, target)
+    budget = target.sbuf_bytes_per_partition * SBUF_SHARE
+    if always > budget:
+        return f"{always} B per partition of SBUF for {queries} queries, over the budget ({int(budget)} B)"
+    return None

@@ -199,7 +199,9 @@ def test_the_training_forward_writes_eagers_logsumexp(causal):
 
 
 def attention_grads(fn, base, dtype):
-    tensors = [t.to(dtype).requires_grad_() for t in base]
+    # fresh leaves: ``t.to(dtype)`` returns ``t`` itself for its own dtype, and two calls would then accumulate
+    # into one .grad (the compiled and eager gradients compared would be the same tensor)
+    tensors = [t.detach().clone().to(dtype).requires_grad_() for t in base]
     out = fn(*tensors)
     (out.float() ** 2).sum().backward()
     return [t.grad for t in tensors]
@@ -306,3 +308,18 @@ def test_the_training_forward_with_shared_query_tiles_writes_eagers_logsumexp():
     region = check_against_eager(lambda q, k, v: attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)),
                                  q.detach(), k.detach(), v.detach(), tolerances=TOLERANCES)
     assert any("query heads per tile" in kernel.source for kernel in region.kernels)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mask_constant_along_the_queries_is_a_bias_on_tensor_engine(dtype):
+    """A key-padding mask [batch, 1, 1, keys] is accumulated onto the scores on TensorE (a ones column times the
+    mask's row; q^T takes the scale) instead of a [queries, keys] tile per block: -inf keys, a batch with every key
+    at -inf (eager: zeros) and one with every key at finfo.min (eager: uniform weights) included."""
+    q, k, v = qkv(3, 2, 200, 700, 64, dtype)
+    padding = torch.zeros(3, 1, 1, 700, dtype=dtype)
+    padding[0, ..., 500:] = float("-inf")
+    padding[1] = float("-inf")
+    padding[2] = torch.finfo(dtype).min
+    region = check_against_eager(lambda q, k, v, m: SDPA(q, k, v, attn_mask=m), q, k, v, padding,
+                                 tolerances=TOLERANCES)
+    assert "the mask row on TensorE" in region.kernels[0].source

@@ -19,6 +19,7 @@ from neuron_compile.kind_registry import (
 )
 from neuron_compile.kinds import (
     attention,
+    attention_backward,
     collective,
     concat,
     gather,
@@ -30,7 +31,8 @@ from neuron_compile.kinds import (
     scatter,
 )
 
-KINDS = (pointwise, reduction, row_normalize, scan, matmul, attention, concat, gather, scatter, collective)
+KINDS = (pointwise, reduction, row_normalize, scan, matmul, attention, attention_backward, concat, gather, scatter,
+         collective)
 
 __all__ = ["KINDS", "KernelKind", "UnknownKernelKind", "describe", "kind_of", "loads", "map_exprs",
            "random_reason", "registered_kinds", "registered_node_types", "stores"]

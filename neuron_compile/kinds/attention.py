@@ -73,7 +73,9 @@ class AttentionPlan(TilePlan):
     ``transpose_loads``: q and k come in through ``dma_transpose`` (D contiguous, target has it); ``causal_bias``:
     the causal mask is accumulated onto the scores on TensorE (else applied in SBUF with affine_select); ``lanes``
     query heads of one key/value group (outer dim ``lane_dim``) share a query tile: row r is query p0 + r // lanes
-    of head r % lanes, ``partition.tile`` queries each."""
+    of head r % lanes, ``partition.tile`` queries each; ``mask_bias``: the mask is constant along the queries (a key
+    padding mask), so its row per key block is accumulated onto the scores on TensorE (a ones column times the
+    row), q^T taking the scale, instead of a [queries, keys] mask tile loaded and added on VectorE per block."""
 
     key_block: int = 0
     resident: bool = False
@@ -81,11 +83,13 @@ class AttentionPlan(TilePlan):
     causal_bias: bool = False
     lanes: int = 1
     lane_dim: int = -1
+    mask_bias: bool = False
 
     def describe(self) -> str:
         text = super().describe() + f" D {self.k_tiles}x{self.k_tile}, key blocks of {self.key_block}"
         text += ", k^T and v resident per head" if self.resident else ", k^T and v loaded per key block"
         text += f", {self.lanes} query heads per tile" if self.lanes > 1 else ""
+        text += ", the mask row on TensorE" if self.mask_bias else ""
         return text + (", causal mask on TensorE" if self.causal_bias else "")
 
 
@@ -121,9 +125,12 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     rank = len(batch)
     transpose_loads = target.dma_transpose and all(
         needs_transpose(load.layout.strides[rank + 1], load.layout.strides[rank]) for load in (node.q, node.k))
+    # a mask constant along the queries: q^T takes the scale (scale * S + mask, the mask added exactly in fp32
+    # PSUM); not for scales so small that q * scale could leave the normal range
+    mask_bias = node.mask is not None and node.mask.layout.strides[rank] == 0 and node.scale >= MIN_CAUSAL_BIAS_SCALE
     return AttentionPlan("attention", outer, partition, free, tiles, k_tile, k_tiles, key_block=key_block,
                          resident=resident, transpose_loads=transpose_loads, causal_bias=causal_bias,
-                         lanes=lanes, lane_dim=-1 if lane_dim is None else lane_dim)
+                         lanes=lanes, lane_dim=-1 if lane_dim is None else lane_dim, mask_bias=mask_bias)
 
 
 def query_group_dim(node: ir.Attention, batch: list[int], target) -> int | None:
@@ -216,6 +223,14 @@ def mask_load(plan: AttentionPlan, patterns: Patterns, mask: ir.Load, dst: str) 
            f"offset={offset_text(mask.layout.offset, terms)}))"
 
 
+def mask_row_load(plan: AttentionPlan, patterns: Patterns, mask: ir.Load, dst: str) -> str:
+    """The mask's row of the key block (the same for every query) as a [1, block_cols] tile."""
+    key_stride = mask.layout.strides[len(plan.outer) + 1]
+    terms = patterns.outer_terms(mask.layout) + [("kv0", key_stride)]
+    return f"nisa.dma_copy(dst={dst}, src={mask.buffer}.ap({entries_text([[0, 1], [key_stride, 'block_cols']])}, " \
+           f"offset={offset_text(mask.layout.offset, terms)}))"
+
+
 def head_loops(node: ir.Attention, plan: AttentionPlan) -> tuple[list[int], list[int]]:
     """The outer dims split into those that choose a key/value head and those that only choose a query head of
     its group (stride 0 in k and v): k^T and v load once per key/value head, outside the group's loops."""
@@ -234,13 +249,21 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
     def load_pattern(load: ir.Load, tile: str):
         return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, False)
 
+    def column_pattern(load: ir.Load, tile: str):
+        # an epilogue value constant along the head dim (a per-row flag or statistic): one element per partition,
+        # a (P, 1) operand, instead of a DMA broadcast that moves every repeated element
+        if plan.free[0].stride(load.layout) != 0:
+            return None
+        return f"{tile}[0:rows, 0:1]", patterns.hbm(load.buffer, load.layout, [(LoopDim(1, None), "1")], False)
+
     # The normalization writes the output tile in the stored dtype when the result is stored as it is (one
     # rounding either way), rather than in fp32 and then a cast copy on VectorE.
     stored = {store.buffer.dtype for store in node.stores}
     as_is = len(stored) == 1 and all(isinstance(store.expr, ir.Result) for store in node.stores)
     output_dtype = stored.pop() if as_is else "float32"
     output = allocator.new("output", value_dim, dtype=output_dtype)
-    scope = TileScope(allocator, value_dim, "[0:rows, 0:cols]", load_pattern, Ref(tile=output, dtype=output_dtype))
+    scope = TileScope(allocator, value_dim, "[0:rows, 0:cols]", load_pattern, Ref(tile=output, dtype=output_dtype),
+                      vector_pattern=column_pattern)
     epilogue: list[str] = []
     store_lines(node.stores, scope, patterns, free, False, epilogue)
     kv_dims, group_dims = head_loops(node, plan)
@@ -264,7 +287,8 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
         partitions=partitions, query_rows=query_rows,
         query_columns=f"{plan.partition.tile}, {plan.lanes}" if plan.lanes > 1 else plan.partition.tile,
         key_load=key_load, value_loads=value_lines,
-        mask_load=mask_load(plan, patterns, node.mask, "mask_tile[0:rows, 0:block_cols]") if node.mask else None,
+        mask_load=(mask_row_load(plan, patterns, node.mask, "mask_row[0:1, 0:block_cols]") if plan.mask_bias else
+                   mask_load(plan, patterns, node.mask, "mask_tile[0:rows, 0:block_cols]")) if node.mask else None,
         mask_dtype=NL_DTYPES[node.mask.dtype] if node.mask else None, lowest=LOWEST_FP32, epilogue_source=output,
         masked_value=CAUSAL_BIAS, scores_ahead=SCORES_AHEAD, vector_copy_period=VECTOR_COPY_PERIOD,
         logsumexp_store=logsumexp_store(patterns, node.logsumexp) if node.logsumexp else None,

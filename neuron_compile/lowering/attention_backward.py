@@ -1,8 +1,10 @@
 """Lowering stage, attention's backward: ``aten._scaled_dot_product_flash_attention_for_cpu_backward``.
 
 Input: the ATen node (grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=, scale=), whose forward
-saved the log-sum-exp of every query row (the flash kernel writes it). Output: five IR nodes, as flash
-attention's backward computes it, the probabilities recomputed rather than saved:
+saved the log-sum-exp of every query row (the flash kernel writes it). Output: one ``ir.AttentionBackward``, the
+fused kernel (kinds/attention_backward.py: nothing of size Sq x Sk crosses HBM), where it applies (head dims up to
+128, its SBUF budget, ``flash_attention`` on); else five IR nodes, as flash attention's backward computes it, the
+probabilities recomputed rather than saved:
 
     P  = exp(scale * q k^T + mask - logsumexp)   (masked keys: 0)     a MatMul with that epilogue
     dV = P^T dO                                                       a MatMul
@@ -12,7 +14,7 @@ attention's backward computes it, the probabilities recomputed rather than saved
 
 Grouped-query attention runs per query head over [..., H_kv, group, S, D] views (k and v repeated by stride 0);
 dK and dV sum each group's per-head products (fp32) in a Reduction. P and dS (S x S) pass through HBM in the
-operands' dtype; a fused backward kernel that keeps them on chip is the next step.
+operands' dtype.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from neuron_compile.hardware import Target
 from neuron_compile.lowering.attention import share_heads, split_heads
 from neuron_compile.lowering.reduction import reduce_into
 from neuron_compile.lowering.registry import TensorValue, broadcast_layout, register_lowering
+from neuron_compile.tiles import attention_backward_reason
 
 aten = torch.ops.aten
 FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -89,21 +92,40 @@ def lower_flash_attention_backward(ctx, node):
     values = dict(zip(("grad", "q", "k", "v", "out", "logsumexp"), (ctx.value(arg) for arg in node.args[:6])))
     kv_heads = values["k"].layout.shape[-3]
     group = values["q"].layout.shape[-3] // kv_heads
+    mask = node.kwargs.get("attn_mask")
+    mask_value = ctx.value(mask) if mask is not None else None
+    # [..., H, Sq, Sk] as eager broadcasts the mask, before grouped-query heads split H
+    unsplit_scores = (*values["q"].layout.shape[:-1], values["k"].layout.shape[-2])
     if group > 1:  # each key/value head's gradients sum over the query heads of its group
         values = grouped(values, kv_heads, group)
-    grad, q, k, v, out, logsumexp = (values[name] for name in ("grad", "q", "k", "v", "out", "logsumexp"))
+    q, k, v = values["q"], values["k"], values["v"]
     *batch, queries, depth = q.layout.shape
-    keys, value_dim, rank = k.layout.shape[-2], v.layout.shape[-1], len(batch)
+    keys, value_dim = k.layout.shape[-2], v.layout.shape[-1]
     scale = node.kwargs.get("scale")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(depth)
     scores = (*batch, queries, keys)
+    mask_load = None
+    if mask_value is not None:
+        mask_layout = broadcast_layout(mask_value.layout, unsplit_scores)
+        mask_layout = split_heads(mask_layout, kv_heads, group) if group > 1 else mask_layout
+        mask_load = ir.Load(mask_value.buffer, mask_layout, mask_value.dtype)
+    itemsize = 2 if q.dtype == "bfloat16" else 4
+    fused = ctx.flash_attention and attention_backward_reason(depth, value_dim, queries, keys, itemsize, group > 1,
+                                                              ctx.target) is None
+    if fused:
+        return fused_backward(ctx, node, values, scores, mask_load, scale, kv_heads, group)
+    return separate_backward(ctx, node, values, scores, mask_load, scale, kv_heads, group)
 
+
+def separate_backward(ctx, node, values: dict[str, TensorValue], scores, mask_load: ir.Load | None, scale: float,
+                      kv_heads: int, group: int):
+    """The five-kernel form (see the module docstring): P and dS pass through HBM."""
+    grad, q, k, v, out, logsumexp = (values[name] for name in ("grad", "q", "k", "v", "out", "logsumexp"))
+    *batch, queries, keys = scores
+    depth, value_dim, rank = q.layout.shape[-1], v.layout.shape[-1], len(batch)
     logits = ir.op("mul", ir.Result(), ir.Scalar(scale))
-    mask = node.kwargs.get("attn_mask")
-    if mask is not None:
-        mask_value = ctx.value(mask)
-        logits = ir.op("add", logits, ir.Load(mask_value.buffer, broadcast_layout(mask_value.layout, scores),
-                                              mask_value.dtype))
+    if mask_load is not None:
+        logits = ir.op("add", logits, mask_load)
     probability = ir.op("exp", ir.op("sub", logits, row_statistic(logsumexp, scores)))
     if node.args[7]:  # is_causal: key j > query i has probability 0
         query_minus_key = ir.Iota(ir.Layout(scores, (0,) * rank + (1, -1), 0))
@@ -150,3 +172,22 @@ def key_side_grad(ctx, meta, stem: str, domain, lhs: ir.Load, rhs: ir.Load, epil
                        (ir.Store(per_head, epilogue, per_head.layout),)))
     reduce_into(ctx, buffer, domain, (len(domain) - 3,), "sum", ir.Load(per_head.name, per_head.layout, "float32"))
     return buffer
+
+
+def fused_backward(ctx, node, values: dict[str, TensorValue], scores, mask: ir.Load | None, scale: float,
+                   kv_heads: int, group: int):
+    """The one-kernel form: an ``ir.AttentionBackward`` writing dq, dk and dv (dk and dv stored with a stride-0
+    group dim under grouped-query heads, which the kernel sums over)."""
+    meta = node.meta["val"]
+    grad_query, grad_key, grad_value = (ctx.new_buffer(meta[i], stem)
+                                        for i, stem in enumerate(("grad_query", "grad_key", "grad_value")))
+    query_layout, key_layout, value_layout = grad_query.layout, grad_key.layout, grad_value.layout
+    if group > 1:
+        query_layout = split_heads(query_layout, kv_heads, group)
+        key_layout, value_layout = share_heads(key_layout, group), share_heads(value_layout, group)
+    ctx.emit(ir.AttentionBackward(
+        ctx.fresh_name("kernel"), scores, *(operand(values[name]) for name in ("grad", "q", "k", "v", "out",
+                                                                               "logsumexp")),
+        mask, scale, bool(node.args[7]), ir.Store(grad_query, ir.Result(), query_layout),
+        ir.Store(grad_key, ir.Result(), key_layout), ir.Store(grad_value, ir.Result(), value_layout)))
+    return tuple(TensorValue(b.name, b.layout, b.dtype) for b in (grad_query, grad_key, grad_value))

@@ -2,7 +2,8 @@
 
 Input: nothing (a constant). Output: ``decomposition_table()``, a dict ``OpOverload -> decomposition``: the core
 ATen decompositions plus the ``_foreach_*`` ops as per-tensor ops (passes/decompose_foreach.py: compiled
-optimizers), minus ``KEPT_WHOLE``, the ops that stay whole in the ATen graph:
+optimizers) and the eval fast path of ``nn.TransformerEncoderLayer`` / ``_native_multi_head_attention``
+(passes/decompose_transformer.py), minus ``KEPT_WHOLE``, the ops that stay whole in the ATen graph:
 
 - softmax, log_softmax, layer norm, batch norm, the NLL loss (cross-entropy's second half) and scaled-dot-product
   attention, and their backward ops: each is one fused row-reduction or attention kernel; decomposing it
@@ -25,6 +26,7 @@ import torch
 from torch._decomp import core_aten_decompositions
 
 from neuron_compile.passes.decompose_foreach import foreach_decompositions
+from neuron_compile.passes.decompose_transformer import transformer_decompositions
 
 aten = torch.ops.aten
 
@@ -65,6 +67,7 @@ def _table() -> dict:
     table = dict(core_aten_decompositions())
     table.update({op: torch._decomp.decomposition_table[op] for op in ADDED})
     table.update(foreach_decompositions())
+    table.update(transformer_decompositions())
     for op in KEPT_WHOLE:
         table.pop(op, None)
     return table
