@@ -275,6 +275,25 @@ def _train_step(model, optimizer, ids, gradients: dict | None = None) -> torch.T
     return loss.detach()
 
 
+def _train_runs(runs: dict, optimizers: dict, rank: int, world_size: int, steps: int) -> tuple[dict, dict]:
+    """``steps`` AdamW steps of every run: "single" on the whole global batch, the others on this rank's slice.
+    Per run the global loss of each step and the full gradients of the first step."""
+    batch = torch.randint(0, TINY_LLAMA["vocab_size"], (2 * world_size, 12),
+                          generator=torch.Generator().manual_seed(11))
+    local = batch.chunk(world_size)[rank]
+    losses: dict[str, list[float]] = {name: [] for name in runs}
+    first_gradients: dict[str, dict] = {name: {} for name in runs}
+    for step in range(steps):
+        for name, model in runs.items():
+            gradients = first_gradients[name] if step == 0 else None
+            loss = _train_step(model, optimizers[name], batch if name == "single" else local, gradients)
+            if name != "single":
+                dist.all_reduce(loss)  # the mean over equal slices is the mean over the batch
+                loss /= world_size
+            losses[name].append(float(loss))
+    return losses, first_gradients
+
+
 def fsdp_llama_training(rank: int, world_size: int, steps: int = 3) -> dict:
     """``steps`` AdamW steps of the tiny Llama three ways: FSDP2 with each layer compiled with backend="neuron",
     FSDP2 eagerly (each rank on its slice of the global batch), and the whole model eagerly on the whole batch in
@@ -285,20 +304,8 @@ def fsdp_llama_training(rank: int, world_size: int, steps: int = 3) -> dict:
     single = tiny_llama().train()
     runs = {"neuron": _sharded_llama(single, "neuron"), "eager": _sharded_llama(single, None), "single": single}
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-2) for name, model in runs.items()}
-    batch = torch.randint(0, TINY_LLAMA["vocab_size"], (2 * world_size, 12),
-                          generator=torch.Generator().manual_seed(11))
-    local = batch.chunk(world_size)[rank]
-    losses: dict[str, list[float]] = {name: [] for name in runs}
-    first_gradients: dict[str, dict] = {name: {} for name in runs}
     neuron_compile.reset_stats()
-    for step in range(steps):
-        for name, model in runs.items():
-            gradients = first_gradients[name] if step == 0 else None
-            loss = _train_step(model, optimizers[name], batch if name == "single" else local, gradients)
-            if name != "single":
-                dist.all_reduce(loss)  # the mean over equal slices is the mean over the batch
-                loss /= world_size
-            losses[name].append(float(loss))
+    losses, first_gradients = _train_runs(runs, optimizers, rank, world_size, steps)
     parameters = {name: {key: (param.full_tensor() if name != "single" else param).detach()
                          for key, param in model.named_parameters()} for name, model in runs.items()}
     return dict(losses=losses, parameters=parameters, first_gradients=first_gradients, stats=neuron_stats())
@@ -326,20 +333,8 @@ def ddp_llama_training(rank: int, world_size: int, steps: int = 10) -> dict:
     runs = {"neuron": torch.compile(ddp, backend="neuron"), "eager": eager, "single": single}
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-2)
                   for name, model in (("neuron", ddp), ("eager", eager), ("single", single))}
-    batch = torch.randint(0, TINY_LLAMA["vocab_size"], (2 * world_size, 12),
-                          generator=torch.Generator().manual_seed(11))
-    local = batch.chunk(world_size)[rank]
-    losses: dict[str, list[float]] = {name: [] for name in runs}
-    first_gradients: dict[str, dict] = {name: {} for name in runs}
     neuron_compile.reset_stats()
-    for step in range(steps):
-        for name, model in runs.items():
-            gradients = first_gradients[name] if step == 0 else None
-            loss = _train_step(model, optimizers[name], batch if name == "single" else local, gradients)
-            if name != "single":
-                dist.all_reduce(loss)  # the mean over equal slices is the mean over the batch
-                loss /= world_size
-            losses[name].append(float(loss))
+    losses, first_gradients = _train_runs(runs, optimizers, rank, world_size, steps)
     graphs = neuron_compile.stats()["graphs_compiled"]
     # the compiled and DDP runs name parameters under their wrappers (_orig_mod., module.)
     first_gradients = {name: {key.removeprefix("_orig_mod.").removeprefix("module."): value

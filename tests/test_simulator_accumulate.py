@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from neuron_compile.runtime import simulator as nki
 from neuron_compile.runtime.simulator import cost
 from neuron_compile.runtime.simulator.errors import NkiValidationError
+from simulator_tiles import load_tile, store_tile
 
 nl = nki.language
 nisa = nki.isa
@@ -25,18 +26,6 @@ dtypes = st.sampled_from([np.dtype(np.float32), nl.bfloat16])
 
 def _random(shape, dtype, seed=0, low=-2.0, high=2.0):
     return np.random.default_rng(seed).uniform(low, high, size=shape).astype(F32).astype(dtype)
-
-
-def _load(src, dtype=None):
-    tile = nl.ndarray(src.shape, dtype or src.dtype)
-    nisa.dma_copy(tile, src)
-    return tile
-
-
-def _store(tile):
-    out = nl.ndarray(tile.shape, tile.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(out, tile)
-    return out
 
 
 def _run(kernel, *arrays, target=None):
@@ -56,11 +45,11 @@ def test_tensor_scalar_reduce_matches_numpy(p, f, dtype, op, negate, vector):
     scale = _random((p, 1), F32, 2, 0.5, 1.5)
 
     def kernel(a, s):
-        tile, column = _load(a), _load(s)
+        tile, column = load_tile(a), load_tile(s)
         out, total = nl.ndarray((p, f), dtype), nl.ndarray((p, 1), F32)
         nisa.tensor_scalar_reduce(out, tile, nl.multiply, column if vector else 0.75, getattr(nl, op), total,
                                   reduce_res_negate=negate)
-        return _store(out), _store(total)
+        return store_tile(out), store_tile(total)
 
     got, total = _run(kernel, x, scale)
     y = x.astype(F32) * (scale if vector else F32(0.75))
@@ -73,14 +62,14 @@ def test_tensor_scalar_reduce_accumulates_across_tiles_with_reduce_and_load_redu
     x = _random((4, 96), F32, 3)
 
     def kernel(a):
-        tile, out = _load(a), nl.ndarray((4, 32), F32)
+        tile, out = load_tile(a), nl.ndarray((4, 32), F32)
         total, start = nl.ndarray((4, 1), F32), nl.ndarray((4, 1), F32)
         nisa.memset(start, 10.0)
         nisa.tensor_scalar_reduce(out, tile[:, 0:32], nl.add, 0.0, nl.add, None, reduce_cmd=nisa.reduce_cmd.load_reduce,
                                   reduce_init=start)
         nisa.tensor_scalar_reduce(out, tile[:, 32:64], nl.add, 0.0, nl.add, None, reduce_cmd=nisa.reduce_cmd.reduce)
         nisa.tensor_scalar_reduce(out, tile[:, 64:96], nl.add, 0.0, nl.add, total, reduce_cmd=nisa.reduce_cmd.reduce)
-        return _store(total)
+        return store_tile(total)
 
     np.testing.assert_allclose(_run(kernel, x)[:, 0], 10 + x.sum(axis=1), rtol=1e-6)
 
@@ -92,11 +81,11 @@ def test_tensor_scalar_cumulative_matches_a_sequential_scan(p, f, dtype, op1, lo
     x = _random((p, f), dtype, 4, 0.9, 1.1)
 
     def kernel(a):
-        tile, out = _load(a), nl.ndarray((p, f), dtype)
+        tile, out = load_tile(a), nl.ndarray((p, f), dtype)
         command = nisa.reduce_cmd.load_reduce if load else nisa.reduce_cmd.reset_reduce
         nisa.tensor_scalar_cumulative(out, tile, nl.multiply, getattr(nl, op1), 1.0625, imm1=0.5 if load else None,
                                       reduce_cmd=command)
-        return _store(out)
+        return store_tile(out)
 
     got = _run(kernel, x).astype(F32)
     values = x.astype(F32) * F32(1.0625)
@@ -115,11 +104,11 @@ def test_cumulative_is_a_cumsum_and_continues_with_reduce():
     x = _random((8, 64), F32, 5)
 
     def kernel(a):
-        tile, out = _load(a), nl.ndarray((8, 64), F32)
+        tile, out = load_tile(a), nl.ndarray((8, 64), F32)
         nisa.tensor_scalar_cumulative(out[:, 0:32], tile[:, 0:32], nl.add, nl.add, 0.0)
         nisa.tensor_scalar_cumulative(out[:, 32:64], tile[:, 32:64], nl.add, nl.add, 0.0,
                                       reduce_cmd=nisa.reduce_cmd.reduce)
-        return _store(out)
+        return store_tile(out)
 
     np.testing.assert_allclose(_run(kernel, x), np.cumsum(x, axis=1), rtol=1e-5, atol=1e-5)
 
@@ -131,10 +120,10 @@ def test_exponential_with_running_sum(p, f, dtype):
     shift = _random((p, 1), F32, 7)
 
     def kernel(a, m):
-        tile, column = _load(a), _load(m)
+        tile, column = load_tile(a), load_tile(m)
         out, total = nl.ndarray((p, f), dtype), nl.ndarray((p, 1), F32)
         nisa.exponential(out, tile, max_value=column, reduce_res=total, reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        return _store(out), _store(total)
+        return store_tile(out), store_tile(total)
 
     got, total = _run(kernel, x, shift, target="trn3")
     y = np.exp(x.astype(F32) - shift)
@@ -151,11 +140,11 @@ def test_select_reduce_matches_numpy_where_and_max(p, f, dtype, reverse, column,
     fill = _random((p, 1), F32, 10)
 
     def kernel(a, m, c):
-        tile, predicate, fill_tile = _load(a), _load(m), _load(c)
+        tile, predicate, fill_tile = load_tile(a), load_tile(m), load_tile(c)
         out, best = nl.ndarray((p, f), dtype), nl.ndarray((p, 1), F32)
         nisa.select_reduce(out, predicate, tile, fill_tile if column else -5.0, reduce_res=best,
                            reduce_cmd=getattr(nisa.reduce_cmd, command), reverse_pred=reverse)
-        return _store(out), _store(best)
+        return store_tile(out), store_tile(best)
 
     got, best = _run(kernel, x, mask, fill)
     chosen = (mask == 0) if reverse else (mask != 0)
@@ -174,11 +163,11 @@ def test_range_select_keeps_the_index_window_and_takes_its_max(p, f, dtype, star
     high = low + rng.integers(0, f + 1, size=(p, 1)).astype(F32)
 
     def kernel(a, lo, hi):
-        tile, bound0, bound1 = _load(a), _load(lo), _load(hi)
+        tile, bound0, bound1 = load_tile(a), load_tile(lo), load_tile(hi)
         out, best = nl.ndarray((p, f), dtype), nl.ndarray((p, 1), F32)
         nisa.range_select(out, tile, getattr(nl, ops[0]), getattr(nl, ops[1]), bound0, bound1, reduce_res=best,
                           range_start=start)
-        return _store(out), _store(best)
+        return store_tile(out), store_tile(best)
 
     got, best = _run(kernel, x, low, high)
     index = start + np.arange(f, dtype=F32)[None, :]
@@ -200,11 +189,11 @@ def test_activate2_matches_numpy(p, f, dtype, function, pair, reverse, reduce):
     reverse = reverse and pair[0] != "bypass"
 
     def kernel(a):
-        tile, out, total = _load(a), nl.ndarray((p, f), dtype), nl.ndarray((p, 1), F32)
+        tile, out, total = load_tile(a), nl.ndarray((p, f), dtype), nl.ndarray((p, 1), F32)
         nisa.activate2(out, getattr(nl, function), tile, 1.5, 0.25, getattr(nl, pair[0]), getattr(nl, pair[1]),
                        relu_param=0.1, reverse0=reverse, reduce_op=getattr(nl, reduce), reduce_res=total,
                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        return _store(out), _store(total)
+        return store_tile(out), store_tile(total)
 
     got, total = _run(kernel, x, target="trn3")
     stage = {"multiply": np.multiply, "add": np.add, "subtract": np.subtract}
@@ -225,12 +214,12 @@ def test_accumulating_instructions_are_costed_on_their_engines():
     x = _random((128, 256), F32, 14)
 
     def kernel(a):
-        tile, out, total = _load(a), nl.ndarray((128, 256), F32), nl.ndarray((128, 1), F32)
+        tile, out, total = load_tile(a), nl.ndarray((128, 256), F32), nl.ndarray((128, 1), F32)
         nisa.tensor_scalar_reduce(out, tile, nl.add, 1.0, nl.maximum, total)
         nisa.tensor_scalar_cumulative(out, tile, nl.add, nl.add, 0.0)
         nisa.exponential(out, tile, reduce_res=total, reduce_cmd=nisa.reduce_cmd.reset_reduce)
         nisa.activate2(out, nl.exp, tile, 1.0, 0.0, nl.multiply, nl.add)
-        return _store(total)
+        return store_tile(total)
 
     trace = nki.run_kernel(kernel, [x], target="trn3").trace
     engines = {r.name: cost.instruction_cycles(r, "trn3") for r in trace if r.engine != "dma"}

@@ -13,22 +13,11 @@ import pytest
 
 from neuron_compile.runtime import simulator as nki
 from neuron_compile.runtime.simulator.errors import NkiValidationError
+from simulator_tiles import load_tile, store_tile
 
 nl = nki.language
 nisa = nki.isa
 F32 = np.float32
-
-
-def _load(src, dtype=None):
-    tile = nl.ndarray(src.shape, dtype or src.dtype)
-    nisa.dma_copy(tile, src)
-    return tile
-
-
-def _store(tile):
-    out = nl.ndarray(tile.shape, tile.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(out, tile)
-    return out
 
 
 LEGACY_SOURCE = '''
@@ -133,7 +122,7 @@ def test_registers_drive_dynamic_loops_and_offsets():
         nl.while_loop(left, countdown)
         stored = nl.ndarray((1, 1), nl.int32)
         nisa.register_store(stored, trips)
-        return _store(acc), _store(stored)
+        return store_tile(acc), store_tile(stored)
 
     data = np.arange(48, dtype=F32).reshape(6, 8)
     acc, stored = nki.run_kernel(kernel, [data, np.array([[3]], np.int32)]).outputs
@@ -143,10 +132,10 @@ def test_registers_drive_dynamic_loops_and_offsets():
 
 def test_scalar_offset_reads_a_one_element_sbuf_tensor():
     def kernel(data, where):
-        position = _load(where)
+        position = load_tile(where)
         row = nl.ndarray((1, 4), F32)
         nisa.dma_copy(row, data.ap([[4, 1], [1, 4]], scalar_offset=position, indirect_dim=0))
-        return _store(row)
+        return store_tile(row)
 
     data = np.arange(20, dtype=F32).reshape(5, 4)
     np.testing.assert_array_equal(nki.run_kernel(kernel, [data, np.array([[3]], np.int32)]).outputs[0], data[3:4])
@@ -166,7 +155,7 @@ def test_shared_constants_and_identity():
     def kernel():
         identity = nl.shared_identity_matrix(n=32, dtype=nl.bfloat16)
         table = nl.shared_constant(np.arange(6, dtype=np.int32).reshape(2, 3))
-        return _store(identity), table
+        return store_tile(identity), table
 
     identity, table = nki.run_kernel(kernel, []).outputs
     np.testing.assert_array_equal(identity.astype(F32), np.eye(32))
@@ -176,7 +165,7 @@ def test_shared_constants_and_identity():
 def test_a_kernel_may_return_the_callers_hbm_tensors_it_wrote():
     @nki.jit
     def add_one_in_place(x, out):
-        tile = _load(x)
+        tile = load_tile(x)
         nisa.tensor_scalar(tile, tile, nl.add, 1.0)
         nisa.dma_copy(out, tile)
         return out
@@ -204,15 +193,15 @@ def test_activation_bias_may_be_any_float_dtype_but_scale_must_be_fp32(bias_dtyp
 
     def kernel(a, b):
         out = nl.ndarray((8, 16), F32)
-        nisa.activation(out, nl.exp, _load(a), bias=_load(b, bias_dtype))
-        return _store(out)
+        nisa.activation(out, nl.exp, load_tile(a), bias=load_tile(b, bias_dtype))
+        return store_tile(out)
 
     rounded = bias.astype(bias_dtype).astype(F32)
     np.testing.assert_allclose(nki.run_kernel(kernel, [x, bias]).outputs[0], np.exp(x + rounded), rtol=1e-6)
 
     def bad_scale(a, b):
         out = nl.ndarray((8, 16), F32)
-        nisa.activation(out, nl.exp, _load(a), scale=_load(b, nl.bfloat16))
+        nisa.activation(out, nl.exp, load_tile(a), scale=load_tile(b, nl.bfloat16))
 
     with pytest.raises(NkiValidationError, match="err_activation_scale_scalar_or_vector"):
         nki.run_kernel(bad_scale, [x, bias])
@@ -225,7 +214,7 @@ def test_broadcast_to_copies_a_one_partition_tile_to_every_partition(dtype, shap
     wide = (96,) + shape[1:]
 
     def kernel(r):
-        return _store(nl.broadcast_to(_load(r), wide))
+        return store_tile(nl.broadcast_to(load_tile(r), wide))
 
     run = nki.run_kernel(kernel, [row])
     np.testing.assert_array_equal(run.outputs[0], np.broadcast_to(row, wide))
@@ -245,7 +234,7 @@ def test_tensors_placed_at_one_address_share_their_bytes():
         lower_rows = nl.ndarray((2, 8), F32, address=(2, 64))
         as_bf16 = nl.ndarray((4, 16), nl.bfloat16, address=(0, 64))
         flat = whole.ap([[8, 2], [1, 8]], offset=16)  # the kernel's own layout: rows 2 and 3
-        return _store(second_half), _store(lower_rows), _store(flat), _store(as_bf16)
+        return store_tile(second_half), store_tile(lower_rows), store_tile(flat), store_tile(as_bf16)
 
     x = np.arange(32, dtype=F32).reshape(4, 8)
     second_half, lower_rows, flat, as_bf16 = nki.run_kernel(kernel, [x]).outputs
@@ -257,7 +246,7 @@ def test_tensors_placed_at_one_address_share_their_bytes():
 
 def test_psum_tiles_placed_in_one_bank_alias_and_start_new_accumulation_groups():
     def kernel(a, b):
-        left, right = _load(a), _load(b)
+        left, right = load_tile(a), load_tile(b)
         first = nl.ndarray((8, 8), F32, buffer=nl.psum, address=(0, 2048))
         nisa.nc_matmul(first, left, right)
         staged = nl.ndarray((8, 8), F32)
@@ -267,7 +256,7 @@ def test_psum_tiles_placed_in_one_bank_alias_and_start_new_accumulation_groups()
         nisa.nc_matmul(again, left, right)
         result = nl.ndarray((8, 8), F32)
         nisa.tensor_copy(result, again)
-        return _store(staged), _store(result)
+        return store_tile(staged), store_tile(result)
 
     a, b = np.ones((8, 8), F32), np.full((8, 8), 2.0, F32)
     staged, again = nki.run_kernel(kernel, [a, b]).outputs
@@ -307,7 +296,7 @@ def test_named_views_match_numpy():
         for view in outs:
             copy = nl.ndarray(view.shape, F32)
             nisa.tensor_copy(copy, view)
-            copies.append(_store(copy))
+            copies.append(store_tile(copy))
         return tuple(copies)
 
     x = np.arange(96, dtype=F32).reshape(4, 24)
@@ -363,9 +352,9 @@ def test_language_wrappers_rms_norm_gather_and_no_reorder():
 
     def kernel(a, b, i):
         with nl.no_reorder():
-            normed = nl.rms_norm(_load(a), _load(b), axis=1, n=64, epsilon=1e-6)
-            gathered = nl.gather_flattened(_load(a), _load(i))
-        return _store(normed), _store(gathered)
+            normed = nl.rms_norm(load_tile(a), load_tile(b), axis=1, n=64, epsilon=1e-6)
+            gathered = nl.gather_flattened(load_tile(a), load_tile(i))
+        return store_tile(normed), store_tile(gathered)
 
     normed, gathered = nki.run_kernel(kernel, [x, w, where]).outputs
     want = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + 1e-6) * w
@@ -382,7 +371,7 @@ def test_rand_and_dropout_draw_after_random_seed(target):
         nl.random_seed(seed)
         again = nl.rand((128, 256), nl.float32)
         kept = nl.dropout(nl.ones((128, 256), nl.float32), 0.25)
-        return _store(first), _store(again), _store(kept)
+        return store_tile(first), store_tile(again), store_tile(kept)
 
     first, again, kept = nki.run_kernel(kernel, [], target=target).outputs
     np.testing.assert_array_equal(first, again)  # the same seed draws the same values
@@ -392,7 +381,7 @@ def test_rand_and_dropout_draw_after_random_seed(target):
 
 def test_ap_with_a_narrower_dtype_counts_its_pattern_in_that_dtype():
     def kernel(x):
-        scales = _load(x)  # (4, 1) float32: 4 bytes per partition
+        scales = load_tile(x)  # (4, 1) float32: 4 bytes per partition
         out = nl.ndarray((4, 4), nl.uint8, buffer=nl.shared_hbm)
         nisa.dma_copy(out, scales.ap([[4, 4], [1, 4]], dtype=nl.uint8))
         return out

@@ -12,23 +12,12 @@ from hypothesis import strategies as st
 from neuron_compile.runtime import simulator as nki
 from neuron_compile.runtime.simulator import cost
 from neuron_compile.runtime.simulator.errors import NkiValidationError
+from simulator_tiles import load_tile, store_tile
 
 nl = nki.language
 nisa = nki.isa
 F32 = np.float32
 dtypes = st.sampled_from([np.dtype(np.float32), nl.bfloat16, np.dtype(np.int32), np.dtype(np.uint16)])
-
-
-def _load(src, dtype=None):
-    tile = nl.ndarray(src.shape, dtype or src.dtype)
-    nisa.dma_copy(tile, src)
-    return tile
-
-
-def _store(tile):
-    out = nl.ndarray(tile.shape, tile.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(out, tile)
-    return out
 
 
 def _run(kernel, *arrays):
@@ -53,8 +42,8 @@ def test_local_gather_matches_the_documented_numpy(cores, free, per_partition, e
 
     def kernel(s, i):
         out = nl.ndarray((p, valid, elements), s.dtype)
-        nisa.local_gather(out, _load(s), _load(i), num_elem_per_idx=elements, num_valid_indices=valid)
-        return _store(out)
+        nisa.local_gather(out, load_tile(s), load_tile(i), num_elem_per_idx=elements, num_valid_indices=valid)
+        return store_tile(out)
 
     got = _run(kernel, src, index)
     want = np.empty((p, valid, elements), dtype=src.dtype)
@@ -75,8 +64,8 @@ def test_nc_n_gather_indexes_each_partition_flattened(p, shape, count, dtype):
 
     def kernel(d, i):
         out = nl.ndarray((p, count), d.dtype)
-        nisa.nc_n_gather(out, _load(d), _load(i))
-        return _store(out)
+        nisa.nc_n_gather(out, load_tile(d), load_tile(i))
+        return store_tile(out)
 
     np.testing.assert_array_equal(_run(kernel, data, indices), np.take_along_axis(data.reshape(p, -1), indices, 1))
 
@@ -101,8 +90,8 @@ def test_sequence_bounds_matches_the_documented_loop(n, segments, dtype):
 
     def kernel(s):
         out = nl.ndarray((1, 2, n), s.dtype)
-        nisa.sequence_bounds(out, _load(s))
-        return _store(out)
+        nisa.sequence_bounds(out, load_tile(s))
+        return store_tile(out)
 
     np.testing.assert_array_equal(_run(kernel, ids)[0], _documented_sequence_bounds(ids[0]).astype(dtype))
 
@@ -112,8 +101,8 @@ def test_sequence_bounds_example_of_the_documentation():
 
     def kernel(s):
         out = nl.ndarray((1, 2, 9), nl.int32)
-        nisa.sequence_bounds(out, _load(s))
-        return _store(out)
+        nisa.sequence_bounds(out, load_tile(s))
+        return store_tile(out)
 
     np.testing.assert_array_equal(_run(kernel, ids)[0], [[9, 1, 1, 3, 3, 3, 9, 7, 7], [-1, 3, 3, 6, 6, 6, -1, 9, 9]])
 
@@ -126,8 +115,8 @@ def test_nonzero_with_count_on_each_cores_first_partition(t, offset, dtype):
     def kernel(s):
         out = nl.ndarray((128, t + 1), nl.int32)
         nisa.memset(out, 7)
-        nisa.nonzero_with_count(out, _load(s), index_offset=offset, padding_val=-9)
-        return _store(out)
+        nisa.nonzero_with_count(out, load_tile(s), index_offset=offset, padding_val=-9)
+        return store_tile(out)
 
     got = _run(kernel, src)
     for row in range(128):
@@ -149,9 +138,9 @@ def test_nc_stream_shuffle_moves_partitions_within_quadrants(quadrants, free, dt
     old = _values((p, free), dtype, 6)
 
     def kernel(s, d):
-        out = _load(d)
-        nisa.nc_stream_shuffle(out, _load(s), mask)
-        return _store(out)
+        out = load_tile(d)
+        nisa.nc_stream_shuffle(out, load_tile(s), mask)
+        return store_tile(out)
 
     want = old.copy()
     for row in range(p):
@@ -165,10 +154,10 @@ def test_nc_match_replace8_pairs_duplicates_as_documented():
     vals = np.array([[3, 8, 8, 8, 8, 8, 8, 8]], dtype=np.float32)
 
     def kernel(d, v):
-        tile = _load(d)
+        tile = load_tile(d)
         index = nl.ndarray((1, 8), nl.uint32)
-        nisa.nc_match_replace8(tile, tile, _load(v), imm=-1.0, dst_idx=index)
-        return _store(tile), _store(index)
+        nisa.nc_match_replace8(tile, tile, load_tile(v), imm=-1.0, dst_idx=index)
+        return store_tile(tile), store_tile(index)
 
     replaced, index = _run(kernel, data, vals)
     np.testing.assert_array_equal(index[0], [2, 10, 9, 8, 7, 6, 5, 4])
@@ -181,13 +170,13 @@ def test_max8_and_match_replace8_give_a_top_k(p, f, rounds):
     x = np.random.default_rng(f).permutation(p * f).reshape(p, f).astype(np.float32)
 
     def kernel(d):
-        tile = _load(d)
+        tile = load_tile(d)
         values, index = nl.ndarray((p, 8 * rounds), nl.float32), nl.ndarray((p, 8 * rounds), nl.uint32)
         for r in range(rounds):
             nisa.max8(values[:, 8 * r:8 * r + 8], tile)
             nisa.nc_match_replace8(tile, tile, values[:, 8 * r:8 * r + 8], float("-inf"),
                                    dst_idx=index[:, 8 * r:8 * r + 8])
-        return _store(values), _store(index)
+        return store_tile(values), store_tile(index)
 
     values, index = _run(kernel, x)
     k = min(8 * rounds, f)
@@ -198,10 +187,10 @@ def test_max8_and_match_replace8_give_a_top_k(p, f, rounds):
 
 def test_gather_instructions_are_costed_on_gpsimd():
     def kernel(d, i):
-        data, index = _load(d), _load(i)
+        data, index = load_tile(d), load_tile(i)
         out = nl.ndarray((128, 4), nl.float32)
         nisa.nc_n_gather(out, data, index)
-        return _store(out)
+        return store_tile(out)
 
     run = nki.run_kernel(kernel, [np.zeros((128, 64), np.float32), np.zeros((128, 4), np.uint32)])
     gather = next(r for r in run.trace if r.name == "nc_n_gather")
@@ -270,8 +259,8 @@ def test_nc_find_index8_pairs_duplicates_in_ascending_order():
 
     def kernel(d, v):
         index = nl.ndarray((1, 8), nl.uint32)
-        nisa.nc_find_index8(index, _load(d), _load(v))
-        return _store(index)
+        nisa.nc_find_index8(index, load_tile(d), load_tile(v))
+        return store_tile(index)
 
     np.testing.assert_array_equal(_run(kernel, data, vals)[0], [2, 4, 5, 6, 7, 8, 9, 10])
 
@@ -284,8 +273,8 @@ def test_dma_compute_sums_its_sources_in_fp32(p, f, count, dst_dtype):
 
     def kernel(*sources):
         out = nl.ndarray((p, f), dst_dtype)
-        nisa.dma_compute(out, [sources[0], *(_load(s) for s in sources[1:])], nl.add, scales=[1.0] * count)
-        return _store(out)
+        nisa.dma_compute(out, [sources[0], *(load_tile(s) for s in sources[1:])], nl.add, scales=[1.0] * count)
+        return store_tile(out)
 
     want = np.sum(arrays, axis=0, dtype=F32).astype(dst_dtype)
     np.testing.assert_array_equal(_run(kernel, *arrays), want)
@@ -296,10 +285,10 @@ def test_dma_compute_gathers_and_adds_rows_by_vector_offset():
     rows = np.array([[7], [2], [7]], dtype=np.int32)
 
     def kernel(t, r):
-        index, acc = _load(r), nl.ndarray((3, 4), F32)
+        index, acc = load_tile(r), nl.ndarray((3, 4), F32)
         nisa.memset(acc, 1.0)
         nisa.dma_compute(acc, [acc, t.ap([[4, 3], [1, 4]], vector_offset=index, indirect_dim=0)], nl.add)
-        return _store(acc)
+        return store_tile(acc)
 
     np.testing.assert_array_equal(_run(kernel, table, rows), 1 + table[[7, 2, 7]])
 
@@ -349,7 +338,7 @@ def test_dma_oob_skip_drops_only_the_elements_past_the_tensor():
     rows = np.arange(12, dtype=F32).reshape(3, 4)
 
     def kernel(t, r, where):
-        tile, position = _load(r), _load(where)
+        tile, position = load_tile(r), load_tile(where)
         # three rows written from a dynamic row offset: at 4, the last row falls past the 6-row table
         nisa.dma_copy(t.ap([[4, 3], [1, 4]], scalar_offset=position, indirect_dim=0), tile, oob_mode=nisa.oob_mode.skip)
         return t
@@ -360,7 +349,7 @@ def test_dma_oob_skip_drops_only_the_elements_past_the_tensor():
     np.testing.assert_array_equal(out, want)
     with pytest.raises(NkiValidationError, match="err_tensor_access_out_of_bound"):
         def strict(t, r, where):
-            nisa.dma_copy(t.ap([[4, 3], [1, 4]], scalar_offset=_load(where), indirect_dim=0), _load(r))
+            nisa.dma_copy(t.ap([[4, 3], [1, 4]], scalar_offset=load_tile(where), indirect_dim=0), load_tile(r))
             return t
 
         nki.run_kernel(strict, [table, rows, np.array([[4]], np.int32)])
