@@ -67,32 +67,66 @@ def test_bf16_is_closer_to_the_fp32_result_than_eager():
     assert only_qkv_and_output_cross_hbm(stats, q)
 
 
-def test_masks_that_could_empty_a_row_keep_the_graph_as_written():
-    q, k, v = qkv((1, 2, 16, 32))
-    keep = torch.rand(16, 16, generator=torch.Generator().manual_seed(0)) > 0.5
-    keep[3] = False  # a fully masked row: NaN in eager's softmax
+def rewrites_to_sdpa(fn, *args, folder) -> bool:
+    """Whether the attention pattern pass put an SDPA node in ``fn``'s graph (its dump, compiling ``fn``)."""
+    torch._dynamo.reset()
+    with neuron_compile.config.patch(dump_dir=str(folder)):
+        torch.compile(fn, backend="neuron")(*args)
+    (dumped,) = folder.glob("graph_*/*/passes/*attention_pattern.txt")
+    return "scaled_dot_product_attention" in dumped.read_text()
+
+
+def test_masks_from_inputs_and_fully_masked_rows_give_eager_nan_rows(tmp_path):
+    """A mask computed from the inputs (nanoGPT's registered ``bias``) or a constant one with an empty row: the
+    kernel would give 0 on a fully masked row where eager's softmax gives NaN, so the rewrite adds NaN there."""
+    q, k, v = qkv((1, 4, 64, 32))
+    keep = torch.rand(64, 64, generator=torch.Generator().manual_seed(0)) > 0.5
+    keep[3] = False
+    bias = torch.ones(1, 1, 80, 80).tril()
 
     def input_mask(q, k, v, keep):
         return torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~keep, float("-inf")), dim=-1) @ v
 
     def constant_mask(q, k, v):
-        masked = torch.zeros(16, 16, dtype=torch.bool)
+        masked = torch.zeros(64, 64, dtype=torch.bool)
         masked[3] = True
         return torch.softmax((q @ k.transpose(-1, -2)).masked_fill(masked, float("-inf")), dim=-1) @ v
 
-    for fn, args in ((input_mask, (q, k, v, keep)), (constant_mask, (q, k, v))):
-        stats = check_through_backend(fn, *args)  # NaN rows equal eager's
-        assert not only_qkv_and_output_cross_hbm(stats, q)
-        assert torch.isnan(torch.compile(fn, backend="neuron")(*args)[0, 0, 3]).all()
+    def nanogpt(q, k, v, bias):
+        seq = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))
+        att = att.masked_fill(bias[:, :, :seq, :seq] == 0, float("-inf"))
+        return torch.softmax(att, dim=-1) @ v
+
+    for index, (fn, args) in enumerate(((input_mask, (q, k, v, keep)), (constant_mask, (q, k, v)),
+                                        (nanogpt, (q, k, v, bias)))):
+        assert rewrites_to_sdpa(fn, *args, folder=tmp_path / str(index))
+        check_through_backend(fn, *args)  # NaN rows equal eager's
+    assert torch.isnan(torch.compile(input_mask, backend="neuron")(q, k, v, keep)[0, :, 3]).all()
 
 
-def test_probabilities_read_elsewhere_keep_the_graph_as_written():
+def test_probabilities_read_elsewhere_keep_the_graph_as_written(tmp_path):
     def with_probabilities(q, k, v):
         probabilities = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
         return probabilities @ v, probabilities
 
     q, k, v = qkv((1, 2, 64, 32))
-    assert not only_qkv_and_output_cross_hbm(check_through_backend(with_probabilities, q, k, v), q)
+    assert not rewrites_to_sdpa(with_probabilities, q, k, v, folder=tmp_path)
+    check_through_backend(with_probabilities, q, k, v)
+
+
+def test_a_mask_per_batch_keeps_the_graph_as_written(tmp_path):
+    """SDPA runs on the [batch x heads, 1, ...] views of the bmm operands: a mask with its own batch dim would need
+    repeating over the heads."""
+    q, k, v = qkv((2, 2, 16, 32))
+    padding = torch.zeros(2, 1, 1, 16)
+    padding[1, ..., 12:] = float("-inf")
+
+    def padded(q, k, v, padding):
+        return torch.softmax(q @ k.transpose(-1, -2) + padding, dim=-1) @ v
+
+    assert not rewrites_to_sdpa(padded, q, k, v, padding, folder=tmp_path)
+    check_through_backend(padded, q, k, v, padding)
 
 
 def test_the_rewrite_follows_the_flash_attention_switch():

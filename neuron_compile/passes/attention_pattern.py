@@ -9,12 +9,13 @@ a copy in which each match of
 ``aten.scaled_dot_product_attention(q, k, v, attn_mask, scale=...)`` node over the bmms' own operands viewed as
 [batch x heads, 1, seq, head_dim], whose output has the replaced bmm's shape and strides (the graph's readers stay
 as traced), and which the lowering turns into the flash-attention kernel: the S x L scores and probabilities never
-reach HBM (three kernels moved them through HBM twice). Masks must be constants computed in the graph (the aranges
-of a ``tril``): they are evaluated here, the lower-triangular boolean one becomes ``is_causal=True`` (generated on
-chip), any other an additive float mask; a mask computed from the graph's inputs keeps the graph as written (it
-could mask a whole row, which the softmax makes NaN and the flash kernel 0). Why: models and tutorials write
-attention by hand (the kernel bench's causal attention, the demo's blocks); Inductor's ``fuse_attention`` pass
-makes the same rewrite.
+reach HBM (three kernels moved them through HBM twice). A mask must be one [queries, keys] matrix for every batch
+and head (leading dims of size 1). A constant one (the aranges of a ``tril``) is evaluated here: the
+lower-triangular boolean mask becomes ``is_causal=True`` (generated on chip), any other an additive float mask; a
+mask computed from the graph's inputs (nanoGPT's ``bias`` buffer) is passed on, and where a row could be fully
+masked (NaN in the softmax, 0 in the kernel) the output gets NaN added on those rows. Why: models and tutorials
+write attention by hand (the kernel bench's causal attention, the demo's blocks, nanoGPT); Inductor's
+``fuse_attention`` pass makes the same rewrite.
 
 A match needs every intermediate (scores, probabilities) to have no other reader: a training graph that saves
 the probabilities for the backward keeps its three kernels. The flash kernel computes the scores and softmax in
@@ -24,12 +25,14 @@ fp32 where a bf16 graph rounds them to bf16 between ops, so bf16 results differ 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -148,8 +151,10 @@ def _match(node: torch.fx.Node) -> AttentionMatch | None:
     query, key, value = (operand.meta["val"] for operand in (q, k_transposed, v))
     if query.dtype not in ATTENTION_DTYPES or not query.dtype == key.dtype == value.dtype == node.meta["val"].dtype:
         return None
+    if additive is not None and additive.meta["val"].dtype != query.dtype:
+        return None  # SDPA takes a float mask of the inputs' dtype
     match = AttentionMatch(q, k_transposed, v, scale, boolean_mask, true_masks, additive, node)
-    return match if _broadcast_mask(match) and _every_row_attends(match) else None
+    return match if _broadcast_mask(match) else None
 
 
 def _broadcast_mask(match: AttentionMatch) -> bool:
@@ -160,9 +165,8 @@ def _broadcast_mask(match: AttentionMatch) -> bool:
 
 
 def _every_row_attends(match: AttentionMatch) -> bool:
-    """Whether the mask is a constant that leaves every query at least one key. A fully masked row is NaN in the
-    hand-written softmax and 0 in the flash kernel, so a mask that could mask a whole row (one computed from the
-    graph's inputs) keeps the graph as written."""
+    """Whether the mask is a constant that leaves every query at least one key (else a row may be fully masked:
+    NaN in the hand-written softmax, 0 in the flash kernel, so ``_nan_rows`` puts the NaN back)."""
     if match.boolean_mask is None and match.additive is None:
         return True
     attended = _attended(match)
@@ -222,9 +226,13 @@ def _is_causal(match: AttentionMatch) -> bool:
 
 
 def _emit(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
-    """A new node computing ``target(*args, **kwargs)``, its meta value computed on the arguments' values."""
+    """A new node computing ``target(*args, **kwargs)``, its meta value computed on the arguments' values, in the
+    graph's fake mode (an op making a tensor of its own, ``scalar_tensor``, makes a fake one there)."""
     node = graph.call_function(target, args, kwargs)
-    node.meta["val"] = target(*torch.fx.node.map_arg(args, lambda arg: arg.meta["val"]), **kwargs)
+    values = torch.fx.node.map_arg(args, lambda arg: arg.meta["val"])
+    fake_mode = detect_fake_mode(list(values)) or _graph_fake_mode(graph)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        node.meta["val"] = target(*values, **kwargs)
     return node
 
 
@@ -241,7 +249,41 @@ def _replace(graph: torch.fx.Graph, match: AttentionMatch) -> None:
         v = _emit(graph, aten.unsqueeze.default, match.v, 1)
         attention = _emit(graph, SDPA, q, k, v, mask, 0.0, causal, scale=match.scale)
         output = _emit(graph, aten.squeeze.dim, attention, 1)
+        if not _every_row_attends(match):
+            output = _nan_rows(graph, match, output)
     match.output.replace_all_uses_with(output)
+
+
+def _nan_rows(graph: torch.fx.Graph, match: AttentionMatch, output: torch.fx.Node) -> torch.fx.Node:
+    """``output`` plus NaN on the query rows whose keys are all masked, 0 elsewhere: eager's softmax over a row of
+    -inf is NaN where the kernel gives 0. An add of a [queries, 1] column, which the attention kernel takes into
+    its output tile. (Written in ops the lowering has: the row's smallest 1.0-if-masked flag is 1 iff all are.)"""
+    if match.boolean_mask is not None:
+        masked = match.boolean_mask
+        if not match.true_masks:
+            masked = _emit(graph, aten.logical_not.default, masked)
+    else:
+        masked = _emit(graph, aten.eq.Scalar, match.additive, -math.inf)
+    flags = _emit(graph, aten._to_copy.default, masked, dtype=torch.float32)
+    every_key = _emit(graph, aten.amin.default, flags, [-1], True)
+    rows = _emit(graph, aten.view.default, every_key, [every_key.meta["val"].shape[-2], 1])
+    term = _select(graph, _emit(graph, aten.eq.Scalar, rows, 1.0), math.nan, 0.0, output.meta["val"].dtype)
+    return _emit(graph, aten.add.Tensor, output, term)
+
+
+def _graph_fake_mode(graph: torch.fx.Graph):
+    """The fake mode of the graph's node values (for ops without tensor arguments), or None."""
+    for node in graph.nodes:
+        mode = detect_fake_mode([node.meta.get("val")])
+        if mode is not None:
+            return mode
+    return None
+
+
+def _select(graph: torch.fx.Graph, condition: torch.fx.Node, if_true: float, if_false: float, dtype):
+    """where(condition, if_true, if_false) in ``dtype``, the numbers as 0-d tensors (the lowered ``where``)."""
+    return _emit(graph, aten.where.self, condition, _emit(graph, aten.scalar_tensor.default, if_true, dtype=dtype),
+                 _emit(graph, aten.scalar_tensor.default, if_false, dtype=dtype))
 
 
 def _additive_mask(graph: torch.fx.Graph, match: AttentionMatch) -> torch.fx.Node:
@@ -249,6 +291,4 @@ def _additive_mask(graph: torch.fx.Graph, match: AttentionMatch) -> torch.fx.Nod
     masked = match.boolean_mask
     if not match.true_masks:
         masked = _emit(graph, aten.logical_not.default, masked)
-    mask = _emit(graph, aten.where.Scalar, masked, -math.inf, 0.0)
-    dtype = match.q.meta["val"].dtype
-    return mask if dtype == torch.float32 else _emit(graph, aten._to_copy.default, mask, dtype=dtype)
+    return _select(graph, masked, -math.inf, 0.0, match.q.meta["val"].dtype)
