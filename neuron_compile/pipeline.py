@@ -197,6 +197,9 @@ def _region_launch(planned: PlannedRegion, sources: list[KernelSource], context:
     wanted = [value.buffer for value in lowered.outputs] + [value.buffer for _, value in lowered.mutations]
     kernels = [PlannedKernelText(kernel.node, kernel.plan, kernel.name, source.parameters)
                for kernel, source in zip(planned.kernels, sources, strict=True)]
+    written = {store.buffer.name for kernel in planned.kernels for store in kinds.stores(kernel.node)}
+    if not written & set(wanted):
+        return None  # every output is empty (a batch of 0): no kernel writes one, a region kernel would return none
     try:
         return render_region_kernel(REGION_KERNEL_NAME, kernels, wanted)
     except Exception as error:  # noqa: BLE001 -- a renderer bug becomes this region's named failure

@@ -228,3 +228,12 @@ def test_explain_ranks_a_region_kernels_kernels_and_its_launch_cost():
     assert labels == {f"nki_region_0.{name}" for name in names} | {"nki_region_0.region_kernel"}
     (launch_row,) = [row for row in rows if row[-1] == "launch"]
     assert float(launch_row[-6]) == pytest.approx(5.0)  # the launch cost, once
+
+
+def test_a_region_whose_outputs_are_all_empty_launches_without_a_region_kernel():
+    """unfold of a batch of 0: the region's kernels write only scratch, its one output is empty (no kernel
+    writes it). It used to fail to render as a region kernel with nothing to return and ran eagerly."""
+    from lowering_harness import check_through_backend
+
+    x = torch.randn(0, 1, 5, 5)
+    check_through_backend(lambda t: torch.nn.functional.unfold(t, 2, 1, 0, 1), x)
