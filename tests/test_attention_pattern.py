@@ -98,8 +98,12 @@ def test_masks_from_inputs_and_fully_masked_rows_give_eager_nan_rows(tmp_path):
         att = att.masked_fill(bias[:, :, :seq, :seq] == 0, float("-inf"))
         return torch.softmax(att, dim=-1) @ v
 
+    def additive_input(q, k, v, mask):
+        return torch.softmax(q @ k.transpose(-1, -2) + mask, dim=-1) @ v
+
+    additive = torch.zeros(1, 1, 64, 64).masked_fill(~keep, float("-inf"))
     for index, (fn, args) in enumerate(((input_mask, (q, k, v, keep)), (constant_mask, (q, k, v)),
-                                        (nanogpt, (q, k, v, bias)))):
+                                        (nanogpt, (q, k, v, bias)), (additive_input, (q, k, v, additive)))):
         assert rewrites_to_sdpa(fn, *args, folder=tmp_path / str(index))
         check_through_backend(fn, *args)  # NaN rows equal eager's
     assert torch.isnan(torch.compile(input_mask, backend="neuron")(q, k, v, keep)[0, :, 3]).all()
