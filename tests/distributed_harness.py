@@ -33,6 +33,9 @@ def _rank_entry(rank: int, worker, world_size: int, init_file: str, out_dir: str
     try:
         result = worker(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        # both ranks done before either tears its gloo connections down: a rank destroying its group while the
+        # other still has one open aborted the other ("terminate called without an active exception") in CI
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
