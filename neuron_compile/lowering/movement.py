@@ -18,6 +18,7 @@ from neuron_compile.lowering.registry import (
     MAX_RANK,
     TensorValue,
     broadcast_layout,
+    emit_strided_copy,
     register_empty_input_lowering,
     register_lowering,
 )
@@ -434,12 +435,7 @@ def lower_repeat(ctx, node):
             domain += [repeat, size]
             read_strides += [0, stride]
             write_strides += [size * out_stride, out_stride]
-    domain = tuple(domain)
-    read = ir.Layout(domain, tuple(read_strides), value.layout.offset)
-    write = ir.Layout(domain, tuple(write_strides), buffer.layout.offset)
-    expr = ir.Load(value.buffer, broadcast_layout(read, domain), value.dtype)
-    ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), domain, (ir.Store(buffer, expr, write),)))
-    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+    return emit_strided_copy(ctx, value, buffer, domain, read_strides, write_strides)
 
 
 def _check_view_as_real(node: torch.fx.Node) -> str | None:

@@ -303,6 +303,17 @@ def broadcast_layout(layout: ir.Layout, shape: tuple[int, ...]) -> ir.Layout:
     return ir.Layout(tuple(shape), tuple(out), layout.offset)
 
 
+def emit_strided_copy(ctx, value: TensorValue, buffer: ir.Buffer, domain, read_strides, write_strides) -> TensorValue:
+    """One copy kernel over ``domain``: ``value`` read and ``buffer`` written through the given strides (each from
+    its own offset); a stride of 0 on the read side repeats the source. ``buffer`` as the lowered value."""
+    domain = tuple(domain)
+    read = ir.Layout(domain, tuple(read_strides), value.layout.offset)
+    write = ir.Layout(domain, tuple(write_strides), buffer.layout.offset)
+    expr = ir.Load(value.buffer, broadcast_layout(read, domain), value.dtype)
+    ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), domain, (ir.Store(buffer, expr, write),)))
+    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+
+
 def input_layout(meta: torch.Tensor) -> tuple[ir.Layout, str]:
     """A graph input's buffer layout and kernel dtype; a complex64 input is read as its fp32 pairs: one more dim
     of 2 (real, imaginary), every stride doubled (the region binds ``torch.view_as_real`` of the tensor)."""

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from neuron_compile import ir
-from neuron_compile.lowering.registry import MAX_RANK, TensorValue, broadcast_layout
+from neuron_compile.lowering.registry import MAX_RANK, TensorValue, emit_strided_copy
 
 aten = torch.ops.aten
 
@@ -109,9 +108,4 @@ def lower_repeated_index(ctx, node: torch.fx.Node, factors: dict[int, int]) -> T
         domain += [size // factor, factor]
         read_strides += [stride, 0]
         write_strides += [factor * out_stride, out_stride]
-    domain = tuple(domain)
-    read = ir.Layout(domain, tuple(read_strides), value.layout.offset)
-    write = ir.Layout(domain, tuple(write_strides), buffer.layout.offset)
-    expr = ir.Load(value.buffer, broadcast_layout(read, domain), value.dtype)
-    ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), domain, (ir.Store(buffer, expr, write),)))
-    return TensorValue(buffer.name, buffer.layout, buffer.dtype)
+    return emit_strided_copy(ctx, value, buffer, domain, read_strides, write_strides)
