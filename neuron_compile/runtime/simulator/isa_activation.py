@@ -118,14 +118,21 @@ def _reduce_on_scalar_engine(op: str, command: str, reduce_name: str, reduce_res
         store(_reduce_res_tile(op, reduce_res, p), lanes[:, None])
 
 
-def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None, name=None):
-    """dst = op(data * scale + bias) on ScalarE; optional add-reduction along the free dim into reduce_res."""
-    name = "activation"
+def _activate_into(name: str, dst, op, data, bias, scale):
+    """The shared step of the activation instructions: checks, ``op(data * scale + bias)`` stored into ``dst``;
+    (dst, data, the resolved op, the values)."""
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
     func = _ops.resolve(op, name)
     check_elementwise(name, dst, [("data", data)], "scalar")
     y = apply_activation(name, func, data, bias, scale)
     store(dst, y)
+    return dst, data, func, y
+
+
+def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None, name=None):
+    """dst = op(data * scale + bias) on ScalarE; optional add-reduction along the free dim into reduce_res."""
+    name = "activation"
+    dst, data, func, y = _activate_into(name, dst, op, data, bias, scale)
     command = accumulators.command_name(reduce_cmd)
     reduce_name = accumulators.resolve_reduce_op(name, reduce_op, ("add",), "add", "err_activation_reduce_op")
     _reduce_on_scalar_engine(name, command, reduce_name, reduce_res, y, data)
@@ -139,11 +146,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
 def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
     """activation with a per-partition add-reduction of the result into reduce_res (P, 1)."""
     name = "activation_reduce"
-    dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
-    func = _ops.resolve(op, name)
-    check_elementwise(name, dst, [("data", data)], "scalar")
-    y = apply_activation(name, func, data, bias, scale)
-    store(dst, y)
+    dst, data, func, y = _activate_into(name, dst, op, data, bias, scale)
     reduce_name = accumulators.resolve_reduce_op(name, reduce_op, ("add",), "add", "err_activation_reduce_op")
     store(_reduce_res_tile(name, reduce_res, data.partitions), accumulators.partial_reduce(y, reduce_name)[:, None])
     record(name, "scalar", dst, [("data", data), ("bias", bias), ("scale", scale), ("reduce_res", reduce_res)],
