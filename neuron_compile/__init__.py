@@ -27,9 +27,10 @@ as a torch operator, eager and compiled: neuron_compile/nki_op.py).
   engines perfectly overlapped (its busiest engine); ``launch_s``: the launch costs within ``est_time_s``.
 - ``weight_copies`` / ``weight_copy_bytes``: column-major copies made of parameters that inference matmuls read
   transposed (``NEURON_COMPILE_TRANSPOSED_WEIGHTS``); a copy is remade only when its parameter changes.
-- ``collectives`` / ``collective_bytes`` / ``est_comm_s``: ``nki.collectives`` calls in launched kernels
-  (torch.distributed functional collectives), the bytes of their inputs on this rank, and their time on the trn2
-  links by a ring model (runtime/simulator/comm_cost.py; not part of ``est_time_s``).
+- ``collectives`` / ``collective_bytes`` / ``est_comm_s`` / ``est_comm_overlap_s``: ``nki.collectives`` calls in
+  launched kernels (torch.distributed functional collectives), the bytes of their inputs on this rank, their time
+  on the trn2 links by a ring model (runtime/simulator/comm_cost.py), and the part of it that compute in the same
+  launch ran alongside; ``est_time_s`` includes the rest.
 
 ``with record_launches() as launches:`` appends one ``Launch(kernel, report, source)`` per kernel launched inside the
 block (the kernel's name and its cost report: the per-kernel figures behind the sums; ``bench/kernel_bench.py``).

@@ -23,6 +23,7 @@ LABEL_WIDTH = 150
 LANES = (  # (queue, label) in the order a Neuron profile shows them
     ("tensor", "TensorE"), ("vector", "VectorE"), ("scalar", "ScalarE"), ("gpsimd", "GpSimd"), ("sync", "Sync"),
     ("dma_load", "DMA load (to SBUF)"), ("dma_store", "DMA store (to HBM)"), ("dma_copy", "DMA copy"),
+    ("collective", "Collectives (links)"),
 )
 LANE_LABELS = dict(LANES)
 
@@ -42,7 +43,7 @@ height: 10px; margin-right: 4px; vertical-align: -1px; }
 svg text { font: 11px system-ui, sans-serif; fill: #1d2430; } svg .axis { stroke: #c4c9d2; stroke-width: 1; }
 svg .lane { fill: #f6f7f9; } .q-tensor { fill: #4a78c2; } .q-vector { fill: #2a9d57; } .q-scalar { fill: #d9a21b; }
 .q-gpsimd { fill: #9b59b6; } .q-sync { fill: #7f8c8d; } .q-dma_load { fill: #d35454; } .q-dma_store { fill: #e67e22; }
-.q-dma_copy { fill: #8e5b3c; }
+.q-dma_copy { fill: #8e5b3c; } .q-collective { fill: #16a3a3; }
 pre { background: #f6f7f9; padding: 8px; font-size: 12px; overflow-x: auto; }
 section.kernel { border-top: 1px solid #e3e6eb; margin-top: 18px; }
 """

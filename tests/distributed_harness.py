@@ -53,7 +53,7 @@ def neuron_stats() -> dict:
 
     stats = neuron_compile.stats()
     keys = ("kernels_launched", "nki_nodes", "fallback_nodes", "collectives", "collective_bytes", "est_comm_s",
-            "est_time_s")
+            "est_comm_overlap_s", "est_time_s")
     return {key: stats[key] for key in keys} | {"fallback_reasons": dict(stats["fallback_reasons"])}
 
 
@@ -70,7 +70,29 @@ def smoke(rank: int, world_size: int) -> dict:
 
     groups = process_groups.graph_groups(torch.fx.symbolic_trace(collective))
     return dict(all_reduce=all_reduce_graph(rank, world_size), every=every_collective_graph(rank, world_size),
-                groups=groups, group_name=dist.group.WORLD.group_name)
+                overlap=overlapping_graph(rank, world_size), groups=groups, group_name=dist.group.WORLD.group_name)
+
+
+def overlapping_graph(rank: int, world_size: int) -> dict:
+    """An all_reduce next to a matmul that does not read its result (as a tensor-parallel backward's weight
+    gradient runs beside its input gradient's all_reduce), and a reader of both: compiled vs eager, the stats."""
+    import torch.distributed._functional_collectives as funcol
+
+    import neuron_compile
+
+    def step(x, a, b):
+        reduced = funcol.all_reduce(x * 2, "sum", dist.group.WORLD)
+        product = a @ b
+        return reduced, product, reduced.sum() + product.sum()
+
+    generator = torch.Generator().manual_seed(rank)
+    inputs = (torch.randn(128, 512, generator=generator), torch.randn(256, 256, generator=generator),
+              torch.randn(256, 512, generator=generator))
+    neuron_compile.reset_stats()
+    with neuron_compile.record_launches() as launches:
+        compiled = torch.compile(step, backend="neuron")(*inputs)
+    return dict(compiled=compiled, eager=step(*inputs), stats=neuron_stats(),
+                reports=[launch.report for launch in launches])
 
 
 def all_reduce_graph(rank: int, world_size: int) -> dict:

@@ -40,9 +40,27 @@ def test_collective_graphs_on_two_ranks_run_collective_kernels():
         text = "\n".join(single["sources"])
         assert "import nki.collectives as ncc" in text
         assert "ncc.all_reduce(" in text and "replica_group=ncc.ReplicaGroup([[0, 1]])" in text
+        # relu(all_reduce(x * 2) + 1): every kernel reads the reduction or feeds it, so nothing hides it
+        assert stats["est_comm_overlap_s"] == 0.0
         _check_every_collective(result["every"])
+        _check_overlap(result["overlap"])
         # the cache key names the group's ranks: the graph's group name alone is the same for any world size
         assert result["groups"] == [f"{result['group_name']}: {list(range(WORLD))}"]
+
+
+def _check_overlap(result: dict) -> None:
+    """An all_reduce beside a matmul that does not read it: the schedule runs the matmul while the collective is on
+    the links, and the launch's estimate holds only the communication nothing hid."""
+    for compiled, eager in zip(result["compiled"], result["eager"], strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-4)
+    stats = result["stats"]
+    assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
+    assert stats["est_comm_s"] == pytest.approx(comm_cost.collective_time_s("all_reduce", WORLD, 128 * 512 * 4,
+                                                                            128 * 512 * 4))
+    assert 0 < stats["est_comm_overlap_s"] < stats["est_comm_s"]
+    (report,) = [report for report in result["reports"] if report is not None and report.collectives]
+    assert report.comm_exposed_s == pytest.approx(report.est_comm_s - report.comm_overlap_s)
+    assert report.device_time_s >= report.busy_s_per_engine["collective"]  # the collective's time is in the schedule
 
 
 def _check_every_collective(result: dict) -> None:
@@ -185,6 +203,37 @@ def test_ring_model_follows_its_formula():
         1 / 2 * megabyte / bandwidth + latency)
     with pytest.raises(ValueError, match="comm_unknown_collective"):
         comm_cost.collective_time_s("broadcast", 2, 1, 1)
+
+
+def _record(name: str, engine: str, reads: tuple, writes: tuple, **attrs):
+    from neuron_compile.runtime.simulator.trace import InstructionRecord, OperandInfo
+
+    operand = OperandInfo("dst", "sbuf", (128, 512), "float32", 4, 128, 512, 4)
+    return InstructionRecord(name, engine, operand, (operand,), attrs=attrs, reads=reads, writes=writes)
+
+
+def test_collective_runs_beside_independent_compute_and_delays_only_its_readers():
+    from neuron_compile.runtime.simulator import cost
+    from neuron_compile.runtime.simulator.trace import Region
+
+    def tile(memory):
+        return Region(memory, (0, 128), (0, 2048))
+
+    collective = _record("collective_all_reduce", "collective", (tile(1),), (tile(2),), collective="all_reduce",
+                         ranks=4, input_bytes=1 << 20, output_bytes=1 << 20)
+    independent = [_record("activation", "scalar", (tile(3),), (tile(3),)) for _ in range(4)]
+    reader = _record("tensor_tensor", "vector", (tile(2), tile(3)), (tile(4),))
+    report = cost.cost_report([collective, *independent, reader])
+    comm_s = comm_cost.collective_time_s("all_reduce", 4, 1 << 20, 1 << 20)
+    compute_s = report.busy_s_per_engine["scalar"]
+    assert report.est_comm_s == pytest.approx(comm_s)
+    assert 0 < compute_s < comm_s
+    assert report.comm_overlap_s == pytest.approx(compute_s)  # all of the independent work hides under it
+    assert report.device_time_s > comm_s  # its reader waited for it
+    assert "communication" in report.format() and "overlapped compute" in report.format()
+    # without the reader the launch ends with the collective: the same compute hides under it
+    alone = cost.cost_report([collective, *independent])
+    assert alone.comm_overlap_s == pytest.approx(compute_s)
 
 
 def _all_reduce_kernel(x):

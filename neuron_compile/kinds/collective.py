@@ -40,6 +40,13 @@ def collective_call(node: ir.Collective, source: str, destination: str) -> str:
     return f"ncc.{node.collective}({', '.join(arguments)})"
 
 
+def spread(tensor: str, size: int) -> str:
+    """``tensor`` (a flat HBM tensor of ``size`` elements) viewed as up to 128 rows, so a copy of it runs on many
+    DMA engines at once (a transfer uses one engine per 8 partition rows) instead of one."""
+    rows = math.gcd(size, 128)
+    return f"{tensor}.reshape(({rows}, {size // rows}))" if rows > 1 else tensor
+
+
 class CollectiveKind(KernelKind):
     node_type = ir.Collective
     name = "collective"
@@ -73,11 +80,13 @@ class CollectiveKind(KernelKind):
     def render(self, node, plan, name, parameters):
         (store,) = node.stores
         dtype = NL_DTYPES[store.buffer.dtype]
-        staging = [f"sent = nl.ndarray(({math.prod(node.source.layout.shape)},), dtype={dtype}, buffer=nl.private_hbm)",
-                   f"received = nl.ndarray(({math.prod(node.domain)},), dtype={dtype}, buffer=nl.private_hbm)",
-                   f"nisa.dma_copy(dst=sent, src={node.source.buffer})"]
+        sent_size, received_size = math.prod(node.source.layout.shape), math.prod(node.domain)
+        staging = [f"sent = nl.ndarray(({sent_size},), dtype={dtype}, buffer=nl.private_hbm)",
+                   f"received = nl.ndarray(({received_size},), dtype={dtype}, buffer=nl.private_hbm)",
+                   f"nisa.dma_copy(dst={spread('sent', sent_size)}, src={spread(node.source.buffer, sent_size)})"]
+        result = f"nisa.dma_copy(dst={spread(store.buffer.name, received_size)}, src={spread('received', received_size)})"
         context = kernel_context(node, plan, name, parameters, allocations=[], collectives=True,
-                                 collective=node.collective, staging=staging, output=store.buffer.name,
+                                 collective=node.collective, staging=staging, result=result,
                                  call=collective_call(node, "sent", "received"))
         return render_template("collective.py.j2", **context)
 

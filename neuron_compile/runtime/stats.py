@@ -43,11 +43,13 @@ class Stats:
     est_lower_bound_s: float = 0.0  # launch costs plus each kernel's busiest engine (perfect overlap)
     launch_s: float = 0.0  # the launch costs alone (a NEFF boundary per kernel)
     roofline_s: float = 0.0  # max(FLOPs / TensorE peak, HBM bytes / bandwidth), summed over launches
-    # nki.collectives calls in launched kernels, the bytes of their inputs on this rank, and their estimated time
-    # on the trn2 links (a ring model, runtime/simulator/comm_cost.py), not part of est_time_s
+    # nki.collectives calls in launched kernels, the bytes of their inputs on this rank, their estimated time on
+    # the trn2 links (a ring model, runtime/simulator/comm_cost.py) and the part of it compute ran alongside;
+    # est_time_s includes the rest (est_comm_s - est_comm_overlap_s: communication nothing hid)
     collectives: int = 0
     collective_bytes: int = 0
     est_comm_s: float = 0.0
+    est_comm_overlap_s: float = 0.0
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -141,6 +143,7 @@ def launch_counts(report) -> tuple[tuple[str, int | float], ...]:
         ("collectives", len(getattr(report, "collectives", ()))),
         ("collective_bytes", int(getattr(report, "collective_bytes", 0))),
         ("est_comm_s", float(getattr(report, "est_comm_s", 0.0))),
+        ("est_comm_overlap_s", float(getattr(report, "comm_overlap_s", 0.0))),
     )
     if len(_counts_by_report) >= COUNTS_KEPT:
         _counts_by_report.clear()

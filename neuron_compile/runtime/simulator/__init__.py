@@ -57,15 +57,14 @@ class KernelRun:
 
     @functools.cached_property
     def report(self):
-        from neuron_compile.runtime.simulator import comm_cost, cost  # written separately; imported only when asked
+        from neuron_compile.runtime.simulator import cost  # written separately; imported only when asked
 
         if self.trace is None:
             raise ValueError("this launch ran with trace=False: it recorded no instruction, so it has no cost report")
-        report = cost.cost_report(self.trace, self.target)
+        report = cost.cost_report(self.trace, self.target)  # the collectives' times come from their trace records
         if not self.collectives:
             return report
-        return dataclasses.replace(report, collectives=tuple(self.collectives),
-                                   est_comm_s=comm_cost.collectives_time_s(self.collectives))
+        return dataclasses.replace(report, collectives=tuple(self.collectives))
 
 
 def _is_torch(value) -> bool:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from neuron_compile.runtime.simulator import rules
 from neuron_compile.runtime.simulator.errors import NkiValidationError
 from neuron_compile.runtime.simulator.memory import current
 from neuron_compile.runtime.simulator.tensor import NkiTensor
@@ -130,12 +131,19 @@ def _check_sizes(got: int, want: int, what: str, name: str) -> None:
 
 
 def _record(name: str, ranks: int, pairs) -> None:
+    """Note the call for the cost model: one ``CollectiveRecord`` for the launch's communication figures, and one
+    trace instruction per (src, dst) pair on the ``collective`` queue, reading src and writing dst, so the
+    schedule runs it beside compute and makes only its readers wait."""
     record = CollectiveRecord(name, ranks, sum(src.size * src.itemsize for src, _ in pairs),
                               sum(dst.size * dst.itemsize for _, dst in pairs))
     context = current()
     if context.num_programs > 1:
         raise NkiValidationError("err_collective_lnc", "collectives are simulated for lnc=1 launches only", op=name)
     context.collectives.append(record)
+    for src, dst in pairs:
+        attrs = {"collective": name, "ranks": ranks, "input_bytes": src.size * src.itemsize,
+                 "output_bytes": dst.size * dst.itemsize}
+        rules.record(f"collective_{name}", "collective", dst, [("src", src)], attrs)
 
 
 def all_reduce(srcs, dsts, replica_group: ReplicaGroup, op, priority=None, name=None) -> None:

@@ -1,9 +1,9 @@
 """Simulator stage: the communication cost model — a time for each collective a kernel ran (``nki.collectives``).
 
-Input: ``collectives.CollectiveRecord``s (the collective's name, its ranks, the bytes of each rank's input and
-output). Output: estimated seconds on trn2 links, per collective and summed; the cost report carries them as
-``collectives`` / ``est_comm_s`` (kept apart from ``est_time_s``, the kernels' compute schedule: this model does
-not say how much communication overlaps compute).
+Input: a collective's name, its ranks and the bytes of one rank's input and output (the attributes of a
+``collective_*`` trace instruction, simulator/collectives.py). Output: its estimated seconds on trn2 links. The
+cost model (cost.py) gives each collective instruction this duration on the ``collective`` queue, so the schedule
+shows how much communication compute hides (``CostReport.comm_overlap_s``) and the launch's time includes the rest.
 
 The model is the bandwidth-optimal ring (as NCCL and the Neuron collectives run large messages): n ranks, n - 1
 steps per phase, each rank sending 1/n of the buffer per step over one link.
@@ -22,8 +22,6 @@ Numbers, marked [A] where they are assumptions rather than published figures:
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 CHIP_LINK_BYTES_PER_S = 1.28e12  # [P] NeuronLink-v3, per Trainium2 chip
 LINKS_PER_CHIP = 4  # [P]
@@ -45,8 +43,3 @@ def collective_time_s(name: str, ranks: int, input_bytes: int, output_bytes: int
     volume = output_bytes if by_output else input_bytes
     steps = phases * (ranks - 1)
     return phases * (ranks - 1) / ranks * volume / LINK_BYTES_PER_S + steps * STEP_LATENCY_S
-
-
-def collectives_time_s(records: Iterable) -> float:
-    """Sum of ``collective_time_s`` over ``CollectiveRecord``s (collectives of one stream run one after another)."""
-    return sum(collective_time_s(r.name, r.ranks, r.bytes, r.output_bytes) for r in records)

@@ -91,6 +91,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from neuron_compile.hardware import Target, get_target
+from neuron_compile.runtime.simulator import comm_cost
 from neuron_compile.runtime.simulator.report import ENGINES, CostReport, SectionCost, sum_reports
 from neuron_compile.runtime.simulator.schedule import (
     DEPENDENCY_LATENCY_CYCLES,
@@ -428,6 +429,10 @@ class _Tally:
             record_read, record_written = _hbm_traffic(record)
             self.read, self.written = self.read + record_read, self.written + record_written
             scheduled = _dma_cost(record, dma, target)
+        elif record.engine == "collective":  # its time on the links, in ns (the engines have no clock here)
+            engine, amount = "collective", collective_duration_ns(record)
+            seconds = amount * 1e-9
+            scheduled = InstructionCost("collective", duration_ns=amount)
         else:
             _check_engine(record)
             engine = record.engine
@@ -451,6 +456,42 @@ class _Tally:
         for program, longest in self.longest_dma_s.items():
             busy[(program, "dma")] = max(busy.get((program, "dma"), 0.0), longest)
         return busy
+
+
+def collective_duration_ns(record: InstructionRecord) -> float:
+    """A collective instruction's time on the chip links (comm_cost.py's ring model), in ns."""
+    attrs = record.attrs
+    return 1e9 * comm_cost.collective_time_s(attrs["collective"], attrs["ranks"], attrs["input_bytes"],
+                                             attrs["output_bytes"])
+
+
+def communication(trace: list[InstructionRecord], plan: Schedule) -> tuple[float, float]:
+    """(seconds the trace's collectives take, seconds of that during which another queue of the same core was
+    busy): the communication a launch costs, and how much of it compute hid."""
+    busy: dict[int, list[tuple[float, float]]] = {}
+    collectives = []
+    for record, timing in zip(trace, plan.timings, strict=True):
+        if record.engine == "collective":
+            collectives.append((record.program, timing.start_ns, timing.end_ns))
+        else:
+            busy.setdefault(record.program, []).append((timing.start_ns, timing.end_ns))
+    total = overlapped = 0.0
+    merged = {program: merge_intervals(intervals) for program, intervals in busy.items()}
+    for program, start, end in collectives:
+        total += end - start
+        overlapped += sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged.get(program, ()))
+    return total * 1e-9, overlapped * 1e-9
+
+
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals, as disjoint intervals in order."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def launch_schedule(trace: Iterable[InstructionRecord], target: Target | str | None = None) -> Schedule:
@@ -510,6 +551,7 @@ def cost_report(trace: Iterable[InstructionRecord], target: Target | str | None 
     compute_bound_s = tally.compute_bound_s / cores
     memory_bound_s = (tally.read + tally.written) / (target.dma_bytes_per_s * cores)
     roofline = max(compute_bound_s, memory_bound_s)
+    comm_s, comm_overlap_s = communication(trace, plan)
     return CostReport(
         target=target.name,
         instructions_per_engine=dict(tally.counts),
@@ -532,4 +574,6 @@ def cost_report(trace: Iterable[InstructionRecord], target: Target | str | None 
         wait_s_per_queue={queue: ns * 1e-9 for queue, ns in plan.wait_ns_per_queue.items()},
         cores=cores,
         sections=_section_costs(trace, costs, plan, target),
+        est_comm_s=comm_s,
+        comm_overlap_s=comm_overlap_s,
     )
