@@ -7,11 +7,14 @@ Per world size (ranks are processes on this machine, a FileStore rendezvous) and
   o/down projections (``parallelize_module``), one forward of a [2, 12] batch compiled whole;
 - TP step: the same tensor-parallel Llama, one forward and backward with labels (the second; the first
   compiles): the backward's all_reduces of the column-parallel inputs' gradients may run beside other kernels;
+- DDP step: the same Llama under DistributedDataParallel, forward and backward compiled together with compiled
+  autograd and Dynamo's python reducer, so DDP's gradient all-reduces are collective kernels in the backward (the
+  second step; each rank on its half of the batch);
 - FSDP2 step: the same Llama, every decoder layer and the root ``fully_shard``-ed and each layer compiled, one
   AdamW step (the second; the first compiles). FSDP2's all-gathers and reduce-scatters run in its hooks, outside
   the compiled layers: they are eager torch.distributed calls, not kernels, and are not in the table.
 
-Columns: max |error| against the same model run eagerly in one process (TP: logits, TP step and FSDP2: the step's
+Columns: max |error| against the same model run eagerly in one process (TP: logits, TP step, DDP and FSDP2: the step's
 loss; all_reduce: against eager on the ranks), kernels launched, collective kernels run (nki.collectives calls) and
 the bytes of their inputs on the rank; then the cost model's estimate split in three: compute (the schedule
 without the communication nothing hid), comm (the ring model's time for the collectives on trn2 links,
@@ -126,6 +129,35 @@ def tensor_parallel_step_row(rank: int, world_size: int, hidden: int, layers: in
     return snapshot(wall, abs(float(loss.detach()) - float(expected.detach())))
 
 
+def ddp_row(rank: int, world_size: int, hidden: int, layers: int) -> dict:
+    """DDP's all-reduces as collective kernels: forward and backward compiled together with compiled autograd and
+    Dynamo's python reducer; the second step (the first compiles), its loss against one process on the batch."""
+    import neuron_compile
+    from torch.nn.parallel import DistributedDataParallel
+
+    reference = llama(hidden, layers, world_size).train()
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):  # DDP picks its reducer when it is built
+        ddp = DistributedDataParallel(copy.deepcopy(reference))
+
+    def forward_backward(ids):
+        loss = ddp(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    batch = torch.randint(0, VOCAB, (2 * world_size, 12), generator=torch.Generator().manual_seed(11))
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer", compiled_autograd=True):
+        compiled = torch.compile(forward_backward, backend="neuron")
+        compiled(batch.chunk(world_size)[rank])
+        ddp.zero_grad()
+        neuron_compile.reset_stats()
+        start = time.perf_counter()
+        loss = compiled(batch.chunk(world_size)[rank])
+        wall = time.perf_counter() - start
+    dist.all_reduce(loss)
+    expected = reference(batch, labels=batch).loss
+    return snapshot(wall, abs(float(loss) / world_size - float(expected.detach())))
+
+
 def fsdp_row(rank: int, world_size: int, hidden: int, layers: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
@@ -160,7 +192,7 @@ def fsdp_row(rank: int, world_size: int, hidden: int, layers: int) -> dict:
 
 
 WORKLOADS = {"all_reduce": all_reduce_row, "TP forward": tensor_parallel_row, "TP step": tensor_parallel_step_row,
-             "FSDP2 step": fsdp_row}
+             "DDP step": ddp_row, "FSDP2 step": fsdp_row}
 
 
 def rank_entry(rank: int, world_size: int, init_file: str, out_dir: str, workload: str, hidden: int,

@@ -365,3 +365,44 @@ def ddp_llama_training(rank: int, world_size: int, steps: int = 10) -> dict:
     first_gradients = {name: {key.removeprefix("_orig_mod.").removeprefix("module."): value
                               for key, value in gradients.items()} for name, gradients in first_gradients.items()}
     return dict(losses=losses, first_gradients=first_gradients, stats=neuron_stats(), graphs=graphs)
+
+
+def ddp_compiled_autograd_training(rank: int, world_size: int, steps: int = 3) -> dict:
+    """DDP whose gradient all-reduces are collective kernels: the whole forward and backward compiled with
+    backend="neuron", with compiled autograd and Dynamo's python reducer (``optimize_ddp="python_reducer"``), so
+    DDP's all-reduces are functional collectives in the compiled backward instead of calls from its C++ reducer.
+    ``steps`` AdamW steps against the whole model on the whole batch in one process: per step the global loss of
+    both, the first step's gradients of both, and the stats of the compiled steps."""
+    import neuron_compile
+    from torch.nn.parallel import DistributedDataParallel
+
+    single = tiny_llama(**DDP_LLAMA).train()
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):  # DDP picks its reducer when it is built
+        ddp = DistributedDataParallel(copy.deepcopy(single))
+
+    def forward_backward(ids):
+        loss = _loss(ddp, ids)
+        loss.backward()
+        return loss.detach()
+
+    batch = torch.randint(0, TINY_LLAMA["vocab_size"], (2 * world_size, 12), generator=torch.Generator().manual_seed(11))
+    optimizers = {"neuron": torch.optim.AdamW(ddp.parameters(), lr=1e-2),
+                  "single": torch.optim.AdamW(single.parameters(), lr=1e-2)}
+    losses: dict[str, list[float]] = {"neuron": [], "single": []}
+    first_gradients: dict[str, dict] = {}
+    neuron_compile.reset_stats()
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer", compiled_autograd=True):
+        compiled = torch.compile(forward_backward, backend="neuron")
+        for step in range(steps):
+            loss = compiled(batch.chunk(world_size)[rank])
+            dist.all_reduce(loss)
+            losses["neuron"].append(float(loss) / world_size)
+            if step == 0:
+                first_gradients["neuron"] = {key.removeprefix("module."): param.grad.clone()
+                                             for key, param in ddp.named_parameters()}
+            optimizers["neuron"].step()
+            optimizers["neuron"].zero_grad()
+            losses["single"].append(float(_train_step(single, optimizers["single"], batch, first_gradients.setdefault(
+                "single", {}) if step == 0 else None)))
+    return dict(losses=losses, first_gradients=first_gradients, stats=neuron_stats())
+

@@ -191,6 +191,26 @@ def test_ddp_training_compiled_whole_matches_single_process():
             assert error < 2e-6, (name, float(error))  # fp32 rounding of sums in another order
 
 
+@needs_gloo
+@pytest.mark.slow
+def test_ddp_gradient_all_reduces_run_as_collective_kernels_under_compiled_autograd():
+    """With compiled autograd and Dynamo's python reducer, DDP's gradient all-reduces are functional collectives in
+    the compiled backward: they run as collective kernels, beside the backward's other kernels."""
+    results = distributed_harness.run_ranks(distributed_harness.ddp_compiled_autograd_training, WORLD)
+    parameters = len(results[0]["first_gradients"]["single"])
+    for result in results:
+        losses = result["losses"]
+        np.testing.assert_allclose(losses["neuron"], losses["single"], rtol=1e-5)
+        stats = result["stats"]
+        assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
+        assert stats["collectives"] == 3 * parameters  # one all_reduce per gradient per step, all in kernels
+        assert 0 < stats["est_comm_overlap_s"] <= stats["est_comm_s"]
+        gradients = result["first_gradients"]
+        for name, expected in gradients["single"].items():
+            error = (gradients["neuron"][name] - expected).abs().max() / expected.abs().max()
+            assert error < 2e-6, (name, float(error))
+
+
 def test_ring_model_follows_its_formula():
     megabyte = 1 << 20
     latency, bandwidth = comm_cost.STEP_LATENCY_S, comm_cost.LINK_BYTES_PER_S
