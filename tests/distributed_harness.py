@@ -70,7 +70,64 @@ def smoke(rank: int, world_size: int) -> dict:
 
     groups = process_groups.graph_groups(torch.fx.symbolic_trace(collective))
     return dict(all_reduce=all_reduce_graph(rank, world_size), every=every_collective_graph(rank, world_size),
-                overlap=overlapping_graph(rank, world_size), groups=groups, group_name=dist.group.WORLD.group_name)
+                overlap=overlapping_graph(rank, world_size), groups=groups, group_name=dist.group.WORLD.group_name,
+                tensor_parallel=tensor_parallel_mlp(rank, world_size), fsdp=fsdp_mlp_step(rank, world_size))
+
+
+class TwoLayerMLP(torch.nn.Module):
+    """A transformers-free block for the fast tests: ``down(gelu(up(x)))``."""
+
+    def __init__(self, width: int = 32, hidden: int = 64):
+        super().__init__()
+        self.up = torch.nn.Linear(width, hidden)
+        self.down = torch.nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def tensor_parallel_mlp(rank: int, world_size: int) -> dict:
+    """A column-parallel up and row-parallel down projection (``parallelize_module``) compiled with
+    backend="neuron", and the whole block run eagerly in one process."""
+    import neuron_compile
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    reference = TwoLayerMLP()
+    model = parallelize_module(copy.deepcopy(reference), init_device_mesh("cpu", (world_size,)),
+                               {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(3))
+    neuron_compile.reset_stats()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="neuron")(x)
+    return dict(compiled=compiled, expected=reference(x).detach(), stats=neuron_stats())
+
+
+def fsdp_mlp_step(rank: int, world_size: int) -> dict:
+    """One AdamW step of two blocks, each ``fully_shard``-ed and compiled with backend="neuron" (then the root
+    sharded), each rank on its slice of the batch; and of the whole model on the whole batch in one process.
+    The full gradients of both (FSDP2's are reduce-scattered across the ranks), and the stats."""
+    import neuron_compile
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(TwoLayerMLP(), TwoLayerMLP())
+    model = copy.deepcopy(reference)
+    for block in model:
+        fully_shard(block)
+        block.compile(backend="neuron")
+    fully_shard(model)
+    batch = torch.randn(4 * world_size, 32, generator=torch.Generator().manual_seed(5))
+    neuron_compile.reset_stats()
+    gradients = {}
+    for name, net, inputs in (("fsdp", model, batch.chunk(world_size)[rank]), ("single", reference, batch)):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        net(inputs).square().mean().backward()
+        gradients[name] = {key: (param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad).clone()
+                           for key, param in net.named_parameters()}
+        optimizer.step()
+    return dict(gradients=gradients, stats=neuron_stats())
 
 
 def overlapping_graph(rank: int, world_size: int) -> dict:

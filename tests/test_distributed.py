@@ -44,8 +44,23 @@ def test_collective_graphs_on_two_ranks_run_collective_kernels():
         assert stats["est_comm_overlap_s"] == 0.0
         _check_every_collective(result["every"])
         _check_overlap(result["overlap"])
+        _check_tensor_parallel_and_fsdp(result)
         # the cache key names the group's ranks: the graph's group name alone is the same for any world size
         assert result["groups"] == [f"{result['group_name']}: {list(range(WORLD))}"]
+
+
+def _check_tensor_parallel_and_fsdp(result: dict) -> None:
+    """The transformers-free TP forward and FSDP2 step (the slow tests run them on a Llama)."""
+    tensor_parallel = result["tensor_parallel"]
+    torch.testing.assert_close(tensor_parallel["compiled"], tensor_parallel["expected"], rtol=1e-5, atol=1e-6)
+    stats = tensor_parallel["stats"]
+    assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
+    assert stats["collectives"] == 1  # the row-parallel down projection's all_reduce, as a collective kernel
+    fsdp = result["fsdp"]
+    assert fsdp["stats"]["fallback_nodes"] == 0 and fsdp["stats"]["nki_nodes"] > 0, fsdp["stats"]
+    for key, expected in fsdp["gradients"]["single"].items():
+        error = (fsdp["gradients"]["fsdp"][key] - expected).abs().max() / expected.abs().max()
+        assert error < 2e-6, (key, float(error))  # fp32 rounding of sums in another order
 
 
 def _check_overlap(result: dict) -> None:
