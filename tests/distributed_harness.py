@@ -71,7 +71,14 @@ def smoke(rank: int, world_size: int) -> dict:
     groups = process_groups.graph_groups(torch.fx.symbolic_trace(collective))
     return dict(all_reduce=all_reduce_graph(rank, world_size), every=every_collective_graph(rank, world_size),
                 overlap=overlapping_graph(rank, world_size), groups=groups, group_name=dist.group.WORLD.group_name,
-                tensor_parallel=tensor_parallel_mlp(rank, world_size), fsdp=fsdp_mlp_step(rank, world_size))
+                tensor_parallel=tensor_parallel_mlp(rank, world_size), fsdp=fsdp_mlp_step(rank, world_size),
+                one_rank=every_collective_graph(rank, world_size, group=own_group(rank, world_size)))
+
+
+def own_group(rank: int, world_size: int):
+    """A process group of this rank alone (every rank creates every rank's, as new_group requires)."""
+    groups = [dist.new_group([other]) for other in range(world_size)]
+    return groups[rank]
 
 
 class TwoLayerMLP(torch.nn.Module):
@@ -205,14 +212,15 @@ def mismatched_all_gather(rank: int, world_size: int) -> str:
     return "no error"
 
 
-def every_collective_graph(rank: int, world_size: int, dtype: torch.dtype = torch.float32) -> dict:
+def every_collective_graph(rank: int, world_size: int, dtype: torch.dtype = torch.float32, group=None) -> dict:
     """all_reduce (sum, avg, max), all_gather, reduce_scatter of a transposed (non-contiguous) view, all_to_all,
-    between pointwise ops in one graph, compiled with backend="neuron" vs eager."""
+    between pointwise ops in one graph, compiled with backend="neuron" vs eager; over ``group`` (default: all
+    ranks)."""
     import torch.distributed._functional_collectives as funcol
 
     import neuron_compile
 
-    group = dist.group.WORLD
+    group = group or dist.group.WORLD
 
     def step(x):
         summed = funcol.all_reduce(x * 2, "sum", group)

@@ -45,8 +45,18 @@ def test_collective_graphs_on_two_ranks_run_collective_kernels():
         _check_every_collective(result["every"])
         _check_overlap(result["overlap"])
         _check_tensor_parallel_and_fsdp(result)
+        _check_one_rank_group(result["one_rank"])
         # the cache key names the group's ranks: the graph's group name alone is the same for any world size
         assert result["groups"] == [f"{result['group_name']}: {list(range(WORLD))}"]
+
+
+def _check_one_rank_group(result: dict) -> None:
+    """A group of one rank (a mesh dim of size 1): every collective is the identity, lowered as a pointwise copy."""
+    for compiled, eager in zip(result["compiled"], result["eager"], strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    stats = result["stats"]
+    assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
+    assert stats["collectives"] == 0 and stats["est_comm_s"] == 0
 
 
 def _check_tensor_parallel_and_fsdp(result: dict) -> None:

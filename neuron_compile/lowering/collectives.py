@@ -5,7 +5,7 @@ Input: ``_c10d_functional`` nodes of an ATen graph (what Dynamo traces from DTen
 reduce_scatter_tensor (sum, avg, max, min), all_to_all_single with even splits, and wait_tensor. Output: one
 ``ir.Collective`` per collective over its process group's ranks (read from torch.distributed at compile time),
 preceded by a copy when its input is not a whole contiguous buffer, and followed by a division for avg (NKI
-reduces with add, maximum or minimum only). ``wait_tensor`` of a lowered collective is the value it waits on:
+reduces with add, maximum or minimum only); over a group of one rank, a pointwise copy instead. ``wait_tensor`` of a lowered collective is the value it waits on:
 our kernels run synchronously, so a collective's result is complete when its kernel returns; the wait of an eager
 collective stays eager with it.
 """
@@ -71,8 +71,12 @@ def _whole_buffer(ctx: LoweringContext, node: torch.fx.Node) -> TensorValue:
 
 
 def _emit_collective(ctx: LoweringContext, node: torch.fx.Node, collective: str, reduce: str = "add") -> TensorValue:
-    source = _whole_buffer(ctx, node)
     ranks = process_groups.group_ranks(process_groups.group_name_of(node))
+    if len(ranks) == 1:
+        # A group of one rank (a mesh dim of size 1, a one-process run): every collective is the identity, and avg
+        # divides by 1. A pointwise copy fuses with its neighbours; a collective kernel would stage through HBM.
+        return emit_pointwise(ctx, node, load(ctx, node.args[0], tuple(node.meta["val"].shape)))
+    source = _whole_buffer(ctx, node)
     output = ctx.output_buffer(node, "collective")
     ctx.emit(ir.Collective(
         ctx.fresh_name("kernel"), output.layout.shape, collective, ir.Load(source.buffer, source.layout, source.dtype),
