@@ -32,6 +32,7 @@ from neuron_compile.codegen.kernel_text import (
 )
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import loads, register_kind
+from neuron_compile.kinds.attention_decode import DecodePlan, plan_decode, render_decode
 from neuron_compile.kinds.attention_operands import (
     LOWEST_FP32,
     AttentionPlan,
@@ -211,9 +212,11 @@ class AttentionKind(MatchingIndexEpilogue):
                 f"{logsumexp}")
 
     def plan(self, node, target):
-        return plan_attention(node, target)
+        return plan_decode(node, target) or plan_attention(node, target)
 
     def render(self, node, plan, name, parameters):
+        if isinstance(plan, DecodePlan):
+            return render_decode(node, plan, name, parameters)
         return render_attention(node, plan, name, parameters)
 
 
