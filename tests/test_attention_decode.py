@@ -127,6 +127,7 @@ def test_where_the_split_does_not_apply_the_flash_plan_serves():
         decode_node(8, 128),  # one chunk of keys: the flash kernel's shorter chain
         decode_node(16, 4097),  # 33 chunks x 16 rows of fp32 scores exceed one PSUM bank
         decode_node(8, 512, value_dim=512),  # P @ [v | 1] needs Dv + 1 columns of one bank
+        decode_node(1, 65536),  # one head's k^T and v (192 KiB per partition) over the SBUF budget
         decode_node(8, 512, causal=True),
         decode_node(8, 512, mask=contiguous_load((2, 8, 512))),  # a mask per row: its transpose would meet zeros
         decode_node(8, 512, split_keys=False),  # config flash_decode off

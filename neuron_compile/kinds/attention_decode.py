@@ -91,14 +91,10 @@ def plan_decode(node: ir.Attention, target) -> DecodePlan | None:
     if chunks * rows > bank or value_dim + 1 > bank:
         return None
     k_tile, k_tiles = attention_head_chunks(node.depth, partitions)
-    itemsize = 2 if node.q.dtype == "bfloat16" else 4
-    mask_bytes = keys * 4 if node.mask is not None else 0
-    # SBUF bytes per partition of one query tile (its head's k^T and v counted whole: heads can differ per tile)
-    per_tile = ((k_tiles * keys + chunks * (value_dim + 1) + k_tiles * rows + chunks * rows) * itemsize
-                + mask_bytes + value_dim * 4 * (1 + count_tiles([store.expr for store in node.stores])))
-    tiles = math.prod(batch)
-    budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE)
-    wave = min(tiles, bank // (chunks * rows), partitions // rows, bank // (value_dim + 1), budget // (2 * per_tile))
+    widest = min(math.prod(batch), bank // (chunks * rows), partitions // rows, bank // (value_dim + 1))
+    budget = target.sbuf_bytes_per_partition * SBUF_SHARE
+    wave = next((tiles for tiles in range(widest, 0, -1)
+                 if decode_wave_bytes(node, batch, tiles, chunks, k_tiles) <= budget), 0)
     if wave < 1:
         return None
     transpose_loads = target.dma_transpose and all(
@@ -108,6 +104,25 @@ def plan_decode(node: ir.Attention, target) -> DecodePlan | None:
                       count_tiles([store.expr for store in node.stores]), k_tile, k_tiles, resident=True,
                       transpose_loads=transpose_loads, mask_bias=node.mask is not None, key_chunks=chunks,
                       chunk_keys=chunk_keys, wave=wave)
+
+
+def decode_wave_bytes(node: ir.Attention, batch: list[int], wave: int, chunks: int, k_tiles: int) -> int:
+    """SBUF bytes per partition of waves of ``wave`` query tiles, two in flight (the next one loads while this one
+    computes) unless one wave holds every tile: each tile's q^T, P^T and output tiles, and the k^T and [v | 1] of
+    one head and the row of one mask per tile, at most as many as the kernel has."""
+    rows, value_dim = node.domain[-2:]
+    itemsize = 2 if node.q.dtype == "bfloat16" else 4
+    heads = math.prod(size for dim, size in enumerate(batch)
+                      if node.k.layout.strides[dim] or node.v.layout.strides[dim])
+    per_head = (k_tiles * node.keys + chunks * (value_dim + 1)) * itemsize
+    masks, per_mask = 0, 0
+    if node.mask is not None:
+        masks = math.prod(size for dim, size in enumerate(batch) if node.mask.layout.strides[dim])
+        per_mask = node.keys * (2 if node.mask.dtype == "bfloat16" else 4)
+    per_tile = ((k_tiles + chunks) * rows * itemsize
+                + value_dim * 4 * (1 + count_tiles([store.expr for store in node.stores])))
+    tiles = min(2 * wave, math.prod(batch))
+    return min(tiles, heads) * per_head + min(tiles, masks) * per_mask + tiles * per_tile
 
 
 def value_lines(plan: DecodePlan, patterns: Patterns, node: ir.Attention) -> list[str]:
