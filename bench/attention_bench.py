@@ -12,6 +12,7 @@ square). Every result is checked against eager (max abs error shown).
 
     python bench/attention_bench.py            # every case (the three-kernel form up to seq 4096; ~10 min)
     python bench/attention_bench.py --quick    # seq 128 and 1024 only
+    python bench/attention_bench.py --seqs 1024,4096 --engines  # chosen lengths, busy time per engine
     python bench/attention_bench.py --backward # the backward instead (see below)
     python bench/attention_bench.py --decode   # decode steps instead (see below)
 
@@ -59,6 +60,7 @@ class Measured:
     hbm_bytes: int
     est_s: float
     max_error: float
+    busy_s: dict = dataclasses.field(default_factory=dict)  # busy seconds per engine, over the launches
 
 
 def run(q, k, v, causal: bool, flash: bool) -> Measured:
@@ -73,7 +75,14 @@ def run(q, k, v, causal: bool, flash: bool) -> Measured:
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
     est = sum(float(launch.report.est_time_s) for launch in launches if launch.report is not None)
     kernels = sum(len(launch.report.sections) for launch in launches if launch.report is not None)
-    return Measured(kernels, stats["hbm_bytes"], est, float((got.float() - want).abs().max()))
+    busy: dict = {}
+    for launch in launches:
+        for engine, seconds in (launch.report.busy_s_per_engine if launch.report is not None else {}).items():
+            busy[engine] = busy.get(engine, 0.0) + seconds
+    return Measured(kernels, stats["hbm_bytes"], est, float((got.float() - want).abs().max()), busy)
+
+
+ENGINES = ("scalar", "vector", "tensor", "gpsimd", "dma")
 
 
 def roofline_s(seq: int, depth: int, dtype: torch.dtype) -> tuple[float, str, int]:
@@ -85,7 +94,7 @@ def roofline_s(seq: int, depth: int, dtype: torch.dtype) -> tuple[float, str, in
     return max(compute, memory), "c" if compute >= memory else "m", operand_bytes
 
 
-def measure(seq: int, depth: int, causal: bool, dtype: torch.dtype) -> str:
+def measure(seq: int, depth: int, causal: bool, dtype: torch.dtype, engines: bool = False) -> str:
     generator = torch.Generator().manual_seed(seq + depth)
     q, k, v = (torch.randn(1, HEADS, seq, depth, generator=generator).to(dtype) for _ in range(3))
     flash = run(q, k, v, causal, flash=True)
@@ -109,6 +118,8 @@ def measure(seq: int, depth: int, causal: bool, dtype: torch.dtype) -> str:
         cells += ["-", "-", "-", "-"]
     errors = [flash.max_error] + ([three.max_error] if isinstance(three, Measured) else [])
     cells.append(f"{max(errors):.1e}")
+    if engines:
+        cells.append(" / ".join(f"{flash.busy_s.get(engine, 0.0) * 1e6:.1f}" for engine in ENGINES))
     return "| " + " | ".join(cells) + " |"
 
 
@@ -249,18 +260,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="seq 128 and 1024 only")
     parser.add_argument("--backward", action="store_true", help="the backward: fused kernel vs separate kernels")
     parser.add_argument("--decode", action="store_true", help="decode steps: split-key form vs flash query tiles")
+    parser.add_argument("--seqs", help="comma-separated sequence lengths (instead of 128,1024,4096,8192)")
+    parser.add_argument("--engines", action="store_true",
+                        help="forward: add the flash kernel's busy time per engine (" + " / ".join(ENGINES) + ")")
     args = parser.parse_args(argv)
     if args.decode:
         return main_decode(args.quick)
-    seqs = QUICK_SEQS if args.quick else SEQS
+    seqs = [int(seq) for seq in args.seqs.split(",")] if args.seqs else QUICK_SEQS if args.quick else SEQS
     rows = []
     started = time.time()
     for seq, depth, causal, dtype in itertools.product(seqs, HEAD_DIMS, (False, True),
                                                         (torch.float32, torch.bfloat16)):
         print(f"[{time.time() - started:6.0f} s] seq {seq} D {depth} causal {causal} {dtype}", file=sys.stderr,
               flush=True)
-        rows.append((measure_backward if args.backward else measure)(seq, depth, causal, dtype))
-    print(BACKWARD_HEADER if args.backward else HEADER)
+        rows.append(measure_backward(seq, depth, causal, dtype) if args.backward else
+                    measure(seq, depth, causal, dtype, args.engines))
+    header = BACKWARD_HEADER if args.backward else HEADER
+    if args.engines and not args.backward:
+        lines = header.split("\n")
+        header = f"{lines[0]} flash busy us ({' / '.join(ENGINES)}) |\n{lines[1]}---:|"
+    print(header)
     print("\n".join(rows))
     print(f"\n(measured in {time.time() - started:.0f} s)")
     return 0
