@@ -12,12 +12,21 @@ square). Every result is checked against eager (max abs error shown).
 
     python bench/attention_bench.py            # every case (the three-kernel form up to seq 4096; ~10 min)
     python bench/attention_bench.py --quick    # seq 128 and 1024 only
+    python bench/attention_bench.py --seqs 1024,4096 --engines  # chosen lengths, busy time per engine
     python bench/attention_bench.py --backward # the backward instead (see below)
+    python bench/attention_bench.py --decode   # decode steps instead (see below)
 
 ``--backward``: ``aten._scaled_dot_product_flash_attention_for_cpu_backward`` alone (dO, q, k, v, the forward's
 output and log-sum-exp from eager), the fused backward kernel (one kernel: P and dS stay on chip) against the
 separate kernels (``flash_attention=False``: P and dS through HBM) and the roofline: ``max(2.5 x the forward's FLOPs
 / TensorE peak, (q + k + v + o + dO + dq + dk + dv) bytes / DMA bandwidth)``; errors against eager's fp32 backward.
+
+``--decode``: one decode step's attention, one query per head (16 query heads on 2 key/value heads, as the 4-layer
+Llama of bench/generate_bench.py) against a static cache of 512 / 2048 / 8192 positions (``--quick``: 512 and 2048)
+with transformers' cache mask (finfo.min after the position), head dim 64 and 128, fp32 and bf16: the split-key
+decode form (kinds/attention_decode.py, the default) against the flash kernel's query tiles (``flash_decode=False``),
+one run each; roofline ``max(4 * cache * D * heads FLOPs / TensorE peak, (q + k + v + mask + out) bytes / DMA
+bandwidth)``; errors against eager in fp32.
 
 Progress goes to stderr; the table (markdown) to stdout.
 """
@@ -51,6 +60,7 @@ class Measured:
     hbm_bytes: int
     est_s: float
     max_error: float
+    busy_s: dict = dataclasses.field(default_factory=dict)  # busy seconds per engine, over the launches
 
 
 def run(q, k, v, causal: bool, flash: bool) -> Measured:
@@ -65,7 +75,14 @@ def run(q, k, v, causal: bool, flash: bool) -> Measured:
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
     est = sum(float(launch.report.est_time_s) for launch in launches if launch.report is not None)
     kernels = sum(len(launch.report.sections) for launch in launches if launch.report is not None)
-    return Measured(kernels, stats["hbm_bytes"], est, float((got.float() - want).abs().max()))
+    busy: dict = {}
+    for launch in launches:
+        for engine, seconds in (launch.report.busy_s_per_engine if launch.report is not None else {}).items():
+            busy[engine] = busy.get(engine, 0.0) + seconds
+    return Measured(kernels, stats["hbm_bytes"], est, float((got.float() - want).abs().max()), busy)
+
+
+ENGINES = ("scalar", "vector", "tensor", "gpsimd", "dma")
 
 
 def roofline_s(seq: int, depth: int, dtype: torch.dtype) -> tuple[float, str, int]:
@@ -77,7 +94,7 @@ def roofline_s(seq: int, depth: int, dtype: torch.dtype) -> tuple[float, str, in
     return max(compute, memory), "c" if compute >= memory else "m", operand_bytes
 
 
-def measure(seq: int, depth: int, causal: bool, dtype: torch.dtype) -> str:
+def measure(seq: int, depth: int, causal: bool, dtype: torch.dtype, engines: bool = False) -> str:
     generator = torch.Generator().manual_seed(seq + depth)
     q, k, v = (torch.randn(1, HEADS, seq, depth, generator=generator).to(dtype) for _ in range(3))
     flash = run(q, k, v, causal, flash=True)
@@ -101,6 +118,8 @@ def measure(seq: int, depth: int, causal: bool, dtype: torch.dtype) -> str:
         cells += ["-", "-", "-", "-"]
     errors = [flash.max_error] + ([three.max_error] if isinstance(three, Measured) else [])
     cells.append(f"{max(errors):.1e}")
+    if engines:
+        cells.append(" / ".join(f"{flash.busy_s.get(engine, 0.0) * 1e6:.1f}" for engine in ENGINES))
     return "| " + " | ".join(cells) + " |"
 
 
@@ -172,20 +191,95 @@ BACKWARD_HEADER = (
     "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
+DECODE_CACHES = (512, 2048, 8192)
+QUICK_DECODE_CACHES = (512, 2048)
+DECODE_HEADS, DECODE_KV_HEADS = 16, 2
+
+
+def decode_inputs(cache: int, depth: int, dtype: torch.dtype):
+    """q [1, 16, 1, D], k and v [1, 2, cache, D] and transformers' static-cache mask at 3/4 of the cache."""
+    generator = torch.Generator().manual_seed(cache + depth)
+    q = torch.randn(1, DECODE_HEADS, 1, depth, generator=generator).to(dtype)
+    k, v = (torch.randn(1, DECODE_KV_HEADS, cache, depth, generator=generator).to(dtype) for _ in range(2))
+    mask = torch.zeros(1, 1, 1, cache, dtype=dtype)
+    mask[..., cache * 3 // 4 + 1:] = torch.finfo(dtype).min
+    return q, k, v, mask
+
+
+def decode_step(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def run_decode(inputs, split: bool) -> Measured:
+    torch._dynamo.reset()
+    neuron_compile.reset_stats()
+    with neuron_compile.config.patch(flash_decode=split, fallback="raise"), \
+            neuron_compile.record_launches() as launches:
+        got = torch.compile(decode_step, backend="neuron")(*inputs)
+    want = decode_step(*(tensor.float() for tensor in inputs))
+    est = sum(float(launch.report.est_time_s) for launch in launches if launch.report is not None)
+    kernels = sum(len(launch.report.sections) for launch in launches if launch.report is not None)
+    return Measured(kernels, neuron_compile.stats()["hbm_bytes"], est, float((got.float() - want).abs().max()))
+
+
+def measure_decode(cache: int, depth: int, dtype: torch.dtype) -> str:
+    inputs = decode_inputs(cache, depth, dtype)
+    split, flash = run_decode(inputs, True), run_decode(inputs, False)
+    target = get_target("trn2")
+    peak = (target.tensor_bf16_tflops if dtype == torch.bfloat16 else target.tensor_fp32_tflops) * 1e12
+    operand_bytes = sum(t.numel() * t.element_size() for t in inputs) + inputs[0].numel() * inputs[0].element_size()
+    compute, memory = 4 * DECODE_HEADS * cache * depth / peak, operand_bytes / target.dma_bytes_per_s
+    bound, kind = max(compute, memory), "c" if compute >= memory else "m"
+    cells = [str(cache), str(depth), "bf16" if dtype == torch.bfloat16 else "fp32", f"{operand_bytes / 1e6:.3f}",
+             f"{split.kernels}", f"{split.hbm_bytes / operand_bytes:.2f}x", f"{split.est_s * 1e6:.2f}",
+             f"{flash.est_s * 1e6:.2f}", f"{flash.est_s / split.est_s:.2f}x", f"{bound * 1e6:.2f} ({kind})",
+             f"{split.est_s / bound:.2f}x", f"{max(split.max_error, flash.max_error):.1e}"]
+    return "| " + " | ".join(cells) + " |"
+
+
+DECODE_HEADER = (
+    "| cache | D | dtype | q,k,v,mask,o MB | split kernels | split HBM / operands | split est us | flash est us "
+    "| flash / split | roofline us | split / roofline | max abs err |\n"
+    "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def main_decode(quick: bool) -> int:
+    rows, started = [], time.time()
+    for cache, depth, dtype in itertools.product(QUICK_DECODE_CACHES if quick else DECODE_CACHES, HEAD_DIMS,
+                                                 (torch.float32, torch.bfloat16)):
+        print(f"[{time.time() - started:6.0f} s] decode: cache {cache} D {depth} {dtype}", file=sys.stderr, flush=True)
+        rows.append(measure_decode(cache, depth, dtype))
+    print(DECODE_HEADER)
+    print("\n".join(rows))
+    print(f"\n(measured in {time.time() - started:.0f} s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="seq 128 and 1024 only")
     parser.add_argument("--backward", action="store_true", help="the backward: fused kernel vs separate kernels")
+    parser.add_argument("--decode", action="store_true", help="decode steps: split-key form vs flash query tiles")
+    parser.add_argument("--seqs", help="comma-separated sequence lengths (instead of 128,1024,4096,8192)")
+    parser.add_argument("--engines", action="store_true",
+                        help="forward: add the flash kernel's busy time per engine (" + " / ".join(ENGINES) + ")")
     args = parser.parse_args(argv)
-    seqs = QUICK_SEQS if args.quick else SEQS
+    if args.decode:
+        return main_decode(args.quick)
+    seqs = [int(seq) for seq in args.seqs.split(",")] if args.seqs else QUICK_SEQS if args.quick else SEQS
     rows = []
     started = time.time()
     for seq, depth, causal, dtype in itertools.product(seqs, HEAD_DIMS, (False, True),
                                                         (torch.float32, torch.bfloat16)):
         print(f"[{time.time() - started:6.0f} s] seq {seq} D {depth} causal {causal} {dtype}", file=sys.stderr,
               flush=True)
-        rows.append((measure_backward if args.backward else measure)(seq, depth, causal, dtype))
-    print(BACKWARD_HEADER if args.backward else HEADER)
+        rows.append(measure_backward(seq, depth, causal, dtype) if args.backward else
+                    measure(seq, depth, causal, dtype, args.engines))
+    header = BACKWARD_HEADER if args.backward else HEADER
+    if args.engines and not args.backward:
+        lines = header.split("\n")
+        header = f"{lines[0]} flash busy us ({' / '.join(ENGINES)}) |\n{lines[1]}---:|"
+    print(header)
     print("\n".join(rows))
     print(f"\n(measured in {time.time() - started:.0f} s)")
     return 0

@@ -29,6 +29,10 @@ NEURON_COMPILE_FUSION      fusion                ``1`` (default) | ``0``: fuse I
 NEURON_COMPILE_FLASH_ATTENTION  flash_attention  ``1`` (default) | ``0``: SDPA as one flash-attention kernel
                                                  (0: scores, softmax and output as three kernels, the scores
                                                  through HBM; to measure what the flash kernel saves)
+NEURON_COMPILE_FLASH_DECODE  flash_decode        ``1`` (default) | ``0``: attention with few query rows per tile
+                                                 (decode) splits the keys across the partitions
+                                                 (kinds/attention_decode.py; 0: the flash kernel's query tiles,
+                                                 to measure what the split saves)
 NEURON_COMPILE_LAUNCH_UNIT  launch_unit          ``region`` (default: a region's kernels launched as one kernel,
                                                  codegen/region_text.py) | ``kernel`` (one launch per kernel;
                                                  to measure what one launch per region saves)
@@ -88,6 +92,7 @@ class Config:
     launcher: str = "auto"
     fusion: bool = True
     flash_attention: bool = True
+    flash_decode: bool = True
     launch_unit: str = "region"
     transposed_weights: bool = True
     logs: str = ""
@@ -160,7 +165,7 @@ def _coerce(name: str, value: object, source: str) -> object:
     """Convert a string (from the environment) or a Python value to the field's type, naming the source."""
     if name == "cache_size":
         return _coerce_size(value, source)
-    if name in ("fusion", "flash_attention", "transposed_weights"):
+    if name in ("fusion", "flash_attention", "flash_decode", "transposed_weights"):
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.strip().lower() in _BOOLEANS:

@@ -372,7 +372,8 @@ class Attention:
     eager's ``is_causal``). Stores read ``Result()`` (the normalized fp32 output tile) plus loads over the
     domain — the epilogue. ``logsumexp`` (training's forward) writes each query row's log-sum-exp of the
     scaled, masked scores (fp32; 0 for a row with every key masked, as eager), its layout restated over the domain
-    with stride 0 on the head dim.
+    with stride 0 on the head dim. ``split_keys``: a tile of few query rows (a decode step) may spread its keys over
+    the partitions (kinds/attention_decode.py) instead of its rows (config ``flash_decode``).
     """
 
     name: str
@@ -385,6 +386,7 @@ class Attention:
     causal: bool
     stores: tuple[Store, ...]
     logsumexp: Store | None = None
+    split_keys: bool = True
 
     @property
     def keys(self) -> int:

@@ -126,7 +126,8 @@ def _propagate_meta(gm: torch.fx.GraphModule, example_inputs) -> None:
 
 def _lower(gm: torch.fx.GraphModule, context: PassContext) -> LoweredRegion:
     _propagate_meta(gm, list(context.example_inputs))
-    return lower_graph(gm, context.target, flash_attention=getattr(context.config, "flash_attention", True))
+    return lower_graph(gm, context.target, flash_attention=getattr(context.config, "flash_attention", True),
+                       flash_decode=getattr(context.config, "flash_decode", True))
 
 
 def _guard_ranges(lowered: LoweredRegion, context: PassContext) -> LoweredRegion:

@@ -149,3 +149,17 @@ def test_a_block_reading_the_attention_through_views_matches_eager():
     block = TinyDecoderBlock().eval()
     with torch.no_grad():
         check_through_backend(block, random_tensor((2, 16, 64), seed=4))
+
+
+def test_a_mask_from_a_split_constant_is_evaluated_without_failing():
+    """A mask computed through a node of several outputs (MPT's split_with_sizes) is not taken as a constant; the
+    pass used to fail on that node's list of values, which sent the whole graph eager."""
+
+    def split_mask_attention(q, k, v):
+        seq = q.shape[-2]
+        mask, _ = torch.split(torch.full((2 * seq, seq), float("-inf")).triu(1), [seq, seq])
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]) + mask
+        return torch.softmax(scores, dim=-1) @ v
+
+    q, k, v = qkv((1, 2, 40, 32))
+    check_through_backend(split_mask_attention, q, k, v)

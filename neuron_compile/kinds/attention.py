@@ -22,22 +22,31 @@ import dataclasses
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import NL_DTYPES, AccessPattern, Ref, TileAllocator, TileScope
+from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import (
     Patterns,
-    entries_text,
     kernel_context,
     kernel_names,
-    offset_text,
     render_template,
     store_lines,
 )
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import loads, register_kind
+from neuron_compile.kinds.attention_decode import DecodePlan, plan_decode, render_decode
+from neuron_compile.kinds.attention_operands import (
+    LOWEST_FP32,
+    AttentionPlan,
+    LanePatterns,
+    head_loops,
+    logsumexp_store,
+    mask_load,
+    mask_row_load,
+    transposed_load,
+    value_loads,
+)
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import (
-    TilePlan,
     TilingError,
     attention_head_chunks,
     count_tiles,
@@ -45,10 +54,6 @@ from neuron_compile.tiles import (
     needs_transpose,
 )
 
-# The running max starts at the lowest finite fp32, not -inf: a row whose keys so far are all masked with -inf
-# then gives exp(-inf) = 0 (never exp(-inf + inf) = nan), and a row masked with finfo.min everywhere keeps
-# eager's uniform weights.
-LOWEST_FP32 = -3.4028234663852886e38
 # The causal bias: the lowest finite bf16 (also an fp32), so the mask tile holds it in either operand dtype. Added to
 # the scores before the scale, it dominates them only while scale * 3.39e38 is far below any logit; under this
 # scale (scale * 3.39e38 < 1e6) the kernel masks in SBUF with affine_select instead.
@@ -64,33 +69,6 @@ VECTOR_COPY_PERIOD = 3
 # attention / seq 1024 D 64 bf16 non-causal / causal): 1 ahead 38.1 / 38.4 / 28.1 us, 2 ahead 38.6 / 38.3 / 27.3,
 # 3 ahead 34.4 / 38.0 / 27.0, 4 ahead 39.8 / 38.8 / 28.0; 5 ahead overflows PSUM.
 SCORES_AHEAD = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionPlan(TilePlan):
-    """``partition`` is the query tile, ``free`` the output's head dim, ``k_tile`` x ``k_tiles`` the chunks of D.
-    ``key_block`` keys per score tile; ``resident``: k^T and v of a head stay in SBUF across query tiles;
-    ``transpose_loads``: q and k come in through ``dma_transpose`` (D contiguous, target has it); ``causal_bias``:
-    the causal mask is accumulated onto the scores on TensorE (else applied in SBUF with affine_select); ``lanes``
-    query heads of one key/value group (outer dim ``lane_dim``) share a query tile: row r is query p0 + r // lanes
-    of head r % lanes, ``partition.tile`` queries each; ``mask_bias``: the mask is constant along the queries (a key
-    padding mask), so its row per key block is accumulated onto the scores on TensorE (a ones column times the
-    row), q^T taking the scale, instead of a [queries, keys] mask tile loaded and added on VectorE per block."""
-
-    key_block: int = 0
-    resident: bool = False
-    transpose_loads: bool = False
-    causal_bias: bool = False
-    lanes: int = 1
-    lane_dim: int = -1
-    mask_bias: bool = False
-
-    def describe(self) -> str:
-        text = super().describe() + f" D {self.k_tiles}x{self.k_tile}, key blocks of {self.key_block}"
-        text += ", k^T and v resident per head" if self.resident else ", k^T and v loaded per key block"
-        text += f", {self.lanes} query heads per tile" if self.lanes > 1 else ""
-        text += ", the mask row on TensorE" if self.mask_bias else ""
-        return text + (", causal mask on TensorE" if self.causal_bias else "")
 
 
 def plan_attention(node: ir.Attention, target) -> AttentionPlan:
@@ -149,94 +127,6 @@ def query_group_dim(node: ir.Attention, batch: list[int], target) -> int | None:
     if 2 * math.ceil(queries / lane_queries) > group * math.ceil(queries / target.partitions):
         return None
     return shared[0]
-
-
-class LanePatterns(Patterns):
-    """HBM access patterns of a query tile shared by the query heads of a group (``AttentionPlan.lanes``): the
-    partition axis walks queries (``lane_rows`` of them) and within each query the group's heads."""
-
-    def outer_terms(self, layout: ir.Layout) -> list[tuple[str, int]]:
-        return [term for i, term in enumerate(super().outer_terms(layout)) if i != self.plan.lane_dim]
-
-    def hbm(self, tensor: str, layout: ir.Layout, free: list[tuple[LoopDim, str]], chunked_free: bool) -> AccessPattern:
-        pattern = super().hbm(tensor, layout, free, chunked_free)
-        lane = self.plan.outer[self.plan.lane_dim]
-        entries = ((pattern.entries[0][0], "lane_rows"), (lane.stride(layout), lane.size), *pattern.entries[1:])
-        return AccessPattern(tensor, entries, pattern.offset)
-
-
-def transposed_load(plan: AttentionPlan, patterns: Patterns, load: ir.Load, dst: str, start: str, count: str) -> str:
-    """The instruction that brings rows ``start`` .. ``start + count`` of q or k ([seq, D]) into ``dst`` as
-    [D chunk on partitions, chunk, rows]: a DMA transpose when D is contiguous, else a strided DMA."""
-    rank = len(plan.outer)
-    seq_stride, depth_stride = load.layout.strides[rank], load.layout.strides[rank + 1]
-    terms = patterns.outer_terms(load.layout) + ([(start, seq_stride)] if start != "0" else [])
-    offset = offset_text(load.layout.offset, terms)
-    chunks = [[depth_stride * plan.k_tile, plan.k_tiles], [depth_stride, plan.k_tile]]
-    rows = [[seq_stride, count]]
-    if load is not None and plan.lanes > 1 and load.layout.strides[plan.lane_dim]:  # q: queries, then heads
-        rows.append([load.layout.strides[plan.lane_dim], plan.lanes])
-    if plan.transpose_loads:
-        axes = "(2, 1, 0)" if len(rows) == 1 else "(3, 2, 0, 1)"
-        entries = [*rows, *chunks]
-        return f"nisa.dma_transpose(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, offset={offset}), " \
-               f"axes={axes})"
-    entries = [*reversed(chunks), *rows]
-    return f"nisa.dma_copy(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, offset={offset}))"
-
-
-def value_loads(plan: AttentionPlan, patterns: Patterns, node: ir.Attention, first_chunk: str, start: str,
-                count: str) -> list[str]:
-    """Instructions that bring the ``count`` rows of v from row ``start`` into ``values`` [128 keys, chunk, Dv]
-    from chunk ``first_chunk`` on: the whole chunks of 128 rows in one DMA, a ragged last chunk in another."""
-    rank = len(plan.outer)
-    seq_stride, depth_stride = node.v.layout.strides[rank], node.v.layout.strides[rank + 1]
-    value_dim = node.domain[-1]
-    base = patterns.outer_terms(node.v.layout)
-    whole_entries = [[seq_stride, 128], [seq_stride * 128, "whole"], [depth_stride, value_dim]]
-    tail_entries = [[seq_stride, f"{count} % 128"], [depth_stride, value_dim]]
-    chunk = f"{first_chunk} + whole" if first_chunk != "0" else "whole"
-    return [
-        f"whole = {count} // 128",
-        "if whole:",
-        f"    nisa.dma_copy(dst=values[0:128, {first_chunk}:{chunk}, 0:{value_dim}], src={node.v.buffer}.ap("
-        f"{entries_text(whole_entries)}, offset={offset_text(node.v.layout.offset, base + [(start, seq_stride)])}))",
-        f"if {count} % 128:",
-        f"    nisa.dma_copy(dst=values[0:{count} % 128, {chunk}, 0:{value_dim}], src={node.v.buffer}.ap("
-        f"{entries_text(tail_entries)}, offset="
-        f"{offset_text(node.v.layout.offset, base + [(start, seq_stride), ('whole', seq_stride * 128)])}))",
-    ]
-
-
-def logsumexp_store(patterns: Patterns, store: ir.Store) -> str:
-    """The DMA that writes the (P, 1) column ``logsumexp`` to the row statistic's buffer."""
-    dst = patterns.hbm(store.buffer.name, store.layout, [(LoopDim(1, None), "1")], False)
-    return f"nisa.dma_copy(dst={dst}, src=logsumexp[0:rows, 0:1])"
-
-
-def mask_load(plan: AttentionPlan, patterns: Patterns, mask: ir.Load, dst: str) -> str:
-    rank = len(plan.outer)
-    query_stride, key_stride = mask.layout.strides[rank], mask.layout.strides[rank + 1]
-    terms = patterns.outer_terms(mask.layout) + [("p0", query_stride), ("kv0", key_stride)]
-    entries = [[query_stride, "rows"], [key_stride, "block_cols"]]
-    return f"nisa.dma_copy(dst={dst}, src={mask.buffer}.ap({entries_text(entries)}, " \
-           f"offset={offset_text(mask.layout.offset, terms)}))"
-
-
-def mask_row_load(plan: AttentionPlan, patterns: Patterns, mask: ir.Load, dst: str) -> str:
-    """The mask's row of the key block (the same for every query) as a [1, block_cols] tile."""
-    key_stride = mask.layout.strides[len(plan.outer) + 1]
-    terms = patterns.outer_terms(mask.layout) + [("kv0", key_stride)]
-    return f"nisa.dma_copy(dst={dst}, src={mask.buffer}.ap({entries_text([[0, 1], [key_stride, 'block_cols']])}, " \
-           f"offset={offset_text(mask.layout.offset, terms)}))"
-
-
-def head_loops(node: ir.Attention, plan: AttentionPlan) -> tuple[list[int], list[int]]:
-    """The outer dims split into those that choose a key/value head and those that only choose a query head of
-    its group (stride 0 in k and v): k^T and v load once per key/value head, outside the group's loops."""
-    shared = [i for i, dim in enumerate(plan.outer)
-              if dim.stride(node.k.layout) == 0 and dim.stride(node.v.layout) == 0 and i != plan.lane_dim]
-    return [i for i in range(len(plan.outer)) if i not in shared and i != plan.lane_dim], shared
 
 
 def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, parameters: list[str]) -> str:
@@ -322,9 +212,11 @@ class AttentionKind(MatchingIndexEpilogue):
                 f"{logsumexp}")
 
     def plan(self, node, target):
-        return plan_attention(node, target)
+        return plan_decode(node, target) or plan_attention(node, target)
 
     def render(self, node, plan, name, parameters):
+        if isinstance(plan, DecodePlan):
+            return render_decode(node, plan, name, parameters)
         return render_attention(node, plan, name, parameters)
 
 

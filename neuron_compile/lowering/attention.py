@@ -197,7 +197,7 @@ def _lower(ctx, node, out_meta, logsumexp: ir.Buffer | None = None) -> TensorVal
         ctx.emit(ir.Attention(ctx.fresh_name("kernel"), out_layout.shape, ir.Load(q.buffer, q.layout, q.dtype),
                               ir.Load(k.buffer, k.layout, k.dtype), ir.Load(v.buffer, v.layout, v.dtype), mask,
                               float(scale), bool(options["is_causal"]), (ir.Store(out, ir.Result(), out_layout),),
-                              logsumexp_store))
+                              logsumexp_store, split_keys=ctx.flash_decode))
         return TensorValue(out.name, out.layout, out.dtype)
     if logsumexp is not None:
         raise LoweringError(f"{node.target}: its logsumexp output needs the flash kernel (flash_attention is off)")

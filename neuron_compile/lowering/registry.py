@@ -246,9 +246,10 @@ class LoweredRegion:
 class LoweringContext:
     """Per-graph state the lowerings share: node values, fresh buffer names, the nodes emitted so far."""
 
-    def __init__(self, target: Target | str | None = None, flash_attention: bool = True):
+    def __init__(self, target: Target | str | None = None, flash_attention: bool = True, flash_decode: bool = True):
         self.target = resolve_target(target)
         self.flash_attention = flash_attention  # SDPA as one flash-attention kernel (False: three kernels)
+        self.flash_decode = flash_decode  # few-query attention may take the split-key decode form
         self.values: dict[torch.fx.Node, TensorValue] = {}
         self.nodes: list[ir.Node] = []
         self.buffers: dict[str, ir.Buffer] = {}
@@ -333,10 +334,10 @@ def load(ctx: LoweringContext, arg, shape: tuple[int, ...]) -> ir.Expr:
 
 
 def lower_graph(gm: torch.fx.GraphModule, target: Target | str | None = None, *,
-                flash_attention: bool = True) -> LoweredRegion:
+                flash_attention: bool = True, flash_decode: bool = True) -> LoweredRegion:
     """Lower every ATen node of ``gm`` (whose nodes carry meta['val']) to IR for ``target`` (None: the default)."""
     target = resolve_target(target)
-    ctx = LoweringContext(target, flash_attention)
+    ctx = LoweringContext(target, flash_attention, flash_decode)
     inputs, outputs, output_dtypes, aten_nodes = [], [], [], 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":

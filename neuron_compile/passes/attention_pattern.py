@@ -199,7 +199,9 @@ def _evaluate(node, depth: int = 0):
     if not isinstance(node, torch.fx.Node):
         return node
     value = node.meta.get("val")
-    if node.op != "call_function" or depth > 32 or value is None or value.numel() > MAX_EVALUATED_MASK:
+    # (a node of several outputs, split or max.dim, carries a list of values: not evaluated, not a constant)
+    if node.op != "call_function" or depth > 32 or not isinstance(value, torch.Tensor) \
+            or value.numel() > MAX_EVALUATED_MASK:
         return None
     args = [_evaluate(arg, depth + 1) if isinstance(arg, torch.fx.Node) else arg for arg in node.args]
     if any(isinstance(arg, torch.fx.Node) and result is None for arg, result in zip(node.args, args)):
