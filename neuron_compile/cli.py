@@ -179,15 +179,23 @@ def _time_text(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds))
 
 
+def _entry_summary(entry: dict) -> str:
+    """One line about an entry: a region's target, kernels and ops, or whose first-launch cost report it is."""
+    from neuron_compile.runtime import report_cache
+
+    payload, parts = entry["payload"], entry["parts"]
+    if parts.get("what") == report_cache.WHAT:
+        return f"{parts.get('target', '?'):5} cost report of {parts.get('kernel')} ({', '.join(parts['arguments'])})"
+    ops = payload.get("ops", [])
+    return (f"{parts.get('target', '?'):5} {len(payload.get('kernels', [])):3d} kernels  "
+            + ", ".join(op.removeprefix("aten.") for op in ops[:6]) + (" ..." if len(ops) > 6 else ""))
+
+
 def _cache_ls(cache) -> int:
     infos = sorted(cache.entries(), key=lambda info: info.last_used, reverse=True)
     for info in infos:
         try:
-            entry = cache.read(info.key)
-            payload, parts = entry["payload"], entry["parts"]
-            ops = payload.get("ops", [])
-            summary = (f"{parts.get('target', '?'):5} {len(payload.get('kernels', [])):3d} kernels  "
-                       + ", ".join(op.removeprefix("aten.") for op in ops[:6]) + (" ..." if len(ops) > 6 else ""))
+            summary = _entry_summary(cache.read(info.key))
         except (OSError, ValueError) as error:
             summary = f"unusable: {error}"
         print(f"{info.key[:16]}  {_size_text(info.size):>7}  {_time_text(info.last_used)}  {summary}")
@@ -211,6 +219,11 @@ def _cache_show(cache, prefix: str) -> int:
         return 1
     payload = entry["payload"]
     print(disk_cache.key_record_text(keys[0], entry["parts"]), end="")
+    if "report" in payload:  # a kernel's first-launch cost report (runtime/report_cache.py)
+        from neuron_compile.runtime.simulator.report import report_from_data
+
+        print(report_from_data(payload["report"]).format())
+        return 0
     print(f"aten nodes: {payload.get('aten_nodes')}")
     print("fusion decisions:", *(f"  {decision}" for decision in payload.get("decisions", [])), sep="\n")
     for kernel in payload.get("kernels", []):

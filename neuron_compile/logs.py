@@ -28,7 +28,8 @@ TOPICS: dict[str, tuple[str, ...]] = {
     "backend": ("neuron_compile.backend",),  # Dynamo graphs handed to us, aot_autograd fallbacks
     "dispatch": ("neuron_compile.runtime.compiled_graph",),  # signature misses, recompiles, region fallbacks
     "partition": ("neuron_compile.passes.partition",),  # NKI regions vs eager nodes
-    "cache": ("neuron_compile.runtime.disk_cache",),  # on-disk cache hits, misses, damaged entries
+    # on-disk cache hits, misses, damaged entries (kernels and first-launch cost reports)
+    "cache": ("neuron_compile.runtime.disk_cache", "neuron_compile.runtime.report_cache"),
     "bucket": ("neuron_compile.passes.bucket",),  # shape bucketing: dims padded, graphs declined and why
 }
 LEVELS = {"+": logging.DEBUG, "-": logging.ERROR}

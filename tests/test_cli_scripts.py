@@ -4,11 +4,14 @@ script that raises; usage errors. Each command runs once per module, in-process 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import html.parser
 import io
 import json
 import re
+import shutil
+import subprocess
 import textwrap
 
 import pytest
@@ -259,3 +262,56 @@ def test_profile_page_has_a_timeline_per_kernel_and_nothing_external(profiled):
     assert not {"script", "link", "img", "iframe", "object"} & set(page.tags)
     assert not re.search(r"https?:|//[a-z]", text, flags=re.IGNORECASE)
     assert not any(value.startswith(("http", "//", "file:")) for value in page.attribute_values)
+
+
+# Headless Chromium (Debian's `chromium` package; .ci/run installs it): every host name resolves to nothing, so a
+# page that needed the network would show it; no background traffic of the browser's own.
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-extensions",
+                  "--host-resolver-rules=MAP * ~NOTFOUND")
+SWATCH_PIXELS = 10 * 10  # a lane's legend swatch: the only place a lane's colour shows when no kernel uses it
+
+
+def chromium(*arguments: str) -> str:
+    done = subprocess.run([CHROMIUM, *CHROMIUM_FLAGS, *arguments], capture_output=True, text=True, timeout=120,
+                          check=True)
+    return done.stdout
+
+
+def lane_colours() -> dict[str, tuple[int, int, int]]:
+    """Each lane's box colour, as the page's stylesheet paints it (``.q-tensor { fill: #4a78c2; }``)."""
+    from neuron_compile import profile_page
+
+    found = re.findall(r"\.q-(\w+) \{ fill: #([0-9a-f]{6}); \}", profile_page.STYLE)
+    return {queue: tuple(int(code[i:i + 2], 16) for i in (0, 2, 4)) for queue, code in found}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (apt-get install chromium)")
+def test_profile_page_in_headless_chromium_shows_every_kernel_timeline(profiled, tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    from neuron_compile import profile_page
+
+    status, stderr, out = profiled
+    assert status == 0, stderr
+    source = PageParser()
+    source.feed(out.read_text())
+    # The browser's document, after it parsed the page offline, holds every kernel section, lane and box the page
+    # was written with: nothing it rejected or moved.
+    rendered = PageParser()
+    rendered.feed(chromium("--dump-dom", out.as_uri()))
+    assert rendered.kernels == source.kernels and rendered.graph_tables == source.graph_tables
+    # What it paints: each lane a kernel has shows its boxes, beyond the legend swatch; a lane no kernel has
+    # shows only its swatch.
+    screenshot = tmp_path / "report.png"
+    chromium("--window-size=1280,9000", f"--screenshot={screenshot}", out.as_uri())
+    pixels = collections.Counter({colour: count for count, colour in
+                                  Image.open(screenshot).convert("RGB").getcolors(maxcolors=1 << 24)})
+    used = {queue for kernel in source.kernels for queue in kernel["lanes"]}
+    colours = lane_colours()
+    assert set(colours) == {queue for queue, _ in profile_page.LANES}
+    for queue, colour in colours.items():
+        if queue in used:
+            assert pixels[colour] > 4 * SWATCH_PIXELS, (queue, pixels[colour])
+        else:
+            assert pixels[colour] == SWATCH_PIXELS, (queue, pixels[colour])

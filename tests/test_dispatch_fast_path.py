@@ -4,6 +4,8 @@ has not validated, and reads parameters through kept views that still see every 
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from neuron_compile import config, pipeline
 from neuron_compile.config import Config
 from neuron_compile.lowering import LoweringError
 from neuron_compile.runtime import compiled_graph, launcher, simulator
+from neuron_compile.runtime import region as region_module
 
 aten = torch.ops.aten
 LAUNCH_FIGURES = ("kernels_launched", "hbm_bytes", "flops", "est_time_s", "est_lower_bound_s", "launch_s",
@@ -131,6 +134,54 @@ def test_an_input_with_unvalidated_strides_is_still_checked():
     with pytest.raises(LoweringError, match="compiled for dtype"):
         region(x, w.to(torch.bfloat16))
     torch.testing.assert_close(region(x, w)[0], _matmul_then_sum(x, w)[0])  # the validated one still runs
+
+
+def test_trusted_inputs_are_not_read_again_and_the_others_still_are():
+    x, w = _inputs()
+    region = _region(_matmul_then_sum, x, w)
+    region.trust_inputs([1])  # w: held by the caller's dispatch key
+    assert region.checked_inputs == (0,)
+    region(x, w)
+    with pytest.raises(LoweringError, match="compiled for shape"):
+        region(x.t().contiguous().t(), w)  # x is not trusted: a new signature of it is checked in full
+    torch.testing.assert_close(region(x, w)[0], _matmul_then_sum(x, w)[0])
+
+
+def _top_graph(with_resize: bool) -> tuple[torch.fx.GraphModule, torch.fx.Node]:
+    """placeholders x, w; an eager sort of x; a region reading (sorted x, w, x)."""
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    if with_resize:
+        graph.call_function(aten.resize_.default, (x, [4]))
+    values = graph.call_function(operator.getitem, (graph.call_function(aten.sort.default, (x,)), 0))
+    region = graph.call_module("nki_region_0", (values, w, x))
+    graph.output(region)
+    return torch.fx.GraphModule({"nki_region_0": torch.nn.Identity()}, graph), region
+
+
+def test_only_graph_inputs_are_held_by_the_dispatch_key():
+    top, region = _top_graph(with_resize=False)
+    assert compiled_graph.dispatch_keyed_inputs(top, region) == [1, 2]  # not the eager sort's output
+    top, region = _top_graph(with_resize=True)  # an eager op may change an input's metadata: trust nothing
+    assert compiled_graph.dispatch_keyed_inputs(top, region) == []
+
+
+def test_a_compiled_graph_trusts_its_regions_graph_inputs(monkeypatch):
+    trusted = []
+    trust = region_module.CompiledRegion.trust_inputs
+    monkeypatch.setattr(region_module.CompiledRegion, "trust_inputs",
+                        lambda self, positions: trusted.append(list(positions)) or trust(self, positions))
+
+    def sorted_then_matmul(x, w):
+        return torch.relu(torch.sort(x, dim=-1).values @ w) + 1.0
+
+    x, w = _inputs()
+    compiled = torch.compile(sorted_then_matmul, backend="neuron")
+    with config.patch(cache_dir="off"):
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x, w), sorted_then_matmul(x, w))
+    (positions,) = trusted  # one region: the sorted x (eager-made, position 0) stays checked, w is trusted
+    assert positions == [1]
 
 
 def test_kept_parameter_views_see_in_place_updates_and_new_storage():

@@ -278,6 +278,20 @@ def kernel_records(region_name: str, region, launched: bool = False) -> list[Ker
     return records
 
 
+def dispatch_keyed_inputs(top: torch.fx.GraphModule, region_node: torch.fx.Node) -> list[int]:
+    """The positions of a region's inputs that are graph inputs, whose shape, strides, storage offset and dtype the
+    graph's dispatch key holds (``dispatch_signature``): a region compiled for that key sees them unchanged. An
+    input an eager node made is not held by the key (an eager op's output shape may depend on values), and none is
+    when an eager op of the graph may change a tensor's metadata in place (``resize_``; ``copy_`` writes data only)."""
+    for node in top.graph.nodes:
+        target = node.target
+        if (node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+                and target is not torch.ops.aten.copy_.default):
+            return []
+    return [index for index, arg in enumerate(region_node.args)
+            if isinstance(arg, torch.fx.Node) and arg.op == "placeholder"]
+
+
 def _meta_value(arg):
     return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
 
@@ -338,6 +352,8 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
             region = None
         else:
             stats.add(regions_compiled=1, nki_nodes=int(getattr(region, "nki_nodes", 0)))
+            if hasattr(region, "trust_inputs"):  # optional in the CompiledRegion interface
+                region.trust_inputs(dispatch_keyed_inputs(top, node))
             record.kernels += kernel_records(name, region)
             record.region_kernels += kernel_records(name, region, launched=True)
             decisions = getattr(region, "fusion_decisions", None)  # optional in the CompiledRegion interface

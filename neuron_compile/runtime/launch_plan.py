@@ -123,21 +123,22 @@ class StableViews:
     the memory), also after its storage was freed and regathered in place (FSDP2's ``resize_``)."""
 
     def __init__(self, inputs: int):
-        # per input: (its data pointer on the last call, the kept view or None)
-        self._slots: list[tuple[int, torch.Tensor | None]] = [(0, None)] * inputs
+        # per input: (its data pointer on the last call, the kept view or None, the view's storage, the bytes that
+        # storage must hold for the view's span)
+        self._slots: list[tuple] = [(0, None, None, 0)] * inputs
 
     def view(self, index: int, tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
         """The flat view of ``tensor`` for input ``index`` (``slot``): the kept one, or a new one."""
         pointer = tensor.data_ptr()
-        last_pointer, kept = self._slots[index]  # one tuple: threads see it whole
-        if kept is not None and kept.data_ptr() == pointer and kept.dtype == tensor.dtype and _covers(kept, slot):
+        last_pointer, kept, storage, needed_bytes = self._slots[index]  # one tuple: threads see it whole
+        # ``storage`` is the kept view's own storage object: a resize of it (FSDP2 freeing it) shows in its nbytes
+        if kept is not None and kept.data_ptr() == pointer and kept.dtype == tensor.dtype \
+                and storage.nbytes() >= needed_bytes:
             return kept
         flat = flat_argument(tensor, slot)
-        repeated = pointer == last_pointer and pointer != 0
-        self._slots[index] = (pointer, flat if repeated else None)
+        if pointer == last_pointer and pointer != 0:
+            needed = (flat.storage_offset() + slot.span) * flat.element_size()
+            self._slots[index] = (pointer, flat, flat.untyped_storage(), needed)
+        else:
+            self._slots[index] = (pointer, None, None, 0)
         return flat
-
-
-def _covers(view: torch.Tensor, slot: InputSlot) -> bool:
-    """Whether ``view``'s storage still holds the slot's span from the view's offset (a freed one holds nothing)."""
-    return view.untyped_storage().nbytes() >= (view.storage_offset() + slot.span) * view.element_size()

@@ -14,7 +14,9 @@ launcher has no cost model.
                        ``__import__`` (no sys.modules change, nothing left behind).
 ``SimulatorLauncher``  the built-in numpy simulator (``neuron_compile.runtime.simulator``): torch tensors to
                        numpy (bfloat16 through ml_dtypes, bool as uint8), ``simulator.run_kernel``, outputs
-                       copied into torch-allocated tensors; the report is the simulator's ``CostReport``.
+                       copied into torch-allocated tensors; the report is the simulator's ``CostReport`` (a
+                       kernel's first launch per signature reads it from the on-disk cache when it is there:
+                       runtime/report_cache.py; that launch then records no trace either).
 ``DeviceLauncher``     the real ``nki.jit`` on a Neuron device: the inputs moved to the device, the kernel called
                        with torch tensors, its outputs copied back into torch-allocated CPU tensors; no report.
 ``select_launcher``    ``Config.launcher`` (``NEURON_COMPILE_LAUNCHER``): ``auto`` (the device where the real
@@ -58,6 +60,7 @@ from neuron_compile import config as config_module
 from neuron_compile.codegen.render import KernelSource
 from neuron_compile.hardware import Target, get_target
 from neuron_compile.runtime import simulator
+from neuron_compile.runtime.report_cache import ReportCache, open_report_cache
 from neuron_compile.runtime.simulator.cost import CostReport
 
 # Torch dtype of each kernel buffer dtype (ir.Buffer.dtype); NKI has no int64 and stores bool as a byte.
@@ -148,8 +151,9 @@ class SimulatorLauncher(Launcher):
 
     name = "simulator"
 
-    def __init__(self, target: Target | str | None = None):
+    def __init__(self, target: Target | str | None = None, stored_reports: ReportCache | None = None):
         self.target = target if isinstance(target, Target) else get_target(target)
+        self.stored_reports = stored_reports  # first-launch reports on disk (runtime/report_cache.py), or None
 
     def load(self, source: KernelSource) -> LoadedKernel:
         module = simulator.load_module(source.source, source.name)
@@ -159,9 +163,12 @@ class SimulatorLauncher(Launcher):
         arrays = [to_numpy(tensor) for tensor in tensors]
         signature = (self.target.name, *[(array.shape, array.dtype) for array in arrays])
         report = kernel.reports.get(signature)
+        if report is None and self.stored_reports is not None:
+            report = self.stored_reports.lookup(kernel.source.name, kernel.source.source, signature)
         run = simulator.run_kernel(kernel.function, arrays, target=self.target, trace=report is None)
-        if report is None:
-            report = kernel.reports.setdefault(signature, run.report)  # threads racing keep one report
+        if report is None and self.stored_reports is not None:
+            self.stored_reports.store(kernel.source.name, kernel.source.source, signature, run.report)
+        report = kernel.reports.setdefault(signature, report or run.report)  # threads racing keep one report
         outputs = [to_owned_tensor(np.asarray(array), buffer.dtype)
                    for buffer, array in zip(kernel.source.outputs, run.outputs)]
         return outputs, report
@@ -309,4 +316,4 @@ def select_launcher(config: config_module.Config | None = None, target: Target |
     name = resolve_launcher(config.launcher, real_nki=real_nki_available(), device=neuron_device_present())
     if name == "device":
         return DeviceLauncher()
-    return SimulatorLauncher(target if target is not None else config.target)
+    return SimulatorLauncher(target if target is not None else config.target, open_report_cache(config))

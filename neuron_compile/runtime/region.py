@@ -9,7 +9,8 @@ written in place like eager's (``output_tensor``); graph inputs the region mutat
 ran (outputs that are views of inputs need no kernel). Kernels run only through the launcher (runtime/launcher.py:
 the simulator or a Neuron device); this module hands it flat torch tensors and gets torch tensors back, and adds
 every launch to the stats. What a call does is planned once per region (runtime/launch_plan.py): a cache hit reads
-the plan and checks its inputs only when their shapes, strides or dtypes are new to the region.
+the plan and checks its inputs only when their shapes, strides or dtypes are new to the region; the inputs whose
+metadata the caller's dispatch key holds (``trust_inputs``: graph inputs) are not even read for that.
 """
 
 from __future__ import annotations
@@ -75,7 +76,17 @@ class CompiledRegion:
         self.plan = launch_plan(self.inputs, self.launched, self.outputs, self.mutations, self.output_dtypes)
         self.validated = ValidatedSignatures()
         self.views = StableViews(len(self.inputs))
+        # The inputs whose shape, strides and dtype later calls still read for the validated-signature check: all
+        # but those a caller's dispatch key fixes (``trust_inputs``).
+        self.checked_inputs: tuple[int, ...] = tuple(range(len(self.inputs)))
         self.outputs_planned = True  # every call's outputs have the plan's shapes and dtypes (RegionModule)
+
+    def trust_inputs(self, positions) -> None:
+        """The caller's dispatch key holds the shape, strides, storage offset and dtype of the inputs at
+        ``positions`` (graph inputs of a graph keyed on exactly those): a call's input signature then reads only the
+        other inputs. The first call of each signature still checks every input."""
+        trusted = set(positions)
+        self.checked_inputs = tuple(index for index in range(len(self.inputs)) if index not in trusted)
 
     @property
     def launch_sources(self) -> list[KernelSource]:
@@ -96,7 +107,7 @@ class CompiledRegion:
             raise LoweringError(f"region expects {len(plan.inputs)} inputs, got {len(tensors)}")
         # A complex64 input was compiled as its fp32 (real, imaginary) pairs (lowering/registry.py input_layout).
         tensors = tuple(torch.view_as_real(tensor) if tensor.is_complex() else tensor for tensor in tensors)
-        signature = input_signature(tensors)
+        signature = input_signature([tensors[index] for index in self.checked_inputs])
         if signature not in self.validated:
             for buffer, tensor in zip(self.inputs, tensors):
                 self._check_input(buffer, tensor)

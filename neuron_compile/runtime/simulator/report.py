@@ -1,10 +1,13 @@
 """Simulator stage: the cost model's result. Input: the figures cost.py computes for one launch (or several).
 Output: a ``CostReport`` (engines, bytes, FLOPs, the schedule's time and its lower bound, the roofline), its
-readable table (``format``), and ``sum_reports`` for launches run one after the other.
+readable table (``format``), ``sum_reports`` for launches run one after the other, and ``report_data`` /
+``report_from_data``: a report as plain JSON data and back, exactly (the on-disk cache keeps first-launch reports).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -241,3 +244,38 @@ def sum_reports(reports: Iterable[CostReport]) -> CostReport:
         est_comm_s=sum(r.est_comm_s for r in reports),
         comm_overlap_s=sum(r.comm_overlap_s for r in reports),
     )
+
+
+def report_data(report: CostReport) -> dict:
+    """``report`` as JSON data (str, number, list and dict only); JSON keeps every float exactly. A report with
+    collective calls has none: those records name the process group of one run."""
+    if report.collectives:
+        raise ValueError("[cost_report_collectives] a report with collective calls is not stored as data")
+    data = dataclasses.asdict(report)
+    data["unmodeled"] = list(report.unmodeled)
+    data["sections"] = [dataclasses.asdict(section) for section in report.sections]
+    data["collectives"] = []
+    return data
+
+
+def report_from_data(data: dict) -> CostReport:
+    """The report ``report_data`` made; ``ValueError`` for anything else (other fields, a non-number figure)."""
+    fields = {item.name for item in dataclasses.fields(CostReport)}
+    if not isinstance(data, dict) or set(data) != fields:
+        raise ValueError("[cost_report_data] not a cost report's data: its fields differ from CostReport's")
+    sections = tuple(SectionCost(**_checked_figures(section, SectionCost)) for section in data["sections"])
+    figures = _checked_figures({**data, "sections": sections, "unmodeled": tuple(data["unmodeled"]),
+                                "collectives": ()}, CostReport)
+    return CostReport(**figures)
+
+
+def _checked_figures(data: dict, kind: type) -> dict:
+    """``data`` when its fields are ``kind``'s and every figure (a number, or a dict of numbers) is numeric."""
+    if not isinstance(data, dict) or set(data) != {item.name for item in dataclasses.fields(kind)}:
+        raise ValueError(f"[cost_report_data] not {kind.__name__} data")
+    for name, value in data.items():
+        values = value.values() if isinstance(value, dict) else [value]
+        if name not in ("target", "name", "unmodeled", "sections", "collectives") and not all(
+                isinstance(item, numbers.Real) and not isinstance(item, bool) for item in values):
+            raise ValueError(f"[cost_report_data] {kind.__name__}.{name} is not a number: {value!r}")
+    return data
