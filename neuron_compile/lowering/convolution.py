@@ -30,7 +30,7 @@ from neuron_compile.lowering.registry import TensorValue, register_lowering
 
 aten = torch.ops.aten
 
-# Kernel positions, one matmul kernel each: beyond this the graph of kernels gets long for little gain.
+# Kernel positions, the terms of one implicit-GEMM matmul: each keeps its a^T chunks resident in SBUF.
 MAX_KERNEL_POSITIONS = 64
 
 
@@ -50,7 +50,8 @@ def _check_convolution(node: torch.fx.Node) -> str | None:
         return f"{node.target}: stride {stride}, padding {padding}, dilation {dilation}"
     positions = math.prod(w.shape[2:])
     if positions > MAX_KERNEL_POSITIONS:
-        return f"{node.target}: {positions} kernel positions (one matmul kernel each, limit {MAX_KERNEL_POSITIONS})"
+        return (f"{node.target}: {positions} kernel positions (the terms of one matmul, each with its weight slice "
+                f"resident; limit {MAX_KERNEL_POSITIONS})")
     return None
 
 
@@ -143,8 +144,8 @@ def _wide_row_plan(ctx, source: TensorValue, weight: TensorValue, out: ir.Buffer
 
 def _accumulate_positions(ctx, plan: PositionMatmuls, weight: TensorValue, bias: TensorValue | None, dilation,
                           groups: int) -> None:
-    """One matmul per kernel position; each epilogue adds the previous position's fp32 partial sum (the first adds
-    the bias), the last stores into the plan's output."""
+    """One implicit-GEMM matmul: a term per kernel position, each reading the weight's slice for that position and
+    the input shifted by it, all accumulated in PSUM; the epilogue adds the bias and stores into the plan's output."""
     w_shape = weight.layout.shape
     kernel = list(w_shape[2:])
     out_per_group, in_per_group = w_shape[0] // groups, w_shape[1]
@@ -160,32 +161,24 @@ def _accumulate_positions(ctx, plan: PositionMatmuls, weight: TensorValue, bias:
     store_layout = ir.Layout(domain, (*o_lead, out_per_group * o_channel, *o_rows, o_channel, o_column),
                              plan.output_offset)
     x_spatial = plan.input.layout.strides[-len(kernel):]  # a kernel position offsets the read by these
-    partial = None
+    a = ir.Load(weight.buffer, ir.Layout((*batch, out_per_group, in_per_group),
+                                         (*zeros_lead, out_per_group * w_out, *zeros_rows, w_out, w_in),
+                                         weight.layout.offset), weight.dtype)
+    b = ir.Load(plan.input.buffer, ir.Layout((*batch, in_per_group, plan.columns),
+                                             (*x_lead, in_per_group * x_channel, *x_rows, x_channel, x_column),
+                                             plan.input.layout.offset), plan.input.dtype)
     positions = list(itertools.product(*(range(k) for k in kernel)))
-    for index, position in enumerate(positions):
-        a_offset = weight.layout.offset + sum(p * s for p, s in zip(position, w_spatial))
-        a = ir.Load(weight.buffer, ir.Layout((*batch, out_per_group, in_per_group),
-                                             (*zeros_lead, out_per_group * w_out, *zeros_rows, w_out, w_in), a_offset),
-                    weight.dtype)
-        b_offset = plan.input.layout.offset + sum(p * d * s for p, d, s in zip(position, dilation, x_spatial))
-        b = ir.Load(plan.input.buffer, ir.Layout((*batch, in_per_group, plan.columns),
-                                                 (*x_lead, in_per_group * x_channel, *x_rows, x_channel, x_column),
-                                                 b_offset), plan.input.dtype)
-        expr = ir.Result()
-        if partial is not None:
-            expr = ir.Op("add", (expr, ir.Load(partial.name, partial.layout, partial.dtype)))
-        elif bias is not None:
-            (bias_stride,) = bias.layout.strides
-            bias_layout = ir.Layout(domain, (*zeros_lead, out_per_group * bias_stride, *zeros_rows, bias_stride, 0),
-                                    bias.layout.offset)
-            expr = ir.Op("add", (expr, ir.Load(bias.buffer, bias_layout, bias.dtype)))
-        if index == len(positions) - 1:
-            store = ir.Store(plan.output, expr, store_layout)
-        else:
-            partial = ctx.scratch_buffer(domain, "float32", "conv_partial")
-            store = ir.Store(partial, expr, partial.layout)
-        ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), domain, in_per_group, a, b, (store,)))
-
+    shifts = tuple((sum(p * s for p, s in zip(position, w_spatial)),
+                    sum(p * d * s for p, d, s in zip(position, dilation, x_spatial))) for position in positions)
+    expr = ir.Result()
+    if bias is not None:
+        (bias_stride,) = bias.layout.strides
+        bias_layout = ir.Layout(domain, (*zeros_lead, out_per_group * bias_stride, *zeros_rows, bias_stride, 0),
+                                bias.layout.offset)
+        expr = ir.Op("add", (expr, ir.Load(bias.buffer, bias_layout, bias.dtype)))
+    store = ir.Store(plan.output, expr, store_layout)
+    ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), domain, in_per_group, a, b, (store,),
+                       shifts=shifts if len(shifts) > 1 else ()))
 
 
 def _depthwise_convolution(ctx, source: TensorValue, weight: TensorValue, bias: TensorValue | None, out: ir.Buffer,
