@@ -40,7 +40,9 @@ def plan_pointwise(node: ir.Pointwise, target, tiles: int | None = None) -> Tile
         last = dims[-1]
         rows = largest_divisor_at_most(last.size, target.partitions)
         cols = last.size // rows
-        if len(dims) == 1 or rows > dims[-2].size:
+        # (Not when the whole dim would go on partitions with one column: every DMA would move one element per
+        # partition; the widest outer dim takes the partitions instead, below.)
+        if len(dims) == 1 or (rows > dims[-2].size and cols > 1):
             split = [LoopDim(rows, last.source, cols * last.multiplier), LoopDim(cols, last.source, last.multiplier)]
             dims = [*dims[:-1], *split]
     dims = widest_rows_on_partitions(dims, target.partitions)
