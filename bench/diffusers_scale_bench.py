@@ -52,7 +52,8 @@ def flux(blocks: int, hidden_heads: tuple[int, int], image: int, text: int) -> t
     return model, dict(hidden_states=torch.randn(1, image, 64, generator=generator),
                        encoder_hidden_states=torch.randn(1, text, heads * head_dim, generator=generator),
                        pooled_projections=torch.randn(1, 64, generator=generator),
-                       img_ids=torch.randn(image, 3, generator=generator), txt_ids=torch.randn(text, 3, generator=generator),
+                       img_ids=torch.randn(image, 3, generator=generator),
+                       txt_ids=torch.randn(text, 3, generator=generator),
                        timestep=torch.tensor([1.0]))
 
 

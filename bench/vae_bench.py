@@ -7,7 +7,8 @@ graph roofline ``max(FLOPs / TensorE peak, (parameters + input + output) bytes /
 
 Decoders (random weights, configs built in code, nothing downloaded), a size between the pipelines' tiny ones and
 the real models: Flux's two-level AutoencoderKL decoder with 128/256 channels decoding 16 x 16 x 16 latents into
-32 x 32 pixels, and LTX-Video's 3-D decoder with 64/128 channels decoding 2 x 8 x 8 latent frames into 5 x 16 x 16.
+32 x 32 pixels, and LTX-Video's 3-D decoder with 64/128 channels decoding 3 latent frames of 8 x 8 into 5 frames
+of 16 x 16.
 
     PYTHONPATH=. python bench/vae_bench.py
     PYTHONPATH=. python bench/vae_bench.py --decoders flux --dtypes bf16

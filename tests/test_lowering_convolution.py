@@ -145,3 +145,13 @@ def test_implicit_gemm_over_the_sbuf_budget_is_a_tiling_error():
                      shifts=tuple((t, t) for t in range(9)))
     with pytest.raises(TilingError, match="implicit GEMM of 9 terms .* SBUF budget"):
         plan_matmul(node, get_target("trn2"))
+
+
+def test_strided_convolution_of_a_channels_last_input_transposes_its_windows():
+    # No padding, so the strided plan reads the channels-last input as it is: b's K (channels) is contiguous and its
+    # windows come in through a DMA transpose; the positions along a row share a window (columns 2 apart).
+    x = random_tensor((1, 6, 9, 11), seed=16).contiguous(memory_format=torch.channels_last)
+    weight = random_tensor((5, 6, 3, 3), seed=17)
+    region = check_against_eager(lambda x, w: F.conv2d(x, w, stride=2), x, weight, tolerances=TOLERANCES)
+    (matmul,) = [kernel_ for kernel_ in region.kernels if "nc_matmul" in kernel_.source]
+    assert "nisa.dma_transpose(dst=moving" in matmul.source and "Implicit GEMM" in matmul.source

@@ -1,19 +1,19 @@
 """Lowering stage, convolution family: aten.convolution (conv1d / conv2d / conv3d; transposed convolutions decline).
 
 Input: an ATen FX node. Output: a zero-padded copy of the input when there is padding (pooling's padded copy),
-then one ``ir.MatMul`` per kernel position: for position ``kk``, every output element gets
+then one implicit-GEMM ``ir.MatMul`` (``shifts``: a term per kernel position): every output element gets
 
-    sum_ci weight[g * Cout/G + co, ci, kk] * x_padded[n, g * Cin/G + ci, o * stride + kk * dilation]
+    sum_kk sum_ci weight[g * Cout/G + co, ci, kk] * x_padded[n, g * Cin/G + ci, o * stride + kk * dilation]
 
-which is a batched matmul with M = Cout/G, K = Cin/G: the weight slice and the shifted input are both plain
-access patterns (im2col without a copy). With stride 1 (every layer of a VAE decoder but its downsamplers) the
-rows are computed as wide as the padded input's: output (r, c) reads input element r * row + c, so all the output
-rows are one column range (N = out rows * input row) and each position is one matmul over the whole image; a copy
-keeps the valid columns. A depthwise convolution (one input channel per group, K = 1) is one pointwise kernel
-instead: the positions' shifted inputs times their weights, summed. Strided convolutions take one matmul per
-output row: batch dims (*n, g, *out[:-1]), N = out[-1]. Each matmul's epilogue adds the previous position's
-partial sum (an fp32 scratch buffer, as eager accumulates in fp32) — the first adds the bias — and the last stores
-the result.
+which for one position ``kk`` is a batched matmul with M = Cout/G, K = Cin/G: the weight slice and the shifted
+input are both plain access patterns (im2col without a copy), and the positions are the terms, all accumulated in
+PSUM (fp32, as eager accumulates) with the bias added once in the epilogue. With stride 1 (every layer of a VAE
+decoder but its downsamplers) the rows are computed as wide as the padded input's: output (r, c) reads input
+element r * row + c, so all the output rows are one column range (N = out rows * input row), each position is a
+column shift of it (the kernel loads the input once per window of shifts), and a copy keeps the valid columns.
+Strided convolutions batch over output rows: batch dims (*n, g, *out[:-1]), N = out[-1]. A depthwise convolution
+(one input channel per group, K = 1) is one pointwise kernel instead: the positions' shifted inputs times their
+weights, summed.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def _check_convolution(node: torch.fx.Node) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class PositionMatmuls:
-    """How one kernel position's matmul walks the input and the output: batch dims (*n, g, *rows) with M = Cout/G,
-    K = Cin/G and N columns; strides of the lead dims and the row dims on each side, and of one column."""
+    """How each kernel position's term of the matmul walks the input and the output: batch dims (*n, g, *rows) with
+    M = Cout/G, K = Cin/G and N columns; strides of the lead dims and the row dims on each side, and of one column."""
 
     lead: tuple[int, ...]
     rows: tuple[int, ...]
@@ -106,7 +106,7 @@ def _padded_input(ctx, source: TensorValue, padding, slack_rows: int) -> ir.Load
 
 
 def _row_plan(ctx, source: TensorValue, out: ir.Buffer, stride, padding) -> PositionMatmuls:
-    """One matmul per output row: batch (*n, g, *out[:-1]), N = out[-1], a strided row of the (padded) input."""
+    """Batched over output rows: batch (*n, g, *out[:-1]), N = out[-1], a strided row of the (padded) input."""
     dims = len(stride)
     data = _padded_input(ctx, source, padding, slack_rows=0)
     spatial = data.layout.strides[-dims:]
@@ -117,7 +117,7 @@ def _row_plan(ctx, source: TensorValue, out: ir.Buffer, stride, padding) -> Posi
 
 
 def _wide_row_plan(ctx, source: TensorValue, weight: TensorValue, out: ir.Buffer, padding, dilation):
-    """Stride 1: one matmul per kernel position over every output row at once. Output row r, column c reads input
+    """Stride 1: each kernel position's term covers every output row at once. Output row r, column c reads input
     element r * row + c (+ the position's offset) of the contiguous (padded) input, so the rows are computed as wide
     as the input's (the columns past the output's width are never read back) and N = out rows * input row: a
     single stride. One zero row after the input keeps the last position's wide read inside the buffer. Returns the
