@@ -351,6 +351,10 @@ class MatMul:
     Stores read ``Result()`` (the fp32 product tile) plus loads over (*batch, M, N) — the epilogue. A paired
     matmul (horizontal fusion: a gated MLP's up and gate projections read the same ``a``) also multiplies ``a`` by
     ``b2``, of ``b``'s shape, and its epilogue reads that product as ``Result(1)``.
+
+    ``shifts`` makes it an implicit GEMM (a convolution, one term per kernel position): the product is
+    ``sum_t a[+a_shift_t] @ b[+b_shift_t]``, each operand read through its layout with ``(a_shift_t, b_shift_t)``
+    added to its offset, all terms accumulated in PSUM. Empty: the one term ``a @ b``.
     """
 
     name: str
@@ -360,6 +364,7 @@ class MatMul:
     b: Load
     stores: tuple[Store, ...]
     b2: Load | None = None
+    shifts: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

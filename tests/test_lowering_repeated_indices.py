@@ -46,6 +46,15 @@ def test_channels_last_input_keeps_eager_strides():
     check_against_eager(nearest(2.0), x)
 
 
+@pytest.mark.parametrize("channels", [127, 129, 256])
+def test_channels_last_upsampling_puts_the_channels_on_partitions(channels):
+    # A VAE decoder's upsampler after its attention block: 16 x 2 x 16 x 2 output pixels per channel, the channels
+    # the widest dim. They go on partitions (the copy was 16-row tiles, one per channel and row: 16x the tiles).
+    x = random_tensor((1, channels, 16, 16), seed=4).contiguous(memory_format=torch.channels_last)
+    region = check_against_eager(nearest(2.0), x)
+    assert f"partition {channels}/{min(channels, 128)}" in region.kernels[0].source
+
+
 def test_uneven_and_computed_indices_stay_gathers():
     x = random_tensor((1, 2, 4, 5))
     assert repeat_factors(index_node(nearest(1.7), x)) is None  # floor(o / 1.7) is not o // k

@@ -114,3 +114,37 @@ def test_training_graphs_keep_the_weights_as_given():
         out.sum().backward()
     assert neuron_compile.stats()["weight_copies"] == 0
     assert model.weight.grad is not None and model.weight.grad.shape == (16, 32)
+
+
+class ConvolutionStack(torch.nn.Module):
+    """A 3 x 3 convolution (a matmul: its weight is chosen), a depthwise one (a pointwise kernel: kept as given)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(6, 10, 3, padding=1)
+        self.depthwise = torch.nn.Conv2d(10, 10, 3, padding=1, groups=10)
+
+    def forward(self, x):
+        return self.depthwise(torch.relu(self.conv(x)))
+
+
+def test_a_convolution_weight_is_chosen_and_read_with_output_channels_innermost():
+    torch.manual_seed(0)
+    model, x = ConvolutionStack().eval(), torch.randn(1, 6, 7, 9)
+    gm = _inference_graph(model, x)
+    assert _placeholder_shapes(gm, column_major_inputs(gm)) == [(10, 6, 3, 3)]
+    copy = ColumnMajorCopies().copy_of(model.conv.weight)
+    assert copy.stride() == (1, 90, 30, 10) and torch.equal(copy, model.conv.weight)
+    compiled = torch.compile(model, backend="neuron")
+    neuron_compile.reset_stats()
+    with config.patch(cache_dir="off", fallback="raise"), torch.no_grad():
+        for _ in range(2):
+            with neuron_compile.record_launches() as launches:
+                out = compiled(x)
+            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+            model.conv.weight.mul_(-0.5)  # the next call must see it
+    assert neuron_compile.stats()["weight_copies"] == 2
+    source = "\n".join(launch.source.source for launch in launches)
+    # a^T's rows (the output channels of one input channel and position) come in as contiguous runs
+    assert "stationary[block][0:6, term * 1:term * 1 + 1, 0:rows], src=arg0_1.ap([[90, 6], [540, 1], [1, rows]]" \
+        in source

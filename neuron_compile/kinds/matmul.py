@@ -25,6 +25,7 @@ from neuron_compile.codegen.kernel_text import (
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import loads, register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue, matching_index_reason
+from neuron_compile.kinds.matmul_windows import TermColumns, Window, moving_windows
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import TRANSPOSE_BLOCK, TilePlan, TilingError, count_tiles, needs_transpose
 
@@ -34,6 +35,11 @@ def plan_matmul(node: ir.MatMul, target) -> TilePlan:
     the TensorE-transposing form (which a paired matmul does not have: sibling fusion pairs only where the
     resident form fits)."""
     resident = plan_resident(node, target)
+    if resident is None and node.shifts:
+        raise TilingError(f"{node.name}: an implicit GEMM of {len(node.shifts)} terms keeps a^T of one 128-row block "
+                          f"for every term ({len(node.shifts)} x K={node.k}) and each window of b beside it, which "
+                          f"does not fit {target.name}'s SBUF budget ({target.sbuf_bytes_per_partition} B per "
+                          f"partition) or needs a DMA transpose {target.name} does not have")
     if resident is None and node.b2 is not None:
         raise TilingError(f"{node.name}: a paired matmul needs the resident form (DMA transpose, a^T of one row "
                           f"block beside both operands' tiles), which {target.name} cannot hold")
@@ -45,7 +51,7 @@ def plan_resident(node: ir.MatMul, target) -> TilePlan | None:
     512 (256, 128 if K is large). SBUF per partition: the group's a^T chunks, two N tiles' b chunks (this one's
     and the next one's, loaded while this one multiplies) and two sets of epilogue tiles. None when the target
     has no DMA transpose or not even one row block fits. A paired matmul keeps two of each b and PSUM tile."""
-    if not target.dma_transpose:
+    if not target.dma_transpose and (not node.shifts or transposes_an_operand(node)):
         return None
     *batch, m, n = node.domain
     itemsize = 2 if node.a.dtype == "bfloat16" else 4
@@ -54,9 +60,11 @@ def plan_resident(node: ir.MatMul, target) -> TilePlan | None:
     k_tiles = math.ceil(node.k / k_tile)
     tiles = count_tiles([store.expr for store in node.stores])
     budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE)
-    block_bytes = k_tiles * target.gemm_stationary_fmax * itemsize
+    block_bytes = max(1, len(node.shifts)) * k_tiles * target.gemm_stationary_fmax * itemsize
     for n_tile in sorted({min(n, size) for size in (target.gemm_moving_fmax, 256, 128)}, reverse=True):
-        room = budget - 2 * operands * k_tiles * n_tile * itemsize - 2 * tiles * n_tile * 4
+        windows, _ = moving_layout(node, n_tile)
+        window_columns = len(windows) * (n_tile + max(window.span for window in windows))
+        room = budget - 2 * operands * k_tiles * window_columns * itemsize - 2 * tiles * n_tile * 4
         blocks = min(math.ceil(m / target.gemm_stationary_fmax), room // block_bytes)
         if blocks >= 1:
             outer = tuple(LoopDim(size, dim, 1, 1) for dim, size in enumerate(batch))
@@ -65,6 +73,21 @@ def plan_resident(node: ir.MatMul, target) -> TilePlan | None:
             return TilePlan("matmul", outer, partition, free, tiles, k_tile, k_tiles,
                             row_group=blocks * target.gemm_stationary_fmax)
     return None
+
+
+def moving_layout(node: ir.MatMul, n_tile: int) -> tuple[tuple[Window, ...], tuple[TermColumns, ...]]:
+    """The windows b is loaded in per N tile of ``n_tile`` columns and each term's place in them (one window of
+    exactly the tile for a plain matmul)."""
+    if not node.shifts:
+        return (Window(0, 0),), (TermColumns(0, 0),)
+    column_stride = node.b.layout.strides[len(node.domain) - 1]
+    return moving_windows(tuple(shift for _, shift in node.shifts), column_stride, n_tile)
+
+
+def transposes_an_operand(node: ir.MatMul) -> bool:
+    rank = len(node.domain) - 2
+    a, b = node.a.layout.strides, node.b.layout.strides
+    return needs_transpose(a[rank + 1], a[rank]) or needs_transpose(b[rank], b[rank + 1])
 
 
 def plan_transposing(node: ir.MatMul, target) -> TilePlan:
@@ -105,42 +128,86 @@ def render_matmul(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[s
     return render_transposing(node, plan, name, parameters)
 
 
-def operand_loads(node: ir.MatMul, k_tile: int) -> tuple[str, ...]:
-    """The instructions that bring a^T [K, rows] into ``stationary[block]`` and b [K, cols] into ``moving``, both
+@dataclasses.dataclass(frozen=True)
+class OperandTile:
+    """How one operand fills its SBUF tile [k_tile, K chunks, free]: its tile's name, the free extent loaded (text),
+    the loop over its terms or windows (an implicit GEMM) with the first chunk each fills, and the strides."""
+
+    load: ir.Load
+    tile: str
+    free: str
+    k_stride: int
+    other_stride: int
+    loop_var: str  # p0 or f0: where the tile starts along its free dim
+    loop: str | None = None  # "for term, shift in ...:" (the loop binds ``shift``, an element offset)
+    first_chunk: str = "0"
+
+
+def operand_tiles(node: ir.MatMul, k_tiles: int, n_tile: int) -> list[OperandTile]:
+    """a^T into ``stationary[block]``, b into ``moving`` (and b2 into ``second_moving``). An implicit GEMM loads
+    a^T once per term and b once per window (matmul_windows.py), each into its own K chunks."""
+    batch = len(node.domain) - 2
+    a, b = node.a.layout.strides, node.b.layout.strides
+    if not node.shifts:
+        tiles = [OperandTile(node.a, "stationary[block]", "rows", a[batch + 1], a[batch], "p0"),
+                 OperandTile(node.b, "moving", "cols", b[batch], b[batch + 1], "f0")]
+        if node.b2 is not None:
+            second = node.b2.layout.strides
+            tiles.append(OperandTile(node.b2, "second_moving", "cols", second[batch], second[batch + 1], "f0"))
+        return tiles
+    windows, _ = moving_layout(node, n_tile)
+    a_shifts = tuple(shift for shift, _ in node.shifts)
+    window_list = tuple((window.shift, window.span) for window in windows)
+    return [OperandTile(node.a, "stationary[block]", "rows", a[batch + 1], a[batch], "p0",
+                        f"for term, shift in enumerate({a_shifts}):", f"term * {k_tiles}"),
+            OperandTile(node.b, "moving", "cols + span", b[batch], b[batch + 1], "f0",
+                        f"for window, (shift, span) in enumerate({window_list}):", f"window * {k_tiles}")]
+
+
+def operand_loads(node: ir.MatMul, k_tile: int, n_tile: int) -> tuple[list[str], ...]:
+    """The lines that bring a^T [K, rows] into ``stationary[block]`` and b [K, cols] into ``moving``, both
     [k_tile, K chunks, 128 or cols] (element (p, kt, j) is K index kt * k_tile + p): one DMA per operand tile, a
     DMA transpose when the operand's K is its contiguous dim. With ragged K chunks (K not a multiple of
-    k_tile) one instruction per chunk ``kt`` of ``kk`` rows; the template loops over them."""
-    a, b = node.a.layout, node.b.layout
+    k_tile) one instruction per chunk ``kt`` of ``kk`` rows, in a loop; an implicit GEMM's in a loop over its terms
+    (a^T) or windows (b)."""
     batch = len(node.domain) - 2
-    a_m, a_k, b_k, b_n = a.strides[batch], a.strides[batch + 1], b.strides[batch], b.strides[batch + 1]
+    k_tiles = math.ceil(node.k / k_tile)
     whole = node.k % k_tile == 0
-    k_terms = [] if whole else [("k0", None)]
     loads = []
-    operands = [(node.a, "stationary[block]", "rows", "rows", a_k, a_m, "p0"), (node.b, "moving", "cols", "cols", b_k, b_n, "f0")]
-    if node.b2 is not None:
-        second = node.b2.layout
-        operands.append((node.b2, "second_moving", "cols", "cols", second.strides[batch], second.strides[batch + 1], "f0"))
-    for operand, tile, free, count, k_stride, other_stride, loop_var in operands:
-        strides = operand.layout.strides
-        terms = [(f"o{i}", strides[i]) for i in range(batch)] + [(loop_var, other_stride)]
-        terms += [(var, k_stride) for var, _ in k_terms]
-        offset = offset_text(operand.layout.offset, terms)
+    for operand in operand_tiles(node, k_tiles, n_tile):
+        strides = operand.load.layout.strides
+        terms = [(f"o{i}", strides[i]) for i in range(batch)] + [(operand.loop_var, operand.other_stride)]
+        terms += [] if whole else [("k0", operand.k_stride)]
+        terms += [("shift", 1)] if operand.loop else []
+        offset = offset_text(operand.load.layout.offset, terms)
+        first = operand.first_chunk
         if whole:
-            dst = f"{tile}[0:{k_tile}, 0:{node.k // k_tile}, 0:{free}]"
-            k_entries = [[k_stride, k_tile], [k_stride * k_tile, node.k // k_tile]]
+            chunks = f"0:{k_tiles}" if first == "0" else f"{first}:{first} + {k_tiles}"
+            dst = f"{operand.tile}[0:{k_tile}, {chunks}, 0:{operand.free}]"
+            k_entries = [[operand.k_stride, k_tile], [operand.k_stride * k_tile, k_tiles]]
         else:
-            dst = f"{tile}[0:kk, kt, 0:{free}]"
-            k_entries = [[k_stride, "kk"]]
-        if needs_transpose(k_stride, other_stride):
+            dst = f"{operand.tile}[0:kk, {'kt' if first == '0' else first + ' + kt'}, 0:{operand.free}]"
+            k_entries = [[operand.k_stride, "kk"]]
+        if needs_transpose(operand.k_stride, operand.other_stride):
             # the source as [free, (K chunks,) K within a chunk], reversed into the tile's order on the way in
-            entries = [[other_stride, count], *reversed(k_entries)]
+            entries = [[operand.other_stride, operand.free], *reversed(k_entries)]
             axes = "(2, 1, 0)" if whole else "(1, 0)"
-            loads.append(f"nisa.dma_transpose(dst={dst}, src={operand.buffer}.ap({entries_text(entries)}, "
-                         f"offset={offset}), axes={axes})")
+            line = (f"nisa.dma_transpose(dst={dst}, src={operand.load.buffer}.ap({entries_text(entries)}, "
+                    f"offset={offset}), axes={axes})")
         else:
-            entries = [*k_entries, [other_stride, count]]
-            loads.append(f"nisa.dma_copy(dst={dst}, src={operand.buffer}.ap({entries_text(entries)}, offset={offset}))")
+            entries = [*k_entries, [operand.other_stride, operand.free]]
+            line = f"nisa.dma_copy(dst={dst}, src={operand.load.buffer}.ap({entries_text(entries)}, offset={offset}))"
+        loads.append(in_loops([line], node.k, k_tile, operand.loop))
     return tuple(loads)
+
+
+def in_loops(lines: list[str], k: int, k_tile: int, loop: str | None) -> list[str]:
+    """``lines`` inside a loop over the K chunks when K is ragged (binding kt, k0, kk), inside ``loop`` if any."""
+    if k % k_tile:
+        header = [f"for kt in range({math.ceil(k / k_tile)}):", f"    k0 = kt * {k_tile}",
+                  f"    kk = min({k_tile}, {k} - k0)"]
+        lines = header + ["    " + line for line in lines]
+    return [loop] + ["    " + line for line in lines] if loop else lines
 
 
 def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
@@ -158,7 +225,8 @@ def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list
                       more_results=more_results)
     epilogue: list[str] = []
     store_lines(node.stores, scope, patterns, free, True, epilogue)
-    load_stationary, load_moving, *load_second_moving = operand_loads(node, plan.k_tile)
+    load_stationary, load_moving, *load_second_moving = operand_loads(node, plan.k_tile, plan.free[0].tile)
+    windows, term_columns = moving_layout(node, plan.free[0].tile)
     # PSUM -> SBUF on ScalarE: VectorE has the epilogue's work
     evacuate = [f"nisa.activation(dst={tile}[0:rows, 0:cols], op=nl.copy, data={psum}[0:rows, 0:cols])"
                 for tile, psum in ((product, "accumulator"), (second_product, "second_accumulator")) if tile]
@@ -166,7 +234,10 @@ def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list
         node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue, evacuate=evacuate,
         load_stationary=load_stationary, load_moving=load_moving, operand_dtype=NL_DTYPES[node.a.dtype],
         load_second_moving=load_second_moving[0] if load_second_moving else None,
-        k=node.k, k_tile=plan.k_tile, k_tiles=plan.k_tiles, whole_k=node.k % plan.k_tile == 0,
+        k=node.k, k_tile=plan.k_tile, k_tiles=plan.k_tiles,
+        stationary_chunks=max(1, len(node.shifts)) * plan.k_tiles, moving_chunks=len(windows) * plan.k_tiles,
+        span=max(window.span for window in windows),
+        term_columns=tuple((place.window, place.column) for place in term_columns) if node.shifts else None,
     )
     return render_template("matmul_resident.py.j2", **context)
 
@@ -235,6 +306,8 @@ def sibling_reason(kind, first: ir.MatMul, second: ir.MatMul, outside: set[str])
         return "sibling fusion pairs two matmuls"
     if first.b2 is not None or second.b2 is not None:
         return "one of the matmuls is already paired"
+    if first.shifts or second.shifts:
+        return "an implicit GEMM (a convolution) is not paired"
     if (first.a, first.domain, first.k, first.b.dtype) != (second.a, second.domain, second.k, second.b.dtype):
         return "the matmuls do not share their left operand, domain and K"
     written = {store.buffer.name for store in first.stores}
@@ -274,7 +347,8 @@ class MatMulKind(MatchingIndexEpilogue):
 
     def describe_head(self, node):
         second = f"\n  b2: {node.b2} (result1)" if node.b2 is not None else ""
-        return f" K={node.k}\n  a: {node.a}\n  b: {node.b}{second}"
+        shifts = f"\n  shifts (a, b): {list(node.shifts)}" if node.shifts else ""
+        return f" K={node.k}\n  a: {node.a}\n  b: {node.b}{second}{shifts}"
 
     def restate(self, layout, group):
         if len(layout.shape) == 2 and group.domain[0] == 1:  # mm's domain has a size-1 batch dim

@@ -40,14 +40,30 @@ def plan_pointwise(node: ir.Pointwise, target, tiles: int | None = None) -> Tile
         last = dims[-1]
         rows = largest_divisor_at_most(last.size, target.partitions)
         cols = last.size // rows
-        if len(dims) == 1 or rows > dims[-2].size:
+        # (Not when the whole dim would go on partitions with one column: every DMA would move one element per
+        # partition; the widest outer dim takes the partitions instead, below.)
+        if len(dims) == 1 or (rows > dims[-2].size and cols > 1):
             split = [LoopDim(rows, last.source, cols * last.multiplier), LoopDim(cols, last.source, last.multiplier)]
             dims = [*dims[:-1], *split]
+    dims = widest_rows_on_partitions(dims, target.partitions)
     tiles = tiles or count_tiles([store.expr for store in node.stores])
     partition = dataclasses.replace(dims[-2], tile=min(dims[-2].size, target.partitions))
     free = dataclasses.replace(dims[-1], tile=free_tile(dims[-1].size, tiles, target))
     outer, free_dims = widen_free(dims[:-2], free, tiles, target)
     return TilePlan("pointwise", tuple(outer), partition, free_dims, tiles)
+
+
+def widest_rows_on_partitions(dims: list[LoopDim], partitions: int) -> list[LoopDim]:
+    """``dims`` with the largest outer dim moved next to the last when the dim there is shorter than the partitions
+    and the outer one longer: a channel dim of 256 before 16 x 2 x 16 x 2 pixels fills the partitions instead of
+    16 of them, over 16 times fewer, larger tiles (the dim it displaces joins the loops or the free axis)."""
+    if len(dims) < 3 or dims[-2].size >= partitions:
+        return dims
+    widest = max(dims[:-2], key=lambda dim: dim.size)
+    if widest.size <= dims[-2].size:
+        return dims
+    rest = [dim for dim in dims[:-1] if dim is not widest]
+    return [*rest, widest, dims[-1]]
 
 
 def widen_free(outer: list[LoopDim], free: LoopDim, tiles: int, target) -> tuple[list[LoopDim], tuple[LoopDim, ...]]:

@@ -1,19 +1,19 @@
 """Lowering stage, convolution family: aten.convolution (conv1d / conv2d / conv3d; transposed convolutions decline).
 
 Input: an ATen FX node. Output: a zero-padded copy of the input when there is padding (pooling's padded copy),
-then one ``ir.MatMul`` per kernel position: for position ``kk``, every output element gets
+then one implicit-GEMM ``ir.MatMul`` (``shifts``: a term per kernel position): every output element gets
 
-    sum_ci weight[g * Cout/G + co, ci, kk] * x_padded[n, g * Cin/G + ci, o * stride + kk * dilation]
+    sum_kk sum_ci weight[g * Cout/G + co, ci, kk] * x_padded[n, g * Cin/G + ci, o * stride + kk * dilation]
 
-which is a batched matmul with M = Cout/G, K = Cin/G: the weight slice and the shifted input are both plain
-access patterns (im2col without a copy). With stride 1 (every layer of a VAE decoder but its downsamplers) the
-rows are computed as wide as the padded input's: output (r, c) reads input element r * row + c, so all the output
-rows are one column range (N = out rows * input row) and each position is one matmul over the whole image; a copy
-keeps the valid columns. A depthwise convolution (one input channel per group, K = 1) is one pointwise kernel
-instead: the positions' shifted inputs times their weights, summed. Strided convolutions take one matmul per
-output row: batch dims (*n, g, *out[:-1]), N = out[-1]. Each matmul's epilogue adds the previous position's
-partial sum (an fp32 scratch buffer, as eager accumulates in fp32) — the first adds the bias — and the last stores
-the result.
+which for one position ``kk`` is a batched matmul with M = Cout/G, K = Cin/G: the weight slice and the shifted
+input are both plain access patterns (im2col without a copy), and the positions are the terms, all accumulated in
+PSUM (fp32, as eager accumulates) with the bias added once in the epilogue. With stride 1 (every layer of a VAE
+decoder but its downsamplers) the rows are computed as wide as the padded input's: output (r, c) reads input
+element r * row + c, so all the output rows are one column range (N = out rows * input row), each position is a
+column shift of it (the kernel loads the input once per window of shifts), and a copy keeps the valid columns.
+Strided convolutions batch over output rows: batch dims (*n, g, *out[:-1]), N = out[-1]. A depthwise convolution
+(one input channel per group, K = 1) is one pointwise kernel instead: the positions' shifted inputs times their
+weights, summed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from neuron_compile.lowering.registry import TensorValue, register_lowering
 
 aten = torch.ops.aten
 
-# Kernel positions, one matmul kernel each: beyond this the graph of kernels gets long for little gain.
+# Kernel positions, the terms of one implicit-GEMM matmul: each keeps its a^T chunks resident in SBUF.
 MAX_KERNEL_POSITIONS = 64
 
 
@@ -50,14 +50,15 @@ def _check_convolution(node: torch.fx.Node) -> str | None:
         return f"{node.target}: stride {stride}, padding {padding}, dilation {dilation}"
     positions = math.prod(w.shape[2:])
     if positions > MAX_KERNEL_POSITIONS:
-        return f"{node.target}: {positions} kernel positions (one matmul kernel each, limit {MAX_KERNEL_POSITIONS})"
+        return (f"{node.target}: {positions} kernel positions (the terms of one matmul, each with its weight slice "
+                f"resident; limit {MAX_KERNEL_POSITIONS})")
     return None
 
 
 @dataclasses.dataclass(frozen=True)
 class PositionMatmuls:
-    """How one kernel position's matmul walks the input and the output: batch dims (*n, g, *rows) with M = Cout/G,
-    K = Cin/G and N columns; strides of the lead dims and the row dims on each side, and of one column."""
+    """How each kernel position's term of the matmul walks the input and the output: batch dims (*n, g, *rows) with
+    M = Cout/G, K = Cin/G and N columns; strides of the lead dims and the row dims on each side, and of one column."""
 
     lead: tuple[int, ...]
     rows: tuple[int, ...]
@@ -105,7 +106,7 @@ def _padded_input(ctx, source: TensorValue, padding, slack_rows: int) -> ir.Load
 
 
 def _row_plan(ctx, source: TensorValue, out: ir.Buffer, stride, padding) -> PositionMatmuls:
-    """One matmul per output row: batch (*n, g, *out[:-1]), N = out[-1], a strided row of the (padded) input."""
+    """Batched over output rows: batch (*n, g, *out[:-1]), N = out[-1], a strided row of the (padded) input."""
     dims = len(stride)
     data = _padded_input(ctx, source, padding, slack_rows=0)
     spatial = data.layout.strides[-dims:]
@@ -116,7 +117,7 @@ def _row_plan(ctx, source: TensorValue, out: ir.Buffer, stride, padding) -> Posi
 
 
 def _wide_row_plan(ctx, source: TensorValue, weight: TensorValue, out: ir.Buffer, padding, dilation):
-    """Stride 1: one matmul per kernel position over every output row at once. Output row r, column c reads input
+    """Stride 1: each kernel position's term covers every output row at once. Output row r, column c reads input
     element r * row + c (+ the position's offset) of the contiguous (padded) input, so the rows are computed as wide
     as the input's (the columns past the output's width are never read back) and N = out rows * input row: a
     single stride. One zero row after the input keeps the last position's wide read inside the buffer. Returns the
@@ -143,8 +144,8 @@ def _wide_row_plan(ctx, source: TensorValue, weight: TensorValue, out: ir.Buffer
 
 def _accumulate_positions(ctx, plan: PositionMatmuls, weight: TensorValue, bias: TensorValue | None, dilation,
                           groups: int) -> None:
-    """One matmul per kernel position; each epilogue adds the previous position's fp32 partial sum (the first adds
-    the bias), the last stores into the plan's output."""
+    """One implicit-GEMM matmul: a term per kernel position, each reading the weight's slice for that position and
+    the input shifted by it, all accumulated in PSUM; the epilogue adds the bias and stores into the plan's output."""
     w_shape = weight.layout.shape
     kernel = list(w_shape[2:])
     out_per_group, in_per_group = w_shape[0] // groups, w_shape[1]
@@ -160,32 +161,24 @@ def _accumulate_positions(ctx, plan: PositionMatmuls, weight: TensorValue, bias:
     store_layout = ir.Layout(domain, (*o_lead, out_per_group * o_channel, *o_rows, o_channel, o_column),
                              plan.output_offset)
     x_spatial = plan.input.layout.strides[-len(kernel):]  # a kernel position offsets the read by these
-    partial = None
+    a = ir.Load(weight.buffer, ir.Layout((*batch, out_per_group, in_per_group),
+                                         (*zeros_lead, out_per_group * w_out, *zeros_rows, w_out, w_in),
+                                         weight.layout.offset), weight.dtype)
+    b = ir.Load(plan.input.buffer, ir.Layout((*batch, in_per_group, plan.columns),
+                                             (*x_lead, in_per_group * x_channel, *x_rows, x_channel, x_column),
+                                             plan.input.layout.offset), plan.input.dtype)
     positions = list(itertools.product(*(range(k) for k in kernel)))
-    for index, position in enumerate(positions):
-        a_offset = weight.layout.offset + sum(p * s for p, s in zip(position, w_spatial))
-        a = ir.Load(weight.buffer, ir.Layout((*batch, out_per_group, in_per_group),
-                                             (*zeros_lead, out_per_group * w_out, *zeros_rows, w_out, w_in), a_offset),
-                    weight.dtype)
-        b_offset = plan.input.layout.offset + sum(p * d * s for p, d, s in zip(position, dilation, x_spatial))
-        b = ir.Load(plan.input.buffer, ir.Layout((*batch, in_per_group, plan.columns),
-                                                 (*x_lead, in_per_group * x_channel, *x_rows, x_channel, x_column),
-                                                 b_offset), plan.input.dtype)
-        expr = ir.Result()
-        if partial is not None:
-            expr = ir.Op("add", (expr, ir.Load(partial.name, partial.layout, partial.dtype)))
-        elif bias is not None:
-            (bias_stride,) = bias.layout.strides
-            bias_layout = ir.Layout(domain, (*zeros_lead, out_per_group * bias_stride, *zeros_rows, bias_stride, 0),
-                                    bias.layout.offset)
-            expr = ir.Op("add", (expr, ir.Load(bias.buffer, bias_layout, bias.dtype)))
-        if index == len(positions) - 1:
-            store = ir.Store(plan.output, expr, store_layout)
-        else:
-            partial = ctx.scratch_buffer(domain, "float32", "conv_partial")
-            store = ir.Store(partial, expr, partial.layout)
-        ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), domain, in_per_group, a, b, (store,)))
-
+    shifts = tuple((sum(p * s for p, s in zip(position, w_spatial)),
+                    sum(p * d * s for p, d, s in zip(position, dilation, x_spatial))) for position in positions)
+    expr = ir.Result()
+    if bias is not None:
+        (bias_stride,) = bias.layout.strides
+        bias_layout = ir.Layout(domain, (*zeros_lead, out_per_group * bias_stride, *zeros_rows, bias_stride, 0),
+                                bias.layout.offset)
+        expr = ir.Op("add", (expr, ir.Load(bias.buffer, bias_layout, bias.dtype)))
+    store = ir.Store(plan.output, expr, store_layout)
+    ctx.emit(ir.MatMul(ctx.fresh_name("kernel"), domain, in_per_group, a, b, (store,),
+                       shifts=shifts if len(shifts) > 1 else ()))
 
 
 def _depthwise_convolution(ctx, source: TensorValue, weight: TensorValue, bias: TensorValue | None, out: ir.Buffer,

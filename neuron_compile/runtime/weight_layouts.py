@@ -1,8 +1,9 @@
 """Runtime stage: column-major copies of weight parameters, kept across calls (the layout passes/layouts.py chose).
 
 Input: a call's arguments and the indices of the inputs the graph's matmuls read transposed. Output: the same
-arguments with each such ``nn.Parameter`` replaced by a column-major copy of it: the same shape and values, strides
-(1, rows), so the kernels compiled for that signature load the weight's transpose with plain DMAs.
+arguments with each such ``nn.Parameter`` replaced by a column-major copy of it: the same shape and values, dim 0
+innermost (strides (1, rows) for a matrix; a convolution weight's output channels innermost), so the kernels
+compiled for that signature load the weight's transpose with plain DMAs.
 
 A copy is made once per parameter and version: it is keyed by the parameter's identity (weakly, so a freed model
 frees its copies) and checked against the parameter's version counter and storage on every call, so an optimizer
@@ -46,7 +47,7 @@ class ColumnMajorCopies:
             entry = self._copies.get(id(weight))
             if entry is None or entry[0]() is not weight or entry[1] != stamp:
                 with torch.no_grad():
-                    copy = weight.detach().t().contiguous().t()
+                    copy = weight.detach().movedim(0, -1).contiguous().movedim(-1, 0)
                 forget = functools.partial(self._forget, id(weight))
                 entry = self._copies[id(weight)] = (weakref.ref(weight, forget), stamp, copy)
                 stats.add(weight_copies=1, weight_copy_bytes=copy.numel() * copy.element_size())
