@@ -177,19 +177,22 @@ class Share:
 
 
 def _node_shares(earlier: set[int]) -> dict[str, Share]:
-    """Per graph kind (forward / backward / inference): nodes and FLOPs in NKI regions over the graphs compiled
-    since the records ``earlier`` (their ids)."""
+    """Per graph kind (forward / backward / inference): nodes and FLOPs in NKI regions (that compiled and ran) over
+    the graphs compiled since the records ``earlier`` (their ids)."""
     shares: dict[str, Share] = {}
     for record in neuron_compile.compiled_records():
         if id(record) in earlier:
             continue
         share = shares.setdefault(record.kind, Share())
+        # a region that failed to compile or to run fell back to eager: its nodes count as eager
+        fell_back = {placement.region for placement in record.report.placements
+                     if any(failure.startswith(f"NKI region {placement.region} (") for failure in record.failures)}
         aten = [p for p in record.report.placements if p.op.startswith(("aten.", "prims."))]
-        share.nodes_in_kernels += sum(1 for placement in aten if placement.region is not None)
+        in_kernels = [placement for placement in aten if placement.region not in (None, *fell_back)]
+        share.nodes_in_kernels += len(in_kernels)
         share.nodes += len(aten)
-        in_kernels, flops = record.report.flops_in_kernels
-        share.flops_in_kernels += in_kernels
-        share.flops += flops
+        share.flops_in_kernels += sum(placement.flops for placement in in_kernels)
+        share.flops += sum(placement.flops for placement in aten)
     return shares
 
 

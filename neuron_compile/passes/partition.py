@@ -68,12 +68,6 @@ class PartitionReport:
     def eager(self) -> tuple[NodePlacement, ...]:
         return tuple(placement for placement in self.placements if placement.region is None)
 
-    @property
-    def flops_in_kernels(self) -> tuple[int, int]:
-        """(matmul-class FLOPs of the nodes in NKI regions, those FLOPs over every node)."""
-        total = sum(placement.flops for placement in self.placements)
-        return total - sum(placement.flops for placement in self.eager), total
-
     def region_ops(self, region: str) -> list[str]:
         """The distinct ops of a region, in graph order (for messages that name a region)."""
         return list(dict.fromkeys(placement.op for placement in self.regions.get(region, ())))
