@@ -100,31 +100,33 @@ def safe_log(u) -> ir.Op:
     return _op("where", positive, core, special)
 
 
-def _floored_root(name: str, v, floor: float | None, undo_big: float, at_inf: float) -> ir.Op | None:
+def _floored_root(name: str, v, floor: float | None, undo_big: float, at_inf: float | None) -> ir.Op | None:
     """sqrt or rsqrt (``name``) of v whose every value but nan is at least ``floor``, when the floor is above the
     scaling's ``small``: only large values are scaled (by the scaling's power of two, undone by ``undo_big``), the
-    tiny, zero and negative cases cannot occur; inf gives ``at_inf``, nan nan. None for a lower or no floor."""
+    tiny, zero and negative cases cannot occur; inf gives ``at_inf``, nan nan (``at_inf`` None: the function
+    gives inf and nan back, so v itself is the answer for both). None for a lower or no floor."""
     scaling = SCALINGS[name]
     if floor is None or floor < scaling.small:
         return None
     big, ordinary = _op("gt", v, scaling.big), _op("lt", v, INF)  # lt is false for nan
     scaled = _op("where", big, _op("mul", v, scaling.big_scale), v)
     core = _op("mul", _op(_in_range(name), _op("where", ordinary, scaled, 1.0)), _op("where", big, undo_big, 1.0))
-    return _op("where", ordinary, core, _op("where", _op("eq", v, INF), at_inf, math.nan))
+    special = v if at_inf is None else _op("where", _op("eq", v, INF), at_inf, math.nan)
+    return _op("where", ordinary, core, special)
 
 
 def safe_sqrt(v, floor: float | None = None) -> ir.Op:
     """sqrt(v) = sqrt(v * 4**k) / 2**k; sqrt(+-0) = +-0, sqrt(inf) = inf, negatives and nan -> nan. With a
     ``floor`` above 2**-100 only large values are scaled."""
-    floored = _floored_root("sqrt", v, floor, 2.0**50, INF)
+    floored = _floored_root("sqrt", v, floor, 2.0**50, None)
     if floored is not None:
         return floored
     scaled, big, small = _scaled(v, SCALINGS["sqrt"])
     factor = _op("where", big, 2.0**50, _op("where", small, 2.0**-50, 1.0))
     positive = _finite_positive(v)
     core = _op("mul", _op(_in_range("sqrt"), _op("where", positive, scaled, 1.0)), factor)
-    special = _op("where", _op("eq", v, 0.0), v, _op("where", _op("eq", v, INF), INF, math.nan))
-    return _op("where", positive, core, special)
+    # the inputs left are +-0, +inf (sqrt gives them back), negatives, -inf and nan (nan): one compare, not two
+    return _op("where", positive, core, _op("where", _op("ge", v, 0.0), v, math.nan))
 
 
 def safe_rsqrt(v, floor: float | None = None) -> ir.Op:

@@ -104,3 +104,10 @@ def test_the_floor_of_a_mean_of_squares_plus_eps_drops_the_small_value_guards():
     assert Floors().of(ir.Op("add", (x, ir.Scalar(1.0)))) is None  # a load nobody bounded
     assert Floors().of(ir.Op("sub", (ir.Op("mul", (x, x)), ir.Scalar(1.0)))) is None
     assert Floors(buffers={"x": 2.0}).of(ir.Op("cast", (x,), "bfloat16")) < 2.0  # a bf16 rounding may go down
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sqrt_of_a_value_with_a_floor_gives_inf_and_nan_back(dtype):
+    """``x * x + 1`` has a floor of 1: its sqrt takes the floored form, which hands inf (x = +-inf or x * x
+    overflowing) and nan back as they are, as eager's sqrt does."""
+    check_against_eager(lambda a: torch.sqrt(a * a + 1.0), _specials(dtype))

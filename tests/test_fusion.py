@@ -389,3 +389,23 @@ def test_a_reader_between_two_projections_keeps_them_apart():
     assert not any(isinstance(kernel, ir.MatMul) and kernel.b2 is not None for kernel in result.kernels)
     assert any("a kernel between them reads" in decision for decision in result.decisions)
     check_against_eager(key_sum_then_value, x, wk, wv)
+
+
+def test_an_epilogue_that_would_overflow_sbuf_starts_its_own_kernel():
+    """A training forward's RMSNorm at hidden 2048 (bf16, its rsqrt returned for the backward): the norm's row
+    epilogue fused into the mean's kernel needed 20 rows of 2048 fp32 per partition, over the SBUF budget, and the
+    whole region fell back to eager. The fusion now refuses that merge, names why, and the two kernels match eager."""
+
+    def norm(x, weight):
+        widened = x.float()
+        inverse_rms = torch.rsqrt(widened.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return weight * (widened * inverse_rms).to(torch.bfloat16), inverse_rms
+
+    x = random_tensor((1, 256, 2048), torch.bfloat16, seed=1)
+    weight = random_tensor((2048,), torch.bfloat16, seed=2)
+    lowered = lower_graph(trace(norm, x, weight))
+    result = fuse(lowered.nodes, {value.buffer for value in lowered.outputs}, target=get_target())
+    assert len(result.kernels) == 2
+    assert any(decision.endswith("the fused kernel would not fit the target's SBUF") for decision in result.decisions)
+    region = check_against_eager(norm, x, weight)
+    assert len(region.kernels) == 2

@@ -75,3 +75,13 @@ def test_declined_shapes_keep_a_reason():
     assert stats["fallback_nodes"] == 0
     _, stats = compile_with_backend(lambda a, t: F.nll_loss(a, t), images.double()[:, :, 0, 0], torch.tensor([0, 2]))
     assert any("dtype" in reason for reason in stats["fallback_reasons"]), stats["fallback_reasons"]
+
+
+def test_the_picked_log_probabilities_are_gathered_128_rows_per_tile():
+    """nll_loss picks one element per row of a [rows, 1] domain: the rows go on partitions (one indirect DMA per
+    128 rows), not one element per tile and loop iteration (173 us of a tiny Llama's 301 us forward estimate)."""
+    x, targets = random_tensor((300, 10), seed=5, low=-4, high=4), _targets(300, 10, seed=5)
+    check_through_backend(lambda a, t: F.cross_entropy(a, t, reduction="none"), x, targets)
+    record = neuron_compile.last_compiled()
+    (gather,) = [kernel.source for kernel in record.kernels if kernel.name.startswith("gather_kernel")]
+    assert "outer [1/1] partition 300/128 free [1/1]" in gather

@@ -268,3 +268,24 @@ def test_safe_softmax_gives_zero_on_fully_masked_rows(dtype):
     x[7, 2] = float("nan")  # nan still spreads over its row, as eager
     check_against_eager(lambda a: torch.ops.aten._safe_softmax(a, 1), x)
     check_against_eager(lambda a: torch.ops.aten._safe_softmax(a, 0), x[:, :9])
+
+
+@settings(max_examples=6, deadline=None)
+@given(rows=st.sampled_from([1, 127, 128, 129, 300]), cols=st.sampled_from([1, 96, 600]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_a_sum_over_rows_reads_a_per_row_factor_once_per_partition(rows, cols, dtype):
+    """An RMSNorm weight's gradient: sum over the tokens of grad * x * rsqrt, the rsqrt one value per row. The
+    TensorE column sum reads it as a (P, 1) column, not as a broadcast DMA moving every repeated element (that
+    DMA made the kernel 7.6x its roofline at hidden 2048)."""
+
+    def weight_gradient(grad, x, inverse_rms):
+        return (grad * (x * inverse_rms).to(grad.dtype)).sum(dim=(0, 1))
+
+    grad, x = random_tensor((1, rows, cols), dtype, seed=13), random_tensor((1, rows, cols), dtype, seed=14)
+    inverse_rms = random_tensor((1, rows, 1), torch.float32, seed=15, low=0.5, high=2.0)
+    region = check_against_eager(weight_gradient, grad, x, inverse_rms,
+                                 tolerances={torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)})
+    source = "\n".join(kernel.source for kernel in region.kernels)
+    if rows > 1 and cols > 1:
+        assert "nisa.nc_matmul" in source and "arg2_1.ap([[1, rows], [0, 1]]" in source
+        assert "[0, cols]" not in source

@@ -153,3 +153,16 @@ def test_copy_into_an_input_read_outside_its_region_stays_eager():
     result = partition_module.partition_graph(gm, unsupported_reason=lambda node: None)
     placement = {p.node: p for p in result.report.placements}
     assert placement[write.name].region == placement[read.name].region is not None
+
+
+def test_placements_carry_matmul_flops_in_kernels_and_eager():
+    """Each mm / bmm node's FLOPs (2 * M * N * K) are on its placement, in a region or eager."""
+    x, w, b = torch.randn(3, 5), torch.randn(5, 7), torch.randn(2, 7, 4)
+    gm = aten_graph(lambda a, m, c: torch.bmm(torch.mm(a, m).relu().expand(2, 3, 7), c), x, w, b)
+    result = partition_graph(gm, unsupported_reason=supporting(aten.mm, aten.relu, aten.expand))
+    flops = {p.op: p.flops for p in result.report.placements}
+    assert flops["aten.mm.default"] == 2 * 3 * 7 * 5
+    assert flops["aten.bmm.default"] == 2 * 2 * 3 * 4 * 7
+    assert flops["aten.relu.default"] == 0
+    eager = {p.op: p.flops for p in result.report.eager}
+    assert eager == {"aten.bmm.default": 2 * 2 * 3 * 4 * 7}

@@ -123,7 +123,7 @@ def arguments(output_dir: str, compiled: bool, steps: int, sft: bool = False, **
         common["torch_compile_backend"] = "neuron"
     common.update(overrides)
     if sft:
-        return SFTConfig(max_length=TOKENS_PER_TEXT + 1, packing=False, dataset_text_field="text", **common)
+        return SFTConfig(**{"max_length": TOKENS_PER_TEXT + 1, "packing": False, "dataset_text_field": "text", **common})
     return TrainingArguments(**common)
 
 

@@ -29,10 +29,12 @@ GATHER_TILES = 9  # the index, offset and flag columns and the gathered rows
 
 def plan_gather(node: ir.Gather, target) -> TilePlan:
     """Row form: outer loops over the out dims before the index's last dim, that dim on partitions, the source's
-    trailing dims (one row) on the free axis. Element form: every dim but the last an outer loop."""
+    trailing dims (one row) on the free axis. Element form: the largest dim (the last of equals) on partitions,
+    every other dim an outer loop (cross-entropy picks one element per row of a [rows, 1] domain: the rows go on
+    partitions, not 1 element per tile)."""
     if node.elements:
-        rank = len(node.domain)
-        outer, part, free = list(range(rank - 1)), rank - 1, 1
+        part = max(range(len(node.domain)), key=lambda dim: (node.domain[dim], dim))
+        outer, free = [dim for dim in range(len(node.domain)) if dim != part], 1
     else:
         index_rank = len(node.index.layout.shape)
         outer, part = list(range(node.dim + index_rank - 1)), node.dim + index_rank - 1
@@ -107,18 +109,17 @@ def render_row_gather(node: ir.Gather, plan: TilePlan, name: str, parameters: li
 
 
 def render_element_gather(node: ir.Gather, plan: TilePlan, name: str, parameters: list[str]) -> str:
-    """aten.gather / index.Tensor with several indices: the domain's last dim on partitions, every other dim an
+    """aten.gather / index.Tensor with several indices: the plan's partition dim on partitions, every other dim an
     outer loop; per tile the flat source offset of each element is iota(the source layout restated over the
     domain) + sum(index * stride), gathered one element per partition by an indirect DMA over the flat source."""
     (store,) = node.stores
     source = node.source
-    rank = len(node.domain)
-    part = rank - 1
+    part = plan.partition.source
     tile_rows = plan.partition.tile
-    outer = list(range(rank - 1))
+    outer = [dim.source for dim in plan.outer]  # loop o<k> walks domain dim outer[k]
 
     def terms(layout):
-        return [(f"o{j}", layout.strides[j]) for j in outer] + [("p0", layout.strides[part])]
+        return [(f"o{loop}", layout.strides[dim]) for loop, dim in enumerate(outer)] + [("p0", layout.strides[part])]
 
     window = "[0:rows, 0:1]"
     body = column_address_lines(source.layout, node.indices, terms, part, window)

@@ -15,7 +15,16 @@ import dataclasses
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope, emit, emit_row_summed, number
+from neuron_compile.codegen.expressions import (
+    NL_DTYPES,
+    Ref,
+    TileAllocator,
+    TileScope,
+    emit,
+    emit_row_summed,
+    fp32_tile,
+    number,
+)
 from neuron_compile.codegen.kernel_text import (
     Patterns,
     epilogue_scope,
@@ -175,13 +184,21 @@ def render_column_reduction(node: ir.Reduction, plan: TilePlan, name: str, param
     def load_pattern(load: ir.Load, tile: str):
         return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, True)
 
-    prologue = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern)
+    def column_pattern(load: ir.Load, tile: str):
+        # a per-row value (an RMSNorm weight gradient's rsqrt): one element per partition, a (P, 1) operand,
+        # instead of a broadcast DMA that moves every repeated element
+        if plan.free[0].stride(load.layout) != 0:
+            return None
+        return f"{tile}[0:rows, 0:1]", patterns.hbm(load.buffer, load.layout, [(LoopDim(1, None), "1")], False)
+
+    prologue = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, vector_pattern=column_pattern)
     body: list[str] = []
     value = emit(node.prologue, prologue, body)
     # TensorE needs both operands fp32 or both bf16: the ones take the data's dtype (products by 1 are exact).
-    if value.dtype not in ("float32", "bfloat16") or value.tile is None:
+    if value.vector or value.dtype not in ("float32", "bfloat16") or value.tile is None:
         staged = allocator.new("moving", plan.free[0].tile)
-        body.append(f"nisa.tensor_copy(dst={staged}[0:rows, 0:cols], src={prologue.ref_text(value)})")
+        source = fp32_tile(value, prologue, body) if value.vector else prologue.ref_text(value)
+        body.append(f"nisa.tensor_copy(dst={staged}[0:rows, 0:cols], src={source})")
         value = Ref(tile=staged)
     body.append(f"nisa.nc_matmul(dst=column_sums[0:1, 0:cols], stationary=ones[0:rows, 0:1], "
                 f"moving={prologue.ref_text(value)}, accumulate=p0 > 0)")

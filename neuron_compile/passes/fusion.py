@@ -10,7 +10,8 @@ a reduction/softmax epilogue, or a matmul epilogue; a pointwise node over a redu
 that reads the reduced value broadcast back becomes a row epilogue (rms norm: the row is still in SBUF); a
 reduction, softmax or scan absorbs a pointwise producer group as its prologue when nothing else needs that
 group's outputs (a scan's pointwise consumers over its domain become its epilogue, as a softmax's do). No
-fusion may create a cycle in the group DAG, and a random draw (dropout's mask) stays in pointwise kernels, which
+fusion may create a cycle in the group DAG, nor (given a target) a kernel that no longer tiles within its SBUF, and
+a random draw (dropout's mask) stays in pointwise kernels, which
 evaluate it once per element: a reduction recomputing its prologue would draw a second, different mask.
 A producer's store is kept only if its buffer is still read outside the group or is a region output. The rules
 live with the kernel kinds (neuron_compile/kinds/); this module is the greedy driver.
@@ -161,6 +162,19 @@ def inline_cheap(nodes: list[ir.Node], region_outputs: set[str], fits=None) -> l
     return nodes
 
 
+def _misfit_reason(group: ir.Node, node: ir.Node, inside: set[str], readers: dict[str, set[str]],
+                   region_outputs: set[str], fits) -> str | None:
+    """Why ``node`` may not join ``group`` although their kinds agree: the merged kernel, with the stores nothing
+    outside it reads pruned, would not tile within the target's SBUF (a row kernel keeps whole rows of every value
+    it computes on chip; each fused epilogue adds rows). None when it fits."""
+    merged = merge(group, node)
+    needed = {name for name in _writers(merged) if name in region_outputs or readers.get(name, set()) - inside}
+    pruned = kinds.kind_of(merged).prune(merged, needed)
+    if pruned is None or not kinds.stores(pruned) or fits(pruned):
+        return None
+    return "the fused kernel would not fit the target's SBUF"
+
+
 def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, target=None) -> FusionResult:
     """Greedy fusion in graph order (see the module docstring); ``enabled=False`` keeps one kernel per node. With a
     ``target``, cheap nodes are inlined only into readers that still fit it."""
@@ -189,6 +203,8 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
             others = [p for p in producers if p != candidate]
             if reason is None and any(nx.has_path(dag, candidate, other) for other in others):
                 reason = "fusing would create a cycle through another kernel"
+            if reason is None and fits is not None:
+                reason = _misfit_reason(group, node, inside, readers, region_outputs, fits)
             decisions.append(f"{node.name} into {group.name}: " + ("fused" if reason is None else reason))
             if reason is None:
                 joined = candidate

@@ -25,6 +25,7 @@ import torch.fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+from torch.utils.flop_counter import flop_registry
 
 from neuron_compile.hardware import Target
 from neuron_compile.user_kernels import user_call
@@ -46,6 +47,7 @@ class NodePlacement:
     op: str
     region: str | None
     reason: str | None = None
+    flops: int = 0  # matmul / convolution / attention FLOPs (torch's flop_counter formulas), 0 for other ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +96,24 @@ def op_name(node: torch.fx.Node) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
     return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+
+
+def node_flops(node: torch.fx.Node) -> int:
+    """The FLOPs torch's flop counter gives ``node`` (mm, bmm, addmm, convolution, attention and their backwards;
+    0 for every other op, or when a node lacks its traced values)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is None or "val" not in node.meta:
+        return 0
+    missing = []
+
+    def value(argument: torch.fx.Node):
+        if "val" not in argument.meta:
+            missing.append(argument)
+        return argument.meta.get("val")
+
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
+    return 0 if missing else int(formula(*args, **kwargs, out_val=node.meta["val"]))
 
 
 @functools.cache
@@ -202,6 +222,7 @@ def partition_graph(gm: torch.fx.GraphModule, target: Target | str | None = None
             op=op_name(node),
             region=region_of.get(node.name),
             reason=None if node.name in region_of else (reasons[node] or "left out by the partitioner"),
+            flops=node_flops(node),
         )
         for node in work.graph.nodes
         if node.op == "call_function"
