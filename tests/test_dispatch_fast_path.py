@@ -16,6 +16,8 @@ from neuron_compile.lowering import LoweringError
 from neuron_compile.runtime import compiled_graph, launcher, simulator
 from neuron_compile.runtime import region as region_module
 
+from launch_spy import spy_traces
+
 aten = torch.ops.aten
 LAUNCH_FIGURES = ("kernels_launched", "hbm_bytes", "flops", "est_time_s", "est_lower_bound_s", "launch_s",
                   "roofline_s")
@@ -35,22 +37,10 @@ def _inputs(rows=8):
     return torch.randn(rows, 16, generator=generator), torch.randn(16, 4, generator=generator)
 
 
-def _spy_traces(monkeypatch) -> list[bool]:
-    """The ``trace`` argument of every simulator launch from now on."""
-    traced, run_kernel = [], simulator.run_kernel
-
-    def spy(fn, args, **kwargs):
-        traced.append(kwargs.get("trace", True))
-        return run_kernel(fn, args, **kwargs)
-
-    monkeypatch.setattr(simulator, "run_kernel", spy)
-    return traced
-
-
 def test_a_repeated_launch_reuses_the_first_report_and_records_no_trace(monkeypatch):
     x, w = _inputs()
     region = _region(_matmul_then_sum, x, w)
-    traced = _spy_traces(monkeypatch)
+    traced = spy_traces(monkeypatch)
     kernel, flat = region.launched[0], {"x": x.reshape(-1), "w": w.reshape(-1)}
     arguments = [flat[name] for name in kernel.source.parameters]
     first_outputs, first_report = region.launcher.launch(kernel, arguments)
@@ -63,7 +53,7 @@ def test_a_repeated_launch_reuses_the_first_report_and_records_no_trace(monkeypa
 def test_a_launch_with_other_argument_shapes_gets_its_own_report(monkeypatch):
     x, w = _inputs()
     region = _region(lambda a: (aten.mul.Tensor(a, 2.0),), x)
-    traced = _spy_traces(monkeypatch)
+    traced = spy_traces(monkeypatch)
     kernel = region.launched[0]
     _, small = region.launcher.launch(kernel, [x.reshape(-1)])
     _, large = region.launcher.launch(kernel, [torch.randn(2 * x.numel())])  # a longer span: another signature

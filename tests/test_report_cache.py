@@ -13,9 +13,11 @@ import torch
 import neuron_compile
 from neuron_compile import pipeline
 from neuron_compile.config import Config
-from neuron_compile.runtime import disk_cache, report_cache, simulator
+from neuron_compile.runtime import disk_cache, report_cache
 from neuron_compile.runtime.disk_cache import DiskCache
 from neuron_compile.runtime.simulator.report import report_data, report_from_data
+
+from launch_spy import spy_traces
 
 aten = torch.ops.aten
 LAUNCH_FIGURES = ("kernels_launched", "hbm_bytes", "flops", "est_time_s", "est_lower_bound_s", "launch_s",
@@ -29,18 +31,6 @@ def _softmax_of_matmul(x, w):
 def _inputs(rows=130):
     generator = torch.Generator().manual_seed(0)
     return torch.randn(rows, 64, generator=generator), torch.randn(64, 96, generator=generator)
-
-
-def _spy_traces(monkeypatch) -> list[bool]:
-    """The ``trace`` argument of every simulator launch from now on."""
-    traced, run_kernel = [], simulator.run_kernel
-
-    def spy(fn, args, **kwargs):
-        traced.append(kwargs.get("trace", True))
-        return run_kernel(fn, args, **kwargs)
-
-    monkeypatch.setattr(simulator, "run_kernel", spy)
-    return traced
 
 
 def _run_new_region(cache_dir, *inputs) -> tuple[dict, torch.Tensor]:
@@ -85,7 +75,7 @@ def test_data_that_is_not_a_report_is_refused(damage):
 
 def test_a_new_region_reads_the_stored_report_and_records_no_trace(tmp_path, monkeypatch):
     x, w = _inputs()
-    traced = _spy_traces(monkeypatch)
+    traced = spy_traces(monkeypatch)
     cold_stats, cold_output = _run_new_region(tmp_path, x, w)
     assert traced == [True] and len(_report_entries(tmp_path)) == 1
     warm_stats, warm_output = _run_new_region(tmp_path, x, w)
@@ -97,7 +87,7 @@ def test_a_new_region_reads_the_stored_report_and_records_no_trace(tmp_path, mon
 
 def test_another_signature_or_cost_model_traces_again(tmp_path, monkeypatch):
     x, w = _inputs()
-    traced = _spy_traces(monkeypatch)
+    traced = spy_traces(monkeypatch)
     _run_new_region(tmp_path, x, w)
     _run_new_region(tmp_path, *_inputs(rows=1))  # other shapes: their own kernels and report
     assert traced == [True, True]
@@ -118,7 +108,7 @@ def test_a_damaged_report_entry_is_a_miss_that_is_rewritten(tmp_path, monkeypatc
         cache.entry_path(key).write_bytes(b"\x00 not json")
     else:
         cache.store(key, entry["parts"], {"report": {"flops": "many"}})
-    traced = _spy_traces(monkeypatch)
+    traced = spy_traces(monkeypatch)
     warm_stats, _ = _run_new_region(tmp_path, x, w)
     assert traced == [True] and cache.read(key)["payload"] == entry["payload"]
     assert {name: warm_stats[name] for name in LAUNCH_FIGURES} == {name: cold_stats[name] for name in LAUNCH_FIGURES}
