@@ -68,7 +68,7 @@ class CostReport:
     ``utilization = roofline_s / device_time_s``.
 
     ``cycles_per_engine['dma']`` is in nanoseconds of DMA-pool occupancy (the DMA engines have no clock of
-    their own in this model). ``time_per_instruction`` is busy seconds by instruction name, for explaining
+    their own in this model), ``cycles_per_engine['collective']`` in nanoseconds on the chip links. ``time_per_instruction`` is busy seconds by instruction name, for explaining
     where the time goes; ``wait_s_per_queue`` the time each queue sat waiting on a dependency; ``unmodeled``
     names instructions costed by a fallback formula. ``cores`` is 2 for an lnc=2 launch. ``sections``: one
     ``SectionCost`` per kernel the launch ran, in order of first instruction (one for a plain kernel).
@@ -154,7 +154,7 @@ class CostReport:
                 continue
             busy = self.busy_s_per_engine.get(engine, 0.0)
             share = busy / (self.device_time_s * self.cores) if self.device_time_s else 0.0
-            cycles = f"{self.cycles_per_engine.get(engine, 0.0):,.0f}" + ("ns" if engine == "dma" else "")
+            cycles = f"{self.cycles_per_engine.get(engine, 0.0):,.0f}" + ("ns" if engine in ("dma", "collective") else "")
             lines.append(
                 f"  {engine:<8}{self.instructions_per_engine[engine]:>13,}{cycles:>15}"
                 f"{busy * 1e6:>13.2f}{share:>11.1%}"
