@@ -467,7 +467,7 @@ def ddp_compiled_autograd_training(rank: int, world_size: int, steps: int = 3) -
                                              for key, param in ddp.named_parameters()}
             optimizers["neuron"].step()
             optimizers["neuron"].zero_grad()
-            losses["single"].append(float(_train_step(single, optimizers["single"], batch, first_gradients.setdefault(
-                "single", {}) if step == 0 else None)))
+            gradients = first_gradients.setdefault("single", {}) if step == 0 else None
+            losses["single"].append(float(_train_step(single, optimizers["single"], batch, gradients)))
     return dict(losses=losses, first_gradients=first_gradients, stats=neuron_stats())
 

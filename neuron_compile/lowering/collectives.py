@@ -5,9 +5,9 @@ Input: ``_c10d_functional`` nodes of an ATen graph (what Dynamo traces from DTen
 reduce_scatter_tensor (sum, avg, max, min), all_to_all_single with even splits, and wait_tensor. Output: one
 ``ir.Collective`` per collective over its process group's ranks (read from torch.distributed at compile time),
 preceded by a copy when its input is not a whole contiguous buffer, and followed by a division for avg (NKI
-reduces with add, maximum or minimum only); over a group of one rank, a pointwise copy instead. ``wait_tensor`` of a lowered collective is the value it waits on:
-our kernels run synchronously, so a collective's result is complete when its kernel returns; the wait of an eager
-collective stays eager with it.
+reduces with add, maximum or minimum only); over a group of one rank, a pointwise copy instead. ``wait_tensor`` of
+a lowered collective is the value it waits on: our kernels run synchronously, so a collective's result is complete
+when its kernel returns; the wait of an eager collective stays eager with it.
 """
 
 from __future__ import annotations

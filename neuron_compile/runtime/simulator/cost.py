@@ -551,7 +551,7 @@ def cost_report(trace: Iterable[InstructionRecord], target: Target | str | None 
     compute_bound_s = tally.compute_bound_s / cores
     memory_bound_s = (tally.read + tally.written) / (target.dma_bytes_per_s * cores)
     roofline = max(compute_bound_s, memory_bound_s)
-    comm_s, comm_overlap_s = communication(trace, plan)
+    comm_s, comm_overlap_s = communication(trace, plan) if tally.counts.get("collective") else (0.0, 0.0)
     return CostReport(
         target=target.name,
         instructions_per_engine=dict(tally.counts),
