@@ -168,7 +168,7 @@ def all_gather(srcs, dsts, replica_group: ReplicaGroup, collective_dim: int, pri
         _check_sizes(dst.size, src.size * ranks, "all_gather dst", "all_gather")
         values = _as_torch(src)
         gathered = torch.empty(ranks * values.numel(), dtype=values.dtype)
-        dist.all_gather_into_tensor(gathered, values, group=group)
+        dist.all_gather_single(gathered, values, group=group)
         _write(dst, gathered)
     _record("all_gather", ranks, pairs)
 
@@ -184,7 +184,7 @@ def reduce_scatter(srcs, dsts, replica_group: ReplicaGroup, collective_dim: int,
         _check_sizes(src.size, dst.size * ranks, "reduce_scatter src", "reduce_scatter")
         values = _as_torch(src)
         chunk = torch.empty(values.numel() // ranks, dtype=values.dtype)
-        dist.reduce_scatter_tensor(chunk, values, op=reduce, group=group)
+        dist.reduce_scatter_single(chunk, values, op=reduce, group=group)
         _write(dst, chunk)
     _record("reduce_scatter", ranks, pairs)
 
