@@ -13,7 +13,11 @@ Per world size (ranks are processes on this machine, a FileStore rendezvous) and
 - FSDP2 step: the same Llama, every decoder layer and the root ``fully_shard``-ed and each layer compiled, one
   AdamW step (the second; the first compiles). FSDP2's all-gathers and reduce-scatters run in its hooks, outside
   the compiled layers: they are eager torch.distributed calls, not kernels (collect. and bytes count none); their
-  comm time is the ring model's for the parameter and gradient bytes they move (``fsdp_comm_s``), none hidden.
+  comm time is the ring model's for the parameter and gradient bytes they move (``fsdp_comm_s``), none hidden;
+- FSDP in-graph: the same Llama sharded by ``neuron_compile.in_graph_fsdp.fully_shard_in_graph`` and compiled
+  whole, one AdamW step (the second): every parameter's all-gather (again in the backward: resharded after the
+  forward) and gradient reduce-scatter is a collective kernel in the compiled graphs, priced and overlapped by the
+  cost model like the other kernels.
 
 Columns: max |error| against the same model run eagerly in one process (TP: logits, TP step, DDP and FSDP2: the step's
 loss; all_reduce: against eager on the ranks), kernels launched, collective kernels run (nki.collectives calls) and
@@ -26,6 +30,7 @@ run on this CPU.
 
     .venv/bin/python bench/distributed_bench.py
     .venv/bin/python bench/distributed_bench.py --world-sizes 2 4 --hidden 256 --layers 1
+    .venv/bin/python bench/distributed_bench.py --world-sizes 1 2 4 --workloads "FSDP2 step" "FSDP in-graph" --hidden 2048 --layers 1
 """
 
 from __future__ import annotations
@@ -159,17 +164,11 @@ def ddp_row(rank: int, world_size: int, hidden: int, layers: int) -> dict:
     return snapshot(wall, abs(float(loss) / world_size - float(expected.detach())))
 
 
-def fsdp_row(rank: int, world_size: int, hidden: int, layers: int) -> dict:
-    from torch.distributed.fsdp import fully_shard
-
+def second_sharded_step(model, reference, rank: int, world_size: int) -> dict:
+    """Two AdamW steps of the sharded ``model`` (each rank on its slice of the batch) beside ``reference`` on the
+    whole batch in one process; the second step's snapshot (the first compiles), its loss against the reference's."""
     import neuron_compile
 
-    reference = llama(hidden, layers, world_size).train()
-    model = copy.deepcopy(reference)
-    for layer in model.model.layers:
-        fully_shard(layer)
-        layer.compile(backend="neuron")
-    fully_shard(model)
     batch = torch.randint(0, VOCAB, (2 * world_size, 12), generator=torch.Generator().manual_seed(11))
     local = batch.chunk(world_size)[rank]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -189,9 +188,30 @@ def fsdp_row(rank: int, world_size: int, hidden: int, layers: int) -> dict:
     wall = time.perf_counter() - start
     total = loss.detach().clone()
     dist.all_reduce(total)
-    row = snapshot(wall, abs(float(total) / world_size - float(expected.detach())))
+    return snapshot(wall, abs(float(total) / world_size - float(expected.detach())))
+
+
+def fsdp_row(rank: int, world_size: int, hidden: int, layers: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    reference = llama(hidden, layers, world_size).train()
+    model = copy.deepcopy(reference)
+    for layer in model.model.layers:
+        fully_shard(layer)
+        layer.compile(backend="neuron")
+    fully_shard(model)
+    row = second_sharded_step(model, reference, rank, world_size)
     comm_s = fsdp_comm_s(reference, world_size)
     return row | {"est_comm_s": comm_s, "est_comm_overlap_s": 0.0, "est_time_s": row["est_time_s"] + comm_s}
+
+
+def in_graph_fsdp_row(rank: int, world_size: int, hidden: int, layers: int) -> dict:
+    """Fully sharded with the collectives in the graph (``fully_shard_in_graph``), the model compiled whole."""
+    from neuron_compile.in_graph_fsdp import fully_shard_in_graph
+
+    reference = llama(hidden, layers, world_size).train()
+    model = fully_shard_in_graph(copy.deepcopy(reference))
+    return second_sharded_step(torch.compile(model, backend="neuron"), reference, rank, world_size)
 
 
 def fsdp_comm_s(model, world_size: int) -> float:
@@ -211,7 +231,7 @@ def fsdp_comm_s(model, world_size: int) -> float:
 
 
 WORKLOADS = {"all_reduce": all_reduce_row, "TP forward": tensor_parallel_row, "TP step": tensor_parallel_step_row,
-             "DDP step": ddp_row, "FSDP2 step": fsdp_row}
+             "DDP step": ddp_row, "FSDP2 step": fsdp_row, "FSDP in-graph": in_graph_fsdp_row}
 
 
 def rank_entry(rank: int, world_size: int, init_file: str, out_dir: str, workload: str, hidden: int,
@@ -242,7 +262,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    header = (f"{'ranks':>5}  {'workload':<11} {'model':<10} {'max err':>9} {'kernels':>7} {'collect.':>8} "
+    header = (f"{'ranks':>5}  {'workload':<13} {'model':<10} {'max err':>9} {'kernels':>7} {'collect.':>8} "
               f"{'bytes':>9} {'compute us':>10} {'comm us':>8} {'hidden us':>9} {'est us':>8} {'fallbacks':>9} "
               f"{'wall s':>7}")
     print(header)
@@ -252,7 +272,7 @@ def main() -> None:
             row = run(world_size, workload, args.hidden, args.layers)
             model = "x[8,1024]" if workload == "all_reduce" else f"h{args.hidden} L{args.layers}"
             exposed = row["est_comm_s"] - row["est_comm_overlap_s"]
-            print(f"{world_size:>5}  {workload:<11} {model:<10} {row['error']:>9.2e} {row['kernels_launched']:>7} "
+            print(f"{world_size:>5}  {workload:<13} {model:<10} {row['error']:>9.2e} {row['kernels_launched']:>7} "
                   f"{row['collectives']:>8} {row['collective_bytes']:>9} {(row['est_time_s'] - exposed) * 1e6:>10.1f} "
                   f"{row['est_comm_s'] * 1e6:>8.1f} {row['est_comm_overlap_s'] * 1e6:>9.1f} "
                   f"{row['est_time_s'] * 1e6:>8.1f} {row['fallback_nodes']:>9} {row['wall_s']:>7.1f}", flush=True)

@@ -72,6 +72,8 @@ def smoke(rank: int, world_size: int) -> dict:
     return dict(all_reduce=all_reduce_graph(rank, world_size), every=every_collective_graph(rank, world_size),
                 overlap=overlapping_graph(rank, world_size), groups=groups, group_name=dist.group.WORLD.group_name,
                 tensor_parallel=tensor_parallel_mlp(rank, world_size), fsdp=fsdp_mlp_step(rank, world_size),
+                in_graph_fsdp={reshard: in_graph_fsdp_mlp_steps(rank, world_size, reshard)
+                               for reshard in (True, False)},
                 one_rank=every_collective_graph(rank, world_size, group=own_group(rank, world_size)))
 
 
@@ -135,6 +137,38 @@ def fsdp_mlp_step(rank: int, world_size: int) -> dict:
                            for key, param in net.named_parameters()}
         optimizer.step()
     return dict(gradients=gradients, stats=neuron_stats())
+
+
+def in_graph_fsdp_mlp_steps(rank: int, world_size: int, reshard_after_forward: bool = True,
+                            steps: int = 2) -> dict:
+    """``steps`` AdamW steps of two blocks sharded by ``fully_shard_in_graph`` and compiled whole with
+    backend="neuron" (each rank on its slice of the batch), and of the whole model eagerly on the whole batch in
+    one process: the global losses of both, their parameters at the end, and the stats."""
+    import neuron_compile
+    from neuron_compile.in_graph_fsdp import fully_shard_in_graph, gathered_state_dict
+
+    torch.manual_seed(0)
+    single = torch.nn.Sequential(TwoLayerMLP(), TwoLayerMLP())
+    model = fully_shard_in_graph(copy.deepcopy(single), reshard_after_forward=reshard_after_forward)
+    compiled = torch.compile(model, backend="neuron")
+    batch = torch.randn(4 * world_size, 32, generator=torch.Generator().manual_seed(5))
+    optimizers = {"sharded": torch.optim.AdamW(model.parameters(), lr=1e-2),
+                  "single": torch.optim.AdamW(single.parameters(), lr=1e-2)}
+    losses: dict[str, list[float]] = {"sharded": [], "single": []}
+    neuron_compile.reset_stats()
+    for _ in range(steps):
+        for name, net, inputs in (("sharded", compiled, batch.chunk(world_size)[rank]), ("single", single, batch)):
+            loss = net(inputs).square().mean()
+            loss.backward()
+            optimizers[name].step()
+            optimizers[name].zero_grad()
+            loss = loss.detach()
+            if name == "sharded":
+                dist.all_reduce(loss)  # the mean over equal slices is the mean over the batch
+                loss /= world_size
+            losses[name].append(float(loss))
+    return dict(losses=losses, parameters={"sharded": gathered_state_dict(model), "single": single.state_dict()},
+                stats=neuron_stats())
 
 
 def overlapping_graph(rank: int, world_size: int) -> dict:
@@ -399,6 +433,31 @@ def fsdp_llama_training(rank: int, world_size: int, steps: int = 3) -> dict:
     parameters = {name: {key: (param.full_tensor() if name != "single" else param).detach()
                          for key, param in model.named_parameters()} for name, model in runs.items()}
     return dict(losses=losses, parameters=parameters, first_gradients=first_gradients, stats=neuron_stats())
+
+
+def unsharded_name(key: str) -> str:
+    """A parameter's name in the plain model, from its name under torch.compile and a parametrization."""
+    return key.removeprefix("_orig_mod.").replace(".parametrizations.", ".").removesuffix(".original")
+
+
+def in_graph_fsdp_llama_training(rank: int, world_size: int, steps: int = 10) -> dict:
+    """``steps`` AdamW steps of the tiny Llama with tied embeddings, sharded by ``fully_shard_in_graph`` and
+    compiled whole with backend="neuron" (each rank on its slice of the global batch), and of the whole model
+    eagerly on the whole batch in one process. Per step the global loss of both, the first step's full gradients,
+    the stats and the gathered parameters at the end."""
+    import neuron_compile
+    from neuron_compile.in_graph_fsdp import fully_shard_in_graph, gathered_state_dict
+
+    single = tiny_llama(tie_word_embeddings=True).train()
+    sharded = fully_shard_in_graph(copy.deepcopy(single))
+    runs = {"neuron": torch.compile(sharded, backend="neuron"), "single": single}
+    optimizers = {"neuron": torch.optim.AdamW(sharded.parameters(), lr=1e-2),
+                  "single": torch.optim.AdamW(single.parameters(), lr=1e-2)}
+    neuron_compile.reset_stats()
+    losses, first_gradients = _train_runs(runs, optimizers, rank, world_size, steps)
+    first_gradients["neuron"] = {unsharded_name(key): value for key, value in first_gradients["neuron"].items()}
+    return dict(losses=losses, first_gradients=first_gradients, stats=neuron_stats(),
+                parameters={"neuron": gathered_state_dict(sharded), "single": single.state_dict()})
 
 
 # ---------------------------------------------------------------- DDP training

@@ -45,6 +45,7 @@ def test_collective_graphs_on_two_ranks_run_collective_kernels():
         _check_every_collective(result["every"])
         _check_overlap(result["overlap"])
         _check_tensor_parallel_and_fsdp(result)
+        _check_in_graph_fsdp(result["in_graph_fsdp"])
         _check_one_rank_group(result["one_rank"])
         # the cache key names the group's ranks: the graph's group name alone is the same for any world size
         assert result["groups"] == [f"{result['group_name']}: {list(range(WORLD))}"]
@@ -71,6 +72,25 @@ def _check_tensor_parallel_and_fsdp(result: dict) -> None:
     for key, expected in fsdp["gradients"]["single"].items():
         error = (fsdp["gradients"]["fsdp"][key] - expected).abs().max() / expected.abs().max()
         assert error < 2e-6, (key, float(error))  # fp32 rounding of sums in another order
+
+
+def _check_in_graph_fsdp(runs: dict) -> None:
+    """Two AdamW steps of two MLP blocks sharded by fully_shard_in_graph and compiled whole: single-process losses
+    and parameters, every parameter's all-gather and gradient reduce-scatter a collective kernel, and with
+    reshard_after_forward the backward gathering again the three weights it reads (not the first block's up
+    projection, whose input needs no gradient, nor any bias)."""
+    parameters_per_step = 8
+    for reshard, regathered in ((False, 0), (True, 3)):
+        result = runs[reshard]
+        np.testing.assert_allclose(result["losses"]["sharded"], result["losses"]["single"], rtol=1e-5)
+        sharded, single = result["parameters"]["sharded"], result["parameters"]["single"]
+        assert sorted(sharded) == sorted(single)  # the unsharded names: a checkpoint loads into the plain model
+        for key, expected in single.items():
+            torch.testing.assert_close(sharded[key], expected, rtol=0, atol=1e-5)
+        stats = result["stats"]
+        assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
+        assert stats["collectives"] == 2 * (2 * parameters_per_step + regathered)
+        assert 0 < stats["est_comm_overlap_s"] <= stats["est_comm_s"]
 
 
 def _check_overlap(result: dict) -> None:
@@ -192,6 +212,31 @@ def test_fsdp2_training_with_compiled_layers_matches_eager():
         parameters = result["parameters"]
         for name, expected in parameters["single"].items():
             torch.testing.assert_close(parameters["neuron"][name], expected, rtol=0, atol=1e-4)
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_in_graph_fsdp_training_matches_single_process_with_collectives_in_kernels():
+    """fully_shard_in_graph on the tiny Llama with tied embeddings, compiled whole: 10 AdamW steps follow one
+    process training on the whole batch, every all-gather and reduce-scatter a collective kernel, no eager node."""
+    results = distributed_harness.run_ranks(distributed_harness.in_graph_fsdp_llama_training, WORLD)
+    for result in results:
+        losses = result["losses"]
+        assert len(losses["neuron"]) == 10
+        np.testing.assert_allclose(losses["neuron"][:3], losses["single"][:3], rtol=1e-6)
+        np.testing.assert_allclose(losses["neuron"], losses["single"], rtol=1e-4)  # the trainer tests' fp32 bound
+        stats = result["stats"]
+        assert stats["fallback_nodes"] == 0, stats["fallback_reasons"]
+        parameters = len(result["first_gradients"]["single"])  # the tied embedding counts once
+        assert stats["collectives"] >= 10 * 2 * parameters  # a gather and a reduce-scatter per parameter and step
+        gradients = result["first_gradients"]
+        assert sorted(gradients["neuron"]) == sorted(gradients["single"])
+        for name, expected in gradients["single"].items():
+            error = (gradients["neuron"][name] - expected).abs().max() / expected.abs().max()
+            assert error < 2e-6, (name, float(error))  # fp32 rounding of sums in another order
+        sharded, single = result["parameters"]["neuron"], result["parameters"]["single"]
+        assert sorted(sharded) == sorted(single)
+        assert torch.equal(sharded["lm_head.weight"], sharded["model.embed_tokens.weight"])  # still tied
 
 
 @needs_gloo
