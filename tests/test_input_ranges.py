@@ -170,3 +170,26 @@ def test_rotary_frequencies_pick_the_cheap_reduction_and_others_stay_exact(out_o
         assert cheap * 4 < _trig_instructions()  # the exact reduction is ~400 instructions per function
         compiled(inv_freq * 0.5, weight, x)  # the same class: no compile
         assert neuron_compile.stats()["cache_misses"] == 2
+
+
+def _float_positions(mask):
+    # OPT's position ids: a float cumsum of the attention mask, cast to int64 (and recomputed in the backward from
+    # the saved float cumsum, where the cumsum is a graph input)
+    return (mask.cumsum(1) * mask - 1).long() + 2
+
+
+def test_floats_cast_to_integers_are_guarded_and_the_cast_lowers_in_class_only():
+    gm = torch.fx.experimental.proxy_tensor.make_fx(_float_positions)(torch.ones(2, 5))
+    assert range_guarded_floats(gm) == {0}
+    torch._dynamo.reset()
+    neuron_compile.reset_stats()
+    compiled = torch.compile(_float_positions, backend="neuron")
+    mask = torch.tensor([[1.0, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    assert torch.equal(compiled(mask), _float_positions(mask))
+    stats = neuron_compile.stats()
+    assert stats["fallback_nodes"] == 0 and stats["nki_nodes"] >= 4, stats["fallback_reasons"]
+    huge = mask * (2.0**24 + 2)  # its cumsum leaves the fp32-exact integers: the cast stays eager, eager's answer
+    assert torch.equal(compiled(huge), _float_positions(huge))
+    stats = neuron_compile.stats()
+    assert stats["cache_misses"] == 2
+    assert any("not proved within +-2**24" in reason for reason in stats["fallback_reasons"])

@@ -18,7 +18,8 @@ labels with or without -100) never recompiles.
 
 Float inputs are guarded only where a bound pays: small float inputs whose values reach the argument of a sin or
 cos through ops value ranges follow (``range_guarded_floats``: a rotary embedding's ``inv_freq`` times the
-positions), so lowering/trigonometry.py can choose a cheap argument reduction. Their guard
+positions), so lowering/trigonometry.py can choose a cheap argument reduction, or a cast to an integer, which lowers
+only when its float values are proved within +-2**24 (positions a backward recomputes from a saved float cumsum). Their guard
 (``guard_float_bound``) checks that every value is finite and within a power of two (at least 1, at most
 ``FLOAT_GUARD_MAX``): a class per binade, so a buffer that never changes compiles once, and a value leaving its
 class compiles (or finds) the graph for the new class, or the unbounded one with the exact reduction.
@@ -45,6 +46,9 @@ FLOAT_GUARD_MAX = 2.0**20
 GUARDED_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The ops whose argument's range decides the code lowered for them (the trigonometry's argument reduction).
 RANGE_CONSUMERS = (torch.ops.aten.sin.default, torch.ops.aten.cos.default)
+# Casts whose float argument must be proved within +-2**24 for them to lower at all (integer math runs in fp32):
+# OPT's position ids, cumsum -> mul -> sub -> int64, recomputed in the backward from the saved float cumsum.
+CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
 
 def guard_bound(value) -> Interval | None:
@@ -85,10 +89,10 @@ def guard_float_bound(value) -> Interval | None:
 
 
 def range_guarded_floats(gm: torch.fx.GraphModule) -> frozenset[int]:
-    """Positions of the placeholders whose float values reach a ``RANGE_CONSUMERS`` argument through ops value
-    ranges follow (passes/value_range.py's rules): the float inputs worth a call-time guard."""
-    reached, stack = set(), [node.args[0] for node in gm.graph.nodes
-                             if node.op == "call_function" and node.target in RANGE_CONSUMERS]
+    """Positions of the placeholders whose float values reach a ``RANGE_CONSUMERS`` argument or a cast to an
+    integer through ops value ranges follow (passes/value_range.py's rules): the float inputs worth a call-time
+    guard."""
+    reached, stack = set(), [node.args[0] for node in gm.graph.nodes if _consumes_a_range(node)]
     while stack:
         node = stack.pop()
         if not isinstance(node, torch.fx.Node) or node in reached:
@@ -99,6 +103,16 @@ def range_guarded_floats(gm: torch.fx.GraphModule) -> frozenset[int]:
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
     return frozenset(position for position, node in enumerate(placeholders)
                      if node in reached and _is_float(node.meta.get("val")))
+
+
+def _consumes_a_range(node: torch.fx.Node) -> bool:
+    """A ``RANGE_CONSUMERS`` op, or a cast to an integer dtype."""
+    if node.op != "call_function":
+        return False
+    if node.target in RANGE_CONSUMERS:
+        return True
+    result = node.meta.get("val")
+    return node.target in CASTS and isinstance(result, torch.Tensor) and result.dtype in GUARDED_DTYPES
 
 
 def _is_float(meta) -> bool:
