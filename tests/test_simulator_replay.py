@@ -162,6 +162,23 @@ def test_replayed_activation_inputs_are_range_checked_at_every_launch():
         _launch(_log_kernel, np.zeros((4, 8), dtype=np.float32))
 
 
+def test_unwritten_memory_reads_as_nan_at_every_replay_even_when_a_tile_reuses_an_array():
+    def partly_written(x):
+        outputs = []
+        for block in range(3):  # the third tile takes the first one's array (released by then)
+            tile = nl.ndarray(x.shape, x.dtype)
+            nisa.dma_copy(tile[:, 2 * block:2 * block + 2], x[:, 2 * block:2 * block + 2])
+            outputs.append(store_tile(tile))
+        return tuple(outputs)
+
+    for seed in range(3):
+        x = np.random.default_rng(seed).standard_normal((4, 6)).astype(np.float32)
+        for block, output in enumerate(_launch(partly_written, x).outputs):
+            written = slice(2 * block, 2 * block + 2)
+            np.testing.assert_array_equal(output[:, written], x[:, written])
+            assert np.isnan(np.delete(output, np.r_[written], axis=1)).all()
+
+
 def test_a_new_shape_or_dtype_is_validated_and_recorded_again():
     def widen(x):
         tile = load_tile(x)

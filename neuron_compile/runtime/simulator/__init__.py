@@ -29,6 +29,7 @@ import numpy as np
 
 from neuron_compile.runtime.simulator import collectives, dtypes, isa, isa_constants, language
 from neuron_compile.runtime.simulator import lnc as lnc_programs
+from neuron_compile.runtime.simulator import ops
 from neuron_compile.runtime.simulator import replay as replays
 from neuron_compile.runtime.simulator import nki_typing as typing
 from neuron_compile.runtime.simulator.blas_threads import single_threaded_blas
@@ -187,7 +188,8 @@ def _launch(fn, args, kwargs, target: Target, lnc: int, traced: bool = True,
                               shared_reuse=shared_outputs, launched=True, launch_frame=sys._getframe(),
                               recorder=recorder)
                 for pid in range(lnc)]
-    with single_threaded_blas():  # thousands of small matmuls: threads cost more than they give
+    # thousands of small matmuls: threads cost more than they give
+    with single_threaded_blas(), ops.float_errors_ignored():
         if lnc == 1:
             with kernel_context(contexts[0]):
                 result = fn(*hbm_args, **hbm_kwargs)
@@ -294,7 +296,8 @@ def run_kernel(fn, args, *, target: Target | str | None = None, lnc: int = 1, tr
 
 def _replayed(plan: replays.ReplayPlan, args, target: Target) -> KernelRun | None:
     """A launch as its plan's replay (no trace), or None when another thread is replaying the plan."""
-    with single_threaded_blas():  # as the recording launch ran: the same BLAS calls give the same bits
+    # as the recording launch ran: the same BLAS calls give the same bits
+    with single_threaded_blas(), ops.float_errors_ignored():
         outputs = plan.run(list(args))
     if outputs is None:
         return None

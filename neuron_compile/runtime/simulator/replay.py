@@ -49,6 +49,9 @@ class Recorder:
         # arrays of released on-chip tensors by (elements, dtype): the plan keeps every array its steps touch, so a
         # new tile takes a released one (its earlier steps all come before) instead of growing the plan's memory
         self.released: dict[tuple, list[np.ndarray]] = {}
+        # id of an array whose fill no step has read yet -> that fill's index in steps: a step that overwrites the
+        # whole array first makes the fill pointless, and it leaves the plan
+        self.unread_fills: dict[int, int] = {}
 
     def refuse(self, reason: str) -> None:
         if self.refused is None and not self.closed:
@@ -61,7 +64,18 @@ class Recorder:
 
     def fill_on_replay(self, data: np.ndarray, value) -> None:
         """A new buffer's fill, as a step (the same array is filled again at every replay)."""
+        self.unread_fills[id(data)] = len(self.steps)
         self.add(lambda: np.copyto(data, value, casting="unsafe"))  # as np.full fills
+
+    def array_used(self, data: np.ndarray) -> None:
+        """A step will read ``data`` (or may: every use counts): its fill stays in the plan."""
+        self.unread_fills.pop(id(data), None)
+
+    def array_overwritten(self, data: np.ndarray) -> None:
+        """A step will write every element of ``data`` before any step reads it: its fill can go."""
+        index = self.unread_fills.pop(id(data), None)
+        if index is not None and self.refused is None:
+            self.steps[index] = None
 
     def reused_array(self, size: int, dtype: np.dtype) -> np.ndarray | None:
         """A released on-chip array of ``size`` elements of ``dtype`` to hold a new tile, or None."""
@@ -143,7 +157,7 @@ def build_plan(recorder: Recorder, arguments: list, outputs: list, sbuf_peak_byt
     if recorder.refused is not None:
         return recorder.refused
     return ReplayPlan(
-        steps=recorder.steps,
+        steps=[step for step in recorder.steps if step is not None],
         inputs=[tensor.storage.data for tensor in arguments],
         outputs=[tensor.array_view() for tensor in outputs],
         written_inputs=[index for index, tensor in enumerate(arguments) if tensor.storage.written],

@@ -7,6 +7,7 @@ into the destination, and the InstructionRecord appended to the kernel trace.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import numpy as np
@@ -140,6 +141,9 @@ def destination_view(tensor: NkiTensor) -> np.ndarray:
     flags = tensor.matmul_flags()
     if flags is not None:
         flags[...] = False
+    recorder = tensor.storage.recorder
+    if recorder is not None and tensor.covers_storage():  # the step writes all of it: its fill is not needed
+        recorder.array_overwritten(tensor.storage.data)
     return tensor.array_view()
 
 
@@ -161,12 +165,33 @@ def cast_to(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if values.dtype == dtype:
         return values
     if dtype.kind in "iub" and values.dtype.kind == "f":
-        info = np.iinfo(dtype) if dtype.kind != "b" else None
         with np.errstate(invalid="ignore"):
-            values = np.rint(values)
-            if info is not None:
-                values = np.clip(np.nan_to_num(values), info.min, info.max)
+            values = np.asarray(np.rint(values))
+            if dtype.kind != "b":
+                values = np.clip(_finite(values), *_integer_bounds(dtype))
     return values.astype(dtype)
+
+
+@functools.cache
+def _integer_bounds(dtype: np.dtype) -> tuple[int, int]:
+    info = np.iinfo(dtype)
+    return info.min, info.max
+
+
+@functools.cache
+def _float_bounds(dtype: np.dtype) -> tuple[float, float]:
+    info = np.finfo(dtype)
+    return info.max, info.min
+
+
+def _finite(values: np.ndarray) -> np.ndarray:
+    """``np.nan_to_num`` of a fresh float array, in place (nan -> 0, +-inf -> the dtype's extremes), with its limits
+    looked up once per dtype instead of on every call."""
+    high, low = _float_bounds(values.dtype)
+    np.copyto(values, 0.0, where=np.isnan(values))
+    np.copyto(values, high, where=np.isposinf(values))
+    np.copyto(values, low, where=np.isneginf(values))
+    return values
 
 
 def store(dst: NkiTensor, values: np.ndarray) -> None:

@@ -261,11 +261,24 @@ class NkiTensor(TensorViews):
 
     def array_view(self) -> np.ndarray:
         """The numpy view of a direct view's elements (built once; an instruction's step reads and writes it)."""
+        self._array_used()
         return self._strided()
 
     def storage_elements(self) -> np.ndarray:
         """The whole storage as a flat numpy array of this view's dtype (what indirect addresses index)."""
+        self._array_used()
         return self._flat()
+
+    def covers_storage(self) -> bool:
+        """Whether the view is every element of its storage, each once, in order."""
+        data = self.storage.data
+        return (self.indirect is None and self.offset == 0 and self.size == data.size and self.dtype == data.dtype
+                and self.is_contiguous())
+
+    def _array_used(self) -> None:
+        recorder = self.storage.recorder
+        if recorder is not None:
+            recorder.array_used(self.storage.data)
 
     def _value_access(self) -> None:
         recorder = self.storage.recorder
