@@ -40,6 +40,10 @@ NEURON_COMPILE_TRANSPOSED_WEIGHTS  transposed_weights  ``1`` (default) | ``0``: 
                                                  copy of each weight parameter their matmuls read transposed,
                                                  made once per weight version (runtime/weight_layouts.py; costs
                                                  one more copy of those weights in memory)
+NEURON_COMPILE_REPLAY      replay                ``1`` (default) | ``0``: a simulated kernel launched again with the shapes
+                                                 and dtypes of an earlier launch replays the numpy work that launch
+                                                 recorded (runtime/simulator/replay.py; 0: every launch simulated in
+                                                 full)
 NEURON_COMPILE_LOGS        logs                  log topics, ``TORCH_LOGS``-style: ``+dispatch,cache`` (logs.py)
 =========================  ====================  ===========================================================
 
@@ -95,6 +99,7 @@ class Config:
     flash_decode: bool = True
     launch_unit: str = "region"
     transposed_weights: bool = True
+    replay: bool = True
     logs: str = ""
 
     def __post_init__(self):
@@ -165,7 +170,7 @@ def _coerce(name: str, value: object, source: str) -> object:
     """Convert a string (from the environment) or a Python value to the field's type, naming the source."""
     if name == "cache_size":
         return _coerce_size(value, source)
-    if name in ("fusion", "flash_attention", "flash_decode", "transposed_weights"):
+    if name in ("fusion", "flash_attention", "flash_decode", "transposed_weights", "replay"):
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.strip().lower() in _BOOLEANS:

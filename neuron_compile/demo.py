@@ -7,7 +7,9 @@ Run as ``python -m neuron_compile.demo``. Exits non-zero if the compiled model d
 from __future__ import annotations
 
 import math
+import statistics
 import sys
+import time
 
 import torch
 from torch import nn
@@ -59,6 +61,17 @@ def _section(title: str) -> None:
     print(f"\n=== {title} " + "=" * max(0, 72 - len(title)))
 
 
+def _median_call_seconds(model, tokens: torch.Tensor, calls: int = 5) -> float:
+    """The median wall time of ``calls`` calls (after one more as a warm-up)."""
+    model(tokens)
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        model(tokens)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def run_model_demo() -> bool:
     torch.manual_seed(0)
     model = TinyTransformer().eval()
@@ -70,7 +83,8 @@ def run_model_demo() -> bool:
         compiled = torch.compile(model, backend="neuron")
         actual = compiled(tokens)
         actual_again = compiled(tokens)  # second call: served from the in-memory kernel cache
-    stats = neuron_compile.stats()
+        stats = neuron_compile.stats()
+        per_call, eager_per_call = _median_call_seconds(compiled, tokens), _median_call_seconds(model, tokens)
 
     _section("TinyTransformer (2 blocks, dim 64, seq 16) through torch.compile(backend='neuron')")
     max_err = (actual - expected).abs().max().item()
@@ -80,6 +94,9 @@ def run_model_demo() -> bool:
 
     total = stats["nki_nodes"] + stats["fallback_nodes"]
     share = 100.0 * stats["nki_nodes"] / total if total else 0.0
+    replay = "on" if neuron_compile.config.get().replay else "off"
+    print(f"a cached call: {per_call * 1e3:.1f} ms wall on the simulator (replay {replay}: NEURON_COMPILE_REPLAY), "
+          f"eager {eager_per_call * 1e3:.2f} ms: {per_call / eager_per_call:.1f}x")
     print(f"ATen nodes in NKI kernels: {stats['nki_nodes']} of {total} ({share:.0f}%); "
           f"launches: {stats['kernels_launched']} (one region kernel per NKI region and call); cache hits/misses: "
           f"{stats['cache_hits']}/{stats['cache_misses']}")

@@ -62,7 +62,7 @@ LOCK_SUFFIX = ".lock"
 TEMP_PREFIX = ".tmp-"
 STALE_TEMP_S = 3600.0  # a temporary file this old belongs to a writer that died
 # Config fields that do not change what a region compiles to: where things go, and what happens around a compile.
-CONFIG_FIELDS_NOT_IN_KEY = ("cache_dir", "cache_size", "dump_dir", "recompile_warn", "fallback", "launcher")
+CONFIG_FIELDS_NOT_IN_KEY = ("cache_dir", "cache_size", "dump_dir", "recompile_warn", "fallback", "launcher", "replay")
 
 
 def cache_root(setting: str) -> Path | None:

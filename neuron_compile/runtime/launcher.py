@@ -16,7 +16,9 @@ launcher has no cost model.
                        numpy (bfloat16 through ml_dtypes, bool as uint8), ``simulator.run_kernel``, outputs
                        copied into torch-allocated tensors; the report is the simulator's ``CostReport`` (a
                        kernel's first launch per signature reads it from the on-disk cache when it is there:
-                       runtime/report_cache.py; that launch then records no trace either).
+                       runtime/report_cache.py; that launch then records no trace either). With ``replay``
+                       (``NEURON_COMPILE_REPLAY``), a later launch of a signature replays the first one's numpy
+                       work (runtime/simulator/replay.py).
 ``DeviceLauncher``     the real ``nki.jit`` on a Neuron device: the inputs moved to the device, the kernel called
                        with torch tensors, its outputs copied back into torch-allocated CPU tensors; no report.
 ``select_launcher``    ``Config.launcher`` (``NEURON_COMPILE_LAUNCHER``): ``auto`` (the device where the real
@@ -81,8 +83,8 @@ class LoadedKernel:
     ``reports``: the cost report of its first launch per argument signature (the arguments' shapes and dtypes, and
     the target). A generated kernel is a meta-program whose loops unroll and whose branches test shapes, never
     values, so its instruction trace, and the report made from it, is a function of that signature: later
-    launches run every instruction and every check again but reuse the report instead of recording and
-    scheduling the same trace (the stats of a repeated call are those of the first)."""
+    launches reuse the report instead of recording and scheduling the same trace (the stats of a repeated call are
+    those of the first), and replay the first launch's numpy work (runtime/simulator/replay.py)."""
 
     source: KernelSource
     function: object
@@ -151,9 +153,11 @@ class SimulatorLauncher(Launcher):
 
     name = "simulator"
 
-    def __init__(self, target: Target | str | None = None, stored_reports: ReportCache | None = None):
+    def __init__(self, target: Target | str | None = None, stored_reports: ReportCache | None = None,
+                 replay: bool = True):
         self.target = target if isinstance(target, Target) else get_target(target)
         self.stored_reports = stored_reports  # first-launch reports on disk (runtime/report_cache.py), or None
+        self.replay = replay  # launches after a signature's first replay its recorded plan
 
     def load(self, source: KernelSource) -> LoadedKernel:
         module = simulator.load_module(source.source, source.name)
@@ -165,7 +169,8 @@ class SimulatorLauncher(Launcher):
         report = kernel.reports.get(signature)
         if report is None and self.stored_reports is not None:
             report = self.stored_reports.lookup(kernel.source.name, kernel.source.source, signature)
-        run = simulator.run_kernel(kernel.function, arrays, target=self.target, trace=report is None)
+        run = simulator.run_kernel(kernel.function, arrays, target=self.target, trace=report is None,
+                                   replay=self.replay)
         if report is None and self.stored_reports is not None:
             self.stored_reports.store(kernel.source.name, kernel.source.source, signature, run.report)
         report = kernel.reports.setdefault(signature, report or run.report)  # threads racing keep one report
@@ -316,4 +321,5 @@ def select_launcher(config: config_module.Config | None = None, target: Target |
     name = resolve_launcher(config.launcher, real_nki=real_nki_available(), device=neuron_device_present())
     if name == "device":
         return DeviceLauncher()
-    return SimulatorLauncher(target if target is not None else config.target, open_report_cache(config))
+    return SimulatorLauncher(target if target is not None else config.target, open_report_cache(config),
+                             replay=config.replay)

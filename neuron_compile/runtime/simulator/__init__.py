@@ -29,6 +29,8 @@ import numpy as np
 
 from neuron_compile.runtime.simulator import collectives, dtypes, isa, isa_constants, language
 from neuron_compile.runtime.simulator import lnc as lnc_programs
+from neuron_compile.runtime.simulator import ops
+from neuron_compile.runtime.simulator import replay as replays
 from neuron_compile.runtime.simulator import nki_typing as typing
 from neuron_compile.runtime.simulator.blas_threads import single_threaded_blas
 from neuron_compile.runtime.simulator.errors import NkiCapacityError, NkiNotSimulatedError, NkiValidationError
@@ -54,6 +56,8 @@ class KernelRun:
     sbuf_peak_bytes: int = 0  # most SBUF bytes per partition live at once (any program of the launch)
     psum_peak_banks: int = 0  # most PSUM banks live at once
     collectives: list = field(default_factory=list)  # a collectives.CollectiveRecord per nki.collectives call
+    # the replay plan this launch recorded (replay.ReplayPlan), or why it could not (a str); None: it recorded none
+    plan: object = None
 
     @functools.cached_property
     def report(self):
@@ -164,22 +168,28 @@ def _output_array(tensor: NkiTensor) -> np.ndarray:
     return np.array(tensor.read())
 
 
-def _launch(fn, args, kwargs, target: Target, lnc: int, traced: bool = True) -> tuple[KernelRun, object]:
+def _launch(fn, args, kwargs, target: Target, lnc: int, traced: bool = True,
+            recorder: replays.Recorder | None = None) -> tuple[KernelRun, object]:
+    """Run the kernel in full; with a ``recorder`` (LNC 1 only), record its replay plan beside (``run.plan``)."""
     if lnc not in (1, 2):
         raise NkiValidationError("err_lnc", f"kernel[lnc]: lnc must be 1 or 2, got {lnc}")
     names = getattr(fn, "__code__", None)
     arg_names = names.co_varnames[: names.co_argcount] if names else ()
     hbm_args = [_kernel_argument(a, arg_names[i] if i < len(arg_names) else f"arg{i}") for i, a in enumerate(args)]
     hbm_kwargs = {k: _kernel_argument(v, k) for k, v in kwargs.items()}
+    for tensor in hbm_args if recorder is not None else ():
+        tensor.storage.recorder = recorder
     trace: list[InstructionRecord] | None = [] if traced else None
     shared_outputs: list[NkiTensor] = []
     result = None
     sbuf_peak = psum_peak = 0
     collective_records: list = []
     contexts = [KernelContext(target=target, program_id=pid, num_programs=lnc, trace=trace,
-                              shared_reuse=shared_outputs, launched=True, launch_frame=sys._getframe())
+                              shared_reuse=shared_outputs, launched=True, launch_frame=sys._getframe(),
+                              recorder=recorder)
                 for pid in range(lnc)]
-    with single_threaded_blas():  # thousands of small matmuls: threads cost more than they give
+    # thousands of small matmuls: threads cost more than they give
+    with single_threaded_blas(), ops.float_errors_ignored():
         if lnc == 1:
             with kernel_context(contexts[0]):
                 result = fn(*hbm_args, **hbm_kwargs)
@@ -189,14 +199,17 @@ def _launch(fn, args, kwargs, target: Target, lnc: int, traced: bool = True) -> 
         sbuf_peak = max(sbuf_peak, context.sbuf_peak_bytes)
         psum_peak = max(psum_peak, context.psum_peak_banks)
         collective_records.extend(context.collectives)
+        if context.collectives and recorder is not None:
+            recorder.refuse("collectives exchange values with other processes")
     _write_back_mutated_inputs([*args, *kwargs.values()], [*hbm_args, *hbm_kwargs.values()])
     outputs = _collect_outputs(result)
     inputs = _input_storages([*hbm_args, *hbm_kwargs.values()])
     for tensor in outputs:
         _check_output(tensor, inputs)
+    plan = replays.build_plan(recorder, hbm_args, outputs, sbuf_peak, psum_peak) if recorder is not None else None
     arrays = [_output_array(t) for t in outputs]
     run = KernelRun(outputs=arrays, trace=trace, target=target, sbuf_peak_bytes=sbuf_peak, psum_peak_banks=psum_peak,
-                    collectives=collective_records)
+                    collectives=collective_records, plan=plan)
     for hook in list(launch_hooks):
         hook(run)
     return run, result
@@ -257,18 +270,39 @@ def simulate(kernel):
     return target
 
 
-def run_kernel(fn, args, *, target: Target | str | None = None, lnc: int = 1, trace: bool = True) -> KernelRun:
+def run_kernel(fn, args, *, target: Target | str | None = None, lnc: int = 1, trace: bool = True,
+               replay: bool = False) -> KernelRun:
     """Launch ``fn`` (a Kernel or a plain kernel function) on numpy/torch ``args``; return the KernelRun.
 
-    ``trace=False`` runs every instruction and every check but records no trace (its run has no report): for a
-    caller that already holds the report of an identical launch (runtime/launcher.py). With ``launch_hooks``
-    registered, the launch is traced anyway: the hooks read its report."""
+    ``trace=False`` records no trace (its run has no report): for a caller that already holds the report of an
+    identical launch (runtime/launcher.py). With ``launch_hooks`` registered, the launch is traced anyway: the hooks
+    read its report. ``replay=True`` (numpy arguments, LNC 1): the first launch of a signature also records its
+    replay plan (replay.py), and a later untraced launch of it runs that plan instead of the kernel."""
     body = fn.fn if isinstance(fn, Kernel) else fn
     resolved = target if isinstance(target, Target) else get_target(target)
-    run, _ = _launch(body, tuple(args), {}, resolved, lnc, traced=trace or bool(launch_hooks))
+    traced = trace or bool(launch_hooks)
+    signature = replays.launch_signature(args, resolved.name, lnc) if replay else None
+    plan = replays.known(body, signature) if signature is not None else None
+    run = _replayed(plan, args, resolved) if isinstance(plan, replays.ReplayPlan) and not traced else None
+    if run is None:
+        recorder = replays.Recorder() if signature is not None and plan is None else None
+        run, _ = _launch(body, tuple(args), {}, resolved, lnc, traced=traced, recorder=recorder)
+        if recorder is not None:
+            replays.remember(body, signature, run.plan)
     if isinstance(fn, Kernel):
         fn.last_run = run
     return run
+
+
+def _replayed(plan: replays.ReplayPlan, args, target: Target) -> KernelRun | None:
+    """A launch as its plan's replay (no trace), or None when another thread is replaying the plan."""
+    # as the recording launch ran: the same BLAS calls give the same bits
+    with single_threaded_blas(), ops.float_errors_ignored():
+        outputs = plan.run(list(args))
+    if outputs is None:
+        return None
+    return KernelRun(outputs=outputs, trace=None, target=target, sbuf_peak_bytes=plan.sbuf_peak_bytes,
+                     psum_peak_banks=plan.psum_peak_banks)
 
 
 # ------------------------------------------------------------------------------------------------ imports

@@ -65,6 +65,7 @@ from neuron_compile.runtime.simulator.isa_stats import (
 )
 from neuron_compile.runtime.simulator.isa_select import range_select, select_reduce
 from neuron_compile.runtime.simulator.isa_shuffle import nc_stream_shuffle
+from neuron_compile.runtime.simulator.replay import run_step
 from neuron_compile.runtime.simulator.rules import (
     FLOAT32,
     cast_to,
@@ -73,16 +74,17 @@ from neuron_compile.runtime.simulator.rules import (
     check_same_free,
     check_same_partitions,
     check_tile,
+    destination_view,
     engine_name,
-    fp32_tile,
-    int_values,
+    fp32_rows,
     is_float,
+    operand_values,
     record,
     reduce_axes,
     require_buffers,
     require_tensor,
-    scalar_or_vector,
-    store,
+    source_view,
+    store_into,
 )
 
 __all__ = [
@@ -203,7 +205,29 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         )
     _check_psum_bank(op, "dst", dst)
     _check_tiling(op, stationary, tile_position, tile_size)
-    product = fp32_tile(stationary).T @ fp32_tile(moving)
+    accumulated = _accumulated_elements(op, dst, accumulate, m, n)
+    stationary_view, moving_view, dst_view = source_view(stationary), source_view(moving), dst.array_view()
+    dst.storage.written = True
+
+    def step():
+        product = fp32_rows(stationary_view, k).T @ fp32_rows(moving_view, k)
+        if accumulated is False:
+            result = product
+        elif accumulated is True:
+            result = dst_view.astype(FLOAT32).reshape(m, n) + product
+        else:
+            result = np.where(accumulated, dst_view.astype(FLOAT32).reshape(m, n) + product, product)
+        dst_view[...] = cast_to(result, dst_view.dtype).reshape(dst_view.shape)
+
+    run_step(step)
+    record(op, "tensor", dst, [("stationary", stationary), ("moving", moving)],
+           {"accumulate": accumulate, "is_transpose": is_transpose,
+            "perf_mode": getattr(perf_mode, "name", perf_mode)}, flops=2 * k * m * n)
+
+
+def _accumulated_elements(op: str, dst, accumulate, m: int, n: int):
+    """Which elements of a matmul's dst accumulate (True: all, False: none, else an (m, n) mask) under the
+    first-write-overwrites rule, from the PSUM flags; the flags then say the matmul wrote them all."""
     flags = dst.matmul_flags()
     consumed = dst.psum_flags(dst.storage.matmul_read)
     if accumulate is None:
@@ -218,23 +242,16 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             "matmul wrote first (undefined on hardware; use accumulate=None or False for the first K tile)", op,
         )
     if accumulate is False:
-        result = product
+        accumulated = False
     elif accumulate is True or flags.all():
-        result = _psum_values(dst, m, n) + product
+        accumulated = True
     elif not flags.any():
-        result = product
+        accumulated = False
     else:
-        result = np.where(flags.reshape(m, n), _psum_values(dst, m, n) + product, product)
-    dst.write(cast_to(result, dst.dtype).reshape(dst.shape))
+        accumulated = flags.reshape(m, n).copy()
     flags[...] = True
     consumed[...] = False
-    record(op, "tensor", dst, [("stationary", stationary), ("moving", moving)],
-           {"accumulate": accumulate, "is_transpose": is_transpose,
-            "perf_mode": getattr(perf_mode, "name", perf_mode)}, flops=2 * k * m * n)
-
-
-def _psum_values(dst, m: int, n: int) -> np.ndarray:
-    return dst.peek().astype(FLOAT32).reshape(m, n)
+    return accumulated
 
 
 def nc_transpose(dst, data, engine=None, name=None):
@@ -266,7 +283,8 @@ def nc_transpose(dst, data, engine=None, name=None):
         )
     if eng == "tensor":
         _check_psum_bank(op, "dst", dst)
-    store(dst, data.read().reshape(p, f).T)
+    data_view, dst_view = source_view(data), destination_view(dst)
+    run_step(lambda: store_into(dst_view, data_view.reshape(p, f).T))
     record(op, eng, dst, [("data", data)])
 
 
@@ -285,19 +303,28 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
         raise NkiValidationError(
             "err_tensor_tensor_both_psum", f"data1 {data1.name} and data2 {data2.name} cannot both be in PSUM", name
         )
+    p = data1.partitions
     if func.kind == "bitvec":
         if not ints or is_float(dst.dtype):
             raise NkiValidationError(
                 "err_bitvec_op_dtype", f"bitvec op {func.name} needs integer tensors: data1 {data1.dtype.name}, data2 "
                 f"{data2.dtype.name}, dst {dst.dtype.name}", name,
             )
-        result = func.fn(int_values(data1), int_values(data2))
-    elif ints and not is_float(dst.dtype):
-        result = func.fn(int_values(data1).astype(np.int64), int_values(data2).astype(np.int64))
+        form = "bits"
     else:
-        result = func.fn(fp32_tile(data1), fp32_tile(data2))
-    store(dst, result)
+        form = "int64" if ints and not is_float(dst.dtype) else "fp32"
+    first, second, dst_view = source_view(data1), source_view(data2), destination_view(dst)
+    run_step(lambda: store_into(dst_view, func.fn(_alu_rows(first, p, form), _alu_rows(second, p, form))))
     record(name, eng, dst, [("data1", data1), ("data2", data2)], {"op": func.name}, flops=dst.size)
+
+
+def _alu_rows(view: np.ndarray, partitions: int, form: str) -> np.ndarray:
+    """An ALU operand's (P, free) values: its integers as they are ("bits", for bitvec ops), as int64 (exact
+    integer arithmetic into an integer dst) or as fp32 (the engines' float arithmetic)."""
+    if form == "fp32":
+        return fp32_rows(view, partitions)
+    rows = view.reshape(partitions, -1)
+    return rows.astype(np.int64) if form == "int64" else rows
 
 
 # (shape rule, require fp32, dtype rule) of a tensor_scalar-style operand
@@ -328,23 +355,28 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
                 "err_tensor_scalar_scalar_engine_ops",
                 f"op0/op1 {pair} on the Scalar engine of trn2: only {sorted(_SCALAR_ENGINE_PAIRS, key=str)}", name,
             )
-    bitvec = func0.kind == "bitvec"
     p = data.partitions
+    bitvec = func0.kind == "bitvec"
     if bitvec:
         if is_float(data.dtype):
             raise NkiValidationError("err_bitvec_op_dtype", f"bitvec op {func0.name} on {data.dtype.name} data", name)
-        x = int_values(data)
         operands = [_int_operand(name, r, v, p) for r, v in (("operand0", operand0), ("operand1", operand1))]
     else:
-        x = fp32_tile(data)
         operands = [
-            scalar_or_vector(name, "operand0", operand0, p, *_OPERAND_RULES),
-            scalar_or_vector(name, "operand1", operand1, p, *_OPERAND_RULES) if func1 else None,
+            operand_values(name, "operand0", operand0, p, *_OPERAND_RULES),
+            operand_values(name, "operand1", operand1, p, *_OPERAND_RULES) if func1 else None,
         ]
-    x = func0.fn(operands[0], x) if reverse0 else func0.fn(x, operands[0])
-    if func1 is not None:
-        x = func1.fn(operands[1], x) if reverse1 else func1.fn(x, operands[1])
-    store(dst, x)
+    data_view, dst_view = source_view(data), destination_view(dst)
+
+    def step():
+        x, first = data_view.reshape(p, -1) if bitvec else fp32_rows(data_view, p), operands[0]()
+        x = func0.fn(first, x) if reverse0 else func0.fn(x, first)
+        if func1 is not None:
+            second = operands[1]()
+            x = func1.fn(second, x) if reverse1 else func1.fn(x, second)
+        store_into(dst_view, x)
+
+    run_step(step)
     record(name, eng, dst, [("data", data), ("operand0", operand0), ("operand1", operand1)],
            {"op0": func0.name, "op1": func1.name if func1 else None, "op": func0.name}, flops=dst.size)
 
@@ -362,25 +394,34 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     if "bitvec" in (func0.kind, func1.kind):
         raise NkiValidationError("err_unsupported_op", f"bitvec ops {func0.name}/{func1.name} are not simulated here",
                                  name)
-    scalar = scalar_or_vector(name, "operand0", operand0, data.partitions, *_OPERAND_RULES)
-    x = fp32_tile(data)
-    x = func0.fn(scalar, x) if reverse0 else func0.fn(x, scalar)
-    y = fp32_tile(other)
-    store(dst, func1.fn(y, x) if reverse1 else func1.fn(x, y))
+    p = data.partitions
+    scalar = operand_values(name, "operand0", operand0, p, *_OPERAND_RULES)
+    data_view, other_view, dst_view = source_view(data), source_view(other), destination_view(dst)
+
+    def step():
+        x, constant = fp32_rows(data_view, p), scalar()
+        x = func0.fn(constant, x) if reverse0 else func0.fn(x, constant)
+        y = fp32_rows(other_view, p)
+        store_into(dst_view, func1.fn(y, x) if reverse1 else func1.fn(x, y))
+
+    run_step(step)
     record(name, eng, dst, [("data", data), ("operand0", operand0), ("operand1", other)],
            {"op0": func0.name, "op1": func1.name}, flops=2 * dst.size)
 
 
 def _int_operand(name: str, role: str, value, partitions: int):
+    """A bitvec operand as a function giving its values (a tile's integer rows, or an int32 constant)."""
     if value is None:
-        return None
+        return lambda: None
     if hasattr(value, "shape"):
-        return int_values(value)
+        view, rows = source_view(value), value.partitions  # the step keeps the view, never the tensor
+        return lambda: view.reshape(rows, -1)
     if isinstance(value, float) and not float(value).is_integer():
         raise NkiValidationError(
             "err_tensor_scalar_operand_dtype", f"bitvec {role} must be an integer, got {value}", name
         )
-    return np.int32(value)
+    constant = np.int32(value)
+    return lambda: constant
 
 
 def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
@@ -402,15 +443,17 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
             "err_reduce_dst_shape",
             f"dst {dst.shape} must hold {kept} elements per partition after reducing axes {axes} of {data.shape}", name,
         )
-    values = data.read()
     ints = func.kind == "bitvec"
-    values = values if ints else values.astype(FLOAT32, copy=False)
-    result = func.reduce_ufunc.reduce(values, axis=axes)
-    if func.name.startswith("logical"):
-        result = result.astype(FLOAT32)
-    if negate:
-        result = -result
-    store(dst, result)
+    data_view, dst_view = source_view(data), destination_view(dst)
+
+    def step():
+        values = data_view if ints else data_view.astype(FLOAT32, copy=False)
+        result = func.reduce_ufunc.reduce(values, axis=axes)
+        if func.name.startswith("logical"):
+            result = result.astype(FLOAT32)
+        store_into(dst_view, -result if negate else result)
+
+    run_step(step)
     record(name, "vector", dst, [("data", data)], {"op": func.name, "negate": negate}, flops=data.size)
 
 
@@ -420,8 +463,14 @@ def tensor_copy(dst, src, engine=None, name=None):
     dst, src = require_tensor(name, "dst", dst), require_tensor(name, "src", src)
     eng = engine_name(engine, "vector")
     check_elementwise(name, dst, [("src", src)], eng)
-    values = src.read() if src.dtype == dst.dtype or not is_float(src.dtype) else fp32_tile(src)
-    store(dst, values.reshape(dst.shape) if values.size == dst.size else values)
+    exact = src.dtype == dst.dtype or not is_float(src.dtype)
+    src_view, dst_view, p = source_view(src), destination_view(dst), src.partitions
+
+    def step():
+        values = src_view if exact else fp32_rows(src_view, p)
+        store_into(dst_view, values.reshape(dst_view.shape) if values.size == dst_view.size else values)
+
+    run_step(step)
     record(name, eng, dst, [("src", src)])
 
 
@@ -448,11 +497,19 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
             "err_predicate_dtype", f"predicate {predicate.name} is {predicate.dtype.name}, not one of "
             f"{list(PREDICATE_DTYPES)}", name)
     check_elementwise(name, dst, operands, "vector")
-    chosen = predicate.read().reshape(dst.shape) != 0
-    if reverse_pred:
-        chosen = ~chosen
-    values = src.read().reshape(dst.shape) if isinstance(src, NkiTensor) else np.asarray(src, dtype=dst.dtype)
-    store(dst, np.where(chosen, values, dst.read().reshape(dst.shape)))
+    predicate_view, shape = source_view(predicate), dst.shape
+    src_view = source_view(src) if isinstance(src, NkiTensor) else None
+    constant = None if src_view is not None else np.asarray(src, dtype=dst.dtype)
+    kept_view, dst_view = source_view(dst), destination_view(dst)
+
+    def step():
+        chosen = predicate_view.reshape(shape) != 0
+        if reverse_pred:
+            chosen = ~chosen
+        values = src_view.reshape(shape) if src_view is not None else constant
+        store_into(dst_view, np.where(chosen, values, kept_view.reshape(shape)))
+
+    run_step(step)
     record(name, "vector", dst, [*operands, ("dst", dst)], {"reverse_pred": bool(reverse_pred)})
 
 
@@ -468,8 +525,9 @@ def memset(dst, value, engine=None, name=None):
         raise NkiValidationError(
             "err_memset_value_dtype", f"value {value!r} is a float but dst {dst.name} is {dst.dtype.name}", name
         )
-    fill = np.asarray(value, dtype=FLOAT32 if is_float(dst.dtype) else np.int64)
-    store(dst, np.broadcast_to(fill, dst.shape))
+    fill = cast_to(np.asarray(value, dtype=FLOAT32 if is_float(dst.dtype) else np.int64), dst.dtype)
+    dst_view = destination_view(dst)
+    run_step(lambda: dst_view.__setitem__(Ellipsis, fill))  # the rounded value, cast once (element by element)
     record(name, eng, dst, [], {"value": value})
 
 
@@ -498,7 +556,10 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     dst = require_tensor(name, "dst", dst)
     require_buffers(name, "dst", dst, ("sbuf",))
     check_tile(name, "dst", dst)
-    store(dst, _affine_values(name, dst, pattern, offset, channel_multiplier).astype(np.int32))
+    values = _affine_values(name, dst, pattern, offset, channel_multiplier).astype(np.int32)
+    values = cast_to(values, dst.dtype).reshape(dst.shape)  # a function of the pattern alone: made once
+    dst_view = destination_view(dst)
+    run_step(lambda: dst_view.__setitem__(Ellipsis, values))
     record(name, "gpsimd", dst, [], {"pattern": pattern})
 
 
@@ -517,8 +578,10 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
             "err_affine_select_false_value", f"on_false_value must be a scalar, got {on_false_value!r}", name
         )
     affine = _affine_values(name, dst, pattern, offset, channel_multiplier).astype(FLOAT32)
-    predicate = cmp.fn(affine, np.float32(0)).astype(bool)
-    store(dst, np.where(predicate, fp32_tile(on_true), np.float32(on_false_value)))
+    predicate = cmp.fn(affine, np.float32(0)).astype(bool)  # a function of the pattern alone: made once
+    on_true_view, dst_view, p = source_view(on_true), destination_view(dst), on_true.partitions
+    on_false = np.float32(on_false_value)
+    run_step(lambda: store_into(dst_view, np.where(predicate, fp32_rows(on_true_view, p), on_false)))
     record(name, "gpsimd", dst, [("on_true_tile", on_true)], {"op": cmp.name})
 
 
@@ -528,8 +591,13 @@ def reciprocal(dst, data, engine=None, name=None):
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
     eng = engine_name(engine, "vector")
     check_elementwise(name, dst, [("data", data)], eng)
-    with np.errstate(divide="ignore"):
-        store(dst, np.float32(1) / fp32_tile(data))
+    data_view, dst_view, p = source_view(data), destination_view(dst), data.partitions
+
+    def step():
+        with np.errstate(divide="ignore"):
+            store_into(dst_view, np.float32(1) / fp32_rows(data_view, p))
+
+    run_step(step)
     record(name, eng, dst, [("data", data)], flops=data.size)
 
 

@@ -14,16 +14,22 @@ from neuron_compile.runtime.simulator import accumulators
 from neuron_compile.runtime.simulator import ops as _ops
 from neuron_compile.runtime.simulator.errors import NkiValidationError
 from neuron_compile.runtime.simulator.memory import current
+from neuron_compile.runtime.simulator.replay import refuse_replay, run_step
 from neuron_compile.runtime.simulator.tensor import NkiTensor
 from neuron_compile.runtime.simulator.rules import (
     FLOAT32,
     check_elementwise,
+    destination_view,
+    fp32_rows,
     fp32_tile,
+    operand_values,
     record,
     require_tensor,
     require_version,
     scalar_or_vector,
+    source_view,
     store,
+    store_into,
 )
 
 SIN_LIMIT = np.float32(np.pi)  # the fp32 nearest pi (slightly above it): the widest fp32 reading of [-pi, pi]
@@ -71,23 +77,30 @@ def _activate(op: str, func, x: np.ndarray, relu_param=None) -> np.ndarray:
     return func.fn(x).astype(FLOAT32, copy=False)
 
 
-def apply_activation(op: str, func, data, bias, scale) -> np.ndarray:
-    """op(data * scale + bias) in fp32, shape (P, free). ``bias`` may be of any dtype (the API refuses only
-    tfloat32, which this simulator stores as float32); ``scale`` must be float32."""
+def activation_values(op: str, func, data, bias, scale):
+    """op(data * scale + bias) as a function giving it (fp32, shape (P, free)) from the operands' values when it
+    is called, the operands checked now and the function's valid input range at every call (it depends on the
+    values). ``bias`` may be of any dtype (the API refuses only tfloat32, which this simulator stores as float32);
+    ``scale`` must be float32."""
     p = data.partitions
     gen2 = current().target.nc_version == "gen2"
     if bias is not None and gen2 and not hasattr(bias, "shape"):
         raise NkiValidationError("err_activation_bias_invalid_type", "bias must be a (P, 1) tile on gen2", op)
     bias_values = None
     if bias is not None:
-        bias_values = scalar_or_vector(op, "bias", bias, p, "err_activation_bias_invalid_type", require_fp32=False)
-    scale_values = scalar_or_vector(op, "scale", scale, p, "err_activation_scale_scalar_or_vector")
-    x = fp32_tile(data)
-    if not (scale_values.ndim == 0 and scale_values == 1):
-        x = x * scale_values
-    if bias_values is not None:
-        x = x + bias_values
-    return _activate(op, func, x)
+        bias_values = operand_values(op, "bias", bias, p, "err_activation_bias_invalid_type", require_fp32=False)
+    scale_values = operand_values(op, "scale", scale, p, "err_activation_scale_scalar_or_vector")
+    data_view = source_view(data)
+
+    def values() -> np.ndarray:
+        x, factor = fp32_rows(data_view, p), scale_values()
+        if not (factor.ndim == 0 and factor == 1):
+            x = x * factor
+        if bias_values is not None:
+            x = x + bias_values()
+        return _activate(op, func, x)
+
+    return values
 
 
 def _reduce_res_tile(op: str, reduce_res, partitions: int):
@@ -118,24 +131,42 @@ def _reduce_on_scalar_engine(op: str, command: str, reduce_name: str, reduce_res
         store(_reduce_res_tile(op, reduce_res, p), lanes[:, None])
 
 
-def _activate_into(name: str, dst, op, data, bias, scale):
-    """The shared step of the activation instructions: checks, ``op(data * scale + bias)`` stored into ``dst``;
-    (dst, data, the resolved op, the values)."""
+def _activation_operands(name: str, dst, op, data, bias, scale):
+    """The checks the activation instructions share: (dst, data, the resolved op, activation_values)."""
     dst, data = require_tensor(name, "dst", dst), require_tensor(name, "data", data)
     func = _ops.resolve(op, name)
     check_elementwise(name, dst, [("data", data)], "scalar")
-    y = apply_activation(name, func, data, bias, scale)
-    store(dst, y)
-    return dst, data, func, y
+    return dst, data, func, activation_values(name, func, data, bias, scale)
+
+
+def _activation_step(values, dst_view: np.ndarray, sums_view: np.ndarray | None, reduce_name: str):
+    """The step of an activation: its values into dst and, with a (P, 1) view for it, their per-partition
+    reduction (one instruction's, through no accumulator register)."""
+
+    def step():
+        y = values()
+        store_into(dst_view, y)
+        if sums_view is not None:
+            store_into(sums_view, accumulators.partial_reduce(y, reduce_name)[:, None])
+
+    return step
 
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None, name=None):
     """dst = op(data * scale + bias) on ScalarE; optional add-reduction along the free dim into reduce_res."""
     name = "activation"
-    dst, data, func, y = _activate_into(name, dst, op, data, bias, scale)
+    dst, data, func, values = _activation_operands(name, dst, op, data, bias, scale)
     command = accumulators.command_name(reduce_cmd)
     reduce_name = accumulators.resolve_reduce_op(name, reduce_op, ("add",), "add", "err_activation_reduce_op")
-    _reduce_on_scalar_engine(name, command, reduce_name, reduce_res, y, data)
+    dst_view = destination_view(dst)
+    if command == "idle":
+        sums = None if reduce_res is None else destination_view(_reduce_res_tile(name, reduce_res, data.partitions))
+        run_step(_activation_step(values, dst_view, sums, reduce_name))
+    else:  # the registers carry values from one instruction to the next
+        refuse_replay(f"activation with reduce_cmd {command} (the accumulator registers)")
+        y = values()
+        store_into(dst_view, y)
+        _reduce_on_scalar_engine(name, command, reduce_name, reduce_res, y, data)
     srcs = [("data", data), ("bias", bias), ("scale", scale)]
     if reduce_res is not None:
         srcs.append(("reduce_res", reduce_res))
@@ -146,9 +177,10 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
 def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
     """activation with a per-partition add-reduction of the result into reduce_res (P, 1)."""
     name = "activation_reduce"
-    dst, data, func, y = _activate_into(name, dst, op, data, bias, scale)
+    dst, data, func, values = _activation_operands(name, dst, op, data, bias, scale)
     reduce_name = accumulators.resolve_reduce_op(name, reduce_op, ("add",), "add", "err_activation_reduce_op")
-    store(_reduce_res_tile(name, reduce_res, data.partitions), accumulators.partial_reduce(y, reduce_name)[:, None])
+    sums = destination_view(_reduce_res_tile(name, reduce_res, data.partitions))
+    run_step(_activation_step(values, destination_view(dst), sums, reduce_name))
     record(name, "scalar", dst, [("data", data), ("bias", bias), ("scale", scale), ("reduce_res", reduce_res)],
            {"op": func.name, "reduce": True}, flops=data.size)
 

@@ -7,18 +7,24 @@ InstructionRecord per transfer.
 
 from __future__ import annotations
 
+import numpy as np
+
 from neuron_compile.runtime.simulator import memory
 from neuron_compile.runtime.simulator import ops
 from neuron_compile.runtime.simulator.errors import NkiNotSimulatedError, NkiValidationError
+from neuron_compile.runtime.simulator.replay import refuse_replay, run_step
 from neuron_compile.runtime.simulator.rules import (
     FLOAT32,
     cast_to,
     check_tile,
+    destination_view,
     is_float,
     record,
     require_buffers,
     require_tensor,
+    source_view,
     store,
+    store_into,
 )
 
 
@@ -47,16 +53,59 @@ def dma_copy(dst, src, priority=None, oob_mode=None, dge_mode=None, engine=None,
             "err_dma_hwdge_dtype", f"hwdge DMA needs equal dtypes, got src {src.dtype.name}, dst {dst.dtype.name} "
             "(use .view())", name,
         )
-    if getattr(oob_mode, "name", oob_mode) == "skip" and not (src.in_bounds() and dst.in_bounds()):
-        _dma_skip_oob(dst, src)
+    if getattr(oob_mode, "name", oob_mode) == "skip":
+        refuse_replay("dma_copy with oob_mode=skip (which elements move depends on the offsets' values)")
+        if not (src.in_bounds() and dst.in_bounds()):
+            _dma_skip_oob(dst, src)
+        else:
+            run_step(_copy_step(dst, src))
     else:
-        values = src.read()
-        if values.dtype != dst.dtype and is_float(values.dtype) and is_float(dst.dtype):
-            values = values.astype(FLOAT32)
-        store(dst, values.reshape(dst.shape) if values.shape != dst.shape else values)
+        run_step(_copy_step(dst, src))
     record(name, "dma", dst, [("src", src)],
            {"dge_mode": mode, "indirect": src.indirect is not None or dst.indirect is not None},
            hbm_partitions=_on_chip_partitions(dst, src))
+
+
+def _copy_step(dst, src):
+    """The step of a copy: src's values (gathered through its offsets when indirect; floats of another dtype via
+    fp32) into dst (scattered through its offsets when indirect), rounded to dst's dtype."""
+    widen = src.dtype != dst.dtype and is_float(src.dtype) and is_float(dst.dtype)
+    shape = dst.shape
+    read = _indirect_read(src) if src.indirect is not None else _direct_read(src)
+    write = _indirect_write(dst) if dst.indirect is not None else _direct_write(dst)
+
+    def step():
+        values = read()
+        if widen:
+            values = values.astype(FLOAT32)
+        write(values.reshape(shape) if values.shape != shape else values)
+
+    return step
+
+
+def _direct_read(src):
+    view = source_view(src)
+    return lambda: view
+
+
+def _direct_write(dst):
+    view = destination_view(dst)
+    return lambda values: store_into(view, values)
+
+
+def _indirect_read(src):
+    elements, addresses = src.storage_elements(), src.indirect_addresses()
+    return lambda: elements[addresses()]
+
+
+def _indirect_write(dst):
+    dst.storage.written = True
+    elements, addresses, shape, dtype = dst.storage_elements(), dst.indirect_addresses(), dst.shape, dst.dtype
+
+    def write(values):
+        elements[addresses()] = cast_to(np.asarray(values), dtype).reshape(shape)
+
+    return write
 
 
 def _dma_skip_oob(dst, src) -> None:
@@ -91,7 +140,12 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=None, oob_mode=No
         raise NkiValidationError(
             "err_dma_transpose_shape", f"dst shape {dst.shape} must equal transposed src shape {expected}", name
         )
-    store(dst, src.read().transpose(axes))
+    if src.indirect is not None:
+        refuse_replay("dma_transpose of an indirect access pattern")
+        store(dst, src.read().transpose(axes))
+    else:
+        src_view, dst_view = source_view(src), destination_view(dst)
+        run_step(lambda: store_into(dst_view, src_view.transpose(axes)))
     record(name, "dma", dst, [("src", src)], {"transpose": True}, hbm_partitions=dst.partitions)
 
 

@@ -18,14 +18,20 @@ from neuron_compile.runtime.simulator.rules import (
     check_same_free,
     check_same_partitions,
     check_tile,
+    destination_view,
+    fp32_rows,
     fp32_tile,
     int_values,
+    operand_values,
     record,
     require_buffers,
     require_tensor,
     scalar_or_vector,
+    source_view,
     store,
+    store_into,
 )
+from neuron_compile.runtime.simulator.replay import run_step
 
 
 def bn_stats(dst, data, name=None):
@@ -84,19 +90,25 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
     if data0.kind == "psum" and data1.kind == "psum":
         raise NkiValidationError("err_tensor_tensor_both_psum", "data0 and data1 cannot both be in PSUM", name)
     p = data0.partitions
-    state = scalar_or_vector(name, "initial", initial, p, "err_scan_initial")
-    a, b = fp32_tile(data0), fp32_tile(data1)
-    state = np.broadcast_to(state, (p, 1))[:, 0].astype(FLOAT32)
-    out = np.empty_like(a)
-    if func0.name == "add" and func1.name == "add" and not (reverse0 or reverse1):
-        # r_i = a_i + r_{i-1} + b_i: a running sum, vectorized (same left-to-right fp32 order)
-        out[:] = np.cumsum(np.concatenate([state[:, None], a + b], axis=1), axis=1, dtype=FLOAT32)[:, 1:]
-    else:
-        for i in range(a.shape[1]):
-            inner = func0.fn(state, a[:, i]) if reverse0 else func0.fn(a[:, i], state)
-            state = (func1.fn(b[:, i], inner) if reverse1 else func1.fn(inner, b[:, i])).astype(FLOAT32)
-            out[:, i] = state
-    store(dst, out)
+    initial_values = operand_values(name, "initial", initial, p, "err_scan_initial")
+    first, second, dst_view = source_view(data0), source_view(data1), destination_view(dst)
+    running_sum = func0.name == "add" and func1.name == "add" and not (reverse0 or reverse1)
+
+    def step():
+        a, b = fp32_rows(first, p), fp32_rows(second, p)
+        state = np.broadcast_to(initial_values(), (p, 1))[:, 0].astype(FLOAT32)
+        out = np.empty_like(a)
+        if running_sum:
+            # r_i = a_i + r_{i-1} + b_i: a running sum, vectorized (same left-to-right fp32 order)
+            out[:] = np.cumsum(np.concatenate([state[:, None], a + b], axis=1), axis=1, dtype=FLOAT32)[:, 1:]
+        else:
+            for i in range(a.shape[1]):
+                inner = func0.fn(state, a[:, i]) if reverse0 else func0.fn(a[:, i], state)
+                state = (func1.fn(b[:, i], inner) if reverse1 else func1.fn(inner, b[:, i])).astype(FLOAT32)
+                out[:, i] = state
+        store_into(dst_view, out)
+
+    run_step(step)
     record(name, "vector", dst, [("data0", data0), ("data1", data1)], {"op0": func0.name, "op1": func1.name},
            flops=2 * data0.size)
 

@@ -71,6 +71,7 @@ class KernelContext:
     # the kernel's SBUF and PSUM as bytes (buffer kind -> Storage), made when a tensor is first placed at an address
     physical: dict = field(default_factory=dict)
     program_group: object = None  # lnc.ProgramGroup of a launch of several programs (None: one program)
+    recorder: object = None  # replay.Recorder of a launch that records its replay plan (None: it records none)
 
 
 # The stack of running kernels, one per thread: threads that launch kernels at the same time (a compiled model
@@ -149,6 +150,7 @@ def _physical_memory(context: KernelContext, buffer: Buffer):
         row = target.sbuf_bytes_per_partition if buffer.kind == "sbuf" else target.psum_banks * target.psum_bank_bytes
         data = np.full(target.partitions * row, PHYSICAL_FILL, dtype=np.uint8)
         memory = context.physical[buffer.kind] = Storage(data, buffer, f"{buffer.name}_memory", row, physical=True)
+        _replayed_fill(context, memory, PHYSICAL_FILL)
     return memory
 
 
@@ -178,6 +180,28 @@ def _placed(context: KernelContext, shape: tuple, dtype: np.dtype, buffer: Buffe
     strides = (row // item,) + tuple(math.prod(shape[d + 1:]) for d in range(1, len(shape)))
     return NkiTensor(memory, shape, strides, (partition * row + offset) // item, dtype,
                      allocation_free=math.prod(shape[1:]))
+
+
+def _filled_array(context: KernelContext, buffer: Buffer, size: int, dtype: np.dtype, fill) -> np.ndarray:
+    """A new allocation's array, filled; while the launch records a replay plan, a new tile takes the array of a
+    released one of its size (replay.Recorder.reused_array), so the plan holds no more arrays than were live."""
+    recorder = context.recorder
+    reused = recorder.reused_array(size, dtype) if recorder is not None and buffer.kind in ("sbuf", "psum") else None
+    if reused is None:
+        return np.full(size, fill, dtype=dtype)
+    np.copyto(reused, fill, casting="unsafe")  # as np.full fills
+    return reused
+
+
+def _replayed_fill(context: KernelContext, storage: Storage, fill) -> None:
+    """While the launch records a replay plan: the new storage belongs to it, its fill is a step, and an on-chip
+    tile's array is pooled for reuse once the tile is released."""
+    recorder = context.recorder
+    if recorder is not None:
+        storage.recorder = recorder
+        recorder.fill_on_replay(storage.data, fill)
+        if storage.buffer.kind in ("sbuf", "psum") and not storage.physical:
+            recorder.release_when_dead(storage)
 
 
 def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "", address=None) -> NkiTensor:
@@ -218,8 +242,9 @@ def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "", address=None) 
             f"{context.program_id} is {shape} {dtype.name}; another program allocated it as {shared.shape} "
             f"{shared.dtype.name} (every program allocates the same shared outputs in the same order)",
         )
-    data = np.full(math.prod(shape), _fill_value(dtype), dtype=dtype)
-    tensor = new_storage_tensor(data, buffer, shape, name)
+    fill = _fill_value(dtype)
+    tensor = new_storage_tensor(_filled_array(context, buffer, math.prod(shape), dtype, fill), buffer, shape, name)
+    _replayed_fill(context, tensor.storage, fill)
     bytes_per_partition = math.prod(shape[1:]) * dtype.itemsize
     if buffer.kind == "sbuf":
         available = context.target.sbuf_bytes_per_partition - context.sbuf_live_bytes

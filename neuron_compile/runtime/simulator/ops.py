@@ -8,6 +8,9 @@ its kind (arithmetic, bitvec, unary) and its reduction ufunc. Plain data: ``lang
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import numpy as np
 
 from neuron_compile.runtime.simulator.errors import NkiValidationError
@@ -59,8 +62,26 @@ def _gelu_sigmoid_dx(x):
     return s + np.float32(1.702) * x * s * (1 - s)
 
 
+# True while float errors are ignored already (float_errors_ignored): an operator then skips its own np.errstate,
+# whose enter and exit cost more than the arithmetic of a small tile
+_errors_ignored = contextvars.ContextVar("float_errors_ignored", default=False)
+
+
+@contextlib.contextmanager
+def float_errors_ignored():
+    """Ignore numpy's float errors (nan and inf are values here, not errors) for a whole launch at once."""
+    with np.errstate(all="ignore"):
+        token = _errors_ignored.set(True)
+        try:
+            yield
+        finally:
+            _errors_ignored.reset(token)
+
+
 def _nan_safe(fn):
     def run(*args):
+        if _errors_ignored.get():
+            return fn(*args)
         with np.errstate(all="ignore"):
             return fn(*args)
 

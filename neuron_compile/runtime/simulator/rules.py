@@ -7,6 +7,7 @@ into the destination, and the InstructionRecord appended to the kernel trace.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import numpy as np
@@ -125,17 +126,72 @@ def fp32_tile(tensor: NkiTensor) -> np.ndarray:
     return values.reshape(tensor.partitions, -1)
 
 
+def source_view(tensor: NkiTensor) -> np.ndarray:
+    """The numpy view an instruction's step reads a direct ``tensor`` through; reading a PSUM tile consumes the
+    result of its matmul accumulation group (the bookkeeping ``read`` does, once, at the instruction)."""
+    if tensor.storage.matmul_read is not None:
+        tensor.psum_flags(tensor.storage.matmul_read)[...] = True
+    return tensor.array_view()
+
+
+def destination_view(tensor: NkiTensor) -> np.ndarray:
+    """The numpy view an instruction's step writes ``tensor`` through; a non-matmul write ends the matmul
+    accumulation group of those PSUM elements (the bookkeeping ``store`` does, once, at the instruction)."""
+    tensor.storage.written = True
+    flags = tensor.matmul_flags()
+    if flags is not None:
+        flags[...] = False
+    recorder = tensor.storage.recorder
+    if recorder is not None and tensor.covers_storage():  # the step writes all of it: its fill is not needed
+        recorder.array_overwritten(tensor.storage.data)
+    return tensor.array_view()
+
+
+def fp32_rows(values: np.ndarray, partitions: int) -> np.ndarray:
+    """Values as the engines compute on them: fp32, shape (P, free) (``fp32_tile`` on a numpy view)."""
+    if values.dtype != FLOAT32:
+        values = values.astype(FLOAT32)
+    return values.reshape(partitions, -1)
+
+
+def store_into(view: np.ndarray, values) -> None:
+    """Write computed values (any shape with the view's element count), rounded to the view's dtype (``store``
+    on a numpy view)."""
+    view[...] = cast_to(np.asarray(values), view.dtype).reshape(view.shape)
+
+
 def cast_to(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Round engine results to the destination dtype (float -> int rounds to nearest, saturating)."""
     if values.dtype == dtype:
         return values
     if dtype.kind in "iub" and values.dtype.kind == "f":
-        info = np.iinfo(dtype) if dtype.kind != "b" else None
         with np.errstate(invalid="ignore"):
-            values = np.rint(values)
-            if info is not None:
-                values = np.clip(np.nan_to_num(values), info.min, info.max)
+            values = np.asarray(np.rint(values))
+            if dtype.kind != "b":
+                values = np.clip(_finite(values), *_integer_bounds(dtype))
     return values.astype(dtype)
+
+
+@functools.cache
+def _integer_bounds(dtype: np.dtype) -> tuple[int, int]:
+    info = np.iinfo(dtype)
+    return info.min, info.max
+
+
+@functools.cache
+def _float_bounds(dtype: np.dtype) -> tuple[float, float]:
+    info = np.finfo(dtype)
+    return info.max, info.min
+
+
+def _finite(values: np.ndarray) -> np.ndarray:
+    """``np.nan_to_num`` of a fresh float array, in place (nan -> 0, +-inf -> the dtype's extremes), with its limits
+    looked up once per dtype instead of on every call."""
+    high, low = _float_bounds(values.dtype)
+    np.copyto(values, 0.0, where=np.isnan(values))
+    np.copyto(values, high, where=np.isposinf(values))
+    np.copyto(values, low, where=np.isneginf(values))
+    return values
 
 
 def store(dst: NkiTensor, values: np.ndarray) -> None:
@@ -243,6 +299,8 @@ def calling_section(launch_frame=None) -> str:
 def record(name: str, engine: str, dst: NkiTensor | None, srcs: list[tuple[str, object]], attrs: dict | None = None,
            flops: int = 0, hbm_partitions: int | None = None) -> None:
     context = current()
+    if context.recorder is not None:
+        context.recorder.instruction_recorded(name)
     if context.trace is None:  # a launch whose trace its caller already holds: the bookkeeping alone is skipped
         return
     tensors = [(role, t) for role, t in srcs if isinstance(t, NkiTensor)]
@@ -260,19 +318,25 @@ def scalar_or_vector(op: str, role: str, value, partitions: int, rule: str, requ
                      dtype_rule: str | None = None):
     """A scalar operand, or a (P, 1) tile broadcast along the free dim, as fp32 numpy (shape () or (P, 1))."""
     if isinstance(value, NkiTensor):
-        if not value.on_chip or value.partitions != partitions or value.free_size != 1:
-            raise NkiValidationError(
-                rule, f"{role} must be a scalar or a ({partitions}, 1) tile, got {value.name} {value.shape} in "
-                f"{value.buffer}", op,
-            )
-        if require_fp32 and value.dtype != FLOAT32:
-            raise NkiValidationError(
-                dtype_rule or rule, f"{role} tile {value.name} must be float32, got {value.dtype.name}", op
-            )
+        scalar_or_vector_checks(op, role, value, partitions, rule, require_fp32, dtype_rule)
         return fp32_tile(value)
     if isinstance(value, (bool, int, float, np.integer, np.floating)):
         return np.float32(value)
     raise NkiValidationError(rule, f"{role} must be a scalar or a ({partitions}, 1) tile, got {value!r}", op)
+
+
+def scalar_or_vector_checks(op: str, role: str, value: NkiTensor, partitions: int, rule: str, require_fp32: bool,
+                            dtype_rule: str | None) -> None:
+    """A (P, 1) operand tile: on chip, P partitions, one element each, fp32 where the operand must be."""
+    if not value.on_chip or value.partitions != partitions or value.free_size != 1:
+        raise NkiValidationError(
+            rule, f"{role} must be a scalar or a ({partitions}, 1) tile, got {value.name} {value.shape} in "
+            f"{value.buffer}", op,
+        )
+    if require_fp32 and value.dtype != FLOAT32:
+        raise NkiValidationError(
+            dtype_rule or rule, f"{role} tile {value.name} must be float32, got {value.dtype.name}", op
+        )
 
 
 _ENGINE_NAMES = {1: "tensor", 2: "scalar", 3: "gpsimd", 4: "dma", 5: "vector", 6: "sync"}
@@ -297,6 +361,18 @@ def check_elementwise(op: str, dst, srcs: list[tuple[str, object]], eng: str) ->
         check_same_partitions(op, t, dst, role, "dst")
         check_same_free(op, t, dst, role, "dst")
     check_no_psum_on_gpsimd(op, eng, ("dst", dst), *srcs)
+
+
+def operand_values(op: str, role: str, value, partitions: int, rule: str, require_fp32: bool = True,
+                   dtype_rule: str | None = None):
+    """``scalar_or_vector`` for a step: the operand checked now, and a function giving its fp32 values (a
+    constant, or the (P, 1) tile's values when called)."""
+    if isinstance(value, NkiTensor):
+        scalar_or_vector_checks(op, role, value, partitions, rule, require_fp32, dtype_rule)
+        view = source_view(value)
+        return lambda: fp32_rows(view, partitions)
+    constant = scalar_or_vector(op, role, value, partitions, rule, require_fp32, dtype_rule)
+    return lambda: constant
 
 
 def int_values(t) -> np.ndarray:

@@ -59,7 +59,7 @@ class Storage:
     allocation, except that the allocator hands a released on-chip slot's id to the next tensor of that size."""
 
     __slots__ = ("data", "buffer", "name", "partition_stride", "matmul_written", "matmul_read", "written",
-                 "memory_id", "physical", "__weakref__")
+                 "memory_id", "physical", "recorder", "__weakref__")
 
     def __init__(self, data: np.ndarray, buffer: Buffer, name: str, partition_stride: int, physical: bool = False):
         self.data = data
@@ -72,6 +72,9 @@ class Storage:
         self.memory_id = next(_memory_ids)
         # the whole SBUF or PSUM of a kernel as bytes, which tensors allocated at an address view (memory.py)
         self.physical = physical
+        # the replay.Recorder of the launch that made it, while that launch records a plan: a value read or written
+        # outside an instruction's step (read / write / peek below) makes the launch one that cannot be replayed
+        self.recorder = None
 
 
 def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -226,17 +229,65 @@ class NkiTensor(TensorViews):
 
     def _indirect_indices(self) -> np.ndarray:
         index = self.element_indices()
-        limit = self.storage.data.nbytes // self.itemsize
-        if index.size and (index.min() < 0 or index.max() >= limit):
-            raise NkiValidationError(
-                "err_tensor_access_out_of_bound",
-                f"indirect access into {self.name} reaches elements [{index.min()}, {index.max()}] "
-                f"of a tensor with {limit} elements",
-            )
+        _check_indirect_bounds(self.name, self.storage.data.nbytes // self.itemsize, index)
         return index
+
+    def indirect_addresses(self):
+        """For an indirect view: a function giving the flat element index of each element from the offset tile's
+        values at the time it is called (they are data), refusing any outside the storage as ``read`` does. The
+        offsets are read through the tile's numpy view: no bookkeeping, so a replayed step can call it."""
+        offsets_tile, dim = self.indirect
+        if offsets_tile.size != self.shape[dim]:
+            raise NkiValidationError(
+                "err_indirect_offset_shape",
+                f"vector_offset has {offsets_tile.size} offsets but dim {dim} of the pattern has {self.shape[dim]} "
+                "entries",
+            )
+        static = np.full(self.shape, self.offset, dtype=np.int64)
+        for axis, (size, stride) in enumerate(zip(self.shape, self.strides)):
+            if axis != dim:
+                static = static + (np.arange(size, dtype=np.int64) * stride).reshape(_along(axis, size, self.ndim))
+        if offsets_tile.storage.matmul_read is not None:  # reading a PSUM tile consumes its matmul result
+            offsets_tile.psum_flags(offsets_tile.storage.matmul_read)[...] = True
+        offsets, stride, along = offsets_tile.array_view(), self.strides[dim], _along(dim, self.shape[dim], self.ndim)
+        name, limit = self.name, self.storage.data.nbytes // self.itemsize  # the function keeps no tensor alive
+
+        def addresses() -> np.ndarray:
+            index = static + (offsets.reshape(-1).astype(np.int64) * stride).reshape(along)
+            _check_indirect_bounds(name, limit, index)
+            return index
+
+        return addresses
+
+    def array_view(self) -> np.ndarray:
+        """The numpy view of a direct view's elements (built once; an instruction's step reads and writes it)."""
+        self._array_used()
+        return self._strided()
+
+    def storage_elements(self) -> np.ndarray:
+        """The whole storage as a flat numpy array of this view's dtype (what indirect addresses index)."""
+        self._array_used()
+        return self._flat()
+
+    def covers_storage(self) -> bool:
+        """Whether the view is every element of its storage, each once, in order."""
+        data = self.storage.data
+        return (self.indirect is None and self.offset == 0 and self.size == data.size and self.dtype == data.dtype
+                and self.is_contiguous())
+
+    def _array_used(self) -> None:
+        recorder = self.storage.recorder
+        if recorder is not None:
+            recorder.array_used(self.storage.data)
+
+    def _value_access(self) -> None:
+        recorder = self.storage.recorder
+        if recorder is not None:
+            recorder.value_accessed(self)
 
     def read(self) -> np.ndarray:
         """The view's values as a numpy array of ``self.dtype`` (a copy-free view where possible)."""
+        self._value_access()
         if self.indirect is not None:
             return self._flat()[self._indirect_indices()]
         if self.storage.matmul_read is not None:
@@ -245,10 +296,12 @@ class NkiTensor(TensorViews):
 
     def peek(self) -> np.ndarray:
         """read() for the tensor engine's own read-accumulate-write of PSUM (not a consumer of the result)."""
+        self._value_access()
         return self._strided()
 
     def write(self, values) -> None:
         """Store ``values`` (already of ``self.dtype``, broadcastable to the view's shape)."""
+        self._value_access()
         self.storage.written = True
         if self.indirect is not None:
             self._flat()[self._indirect_indices()] = values
@@ -509,6 +562,23 @@ def _scalar_offset_value(scalar_offset) -> int:
             raise NkiValidationError("err_scalar_offset", f"scalar_offset {scalar_offset.name} holds {value!r}")
         return int(value)
     return int(scalar_offset)
+
+
+def _check_indirect_bounds(name: str, limit: int, index: np.ndarray) -> None:
+    """Every element index of an indirect access lies within its tensor's ``limit`` elements."""
+    if index.size and (index.min() < 0 or index.max() >= limit):
+        raise NkiValidationError(
+            "err_tensor_access_out_of_bound",
+            f"indirect access into {name} reaches elements [{index.min()}, {index.max()}] of a tensor with {limit} "
+            "elements",
+        )
+
+
+def _along(axis: int, size: int, ndim: int) -> list[int]:
+    """The shape that lays ``size`` values along ``axis`` of an ``ndim``-dim array (for broadcasting)."""
+    shape = [1] * ndim
+    shape[axis] = size
+    return shape
 
 
 def _is_contiguous(shape, strides) -> bool:
