@@ -341,12 +341,27 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
             scalar_or_vector(name, "operand0", operand0, p, *_OPERAND_RULES),
             scalar_or_vector(name, "operand1", operand1, p, *_OPERAND_RULES) if func1 else None,
         ]
-    x = func0.fn(operands[0], x) if reverse0 else func0.fn(x, operands[0])
+    x = _tensor_scalar_stage(func0, x, operands[0], reverse0)
     if func1 is not None:
-        x = func1.fn(operands[1], x) if reverse1 else func1.fn(x, operands[1])
+        x = _tensor_scalar_stage(func1, x, operands[1], reverse1)
     store(dst, x)
     record(name, eng, dst, [("data", data), ("operand0", operand0), ("operand1", operand1)],
            {"op0": func0.name, "op1": func1.name if func1 else None, "op": func0.name}, flops=dst.size)
+
+
+# The ALU's unary arithmetic operators (nki-spec §1.5), computed in fp32 over every input: a tensor_scalar stage
+# applies them to the data and does not read its operand (the SDK's form is ``op0=nl.rsqrt, operand0=0.0``).
+ALU_UNARY = {"rsqrt", "reciprocal", "abs"}
+
+
+def _tensor_scalar_stage(func, x, operand, reverse: bool):
+    if func.kind == "unary":
+        if func.name not in ALU_UNARY:
+            raise NkiValidationError(
+                "err_unsupported_op", f"{func.name} is an activation function, not an ALU operator: tensor_scalar "
+                f"takes the unary ALU operators {sorted(ALU_UNARY)} only", "tensor_scalar")
+        return func.fn(x)
+    return func.fn(operand, x) if reverse else func.fn(x, operand)
 
 
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, engine=None,
