@@ -771,8 +771,14 @@ def _emit_alu_reciprocal(args, dst, vector, scope, lines) -> None:
 
 
 def _emit_gpsimd_rsqrt(args, dst, vector, scope, lines) -> None:
-    """dst = 1 / sqrt(x) by GpSimd's ALU rsqrt (its operand is not read): every fp32 input."""
-    lines.append(_tensor_scalar(dst, scope.ref_text(args[0]), (("nl.rsqrt", 0.0),), engine=GPSIMD))
+    """dst = 1 / sqrt(x) by GpSimd's ALU rsqrt (its operand is not read): every fp32 input. GpSimd cannot read
+    PSUM: a PSUM operand is copied to SBUF first."""
+    data = scope.ref_text(args[0])
+    if args[0].tile in scope.allocator.psum_tiles:
+        staged = f"{scope.tile(vector=vector, stem='from_psum')}{scope.window(vector)}"
+        lines.append(f"nisa.tensor_copy(dst={staged}, src={data})")
+        data = staged
+    lines.append(_tensor_scalar(dst, data, (("nl.rsqrt", 0.0),), engine=GPSIMD))
 
 
 def _emit_inverse_power_of_two(args, dst, vector, scope, lines) -> None:
