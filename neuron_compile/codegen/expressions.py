@@ -588,6 +588,8 @@ def _representable(value: float, dtype: str) -> bool:
         return False
     if math.isinf(value):
         return True
+    if abs(value) >= FP32_ROUNDS_TO_INF:
+        return False  # a finite number past fp32's range (a cast makes it inf)
     bits = struct.unpack("<I", struct.pack("<f", value))[0]
     if struct.unpack("<f", struct.pack("<I", bits))[0] != value:
         return False  # not an fp32 value
