@@ -159,6 +159,13 @@ _SPECS = [
     _sequence("copysign", 2, ("tensor_tensor", *_WIDEN), exact=True),
     # 2**(127 - E) for x's biased exponent E: the exact rescaling that keeps a reciprocal's input in range
     _sequence("inverse_power_of_two", 1, _WIDEN),
+    # 1 / x by the ALU's reciprocal (nisa.reciprocal on VectorE, or tensor_scalar op0=nl.reciprocal on GpSimd): an
+    # ALU operator, not a piecewise activation, documented without a valid range and at a higher precision than
+    # ScalarE's, at 8x its cycles; fp32 over every input, IEEE special values (1 / +-0 = +-inf, 1 / +-inf = +-0)
+    _sequence("reciprocal_alu", 1, ("reciprocal", "tensor_scalar", *_WIDEN)),
+    # 1 / sqrt(x) by GpSimd's ALU rsqrt (tensor_scalar op0=nl.rsqrt): no valid range either, at a higher precision
+    # than ScalarE's and 4x its cycles; rsqrt(+-0) = +-inf, rsqrt(inf) = 0, negatives and nan -> nan
+    _sequence("rsqrt_alu", 1, ("tensor_scalar", *_WIDEN)),
 ]
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in _SPECS}

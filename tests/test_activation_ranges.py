@@ -48,8 +48,9 @@ def test_the_pass_leaves_in_range_instructions_alone_and_rewrites_the_rest():
     assert guard_expression(bare) is bare
     guarded = guard_expression(ir.Op("div", (x, ir.Op("sqrt", (x,)))))
     text = str(guarded)
-    assert "sqrt_in_range" in text and "reciprocal_in_range" in text
-    assert "sqrt(" not in text.replace("sqrt_in_range(", "") and "div(" not in text
+    # sqrt without a floor: 1 / rsqrt on the ALU; the division: VectorE's reciprocal (ALU operators have no range)
+    assert "rsqrt_alu(" in text and "reciprocal_alu(" in text
+    assert " sqrt(" not in f" {text}" and "(sqrt(" not in text and "div(" not in text
     assert guard_expression(ir.Op("div", (x, ir.Scalar(3.0)))) == ir.Op("div", (x, ir.Scalar(3.0)))
 
 
@@ -79,12 +80,12 @@ def test_rms_norm_with_a_floor_on_special_rows(dtype):
     x = x.to(dtype)
     for eps in (1e-6, 2.0**-80):
         region = check_against_eager(lambda a: _rms_norm(a, eps), x)
-        assert "copysign" not in "".join(kernel.source for kernel in region.kernels)  # the floored form ran
+        assert "op0=nl.rsqrt" not in "".join(kernel.source for kernel in region.kernels)  # the floored form ran
     root_mean_square = check_against_eager(lambda a: torch.sqrt(a.float().pow(2).mean(-1) + 1e-5), x)
     sources = "".join(kernel.source for kernel in root_mean_square.kernels)
     assert "nl.sqrt" in sources and f"op0=nl.less, operand0={2.0**-100!r}" not in sources  # no small-value test
-    region = check_against_eager(lambda a: _rms_norm(a, 0.0), x)  # no eps, no floor: rsqrt(0) = inf, guarded
-    assert "copysign" in "".join(kernel.source for kernel in region.kernels)
+    region = check_against_eager(lambda a: _rms_norm(a, 0.0), x)  # no eps, no floor: GpSimd's ALU rsqrt
+    assert "op0=nl.rsqrt" in "".join(kernel.source for kernel in region.kernels)
 
 
 def test_the_floor_of_a_mean_of_squares_plus_eps_drops_the_small_value_guards():
@@ -96,8 +97,8 @@ def test_the_floor_of_a_mean_of_squares_plus_eps_drops_the_small_value_guards():
     assert 0.0 < floors.of(mean_plus_eps) <= 1e-6
     floored = str(guard_expression(ir.Op("rsqrt", (mean_plus_eps,)), floors=floors))
     full = str(guard_expression(ir.Op("rsqrt", (mean_plus_eps,))))
-    assert "copysign" in full and "copysign" not in floored  # rsqrt(0) = inf cannot happen above a floor
-    assert floored.count("where(") < full.count("where(")
+    # above a floor, ScalarE's rsqrt with the large-value scaling; without, GpSimd's ALU rsqrt (no range)
+    assert "rsqrt_in_range" in floored and "rsqrt_alu" not in floored and full.startswith("rsqrt_alu(")
     # no floor, or one below the instruction's scaling threshold: the full guard
     assert str(guard_expression(ir.Op("rsqrt", (ir.Result(),)), floors=floors)) == str(
         guard_expression(ir.Op("rsqrt", (ir.Result(),))))

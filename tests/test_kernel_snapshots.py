@@ -137,7 +137,7 @@ def reduction_kernel_0(arg0_1, arg1_1):
         nisa.tensor_copy(dst=predicate_9[0:rows, 0:1], src=lt_5[0:rows, 0:1])
         nisa.tensor_copy(dst=where_16[0:rows, 0:1], src=where_15[0:rows, 0:1])
         nisa.tensor_copy_predicated(dst=where_16[0:rows, 0:1], src=mul_13[0:rows, 0:1], predicate=predicate_9[0:rows, 0:1])
-        nisa.tensor_scalar(dst=mul_17[0:rows, 0:cols], data=arg0_1_tile_2[0:rows, 0:cols], op0=nl.multiply, operand0=where_16[0:rows, 0:1])
+        nisa.tensor_scalar(dst=mul_17[0:rows, 0:cols], data=arg0_1_tile_2[0:rows, 0:cols], op0=nl.multiply, operand0=where_16[0:rows, 0:1], engine=nisa.engine.scalar)
         nisa.dma_copy(dst=arg1_1_tile_18[0:rows, 0:cols], src=arg1_1.ap([[0, rows], [1, cols]], offset=0))
         nisa.tensor_tensor(dst=mul_19[0:rows, 0:cols], data1=mul_17[0:rows, 0:cols], data2=arg1_1_tile_18[0:rows, 0:cols], op=nl.multiply, engine=nisa.engine.gpsimd)
         nisa.dma_copy(dst=pointwise_11.ap([[64, rows], [1, cols]], offset=p0 * 64), src=mul_19[0:rows, 0:cols])

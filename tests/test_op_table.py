@@ -187,15 +187,19 @@ def test_the_range_guard_pass_guards_the_tables_range_limited_functions():
     limited = {name for name, entry in op_table.OPS.items() if entry.in_range_form is not None}
     assert set(guarded_math.GUARDED) == limited == set(guarded_math.EXPANSIONS)
     x = ir.Load("x", LAYOUT, "float32")
+    # without a floor, these take ALU instructions that have no valid range
+    unranged = {"reciprocal": "reciprocal_alu", "sqrt": "rsqrt_alu", "rsqrt": "rsqrt_alu"}
     for name in limited:
         text = str(activation_ranges.guard_expression(ir.op(name, x)))
-        assert f"{op_table.OPS[name].in_range_form}(" in text and f" {name}(" not in f" {text}", name
+        instruction = unranged.get(name, op_table.OPS[name].in_range_form)
+        assert f"{instruction}(" in text and f" {name}(" not in f" {text}", name
+    assert op_table.OPS["reciprocal_alu"].valid_range is None and op_table.OPS["rsqrt_alu"].valid_range is None
 
 
 def test_the_range_guard_pass_checks_its_scalings_against_the_tables_ranges(monkeypatch):
     guarded_math.check_scalings()  # the table as it is: every scaled input is inside its range
     for name, narrow in [("log_in_range", (2.0**-40, 2.0**64)), ("rsqrt_in_range", (2.0**-87, 2.0**90)),
-                         ("reciprocal_in_range", (2.0**-42, 1.5))]:
+                         ("sqrt_in_range", (2.0**-116, 2.0**60))]:
         spec = op_table.OPS[name]
         valid = dataclasses.replace(spec.valid_range, low=narrow[0], high=narrow[1])
         monkeypatch.setitem(op_table.OPS, name, dataclasses.replace(spec, valid_range=valid))
@@ -219,3 +223,25 @@ def test_the_tables_ranges_are_the_simulators(name):
     assert not valid(np.array(outside, dtype=np.float32)).any(), outside
     assert all(entry.valid_range.contains(v) for v in inside)
     assert not any(entry.valid_range.contains(v) for v in outside)
+
+
+def test_alu_rsqrt_of_a_psum_tile_reads_an_sbuf_copy():
+    """GpSimd cannot reach PSUM: the rsqrt of a matmul's PSUM tile reads an SBUF copy of it."""
+    scope, lines = _scope(), []
+    psum = scope.allocator.new_psum("product", 16)
+    expressions._emit_op(ir.Op("rsqrt_alu", (ir.Scalar(1.0),)), [Ref(tile=psum)], scope, lines)
+    assert lines[0].startswith("nisa.tensor_copy(") and f"src={psum}[0:rows, 0:cols]" in lines[0]
+    assert "op0=nl.rsqrt" in lines[1] and "engine=nisa.engine.gpsimd" in lines[1] and psum not in lines[1]
+
+
+def test_number_casts_fold_and_a_multiply_by_one_is_no_instruction():
+    """cast[bf16](0.1) is the number a memset would store (no full-tile memset and multiply); x * 1.0 is x."""
+    scope, lines = _scope(), []
+    tile = Ref(tile=scope.tile(stem="x"))
+    rounded = expressions._emit_op(ir.Op("cast", (ir.Scalar(0.1),), dtype="bfloat16"), [Ref(value=0.1)], scope, lines)
+    assert lines == [] and rounded.value == float(np.float32(0.1).astype("bfloat16"))
+    huge = expressions._emit_op(ir.Op("cast", (ir.Scalar(1e39),), dtype="float32"), [Ref(value=1e39)], scope, lines)
+    assert huge.value == math.inf
+    product = expressions._emit_op(ir.Op("mul", (ir.Scalar(1.0), ir.Scalar(1.0))), [tile, Ref(value=1.0)], scope,
+                                   lines)
+    assert lines == [] and product == tile

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_compile.runtime import simulator as nki
+from neuron_compile.runtime.simulator.cost import instruction_cycles
 
 nl = nki.language
 nisa = nki.isa
@@ -397,6 +398,37 @@ def test_reciprocal_and_partition_reduce():
     inverse, column_max = _run(kernel, a)
     np.testing.assert_array_equal(inverse, F32(1) / a)
     np.testing.assert_array_equal(column_max[0], a.max(axis=0))
+
+
+def test_alu_unary_operators_in_tensor_scalar_over_every_special_value():
+    """GpSimd's rsqrt and the ALU reciprocal as tensor_scalar stages (their operand unread): fp32 over every input,
+    with IEEE's special values; an activation function is not an ALU operator; the cost model charges the
+    reciprocal 8 and rsqrt 4 cycles per element."""
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 2.0**-126, 3.4e38, 2.0**-140, 7.0, -2.5],
+                        dtype=F32).reshape(3, 4).repeat(32, axis=1)  # 128 elements per partition
+
+    def kernel(x):
+        tx = _load(x)
+        rsqrt, inverse = nl.ndarray((3, 128), nl.float32), nl.ndarray((3, 128), nl.float32)
+        nisa.tensor_scalar(rsqrt, tx, op0=nl.rsqrt, operand0=0.0, engine=nisa.engine.gpsimd)
+        nisa.tensor_scalar(inverse, tx, op0=nl.reciprocal, operand0=0.0, engine=nisa.engine.gpsimd)
+        return _store(rsqrt), _store(inverse)
+
+    run = nki.run_kernel(kernel, [specials])
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(run.outputs[0], F32(1) / np.sqrt(specials))
+        np.testing.assert_array_equal(run.outputs[1], F32(1) / specials)
+    assert np.signbit(run.outputs[0][0, 32]) and np.signbit(run.outputs[1][0, 32])  # rsqrt(-0) = 1/-0 = -inf
+    cycles = {r.attrs["op0"]: instruction_cycles(r)[1] for r in run.trace if r.name == "tensor_scalar"}
+    assert cycles == {"rsqrt": 4 * 128, "reciprocal": 8 * 128}
+
+    def activation_function(x):
+        tx = _load(x)
+        nisa.tensor_scalar(tx, tx, op0=nl.exp, operand0=0.0)
+        return _store(tx)
+
+    with pytest.raises(nki.NkiValidationError, match="exp is an activation function, not an ALU operator"):
+        _run(activation_function, specials)
 
 
 @settings(max_examples=10, deadline=None)

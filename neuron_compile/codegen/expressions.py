@@ -200,14 +200,23 @@ class TileScope:
         return ROW_VECTOR if vector else self.slice_text
 
 
+GPSIMD = ", engine=nisa.engine.gpsimd"  # the engine argument of an instruction put on GpSimd
+SCALAR = ", engine=nisa.engine.scalar"
+FLOAT_TILE_DTYPES = ("float32", "bfloat16", "float16")
+
+
 class EngineBalance:
-    """Which engine runs each full-tile ALU instruction of a scope: GpSimd once VectorE has more of the scope's
-    work than GpSimd would have with it, else VectorE (the scheduler runs independent instructions on both).
-    Relative costs of one tile: VectorE 1 (0.5 on bf16 tiles, its trn2 performance mode), GpSimd 0.8 (a faster
-    clock, no bf16 mode). Instructions that touch PSUM (GpSimd cannot reach it) or (P, 1) row vectors stay on
-    VectorE; activations are ScalarE's and instruction sequences VectorE's, and count as such."""
+    """Which engine runs each full-tile ALU instruction of a scope: another engine once VectorE has more of the
+    scope's work than that engine would have with it (the less loaded of GpSimd and, for a multiply and / or add by
+    numbers, ScalarE), else VectorE (the scheduler runs independent instructions on all three). Relative costs of
+    one tile: VectorE 1 (0.5 on bf16 tiles, its trn2 performance mode), GpSimd and ScalarE 0.8 (a faster clock, no
+    bf16 mode). Instructions that touch PSUM (GpSimd cannot reach it) or (P, 1) row vectors stay on VectorE;
+    activations are ScalarE's and instruction sequences VectorE's, and count as such."""
 
     GPSIMD_COST = 0.8
+    SCALAR_COST = 0.8
+    # tensor_scalar stages trn2's ScalarE runs (nki-spec §1.3: (mul, add), (mul, None), (add, None))
+    SCALAR_STAGES = {("nl.multiply", "nl.add"), ("nl.multiply",), ("nl.add",)}
 
     def __init__(self):
         self.load = {"vector": 0.0, "gpsimd": 0.0, "scalar": 0.0}
@@ -215,17 +224,23 @@ class EngineBalance:
     def note(self, engine: str, cost: float = 1.0) -> None:
         self.load[engine] += cost
 
-    def pick(self, operands: list[Ref], scope: TileScope) -> str:
-        """The engine argument text (empty for VectorE, the default) for an instruction over ``operands``."""
+    def pick(self, operands: list[Ref], scope: TileScope, stages: tuple[str, ...] = ()) -> str:
+        """The engine argument text (empty for VectorE, the default) for an instruction over ``operands``;
+        ``stages``: the nl operators of a tensor_scalar (ScalarE takes only some)."""
         tiles = [ref for ref in operands if ref.tile is not None]
         on_psum = any(ref.tile in scope.allocator.psum_tiles for ref in tiles)
         vector_cost = 0.5 if tiles and all(ref.dtype == "bfloat16" for ref in tiles) else 1.0
-        gpsimd_free = self.load["gpsimd"] + self.GPSIMD_COST < self.load["vector"]  # VectorE takes the first
-        if on_psum or any(ref.vector for ref in tiles) or not gpsimd_free:
+        others = {} if on_psum or any(ref.vector for ref in tiles) else {"gpsimd": self.GPSIMD_COST}
+        full_tile = any(not ref.vector for ref in tiles)  # (P, 1) vector-only work stays on VectorE
+        if stages in self.SCALAR_STAGES and full_tile and all(ref.dtype in FLOAT_TILE_DTYPES for ref in tiles):
+            others["scalar"] = self.SCALAR_COST
+        after = {engine: self.load[engine] + cost for engine, cost in others.items()}
+        engine = min(after, key=after.get, default=None)
+        if engine is None or after[engine] >= self.load["vector"]:  # VectorE takes the first
             self.note("vector", vector_cost)
             return ""
-        self.note("gpsimd", self.GPSIMD_COST)
-        return ", engine=nisa.engine.gpsimd"
+        self.note(engine, others[engine])
+        return GPSIMD if engine == "gpsimd" else SCALAR
 
 
 def emit(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref:
@@ -268,6 +283,8 @@ def _emit_uncached(expr, scope, lines) -> Ref:
     return _emit_op(expr, _operands(expr, scope, lines), scope, lines)
 
 
+# Sequences of one instruction that reads a bf16 / fp16 tile as it reads an fp32 one (the ALU's reciprocal and rsqrt).
+READS_NARROW_TILES = {"reciprocal_alu", "rsqrt_alu"}
 # Casts to fp32 that change no value: the engines read these dtypes and compute in fp32 anyway.
 EXACT_WIDENING = {"bfloat16", "float16"}
 
@@ -276,7 +293,7 @@ def _operands(expr: ir.Op, scope: TileScope, lines: list[str]) -> list[Ref]:
     """The Refs of ``expr``'s arguments. An instruction of one of the plain forms reads a bf16 / fp16 tile as
     it reads an fp32 one (it computes in fp32), so an argument that only widens such a tile to fp32 is read
     from that tile: no tensor_copy, unless something else (a store, a sequence) needs the fp32 tile."""
-    if op_table.spec(expr.op).form not in PLAIN_FORMS:
+    if op_table.spec(expr.op).form not in PLAIN_FORMS and expr.op not in READS_NARROW_TILES:
         return [emit(arg, scope, lines) for arg in expr.args]
     return [_widened_source(arg, scope, lines) or emit(arg, scope, lines) for arg in expr.args]
 
@@ -359,7 +376,7 @@ def _emit_rounded_scaling(dtype: str, division: ir.Op, scope: TileScope, lines: 
     out = Ref(tile=scope.tile(dtype, stem=f"div_{dtype}"), dtype=dtype)
     factor = _division_factor(division.args[1].value)
     lines.append(_tensor_scalar(scope.ref_text(out), scope.ref_text(numerator), (("nl.multiply", factor),),
-                                engine=scope.balance.pick([numerator], scope)))
+                                engine=scope.balance.pick([numerator], scope, ("nl.multiply",))))
     return out
 
 
@@ -460,6 +477,8 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
     if entry.fold is not None and all(arg.value is not None for arg in args):
         return Ref(value=float(entry.fold(*(arg.value for arg in args))))
     tiles = [arg for arg in args if arg.tile is not None]
+    if expr.op == "mul" and len(tiles) == 1 and any(arg.value == 1.0 for arg in args):
+        return tiles[0]  # x * 1.0 is x, bit for bit (-0.0, inf and nan included): no instruction
     if not tiles and entry.form != "copy":
         # Every operand is a number and the op does not fold (abs of full()'s value, say): the instruction
         # needs a tile to read, so the first number is memset into one.
@@ -475,9 +494,8 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
     if entry.form == "sequence":
         emitted = len(lines)
         SEQUENCES[expr.op](args, dst, vector, scope, lines)
-        activations = sum(line.startswith("nisa.activation(") for line in lines[emitted:])
-        scope.balance.note("vector", len(lines) - emitted - activations)
-        scope.balance.note("scalar", activations)
+        for line in lines[emitted:]:
+            scope.balance.note(*_engine_and_cost(line))
     else:
         lines.append(PLAIN_FORMS[entry.form](entry, args, dst, scope))
     return out
@@ -500,17 +518,22 @@ def _binary(entry: op_table.OpSpec, args, dst: str, scope: TileScope) -> str:
         # x * x of a full tile: ScalarE's square (the same fp32 product, rounded once), off the busier VectorE
         scope.balance.note("scalar")
         return f"nisa.activation(dst={dst}, op=nl.square, data={scope.ref_text(a)})"
+    for data, number_operand, stages in ((a, b, ((entry.nl_op, None),)), (b, a, entry.number_first)):
+        if _is_constant(number_operand, data):
+            engine = scope.balance.pick(list(args), scope, _operators(stages))
+            return _tensor_scalar(dst, scope.ref_text(data), stages, scope.operand_text(number_operand), engine)
     engine = scope.balance.pick(list(args), scope)
-    if _is_constant(b, a):
-        return _tensor_scalar(dst, scope.ref_text(a), ((entry.nl_op, None),), scope.operand_text(b), engine)
-    if _is_constant(a, b):
-        return _tensor_scalar(dst, scope.ref_text(b), entry.number_first, scope.operand_text(a), engine)
     return (f"nisa.tensor_tensor(dst={dst}, data1={scope.ref_text(a)}, data2={scope.ref_text(b)}, "
             f"op={entry.nl_op}{engine})")
 
 
+def _operators(stages) -> tuple[str, ...]:
+    return tuple(nl_op for nl_op, _ in stages)
+
+
 def _unary_tensor_scalar(entry: op_table.OpSpec, args, dst: str, scope: TileScope) -> str:
-    return _tensor_scalar(dst, scope.ref_text(args[0]), entry.stages, engine=scope.balance.pick(list(args), scope))
+    engine = scope.balance.pick(list(args), scope, _operators(entry.stages))
+    return _tensor_scalar(dst, scope.ref_text(args[0]), entry.stages, engine=engine)
 
 
 def _activation(entry: op_table.OpSpec, args, dst: str, scope: TileScope) -> str:
@@ -528,6 +551,8 @@ def _emit_cast(dtype: str, source: Ref, vector: bool, scope: TileScope, lines: l
         return source
     if source.value is not None and _representable(source.value, dtype):
         return source  # masked_fill's cast[bfloat16](-inf): a number the instructions take as it is
+    if source.value is not None and dtype in ("float32", "bfloat16") and not math.isnan(source.value):
+        return Ref(value=_rounded(source.value, dtype))  # the value a memset into a tile of dtype would hold
     if vector and dtype != "float32":
         # Round the row vector to the dtype, then keep it fp32: tensor_scalar operands must be fp32.
         rounded = scope.tile(dtype, vector=True, stem=f"as_{dtype}")
@@ -543,12 +568,28 @@ def _emit_cast(dtype: str, source: Ref, vector: bool, scope: TileScope, lines: l
     return out
 
 
+FP32_ROUNDS_TO_INF = 2.0**128 - 2.0**103  # the midpoint between fp32's largest value and 2**128
+
+
+def _rounded(value: float, dtype: str) -> float:
+    """A number as a memset stores it in a tile of ``dtype``: rounded to fp32, then for bf16 to its upper half
+    (round to nearest, ties to even; past the largest bf16, inf)."""
+    if abs(value) >= FP32_ROUNDS_TO_INF:
+        return math.copysign(math.inf, value)
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    if dtype == "bfloat16":
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
 def _representable(value: float, dtype: str) -> bool:
     """Whether the float ``value`` is exactly a value of the float ``dtype`` (its cast changes nothing)."""
     if dtype not in ("float32", "bfloat16") or math.isnan(value):
         return False
     if math.isinf(value):
         return True
+    if abs(value) >= FP32_ROUNDS_TO_INF:
+        return False  # a finite number past fp32's range (a cast makes it inf)
     bits = struct.unpack("<I", struct.pack("<f", value))[0]
     if struct.unpack("<f", struct.pack("<I", bits))[0] != value:
         return False  # not an fp32 value
@@ -719,6 +760,29 @@ def _emit_copysign(args, dst, vector, scope, lines) -> None:
     ]
 
 
+def _emit_alu_reciprocal(args, dst, vector, scope, lines) -> None:
+    """dst = 1 / x by the ALU's reciprocal, every fp32 input (IEEE special values): VectorE's nisa.reciprocal, or
+    GpSimd's tensor_scalar form when VectorE has more of the scope's work (full tiles only)."""
+    data = scope.ref_text(args[0])
+    cost = CYCLES_PER_ELEMENT["nisa.reciprocal("]
+    gpsimd_load = scope.balance.load["gpsimd"] + cost * EngineBalance.GPSIMD_COST
+    if not vector and args[0].tile not in scope.allocator.psum_tiles and gpsimd_load < scope.balance.load["vector"]:
+        lines.append(_tensor_scalar(dst, data, (("nl.reciprocal", 0.0),), engine=GPSIMD))
+    else:
+        lines.append(f"nisa.reciprocal(dst={dst}, data={data})")
+
+
+def _emit_gpsimd_rsqrt(args, dst, vector, scope, lines) -> None:
+    """dst = 1 / sqrt(x) by GpSimd's ALU rsqrt (its operand is not read): every fp32 input. GpSimd cannot read
+    PSUM: a PSUM operand is copied to SBUF first."""
+    data = scope.ref_text(args[0])
+    if args[0].tile in scope.allocator.psum_tiles:
+        staged = f"{scope.tile(vector=vector, stem='from_psum')}{scope.window(vector)}"
+        lines.append(f"nisa.tensor_copy(dst={staged}, src={data})")
+        data = staged
+    lines.append(_tensor_scalar(dst, data, (("nl.rsqrt", 0.0),), engine=GPSIMD))
+
+
 def _emit_inverse_power_of_two(args, dst, vector, scope, lines) -> None:
     """dst = 2**(127 - E) for x's biased exponent E (x >= 0, E <= 253): x * dst lies in [1, 2) for normal x, an
     exact rescaling that keeps a reciprocal's input in range. Bits: 0x7f000000 - (bits(x) & 0x7f800000); the
@@ -736,7 +800,20 @@ SEQUENCES = {
     "where": _emit_where,
     "copysign": _emit_copysign,
     "inverse_power_of_two": _emit_inverse_power_of_two,
+    "reciprocal_alu": _emit_alu_reciprocal,
+    "rsqrt_alu": _emit_gpsimd_rsqrt,
 }
+# Cycles per element of the instructions a sequence emits, where not 1 (the cost model's figures: the ALU's
+# reciprocal takes 8, GpSimd's ALU rsqrt 4), so the engine balance weighs them as the schedule will.
+CYCLES_PER_ELEMENT = {"nisa.reciprocal(": 8, "op0=nl.reciprocal": 8, "op0=nl.rsqrt": 4}
+
+
+def _engine_and_cost(line: str) -> tuple[str, float]:
+    """(engine, relative cost) of one emitted instruction line, for the engine balance."""
+    engine = ("scalar" if line.startswith("nisa.activation(") or SCALAR in line else "gpsimd" if GPSIMD in line
+              else "vector")
+    cost = max((cycles for text, cycles in CYCLES_PER_ELEMENT.items() if text in line), default=1)
+    return engine, cost * (EngineBalance.GPSIMD_COST if engine == "gpsimd" else 1)
 
 
 def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str]) -> str:

@@ -15,7 +15,7 @@ operand, MIN_II = 64):
 nc_matmul (TensorE)                   max(min(64, N_stationary), N_moving); x4 when the inputs are fp32
 nc_transpose                          TensorE max(P, min(64, F)); VectorE max(MIN_II, N)
 activation / exponential (ScalarE)    max(MIN_II, N); + MIN_II with a reduction (activation_reduce)
-tensor_scalar, tensor_copy            max(MIN_II, N)
+tensor_scalar, tensor_copy            max(MIN_II, N); a tensor_scalar with the ALU's reciprocal 8N, rsqrt 4N
 tensor_copy_predicated                max(MIN_II, N) [I: a tensor_copy that also reads its predicate]
 tensor_tensor                         max(MIN_II, 2N); max(MIN_II, N) with a PSUM input or all-bf16
                                       contiguous add/multiply/subtract
@@ -221,13 +221,24 @@ def _scalar_tensor_tensor_cycles(record: InstructionRecord, n: int) -> float:
     return n if bf16 and op0 == "subtract" and op1 == "multiply" else 2 * n
 
 
+# The ALU's iterative unary operators, in cycles per element: the SDK's engine-selection guide gives the Vector
+# engine's reciprocal 8x and GpSimd's reverse square root 4x the Scalar engine's one cycle per element; [I] the
+# reciprocal is charged 8 on any engine (the SDK gives GpSimd's no figure), rsqrt 4.
+ALU_UNARY_CYCLES = {"reciprocal": 8, "rsqrt": 4}
+
+
+def _alu_unary_factor(record: InstructionRecord) -> float:
+    ops = (_op_name(record.attrs.get("op0")), _op_name(record.attrs.get("op1")))
+    return max(ALU_UNARY_CYCLES.get(op, 1) for op in ops)
+
+
 # Streaming formulas: name -> cycles as a function of (record, N); the result is floored at MIN_II.
 _STREAMING = {
     "activation": lambda r, n: n + (MIN_II if r.attrs.get("reduce") else 0),
     "activation_reduce": lambda r, n: n + MIN_II,
     "activate2": lambda r, n: n,
     "exponential": lambda r, n: n,
-    "tensor_scalar": lambda r, n: n,
+    "tensor_scalar": lambda r, n: n * _alu_unary_factor(r),
     "tensor_copy": lambda r, n: n,
     "tensor_copy_predicated": lambda r, n: n,
     "tensor_tensor": _tensor_tensor_cycles,

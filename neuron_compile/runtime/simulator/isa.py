@@ -366,19 +366,36 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
             operand_values(name, "operand0", operand0, p, *_OPERAND_RULES),
             operand_values(name, "operand1", operand1, p, *_OPERAND_RULES) if func1 else None,
         ]
+    for func in (func0, func1):
+        if func is not None and func.kind == "unary" and func.name not in ALU_UNARY:
+            raise NkiValidationError(
+                "err_unsupported_op", f"{func.name} is an activation function, not an ALU operator: tensor_scalar "
+                f"takes the unary ALU operators {sorted(ALU_UNARY)} only", name)
     data_view, dst_view = source_view(data), destination_view(dst)
 
     def step():
-        x, first = data_view.reshape(p, -1) if bitvec else fp32_rows(data_view, p), operands[0]()
-        x = func0.fn(first, x) if reverse0 else func0.fn(x, first)
+        x = data_view.reshape(p, -1) if bitvec else fp32_rows(data_view, p)
+        x = _tensor_scalar_stage(func0, x, operands[0], reverse0)
         if func1 is not None:
-            second = operands[1]()
-            x = func1.fn(second, x) if reverse1 else func1.fn(x, second)
+            x = _tensor_scalar_stage(func1, x, operands[1], reverse1)
         store_into(dst_view, x)
 
     run_step(step)
     record(name, eng, dst, [("data", data), ("operand0", operand0), ("operand1", operand1)],
            {"op0": func0.name, "op1": func1.name if func1 else None, "op": func0.name}, flops=dst.size)
+
+
+# The ALU's unary arithmetic operators (nki-spec §1.5), computed in fp32 over every input: a tensor_scalar stage
+# applies them to the data and does not read its operand (the SDK's form is ``op0=nl.rsqrt, operand0=0.0``).
+ALU_UNARY = {"rsqrt", "reciprocal", "abs"}
+
+
+def _tensor_scalar_stage(func, x, operand, reverse: bool):
+    """One stage of a tensor_scalar: a unary ALU operator of the data (its operand unread), or a binary one with
+    the operand (a callable giving the scalar or (P, 1) values: read when the step runs, as replays do)."""
+    if func.kind == "unary":
+        return func.fn(x)
+    return func.fn(operand(), x) if reverse else func.fn(x, operand())
 
 
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, engine=None,
