@@ -173,6 +173,9 @@ class TileScope:
         # shared_row(load) -> the name of a tile filled once before the loops, for loads the same on every
         # partition (codegen/row_broadcast.py), else None
         self.shared_row = None
+        # span_load(load, lines) -> a Ref to a view of a contiguous span's tile, for loads with a small innermost
+        # step (codegen/strided_rows.py), else None (nothing emitted)
+        self.span_load = None
         self.memo: dict = {}
         self.tiles: dict[tuple, str] = {}
         self.balance = EngineBalance()
@@ -396,6 +399,9 @@ def _emit_load(expr: ir.Load, scope: TileScope, lines: list[str]) -> Ref:
         name = scope.allocator.new(f"{expr.buffer}_once", broadcast.width, expr.dtype)
         lines.append(f"nisa.dma_copy(dst={name}{broadcast.slice_text}, src={broadcast.source})")
         return Ref(tile=name, dtype=expr.dtype, view=broadcast.view(name))
+    spanned = scope.span_load(expr, lines) if scope.span_load is not None else None
+    if spanned is not None:
+        return spanned
     name = scope.tile(expr.dtype, key=("load", expr), stem=f"{expr.buffer}_tile")
     dst, src = scope.load_pattern(expr, name)
     lines.append(f"nisa.dma_copy(dst={dst}, src={src})")
@@ -753,8 +759,9 @@ def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str])
         lines.append(f"nisa.tensor_scalar(dst={tile}{scope.slice_text}, data={tile}{scope.slice_text}, "
                      f"op0=nl.add, operand0={scope.ref_text(value)})")
         value = Ref(tile=tile)
-    if value.dtype == store_dtype:
+    if value.dtype == store_dtype and value.view is None:
         return scope.ref_text(value)
+    # another dtype, or a view (a broadcast, a step): a DMA of a strided SBUF read would pay a burst per element
     tile = scope.tile(store_dtype, stem=f"as_{store_dtype}")
     lines.append(f"nisa.tensor_copy(dst={tile}{scope.slice_text}, src={scope.ref_text(value)})")
     return f"{tile}{scope.slice_text}"

@@ -17,6 +17,7 @@ import math
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import TileAllocator
 from neuron_compile.codegen.kernel_text import kernel_context, kernel_names, render_template
+from neuron_compile.codegen.strided_rows import interleaving
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import KernelKind, describe, kind_of, loads, register_kind
 from neuron_compile.kinds.fusion_rules import stored_exprs
@@ -94,6 +95,45 @@ def inline_prologue(producer, part: ir.Pointwise) -> ir.Pointwise:
         dataclasses.replace(store, expr=ir.map_leaves(store.expr, leaf)) for store in part.stores))
 
 
+def interleaved_parts(node: ir.Concat) -> list[list[int]]:
+    """Runs of consecutive parts that write interleaved phases of the same rows (``stack([a, b], -1)``,
+    ``out[..., 0::2] = a; out[..., 1::2] = b``): equal domains, one store each, to one buffer through layouts
+    that differ only by offsets ``base .. base + k - 1``, the smallest stride ``k``. They are planned as one loop
+    nest and stored by contiguous DMAs (codegen/strided_rows.py)."""
+    runs: list[list[int]] = []
+    for index, part in enumerate(node.parts):
+        if runs and _next_phase(node.parts[runs[-1][-1]], part, node.parts[runs[-1][0]]):
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return [run for run in runs if len(run) > 1 and _steps_by_count(node.parts[run[0]], len(run))]
+
+
+def _next_phase(previous: ir.Pointwise, part: ir.Pointwise, first: ir.Pointwise) -> bool:
+    if len(part.stores) != 1 or len(previous.stores) != 1 or part.domain != first.domain:
+        return False
+    last, store = previous.stores[0], part.stores[0]
+    return (last.buffer.name == store.buffer.name and last.layout.shape == store.layout.shape
+            and last.layout.strides == store.layout.strides and store.layout.offset == last.layout.offset + 1)
+
+
+def _steps_by_count(part: ir.Pointwise, count: int) -> bool:
+    layout = part.stores[0].layout
+    strides = [abs(stride) for size, stride in zip(layout.shape, layout.strides) if size > 1 and stride]
+    return bool(strides) and min(strides) == count
+
+
+def plan_parts(node: ir.Concat, target, tiles: int) -> tuple[TilePlan, ...]:
+    """Each part's pointwise plan; the parts of an interleaved run share one (planned over all their stores)."""
+    plans = {}
+    for run in interleaved_parts(node):
+        together = dataclasses.replace(node.parts[run[0]], stores=tuple(
+            store for index in run for store in node.parts[index].stores))
+        plans.update(dict.fromkeys(run, plan_pointwise(together, target, tiles=tiles + len(run))))
+    return tuple(plans.get(index) or plan_pointwise(part, target, tiles=tiles) for index, part in
+                 enumerate(node.parts))
+
+
 def shared_loops(node: ir.Concat, plan: TilePlan) -> list[list[int]]:
     """The parts' indices grouped into loop nests: consecutive parts whose plans walk the same loops share one, so
     their common loads (rotate_half reads both halves of q in each part) are loaded once per tile. A part that
@@ -116,6 +156,19 @@ def _reads_any_of(part: ir.Pointwise, others: list[ir.Pointwise]) -> bool:
     written = {store.buffer.name for other in others for store in other.stores}
     return any(load.buffer in written for load in loads(part)) or any(
         store.buffer.name in {load.buffer for other in others for load in loads(other)} for store in part.stores)
+
+
+def nest_stores(node: ir.Concat, indices: list[int], plan: TilePlan) -> tuple[tuple, tuple]:
+    """(the stores of the nest's parts stored one by one, the groups of interleaved stores stored whole)."""
+    groups = []
+    for run in interleaved_parts(node):
+        if set(run) <= set(indices):
+            group = interleaving(tuple(node.parts[index].stores[0] for index in run), plan.free[-1])
+            if group is not None:
+                groups.append(group)
+    grouped = {id(store) for group in groups for store in group}
+    single = tuple(store for index in indices for store in node.parts[index].stores if id(store) not in grouped)
+    return single, tuple(groups)
 
 
 class ConcatKind(KernelKind):
@@ -161,7 +214,7 @@ class ConcatKind(KernelKind):
         # A part's tiles stay allocated while the next part runs (they are the kernel's locals), so every part is
         # sized for the SBUF the parts' tiles take together.
         together = sum(count_tiles([store.expr for store in part.stores]) for part in node.parts)
-        parts = tuple(plan_pointwise(part, target, tiles=together) for part in node.parts)
+        parts = plan_parts(node, target, together)
         synthetic = LoopDim(1, None)
         tiles = max(part.tiles_per_iteration for part in parts)
         return TilePlan("concat", (), synthetic, (synthetic,), tiles, parts=parts)
@@ -172,8 +225,8 @@ class ConcatKind(KernelKind):
             loop_plan = plan.parts[indices[0]]
             allocator = TileAllocator(loop_plan.partition.tile, reserved=kernel_names(node, parameters))
             allocator.count = count  # distinct tile names across loops
-            stores = tuple(store for index in indices for store in node.parts[index].stores)
-            body = pointwise_body(stores, loop_plan, allocator)
+            stores, interleaved = nest_stores(node, indices, loop_plan)
+            body = pointwise_body(stores, loop_plan, allocator, interleaved)
             count = allocator.count
             nests.append(dict(plan=loop_plan, body=body, allocations=allocator.lines, inputs=indices,
                               depth=len(loop_plan.outer) + 1))

@@ -18,6 +18,7 @@ import math
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import BroadcastLoad, TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template, store_lines
+from neuron_compile.codegen.strided_rows import SpanLoads, emit_span_load, interleaved_store_lines
 from neuron_compile.dims import LoopDim, collapse
 from neuron_compile.kind_registry import register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
@@ -75,10 +76,13 @@ def widen_free(outer: list[LoopDim], free: LoopDim, tiles: int, target) -> tuple
     return outer[:-1], (dataclasses.replace(outer[-1], tile=min(outer[-1].size, chunks)), free)
 
 
-def pointwise_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator) -> list[str]:
+def pointwise_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator,
+                   interleaved: tuple[tuple[ir.Store, ...], ...] = ()) -> list[str]:
     """The lines of one [rows, cols] tile (cols x the inner free dim's size when widened): loads, the expressions,
     the stores. Concat parts reuse it: parts with one loop nest pass their stores together, so a load two parts
-    share (rotate_half reads both halves in each) is one DMA."""
+    share (rotate_half reads both halves in each) is one DMA; ``interleaved`` are groups of stores that interleave
+    (``strided_rows.interleaving``), each stored as one contiguous DMA. Loads with a small innermost step read a
+    contiguous span (codegen/strided_rows.py)."""
     patterns = Patterns(plan)
     free = [(plan.free[0], "cols")] + [(dim, str(dim.size)) for dim in plan.free[1:]]
     inner = math.prod(dim.size for dim in plan.free[1:])
@@ -101,8 +105,22 @@ def pointwise_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: Tile
 
     scope = TileScope(allocator, plan.free[0].tile * inner, columns, load_pattern, vector_pattern=vector_pattern,
                       broadcast_pattern=broadcast_pattern)
+
+    def hbm(buffer: str, layout: ir.Layout):
+        return patterns.hbm(buffer, layout, free, True)
+
+    every = (*stores, *(store for group in interleaved for store in group))
+    spans = SpanLoads([store.expr for store in every], hbm)
+
+    def span_load(load: ir.Load, lines: list[str]):
+        span = spans(load)
+        return emit_span_load(load, span, scope, lines) if span is not None else None
+
+    scope.span_load = span_load
     body: list[str] = []
     store_lines(stores, scope, patterns, free, True, body)
+    for group in interleaved:
+        interleaved_store_lines(group, scope, hbm, body)
     return body
 
 
