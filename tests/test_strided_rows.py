@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowering_harness import check_against_eager, random_tensor
+from neuron_compile import ir
 from neuron_compile.codegen.strided_rows import small_step
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -88,6 +89,28 @@ def test_rotary_interleaves_move_contiguous_rows(form):
     steps = [(tensor, step) for tensor, step in _strided_hbm_steps(region)
              if tensor not in {"arg1_1", "arg2_1"}]  # cos / sin rows: one small load per tile, read through views
     assert not steps, steps
+
+
+@pytest.mark.parametrize("form", ["flux", "wan"])
+def test_each_rotary_is_one_kernel(form):
+    """Flux: the negation inlined into the stack's parts, the multiply-add distributed over them (restated over
+    the stack's [.., 64, 2]); Wan: the second slice_scatter takes the first and both halves' math. The rotated
+    tensor never reaches HBM."""
+    x, cos, sin = _rotary_inputs(130, 2, 64, torch.bfloat16)
+    if form == "wan":
+        cos, sin = cos[None], sin[None]
+    region = check_against_eager(flux_rotary if form == "flux" else wan_rotary, x, cos, sin)
+    assert len(region.kernels) == 1
+
+
+def test_refine_layout_splits_dims_and_refuses_regrouping():
+    wide = ir.Layout((1, 5, 8, 128), (0, 1024, 128, 1), 3)
+    assert ir.refine_layout(wide, (1, 5, 8, 64, 2)) == ir.Layout((1, 5, 8, 64, 2), (0, 1024, 128, 2, 1), 3)
+    assert ir.refine_layout(ir.Layout((4, 6), (1, 4), 0), (4, 3, 2)) == ir.Layout((4, 3, 2), (1, 8, 4), 0)
+    assert ir.refine_layout(ir.Layout((6,), (2,), 1), (6, 1)) == ir.Layout((6, 1), (2, 0), 1)
+    assert ir.refine_layout(ir.Layout((6,), (1,), 0), (4,)) is None  # other elements
+    assert ir.refine_layout(ir.Layout((2, 3), (3, 1), 0), (6,)) is None  # a merge, not a split
+    assert ir.refine_layout(ir.Layout((6,), (1,), 0), (2, 4)) is None
 
 
 @settings(max_examples=8, deadline=None)

@@ -141,18 +141,26 @@ class Ref:
 class BroadcastLoad:
     """A load constant along a tile's first free dim (cos / sin of a rotary, the same for every head): one
     [rows, width] DMA of the distinct elements, read by the instructions through a view that repeats them along
-    that dim (an access-pattern entry of step 0), instead of a DMA moving every repeat."""
+    that dim (an access-pattern entry of step 0), instead of a DMA moving every repeat. With a ``step`` (every
+    other element of cos: Wan's ``freqs_cos[..., 0::2]``) the DMA moves the contiguous span they lie in and the
+    view takes every step-th (codegen/strided_rows.py)."""
 
     width: int  # distinct elements per partition
     repeats: str  # the repeated dim's extent (a loop bound like ``cols``)
     source: AccessPattern
+    step: int = 1
+
+    @property
+    def span(self) -> int:
+        """Elements per partition the tile holds."""
+        return self.width * self.step
 
     @property
     def slice_text(self) -> str:
-        return f"[0:rows, 0:{self.width}]"
+        return f"[0:rows, 0:{(self.width - 1) * self.step + 1}]"
 
     def view(self, tile: str) -> str:
-        return f"{tile}.ap([[{self.width}, rows], [0, {self.repeats}], [1, {self.width}]], offset=0)"
+        return f"{tile}.ap([[{self.span}, rows], [0, {self.repeats}], [{self.step}, {self.width}]], offset=0)"
 
 
 class TileScope:
@@ -396,7 +404,7 @@ def _emit_load(expr: ir.Load, scope: TileScope, lines: list[str]) -> Ref:
         return Ref(tile=shared, dtype=expr.dtype)
     broadcast = scope.broadcast_pattern(expr) if scope.broadcast_pattern is not None else None
     if broadcast is not None:
-        name = scope.allocator.new(f"{expr.buffer}_once", broadcast.width, expr.dtype)
+        name = scope.allocator.new(f"{expr.buffer}_once", broadcast.span, expr.dtype)
         lines.append(f"nisa.dma_copy(dst={name}{broadcast.slice_text}, src={broadcast.source})")
         return Ref(tile=name, dtype=expr.dtype, view=broadcast.view(name))
     spanned = scope.span_load(expr, lines) if scope.span_load is not None else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import AccessPattern, Ref, TileScope, emit, emit_store
+from neuron_compile.codegen.expressions import AccessPattern, BroadcastLoad, Ref, TileScope, emit, emit_store
 from neuron_compile.dims import LoopDim
 
 STEP_BYTES_MAX = 16  # an SBUF operand's innermost step up to this many bytes streams at full rate
@@ -71,7 +71,7 @@ class SpanLoad:
 
     def destination(self, tile: str, free: int) -> str:
         """The tile as the span's DMA fills it: rows of ``count * step`` per innermost run."""
-        *outer, (_, length) = self.source.free
+        length = self.source.free[-1][1]
         tile_entries = _tile_entries(self.entries, self.step)
         return _ap_text(tile, self.width(free), [*tile_entries[:-1], (1, length)], 0)
 
@@ -100,7 +100,9 @@ class SpanLoads:
         if len(entries) < 2 or load.dtype == "bool" or not small_step(step, load.dtype):
             return None
         phase = load.layout.offset % step
-        start = ir.Layout(load.layout.shape, load.layout.strides, load.layout.offset - phase)
+        # size-1 dims' strides do not matter (emit reads loads with them 0): keys must not differ by them
+        strides = tuple(0 if size == 1 else stride for size, stride in zip(load.layout.shape, load.layout.strides))
+        start = ir.Layout(load.layout.shape, strides, load.layout.offset - phase)
         return (load.buffer, load.dtype, start), phase
 
     def __call__(self, load: ir.Load) -> SpanLoad | None:
@@ -118,6 +120,15 @@ class SpanLoads:
             length = f"{count} * {step}" + (f" - {short}" if short else "")
         source = AccessPattern(pattern.tensor, (*outer, (1, length)), pattern.offset)
         return SpanLoad(key, source, self.pattern(load.buffer, load.layout).entries, step, phase)
+
+
+def stepped_broadcast(width: int, repeats: str, source: AccessPattern, dtype: str) -> BroadcastLoad:
+    """A broadcast load (``BroadcastLoad``) whose one inner entry has a small step reads its span instead."""
+    if len(source.free) != 1 or not small_step(source.free[0][0], dtype):
+        return BroadcastLoad(width, repeats, source)
+    step = source.free[0][0]
+    span = AccessPattern(source.tensor, (source.entries[0], (1, (width - 1) * step + 1)), source.offset)
+    return BroadcastLoad(width, repeats, span, step)
 
 
 def emit_span_load(load: ir.Load, span: SpanLoad, scope: TileScope, lines: list[str]) -> Ref:
@@ -144,6 +155,16 @@ def interleaving(stores: tuple[ir.Store, ...], innermost: LoopDim) -> tuple[ir.S
     return ordered if step == len(stores) and small_step(step, ordered[0].buffer.dtype) else None
 
 
+def _phase_copy(view: str, source: str, value: Ref, scope: TileScope) -> str:
+    """The copy of a phase into the rows' tile, on the least loaded engine: ScalarE (an activation copy) when the
+    body left it idler than VectorE and GpSimd, as a rotary's multiply-adds do."""
+    load = scope.balance.load
+    if load["scalar"] + 1 <= min(load["vector"], load["gpsimd"]):
+        scope.balance.note("scalar")
+        return f"nisa.activation(dst={view}, op=nl.copy, data={source})"
+    return f"nisa.tensor_copy(dst={view}, src={source}{scope.balance.pick([value], scope)})"
+
+
 def interleaved_store_lines(stores: tuple[ir.Store, ...], scope: TileScope, pattern, lines: list[str]) -> None:
     """The phases of ``stores`` (from ``interleaving``) copied into one tile, stored by one contiguous DMA;
     ``pattern(buffer, layout)`` is the stores' HBM AccessPattern."""
@@ -154,10 +175,8 @@ def interleaved_store_lines(stores: tuple[ir.Store, ...], scope: TileScope, patt
         value = emit(store.expr, scope, lines)
         source = scope.ref_text(value) if value.tile is not None and not value.vector else emit_store(
             dtype, value, scope, lines)
-        engine = scope.balance.pick([value], scope)
         view = _ap_text(rows, scope.free * step, _tile_entries(entries, step), phase)
-        lines.append(f"nisa.tensor_copy(dst={view}, "
-                     f"src={source}{engine})")
+        lines.append(_phase_copy(view, source, value, scope))
     whole = pattern(stores[0].buffer.name, stores[0].layout)
     contiguous = AccessPattern(whole.tensor, _widened(whole.entries, step), whole.offset)
     counts = " * ".join(str(count) for _, count in contiguous.free)

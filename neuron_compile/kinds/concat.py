@@ -1,12 +1,15 @@
 """Kernel kind ``concat``: every input copied into its slice of one output buffer (``ir.Concat``, aten.cat).
 
 One kernel writes the whole output (a buffer has one writer). Fusion: a pointwise producer whose outputs only the
-concat reads is inlined into the parts that read it over their own domain (a prologue: rotate_half's ``neg``); a
-pointwise consumer over the concat's domain that reads its outputs with their own index map is distributed over
-the parts (an epilogue: each part computes the consumer on its slice, reading the other operands through the
+concat reads is inlined into the parts that read it over their own domain (a prologue: rotate_half's ``neg``), and
+so is a concat producer whose parts the reads match one for one (Wan's two step-2 slice_scatters); a concat takes
+such prologues from several producer groups. A pointwise consumer over the concat's domain (or over one the
+concat's splits, restated: ``ir.refine_layout``) that reads its outputs with their own index map is distributed
+over the parts (an epilogue: each part computes the consumer on its slice, reading the other operands through the
 sliced access patterns), so ``cat`` -> ``mul`` -> ``add`` is one kernel and the concatenation itself need not reach
-HBM. Tiling: one pointwise plan per part. Codegen: the parts' pointwise bodies one after the other, with fresh
-tiles per iteration (concat.py.j2).
+HBM. Tiling: one pointwise plan per part; consecutive parts writing the phases of the same rows (a stack on the
+last dim) share one. Codegen: the parts' pointwise bodies one after the other, with fresh tiles per iteration
+(concat.py.j2); interleaved phases are assembled on chip and stored as contiguous rows (codegen/strided_rows.py).
 """
 
 from __future__ import annotations
@@ -35,16 +38,40 @@ def _has_iota(expr: ir.Expr) -> bool:
     return isinstance(expr, ir.Iota) or (isinstance(expr, ir.Op) and any(_has_iota(arg) for arg in expr.args))
 
 
+def over_domain(node: ir.Pointwise, domain: tuple[int, ...]) -> ir.Pointwise | None:
+    """``node`` restated over ``domain`` when that only splits its dims (``ir.refine_layout``: Flux's rotary
+    ``x * cos + stack([-x2, x1], -1).flatten(-2) * sin`` over [.., 128] against the stack's [.., 64, 2]), else
+    None. Not with an index (iota) or random draws, whose values follow the domain's coordinates."""
+    if tuple(node.domain) == tuple(domain):
+        return node
+    exprs = [store.expr for store in node.stores]
+    if any(_has_iota(expr) or ir.draws_random(expr) for expr in exprs):
+        return None
+    used = [store.layout for store in node.stores] + [layout for expr in exprs for layout in ir.access_layouts(expr)]
+    layouts = {layout: ir.refine_layout(layout, tuple(domain)) for layout in used}
+    if any(layout is None for layout in layouts.values()):
+        return None
+
+    def leaf(node):
+        return dataclasses.replace(node, layout=layouts[node.layout]) if isinstance(node, ir.Load) else node
+
+    return dataclasses.replace(node, domain=tuple(domain), stores=tuple(
+        dataclasses.replace(store, expr=ir.map_leaves(store.expr, leaf), layout=layouts[store.layout])
+        for store in node.stores))
+
+
 def epilogue_refusal(group: ir.Concat, consumer) -> str | None:
     """None if the pointwise ``consumer`` may be distributed over ``group``'s parts (see the module docstring)."""
     if len(group.starts) != len(group.parts):
         return "the concat's parts have no known place in its output"
     if sum(math.prod(part.domain) for part in group.parts) != math.prod(group.domain):
         return "the concat's parts do not cover its output"
-    if tuple(consumer.domain) != tuple(group.domain):
-        return f"domains differ: {list(consumer.domain)} vs {list(group.domain)}"
     if any(_has_iota(store.expr) for store in consumer.stores):
         return "the epilogue computes an index (iota), which the parts' slices would shift"
+    restated = over_domain(consumer, group.domain)
+    if restated is None:
+        return f"domains differ: {list(consumer.domain)} vs {list(group.domain)}"
+    consumer = restated
     written = {store.buffer.name: store.layout for store in group.stores}
     for load in loads(consumer):
         if load.buffer in written and not ir.same_index_map(load.layout, written[load.buffer]):
@@ -68,25 +95,71 @@ def with_epilogue(part: ir.Pointwise, start: tuple[int, ...], consumer) -> ir.Po
 
 
 def prologue_refusal(producer, consumer: ir.Concat, outside: set[str]) -> str | None:
-    """None if the pointwise ``producer`` may be inlined into the parts of ``consumer`` that read it."""
+    """None if the pointwise ``producer`` may be inlined into the parts of ``consumer`` that read it, or the
+    concat ``producer``'s parts into the parts that read exactly one of them (``concat_prologue_refusal``)."""
+    if isinstance(producer, ir.Concat):
+        return concat_prologue_refusal(producer, consumer, outside)
     if not kind_of(producer).elementwise:
         return f"a concat part's prologue must be pointwise, not {type(producer).__name__}"
     if outside:
         return f"the prologue's outputs {sorted(outside)} are needed outside the kernel"
-    stores = stored_exprs(producer.stores)
+    written = stored_exprs(producer.stores)
     for part in consumer.parts:
         for load in loads(part):
-            if load.buffer not in stores:
+            if load.buffer not in written:
                 continue
-            if tuple(producer.domain) != tuple(part.domain):
+            restated = over_domain(producer, part.domain)
+            if restated is None:
                 return f"prologue domain {list(producer.domain)} differs from the part's {list(part.domain)}"
-            if not ir.same_index_map(load.layout, stores[load.buffer].layout):
+            if not ir.same_index_map(load.layout, stored_exprs(restated.stores)[load.buffer].layout):
                 return f"{load.buffer} is read through a view that changes the index map"
     return None
 
 
+def concat_prologue_refusal(producer: ir.Concat, consumer: ir.Concat, outside: set[str]) -> str | None:
+    """None if every read of ``producer``'s output by ``consumer``'s parts is one producer part's store (the same
+    domain and index map): Wan's ``out[..., 0::2] = a`` then ``out[..., 1::2] = b`` is two slice_scatters, the
+    second copying the first's ``a`` back; merged, it computes ``a`` and ``b`` and the first's other part (a copy
+    of ``empty``'s odd elements) goes."""
+    if outside:
+        return f"the producer concat's outputs {sorted(outside)} are needed outside the kernel"
+    if producer.epilogue_stores:
+        return "the producer concat has an epilogue"
+    for part in consumer.parts:
+        for load in loads(part):
+            if load.buffer in {store.buffer.name for store in producer.stores} and _phase_part(
+                    producer, part, load) is None:
+                return f"{load.buffer} is read through a view that is none of its parts' slices"
+    return None
+
+
+def _phase_part(producer: ir.Concat, reader: ir.Pointwise, load: ir.Load) -> ir.Store | None:
+    """The producer part's store that ``load`` (in ``reader``) reads exactly, or None."""
+    for part in producer.parts:
+        for store in part.stores:
+            if (store.buffer.name == load.buffer and part.domain == reader.domain
+                    and ir.same_index_map(store.layout, load.layout)):
+                return store
+    return None
+
+
+def inline_concat_prologue(producer: ir.Concat, part: ir.Pointwise) -> ir.Pointwise:
+    written = {store.buffer.name for store in producer.stores}
+
+    def leaf(node):
+        if isinstance(node, ir.Load) and node.buffer in written:
+            return _phase_part(producer, part, node).expr
+        return node
+
+    return dataclasses.replace(part, stores=tuple(
+        dataclasses.replace(store, expr=ir.map_leaves(store.expr, leaf)) for store in part.stores))
+
+
 def inline_prologue(producer, part: ir.Pointwise) -> ir.Pointwise:
-    stores = stored_exprs(producer.stores)
+    written = {store.buffer.name for store in producer.stores}
+    if not any(load.buffer in written for load in loads(part)):
+        return part
+    stores = stored_exprs(over_domain(producer, part.domain).stores)
 
     def leaf(node):
         return stores[node.buffer].expr if isinstance(node, ir.Load) and node.buffer in stores else node
@@ -175,11 +248,13 @@ class ConcatKind(KernelKind):
     node_type = ir.Concat
     name = "concat"
     takes_prologue = True
+    takes_several_prologues = True  # each producer is inlined into the parts that read it, the others kept
 
     def epilogue_reason(self, group, consumer, outside):
         return epilogue_refusal(group, consumer)
 
     def merge_epilogue(self, group, consumer):
+        consumer = over_domain(consumer, group.domain)
         parts = tuple(with_epilogue(part, start, consumer) for part, start in zip(group.parts, group.starts))
         full = tuple(ir.Store(store.buffer, ir.Result(), store.layout) for store in consumer.stores)
         return dataclasses.replace(group, parts=parts, epilogue_stores=group.epilogue_stores + full)
@@ -188,7 +263,8 @@ class ConcatKind(KernelKind):
         return prologue_refusal(producer, consumer, outside)
 
     def merge_prologue(self, producer, consumer):
-        return dataclasses.replace(consumer, parts=tuple(inline_prologue(producer, part) for part in consumer.parts))
+        inline = inline_concat_prologue if isinstance(producer, ir.Concat) else inline_prologue
+        return dataclasses.replace(consumer, parts=tuple(inline(producer, part) for part in consumer.parts))
 
     def exprs(self, node):
         return [store.expr for part in node.parts for store in part.stores]

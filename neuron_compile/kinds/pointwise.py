@@ -18,7 +18,7 @@ import math
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import BroadcastLoad, TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template, store_lines
-from neuron_compile.codegen.strided_rows import SpanLoads, emit_span_load, interleaved_store_lines
+from neuron_compile.codegen.strided_rows import SpanLoads, emit_span_load, interleaved_store_lines, stepped_broadcast
 from neuron_compile.dims import LoopDim, collapse
 from neuron_compile.kind_registry import register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
@@ -101,7 +101,7 @@ def pointwise_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: Tile
         # constant along the widened dim (the heads) but not along the inner one: load the inner row once
         if inner == 1 or plan.free[0].stride(load.layout) != 0 or load.dtype == "bool":
             return None
-        return BroadcastLoad(inner, "cols", patterns.hbm(load.buffer, load.layout, free[1:], False))
+        return stepped_broadcast(inner, "cols", patterns.hbm(load.buffer, load.layout, free[1:], False), load.dtype)
 
     scope = TileScope(allocator, plan.free[0].tile * inner, columns, load_pattern, vector_pattern=vector_pattern,
                       broadcast_pattern=broadcast_pattern)
