@@ -163,6 +163,22 @@ class BroadcastLoad:
         return f"{tile}.ap([[{self.span}, rows], [0, {self.repeats}], [{self.step}, {self.width}]], offset=0)"
 
 
+@dataclasses.dataclass(frozen=True)
+class RepeatedColumnsLoad:
+    """A load constant along a tile's inner free dims but not along its first (a per-row statistic when each
+    partition holds several rows, kinds/pointwise.py ``rows_per_partition``): one [rows, cols] DMA of the distinct
+    values, read through a view that repeats each one ``inner`` times (a step-0 entry), instead of a DMA moving
+    every repeat."""
+
+    span: int  # columns the tile holds
+    inner: int
+    source: AccessPattern
+    slice_text: str = "[0:rows, 0:cols]"
+
+    def view(self, tile: str) -> str:
+        return f"{tile}.ap([[{self.span}, rows], [1, cols], [0, {self.inner}]], offset=0)"
+
+
 class TileScope:
     """One tile-shaped working set: ``slice_text`` like ``[0:rows, 0:cols]`` over tiles of ``free`` elements.
 
