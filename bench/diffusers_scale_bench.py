@@ -22,6 +22,7 @@ outputs) bytes / DMA bandwidth)`` (FLOPs from ``torch.utils.flop_counter.FlopCou
 
     PYTHONPATH=. python bench/diffusers_scale_bench.py --compile-time
     PYTHONPATH=. python bench/diffusers_scale_bench.py --mid --models flux
+    PYTHONPATH=. python bench/diffusers_scale_bench.py --mid --top 20   # and the 20 costliest kernels per model
     PYTHONPATH=. python bench/diffusers_scale_bench.py --warm-start
 """
 
@@ -139,7 +140,15 @@ def compile_child(name: str, mode: str, blocks: str) -> dict:
                 error=relative(actual, expected))
 
 
-def mid_child(name: str) -> dict:
+def top_kernels(launches, top: int) -> list[str]:
+    """The ``top`` costliest kernels of a warm call: estimated us, roofline us, bottleneck."""
+    costs = [cost for launch in launches if launch.report is not None
+             for cost in launch.report.kernel_costs(launch.kernel)]
+    return [f"{cost.name}: {cost.est_time_s * 1e6:.1f} us (roofline {cost.roofline_s * 1e6:.1f} us, "
+            f"{cost.bottleneck})" for cost in sorted(costs, key=lambda cost: -cost.est_time_s)[:top]]
+
+
+def mid_child(name: str, top: str = "0") -> dict:
     import neuron_compile
     from neuron_compile.hardware import get_target
     from torch.utils.flop_counter import FlopCounterMode
@@ -158,10 +167,12 @@ def mid_child(name: str) -> dict:
     with torch.no_grad():
         model(**kwargs)
         neuron_compile.reset_stats()
-        actual = sample(model(**kwargs))
+        with neuron_compile.record_launches() as launches:
+            actual = sample(model(**kwargs))
     stats = neuron_compile.stats()
     return dict(est_s=stats["est_time_s"], roofline_s=roofline, flops=counter.get_total_flops(),
-                bytes=necessary, error=relative(actual, expected), eager_nodes=stats["fallback_nodes"])
+                bytes=necessary, error=relative(actual, expected), eager_nodes=stats["fallback_nodes"],
+                top=top_kernels(launches, int(top)))
 
 
 def warm_start_child(name: str) -> dict:
@@ -216,15 +227,17 @@ def compile_time_table(names: list[str], scratch: str) -> None:
               f"| {between:.1e} | {whole['error']:.1e} / {regional['error']:.1e} |", flush=True)
 
 
-def mid_table(names: list[str]) -> None:
+def mid_table(names: list[str], top: int) -> None:
     print("| model | GFLOP | necessary MB | error vs eager (relative) | eager nodes | est. trn2 ms | roofline ms "
           "| x roofline |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in names:
-        result = run_child("mid", name)
+        result = run_child("mid", name, str(top))
         print(f"| {name} | {result['flops'] / 1e9:.1f} | {result['bytes'] / 1e6:.1f} | {result['error']:.1e} "
               f"| {result['eager_nodes']} | {result['est_s'] * 1e3:.3f} | {result['roofline_s'] * 1e3:.3f} "
               f"| {result['est_s'] / result['roofline_s']:.2f}x |", flush=True)
+        for line in result["top"]:
+            print(f"  {name} {line}", file=sys.stderr)
 
 
 def warm_start_table(names: list[str], scratch: str) -> None:
@@ -251,6 +264,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=TINY["blocks"],
                         help="--compile-time: blocks of each repeated kind (Flux: double and single each)")
     parser.add_argument("--pipelines", default="flux,ltx")
+    parser.add_argument("--top", type=int, default=0, help="--mid: print the N costliest kernels of each row to stderr")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.child:
@@ -266,7 +280,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as scratch:
             compile_time_table(names, scratch)
     if arguments.mid:
-        mid_table(names)
+        mid_table(names, arguments.top)
     if arguments.warm_start:
         with tempfile.TemporaryDirectory() as scratch:
             warm_start_table(arguments.pipelines.split(","), scratch)

@@ -58,6 +58,29 @@ def same_index_map(a: Layout, b: Layout) -> bool:
     )
 
 
+def refine_layout(layout: Layout, domain: tuple[int, ...]) -> Layout | None:
+    """``layout`` restated over ``domain`` when ``domain`` only splits its dims into consecutive ones (and adds or
+    drops size-1 dims): [.., 128] over [.., 64, 2] reads the same elements with strides (2s, s). None when
+    ``domain`` regroups the elements otherwise. A split is always expressible, whatever the dim's stride."""
+    if 0 in layout.shape or 0 in domain:
+        return None
+    wanted = [(size, stride) for size, stride in zip(layout.shape, layout.strides) if size != 1]
+    sizes = [size for size in domain if size != 1]
+    strides: list[int] = []
+    for size, stride in reversed(wanted):  # innermost first: each dim is the product of the next few of domain's
+        remaining = size
+        while remaining > 1:
+            if not sizes or remaining % sizes[-1]:
+                return None
+            part = sizes.pop()
+            strides.append(stride)
+            stride, remaining = stride * part, remaining // part
+    if sizes:
+        return None
+    split = iter(reversed(strides))
+    return Layout(tuple(domain), tuple(0 if size == 1 else next(split) for size in domain), layout.offset)
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, running = [], 1
     for size in reversed(shape):

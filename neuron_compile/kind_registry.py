@@ -32,6 +32,8 @@ class KernelKind:
     name: str = ""
     elementwise = False  # a consumer of this kind becomes an epilogue of its producer's group
     takes_prologue = False  # a pointwise producer may be inlined as this kind's prologue
+    # a group of this kind may take prologues from several producer groups (each merge keeps the earlier ones')
+    takes_several_prologues = False
     refusal: str | None = None  # why a group of this kind takes no fused consumer at all
     # the kind evaluates each expression once per element of its stores' tiles, so a random draw (ir.RandomKeep)
     # may live in it; kinds that recompute their math (row passes, chunked rows) or walk other tiles may not

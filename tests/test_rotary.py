@@ -1,10 +1,14 @@
 """The rotary embedding of a Llama layer (``q * cos + rotate_half(q) * sin``) on the simulator against eager, and
 the tile plans that keep its DMAs long: a pointwise kernel over [heads, seq, 64] takes the heads into its free axis
-(kinds/pointwise.py ``widen_free``), so one DMA moves [128 rows, heads x 64] instead of [128, 64] per head."""
+(kinds/pointwise.py ``widen_free``), so one DMA moves [128 rows, heads x 64] instead of [128, 64] per head; with no
+outer dim (a q / k norm's epilogue over [tokens x heads, 128]) each partition takes several rows
+(``rows_per_partition``)."""
 
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import neuron_compile
 from lowering_harness import check_against_eager, random_tensor
@@ -97,3 +101,49 @@ def test_the_rotary_moves_each_input_once():
     moved = sum(t.numel() * t.element_size() for t in (q, cos, sin)) + q.numel() * q.element_size()
     assert stats["fallback_nodes"] == 0
     assert stats["hbm_bytes"] == moved
+
+
+def _row_scaled(rows: int, width: int, dtype) -> ir.Pointwise:
+    """``x * s`` over [rows, width]: a per-row statistic times the row (a q / k norm's epilogue)."""
+    domain = (rows, width)
+    out = ir.Buffer("out", dtype, ir.Layout(domain, ir.contiguous_strides(domain)))
+    x = ir.Load("x", ir.Layout(domain, (width, 1)), dtype)
+    statistic = ir.Load("s", ir.Layout(domain, (1, 0)), "float32")
+    return ir.Pointwise("kernel", domain, (ir.Store(out, ir.op("mul", x, statistic), out.layout),))
+
+
+def test_short_rows_with_no_outer_dim_put_several_rows_on_each_partition():
+    target = get_target("trn2")
+    plan = plan_pointwise(_row_scaled(2048, 128, "bfloat16"), target)  # tokens x heads rows of one 128-wide head
+    assert plan.partition.size == 256 and [(dim.size, dim.tile) for dim in plan.free] == [(8, 8), (128, 128)]
+    assert len(plan_pointwise(_row_scaled(2048, 256, "bfloat16"), target).free) == 1  # 512-byte rows: long enough
+    assert len(plan_pointwise(_row_scaled(300, 128, "bfloat16"), target).free) == 1  # too few rows to group
+
+
+def norm_epilogue(x, statistic, weight):
+    return (x.float() * statistic * weight).to(x.dtype)
+
+
+@settings(max_examples=10, deadline=None)
+@given(rows=st.sampled_from([512, 513, 1030, 2048]), width=st.sampled_from([1, 3, 64, 128]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_rows_grouped_per_partition_match_eager(rows, width, dtype):
+    x = random_tensor((rows, width), dtype, seed=1)
+    statistic, weight = random_tensor((rows, 1), seed=2), random_tensor((width,), dtype, seed=3)
+    check_against_eager(norm_epilogue, x, statistic, weight)
+
+
+def test_rows_grouped_per_partition_cut_the_norm_epilogues_time(monkeypatch):
+    from neuron_compile.kinds import pointwise
+
+    inputs = (random_tensor((8192, 128), torch.bfloat16, seed=1), random_tensor((8192, 1), seed=2),
+              random_tensor((128,), torch.bfloat16, seed=3))
+
+    def estimated() -> float:
+        neuron_compile.reset_stats()
+        check_against_eager(norm_epilogue, *inputs)
+        return neuron_compile.stats()["est_time_s"]
+
+    grouped = estimated()
+    monkeypatch.setattr(pointwise, "SHORT_ROW_BYTES", 0)  # one 256-byte row per partition per tile, as before
+    assert grouped < 0.6 * estimated()

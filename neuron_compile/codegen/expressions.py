@@ -141,18 +141,42 @@ class Ref:
 class BroadcastLoad:
     """A load constant along a tile's first free dim (cos / sin of a rotary, the same for every head): one
     [rows, width] DMA of the distinct elements, read by the instructions through a view that repeats them along
-    that dim (an access-pattern entry of step 0), instead of a DMA moving every repeat."""
+    that dim (an access-pattern entry of step 0), instead of a DMA moving every repeat. With a ``step`` (every
+    other element of cos: Wan's ``freqs_cos[..., 0::2]``) the DMA moves the contiguous span they lie in and the
+    view takes every step-th (codegen/strided_rows.py)."""
 
     width: int  # distinct elements per partition
     repeats: str  # the repeated dim's extent (a loop bound like ``cols``)
     source: AccessPattern
+    step: int = 1
+
+    @property
+    def span(self) -> int:
+        """Elements per partition the tile holds."""
+        return self.width * self.step
 
     @property
     def slice_text(self) -> str:
-        return f"[0:rows, 0:{self.width}]"
+        return f"[0:rows, 0:{(self.width - 1) * self.step + 1}]"
 
     def view(self, tile: str) -> str:
-        return f"{tile}.ap([[{self.width}, rows], [0, {self.repeats}], [1, {self.width}]], offset=0)"
+        return f"{tile}.ap([[{self.span}, rows], [0, {self.repeats}], [{self.step}, {self.width}]], offset=0)"
+
+
+@dataclasses.dataclass(frozen=True)
+class RepeatedColumnsLoad:
+    """A load constant along a tile's inner free dims but not along its first (a per-row statistic when each
+    partition holds several rows, kinds/pointwise.py ``rows_per_partition``): one [rows, cols] DMA of the distinct
+    values, read through a view that repeats each one ``inner`` times (a step-0 entry), instead of a DMA moving
+    every repeat."""
+
+    span: int  # columns the tile holds
+    inner: int
+    source: AccessPattern
+    slice_text: str = "[0:rows, 0:cols]"
+
+    def view(self, tile: str) -> str:
+        return f"{tile}.ap([[{self.span}, rows], [1, cols], [0, {self.inner}]], offset=0)"
 
 
 class TileScope:
@@ -173,6 +197,9 @@ class TileScope:
         # shared_row(load) -> the name of a tile filled once before the loops, for loads the same on every
         # partition (codegen/row_broadcast.py), else None
         self.shared_row = None
+        # span_load(load, lines) -> a Ref to a view of a contiguous span's tile, for loads with a small innermost
+        # step (codegen/strided_rows.py), else None (nothing emitted)
+        self.span_load = None
         self.memo: dict = {}
         self.tiles: dict[tuple, str] = {}
         self.balance = EngineBalance()
@@ -410,9 +437,12 @@ def _emit_load(expr: ir.Load, scope: TileScope, lines: list[str]) -> Ref:
         return Ref(tile=shared, dtype=expr.dtype)
     broadcast = scope.broadcast_pattern(expr) if scope.broadcast_pattern is not None else None
     if broadcast is not None:
-        name = scope.allocator.new(f"{expr.buffer}_once", broadcast.width, expr.dtype)
+        name = scope.allocator.new(f"{expr.buffer}_once", broadcast.span, expr.dtype)
         lines.append(f"nisa.dma_copy(dst={name}{broadcast.slice_text}, src={broadcast.source})")
         return Ref(tile=name, dtype=expr.dtype, view=broadcast.view(name))
+    spanned = scope.span_load(expr, lines) if scope.span_load is not None else None
+    if spanned is not None:
+        return spanned
     name = scope.tile(expr.dtype, key=("load", expr), stem=f"{expr.buffer}_tile")
     dst, src = scope.load_pattern(expr, name)
     lines.append(f"nisa.dma_copy(dst={dst}, src={src})")
@@ -830,8 +860,9 @@ def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str])
         lines.append(f"nisa.tensor_scalar(dst={tile}{scope.slice_text}, data={tile}{scope.slice_text}, "
                      f"op0=nl.add, operand0={scope.ref_text(value)})")
         value = Ref(tile=tile)
-    if value.dtype == store_dtype:
+    if value.dtype == store_dtype and value.view is None:
         return scope.ref_text(value)
+    # another dtype, or a view (a broadcast, a step): a DMA of a strided SBUF read would pay a burst per element
     tile = scope.tile(store_dtype, stem=f"as_{store_dtype}")
     lines.append(f"nisa.tensor_copy(dst={tile}{scope.slice_text}, src={scope.ref_text(value)})")
     return f"{tile}{scope.slice_text}"

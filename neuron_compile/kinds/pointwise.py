@@ -16,8 +16,9 @@ import dataclasses
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import BroadcastLoad, TileAllocator, TileScope
+from neuron_compile.codegen.expressions import BroadcastLoad, RepeatedColumnsLoad, TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template, store_lines
+from neuron_compile.codegen.strided_rows import ITEMSIZE, SpanLoads, emit_span_load, interleaved_store_lines, stepped_broadcast
 from neuron_compile.dims import LoopDim, collapse
 from neuron_compile.kind_registry import register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
@@ -25,6 +26,9 @@ from neuron_compile.tiles import TilePlan, count_tiles, free_tile, largest_divis
 
 # A tile's free axis shorter than this (elements per partition) takes an outer dim in too: DMAs of >= 1 KiB.
 WIDE_FREE_MIN = 512
+# A row shorter than this (bytes) with no outer dim to widen with: each partition takes several rows
+# (``rows_per_partition``); a DMA of fewer bytes per partition is overhead-bound (nki-spec §2)
+SHORT_ROW_BYTES = 512
 
 
 def plan_pointwise(node: ir.Pointwise, target, tiles: int | None = None) -> TilePlan:
@@ -50,7 +54,29 @@ def plan_pointwise(node: ir.Pointwise, target, tiles: int | None = None) -> Tile
     partition = dataclasses.replace(dims[-2], tile=min(dims[-2].size, target.partitions))
     free = dataclasses.replace(dims[-1], tile=free_tile(dims[-1].size, tiles, target))
     outer, free_dims = widen_free(dims[:-2], free, tiles, target)
+    row_bytes = free.size * max(ITEMSIZE.get(store.buffer.dtype, 4) for store in node.stores) if node.stores else 0
+    if not outer and len(free_dims) == 1 and row_bytes < SHORT_ROW_BYTES:
+        partition, free_dims = rows_per_partition(partition, free, tiles, target)
     return TilePlan("pointwise", tuple(outer), partition, free_dims, tiles)
+
+
+def rows_per_partition(partition: LoopDim, free: LoopDim, tiles: int, target) -> tuple[LoopDim, tuple[LoopDim, ...]]:
+    """(partition dim, free dims): with no outer dim to widen a short row with (``widen_free``), the rows split into
+    groups of ``k`` consecutive rows, one group per partition row (the partition dim ``R / k``, ``k`` the first free
+    dim): q / k norms over [tokens x 8 heads, 128] then move k rows per partition per DMA, not 256 bytes. ``k``
+    divides the rows, keeps at least the target's partitions of row groups and fits the SBUF share; at least four
+    partition tiles of rows, so that loads still overlap compute."""
+    if free.tile < free.size or partition.size < 4 * target.partitions:
+        return partition, (free,)
+    # up to 2 * WIDE_FREE_MIN elements per partition: long enough DMAs, and tiles enough to overlap them
+    fits = max(1, min(free_tile(partition.size // target.partitions * free.size, tiles, target),
+                      2 * WIDE_FREE_MIN) // free.size)
+    per_partition = largest_divisor_at_most(partition.size, min(fits, partition.size // target.partitions))
+    if per_partition < 2:
+        return partition, (free,)
+    groups = partition.size // per_partition
+    rows = LoopDim(groups, partition.source, partition.multiplier * per_partition, min(groups, target.partitions))
+    return rows, (LoopDim(per_partition, partition.source, partition.multiplier, per_partition), free)
 
 
 def widest_rows_on_partitions(dims: list[LoopDim], partitions: int) -> list[LoopDim]:
@@ -75,10 +101,13 @@ def widen_free(outer: list[LoopDim], free: LoopDim, tiles: int, target) -> tuple
     return outer[:-1], (dataclasses.replace(outer[-1], tile=min(outer[-1].size, chunks)), free)
 
 
-def pointwise_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator) -> list[str]:
+def pointwise_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator,
+                   interleaved: tuple[tuple[ir.Store, ...], ...] = ()) -> list[str]:
     """The lines of one [rows, cols] tile (cols x the inner free dim's size when widened): loads, the expressions,
     the stores. Concat parts reuse it: parts with one loop nest pass their stores together, so a load two parts
-    share (rotate_half reads both halves in each) is one DMA."""
+    share (rotate_half reads both halves in each) is one DMA; ``interleaved`` are groups of stores that interleave
+    (``strided_rows.interleaving``), each stored as one contiguous DMA. Loads with a small innermost step read a
+    contiguous span (codegen/strided_rows.py)."""
     patterns = Patterns(plan)
     free = [(plan.free[0], "cols")] + [(dim, str(dim.size)) for dim in plan.free[1:]]
     inner = math.prod(dim.size for dim in plan.free[1:])
@@ -93,16 +122,36 @@ def pointwise_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: Tile
             return None
         return f"{tile}[0:rows, 0:1]", patterns.hbm(load.buffer, load.layout, [(LoopDim(1, None), "1")], False)
 
-    def broadcast_pattern(load: ir.Load) -> BroadcastLoad | None:
-        # constant along the widened dim (the heads) but not along the inner one: load the inner row once
-        if inner == 1 or plan.free[0].stride(load.layout) != 0 or load.dtype == "bool":
+    def broadcast_pattern(load: ir.Load) -> BroadcastLoad | RepeatedColumnsLoad | None:
+        if inner == 1 or load.dtype == "bool":
             return None
-        return BroadcastLoad(inner, "cols", patterns.hbm(load.buffer, load.layout, free[1:], False))
+        if plan.free[0].stride(load.layout) == 0:
+            # constant along the widened dim (the heads) but not along the inner one: load the inner row once
+            return stepped_broadcast(inner, "cols", patterns.hbm(load.buffer, load.layout, free[1:], False),
+                                     load.dtype)
+        if all(dim.stride(load.layout) == 0 for dim in plan.free[1:]):
+            # one value per row of several rows per partition: load the values once, repeat them in the view
+            return RepeatedColumnsLoad(plan.free[0].tile, inner, patterns.hbm(load.buffer, load.layout, free[:1], True))
+        return None
 
     scope = TileScope(allocator, plan.free[0].tile * inner, columns, load_pattern, vector_pattern=vector_pattern,
                       broadcast_pattern=broadcast_pattern)
+
+    def hbm(buffer: str, layout: ir.Layout):
+        return patterns.hbm(buffer, layout, free, True)
+
+    every = (*stores, *(store for group in interleaved for store in group))
+    spans = SpanLoads([store.expr for store in every], hbm)
+
+    def span_load(load: ir.Load, lines: list[str]):
+        span = spans(load)
+        return emit_span_load(load, span, scope, lines) if span is not None else None
+
+    scope.span_load = span_load
     body: list[str] = []
     store_lines(stores, scope, patterns, free, True, body)
+    for group in interleaved:
+        interleaved_store_lines(group, scope, hbm, body)
     return body
 
 

@@ -9,7 +9,9 @@ that operand with the producer's own index map ("matching index") over the same 
 a reduction/softmax epilogue, or a matmul epilogue; a pointwise node over a reduction's whole input domain
 that reads the reduced value broadcast back becomes a row epilogue (rms norm: the row is still in SBUF); a
 reduction, softmax or scan absorbs a pointwise producer group as its prologue when nothing else needs that
-group's outputs (a scan's pointwise consumers over its domain become its epilogue, as a softmax's do). No
+group's outputs (a scan's pointwise consumers over its domain become its epilogue, as a softmax's do); a node
+joins one producer group, and a kind that takes several prologues (a concat) then absorbs its other producer groups
+too (``absorb_other_producers``). No
 fusion may create a cycle in the group DAG, nor (given a target) a kernel that no longer tiles within its SBUF, and
 a random draw (dropout's mask) stays in pointwise kernels, which
 evaluate it once per element: a reduction recomputing its prologue would draw a second, different mask.
@@ -31,6 +33,7 @@ by the norm, which now reads ``x`` itself).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import networkx as nx
 
@@ -175,6 +178,54 @@ def _misfit_reason(group: ir.Node, node: ir.Node, inside: set[str], readers: dic
     return "the fused kernel would not fit the target's SBUF"
 
 
+@dataclasses.dataclass
+class FusionState:
+    """The greedy driver's groups (by id), the group writing each buffer, each group's member nodes, the group DAG,
+    each buffer's reader nodes, the region's outputs and the decisions so far."""
+
+    groups: dict[int, ir.Node]
+    group_of: dict[str, int]
+    members: dict[int, list[ir.Node]]
+    dag: nx.DiGraph
+    readers: dict[str, set[str]]
+    region_outputs: set[str]
+    decisions: list[str]
+
+
+def absorb_other_producers(state: FusionState, joined: int, others: list[int], fits) -> list[int]:
+    """After a node joined group ``joined``, its other producer groups that the merged kind takes as prologues
+    are merged in too (Wan's second ``slice_scatter`` reads the first, already joined, and the pointwise math of
+    its own slice); the producers left, ``joined`` among them."""
+    if not kinds.kind_of(state.groups[joined]).takes_several_prologues:
+        return [joined, *others]
+    left = [joined]
+    for other in others:
+        group, producer = state.groups[joined], state.groups[other]
+        inside = {member.name for member in state.members[joined] + state.members[other]}
+        outside = {name for name in _writers(producer)
+                   if name in state.region_outputs or state.readers.get(name, set()) - inside}
+        reason = can_fuse(producer, group, outside)
+        if reason is None and any(nx.has_path(state.dag, other, rest) for rest in others + [joined]
+                                  if rest != other and rest in state.dag):
+            reason = "fusing would create a cycle through another kernel"
+        if reason is None and fits is not None:
+            reason = _misfit_reason(producer, group, inside, state.readers, state.region_outputs, fits)
+        state.decisions.append(f"{producer.name} into {group.name} (a second producer): "
+                               + ("fused" if reason is None else reason))
+        if reason is not None:
+            left.append(other)
+            continue
+        state.groups[joined] = merge(producer, group)
+        state.members[joined] += state.members.pop(other)
+        for buffer in _writers(producer):
+            state.group_of[buffer] = joined
+        for before in list(state.dag.predecessors(other)):
+            state.dag.add_edge(before, joined)
+        state.dag.remove_node(other)
+        del state.groups[other]
+    return left
+
+
 def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, target=None) -> FusionResult:
     """Greedy fusion in graph order (see the module docstring); ``enabled=False`` keeps one kernel per node. With a
     ``target``, cheap nodes are inlined only into readers that still fit it."""
@@ -182,6 +233,7 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
     if enabled:
         nodes = inline_cheap(nodes, region_outputs, fits=fits)
     groups: dict[int, ir.Node] = {}
+    fresh_ids = itertools.count(1)  # a group absorbed into another leaves a gap: ids are never reused
     group_of: dict[str, int] = {}  # buffer -> id of the group writing it
     members: dict[int, list[ir.Node]] = {}
     dag = nx.DiGraph()
@@ -210,13 +262,15 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
                 joined = candidate
                 break
         if joined is None:
-            joined = len(groups) + 1
+            joined = next(fresh_ids)
             groups[joined] = node
             members[joined] = [node]
             dag.add_node(joined)
         else:
             groups[joined] = merge(groups[joined], node)
             members[joined].append(node)
+            state = FusionState(groups, group_of, members, dag, readers, region_outputs, decisions)
+            producers = absorb_other_producers(state, joined, [p for p in producers if p != joined], fits)
         for buffer in _writers(node):
             group_of[buffer] = joined
         for producer in producers:
