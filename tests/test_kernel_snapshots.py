@@ -343,7 +343,8 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
     attention_1 = nl.ndarray((4160,), dtype=nl.float32, buffer=nl.shared_hbm)
     # Flash attention: per query tile of 128 rows, key blocks of 130: the scores
     # S = q k^T in PSUM, the online softmax (running max m and sum l per row; earlier blocks' sum and output
-    # rescaled by exp(m_old - m_new)), then the probabilities transposed on TensorE and multiplied with v.
+    # rescaled by exp(m_old - m_new)), then the probabilities transposed on TensorE and multiplied with [v | 1]:
+    # the ones column gives the row sums of the very probabilities (rounded as P @ v sees them) in column 16.
     # The scores never leave the chip.
     cols = 16
     # The causal mask as a bias on TensorE: identity x mask tile accumulates -3.3895313892515355e+38 onto the scores of the
@@ -361,7 +362,8 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         \"\"\"k^T and v of one key/value head, resident in SBUF for every query tile and query head of its group: a
         DMA per key block, so that the first tile waits for the first block only.\"\"\"
         keys_t = nl.ndarray((16, 1, 130), dtype=nl.float32, buffer=nl.sbuf)
-        values = nl.ndarray((128, 2, 16), dtype=nl.float32, buffer=nl.sbuf)
+        values = nl.ndarray((128, 2, 17), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=values[0:128, 0:2, 16:17], value=1.0, engine=nisa.engine.gpsimd)
         for load_start in range(0, 130, 130):
             load_cols = min(130, 130 - load_start)
             nisa.dma_transpose(dst=keys_t[0:16, 0:1, load_start:load_start + load_cols], src=arg1_1.ap([[16, load_cols], [16, 1], [1, 16]], offset=o0 * 2080 + o1 * 2080 + load_start * 16), axes=(2, 1, 0))
@@ -414,11 +416,11 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         return {"scores": scores, "logits": logits, "logit_scale": logit_scale, "block_max": block_max, "values": values}
 
     def block_softmax(tile, index, block):
-        \"\"\"The block's exponentials and row sums, and the tile's running max and sum (GpSimd has the (P, 1) columns,
-        which VectorE and ScalarE, busy with the rows, need not take).\"\"\"
+        \"\"\"The block's exponentials and the tile's running max (GpSimd has the (P, 1) columns, which VectorE and
+        ScalarE, busy with the rows, need not take); the row sums come with P @ [v | 1].\"\"\"
         rows, kv0, block_cols = tile["rows"], tile["blocks"][index][0], tile["blocks"][index][1]
         logits, logit_scale, block_max = block["logits"], block["logit_scale"], block["block_max"]
-        negated_max, running_sum = tile.get("negated_max"), tile.get("running_sum")
+        negated_max = tile.get("negated_max")
         new_negated_max = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
         if index == 0:  # -m = min(-scale * block max, 3.4028234663852886e+38): a row whose keys are all -inf gets exp(-inf) = 0
             nisa.tensor_scalar(dst=new_negated_max[0:rows, 0:1], data=block_max[0:rows, 0:1], op0=nl.multiply,
@@ -427,28 +429,20 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
             nisa.tensor_scalar(dst=new_negated_max[0:rows, 0:1], data=block_max[0:rows, 0:1], op0=nl.multiply,
                                operand0=-logit_scale, op1=nl.minimum, operand1=negated_max[0:rows, 0:1],
                                engine=nisa.engine.gpsimd)
-            # exp(m_old - m_new): how much the earlier blocks' sum and output shrink
+            # exp(m_old - m_new): how much the earlier blocks' output and sum shrink
             correction = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=correction[0:rows, 0:1], op=nl.exp, data=negated_max[0:rows, 0:1], scale=-1.0,
                             bias=new_negated_max[0:rows, 0:1])
         probabilities = nl.ndarray((128, 130), dtype=nl.float32, buffer=nl.sbuf)
-        block_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=probabilities[0:rows, 0:block_cols], op=nl.exp, data=logits[0:rows, 0:block_cols],
-                        bias=new_negated_max[0:rows, 0:1], scale=logit_scale, reduce_op=nl.add,
-                        reduce_res=block_sum[0:rows, 0:1])
-        if index == 0:
-            new_sum = block_sum
-        else:
-            new_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.scalar_tensor_tensor(dst=new_sum[0:rows, 0:1], data=running_sum[0:rows, 0:1], op0=nl.multiply,
-                                      operand0=correction[0:rows, 0:1], op1=nl.add, operand1=block_sum[0:rows, 0:1],
-                                      engine=nisa.engine.gpsimd)
+                        bias=new_negated_max[0:rows, 0:1], scale=logit_scale)
+        if index > 0:
             block["correction"] = correction
         block["probabilities"] = probabilities
-        tile["negated_max"], tile["running_sum"] = new_negated_max, new_sum
+        tile["negated_max"] = new_negated_max
 
     def attend_block(tile, index, block):
-        \"\"\"P^T on TensorE, P @ v, and the tile's output accumulator.\"\"\"
+        \"\"\"P^T on TensorE, P @ [v | 1], and the tile's output accumulator (the row sums in its last column).\"\"\"
         rows, blocks, accumulator = tile["rows"], tile["blocks"], tile.get("accumulator")
         kv0, block_cols = blocks[index][0], blocks[index][1]
         scores, values, probabilities = block["scores"], block["values"], block["probabilities"]
@@ -458,33 +452,40 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         # block's chunks in one PSUM bank so that the next blocks' tiles find free banks
         # (128 query columns per chunk whatever the tile's rows, so that no chunk straddles a PSUM bank)
         transposed_psum = nl.ndarray((128, 2, 128), dtype=nl.float32, buffer=nl.psum)
-        probabilities_t = nl.ndarray((128, 2, 128), dtype=nl.float32, buffer=nl.sbuf)
+        probabilities_t = block.get("probabilities_t")
+        if probabilities_t is None:
+            probabilities_t = nl.ndarray((128, 2, 128), dtype=nl.float32, buffer=nl.sbuf)
         # this block's P @ v goes into the score tile's first bank, read by now: the next blocks find free banks
         block_output = scores
         for c in range(chunks):
             c0 = c * 128
             kk = min(128, block_cols - c0)
-            nisa.nc_transpose(dst=transposed_psum[0:kk, c, 0:rows], data=probabilities[0:rows, c0:c0 + kk])
-            copies[0] += 1
-            if copies[0] % 3 == 0:  # one PSUM -> SBUF copy in 3 on VectorE (it has the row max), the others on ScalarE
-                nisa.tensor_copy(dst=probabilities_t[0:kk, c, 0:rows], src=transposed_psum[0:kk, c, 0:rows])
-            else:
-                nisa.activation(dst=probabilities_t[0:kk, c, 0:rows], op=nl.copy, data=transposed_psum[0:kk, c, 0:rows])
-            nisa.nc_matmul(dst=block_output[0:rows, 0:cols], stationary=probabilities_t[0:kk, c, 0:rows], accumulate=c > 0,
-                           moving=values[0:kk, kv0 // 128 + c, 0:cols])
-        if len(blocks) == 1:  # the only block: its output stays in PSUM for the normalization
+            if c >= block.get("dma_chunks", 0):  # P^T on TensorE, unless the DMA transpose brought this chunk
+                nisa.nc_transpose(dst=transposed_psum[0:kk, c, 0:rows], data=probabilities[0:rows, c0:c0 + kk])
+                copies[0] += 1
+                if copies[0] % 3 == 0:  # one PSUM -> SBUF copy in 3 on VectorE (it has the row max), the others on ScalarE
+                    nisa.tensor_copy(dst=probabilities_t[0:kk, c, 0:rows], src=transposed_psum[0:kk, c, 0:rows])
+                else:
+                    nisa.activation(dst=probabilities_t[0:kk, c, 0:rows], op=nl.copy, data=transposed_psum[0:kk, c, 0:rows])
+            nisa.nc_matmul(dst=block_output[0:rows, 0:cols + 1], stationary=probabilities_t[0:kk, c, 0:rows], accumulate=c > 0,
+                           moving=values[0:kk, kv0 // 128 + c, 0:cols + 1])
+        if len(blocks) == 1:  # the only block: its output stays in PSUM for the normalization, its sums go to SBUF
             new_accumulator = block_output
+            running_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=running_sum[0:rows, 0:1], src=block_output[0:rows, cols:cols + 1])
         elif index == 0:  # the first of several: into SBUF, as the PSUM bank goes to a later block
-            new_accumulator = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=new_accumulator[0:rows, 0:cols], op=nl.copy, data=block_output[0:rows, 0:cols])
-        else:  # the output so far, rescaled (GpSimd, in SBUF), plus this block's (VectorE, from PSUM)
-            rescaled = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=rescaled[0:rows, 0:cols], data=accumulator[0:rows, 0:cols], op0=nl.multiply,
+            new_accumulator = nl.ndarray((128, 17), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=new_accumulator[0:rows, 0:cols + 1], op=nl.copy, data=block_output[0:rows, 0:cols + 1])
+        else:  # the output and sums so far, rescaled (GpSimd, in SBUF), plus this block's (VectorE, from PSUM)
+            rescaled = nl.ndarray((128, 17), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=rescaled[0:rows, 0:cols + 1], data=accumulator[0:rows, 0:cols + 1], op0=nl.multiply,
                                operand0=correction[0:rows, 0:1], engine=nisa.engine.gpsimd)
-            new_accumulator = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=new_accumulator[0:rows, 0:cols], data1=rescaled[0:rows, 0:cols],
-                               data2=block_output[0:rows, 0:cols], op=nl.add)
-        tile["accumulator"] = new_accumulator
+            new_accumulator = nl.ndarray((128, 17), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=new_accumulator[0:rows, 0:cols + 1], data1=rescaled[0:rows, 0:cols + 1],
+                               data2=block_output[0:rows, 0:cols + 1], op=nl.add)
+        if len(blocks) > 1:
+            running_sum = new_accumulator[0:128, 16:17]
+        tile["accumulator"], tile["running_sum"] = new_accumulator, running_sum
 
     def store_tile(o0, o1, o2, p0, rows, negated_max, running_sum, accumulator):
         \"\"\"The normalization, the epilogue and the store.\"\"\"

@@ -4,8 +4,9 @@ Tiling: queries in tiles of 128 on partitions; keys in blocks of 512 (one PSUM b
 dim D (up to 256) in chunks of at most 128 accumulated in PSUM. k^T and v of one key/value head stay resident in
 SBUF while every query tile (and every query head of a grouped-query group) streams past them, so q, k, v and the
 output cross HBM once; when they do not fit, they are loaded per key block. Per block: the scores in PSUM, the
-online softmax (running max and sum per query row on GpSimd, the output accumulator rescaled), the probabilities
-transposed on TensorE and multiplied with v. The (query tile, key block) steps are software pipelined: a step
+online softmax (running max per query row on GpSimd, the output accumulator rescaled), the probabilities transposed
+on TensorE (or, for every other block of a long tile, by a DMA transpose) and multiplied with [v | 1], whose ones
+column accumulates the row sums beside the output. The (query tile, key block) steps are software pipelined: a step
 issues the scores of the block SCORES_AHEAD ahead, the softmax of the next and its own P @ v, and stores the tile
 finished a step before. Causal: a query tile sees keys 0 .. its last query; the keys from its first query on (in
 its last block) get the mask as a bias accumulated onto the scores on TensorE (identity x a constant mask tile), unless
@@ -64,6 +65,13 @@ MIN_CAUSAL_BIAS_SCALE = 3e-33
 # 39.3 / 27.6 / 38.4 us, one in three 38.4 / 28.1 / 38.1 us, one in two 42.2 / 28.3 / 37.9 us for seq 1024 D 64
 # non-causal / causal and the goal point's attention).
 VECTOR_COPY_PERIOD = 3
+# Every DMA_TRANSPOSE_PERIOD-th key block of a query tile with at least DMA_TRANSPOSE_MIN_BLOCKS blocks brings its P^T
+# through a DMA transpose (SBUF -> SBUF, at half the DMA rate): the DMA engines are idle in this kernel, TensorE and
+# ScalarE / VectorE are not; ScalarE then copies all the other P^T chunks. Its latency (~2 us) costs where tiles
+# have few blocks (seq 1024). Measured in bench/RESULTS.md (issue 16, stop 29).
+DMA_TRANSPOSE_PERIOD = 2
+DMA_TRANSPOSE_MIN_BLOCKS = 4
+VECTOR_COPY_PERIOD_WITH_DMA = 0
 # The pipeline issues a block's scores this many steps ahead of its P @ v (its softmax one step ahead): PSUM then
 # holds 4 score banks, the P^T bank and a finished tile's output, 6 of 8. Measured (kernel alone, the goal point's
 # attention / seq 1024 D 64 bf16 non-causal / causal): 1 ahead 38.1 / 38.4 / 28.1 us, 2 ahead 38.6 / 38.3 / 27.3,
@@ -87,8 +95,8 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     # transposed chunks, the accumulator and the epilogue tiles; k^T and v of one head when resident.
     per_query_tile = (k_tiles * target.partitions * itemsize + key_block * (4 + 2 * itemsize)
                       + value_dim * 4 * (2 + tiles))
-    per_head = k_tiles * node.keys * itemsize + key_chunks * value_dim * itemsize
-    per_block = k_tiles * key_block * itemsize + math.ceil(key_block / target.partitions) * value_dim * itemsize
+    per_head = k_tiles * node.keys * itemsize + key_chunks * (value_dim + 1) * itemsize
+    per_block = k_tiles * key_block * itemsize + math.ceil(key_block / target.partitions) * (value_dim + 1) * itemsize
     budget = target.sbuf_bytes_per_partition * SBUF_SHARE
     resident = 2 * (per_head + per_query_tile) <= budget  # two of each: the next one loads while this one runs
     if not resident and 2 * (per_block + per_query_tile) > budget:
@@ -106,9 +114,13 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     # a mask constant along the queries: q^T takes the scale (scale * S + mask, the mask added exactly in fp32
     # PSUM); not for scales so small that q * scale could leave the normal range
     mask_bias = node.mask is not None and node.mask.layout.strides[rank] == 0 and node.scale >= MIN_CAUSAL_BIAS_SCALE
+    # P^T by DMA transpose for every other block of the tiles with many blocks (measured; see DMA_TRANSPOSE_PERIOD)
+    dma_period = DMA_TRANSPOSE_PERIOD if target.dma_transpose and node.keys >= DMA_TRANSPOSE_MIN_BLOCKS * key_block else 0
     return AttentionPlan("attention", outer, partition, free, tiles, k_tile, k_tiles, key_block=key_block,
                          resident=resident, transpose_loads=transpose_loads, causal_bias=causal_bias,
-                         lanes=lanes, lane_dim=-1 if lane_dim is None else lane_dim, mask_bias=mask_bias)
+                         lanes=lanes, lane_dim=-1 if lane_dim is None else lane_dim, mask_bias=mask_bias,
+                         dma_transpose_period=dma_period, dma_transpose_min_blocks=DMA_TRANSPOSE_MIN_BLOCKS,
+                         vector_copy_period=VECTOR_COPY_PERIOD_WITH_DMA if dma_period else VECTOR_COPY_PERIOD)
 
 
 def query_group_dim(node: ir.Attention, batch: list[int], target) -> int | None:
@@ -180,7 +192,7 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
         mask_load=(mask_row_load(plan, patterns, node.mask, "mask_row[0:1, 0:block_cols]") if plan.mask_bias else
                    mask_load(plan, patterns, node.mask, "mask_tile[0:rows, 0:block_cols]")) if node.mask else None,
         mask_dtype=NL_DTYPES[node.mask.dtype] if node.mask else None, lowest=LOWEST_FP32, epilogue_source=output,
-        masked_value=CAUSAL_BIAS, scores_ahead=SCORES_AHEAD, vector_copy_period=VECTOR_COPY_PERIOD,
+        masked_value=CAUSAL_BIAS, scores_ahead=SCORES_AHEAD,
         logsumexp_store=logsumexp_store(patterns, node.logsumexp) if node.logsumexp else None,
     )
     return render_template("attention.py.j2", **context)

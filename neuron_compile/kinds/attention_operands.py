@@ -30,7 +30,10 @@ class AttentionPlan(TilePlan):
     query heads of one key/value group (outer dim ``lane_dim``) share a query tile: row r is query p0 + r // lanes
     of head r % lanes, ``partition.tile`` queries each; ``mask_bias``: the mask is constant along the queries (a key
     padding mask), so its row per key block is accumulated onto the scores on TensorE (a ones column times the
-    row), q^T taking the scale, instead of a [queries, keys] mask tile loaded and added on VectorE per block."""
+    row), q^T taking the scale, instead of a [queries, keys] mask tile loaded and added on VectorE per block;
+    ``dma_transpose_period``: in a query tile of at least ``dma_transpose_min_blocks`` key blocks, every n-th block
+    brings its P^T through a DMA transpose (0: never); ``vector_copy_period``: one P^T chunk in n leaves PSUM
+    through VectorE, the others through ScalarE (0: none through VectorE)."""
 
     key_block: int = 0
     resident: bool = False
@@ -39,12 +42,17 @@ class AttentionPlan(TilePlan):
     lanes: int = 1
     lane_dim: int = -1
     mask_bias: bool = False
+    dma_transpose_period: int = 0
+    dma_transpose_min_blocks: int = 0
+    vector_copy_period: int = 0
 
     def describe(self) -> str:
         text = super().describe() + f" D {self.k_tiles}x{self.k_tile}, key blocks of {self.key_block}"
         text += ", k^T and v resident per head" if self.resident else ", k^T and v loaded per key block"
         text += f", {self.lanes} query heads per tile" if self.lanes > 1 else ""
         text += ", the mask row on TensorE" if self.mask_bias else ""
+        if self.dma_transpose_period:
+            text += f", P^T of every {self.dma_transpose_period}th block by DMA transpose"
         return text + (", causal mask on TensorE" if self.causal_bias else "")
 
 
