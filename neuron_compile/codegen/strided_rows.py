@@ -84,8 +84,9 @@ class SpanLoads:
     scope will emit, so that a span is as long as its farthest phase needs (never past the last element the
     loads read, which may be the buffer's last) and loads of one span share one DMA."""
 
-    def __init__(self, exprs, pattern):
+    def __init__(self, exprs, pattern, rank: int):
         self.pattern = pattern  # (buffer, layout) -> AccessPattern, partition entry first
+        self.rank = rank  # the domain's: other loads (a random draw's one-element seed) are read some other way
         self.reach: dict[tuple, int] = {}
         for expr in exprs:
             for load in ir.loads_of(expr):
@@ -95,6 +96,8 @@ class SpanLoads:
                     self.reach[key] = max(self.reach.get(key, 0), phase)
 
     def _phase(self, load: ir.Load) -> tuple[tuple, int] | None:
+        if len(load.layout.shape) != self.rank:
+            return None
         entries = self.pattern(load.buffer, load.layout).entries
         step = entries[-1][0]
         if len(entries) < 2 or load.dtype == "bool" or not small_step(step, load.dtype):

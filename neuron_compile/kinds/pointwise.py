@@ -141,7 +141,7 @@ def pointwise_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: Tile
         return patterns.hbm(buffer, layout, free, True)
 
     every = (*stores, *(store for group in interleaved for store in group))
-    spans = SpanLoads([store.expr for store in every], hbm)
+    spans = SpanLoads([store.expr for store in every], hbm, len(every[0].layout.shape))
 
     def span_load(load: ir.Load, lines: list[str]):
         span = spans(load)
