@@ -40,10 +40,10 @@ NEURON_COMPILE_TRANSPOSED_WEIGHTS  transposed_weights  ``1`` (default) | ``0``: 
                                                  copy of each weight parameter their matmuls read transposed,
                                                  made once per weight version (runtime/weight_layouts.py; costs
                                                  one more copy of those weights in memory)
-NEURON_COMPILE_REPLAY      replay                ``1`` (default) | ``0``: a simulated kernel launched again with the shapes
-                                                 and dtypes of an earlier launch replays the numpy work that launch
-                                                 recorded (runtime/simulator/replay.py; 0: every launch simulated in
-                                                 full)
+NEURON_COMPILE_REPLAY      replay                ``1`` (default) | ``0``: a simulated kernel launched again with
+                                                 the shapes and dtypes of an earlier launch replays the numpy work
+                                                 that launch recorded (runtime/simulator/replay.py; 0: every launch
+                                                 simulated in full)
 NEURON_COMPILE_LOGS        logs                  log topics, ``TORCH_LOGS``-style: ``+dispatch,cache`` (logs.py)
 =========================  ====================  ===========================================================
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from neuron_compile.runtime import simulator as nki
 from neuron_compile.runtime.simulator.cost import instruction_cycles
+from neuron_compile.runtime.simulator import rules
 
 nl = nki.language
 nisa = nki.isa
@@ -524,3 +525,16 @@ def test_tensor_copy_predicated_rejects_what_the_hardware_does(case, rule):
 
     with pytest.raises(nki.NkiValidationError, match=rule):
         _run(kernel, a)
+
+
+@pytest.mark.parametrize("source", [np.float32, np.float16])
+@pytest.mark.parametrize("destination", [np.int8, np.uint8, np.int16, np.int32])
+def test_a_float_to_integer_store_rounds_to_nearest_and_saturates(source, destination):
+    """nan stores 0, halves round to even, values beyond the integer's range its extremes; an infinity first becomes
+    the float's largest finite value (as np.nan_to_num makes it), which float16's 65504 leaves inside int32."""
+    values = np.array([np.nan, np.inf, -np.inf, 2.5, -3.5, 1e30, -1e30, 0.5, -0.0, 300.0, -300.0], dtype=source)
+    info = np.iinfo(destination)
+    top = 65504 if source is np.float16 and destination is np.int32 else info.max  # 1e30 is inf in float16
+    bottom = -65504 if source is np.float16 and destination is np.int32 else info.min
+    expected = [0, top, bottom, 2, max(-4, info.min), top, bottom, 0, 0, min(300, info.max), max(-300, info.min)]
+    np.testing.assert_array_equal(rules.cast_to(values, np.dtype(destination)), np.array(expected, dtype=destination))

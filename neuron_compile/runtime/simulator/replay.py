@@ -11,8 +11,12 @@ Why this is exact: a kernel is a meta-program whose loops and slices depend on i
 instructions, their operands' views and every static rule's outcome are the same at every launch of one signature.
 The instructions build their steps once and run them on the first launch too (the same code, so a replay is
 bit-identical by construction); what depends on values stays inside the steps: the valid input ranges of the
-activation functions, indirect DMA offsets and their bounds. Each on-chip allocation is a step that fills it
-again (NaN, or 4 for ints), as a new buffer is.
+activation functions, indirect DMA offsets and their bounds. Each allocation is a step that fills it again (NaN, or
+4 for ints), as a new buffer is, unless a step overwrites all of it before any step reads it.
+
+Memory: a plan keeps the arrays its steps touch between launches. While recording, a new tile takes the array of a
+released one of its size (its steps all come before), so a plan holds at most the tiles live at once, plus the
+launch's HBM buffers.
 
 What is not replayed (the recorder is refused, with the reason, and every launch of that signature is simulated in
 full): values read outside an instruction's step (a kernel reading a tile, a register loaded from memory, a
@@ -72,7 +76,8 @@ class Recorder:
         self.unread_fills.pop(id(data), None)
 
     def array_overwritten(self, data: np.ndarray) -> None:
-        """A step will write every element of ``data`` before any step reads it: its fill can go."""
+        """A step will write every element of ``data`` before any step reads it: its fill can go (None in
+        ``steps`` until the plan is built, so that the other fills' indices hold)."""
         index = self.unread_fills.pop(id(data), None)
         if index is not None and self.refused is None:
             self.steps[index] = None
@@ -115,7 +120,7 @@ def refuse_replay(reason: str) -> None:
         recorder.refuse(reason)
 
 
-@dataclass
+@dataclass(eq=False)
 class ReplayPlan:
     """A launch's numpy work: its steps, the arrays its arguments are copied into, the views its outputs are read
     from, which arguments it writes (copied back, as a launch writes the caller's array), and the launch's
@@ -145,7 +150,7 @@ class ReplayPlan:
             self.lock.release()
 
 
-# kernel function -> {launch signature: ReplayPlan, or the reason it cannot be replayed}
+# kernel function -> {launch signature: ReplayPlan, or the reason it cannot be replayed}; a plan dies with its function
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _plans_lock = threading.Lock()
 
@@ -184,8 +189,3 @@ def remember(function, signature: tuple, plan: ReplayPlan | str) -> None:
     with _plans_lock:
         _plans.setdefault(function, {}).setdefault(signature, plan)
 
-
-def forget_all() -> None:
-    """Drop every plan (tests; a plan also dies with its kernel function)."""
-    with _plans_lock:
-        _plans.clear()

@@ -167,8 +167,8 @@ def cast_to(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if dtype.kind in "iub" and values.dtype.kind == "f":
         with np.errstate(invalid="ignore"):
             values = np.asarray(np.rint(values))
-            if dtype.kind != "b":
-                values = np.clip(_finite(values), *_integer_bounds(dtype))
+            if dtype.kind != "b":  # clipped in float64, where every int32 bound is exact (2**31 - 1 is not in fp32)
+                values = np.clip(_finite(values).astype(np.float64), *_integer_bounds(dtype))
     return values.astype(dtype)
 
 
@@ -189,8 +189,8 @@ def _finite(values: np.ndarray) -> np.ndarray:
     looked up once per dtype instead of on every call."""
     high, low = _float_bounds(values.dtype)
     np.copyto(values, 0.0, where=np.isnan(values))
-    np.copyto(values, high, where=np.isposinf(values))
-    np.copyto(values, low, where=np.isneginf(values))
+    np.copyto(values, high, where=values == np.inf)  # np.isposinf's mask, without its Python-level wrapper
+    np.copyto(values, low, where=values == -np.inf)
     return values
 
 
