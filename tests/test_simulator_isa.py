@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_compile.runtime import simulator as nki
-from neuron_compile.runtime.simulator.cost import instruction_cycles
 from neuron_compile.runtime.simulator import rules
+from neuron_compile.runtime.simulator.cost import instruction_cycles
 
 nl = nki.language
 nisa = nki.isa
