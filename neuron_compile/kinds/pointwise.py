@@ -5,7 +5,8 @@ the same domain (a chain). Tiling: the output as [rows, cols] (rows on partition
 chunks sized to the SBUF share); a long last dim is split by a divisor so rows fill the partitions. A short last
 dim (a 64-wide attention head, each head an outer loop) takes the innermost outer dim into the free axis as well
 (``widen_free``): a tile then holds [rows, heads x 64], its DMAs move a few KiB per partition instead of 128 B,
-and there are heads-times fewer of them (each DMA has a fixed cost). Codegen: per tile one DMA per input through
+and there are heads-times fewer of them (each DMA has a fixed cost). With no outer dim, rows shorter than 512 bytes
+go several to a partition (``rows_per_partition``). Codegen: per tile one DMA per input through
 its access pattern (two free entries, flattened into the tile's columns, when widened), the expression body, one
 DMA per store (pointwise.py.j2).
 """
@@ -18,7 +19,13 @@ import math
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import BroadcastLoad, RepeatedColumnsLoad, TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template, store_lines
-from neuron_compile.codegen.strided_rows import ITEMSIZE, SpanLoads, emit_span_load, interleaved_store_lines, stepped_broadcast
+from neuron_compile.codegen.strided_rows import (
+    ITEMSIZE,
+    SpanLoads,
+    emit_span_load,
+    interleaved_store_lines,
+    stepped_broadcast,
+)
 from neuron_compile.dims import LoopDim, collapse
 from neuron_compile.kind_registry import register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
