@@ -56,23 +56,6 @@ def _ap_text(tile: str, width: int, free: list[tuple[int, object]], phase: int) 
     return f"{tile}.ap([[{width}, rows], {', '.join(f'[{stride}, {count}]' for stride, count in free)}], offset={phase})"
 
 
-def _value_loads(expr: ir.Expr) -> list[ir.Load]:
-    """The Load leaves of ``expr`` read as values (a random draw's seed is read apart, through its own layout)."""
-    found: dict[ir.Load, None] = {}
-    seen: set = set()
-    pending = [expr]
-    while pending:
-        node = pending.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if isinstance(node, ir.Load):
-            found[node] = None
-        elif isinstance(node, ir.Op):
-            pending.extend(node.args)
-    return list(found)
-
-
 @dataclasses.dataclass(frozen=True)
 class SpanLoad:
     """A load with a small innermost step, as one DMA of its contiguous span (see the module docstring)."""
@@ -106,7 +89,7 @@ class SpanLoads:
         self.rank = rank  # the domain's: other loads (a random draw's one-element seed) are read some other way
         self.reach: dict[tuple, int] = {}
         for expr in exprs:
-            for load in _value_loads(expr):
+            for load in ir.loads_of(expr):
                 found = self._phase(load)
                 if found is not None:
                     key, phase = found
