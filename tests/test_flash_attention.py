@@ -326,17 +326,20 @@ def test_a_mask_constant_along_the_queries_is_a_bias_on_tensor_engine(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["plain", "causal", "mask", "grouped"])
+@pytest.mark.parametrize("case", ["plain", "causal", "mask", "grouped", "logsumexp"])
 def test_every_other_block_of_a_long_tile_brings_its_transposed_probabilities_by_dma(case, dtype):
     """Tiles of 4 or more key blocks take P^T of every other block through a DMA transpose (SBUF -> SBUF) instead of
     TensorE and a PSUM copy: ragged last blocks (2100 keys: its 52 keys in no whole chunk), causal tiles (the
-    diagonal block), a [queries, keys] mask with fully masked rows, query heads sharing a tile."""
+    diagonal block), a [queries, keys] mask with fully masked rows, query heads sharing a tile, the training
+    forward's log-sum-exp (from the row sums the ones column beside v accumulates)."""
     queries = 2100 if case == "causal" else 130
     q, k, v = qkv(1, 4 if case == "grouped" else 1, queries, 2100, 64, dtype, kv_heads=1 if case == "grouped" else None)
     if case == "mask":
         mask = random_tensor((queries, 2100), dtype, seed=4)
         mask[3] = float("-inf")
         fn, inputs = (lambda q, k, v, m: SDPA(q, k, v, attn_mask=m)), (q, k, v, mask)
+    elif case == "logsumexp":
+        fn, inputs = (lambda q, k, v: FLASH(q, k, v)), (q, k, v)
     else:
         fn, inputs = (lambda q, k, v: SDPA(q, k, v, is_causal=case == "causal", enable_gqa=True)), (q, k, v)
     region = check_against_eager(fn, *inputs, tolerances=TOLERANCES)
