@@ -347,3 +347,34 @@ def test_collective_rejects_an_operator_nki_does_not_reduce_with():
 
     with pytest.raises(nki.NkiValidationError, match="err_collective_op"):
         nki.run_kernel(kernel, [np.ones(8, np.float32)])
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """torch.distributed over this process alone (gloo, a FileStore), torn down after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_gloo
+def test_fully_shard_in_graph_refuses_a_2d_mesh_and_parameters_already_sharded(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from neuron_compile.in_graph_fsdp import fully_shard_in_graph
+
+    with pytest.raises(ValueError, match="1-D mesh, got a 2-D one"):
+        fully_shard_in_graph(distributed_harness.TwoLayerMLP(), init_device_mesh("cpu", (1, 1)))
+    model = distributed_harness.TwoLayerMLP()
+    mesh = init_device_mesh("cpu", (1,))
+    model.up.weight = torch.nn.Parameter(distribute_tensor(model.up.weight.detach(), mesh, [Shard(0)]))
+    with pytest.raises(ValueError, match="'weight' of Linear is already a DTensor"):
+        fully_shard_in_graph(model, mesh)
+    twice = fully_shard_in_graph(distributed_harness.TwoLayerMLP(), mesh)
+    with pytest.raises(ValueError, match="already a DTensor"):  # its shards are DTensors: sharding again is refused
+        fully_shard_in_graph(twice, mesh)
