@@ -24,7 +24,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from neuron_compile import config, logs
+from neuron_compile import config, logs, untraced_fsdp
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.passes.decompose import decomposition_table
 from neuron_compile.passes.partition import op_name
@@ -47,6 +47,7 @@ def neuron_backend(
         raise ValueError(f"torch.compile mode {mode!r} is not one of {list(COMPILE_MODES)}")
     options = dict(options or {})
     effective = config.get().replace(options)  # reject unknown keys and bad values now, at compile time
+    untraced_fsdp.install()  # again after a torch._dynamo.reset(), which clears Dynamo's callbacks
     logs.apply(effective.logs)
     event = compile_events.record_dynamo_graph(gm, keep_graph=bool(effective.dump_dir))
     log.debug("Dynamo graph %d: %d nodes, %d inputs", event.index, len(gm.graph.nodes), len(example_inputs))
@@ -107,6 +108,7 @@ def _owner_of(name: str) -> str | None:
 
 def register() -> str:
     """Register our backend names with Dynamo (idempotent); returns the name that is certainly ours."""
+    untraced_fsdp.install()  # a whole fully_shard-ed model compiles nothing: say so
     served_by = {}
     for name in (BACKEND_NAME, ALIAS_NAME):
         owner = _owner_of(name)

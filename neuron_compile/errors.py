@@ -8,4 +8,5 @@ class NeuronCompileError(RuntimeError):
 
 
 class NeuronCompileWarning(UserWarning):
-    """A region fell back to eager execution (``NEURON_COMPILE_FALLBACK=warn``, the default)."""
+    """A compile did less than asked: a region fell back to eager execution (``NEURON_COMPILE_FALLBACK=warn``,
+    the default), or Dynamo stopped at FSDP2's hooks (untraced_fsdp.py)."""

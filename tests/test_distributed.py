@@ -378,3 +378,43 @@ def test_fully_shard_in_graph_refuses_a_2d_mesh_and_parameters_already_sharded(o
     twice = fully_shard_in_graph(distributed_harness.TwoLayerMLP(), mesh)
     with pytest.raises(ValueError, match="already a DTensor"):  # its shards are DTensors: sharding again is refused
         fully_shard_in_graph(twice, mesh)
+
+
+class Block(torch.nn.Module):
+    """A layer Dynamo traces (an nn.Linear alone is torch's own module, left to eager by Dynamo)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+@needs_gloo
+def test_a_whole_fully_shard_model_warns_that_nothing_compiles_and_compiled_layers_do_not(one_rank_group):
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    import neuron_compile
+
+    torch._dynamo.reset()  # clears Dynamo's callbacks: the backend installs its check again when it registers
+    neuron_compile.backend.register()
+    neuron_compile.reset_stats()
+    whole = torch.nn.Sequential(Block(), Block())
+    fully_shard(whole)
+    with pytest.warns(neuron_compile.NeuronCompileWarning, match="graph at FSDP2's hooks .*fsdp.*fully_shard_in_graph"):
+        torch.compile(whole, backend="neuron")(torch.randn(2, 8)).sum().backward()
+
+    torch._dynamo.reset()
+    layered = torch.nn.Sequential(Block(), Block())
+    for layer in layered:
+        fully_shard(layer)
+        layer.compile(backend="neuron")
+    fully_shard(layered)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layered(torch.randn(2, 8)).sum().backward()
+    assert not [w for w in caught if "FSDP2's hooks" in str(w.message)]
+    assert neuron_compile.stats()["graphs_compiled"] > 0
