@@ -48,8 +48,10 @@ def check_new_graph_breaks(_callback_args=None) -> None:
         new = list(reasons[start:])
     for reason in new:
         where = fsdp_frame(reason)
+        if where is None:
+            continue
         with _lock:
-            first = where is not None and where not in _warned
+            first = where not in _warned
             _warned.add(where)
         if first:
             warnings.warn(MESSAGE.format(where=where), NeuronCompileWarning, stacklevel=2)
