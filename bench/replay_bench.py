@@ -18,13 +18,13 @@ Cases (random weights from tiny configs built here, fp32, torch on one thread):
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 import warnings
 
 import torch
 
 from neuron_compile import config
+from neuron_compile.demo import median_call_seconds
 
 
 def llama(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, train: bool):
@@ -67,25 +67,15 @@ def train_case():
 CASES = {"forward": forward_case, "train step": train_case}
 
 
-def median_wall(call, run, calls: int) -> float:
-    call(run)
-    call(run)
-    times = []
-    for _ in range(calls):
-        started = time.perf_counter()
-        call(run)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def row(name: str, calls: int) -> str:
     model, call = CASES[name]()
-    eager = median_wall(call, model, calls)
+    eager = median_call_seconds(functools.partial(call, model), calls, warmups=2)
     walls = {}
     for replay in (False, True):
         torch._dynamo.reset()
         with config.patch(replay=replay, cache_dir="off"):
-            walls[replay] = median_wall(call, torch.compile(model, backend="neuron"), calls)
+            compiled = torch.compile(model, backend="neuron")
+            walls[replay] = median_call_seconds(functools.partial(call, compiled), calls, warmups=2)
     off, on = walls[False], walls[True]
     return (f"| {name} | {eager * 1e3:.2f} | {off * 1e3:.1f} ({off / eager:.1f}x) | {on * 1e3:.1f} ({on / eager:.1f}x) "
             f"| {off / on:.1f}x |")

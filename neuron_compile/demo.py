@@ -61,13 +61,14 @@ def _section(title: str) -> None:
     print(f"\n=== {title} " + "=" * max(0, 72 - len(title)))
 
 
-def _median_call_seconds(model, tokens: torch.Tensor, calls: int = 5) -> float:
-    """The median wall time of ``calls`` calls (after one more as a warm-up)."""
-    model(tokens)
+def median_call_seconds(call, calls: int = 5, warmups: int = 1) -> float:
+    """The median wall time of ``calls`` calls of ``call()`` (after ``warmups`` more); bench/replay_bench.py too."""
+    for _ in range(warmups):
+        call()
     times = []
     for _ in range(calls):
         started = time.perf_counter()
-        model(tokens)
+        call()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -84,7 +85,8 @@ def run_model_demo() -> bool:
         actual = compiled(tokens)
         actual_again = compiled(tokens)  # second call: served from the in-memory kernel cache
         stats = neuron_compile.stats()
-        per_call, eager_per_call = _median_call_seconds(compiled, tokens), _median_call_seconds(model, tokens)
+        per_call = median_call_seconds(lambda: compiled(tokens))
+        eager_per_call = median_call_seconds(lambda: model(tokens))
 
     _section("TinyTransformer (2 blocks, dim 64, seq 16) through torch.compile(backend='neuron')")
     max_err = (actual - expected).abs().max().item()
