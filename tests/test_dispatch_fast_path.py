@@ -13,7 +13,8 @@ import neuron_compile
 from neuron_compile import config, pipeline
 from neuron_compile.config import Config
 from neuron_compile.lowering import LoweringError
-from neuron_compile.runtime import compiled_graph, launcher, simulator
+from neuron_compile.passes import value_range
+from neuron_compile.runtime import compiled_graph, launch_plan, launcher, simulator
 from neuron_compile.runtime import region as region_module
 
 from launch_spy import spy_traces
@@ -214,3 +215,46 @@ def test_a_region_failing_on_a_hit_still_falls_back(monkeypatch):
         torch.testing.assert_close(compiled(x), model(x))
     counts = neuron_compile.stats()
     assert counts["region_run_failures"] == 1 and counts["cache_hits"] == 2
+
+
+def test_int64_inputs_the_dispatch_key_bounds_are_narrowed_without_a_range_check(monkeypatch):
+    trusted = []
+    trust = region_module.CompiledRegion.trust_values
+    monkeypatch.setattr(region_module.CompiledRegion, "trust_values",
+                        lambda self, positions: trusted.append(list(positions)) or trust(self, positions))
+
+    def shifted(ids, x):
+        return x + (ids % 7).to(torch.float32) * 0.5
+
+    x = torch.randn(4, 16)
+    small, huge = torch.randint(0, 50, (4, 16)), torch.full((4, 16), 2**40) + torch.arange(16)
+    compiled = torch.compile(shifted, backend="neuron")
+    with config.patch(cache_dir="off", fallback="silent"):
+        for ids in (small, small, huge, huge, small):
+            torch.testing.assert_close(compiled(ids, x), shifted(ids, x))
+    # the small ids' graph trusts its int64 input (its key bounds it within +-2**20); the huge ids get another key,
+    # whose region checks the narrowing, fails, and runs eagerly
+    assert trusted == [[0], []]
+
+
+def test_int32_bounds_are_trusted_only_for_guarded_graph_inputs_of_a_graph_without_in_place_ops():
+    graph = torch.fx.Graph()
+    ids, other = graph.placeholder("ids"), graph.placeholder("other")
+    ids.meta[value_range.RANGE_KEY] = value_range.Interval(-2.0**20, 2.0**20)
+    other.meta[value_range.RANGE_KEY] = value_range.Interval(-2.0**40, 2.0**40)
+    region = graph.call_module("nki_region_0", (other, ids))
+    graph.output(region)
+    top = torch.fx.GraphModule({"nki_region_0": torch.nn.Identity()}, graph)
+    assert compiled_graph.int32_bounded_inputs(top, region) == [1]
+    with graph.inserting_before(region):
+        graph.call_function(aten.copy_.default, (ids, other))  # an eager write could change the values
+    assert compiled_graph.int32_bounded_inputs(top, region) == []
+
+
+def test_empty_inputs_keep_one_view_per_dtype():
+    views = launch_plan.StableViews(1)
+    slot = launch_plan.InputSlot("e", 0, False)
+    first = views.view(0, torch.empty(0), slot)
+    assert views.view(0, torch.empty(0, 3), slot) is first  # nothing is read: any empty view serves
+    other = views.view(0, torch.empty(0, dtype=torch.bfloat16), slot)
+    assert other is not first and other.dtype == torch.bfloat16 and other.numel() == 0

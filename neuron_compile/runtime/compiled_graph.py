@@ -35,6 +35,7 @@ from neuron_compile.passes.input_ranges import range_guarded_floats
 from neuron_compile.passes.layouts import column_major_inputs
 from neuron_compile.passes.partition import PartitionReport, op_name
 from neuron_compile.passes.specialize import is_dynamic
+from neuron_compile.passes.value_range import RANGE_KEY, Interval
 from neuron_compile.pipeline import PassContext, compile_region, configured_target, run_passes
 from neuron_compile.runtime import compile_events, dump, stats, trace_artifacts, weight_layouts
 from neuron_compile.runtime.cache import (
@@ -45,6 +46,7 @@ from neuron_compile.runtime.cache import (
     graph_hash,
     signature_of,
 )
+from neuron_compile.runtime.launch_plan import INT32_RANGE
 
 log = logging.getLogger(__name__)
 bucket_log = logging.getLogger("neuron_compile.passes.bucket")  # the bucket topic (logs.py)
@@ -292,6 +294,18 @@ def dispatch_keyed_inputs(top: torch.fx.GraphModule, region_node: torch.fx.Node)
             if isinstance(arg, torch.fx.Node) and arg.op == "placeholder"]
 
 
+def int32_bounded_inputs(top: torch.fx.GraphModule, region_node: torch.fx.Node) -> list[int]:
+    """The positions of a region's inputs that are graph inputs whose values the graph's dispatch key bounds within
+    int32 (``passes/input_ranges.guard_bound``, kept on the placeholder as its value range). None when any op of the
+    graph writes in place (an eager ``copy_`` into the input could change its values after the key was taken)."""
+    if any(node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+           and node.target._schema.is_mutable for node in top.graph.nodes):
+        return []
+    return [index for index, arg in enumerate(region_node.args)
+            if isinstance(arg, torch.fx.Node) and arg.op == "placeholder"
+            and isinstance(bound := arg.meta.get(RANGE_KEY), Interval) and bound.within(INT32_RANGE[1])]
+
+
 def _meta_value(arg):
     return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
 
@@ -354,6 +368,7 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
             stats.add(regions_compiled=1, nki_nodes=int(getattr(region, "nki_nodes", 0)))
             if hasattr(region, "trust_inputs"):  # optional in the CompiledRegion interface
                 region.trust_inputs(dispatch_keyed_inputs(top, node))
+                region.trust_values(int32_bounded_inputs(top, node))
             record.kernels += kernel_records(name, region)
             record.region_kernels += kernel_records(name, region, launched=True)
             decisions = getattr(region, "fusion_decisions", None)  # optional in the CompiledRegion interface

@@ -36,7 +36,10 @@ SIGNATURES_KEPT = 16  # validated input signatures remembered per region (one pe
 class InputSlot:
     name: str  # the region's input buffer
     span: int  # elements of the input's storage its kernels read, from its storage offset
-    narrow_to_int32: bool  # the kernel dtype is int32: int64 values are checked and narrowed per call
+    narrow_to_int32: bool  # the kernel dtype is int32: int64 values are narrowed per call
+    # Whether the narrowed values are checked against int32's range per call: not when the caller's dispatch key
+    # already bounds them (``CompiledRegion.trust_values``).
+    check_int32_range: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +89,8 @@ def flat_argument(tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
     if slot.narrow_to_int32 and flat.dtype != torch.int32:
         # int64 is narrowed to the int32 kernel dtype only when every value fits; otherwise the region fails
         # here and the call runs eagerly (a silent wrap would be a wrong answer).
-        if flat.numel() and (int(flat.min()) < INT32_RANGE[0] or int(flat.max()) > INT32_RANGE[1]):
+        if slot.check_int32_range and flat.numel() and (
+                int(flat.min()) < INT32_RANGE[0] or int(flat.max()) > INT32_RANGE[1]):
             raise LoweringError(f"input {slot.name}: int64 values beyond int32, the kernel dtype")
         return flat.to(torch.int32)
     return flat
@@ -126,9 +130,16 @@ class StableViews:
         # per input: (its data pointer on the last call, the kept view or None, the view's storage, the bytes that
         # storage must hold for the view's span)
         self._slots: list[tuple] = [(0, None, None, 0)] * inputs
+        self._empty: list[torch.Tensor | None] = [None] * inputs  # per input with an empty span: one empty view
 
     def view(self, index: int, tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
         """The flat view of ``tensor`` for input ``index`` (``slot``): the kept one, or a new one."""
+        if slot.span == 0:
+            # Nothing is read: any empty view of the dtype serves (an empty tensor's address is 0 or arbitrary).
+            kept = self._empty[index]
+            if kept is None or kept.dtype != tensor.dtype:
+                kept = self._empty[index] = flat_argument(tensor, slot)
+            return kept
         pointer = tensor.data_ptr()
         last_pointer, kept, storage, needed_bytes = self._slots[index]  # one tuple: threads see it whole
         # ``storage`` is the kept view's own storage object: a resize of it (FSDP2 freeing it) shows in its nbytes

@@ -15,6 +15,8 @@ metadata the caller's dispatch key holds (``trust_inputs``: graph inputs) are no
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import torch
@@ -87,6 +89,14 @@ class CompiledRegion:
         other inputs. The first call of each signature still checks every input."""
         trusted = set(positions)
         self.checked_inputs = tuple(index for index in range(len(self.inputs)) if index not in trusted)
+
+    def trust_values(self, positions) -> None:
+        """The caller's dispatch key bounds the values of the integer inputs at ``positions`` within int32
+        (passes/input_ranges.py's guard): narrowing them to the int32 kernel dtype needs no range check per call."""
+        trusted = set(positions)
+        self.plan = dataclasses.replace(self.plan, inputs=tuple(
+            dataclasses.replace(slot, check_int32_range=False) if index in trusted and slot.narrow_to_int32 else slot
+            for index, slot in enumerate(self.plan.inputs)))
 
     @property
     def launch_sources(self) -> list[KernelSource]:
