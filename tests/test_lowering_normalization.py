@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowering_harness import check_against_eager, random_tensor, trace
+from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
 from neuron_compile.lowering.normalization import _check_batch_norm_training
 from neuron_compile.lowering import unsupported_reason
 
@@ -26,7 +26,8 @@ def _group_norm(shape, groups, eps=1e-5, affine=True):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape, groups", [((1, 6, 3), 2), ((2, 4), 4), ((3, 256, 5, 7), 32), ((1, 129, 1, 1), 3),
-                                            ((2, 130, 3, 4, 2), 5), ((2, 128, 1), 1)])
+                                            ((2, 130, 3, 4, 2), 5), ((2, 128, 1), 1), ((4, 64, 3, 3), 32),
+                                            ((65, 4, 5), 2)])
 def test_group_norm_matches_eager(shape, groups, dtype):
     x = random_tensor(shape, dtype, seed=1)
     weight, bias = random_tensor((shape[1],), dtype, seed=2), random_tensor((shape[1],), dtype, seed=3)
@@ -55,6 +56,45 @@ def test_group_norm_of_long_channels_last_rows_copies_them_contiguous(dtype):
     node = _group_norm_node(_group_norm(shape, 8), x, weight, bias)
     assert unsupported_reason(node) is None
     check_against_eager(_group_norm(shape, 8), x, weight, bias, tolerances=NORM_TOLERANCES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_few_group_rows_take_statistics_per_channel_first(dtype):
+    # A VAE's group norm: 32 (n, group) rows would use a quarter of the partitions; 64 channel rows are taken first
+    # and combined per group: the group variance is the mean of the channel variances plus that of the channel
+    # means.
+    shape = (1, 64, 9, 13)
+    x = random_tensor(shape, dtype, seed=11) + 10.0
+    weight, bias = random_tensor((64,), dtype, seed=12), random_tensor((64,), dtype, seed=13)
+    region = check_against_eager(_group_norm(shape, 32), x, weight, bias, tolerances=NORM_TOLERANCES)
+    assert any("channel_var" in kernel.source for kernel in region.kernels)
+    many = (4, 64, 3, 3)  # 128 group rows: one pass per group row, as before
+    inputs = (random_tensor(many, dtype, seed=14), weight, bias)
+    region = check_against_eager(_group_norm(many, 32), *inputs, tolerances=NORM_TOLERANCES)
+    assert not any("channel_var" in kernel.source for kernel in region.kernels)
+
+
+def _assert_as_accurate_as_eager(fn, *inputs):
+    """Each output within twice eager's own largest error against a float64 run (eager computes x * scale + shift,
+    whose rounding is its own; the statistics must not add to ours)."""
+    _, outputs = compile_and_run(fn, *inputs)
+    exact = fn(*(value.double() for value in inputs))
+    for ours, theirs, reference in zip(outputs, fn(*inputs), exact, strict=True):
+        assert (ours.double() - reference).abs().max() <= 2 * (theirs.double() - reference).abs().max() + 1e-6
+
+
+def test_group_statistics_per_channel_first_are_as_accurate_as_eagers():
+    shape = (1, 64, 8, 16)  # rows of 2**k elements: a mean is the sum times 1 / count (NKI has no division)
+    weight, bias = random_tensor((64,), seed=16), random_tensor((64,), seed=17)
+    # one group constant (variance 0: its output is its bias), one whose channels are constants of their own (all
+    # its variance between channels), the others noise around 10
+    x = random_tensor(shape, seed=15) + 10.0
+    x[0, 0:2] = 3.0
+    x[0, 2] = -1.0
+    x[0, 3] = 5.0
+    _assert_as_accurate_as_eager(_group_norm(shape, 32), x, weight, bias)
+    # std 0.01 around 100: the output's own rounding is ~1e-3 here
+    _assert_as_accurate_as_eager(_group_norm(shape, 32), random_tensor(shape, seed=18) * 0.01 + 100.0, weight, bias)
 
 
 def _group_norm_node(fn, *inputs):

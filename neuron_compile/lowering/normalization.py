@@ -4,10 +4,11 @@ Input: an ATen FX node. Output: three IR nodes — the row mean (a Reduction), t
 Reduction with ``rsqrt(var + eps)`` as its epilogue) and the normalize-and-affine Pointwise that reads both
 broadcast along the normalized dims — and the (out, mean, rstd) tuple that getitem nodes pick from.
 
-Group norm is the same three nodes over a regrouped domain: the channel dim C of the (N, C, *spatial) input is
-split by the access pattern into (G, C / G) (strides ``C/G * stride_C`` and ``stride_C``), so each (N, G) pair
-is one row over (C / G, *spatial), and the per-channel weight and bias are loads with stride 0 on the rows'
-spatial dims.
+Group norm's statistics are the same two reductions over a regrouped domain: the channel dim C of the (N, C,
+*spatial) input is split by the access pattern into (G, C / G) (strides ``C/G * stride_C`` and ``stride_C``), so
+each (N, G) pair is one row over (C / G, *spatial); with few such rows, per channel first and then per group. The
+statistics and the per-channel weight become a mean and a scale per (n, c), and the output is computed over the
+input's own domain with every per-channel operand one value per row.
 """
 
 from __future__ import annotations
@@ -176,11 +177,88 @@ def _group_norm_source(ctx, node: torch.fx.Node, source: TensorValue, groups: in
     return TensorValue(copy.name, copy.layout, copy.dtype)
 
 
+# Fewer (N, G) rows than this leave partitions idle (a VAE's 32 groups use a quarter of them): the statistics are
+# then taken per channel first, N * C rows, and combined per group.
+FEW_GROUP_ROWS = 128
+
+
+def _per_channel_first(domain: tuple[int, ...]) -> bool:
+    """Whether group statistics over the (N, G, C / G, *spatial) ``domain`` go per channel first: few group rows,
+    several channels per group, and spatial dims to reduce per channel."""
+    return len(domain) > 3 and domain[2] > 1 and domain[0] * domain[1] < FEW_GROUP_ROWS
+
+
+def _emit_group_statistics_by_channel(ctx, domain, prologue, mean: ir.Buffer, rstd: ir.Buffer, eps
+                                      ) -> tuple[ir.Buffer, ir.Buffer]:
+    """Group statistics in two steps: each channel's mean and biased variance over its spatial dims (N * C rows on
+    partitions instead of N * G), then per group, over its C / G channels of equal counts, the mean of the channel
+    means and the variance as the mean of the channel variances plus the variance of the channel means (the
+    parallel form of the two-pass variance: no sum of squares that could cancel). Stores as
+    ``_emit_row_statistics`` does."""
+    spatial = tuple(range(3, len(domain)))
+    channel_shape = domain[:3]
+
+    def per_channel(op: str, stem: str) -> ir.Load:
+        buffer = ctx.scratch_buffer(channel_shape, "float32", stem)
+        store = ir.Store(buffer, ir.Result(), store_layout_in_domain(buffer.layout, domain, spatial))
+        ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), domain, spatial, op, prologue, (store,), correction=0.0))
+        return ir.Load(buffer.name, buffer.layout, "float32")
+
+    channel_mean, channel_var = per_channel("mean", "channel_mean"), per_channel("var", "channel_var")
+    channels = (2,)
+
+    def group_store(buffer, expr):
+        return ir.Store(buffer, expr, store_layout_in_domain(buffer.layout, channel_shape, channels))
+
+    mean_fp32, rstd_fp32 = (ctx.scratch_buffer(domain[:2], "float32", stem) for stem in ("mean_fp32", "rstd_fp32"))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), channel_shape, channels, "mean", channel_mean,
+                          (group_store(mean, ir.Result()), group_store(mean_fp32, ir.Result()))))
+    group_mean = ir.Load(mean_fp32.name, store_layout_in_domain(mean_fp32.layout, channel_shape, channels), "float32")
+    spread = ir.Op("sub", (channel_mean, group_mean))
+    inverse_std = ir.Op("rsqrt", (ir.Op("add", (ir.Result(), ir.Scalar(float(eps)))),))
+    ctx.emit(ir.Reduction(ctx.fresh_name("kernel"), channel_shape, channels, "mean",
+                          ir.Op("add", (channel_var, ir.Op("mul", (spread, spread)))),
+                          (group_store(rstd, inverse_std), group_store(rstd_fp32, inverse_std))))
+    return mean_fp32, rstd_fp32
+
+
+def _channel_mean_and_scale(ctx, channel_shape, mean_fp32: ir.Buffer, rstd_fp32: ir.Buffer, weight
+                            ) -> tuple[ir.Buffer, ir.Buffer]:
+    """Per (n, c) over the (N, G, C / G) ``channel_shape``: its group's mean and scale = rstd * weight[c], in fp32
+    [N, C] buffers, so the normalize step reads one value per row for each."""
+    groups, per_group = channel_shape[1:]
+    channels = (2,)
+    per_group_row = [ir.Load(buffer.name, store_layout_in_domain(buffer.layout, channel_shape, channels), "float32")
+                     for buffer in (mean_fp32, rstd_fp32)]
+    scale_expr = per_group_row[1]
+    if weight is not None:
+        value = ctx.value(weight)
+        (stride,) = value.layout.strides
+        weights = ir.Load(value.buffer, ir.Layout(channel_shape, (0, per_group * stride, stride), value.layout.offset),
+                          value.dtype)
+        scale_expr = ir.Op("mul", (scale_expr, weights))
+    per_sample_layout = ir.Layout(channel_shape, (groups * per_group, per_group, 1), 0)
+    buffers = []
+    for stem, expr in (("channel_mean", per_group_row[0]), ("channel_scale", scale_expr)):
+        buffer = ctx.scratch_buffer((channel_shape[0], groups * per_group), "float32", stem)
+        ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), channel_shape, (ir.Store(buffer, expr, per_sample_layout),)))
+        buffers.append(buffer)
+    return buffers[0], buffers[1]
+
+
+def _per_sample_channel(buffer: ir.Buffer, shape: tuple[int, ...]) -> ir.Load:
+    """An fp32 [N, C] buffer read over the (N, C, *spatial) ``shape``: constant along the spatial dims."""
+    strides = buffer.layout.strides + (0,) * (len(shape) - 2)
+    return ir.Load(buffer.name, ir.Layout(tuple(shape), strides, 0), "float32")
+
+
 @register_lowering(aten.native_group_norm.default, check=_check_group_norm, multi_output=True)
 def lower_group_norm(ctx, node):
-    """out = (x - mean) * rstd * weight[c] + bias[c], mean and rstd = 1 / sqrt(var + eps) per (n, group)."""
+    """out = (x - mean) * rstd * weight[c] + bias[c], mean and rstd = 1 / sqrt(var + eps) per (n, group), computed
+    as (x - mean[n, c]) * scale[n, c] + bias[c] (``_channel_mean_and_scale``)."""
     source_arg, weight, bias, _, _, _, groups, eps = node.args[:8]
-    source = _group_norm_source(ctx, node, ctx.value(source_arg), groups)
+    original = ctx.value(source_arg)
+    source = _group_norm_source(ctx, node, original, groups)
     grouped = _group_domain(source.layout, groups)
     domain = grouped.shape
     reduce_dims = tuple(range(2, len(domain)))
@@ -189,25 +267,24 @@ def lower_group_norm(ctx, node):
                        ((out_meta, "group_norm"), (mean_meta, "mean"), (rstd_meta, "rstd")))
     prologue = ir.Load(source.buffer, grouped, source.dtype)
 
-    mean_fp32, rstd_fp32 = _emit_row_statistics(ctx, domain, reduce_dims, prologue, mean, rstd, eps, domain[:2])
+    if _per_channel_first(domain):
+        mean_fp32, rstd_fp32 = _emit_group_statistics_by_channel(ctx, domain, prologue, mean, rstd, eps)
+    else:
+        mean_fp32, rstd_fp32 = _emit_row_statistics(ctx, domain, reduce_dims, prologue, mean, rstd, eps, domain[:2])
 
-    def per_row(buffer):
-        return ir.Load(buffer.name, store_layout_in_domain(buffer.layout, domain, reduce_dims), buffer.dtype)
-
-    def per_channel(arg):
-        value = ctx.value(arg)
-        (stride,) = value.layout.strides
-        per_group = domain[2]
-        strides = (0, per_group * stride, stride) + (0,) * (len(domain) - 3)
-        return ir.Load(value.buffer, ir.Layout(domain, strides, value.layout.offset), value.dtype)
-
-    normalized = ir.Op("mul", (ir.Op("sub", (prologue, per_row(mean_fp32))), per_row(rstd_fp32)))
-    if weight is not None:
-        normalized = ir.Op("mul", (normalized, per_channel(weight)))
+    mean_by_channel, scale = _channel_mean_and_scale(ctx, domain[:3], mean_fp32, rstd_fp32, weight)
+    # out = (x - mean) * scale + bias per (n, c), over the input's own (N, C, *spatial) domain, where every
+    # per-channel operand is one value per row (x - mean first: a constant group gives its bias exactly)
+    shape = original.layout.shape  # the input as given: a pointwise kernel reads any strides
+    centered = ir.Op("sub", (ir.Load(original.buffer, original.layout, original.dtype),
+                             _per_sample_channel(mean_by_channel, shape)))
+    normalized = ir.Op("mul", (centered, _per_sample_channel(scale, shape)))
     if bias is not None:
-        normalized = ir.Op("add", (normalized, per_channel(bias)))
-    ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), domain, (ir.Store(out, normalized, _group_domain(out.layout,
-                                                                                                       groups)),)))
+        value = ctx.value(bias)
+        strides = (0, *value.layout.strides) + (0,) * (len(shape) - 2)
+        normalized = ir.Op("add", (normalized, ir.Load(value.buffer, ir.Layout(shape, strides, value.layout.offset),
+                                                       value.dtype)))
+    ctx.emit(ir.Pointwise(ctx.fresh_name("kernel"), shape, (ir.Store(out, normalized, out.layout),)))
     return tuple(TensorValue(buffer.name, buffer.layout, buffer.dtype) for buffer in (out, mean, rstd))
 
 
