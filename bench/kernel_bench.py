@@ -10,7 +10,8 @@ roofline ``max(FLOPs / TensorE peak, (parameters + inputs + outputs) bytes / DMA
 
 Graphs (random weights, tiny configs built in code, nothing downloaded), at hidden 512 fp32 and hidden 2048
 bf16, seq 128 and 1024, batch 1: a Llama MLP (gate/up/down, SiLU), LayerNorm + Linear + GELU, causal attention
-written with matmuls and softmax, a 1-layer LlamaModel, a 2-layer LlamaForCausalLM, and one decode step of that
+written with matmuls and softmax, a VAE's GroupNorm (32 groups over ``hidden`` channels of ``seq`` x 16 pixels), a
+1-layer LlamaModel, a 2-layer LlamaForCausalLM, and one decode step of that
 model with a static cache of ``seq`` positions (prefilled eagerly with ``seq - 1`` tokens). Inductor only
 schedules: its compile stops once the scheduler has fused (no C++ is generated or built) and the graph then runs
 eagerly. Needs the ``models`` extra (transformers) for the Llama graphs.
@@ -165,6 +166,7 @@ GRAPHS: dict[str, Callable[[int, torch.dtype, int], Case]] = {
     "ln_linear_gelu": lambda h, dt, s: module_case(LayerNormLinearGelu(h), dt, random((1, s, h), dt, 1)),
     "attention": lambda h, dt, s: Case(causal_attention, tuple(
         random((1, h // HEAD_DIM, s, HEAD_DIM), dt, seed) for seed in (1, 2, 3)), []),
+    "group_norm": lambda h, dt, s: module_case(nn.GroupNorm(32, h), dt, random((1, h, s, 16), dt, 1)),
     "llama_layer": llama_layer,
     "llama_2layer": llama_2layer,
     "decode": decode_step,
