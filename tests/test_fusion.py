@@ -293,6 +293,23 @@ def test_cheap_nodes_read_through_another_view_or_returned_are_kept():
     check_against_eager(fn, x)
 
 
+def _adam_like_moments(m, v, g):
+    m_new = m * 0.9 + g * 0.1  # first: the update below joins this kernel, not the second moment's
+    v_rounded = (v * 0.999 + g.float() * g.float() * 0.001).to(torch.bfloat16)  # an fp32 sum cast down
+    return m_new, v_rounded.clone(), m_new / (v_rounded.sqrt() + 1e-8)  # the clone: the state's copy_
+
+
+def test_a_cast_down_of_a_computed_value_is_not_inlined_so_readers_load_the_narrow_value():
+    """AdamW's bf16 second moment: inlined into the update's kernel, the cast made it load the fp32 sum, which
+    the moment's kernel then stored (4 bytes written and read per element instead of 2)."""
+    m, v, g = (random_tensor((130, 64), torch.bfloat16, seed=seed) for seed in (20, 21, 22))
+    v = v.abs()
+    _, result = _fused(_adam_like_moments, m, v, g)
+    stored = {store.buffer.name: store.buffer.dtype for kernel in result.kernels for store in kinds.stores(kernel)}
+    assert len(result.kernels) == 2 and "float32" not in stored.values()
+    check_against_eager(_adam_like_moments, m, v, g)
+
+
 def test_a_reader_that_would_not_fit_keeps_the_cheap_nodes_it_reads():
     """A cheap node is inlined only where its reader still fits the target; otherwise both stay as they were
     (an argmax over a flat 2700-element row took more tiles than SBUF holds once its inputs were inlined)."""

@@ -58,7 +58,7 @@ def pointwise_kernel_0(arg0_1, arg1_1):
             sigmoid_5 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
             mul_6 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=arg0_1_tile_1[0:rows, 0:cols], src=arg0_1.ap([[10, rows], [1, cols]], offset=p0 * 10 + f0))
-            nisa.tensor_scalar(dst=mul_2[0:rows, 0:cols], data=arg0_1_tile_1[0:rows, 0:cols], op0=nl.multiply, operand0=2.0)
+            nisa.tensor_scalar(dst=mul_2[0:rows, 0:cols], data=arg0_1_tile_1[0:rows, 0:cols], op0=nl.multiply, operand0=2.0, engine=nisa.engine.scalar)
             nisa.dma_copy(dst=arg1_1_tile_3[0:rows, 0:cols], src=arg1_1.ap([[10, rows], [1, cols]], offset=p0 * 10 + f0))
             nisa.tensor_tensor(dst=add_4[0:rows, 0:cols], data1=mul_2[0:rows, 0:cols], data2=arg1_1_tile_3[0:rows, 0:cols], op=nl.add, engine=nisa.engine.gpsimd)
             nisa.activation(dst=sigmoid_5[0:rows, 0:cols], op=nl.sigmoid, data=add_4[0:rows, 0:cols])

@@ -10,6 +10,7 @@ import pytest
 import torch
 from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
 
+from neuron_compile import ir
 from neuron_compile.lowering import unsupported_reason
 
 
@@ -247,6 +248,31 @@ def test_copy_into_a_graph_input_writes_the_input(dtype):
     torch.testing.assert_close(out, expected, equal_nan=True)
     rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
     torch.testing.assert_close(stats, expected_stats, rtol=rtol, atol=atol)
+    assert counts["fallback_nodes"] == 0, counts
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_a_computed_value_of_the_inputs_dtype_is_written_into_it_with_no_copy_kernel(state_dtype):
+    """AdamW's state update: the region writes the new moment into the input from the buffer the kernels compute
+    (a copy kernel stored it a second time); a value of another dtype is still cast by a copy."""
+    from neuron_compile.lowering import lower_graph
+
+    def fn(state, g):
+        new = state * 0.9 + g.float()  # fp32: state's dtype only when state is fp32
+        state.copy_(new)
+        return new * 2.0
+
+    state, g = random_tensor((129, 7), state_dtype, seed=2), random_tensor((129, 7), torch.bfloat16, seed=3)
+    lowered = lower_graph(trace(fn, state.clone(), g))
+    (_, written), = lowered.mutations
+    copies = [node for node in lowered.nodes if any(store.buffer.name == written.buffer for store in node.stores)
+              and isinstance(node.stores[0].expr, ir.Op) and node.stores[0].expr.op == "cast"]
+    assert bool(copies) == (state_dtype != torch.float32)
+    expected_state = state.clone()
+    expected = fn(expected_state, g)
+    out, counts = _compiled_stats(fn, state, g)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(state, expected_state)
     assert counts["fallback_nodes"] == 0, counts
 
 

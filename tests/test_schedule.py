@@ -185,3 +185,39 @@ def half_per_program_kernel(x):
             nisa.tensor_scalar(dst=scaled, data=loaded, op0=nl.multiply, operand0=2.0)
             nisa.dma_copy(dst=out[row:row + ROWS, columns], src=scaled)
     return out
+
+
+@simulator.jit
+def after_other_tiles_kernel(x, earlier_tiles):
+    """``earlier_tiles`` tiles of another size allocated and released first (a finished kernel of the same
+    launch, as in a region kernel), then out = (2 x + 1) / 2 through VectorE, GpSimd and ScalarE with fresh
+    tiles per column tile."""
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    for _ in range(earlier_tiles):
+        wide = nl.ndarray((ROWS, 3 * COLS), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=wide[:, 0:1], value=0.0)
+    for t in range(TILES):
+        columns = slice(t * COLS, (t + 1) * COLS)
+        loaded = nl.ndarray((ROWS, COLS), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=loaded, src=x[:, columns])
+        doubled = nl.ndarray((ROWS, COLS), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=doubled, data=loaded, op0=nl.multiply, operand0=2.0)
+        shifted = nl.ndarray((ROWS, COLS), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=shifted, data=doubled, op0=nl.add, operand0=1.0, engine=nisa.engine.gpsimd)
+        nisa.tensor_scalar(dst=doubled, data=shifted, op0=nl.multiply, operand0=0.5, engine=nisa.engine.scalar)
+        nisa.dma_copy(dst=out[:, columns], src=doubled)
+    return out
+
+
+def test_memory_freed_by_tiles_of_another_size_is_reused_so_later_tiles_still_overlap():
+    """Released tiles of a size the later loop never allocates (16 x 24 KiB, more than SBUF holds) must not
+    leave the ring full: the loop's tiles then reused the previous iteration's memory and ran one after
+    another (29% longer here)."""
+    x = np.random.default_rng(5).standard_normal((ROWS, COLS * TILES), dtype=np.float32)
+    times = []
+    for earlier_tiles in (0, 16):
+        run = simulator.run_kernel(after_other_tiles_kernel, (x, earlier_tiles), target="trn2")
+        np.testing.assert_array_equal(run.outputs[0], (2 * x + 1) * 0.5)
+        times.append(run.report.device_time_s)
+    alone, after_others = times
+    assert after_others <= 1.02 * alone

@@ -19,6 +19,7 @@ import math
 import struct
 
 from neuron_compile import ir, op_table
+from neuron_compile.codegen.engine_balance import COPY, FLOAT_TILE_DTYPES, GPSIMD, GPSIMD_COST, SCALAR, EngineBalance
 
 NL_DTYPES = {"float32": "nl.float32", "bfloat16": "nl.bfloat16", "bool": "nl.uint8", "int32": "nl.int32"}
 
@@ -80,6 +81,7 @@ class TileAllocator:
     count: int = 0
     widths: list[int] = dataclasses.field(default_factory=list)  # free elements of each line's SBUF tile (PSUM: 0)
     psum_tiles: set[str] = dataclasses.field(default_factory=set)
+    names: list[str] = dataclasses.field(default_factory=list)  # the name each line of ``lines`` declares
 
     def split_by_width(self, width: int) -> tuple[list[str], list[str]]:
         """(the allocations of SBUF tiles ``width`` wide, the others): a chunked row kernel allocates the first
@@ -108,6 +110,7 @@ class TileAllocator:
         """A one-partition fp32 PSUM row (cross-partition results land there)."""
         name = self.take_name(stem)
         self.lines.append(f"{name} = nl.ndarray((1, {free}), dtype=nl.float32, buffer=nl.psum)")
+        self.names.append(name)
         self.widths.append(0)
         self.psum_tiles.add(name)
         return name
@@ -116,12 +119,14 @@ class TileAllocator:
         """A [1, 1] SBUF tile (one value on partition 0: a random seed)."""
         name = self.take_name(stem)
         self.lines.append(f"{name} = nl.ndarray((1, 1), dtype={NL_DTYPES[dtype]}, buffer=nl.sbuf)")
+        self.names.append(name)
         self.widths.append(0)
         return name
 
     def new(self, stem: str, free: int, dtype: str = "float32") -> str:
         name = self.take_name(stem)
         self.lines.append(f"{name} = nl.ndarray(({self.partitions}, {free}), dtype={NL_DTYPES[dtype]}, buffer=nl.sbuf)")
+        self.names.append(name)
         self.widths.append(free)
         return name
 
@@ -225,49 +230,6 @@ class TileScope:
     def window(self, vector: bool) -> str:
         """The slice an instruction over full tiles (or over (P, 1) row vectors) works on."""
         return ROW_VECTOR if vector else self.slice_text
-
-
-GPSIMD = ", engine=nisa.engine.gpsimd"  # the engine argument of an instruction put on GpSimd
-SCALAR = ", engine=nisa.engine.scalar"
-FLOAT_TILE_DTYPES = ("float32", "bfloat16", "float16")
-
-
-class EngineBalance:
-    """Which engine runs each full-tile ALU instruction of a scope: another engine once VectorE has more of the
-    scope's work than that engine would have with it (the less loaded of GpSimd and, for a multiply and / or add by
-    numbers, ScalarE), else VectorE (the scheduler runs independent instructions on all three). Relative costs of
-    one tile: VectorE 1 (0.5 on bf16 tiles, its trn2 performance mode), GpSimd and ScalarE 0.8 (a faster clock, no
-    bf16 mode). Instructions that touch PSUM (GpSimd cannot reach it) or (P, 1) row vectors stay on VectorE;
-    activations are ScalarE's and instruction sequences VectorE's, and count as such."""
-
-    GPSIMD_COST = 0.8
-    SCALAR_COST = 0.8
-    # tensor_scalar stages trn2's ScalarE runs (nki-spec §1.3: (mul, add), (mul, None), (add, None))
-    SCALAR_STAGES = {("nl.multiply", "nl.add"), ("nl.multiply",), ("nl.add",)}
-
-    def __init__(self):
-        self.load = {"vector": 0.0, "gpsimd": 0.0, "scalar": 0.0}
-
-    def note(self, engine: str, cost: float = 1.0) -> None:
-        self.load[engine] += cost
-
-    def pick(self, operands: list[Ref], scope: TileScope, stages: tuple[str, ...] = ()) -> str:
-        """The engine argument text (empty for VectorE, the default) for an instruction over ``operands``;
-        ``stages``: the nl operators of a tensor_scalar (ScalarE takes only some)."""
-        tiles = [ref for ref in operands if ref.tile is not None]
-        on_psum = any(ref.tile in scope.allocator.psum_tiles for ref in tiles)
-        vector_cost = 0.5 if tiles and all(ref.dtype == "bfloat16" for ref in tiles) else 1.0
-        others = {} if on_psum or any(ref.vector for ref in tiles) else {"gpsimd": self.GPSIMD_COST}
-        full_tile = any(not ref.vector for ref in tiles)  # (P, 1) vector-only work stays on VectorE
-        if stages in self.SCALAR_STAGES and full_tile and all(ref.dtype in FLOAT_TILE_DTYPES for ref in tiles):
-            others["scalar"] = self.SCALAR_COST
-        after = {engine: self.load[engine] + cost for engine, cost in others.items()}
-        engine = min(after, key=after.get, default=None)
-        if engine is None or after[engine] >= self.load["vector"]:  # VectorE takes the first
-            self.note("vector", vector_cost)
-            return ""
-        self.note(engine, others[engine])
-        return GPSIMD if engine == "gpsimd" else SCALAR
 
 
 def emit(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref:
@@ -380,7 +342,7 @@ def _emit_rounded_op(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref |
     if not tiles or all(arg.vector for arg in tiles):
         return None  # numbers only, or (P, 1) row vectors (tensor_scalar operands stay fp32): the plain path
     out = Ref(tile=scope.tile(expr.dtype, stem=f"{inner.op}_{expr.dtype}"), dtype=expr.dtype)
-    lines.append(PLAIN_FORMS[entry.form](entry, args, scope.ref_text(out), scope))
+    lines.append(PLAIN_FORMS[entry.form](entry, args, scope.ref_text(out), scope, expr.dtype))
     return out
 
 
@@ -524,7 +486,8 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
     if entry.form == "sequence":
         emitted = len(lines)
         SEQUENCES[expr.op](args, dst, vector, scope, lines)
-        for line in lines[emitted:]:
+        charged = vector or expr.op in SELF_BALANCED  # (P, 1) row vectors: one element per partition
+        for line in lines[emitted:] if not charged else ():
             scope.balance.note(*_engine_and_cost(line))
     else:
         lines.append(PLAIN_FORMS[entry.form](entry, args, dst, scope))
@@ -542,7 +505,7 @@ def _tensor_scalar(dst: str, data: str, stages, operand: str | None = None, engi
     return ", ".join(parts) + engine + ")"
 
 
-def _binary(entry: op_table.OpSpec, args, dst: str, scope: TileScope) -> str:
+def _binary(entry: op_table.OpSpec, args, dst: str, scope: TileScope, dst_dtype: str = "float32") -> str:
     a, b = args
     if entry.name == "mul" and a == b and a.tile is not None and not a.vector:
         # x * x of a full tile: ScalarE's square (the same fp32 product, rounded once), off the busier VectorE
@@ -552,7 +515,10 @@ def _binary(entry: op_table.OpSpec, args, dst: str, scope: TileScope) -> str:
         if _is_constant(number_operand, data):
             engine = scope.balance.pick(list(args), scope, _operators(stages))
             return _tensor_scalar(dst, scope.ref_text(data), stages, scope.operand_text(number_operand), engine)
-    engine = scope.balance.pick(list(args), scope)
+    # the cost model's one pass: a bf16 add, subtract or multiply (operands and destination)
+    one_pass = entry.nl_op in ("nl.add", "nl.subtract", "nl.multiply") and dst_dtype == "bfloat16" and all(
+        arg.dtype == "bfloat16" for arg in args if arg.tile is not None)
+    engine = scope.balance.pick(list(args), scope, passes=1 if one_pass else 2)
     return (f"nisa.tensor_tensor(dst={dst}, data1={scope.ref_text(a)}, data2={scope.ref_text(b)}, "
             f"op={entry.nl_op}{engine})")
 
@@ -561,16 +527,17 @@ def _operators(stages) -> tuple[str, ...]:
     return tuple(nl_op for nl_op, _ in stages)
 
 
-def _unary_tensor_scalar(entry: op_table.OpSpec, args, dst: str, scope: TileScope) -> str:
+def _unary_tensor_scalar(entry: op_table.OpSpec, args, dst: str, scope: TileScope, dst_dtype: str = "") -> str:
     engine = scope.balance.pick(list(args), scope, _operators(entry.stages))
     return _tensor_scalar(dst, scope.ref_text(args[0]), entry.stages, engine=engine)
 
 
-def _activation(entry: op_table.OpSpec, args, dst: str, scope: TileScope) -> str:
+def _activation(entry: op_table.OpSpec, args, dst: str, scope: TileScope, dst_dtype: str = "") -> str:
     scope.balance.note("scalar")
     return f"nisa.activation(dst={dst}, op={entry.nl_op}, data={scope.ref_text(args[0])})"
 
 
+# Each plain form: (op-table entry, operand Refs, dst slice, scope, dst dtype) -> the instruction line.
 PLAIN_FORMS = {"binary": _binary, "tensor_scalar": _unary_tensor_scalar, "activation": _activation}
 
 
@@ -594,7 +561,8 @@ def _emit_cast(dtype: str, source: Ref, vector: bool, scope: TileScope, lines: l
     if source.value is not None:
         lines.append(f"nisa.memset(dst={scope.ref_text(out)}, value={number(source.value)})")
     else:
-        lines.append(f"nisa.tensor_copy(dst={scope.ref_text(out)}, src={scope.ref_text(source)})")
+        engine = scope.balance.pick([source, out], scope, COPY) if dtype in FLOAT_TILE_DTYPES else ""
+        lines.append(f"nisa.tensor_copy(dst={scope.ref_text(out)}, src={scope.ref_text(source)}{engine})")
     return out
 
 
@@ -792,11 +760,13 @@ def _emit_copysign(args, dst, vector, scope, lines) -> None:
 
 def _emit_alu_reciprocal(args, dst, vector, scope, lines) -> None:
     """dst = 1 / x by the ALU's reciprocal, every fp32 input (IEEE special values): VectorE's nisa.reciprocal, or
-    GpSimd's tensor_scalar form when VectorE has more of the scope's work (full tiles only)."""
+    GpSimd's tensor_scalar form where the engine balance puts it (full tiles only)."""
     data = scope.ref_text(args[0])
     cost = CYCLES_PER_ELEMENT["nisa.reciprocal("]
-    gpsimd_load = scope.balance.load["gpsimd"] + cost * EngineBalance.GPSIMD_COST
-    if not vector and args[0].tile not in scope.allocator.psum_tiles and gpsimd_load < scope.balance.load["vector"]:
+    costs = {"vector": cost}
+    if not vector and args[0].tile not in scope.allocator.psum_tiles:
+        costs["gpsimd"] = cost * GPSIMD_COST
+    if not vector and scope.balance.choose(costs) == "gpsimd":
         lines.append(_tensor_scalar(dst, data, (("nl.reciprocal", 0.0),), engine=GPSIMD))
     else:
         lines.append(f"nisa.reciprocal(dst={dst}, data={data})")
@@ -833,6 +803,8 @@ SEQUENCES = {
     "reciprocal_alu": _emit_alu_reciprocal,
     "rsqrt_alu": _emit_gpsimd_rsqrt,
 }
+# Sequences whose emitter asks the engine balance itself (its choice is charged there).
+SELF_BALANCED = {"reciprocal_alu"}
 # Cycles per element of the instructions a sequence emits, where not 1 (the cost model's figures: the ALU's
 # reciprocal takes 8, GpSimd's ALU rsqrt 4), so the engine balance weighs them as the schedule will.
 CYCLES_PER_ELEMENT = {"nisa.reciprocal(": 8, "op0=nl.reciprocal": 8, "op0=nl.rsqrt": 4}
@@ -843,7 +815,7 @@ def _engine_and_cost(line: str) -> tuple[str, float]:
     engine = ("scalar" if line.startswith("nisa.activation(") or SCALAR in line else "gpsimd" if GPSIMD in line
               else "vector")
     cost = max((cycles for text, cycles in CYCLES_PER_ELEMENT.items() if text in line), default=1)
-    return engine, cost * (EngineBalance.GPSIMD_COST if engine == "gpsimd" else 1)
+    return engine, cost * (GPSIMD_COST if engine == "gpsimd" else 1)
 
 
 def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str]) -> str:

@@ -17,6 +17,7 @@ import dataclasses
 import math
 
 from neuron_compile import ir
+from neuron_compile.codegen.engine_balance import EngineBalance
 from neuron_compile.codegen.expressions import BroadcastLoad, RepeatedColumnsLoad, TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template, store_lines
 from neuron_compile.codegen.strided_rows import (
@@ -36,6 +37,8 @@ WIDE_FREE_MIN = 512
 # A row shorter than this (bytes) with no outer dim to widen with: each partition takes several rows
 # (``rows_per_partition``); a DMA of fewer bytes per partition is overhead-bound (nki-spec §2)
 SHORT_ROW_BYTES = 512
+# Column tiles in flight in a kernel of several (``pipeline_stages``): the tile plan budgets SBUF for them all.
+PIPELINED_TILES = 2
 
 
 def plan_pointwise(node: ir.Pointwise, target, tiles: int | None = None) -> TilePlan:
@@ -60,6 +63,9 @@ def plan_pointwise(node: ir.Pointwise, target, tiles: int | None = None) -> Tile
     tiles = tiles or count_tiles([store.expr for store in node.stores])
     partition = dataclasses.replace(dims[-2], tile=min(dims[-2].size, target.partitions))
     free = dataclasses.replace(dims[-1], tile=free_tile(dims[-1].size, tiles, target))
+    if free.tile < free.size:  # several column tiles: the software pipeline keeps two of them in SBUF at once
+        tiles *= PIPELINED_TILES
+        free = dataclasses.replace(free, tile=free_tile(free.size, tiles, target))
     outer, free_dims = widen_free(dims[:-2], free, tiles, target)
     row_bytes = free.size * max(ITEMSIZE.get(store.buffer.dtype, 4) for store in node.stores) if node.stores else 0
     if not outer and len(free_dims) == 1 and row_bytes < SHORT_ROW_BYTES:
@@ -115,6 +121,24 @@ def pointwise_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: Tile
     share (rotate_half reads both halves in each) is one DMA; ``interleaved`` are groups of stores that interleave
     (``strided_rows.interleaving``), each stored as one contiguous DMA. Loads with a small innermost step read a
     contiguous span (codegen/strided_rows.py)."""
+    return balanced_body(stores, plan, allocator, interleaved)[0]
+
+
+def balanced_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator,
+                  interleaved: tuple[tuple[ir.Store, ...], ...] = ()) -> tuple[list[str], int]:
+    """``pointwise_body``'s lines, and the line after which half of the tile's engine work is issued. The body
+    is emitted twice: first into a scratch allocator, to learn every instruction the engines could share, then
+    for real with those instructions assigned longest first (codegen/engine_balance.py)."""
+    trial = EngineBalance()
+    _tile_lines(stores, plan, TileAllocator(allocator.partitions, reserved=allocator.reserved), interleaved, trial)
+    balance = trial.planned()
+    body = _tile_lines(stores, plan, allocator, interleaved, balance)
+    return body, balance.halfway_line
+
+
+def _tile_lines(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator,
+                interleaved: tuple[tuple[ir.Store, ...], ...], balance: EngineBalance) -> list[str]:
+    """``pointwise_body``'s lines with the engines ``balance`` gives."""
     patterns = Patterns(plan)
     free = [(plan.free[0], "cols")] + [(dim, str(dim.size)) for dim in plan.free[1:]]
     inner = math.prod(dim.size for dim in plan.free[1:])
@@ -143,6 +167,7 @@ def pointwise_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: Tile
 
     scope = TileScope(allocator, plan.free[0].tile * inner, columns, load_pattern, vector_pattern=vector_pattern,
                       broadcast_pattern=broadcast_pattern)
+    scope.balance = balance
 
     def hbm(buffer: str, layout: ir.Layout):
         return patterns.hbm(buffer, layout, free, True)
@@ -156,6 +181,7 @@ def pointwise_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: Tile
 
     scope.span_load = span_load
     body: list[str] = []
+    balance.lines = body  # where each instruction it charges lands
     store_lines(stores, scope, patterns, free, True, body)
     for group in interleaved:
         interleaved_store_lines(group, scope, hbm, body)
@@ -173,9 +199,25 @@ class PointwiseKind(MatchingIndexEpilogue):
 
     def render(self, node, plan, name, parameters):
         allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
-        body = pointwise_body(node.stores, plan, allocator)
-        context = kernel_context(node, plan, name, parameters, allocations=allocator.lines, body=body)
+        body, halfway = balanced_body(node.stores, plan, allocator)
+        stages = pipeline_stages(plan, body, halfway)
+        context = kernel_context(node, plan, name, parameters, allocations=allocator.lines, body=body,
+                                 stages=stages, tiles=", ".join(allocator.names))
         return render_template("pointwise.py.j2", **context)
+
+
+def pipeline_stages(plan: TilePlan, body: list[str], halfway: int) -> tuple[list[str], list[str]] | None:
+    """The body split in two stages for a software pipeline over the column tiles (the template issues tile i's
+    first stage before tile i - 1's second, so that each engine's queue holds two tiles' work and a long chain of
+    dependent instructions across engines, such as AdamW's rsqrt -> reciprocal -> scalings -> reciprocal, does not
+    leave engines waiting), split where half of the engine work is issued; None for a kernel of one column tile, a
+    widened free axis, or a body that is not one instruction per line."""
+    free = plan.free[0]
+    if len(plan.free) != 1 or free.tile >= free.size or not 0 < halfway < len(body):
+        return None
+    if not all(line.startswith("nisa.") for line in body):
+        return None
+    return body[:halfway], body[halfway:]
 
 
 register_kind(PointwiseKind())

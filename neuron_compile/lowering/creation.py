@@ -156,9 +156,26 @@ def _check_copy_into_input(node: torch.fx.Node) -> str | None:
 
 @register_lowering(aten.copy_.default, check=_check_copy_into_input)
 def lower_copy_into_input(ctx, node):
-    """The copied value as a kernel output with the input's layout; the region writes it into the input."""
-    value = lower_copy(ctx, node)
-    ctx.mutations.append((ctx.value(node.args[0]).buffer, value))
+    """The copied value as a kernel output with the input's layout; the region writes it into the input. A source
+    the region's kernels compute, of the input's dtype and shape, is written into the input as it is (the region
+    reads a mutation through its layout): no copy, which stored AdamW's new bf16 moments twice, as the value the
+    update reads and as the state's copy."""
+    destination = ctx.value(node.args[0])
+    value = _computed_as_is(ctx, node) or lower_copy(ctx, node)
+    ctx.mutations.append((destination.buffer, value))
+    return value
+
+
+def _computed_as_is(ctx, node: torch.fx.Node):
+    """The value of copy_(self, src)'s ``src`` when copying it changes nothing but where the values are: a buffer
+    the region's kernels write (not a graph input, nor a view of one), with self's dtype and shape; else None."""
+    source, destination = node.args[1], ctx.value(node.args[0])
+    if not isinstance(source, torch.fx.Node) or source.op != "call_function":
+        return None
+    value = ctx.value(source)
+    inputs = {other.name for other in node.graph.nodes if other.op == "placeholder"}
+    if value.buffer in inputs or value.dtype != destination.dtype or value.layout.shape != destination.layout.shape:
+        return None
     return value
 
 

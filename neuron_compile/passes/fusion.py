@@ -38,6 +38,7 @@ import itertools
 import networkx as nx
 
 from neuron_compile import ir, kinds
+from neuron_compile.codegen.strided_rows import ITEMSIZE
 from neuron_compile.passes.tiling import TilingError, plan_kernel
 
 
@@ -126,12 +127,26 @@ def _reader_counts(nodes: list[ir.Node]) -> dict[str, int]:
     return counts
 
 
+def _narrows_a_pointwise_result(store: ir.Store, pointwise_outputs: set[str]) -> bool:
+    """Whether ``store`` casts down (to bf16, say) values that pointwise nodes of the region compute wider. Inlined,
+    each reader would load the wide value, which its producer then has to store (AdamW's fp32 ``exp_avg_sq`` read
+    back by the parameter update only to be rounded to bf16); left alone, the cast joins its producer's kernel and
+    the readers load the narrow value, as eager does."""
+    loads = ir.loads_of(store.expr)
+    return bool(loads) and all(
+        load.buffer in pointwise_outputs and ITEMSIZE.get(load.dtype, 4) > ITEMSIZE.get(store.buffer.dtype, 4)
+        for load in loads)
+
+
 def _inlinable(nodes: list[ir.Node], region_outputs: set[str]) -> dict[str, ir.Store]:
     """The cheap stores (by buffer) that every reader reads through the store's own index map as an expression leaf
-    (a matmul or gather operand cannot take an expression), and that are not region outputs."""
+    (a matmul or gather operand cannot take an expression), that are not region outputs, and that do not cast down
+    a pointwise node's result."""
     readers = _reader_counts(nodes)
+    pointwise_outputs = {name for node in nodes if kinds.kind_of(node).elementwise for name in _writers(node)}
     cheap = {store.buffer.name: store for store in (_cheap_store(node, readers) for node in nodes)
-             if store is not None and store.buffer.name not in region_outputs}
+             if store is not None and store.buffer.name not in region_outputs
+             and not _narrows_a_pointwise_result(store, pointwise_outputs)}
     for node in nodes:
         kind = kinds.kind_of(node)
         for load in kind.operand_loads(node):

@@ -7,8 +7,9 @@ where the allocator reuses the space of tiles that are no longer live. The reuse
 as the allocator's ring mode does it (``nki.compiler.AllocationMode.RING``: each tile gets fresh memory, and
 freed memory is reused only once the allocation wraps around; PSUM rotates through its 8 banks): a released
 on-chip tensor's ``memory_id`` joins a first-in first-out pool, and an allocation takes a fresh id while fresh
-space remains (live bytes plus pooled bytes within capacity), else the oldest pooled id of its size, whose
-last reads its writes then wait for (trace.Region).
+space remains (live bytes plus pooled bytes within capacity), else the oldest pooled id whatever its size (the
+ring reuses the space freed first, whichever tile held it), whose last reads its writes then wait for
+(trace.Region).
 
 The ``KernelContext`` also holds the instruction trace, the target, the program id of the current launch and the
 engines' random-number generator states.
@@ -63,8 +64,8 @@ class KernelContext:
     launch_frame: object = None  # the simulator's launch frame: where attributing instructions stops looking
     # the engines' PRNG states (isa_random.py): engine name -> (128, words) uint32 lane states, absent until seeded
     random_states: dict = field(default_factory=dict)
-    # released on-chip memory not yet reused, oldest first: (buffer kind, bytes per partition) -> memory ids, and
-    # the units (SBUF bytes per partition, PSUM banks) those ids hold per buffer kind
+    # released on-chip memory not yet reused, oldest first: buffer kind -> (units, memory id) pairs, and the units
+    # (SBUF bytes per partition, PSUM banks) those ids hold per buffer kind
     free_memory_ids: dict = field(default_factory=dict)
     pooled_units: dict = field(default_factory=dict)
     collectives: list = field(default_factory=list)  # collectives.CollectiveRecord per nki.collectives call
@@ -118,21 +119,26 @@ def _release_psum(context: KernelContext, banks: int) -> None:
     context.psum_live_banks -= banks
 
 
-def _release_memory_id(context: KernelContext, key: tuple, units: int, memory_id: int) -> None:
-    context.free_memory_ids.setdefault(key, collections.deque()).append(memory_id)
-    context.pooled_units[key[0]] = context.pooled_units.get(key[0], 0) + units
+def _release_memory_id(context: KernelContext, kind: str, units: int, memory_id: int) -> None:
+    context.free_memory_ids.setdefault(kind, collections.deque()).append((units, memory_id))
+    context.pooled_units[kind] = context.pooled_units.get(kind, 0) + units
 
 
-def _ring_memory_id(context: KernelContext, tensor: NkiTensor, key: tuple, units: int, live: int, capacity: int):
+def _ring_memory_id(context: KernelContext, tensor: NkiTensor, kind: str, units: int, live: int, capacity: int):
     """Give an on-chip tensor fresh memory while the ring has fresh space (``live`` units in use, after this
-    one, plus those pooled, within ``capacity``), else the oldest released memory of its size; pool its id back
-    when it is released."""
-    kind = key[0]
-    pool = context.free_memory_ids.get(key)
-    if live + context.pooled_units.get(kind, 0) > capacity and pool:
-        tensor.storage.memory_id = pool.popleft()
-        context.pooled_units[kind] -= units
-    weakref.finalize(tensor.storage, _release_memory_id, context, key, units, tensor.storage.memory_id)
+    one, plus those pooled, within ``capacity``), else the oldest released memory of any size: memory that a
+    finished kernel of the same launch freed is reused as well as a previous loop iteration's. Where the oldest
+    is smaller than the tensor, the next oldest are reclaimed too until the ring has room (the tensor takes the
+    first one's id, so its accesses wait for that memory's last ones). Its id is pooled back on release."""
+    pool = context.free_memory_ids.get(kind)
+    reused = None
+    while live + context.pooled_units.get(kind, 0) > capacity and pool:
+        pooled_units, memory_id = pool.popleft()
+        context.pooled_units[kind] -= pooled_units
+        reused = memory_id if reused is None else reused
+    if reused is not None:
+        tensor.storage.memory_id = reused
+    weakref.finalize(tensor.storage, _release_memory_id, context, kind, units, tensor.storage.memory_id)
 
 
 def _fill_value(dtype: np.dtype):
@@ -257,7 +263,7 @@ def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "", address=None) 
         context.sbuf_live_bytes += bytes_per_partition
         context.sbuf_peak_bytes = max(context.sbuf_peak_bytes, context.sbuf_live_bytes)
         weakref.finalize(tensor.storage, _release_sbuf, context, bytes_per_partition)
-        _ring_memory_id(context, tensor, ("sbuf", bytes_per_partition), bytes_per_partition,
+        _ring_memory_id(context, tensor, "sbuf", bytes_per_partition,
                         context.sbuf_live_bytes, context.target.sbuf_bytes_per_partition)
     elif buffer.kind == "psum":
         # a PSUM tensor occupies whole 2 KiB banks
@@ -272,7 +278,7 @@ def allocate(shape, dtype, buffer: Buffer = sbuf, name: str = "", address=None) 
         context.psum_live_banks += banks
         context.psum_peak_banks = max(context.psum_peak_banks, context.psum_live_banks)
         weakref.finalize(tensor.storage, _release_psum, context, banks)
-        _ring_memory_id(context, tensor, ("psum", bytes_per_partition), banks, context.psum_live_banks,
+        _ring_memory_id(context, tensor, "psum", banks, context.psum_live_banks,
                         context.target.psum_banks)
     elif buffer is shared_hbm:
         context.outputs_allocated.append(tensor)
