@@ -100,7 +100,19 @@ def test_fills_other_than_negative_zero_take_the_row_form(fill):
         return torch.full((3, 6), fill).index_put((i,), v, accumulate=True)
 
     region = check_against_eager(scatter, index, values, tolerances=FP32)
-    assert ("nc_matmul(dst=sums" in scatter_kernel_source(region)) == (fill != 0)
+    source = scatter_kernel_source(region)
+    assert ("nc_matmul(dst=sums" in source) == (fill != 0)
+    # the constant base is stored from one memset tile (no HBM -> HBM copy of a filled buffer, no fill kernel)
+    assert ("nisa.memset(dst=fill, value=2.5)" in source) == (fill != 0)
+    assert len(region.kernels) == (1 if fill != 0 else 2)
+
+
+def test_rows_of_several_dims_and_a_batch_of_index_rows():
+    index = torch.randint(0, 5, (2, 70), generator=torch.Generator().manual_seed(11))
+    values = random_tensor((2, 70, 3, 4), seed=12)
+    region = check_against_eager(lambda i, v: torch.zeros(5, 3, 4).index_put((i,), v, accumulate=True), index,
+                                 values, tolerances=FP32)
+    assert "nc_matmul(dst=sums" in scatter_kernel_source(region)
 
 
 @pytest.mark.parametrize("bad", [[0, 6, 1], [0, -7, 1]])

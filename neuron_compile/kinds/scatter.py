@@ -33,7 +33,13 @@ from neuron_compile.codegen.expressions import NL_DTYPES, number
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import KernelKind, register_kind
 from neuron_compile.kinds.indirect import indirect_offset, redirect_lines, render_indirect
-from neuron_compile.kinds.scatter_rows import collision_lines, row_entries, row_sum_allocations, row_sum_lines
+from neuron_compile.kinds.scatter_rows import (
+    collision_lines,
+    fill_lines,
+    row_entries,
+    row_sum_allocations,
+    row_sum_lines,
+)
 from neuron_compile.tiles import TilePlan
 
 COLUMN, SQUARE = "[0:rows, 0:1]", "[0:rows, 0:rows]"  # one value per partition; one row of the tile per partition
@@ -203,7 +209,8 @@ def render_scatter(node: ir.Scatter, plan: TilePlan, name: str, parameters: list
     else:
         body += _combine_lines(node, plan, offset)
     return render_indirect(node, plan, name, parameters, _allocations(node, plan), body, "scatter.py.j2",
-                           prelude=tuple(_copy_lines(node, node.stores[0].layout)))
+                           prelude=tuple(fill_lines(node) if isinstance(node.base, ir.Scalar)
+                                         else _copy_lines(node, node.stores[0].layout)))
 
 
 class ScatterKind(KernelKind):
@@ -213,7 +220,8 @@ class ScatterKind(KernelKind):
 
     def operand_loads(self, node):
         values = [node.values] if isinstance(node.values, ir.Load) else []
-        return [node.base] + values + [entry[0] for entry in node.indices]
+        base = [node.base] if isinstance(node.base, ir.Load) else []
+        return base + values + [entry[0] for entry in node.indices]
 
     def plan(self, node, target):
         return plan_scatter(node, target)

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import NL_DTYPES
-from neuron_compile.kinds.indirect import column_address_lines, element_address_lines, redirect_lines
+from neuron_compile.codegen.expressions import NL_DTYPES, number
+from neuron_compile.kinds.indirect import column_address_lines, element_address_lines, indirect_offset, redirect_lines
 from neuron_compile.tiles import TilePlan
 
 COLUMN, SQUARE = "[0:rows, 0:1]", "[0:rows, 0:rows]"  # one value per partition; one row of the tile per partition
@@ -51,6 +51,27 @@ def collision_lines(node: ir.Scatter, plan: TilePlan, offset: Callable, terms: C
         f"offset={offset(index.layout)})", SQUARE, suffix="_row", check=False)
     lines.append(f"nisa.tensor_scalar(dst=same{SQUARE}, data=address_row{SQUARE}, op0=nl.equal, "
                  f"operand0=address{COLUMN})")
+    return lines
+
+
+def fill_lines(node: ir.Scatter) -> list[str]:
+    """out = a constant base (``node.base`` a Scalar): one SBUF tile of the fill stored over the output's last two
+    dims, 128 rows a DMA (per index of the dims before them, loop variables c0, c1, ...), instead of an HBM -> HBM
+    copy of a filled buffer (its bytes cross HBM twice, and the fill's own kernel writes them once more)."""
+    out = node.stores[0].layout
+    (rows, row_stride), (width, column_stride) = [(out.shape[d], out.strides[d]) for d in (-2, -1)]
+    name = node.stores[0].buffer.name
+    lines = [f"fill = nl.ndarray(({min(rows, 128)}, {width}), dtype={NL_DTYPES[node.stores[0].buffer.dtype]}, "
+             "buffer=nl.sbuf)", f"nisa.memset(dst=fill, value={number(node.base.value)})"]
+    depth = 0
+    for d in range(len(out.shape) - 2):
+        lines.append("    " * depth + f"for c{d} in range({out.shape[d]}):")
+        depth += 1
+    terms = [(f"c{d}", out.strides[d]) for d in range(len(out.shape) - 2)] + [("r0", row_stride)]
+    pattern = f"[[{row_stride}, min(128, {rows} - r0)], [{column_stride}, {width}]]"
+    lines += ["    " * depth + f"for r0 in range(0, {rows}, 128):",
+              "    " * depth + f"    nisa.dma_copy(dst={name}.ap({pattern}, offset={indirect_offset(out.offset, terms)}), "
+              f"src=fill[0:min(128, {rows} - r0), 0:{width}])"]
     return lines
 
 

@@ -336,9 +336,12 @@ def _emit_scatter(ctx, plan: Plan, base: TensorValue, buffer: ir.Buffer, values,
         index = ctx.value(index_node)
         stride, size = (1, math.prod(out.shape)) if dim is None else (out.strides[dim], out.shape[dim])
         entries.append((ir.Load(index.buffer, layout, index.dtype), stride, size, wrap))
-    node = ir.Scatter(ctx.fresh_name("kernel"), plan.domain, ir.Load(base.buffer, _promote(base.layout), base.dtype),
-                      ir.Layout(plan.domain, strides, out.offset), values, tuple(entries),
-                      (ir.Store(buffer, ir.Result(), out),), reduce, *_tiling(plan, reduce))
+    tiling = _tiling(plan, reduce)
+    # the row sum applies over a constant fill only: the kernel stores that number, no copy of the filled buffer
+    base_expr = ir.Scalar(float(plan.source.args[1])) if tiling[1] and _row_sum_applies(plan, reduce) else \
+        ir.Load(base.buffer, _promote(base.layout), base.dtype)
+    node = ir.Scatter(ctx.fresh_name("kernel"), plan.domain, base_expr, ir.Layout(plan.domain, strides, out.offset),
+                      values, tuple(entries), (ir.Store(buffer, ir.Result(), out),), reduce, *tiling)
     ctx.emit(node)
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
 
