@@ -104,26 +104,29 @@ def row_sum_lines(node: ir.Scatter, plan: TilePlan, offset: Callable) -> list[st
 
 
 def _chunk_lines(width: int) -> list[str]:
-    """One chunk of columns: the finite values and the special counts through TensorE, the sums added."""
+    """One chunk of columns: the finite values and the special counts through TensorE, the sums added. The flags
+    and the final add (SBUF only) go to GpSimd, the scaling of one count to ScalarE, what reads PSUM with two
+    operands stays on VectorE: no engine does most of the chunk's work."""
     chunk, part = "[0:rows, 0:cols]", "[0:rows, c0:c0 + cols]"
     return [
         f"cols = min({CHUNK}, {width} - c0)",
         f"nisa.tensor_scalar(dst=finite{chunk}, data=values{part}, op0=nl.multiply, operand0=0.0, op1=nl.equal, "
-        "operand1=0.0)",
+        "operand1=0.0, engine=nisa.engine.gpsimd)",
         f"nisa.select_reduce(dst=finite_values{chunk}, predicate=finite{chunk}, on_true=values{part}, "
         "on_false=0.0)",
         f"nisa.tensor_scalar(dst=plus_flags{chunk}, data=values{part}, op0=nl.less, operand0=float('inf'), "
-        "op1=nl.subtract, operand1=1.0, reverse1=True)",
+        "op1=nl.subtract, operand1=1.0, reverse1=True, engine=nisa.engine.gpsimd)",
         f"nisa.tensor_scalar(dst=minus_flags{chunk}, data=values{part}, op0=nl.greater, operand0=float('-inf'), "
-        "op1=nl.subtract, operand1=1.0, reverse1=True)",
+        "op1=nl.subtract, operand1=1.0, reverse1=True, engine=nisa.engine.gpsimd)",
         f"nisa.nc_matmul(dst=sums{chunk}, stationary=selection{SQUARE}, moving=finite_values{chunk})",
         f"nisa.nc_matmul(dst=plus_counts{chunk}, stationary=special_selection{SQUARE}, moving=plus_flags{chunk})",
         f"nisa.nc_matmul(dst=minus_counts{chunk}, stationary=special_selection{SQUARE}, moving=minus_flags{chunk})",
-        f"nisa.tensor_scalar(dst=minus_infinities{chunk}, data=minus_counts{chunk}, op0=nl.multiply, operand0=4.0)",
+        f"nisa.activation(dst=minus_infinities{chunk}, op=nl.copy, data=minus_counts{chunk}, scale=4.0)",
         f"nisa.scalar_tensor_tensor(dst=specials{chunk}, data=plus_counts{chunk}, op0=nl.multiply, operand0=4.0, "
         f"op1=nl.subtract, operand1=minus_infinities{chunk})",
         f"nisa.tensor_tensor(dst=specials{chunk}, data1=sums{chunk}, data2=specials{chunk}, op=nl.add)",
-        f"nisa.tensor_tensor(dst=current{part}, data1=current{part}, data2=specials{chunk}, op=nl.add)",
+        f"nisa.tensor_tensor(dst=current{part}, data1=current{part}, data2=specials{chunk}, op=nl.add, "
+        "engine=nisa.engine.gpsimd)",
     ]
 
 
