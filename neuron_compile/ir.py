@@ -540,8 +540,9 @@ class Scatter:
     # The domain dim on partitions (the others are outer loops in domain order); the lowering picks one that keeps
     # eager's order among colliding elements: a dim no index drives, or the last one an index drives.
     partition_dim: int = -1
-    # assign only: the trailing domain dims no index drives, carried whole on the free axis (one row of
-    # ``row_dims`` dims per partition: index_copy / index_put of rows, a KV-cache update); 0 = one element each
+    # assign and add: the trailing domain dims no index drives, carried whole on the free axis (one row of
+    # ``row_dims`` dims per partition: index_copy / index_put of rows, a KV-cache update, the embedding gradient's
+    # sum of rows); 0 = one element each
     row_dims: int = 0
 
 

@@ -98,7 +98,7 @@ def plan_attention_backward(node: ir.AttentionBackward, target) -> AttentionBack
     free = (LoopDim(keys, rank + 1, 1, min(keys, key_block)),)
     spare = target.sbuf_bytes_per_partition * SBUF_SHARE - always - query_tiles * query_side
     group_loads = len(grouped) == 1 and resident_tiles == query_tiles and \
-        group_bytes(node, batch[grouped[0]] if grouped else 1, itemsize) <= spare
+        group_bytes(node, batch[grouped[-1]], itemsize) <= spare
     return AttentionBackwardPlan("attention_backward", outer, partition, free, 0, group_dims=grouped,
                                  key_block=key_block, resident_from=query_tiles - resident_tiles,
                                  transpose_loads=transpose_loads, group_loads=group_loads)

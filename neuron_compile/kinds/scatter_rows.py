@@ -10,8 +10,8 @@ of kinds/indirect.py. Output: kernel lines per tile of up to 128 rows:
   stationary operand; 0/1 is exact in bf16), per chunk of 512 columns, one PSUM bank of fp32. A product
   ``0 * inf`` would be nan, so the values enter the matmul with every inf and nan zeroed, and two more 0/1
   matmuls count, per row and column, the group's values that are +inf or nan (``plus_flags``) and -inf or nan
-  (``minus_flags``); ``4 * 2**127 * plus - 4 * 2**127 * minus`` is then +-inf, nan (both) or 0 (neither), exactly what the
-  group's specials add to the finite sum in IEEE arithmetic, whatever their order;
+  (``minus_flags``); ``4 * 2**127 * plus - 4 * 2**127 * minus`` is then +-inf, nan (both) or 0 (neither),
+  exactly what the group's specials add to the finite sum in IEEE arithmetic, whatever their order;
 * every row of the tile then reads its target row (indirect DMA), adds its group's sum and writes it back:
   duplicates write one value. Tiles run in order.
 
@@ -69,8 +69,9 @@ def fill_lines(node: ir.Scatter) -> list[str]:
         depth += 1
     terms = [(f"c{d}", out.strides[d]) for d in range(len(out.shape) - 2)] + [("r0", row_stride)]
     pattern = f"[[{row_stride}, min(128, {rows} - r0)], [{column_stride}, {width}]]"
+    offset = indirect_offset(out.offset, terms)
     lines += ["    " * depth + f"for r0 in range(0, {rows}, 128):",
-              "    " * depth + f"    nisa.dma_copy(dst={name}.ap({pattern}, offset={indirect_offset(out.offset, terms)}), "
+              "    " * depth + f"    nisa.dma_copy(dst={name}.ap({pattern}, offset={offset}), "
               f"src=fill[0:min(128, {rows} - r0), 0:{width}])"]
     return lines
 
