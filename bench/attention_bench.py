@@ -14,6 +14,8 @@ square). Every result is checked against eager (max abs error shown).
     python bench/attention_bench.py --quick    # seq 128 and 1024 only
     python bench/attention_bench.py --seqs 1024,4096 --engines  # chosen lengths, busy time per engine
     python bench/attention_bench.py --backward # the backward instead (see below)
+    python bench/attention_bench.py --backward --seqs 256 --head-dims 64 --dtypes bf16 --causal yes --heads 32 \
+        --kv-heads 4 --fused-only              # the backward at the 1-layer Llama goal point's shapes
     python bench/attention_bench.py --decode   # decode steps instead (see below)
 
 ``--backward``: ``aten._scaled_dot_product_flash_attention_for_cpu_backward`` alone (dO, q, k, v, the forward's
@@ -148,28 +150,34 @@ def run_backward(inputs, causal: bool, fused: bool, want) -> Measured:
     return Measured(kernels, stats["hbm_bytes"], est, error)
 
 
-def backward_inputs(seq: int, depth: int, causal: bool, dtype: torch.dtype):
-    """(dO, q, k, v, out, logsumexp) in ``dtype`` (the log-sum-exp fp32) and eager's fp32 gradients."""
+def backward_inputs(seq: int, depth: int, causal: bool, dtype: torch.dtype, heads: int = HEADS,
+                    kv_heads: int = HEADS):
+    """(dO, q, k, v, out, logsumexp) in ``dtype`` (the log-sum-exp fp32; k and v with ``kv_heads`` heads, each
+    shared by ``heads // kv_heads`` query heads) and eager's fp32 gradients."""
     generator = torch.Generator().manual_seed(seq + depth + 1)
-    q, k, v, grad = (torch.randn(1, HEADS, seq, depth, generator=generator) for _ in range(4))
-    out, logsumexp = FLASH(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=causal)[:2]
+    q, grad = (torch.randn(1, heads, seq, depth, generator=generator) for _ in range(2))
+    k, v = (torch.randn(1, kv_heads, seq, depth, generator=generator) for _ in range(2))
+    group = heads // kv_heads
+    out, logsumexp = FLASH(q.to(dtype), k.to(dtype).repeat_interleave(group, 1), v.to(dtype).repeat_interleave(
+        group, 1), is_causal=causal)[:2]
     want = FLASH_BACKWARD(grad, q, k, v, out.float(), logsumexp, 0.0, causal)
     return (grad.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), out, logsumexp), want
 
 
-def measure_backward(seq: int, depth: int, causal: bool, dtype: torch.dtype) -> str:
-    inputs, want = backward_inputs(seq, depth, causal, dtype)
+def measure_backward(seq: int, depth: int, causal: bool, dtype: torch.dtype, heads: int = HEADS,
+                     kv_heads: int = HEADS, separate_max_seq: int = BACKWARD_SEPARATE_MAX_SEQ) -> str:
+    inputs, want = backward_inputs(seq, depth, causal, dtype, heads, kv_heads)
     fused = run_backward(inputs, causal, True, want)
     separate = None
-    if seq <= BACKWARD_SEPARATE_MAX_SEQ:
+    if seq <= separate_max_seq:
         try:
             separate = run_backward(inputs, causal, False, want)
         except NeuronCompileError:  # their matmuls over 4096 fp32 keys overflow SBUF: the table says so
             separate = "does not fit"
     target = get_target("trn2")
     peak = (target.tensor_bf16_tflops if dtype == torch.bfloat16 else target.tensor_fp32_tflops) * 1e12
-    operand_bytes = 8 * HEADS * seq * depth * (2 if dtype == torch.bfloat16 else 4)
-    compute, memory = 2.5 * 4 * HEADS * seq * seq * depth / peak, operand_bytes / target.dma_bytes_per_s
+    operand_bytes = 4 * (heads + kv_heads) * seq * depth * (2 if dtype == torch.bfloat16 else 4)
+    compute, memory = 2.5 * 4 * heads * seq * seq * depth / peak, operand_bytes / target.dma_bytes_per_s
     bound, kind = max(compute, memory), "c" if compute >= memory else "m"
     cells = [str(seq), str(depth), "yes" if causal else "no", "bf16" if dtype == torch.bfloat16 else "fp32",
              f"{operand_bytes / 1e6:.2f}", f"{fused.kernels}", f"{fused.hbm_bytes / 1e6:.2f}",
@@ -263,17 +271,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seqs", help="comma-separated sequence lengths (instead of 128,1024,4096,8192)")
     parser.add_argument("--engines", action="store_true",
                         help="forward: add the flash kernel's busy time per engine (" + " / ".join(ENGINES) + ")")
+    parser.add_argument("--head-dims", help="comma-separated head dims (instead of 64,128)")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--heads", type=int, default=HEADS, help="backward: query heads")
+    parser.add_argument("--kv-heads", type=int, help="backward: key/value heads (grouped-query; default: --heads)")
+    parser.add_argument("--fused-only", action="store_true", help="backward: skip the separate kernels")
     args = parser.parse_args(argv)
     if args.decode:
         return main_decode(args.quick)
     seqs = [int(seq) for seq in args.seqs.split(",")] if args.seqs else QUICK_SEQS if args.quick else SEQS
+    head_dims = [int(depth) for depth in args.head_dims.split(",")] if args.head_dims else HEAD_DIMS
+    dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[name] for name in args.dtypes.split(",")]
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     rows = []
     started = time.time()
-    for seq, depth, causal, dtype in itertools.product(seqs, HEAD_DIMS, (False, True),
-                                                        (torch.float32, torch.bfloat16)):
+    for seq, depth, causal, dtype in itertools.product(seqs, head_dims, causals, dtypes):
         print(f"[{time.time() - started:6.0f} s] seq {seq} D {depth} causal {causal} {dtype}", file=sys.stderr,
               flush=True)
-        rows.append(measure_backward(seq, depth, causal, dtype) if args.backward else
+        rows.append(measure_backward(seq, depth, causal, dtype, args.heads, args.kv_heads or args.heads,
+                                     0 if args.fused_only else BACKWARD_SEPARATE_MAX_SEQ) if args.backward else
                     measure(seq, depth, causal, dtype, args.engines))
     header = BACKWARD_HEADER if args.backward else HEADER
     if args.engines and not args.backward:

@@ -519,7 +519,8 @@ class Scatter:
     """``out = base``, then for every element e of ``domain``, tile by tile in order: ``out[target(e)] =
     reduce(out[target(e)], values(e))`` (index_put, scatter, scatter_add, scatter_reduce, index_reduce, put).
 
-    ``reduce`` is assign | add | multiply | maximum | minimum. ``base`` reads self over the output's shape;
+    ``reduce`` is assign | add | multiply | maximum | minimum. ``base`` reads self over the output's shape, or
+    is the number self is filled with (a constant ``full``: the embedding gradient's zeros);
     ``target`` is the output's layout restated over the domain (stride 0 on index-driven dims) and ``indices``
     holds (Load over the domain, output stride, output size, wrap negatives) per index, as ``Gather.indices``:
     target(e) = target's value + sum(index * stride). ``values`` is a Load over the domain or a Scalar. Elements
@@ -530,7 +531,7 @@ class Scatter:
 
     name: str
     domain: tuple[int, ...]
-    base: Load
+    base: Load | Scalar
     target: Layout
     values: Load | Scalar
     indices: tuple
@@ -539,8 +540,9 @@ class Scatter:
     # The domain dim on partitions (the others are outer loops in domain order); the lowering picks one that keeps
     # eager's order among colliding elements: a dim no index drives, or the last one an index drives.
     partition_dim: int = -1
-    # assign only: the trailing domain dims no index drives, carried whole on the free axis (one row of
-    # ``row_dims`` dims per partition: index_copy / index_put of rows, a KV-cache update); 0 = one element each
+    # assign and add: the trailing domain dims no index drives, carried whole on the free axis (one row of
+    # ``row_dims`` dims per partition: index_copy / index_put of rows, a KV-cache update, the embedding gradient's
+    # sum of rows); 0 = one element each
     row_dims: int = 0
 
 

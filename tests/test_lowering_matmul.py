@@ -6,6 +6,8 @@ different order than ATen's blocked kernel differs by up to about K * 2**-24 rel
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -150,3 +152,15 @@ def test_large_k_matmul_fits_sbuf(k, n, dtype, target):
     eager_error = (torch.nn.functional.linear(x, weight).double() - reference).abs().max().item()
     our_error = (got.double() - reference).abs().max().item()
     assert our_error <= eager_error * 1.5, (our_error, eager_error)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 600), (129, 7), (300, 513)])
+def test_a_per_row_epilogue_operand_is_loaded_as_a_column(rows, cols):
+    """(a @ b) * r[:, None] (an RMSNorm backward's rsqrt in the matmul's epilogue): r comes in as one element per
+    partition, a (P, 1) operand, never a DMA broadcast of each repeated element."""
+    a, b = random_tensor((rows, 64), seed=1), random_tensor((64, cols), seed=2)
+    r = random_tensor((rows,), seed=3)
+    region = check_against_eager(lambda a, b, r: (a @ b) * r[:, None], a, b, r)
+    (kernel,) = region.kernels
+    assert kernel.name.startswith("matmul_kernel") and "_column_" in kernel.source
+    assert not re.search(r"src=\w+\.ap\(\[\[\d+, rows\], \[0, cols\]\]", kernel.source)

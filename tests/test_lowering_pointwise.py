@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -235,3 +237,25 @@ def test_a_rotary_product_puts_the_tokens_on_partitions():
     x, table = random_tensor((1, 300, 8, 128), seed=1), random_tensor((300, 1, 128), seed=2)
     region = check_against_eager(lambda x, t: x * t, x, table)
     assert "partition 300/128 free [8/8, 128/128]" in region.kernels[0].source
+
+
+@settings(max_examples=8, deadline=None)
+@given(rows=st.sampled_from([1, 127, 128, 129, 300]), cols=st.sampled_from([1, 7, 600]), dtype=DTYPES,
+       masked_first=st.booleans())
+def test_a_per_row_mask_is_loaded_as_a_column(rows, cols, dtype, masked_first):
+    """where(mask[:, None], ...) with a bool mask per row (the embedding gradient's padding test): the mask comes
+    in as one element per partition and is widened on chip, never a broadcast DMA of each repeated element; the
+    select stays exact (inf and nan of the unselected side do not leak)."""
+    mask = torch.arange(rows) % 3 == (0 if masked_first else 1)
+    x = random_tensor((rows, cols), dtype, seed=7)
+    x[0, 0], x[-1, -1] = float("inf"), float("nan")
+
+    def fn(m, x):
+        return torch.where(m[:, None], 0.0, x * 2), torch.where(m[:, None], x, float("-inf"))
+
+    region = check_against_eager(fn, mask, x)
+    if cols == 1:  # a one-column mask is no broadcast
+        return
+    sources = "".join(kernel.source for kernel in region.kernels)
+    assert not re.search(r"src=\w+\.ap\(\[\[\d+, rows\], \[0, cols\]\]", sources)  # no broadcast load
+    assert "_column_" in sources

@@ -282,9 +282,28 @@ def _operands(expr: ir.Op, scope: TileScope, lines: list[str]) -> list[Ref]:
     """The Refs of ``expr``'s arguments. An instruction of one of the plain forms reads a bf16 / fp16 tile as
     it reads an fp32 one (it computes in fp32), so an argument that only widens such a tile to fp32 is read
     from that tile: no tensor_copy, unless something else (a store, a sequence) needs the fp32 tile."""
+    if expr.op == "where":
+        condition = _row_condition(expr.args[0], scope, lines)
+        if condition is not None:
+            return [condition] + [emit(arg, scope, lines) for arg in expr.args[1:]]
     if op_table.spec(expr.op).form not in PLAIN_FORMS and expr.op not in READS_NARROW_TILES:
         return [emit(arg, scope, lines) for arg in expr.args]
     return [_widened_source(arg, scope, lines) or emit(arg, scope, lines) for arg in expr.args]
+
+
+def _row_condition(condition: ir.Expr, scope: TileScope, lines: list[str]) -> Ref | None:
+    """A where's bool condition loaded constant along the free axis (a per-row mask, as the embedding gradient's
+    padding test) as its (P, 1) column, which the where widens on chip (_predicate_text), instead of a broadcast
+    DMA that moves one burst per repeated element. None for any other condition. Only here: other users of a bool
+    load (bitwise ops) need it as a tile of its own dtype."""
+    if not _is_row_condition(condition, scope):
+        return None
+    return _emit_column_load(_canonical_load(condition), scope, lines)
+
+
+def _is_row_condition(condition: ir.Expr, scope: TileScope) -> bool:
+    return isinstance(condition, ir.Load) and condition.dtype == "bool" and scope.vector_pattern is not None \
+        and scope.vector_pattern(_canonical_load(condition), "column") is not None
 
 
 def _widened_source(arg: ir.Expr, scope: TileScope, lines: list[str]) -> Ref | None:
@@ -373,6 +392,8 @@ def _emit_rounded_select(dtype: str, select: ir.Op, scope: TileScope, lines: lis
     """``cast(where(c, a, b), dtype)`` whose branches are tiles of ``dtype`` or numbers it holds exactly (masked_fill
     of bf16 scores with -inf): the select writes a ``dtype`` tile, no fp32 select and rounding copy. None
     otherwise."""
+    if _is_row_condition(select.args[0], scope):
+        return None  # the plain where widens the condition's column on chip
     args = [emit(arg, scope, lines) for arg in select.args]
 
     def exact(ref: Ref) -> bool:
@@ -725,6 +746,11 @@ def _predicate_text(condition: Ref, vector: bool, scope: TileScope, lines: list[
     if condition.tile is not None and condition.dtype == "bool" and condition.vector == vector:
         return scope.ref_text(condition)
     predicate = f"{_scratch(scope, 'predicate', 'bool', vector)}{scope.window(vector)}"
+    if condition.vector and not vector:  # a (P, 1) column of 0 / 1 widened over the tile: 0 + column
+        lines.append(f"nisa.memset(dst={predicate}, value=0)")
+        lines.append(f"nisa.tensor_scalar(dst={predicate}, data={predicate}, op0=nl.add, "
+                     f"operand0={scope.ref_text(condition)})")
+        return predicate
     lines.append(f"nisa.tensor_copy(dst={predicate}, src={_fp32_text(condition, vector, scope, lines, 'cond')})")
     return predicate
 

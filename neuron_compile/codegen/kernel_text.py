@@ -143,6 +143,19 @@ def kernel_context(node, plan, name, parameters, **extra) -> dict:
     )
 
 
+def column_pattern(plan: TilePlan, patterns: Patterns):
+    """A scope's ``vector_pattern`` over [rows, free tile]: a load constant along every free dim of ``plan`` (a
+    per-row statistic, as an RMSNorm's rsqrt in a matmul's epilogue) as one element per partition, a (P, 1)
+    operand, instead of a DMA broadcast that moves one burst per repeated element; None for any other load."""
+
+    def pattern(load: ir.Load, tile: str):
+        if any(dim.stride(load.layout) != 0 for dim in plan.free):
+            return None
+        return f"{tile}[0:rows, 0:1]", patterns.hbm(load.buffer, load.layout, [(LoopDim(1, None), "1")], False)
+
+    return pattern
+
+
 def row_scopes(node, plan: TilePlan, allocator: TileAllocator, patterns: Patterns, columns: bool = True):
     """For a row kernel (reduction, softmax, scan): (the prologue's scope over [rows, row chunk], the row chunk's
     elements per partition, the free dims with their extents, whether the row is walked in chunks)."""

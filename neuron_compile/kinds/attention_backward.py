@@ -12,7 +12,9 @@ are stored (queries or keys on partitions) and transposed on TensorE where the h
 needed only so, comes in through a DMA transpose). Causal: a key block skips the query tiles whose queries all come
 before its keys, and a tile's chunks after its last query; the diagonal steps zero the probabilities above the
 diagonal (affine_select). Grouped-query attention: a key/value head's dk and dv are summed over its query heads in
-fp32 SBUF tiles, stored once.
+fp32 SBUF tiles, stored once; where SBUF holds them, the group's query heads load q, dO, out and the log-sum-exp of
+a query tile in one DMA each ([rows, heads, D]: one head's rows are D elements per partition, a transfer the DMA's
+fixed cost dominates), store their dq in one and share one load of k, k^T and v^T.
 No fusion: the kernel takes no epilogue or prologue (its stores read ``Result()``).
 Codegen: attention_backward.py.j2.
 """
@@ -48,18 +50,22 @@ class AttentionBackwardPlan(TilePlan):
     """``outer`` the batch dims, ``group_dims`` those of them that pick a query head within a key/value group (dk
     and dv sum over them); ``resident_from``: the query tiles from this one on keep their query side in SBUF across
     key blocks (0: all of them), the earlier ones load it per step; ``transpose_loads``: v^T comes in through
-    ``dma_transpose`` (head dim contiguous, target has it); ``free`` walks the keys in blocks of ``key_block``."""
+    ``dma_transpose`` (head dim contiguous, target has it); ``free`` walks the keys in blocks of ``key_block``;
+    ``group_loads``: the query heads of a key/value group (one group dim) load q, dO, out and the log-sum-exp of a
+    query tile in one DMA each and store their dq in one, and share one load of the key side."""
 
     group_dims: tuple[int, ...] = ()
     key_block: int = KEY_BLOCK
     resident_from: int = 0
     transpose_loads: bool = False
+    group_loads: bool = False
 
     def describe(self) -> str:
         text = super().describe() + f", key blocks of {self.key_block} (chunks of 128)"
         tiles = self.partition.count
         text += ", query side resident per head" if self.resident_from == 0 else \
             f", query side resident from query tile {self.resident_from} of {tiles} on, loaded per step before"
+        text += ", the group's heads loaded together" if self.group_loads else ""
         return text + (f", dk/dv summed over dims {list(self.group_dims)}" if self.group_dims else "")
 
 
@@ -90,9 +96,22 @@ def plan_attention_backward(node: ir.AttentionBackward, target) -> AttentionBack
     partition = LoopDim(queries, rank, 1, min(queries, target.partitions))
     key_block = min(KEY_BLOCK, 128 * math.ceil(keys / 128))
     free = (LoopDim(keys, rank + 1, 1, min(keys, key_block)),)
+    spare = target.sbuf_bytes_per_partition * SBUF_SHARE - always - query_tiles * query_side
+    group_loads = len(grouped) == 1 and resident_tiles == query_tiles and \
+        group_bytes(node, batch[grouped[-1]], itemsize) <= spare
     return AttentionBackwardPlan("attention_backward", outer, partition, free, 0, group_dims=grouped,
                                  key_block=key_block, resident_from=query_tiles - resident_tiles,
-                                 transpose_loads=transpose_loads)
+                                 transpose_loads=transpose_loads, group_loads=group_loads)
+
+
+def group_bytes(node: ir.AttentionBackward, heads: int, itemsize: int) -> int:
+    """SBUF bytes per partition that loading a group's ``heads`` together adds: per query tile their q, dO, out,
+    log-sum-exp and dq; the key side (k, k^T, v^T) of every key block."""
+    *_, queries, keys = node.domain
+    depth, value_dim = node.depth, node.value_dim
+    per_tile = heads * ((depth + 2 * value_dim) * itemsize + 4 + depth * ITEMSIZE[node.grad_query.buffer.dtype])
+    key_side = math.ceil(keys / 128) * depth * itemsize + 2 * keys * itemsize
+    return math.ceil(queries / 128) * per_tile + key_side
 
 
 class Loads:
@@ -103,9 +122,21 @@ class Loads:
         self.plan = plan
         self.rank = len(plan.outer)
 
-    def offset(self, layout: ir.Layout, terms: list[tuple[str, int]]) -> str:
-        outer = [(f"o{i}", layout.strides[i]) for i in range(self.rank)]
+    def offset(self, layout: ir.Layout, terms: list[tuple[str, int]], skip: tuple[int, ...] = ()) -> str:
+        outer = [(f"o{i}", layout.strides[i]) for i in range(self.rank) if i not in skip]
         return offset_text(layout.offset, outer + terms)
+
+    def group_rows(self, layout: ir.Layout, buffer: str, width: int, tile: str, store: bool = False) -> str:
+        """Rows ``p0`` .. of a [seq, width] operand for every query head of the group, as ``tile`` [rows, heads,
+        width] (``width`` 0: a per-query value, [rows, heads]); ``store``: the other way."""
+        (group,) = self.plan.group_dims
+        heads = self.plan.outer[group].size
+        seq_stride = layout.strides[self.rank]
+        entries = [[seq_stride, "rows"], [layout.strides[group], heads]]
+        entries += [[layout.strides[self.rank + 1], width]] if width else []
+        hbm = f"{buffer}.ap({entries_text(entries)}, offset={self.offset(layout, [('p0', seq_stride)], (group,))})"
+        window = f"{tile}[0:rows, 0:{heads}" + (f", 0:{width}]" if width else "]")
+        return f"nisa.dma_copy(dst={hbm}, src={window})" if store else f"nisa.dma_copy(dst={window}, src={hbm})"
 
     def rows(self, load: ir.Load, start: str, count: str, width: int, dst: str) -> str:
         """Rows ``start`` .. of a [seq, width] operand into ``dst`` [count on partitions, width]."""
@@ -193,8 +224,23 @@ def render_attention_backward(node: ir.AttentionBackward, plan: AttentionBackwar
         store_grad_query=loads.store(node.grad_query, "p0", "rows", depth, f"grad_query[0:rows, 0:{depth}]"),
         store_grad_key=loads.store(node.grad_key, "start", "kk", depth, f"grad_key[0:kk, 0:{depth}]"),
         store_grad_value=loads.store(node.grad_value, "start", "kk", value_dim, f"grad_value[0:kk, 0:{value_dim}]"),
+        group_loads=plan.group_loads, **(group_load_context(node, loads) if plan.group_loads else {}),
     )
     return render_template("attention_backward.py.j2", **context)
+
+
+def group_load_context(node: ir.AttentionBackward, loads: Loads) -> dict:
+    """The template's names for ``group_loads``: the group's size and dim, its loads and its dq store."""
+    (group,) = loads.plan.group_dims
+    return dict(
+        group_dim=group, group_size=loads.plan.outer[group].size,
+        load_group_queries=loads.group_rows(node.q.layout, node.q.buffer, node.depth, "queries"),
+        load_group_grad=loads.group_rows(node.grad.layout, node.grad.buffer, node.value_dim, "grad"),
+        load_group_out=loads.group_rows(node.out.layout, node.out.buffer, node.value_dim, "outputs"),
+        load_group_logsumexp=loads.group_rows(node.logsumexp.layout, node.logsumexp.buffer, 0, "logsumexp"),
+        store_group_grad_query=loads.group_rows(node.grad_query.layout, node.grad_query.buffer.name, node.depth,
+                                                'shared["grad_query"]', store=True),
+    )
 
 
 class AttentionBackwardKind(KernelKind):

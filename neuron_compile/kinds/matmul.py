@@ -15,6 +15,7 @@ from neuron_compile import ir
 from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import (
     Patterns,
+    column_pattern,
     entries_text,
     kernel_context,
     kernel_names,
@@ -222,7 +223,7 @@ def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list
     second_product = allocator.new("second_product", plan.free[0].tile) if node.b2 is not None else None
     more_results = () if second_product is None else (Ref(tile=second_product),)
     scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=product),
-                      more_results=more_results)
+                      vector_pattern=column_pattern(plan, patterns), more_results=more_results)
     epilogue: list[str] = []
     store_lines(node.stores, scope, patterns, free, True, epilogue)
     load_stationary, load_moving, *load_second_moving = operand_loads(node, plan.k_tile, plan.free[0].tile)
@@ -279,7 +280,8 @@ def render_transposing(node: ir.MatMul, plan: TilePlan, name: str, parameters: l
         return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, True)
 
     product = allocator.new("product", plan.free[0].tile)
-    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=product))
+    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=product),
+                      vector_pattern=column_pattern(plan, patterns))
     epilogue: list[str] = []
     store_lines(node.stores, scope, patterns, free, True, epilogue)
     context = kernel_context(

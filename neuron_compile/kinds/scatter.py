@@ -16,6 +16,7 @@ use). Per tile:
   ``same * j``, then an indirect read of that value), so duplicates write one value whatever order one DMA
   writes in, and tiles run in order: later indices win, as in eager. With ``row_dims``, each partition moves a
   whole row (the trailing dims no index drives) in those two DMAs, like the row gather;
+* summing whole rows (``row_dims``, add): kinds/scatter_rows.py, duplicates summed on TensorE;
 * combining (add, multiply, maximum, minimum): every element reduces the values of all elements of the tile
   with its target (an exact bitwise select of the value or the op's identity, then a free-axis reduction),
   reads the output at its target, combines and writes back: duplicates write one value, every contribution
@@ -31,12 +32,13 @@ from neuron_compile import ir
 from neuron_compile.codegen.expressions import NL_DTYPES, number
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import KernelKind, register_kind
-from neuron_compile.kinds.indirect import (
-    column_address_lines,
-    element_address_lines,
-    indirect_offset,
-    redirect_lines,
-    render_indirect,
+from neuron_compile.kinds.indirect import indirect_offset, redirect_lines, render_indirect
+from neuron_compile.kinds.scatter_rows import (
+    collision_lines,
+    fill_lines,
+    row_entries,
+    row_sum_allocations,
+    row_sum_lines,
 )
 from neuron_compile.tiles import TilePlan
 
@@ -83,29 +85,10 @@ def plan_scatter(node: ir.Scatter, target) -> TilePlan:
                     SCATTER_TILES)
 
 
-def _collision_lines(node: ir.Scatter, plan: TilePlan, offset: Callable, terms: Callable) -> list[str]:
-    """Each element's target offset on its partition (``address``, ``bad``), the same offsets along the free axis
-    of every partition, and ``same[p, j]``: which elements of the tile hit the same place."""
-    part = plan.partition.source
-    lines = column_address_lines(node.target, node.indices, terms, part, COLUMN)
-    lines += [
-        f"nisa.iota(base_row{SQUARE}, [[{node.target.strides[part]}, rows]], offset={offset(node.target)}, "
-        "channel_multiplier=0)",
-        f"nisa.tensor_copy(dst=address_row{SQUARE}, src=base_row{SQUARE})",
-    ]
-    lines += element_address_lines(
-        node.indices, lambda index: f"{index.buffer}.ap([[0, rows], [{index.layout.strides[part]}, rows]], "
-        f"offset={offset(index.layout)})", SQUARE, suffix="_row", check=False)
-    lines.append(f"nisa.tensor_scalar(dst=same{SQUARE}, data=address_row{SQUARE}, op0=nl.equal, "
-                 f"operand0=address{COLUMN})")
-    return lines
-
-
 def _assign_lines(node: ir.Scatter, plan: TilePlan, offset: Callable) -> list[str]:
     """winner[p] = the last j of the tile with p's target (same[p, p] = 1, so winner >= p >= 0); every element
     writes the winner's value."""
     part, values, free = plan.partition.source, node.values, plan.free[0].size
-    row = [d for d in range(len(node.domain) - node.row_dims, len(node.domain))]
     lines = [
         f"nisa.tensor_tensor(dst=same{SQUARE}, data1=same{SQUARE}, data2=position{SQUARE}, op=nl.multiply)",
         f"nisa.tensor_reduce(dst=winner{COLUMN}, op=nl.maximum, data=same{SQUARE}, axis=1)",
@@ -113,16 +96,14 @@ def _assign_lines(node: ir.Scatter, plan: TilePlan, offset: Callable) -> list[st
     ]
     picked = f"picked[0:rows, 0:{free}]"
     if isinstance(values, ir.Load):
-        value_entries = "".join(f", [{values.layout.strides[d]}, {node.domain[d]}]" for d in row) or ", [1, 1]"
         lines.append(f"nisa.dma_copy(dst={picked}, src={values.buffer}.ap([[{values.layout.strides[part]}, rows]"
-                     f"{value_entries}], offset={offset(values.layout)}, vector_offset=winner_int{COLUMN}, "
-                     "indirect_dim=0))")
+                     f"{row_entries(node, values.layout)}], offset={offset(values.layout)}, "
+                     f"vector_offset=winner_int{COLUMN}, indirect_dim=0))")
     else:
         lines.append(f"nisa.memset(dst={picked}, value={number(values.value)})")
-    row_entries = "".join(f", [{node.target.strides[d]}, {node.domain[d]}]" for d in row) or ", [1, 1]"
     lines += redirect_lines(COLUMN)
-    lines.append(f"nisa.dma_copy(dst={node.stores[0].buffer.name}.ap([[1, rows]{row_entries}], offset=0, "
-                 f"vector_offset=offsets{COLUMN}, indirect_dim=0), src={picked})")
+    lines.append(f"nisa.dma_copy(dst={node.stores[0].buffer.name}.ap([[1, rows]{row_entries(node, node.target)}], "
+                 f"offset=0, vector_offset=offsets{COLUMN}, indirect_dim=0), src={picked})")
     return lines
 
 
@@ -193,6 +174,8 @@ def _allocations(node: ir.Scatter, plan: TilePlan) -> list[str]:
         setup += [f"nisa.iota(position_int[0:{tile_rows}, 0:{tile_rows}], [[1, {tile_rows}]], offset=0, "
                   "channel_multiplier=0)",
                   "nisa.tensor_copy(dst=position, src=position_int)"]
+    elif node.row_dims:  # the accumulating row form (kinds/scatter_rows.py)
+        setup += row_sum_allocations(node, plan)
     else:
         int_tiles += [("mask", "square"), ("bits", "square"), ("zero", "square")]
         float_tiles += [("values_row", "square"), ("identity", "square"), ("combined", "column"),
@@ -218,10 +201,16 @@ def render_scatter(node: ir.Scatter, plan: TilePlan, name: str, parameters: list
     def offset(layout):
         return indirect_offset(layout.offset, terms(layout))
 
-    body = _collision_lines(node, plan, offset, terms)
-    body += _assign_lines(node, plan, offset) if node.reduce == "assign" else _combine_lines(node, plan, offset)
+    body = collision_lines(node, plan, offset, terms)
+    if node.reduce == "assign":
+        body += _assign_lines(node, plan, offset)
+    elif node.row_dims:
+        body += row_sum_lines(node, plan, offset)
+    else:
+        body += _combine_lines(node, plan, offset)
     return render_indirect(node, plan, name, parameters, _allocations(node, plan), body, "scatter.py.j2",
-                           prelude=tuple(_copy_lines(node, node.stores[0].layout)))
+                           prelude=tuple(fill_lines(node) if isinstance(node.base, ir.Scalar)
+                                         else _copy_lines(node, node.stores[0].layout)))
 
 
 class ScatterKind(KernelKind):
@@ -231,7 +220,8 @@ class ScatterKind(KernelKind):
 
     def operand_loads(self, node):
         values = [node.values] if isinstance(node.values, ir.Load) else []
-        return [node.base] + values + [entry[0] for entry in node.indices]
+        base = [node.base] if isinstance(node.base, ir.Load) else []
+        return base + values + [entry[0] for entry in node.indices]
 
     def plan(self, node, target):
         return plan_scatter(node, target)

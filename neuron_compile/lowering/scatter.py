@@ -11,8 +11,10 @@ over the domain or a number). ``reduce`` says how it is written: assign (index_p
 count scattered the same way, and a division (eager's order too). ``include_self=False`` first assigns the
 reduction's identity to every target (eager does the same), then reduces. The kernel resolves duplicates
 inside a tile and runs tiles in order, so duplicates give eager's CPU result: the last write wins, every
-contribution is counted once. Negative indices wrap where eager wraps them (index_put, index_fill, put); an
-out-of-range index makes the kernel's DMA fail, so the call runs eagerly and raises like eager.
+contribution is counted once. A sum of whole rows into a constant fill (the embedding gradient) puts the rows
+on partitions and sums duplicates on TensorE (kinds/scatter_rows.py), one tile per 128 indices. Negative
+indices wrap where eager wraps them (index_put, index_fill, put); an out-of-range index makes the kernel's DMA
+fail, so the call runs eagerly and raises like eager.
 
 index_put with a bool mask is lowered only when its values do not vary along the selected elements (x[mask] = v):
 then it is a pointwise where(mask, v, self) (self + v with accumulate); otherwise the positions depend on the
@@ -234,8 +236,9 @@ def _partition_dim(plan: Plan) -> int:
 
 def _tiling(plan: Plan, reduce: str) -> tuple[int, int]:
     """(partition dim, row dims) of one scatter pass. An assign whose trailing dims no index drives moves them
-    whole as one row per partition (the last index-driven dim on partitions); otherwise one element each."""
-    if reduce == "assign" and plan.colliding:
+    whole as one row per partition (the last index-driven dim on partitions), and so does a sum of values into a
+    base that holds no -0.0 (kinds/scatter_rows.py: duplicates summed on TensorE); otherwise one element each."""
+    if plan.colliding and (reduce == "assign" or _row_sum_applies(plan, reduce)):
         last = plan.colliding[-1]
         trailing = range(last + 1, len(plan.domain))
         driven = any(layout.strides[d] != 0 for _, layout, _, _ in plan.indices for d in trailing)
@@ -243,6 +246,21 @@ def _tiling(plan: Plan, reduce: str) -> tuple[int, int]:
         if trailing and not driven and len(trailing) <= 3 and free_bytes <= GATHER_FREE_BYTES:
             return last, len(trailing)
     return _partition_dim(plan), 0
+
+
+def _row_sum_applies(plan: Plan, reduce: str) -> bool:
+    """The accumulating row form sums a group's zeros to +0.0 where eager keeps -0.0 + -0.0 = -0.0: exact only
+    over a base that holds no -0.0, which a constant fill (the embedding gradient's zeros) shows."""
+    return reduce == plan.reduce == "add" and plan.include_self and isinstance(plan.values, torch.fx.Node) \
+        and _fill_without_negative_zero(plan.source)
+
+
+def _fill_without_negative_zero(node) -> bool:
+    """``node`` is ``aten.full`` of a number other than -0.0."""
+    if not isinstance(node, torch.fx.Node) or node.target is not aten.full.default:
+        return False
+    fill = node.args[1]
+    return isinstance(fill, (int, float)) and not (fill == 0 and math.copysign(1.0, fill) < 0)
 
 
 def _mask_index(node: torch.fx.Node):
@@ -318,9 +336,12 @@ def _emit_scatter(ctx, plan: Plan, base: TensorValue, buffer: ir.Buffer, values,
         index = ctx.value(index_node)
         stride, size = (1, math.prod(out.shape)) if dim is None else (out.strides[dim], out.shape[dim])
         entries.append((ir.Load(index.buffer, layout, index.dtype), stride, size, wrap))
-    node = ir.Scatter(ctx.fresh_name("kernel"), plan.domain, ir.Load(base.buffer, _promote(base.layout), base.dtype),
-                      ir.Layout(plan.domain, strides, out.offset), values, tuple(entries),
-                      (ir.Store(buffer, ir.Result(), out),), reduce, *_tiling(plan, reduce))
+    tiling = _tiling(plan, reduce)
+    # the row sum applies over a constant fill only: the kernel stores that number, no copy of the filled buffer
+    base_expr = ir.Scalar(float(plan.source.args[1])) if tiling[1] and _row_sum_applies(plan, reduce) else \
+        ir.Load(base.buffer, _promote(base.layout), base.dtype)
+    node = ir.Scatter(ctx.fresh_name("kernel"), plan.domain, base_expr, ir.Layout(plan.domain, strides, out.offset),
+                      values, tuple(entries), (ir.Store(buffer, ir.Result(), out),), reduce, *tiling)
     ctx.emit(node)
     return TensorValue(buffer.name, buffer.layout, buffer.dtype)
 
