@@ -310,8 +310,9 @@ def _emit_uncached(expr, scope, lines) -> Ref:
     return _emit_op(expr, _operands(expr, scope, lines), scope, lines)
 
 
-# Sequences of one instruction that reads a bf16 / fp16 tile as it reads an fp32 one (the ALU's reciprocal and rsqrt).
-READS_NARROW_TILES = {"reciprocal_alu", "rsqrt_alu"}
+# Sequences whose instructions read a bf16 / fp16 tile as they read an fp32 one (the ALU's reciprocal and rsqrt; pow's
+# square, copy and power by a number; its elementwise power widens its operands itself).
+READS_NARROW_TILES = {"reciprocal_alu", "rsqrt_alu", "pow"}
 # Casts to fp32 that change no value: the engines read these dtypes and compute in fp32 anyway.
 EXACT_WIDENING = {"bfloat16", "float16"}
 
