@@ -1,7 +1,8 @@
 """Row reductions over short rows take several rows per partition (kinds/reduction.py, tiles.py
 ``rows_per_partition``): a q / k norm's statistics over [tokens x heads, head_dim] load k rows per partition in one
 DMA, one tensor_reduce over the innermost axis of a [P, k, row] view gives k results per partition, and the
-epilogue (``rsqrt(mean + eps)``) runs on [P, k] tiles. Against eager under hypothesis (tokens 1 / 127 / 128 / 129 /
+epilogue (``rsqrt(mean + eps)``) runs on [P, k] tiles; a fused norm's row epilogue reads those through a view
+that repeats each along its row. Against eager under hypothesis (tokens 1 / 127 / 128 / 129 /
 200, head dims 64 / 128, fp32 and bf16) with the plan the shape should take asserted, on special values, and the
 estimate against one row per partition."""
 
@@ -22,6 +23,12 @@ PARTITIONS = 128
 def qk_norm_statistics(x: torch.Tensor) -> torch.Tensor:
     """diffusers' RMSNorm statistic, per head: rsqrt(mean(x * x) + eps) in fp32."""
     return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """diffusers' RMSNorm with a weight, as Flux's q / k norms run it: one kernel with a row epilogue."""
+    normalized = x.float() * qk_norm_statistics(x)
+    return (normalized.to(weight.dtype) * weight).to(x.dtype)
 
 
 ROW_REDUCTIONS = {
@@ -60,6 +67,26 @@ def test_short_row_reductions_match_eager_with_rows_grouped_per_partition(tokens
     assert rows_per_partition(region) == expected_rows_per_partition(tokens * heads, head_dim)
 
 
+ROW_EPILOGUES = {
+    "rms_norm": rms_norm,
+    "centered": lambda x, w: x - x.amax(-1, keepdim=True),  # the reduced value itself, read along each row
+    "per_row_scale": lambda x, w: x * (x.sum(-1, keepdim=True) * w[:1]),  # a per-row value from a load too
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.sampled_from([1, 127, 128, 129, 200]), heads=st.sampled_from([5, 8]),
+       head_dim=st.sampled_from([64, 128]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       name=st.sampled_from(sorted(ROW_EPILOGUES)))
+def test_row_epilogues_over_grouped_rows_match_eager(tokens, heads, head_dim, dtype, name):
+    """The epilogue reading each row with its own reduced value (a fused norm): its values constant along a row
+    are computed on the [P, k] results and read through a view that repeats each along its row."""
+    x = random_tensor((1, tokens, heads, head_dim), dtype, seed=tokens * heads)
+    weight = random_tensor((head_dim,), dtype, seed=7)
+    region = check_against_eager(ROW_EPILOGUES[name], x, weight)
+    assert rows_per_partition(region) == expected_rows_per_partition(tokens * heads, head_dim)
+
+
 def test_the_flux_mid_size_statistics_take_eight_rows_per_partition():
     x = random_tensor((1, 1280, 8, 128), torch.bfloat16, seed=1)
     region = check_against_eager(qk_norm_statistics, x)
@@ -83,27 +110,33 @@ def test_special_rows_match_eager(dtype):
     for name in ("rms_statistic", "amax", "amin", "sum"):
         region = check_against_eager(ROW_REDUCTIONS[name], x, fp32_reference=name == "sum")
         assert rows_per_partition(region) == 8
+    region = check_against_eager(rms_norm, x, random_tensor((128,), dtype, seed=8))
+    assert rows_per_partition(region) == 8
 
 
 def test_what_the_rows_cannot_share_keeps_one_row_per_partition():
-    x = random_tensor((1, 128, 8, 128), seed=4)
-    # a variance's second pass subtracts each row's mean; a fused norm's row epilogue reads its row's statistic
-    variance = check_against_eager(lambda a: a.var(-1), x)
-    norm = check_against_eager(lambda a: a * qk_norm_statistics(a), x)
+    # a variance's second pass subtracts each row's mean
+    variance = check_against_eager(lambda a: a.var(-1), random_tensor((1, 128, 8, 128), seed=4))
     wide = check_against_eager(lambda a: a.sum(-1), random_tensor((1024, 512), seed=5))  # long enough rows
-    assert [rows_per_partition(region) for region in (variance, norm, wide)] == [1, 1, 1]
+    assert [rows_per_partition(region) for region in (variance, wide)] == [1, 1]
 
 
-def test_grouped_rows_cut_the_statistics_estimate(monkeypatch):
+def test_grouped_rows_cut_the_statistics_estimate_and_the_norms_dma_time(monkeypatch):
     from neuron_compile.kinds import reduction
 
     x = random_tensor((1, 1280, 8, 128), torch.bfloat16, seed=6)
+    weight = random_tensor((128,), torch.bfloat16, seed=9)
 
-    def estimated() -> float:
+    def estimated(fn, *inputs) -> tuple[float, float]:
         neuron_compile.reset_stats()
-        check_against_eager(qk_norm_statistics, x)
-        return neuron_compile.stats()["est_time_s"]
+        with neuron_compile.record_launches() as launches:
+            check_against_eager(fn, *inputs)
+        dma = sum(launch.report.busy_s_per_engine["dma"] for launch in launches)
+        return neuron_compile.stats()["est_time_s"], dma
 
-    grouped = estimated()
+    grouped = estimated(qk_norm_statistics, x), estimated(rms_norm, x, weight)
     monkeypatch.setattr(reduction, "SHORT_ROW_ELEMENTS", 0)  # one row per partition, as before
-    assert grouped < 0.6 * estimated()
+    single = estimated(qk_norm_statistics, x), estimated(rms_norm, x, weight)
+    assert grouped[0][0] < 0.6 * single[0][0]
+    # the fused norm: inside a model's region launch its DMAs share the pool with every other kernel's
+    assert grouped[1][1] < 0.5 * single[1][1]

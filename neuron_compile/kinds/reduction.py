@@ -81,7 +81,7 @@ def plan_reduction(node: ir.Reduction, target) -> TilePlan:
             return TilePlan("reduction", (), partition_dim(spread, target), tuple(budget.free_dims()), budget.tiles,
                             cross_partition=True)
     partition, free = partition_dim(kept, target), tuple(budget.free_dims())
-    if plain and _short_rows(node, reduced, budget):
+    if _short_rows(node, reduced, budget):
         # several rows per partition (a q / k norm's 128-element heads), each tensor_reduce taking k of them
         partition, free = rows_per_partition(partition, free[0], budget.tiles, target)
         return TilePlan("reduction", tuple(kept[:-1]), partition, free, budget.tiles, grouped_rows=len(free) > 1)
@@ -199,11 +199,61 @@ def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: 
         row = TileScope(allocator, row_free, prologue.slice_text, prologue.load_pattern,
                         Ref(tile=accumulator, vector=True), vector_pattern=prologue.vector_pattern)
         row.tiles, row.memo, row.shared_row = prologue.tiles, dict(prologue.memo), shared.tile_for
+        if plan.grouped_rows:
+            _grouped_row_values(node, row, epilogue, per_partition, passes[-1][1])
         store_lines(node.row_stores, row, patterns, free, False, passes[-1][1])
     chunk_allocations, allocations = allocator.split_by_width(row_free) if chunked else ([], allocator.lines)
     context = kernel_context(node, plan, name, parameters, allocations=allocations, passes=passes, chunked=chunked,
                              chunk_allocations=chunk_allocations, once=shared.lines)
     return render_template("reduction.py.j2", **context)
+
+
+def _grouped_row_values(node: ir.Reduction, row: TileScope, epilogue: TileScope, per_partition: int,
+                        lines: list[str]) -> None:
+    """With ``per_partition`` rows per partition, the row epilogue's values constant along each row (the reduced
+    value and the math on it: rms norm's ``rsqrt(mean + eps)``) are computed once per row on the [P, k] results
+    tiles (``epilogue``), and the ``row`` scope reads each through a view repeating it along its row (a step-0
+    entry): a tensor_tensor operand, where one row per partition has a (P, 1) tensor_scalar operand."""
+    width = row.free // per_partition
+
+    def along_rows(ref: Ref) -> Ref:
+        if ref.tile is None:
+            return ref  # a number
+        view = f"{ref.tile}.ap([[{epilogue.free}, rows], [1, {per_partition}], [0, {width}]], offset=0)"
+        return Ref(tile=ref.tile, dtype=ref.dtype, view=view)
+
+    row.results = (along_rows(epilogue.results[0]),)
+    for value in _row_constant_ops([store.expr for store in node.row_stores], node.reduce_dims):
+        row.memo[value] = along_rows(emit(value, epilogue, lines))
+
+
+def _row_constant_ops(exprs: list[ir.Expr], reduce_dims) -> list[ir.Op]:
+    """The largest Op subexpressions of ``exprs`` whose value is the same along the reduced dims (built from the
+    reduced value, numbers and loads with stride 0 along the row), in order of first appearance."""
+    constant: dict[ir.Expr, bool] = {}
+
+    def is_constant(expr) -> bool:
+        if expr not in constant:
+            if isinstance(expr, ir.Load):
+                constant[expr] = all(expr.layout.strides[dim] == 0 for dim in reduce_dims)
+            elif isinstance(expr, ir.Op):
+                constant[expr] = all([is_constant(arg) for arg in expr.args])
+            else:
+                constant[expr] = isinstance(expr, (ir.Result, ir.Scalar))
+        return constant[expr]
+
+    found: dict[ir.Op, None] = {}
+
+    def visit(expr) -> None:
+        if isinstance(expr, ir.Op) and is_constant(expr):
+            found[expr] = None
+        elif isinstance(expr, ir.Op):
+            for arg in expr.args:
+                visit(arg)
+
+    for expr in exprs:
+        visit(expr)
+    return list(found)
 
 
 def render_column_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
