@@ -59,6 +59,19 @@ def test_prod_and_full_reductions():
     check_against_eager(lambda x: (x.prod(1), x.prod(), x.sum(), x.mean(), x.amax()), x)
 
 
+def test_variance_sums_squared_deviations_on_scalar_e_in_chunks_and_whole_rows():
+    """The second pass of a variance is one ScalarE activation per chunk, square(x - mean) with its row sum in
+    reduce_res; an inf in the row gives nan, a constant row 0, as eager."""
+    x = random_tensor((3, 70_000), seed=3)
+    x[1, 5] = float("inf")
+    x[2] = 7.0
+    region = check_against_eager(lambda x: x.var(1), x, tolerances={torch.float32: (1e-4, 1e-3)})
+    source = "".join(kernel.source for kernel in region.kernels)
+    assert "if f0 == 0:" in source and "op=nl.square" in source and "bias=negated_mean" in source
+    whole = check_against_eager(lambda x: x.var(1, correction=0), x[:, :1000])
+    assert whole.kernels[0].source.count("nisa.dma_copy(dst=arg0_1_tile") == 1  # the row is loaded once
+
+
 def test_long_rows_reduce_in_chunks_with_partials():
     # 70000 columns do not fit one SBUF tile per partition: the kernel carries partial sums across chunks.
     x = random_tensor((3, 70_000), seed=2)

@@ -103,14 +103,16 @@ def _columns_are_contiguous(node: ir.Reduction, kept: list[LoopDim], reduced: li
     )
 
 
-def _reduce_pass(node, prologue: TileScope, transform, reduce_op: str, accumulator: str, partial: str,
-                 chunked: bool, per_partition: int = 1) -> list[str]:
-    """One walk over the row: prologue, optional per-element ``transform``, reduce, combine chunk partials;
-    ``per_partition`` rows (grouped short rows) are reduced into as many results per partition."""
+def _reduce_pass(node, prologue: TileScope, reduce_op: str, accumulator: str, partial: str, chunked: bool,
+                 per_partition: int = 1, negated_mean: str | None = None) -> list[str]:
+    """One walk over the row: prologue, reduce, combine chunk partials; ``per_partition`` rows (grouped short
+    rows) are reduced into as many results per partition; with ``negated_mean`` (a (P, 1) slice) the sum is of
+    the squared deviations from the mean (a variance's second pass)."""
     lines: list[str] = []
-    prologue.memo = {}  # a second pass re-emits the loads (same tiles) because a chunked row was overwritten
+    if chunked:
+        prologue.memo = {}  # a second pass re-emits the loads (same tiles): each chunk overwrote the last
     target = partial if chunked else accumulator
-    if reduce_op == "nl.add" and transform is None and per_partition == 1:
+    if reduce_op == "nl.add" and negated_mean is None and per_partition == 1:
         summed = emit_row_summed(node.prologue, prologue, lines, f"{target}[0:rows, 0:1]")
         if summed is not None:
             return lines + _combine_partials(reduce_op, accumulator, partial, chunked)
@@ -127,8 +129,15 @@ def _reduce_pass(node, prologue: TileScope, transform, reduce_op: str, accumulat
         lines.append(f"nisa.tensor_reduce(dst={target}[0:rows, 0:{per_partition}], op={reduce_op}, data={rows_view}, "
                      "axis=2)")
         return lines
-    data = transform(prologue.ref_text(value), lines) if transform else prologue.ref_text(value)
-    lines.append(f"nisa.tensor_reduce(dst={target}[0:rows, 0:1], op={reduce_op}, data={data}, axis=1, keepdims=True)")
+    if negated_mean is not None:
+        # (x - mean)^2 summed on ScalarE as it is written: one instruction where VectorE took a subtract, a
+        # multiply and a tensor_reduce
+        squares = prologue.tile(key=("squared deviations",), stem="squares") + prologue.slice_text
+        lines.append(f"nisa.activation(dst={squares}, op=nl.square, data={prologue.ref_text(value)}, "
+                     f"bias={negated_mean}, reduce_op=nl.add, reduce_res={target}[0:rows, 0:1])")
+        return lines + _combine_partials(reduce_op, accumulator, partial, chunked)
+    lines.append(f"nisa.tensor_reduce(dst={target}[0:rows, 0:1], op={reduce_op}, data={prologue.ref_text(value)}, "
+                 "axis=1, keepdims=True)")
     return lines + _combine_partials(reduce_op, accumulator, partial, chunked)
 
 
@@ -158,28 +167,17 @@ def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: 
     accumulator = allocator.new("acc", per_partition)
     partial = allocator.new("partial", 1) if chunked else accumulator
     acc = f"{accumulator}[0:rows, 0:{per_partition}]"
-    passes = [(_reduce_pass(node, prologue, None, REDUCE_OPS[node.op], accumulator, partial, chunked,
-                            per_partition), [])]
+    passes = [(_reduce_pass(node, prologue, REDUCE_OPS[node.op], accumulator, partial, chunked, per_partition), [])]
     if node.op == "mean":
         passes[0][1].append(f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, operand0={1.0 / count!r})")
     elif node.op == "var":
         # Two passes, as the numerically stable definition: mean first, then the mean of squared deviations.
         scale = 1.0 / (count - node.correction) if count > node.correction else float("nan")
-        mean = allocator.new("mean", 1)
-        centered, squares = allocator.new("centered", row_free), allocator.new("squares", row_free)
-        window = prologue.slice_text
-        passes[0][1].append(
-            f"nisa.tensor_scalar(dst={mean}[0:rows, 0:1], data={acc}, op0=nl.multiply, operand0={1.0 / count!r})"
-        )
-
-        def squared_deviation(data: str, lines: list[str]) -> str:
-            lines.append(f"nisa.tensor_scalar(dst={centered}{window}, data={data}, op0=nl.subtract, "
-                         f"operand0={mean}[0:rows, 0:1])")
-            lines.append(f"nisa.tensor_tensor(dst={squares}{window}, data1={centered}{window}, "
-                         f"data2={centered}{window}, op=nl.multiply)")
-            return f"{squares}{window}"
-
-        second = _reduce_pass(node, prologue, squared_deviation, "nl.add", accumulator, partial, chunked)
+        negated_mean = allocator.new("negated_mean", 1)
+        passes[0][1].append(f"nisa.tensor_scalar(dst={negated_mean}[0:rows, 0:1], data={acc}, op0=nl.multiply, "
+                            f"operand0={-1.0 / count!r})")
+        second = _reduce_pass(node, prologue, "nl.add", accumulator, partial, chunked,
+                              negated_mean=f"{negated_mean}[0:rows, 0:1]")
         passes.append((second, [f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, "
                                 f"operand0={number(scale)})"]))
     if plan.cross_partition:
