@@ -8,6 +8,8 @@ estimate against one row per partition."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -93,6 +95,10 @@ def test_the_flux_mid_size_statistics_take_eight_rows_per_partition():
     assert rows_per_partition(region) == 8
     source = region.kernels[0].source
     assert "axis=2" in source and "op0=nl.rsqrt" in source  # k sums per instruction; the ALU rsqrt on [P, k]
+    norm = check_against_eager(rms_norm, x, random_tensor((128,), torch.bfloat16, seed=2))
+    assert rows_per_partition(norm) == 8
+    # each row scaled by its statistic on ScalarE, a (P, 1) column of the [P, 8] results as the scale
+    assert re.search(r"op=nl.copy, data=\w+\[0:rows, 896:1024\], scale=\w+\[0:rows, 7:8\]\)", norm.kernels[0].source)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -36,6 +36,7 @@ from neuron_compile.codegen.kernel_text import (
     row_scopes,
     store_lines,
 )
+from neuron_compile.codegen.grouped_rows import row_values
 from neuron_compile.codegen.row_broadcast import RowBroadcast
 from neuron_compile.dims import LoopDim, reduced_dims_in_memory_order
 from neuron_compile.kind_registry import loads, register_kind
@@ -128,6 +129,7 @@ def _reduce_pass(node, prologue: TileScope, reduce_op: str, accumulator: str, pa
         rows_view = f"{value.tile}.ap([[{prologue.free}, rows], [{row}, {per_partition}], [1, {row}]], offset=0)"
         lines.append(f"nisa.tensor_reduce(dst={target}[0:rows, 0:{per_partition}], op={reduce_op}, data={rows_view}, "
                      "axis=2)")
+        prologue.balance.note("vector")  # a full tile's work, which a row epilogue's engine balance weighs
         return lines
     if negated_mean is not None:
         # (x - mean)^2 summed on ScalarE as it is written: one instruction where VectorE took a subtract, a
@@ -198,60 +200,14 @@ def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: 
                         Ref(tile=accumulator, vector=True), vector_pattern=prologue.vector_pattern)
         row.tiles, row.memo, row.shared_row = prologue.tiles, dict(prologue.memo), shared.tile_for
         if plan.grouped_rows:
-            _grouped_row_values(node, row, epilogue, per_partition, passes[-1][1])
+            row.balance = prologue.balance  # VectorE has the tensor_reduce, ScalarE the prologue's activations
+            exprs = [store.expr for store in node.row_stores]
+            row_values(exprs, node.reduce_dims, row, epilogue, per_partition, passes[-1][1])
         store_lines(node.row_stores, row, patterns, free, False, passes[-1][1])
     chunk_allocations, allocations = allocator.split_by_width(row_free) if chunked else ([], allocator.lines)
     context = kernel_context(node, plan, name, parameters, allocations=allocations, passes=passes, chunked=chunked,
                              chunk_allocations=chunk_allocations, once=shared.lines)
     return render_template("reduction.py.j2", **context)
-
-
-def _grouped_row_values(node: ir.Reduction, row: TileScope, epilogue: TileScope, per_partition: int,
-                        lines: list[str]) -> None:
-    """With ``per_partition`` rows per partition, the row epilogue's values constant along each row (the reduced
-    value and the math on it: rms norm's ``rsqrt(mean + eps)``) are computed once per row on the [P, k] results
-    tiles (``epilogue``), and the ``row`` scope reads each through a view repeating it along its row (a step-0
-    entry): a tensor_tensor operand, where one row per partition has a (P, 1) tensor_scalar operand."""
-    width = row.free // per_partition
-
-    def along_rows(ref: Ref) -> Ref:
-        if ref.tile is None:
-            return ref  # a number
-        view = f"{ref.tile}.ap([[{epilogue.free}, rows], [1, {per_partition}], [0, {width}]], offset=0)"
-        return Ref(tile=ref.tile, dtype=ref.dtype, view=view)
-
-    row.results = (along_rows(epilogue.results[0]),)
-    for value in _row_constant_ops([store.expr for store in node.row_stores], node.reduce_dims):
-        row.memo[value] = along_rows(emit(value, epilogue, lines))
-
-
-def _row_constant_ops(exprs: list[ir.Expr], reduce_dims) -> list[ir.Op]:
-    """The largest Op subexpressions of ``exprs`` whose value is the same along the reduced dims (built from the
-    reduced value, numbers and loads with stride 0 along the row), in order of first appearance."""
-    constant: dict[ir.Expr, bool] = {}
-
-    def is_constant(expr) -> bool:
-        if expr not in constant:
-            if isinstance(expr, ir.Load):
-                constant[expr] = all(expr.layout.strides[dim] == 0 for dim in reduce_dims)
-            elif isinstance(expr, ir.Op):
-                constant[expr] = all([is_constant(arg) for arg in expr.args])
-            else:
-                constant[expr] = isinstance(expr, (ir.Result, ir.Scalar))
-        return constant[expr]
-
-    found: dict[ir.Op, None] = {}
-
-    def visit(expr) -> None:
-        if isinstance(expr, ir.Op) and is_constant(expr):
-            found[expr] = None
-        elif isinstance(expr, ir.Op):
-            for arg in expr.args:
-                visit(arg)
-
-    for expr in exprs:
-        visit(expr)
-    return list(found)
 
 
 def render_column_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
