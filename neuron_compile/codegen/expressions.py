@@ -326,6 +326,14 @@ def _operands(expr: ir.Op, scope: TileScope, lines: list[str]) -> list[Ref]:
     return [_widened_source(arg, scope, lines) or emit(arg, scope, lines) for arg in expr.args]
 
 
+def unwidened(expr: ir.Expr) -> ir.Expr:
+    """``expr`` without a cast to fp32 of a bf16 / fp16 value (a cast that changes no value), for an instruction
+    that reads the narrow tile as it reads an fp32 one (reductions and activations compute in fp32 from any float
+    input): no widening copy is emitted for it."""
+    widens = isinstance(expr, ir.Op) and op_table.spec(expr.op).form == "copy" and expr.dtype == "float32"
+    return expr.args[0] if widens and getattr(expr.args[0], "dtype", None) in EXACT_WIDENING else expr
+
+
 def _widened_source(arg: ir.Expr, scope: TileScope, lines: list[str]) -> Ref | None:
     """The full bf16 / fp16 tile that ``arg`` (a cast to fp32) widens, or None (nothing emitted for the cast)."""
     if not (isinstance(arg, ir.Op) and arg.dtype == "float32" and op_table.spec(arg.op).form == "copy"):

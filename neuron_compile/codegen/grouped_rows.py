@@ -18,9 +18,7 @@ the row scope's memo filled with those values and products, the instructions app
 from __future__ import annotations
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import Ref, TileScope, emit
-
-NARROW_FLOATS = ("bfloat16", "float16")  # a cast of these to fp32 changes no value: ScalarE reads them as they are
+from neuron_compile.codegen.expressions import Ref, TileScope, emit, unwidened
 
 
 def row_constant_ops(exprs: list[ir.Expr], reduce_dims) -> list[ir.Op]:
@@ -100,10 +98,7 @@ def _scaled_rows(scaled: ir.Expr, factor: Ref, row: TileScope, per_partition: in
     """``scaled`` times one value per row: per row ``j`` a ScalarE copy of its columns with ``scale`` the (P, 1)
     column ``j`` of ``factor`` (activation scales must be fp32 vectors). None (nothing emitted) unless ``scaled``
     is a whole tile."""
-    widens = isinstance(scaled, ir.Op) and scaled.op == "cast" and scaled.dtype == "float32"
-    if widens and getattr(scaled.args[0], "dtype", None) in NARROW_FLOATS:
-        scaled = scaled.args[0]  # ScalarE computes in fp32 from a bf16 tile: no widening copy first
-    value = emit(scaled, row, lines)
+    value = emit(unwidened(scaled), row, lines)  # ScalarE computes in fp32 from a bf16 tile: no widening copy
     if value.tile is None or value.vector or value.view is not None:
         return None
     width = row.free // per_partition

@@ -26,6 +26,7 @@ from neuron_compile.codegen.expressions import (
     emit_row_summed,
     fp32_tile,
     number,
+    unwidened,
 )
 from neuron_compile.codegen.kernel_text import (
     Patterns,
@@ -117,7 +118,7 @@ def _reduce_pass(node, prologue: TileScope, reduce_op: str, accumulator: str, pa
         summed = emit_row_summed(node.prologue, prologue, lines, f"{target}[0:rows, 0:1]")
         if summed is not None:
             return lines + _combine_partials(reduce_op, accumulator, partial, chunked)
-    value = emit(node.prologue, prologue, lines)
+    value = emit(unwidened(node.prologue), prologue, lines)  # tensor_reduce and activation read bf16 as fp32
     if value.tile is None:  # a reduction of a fill (sum of full(1): a count): reduce a tile holding it
         constant = Ref(tile=prologue.tile(key=("reduced constant", value.value)))
         lines.append(f"nisa.memset(dst={prologue.ref_text(constant)}, value={number(value.value)})")
