@@ -4,10 +4,9 @@ Input: an IR expression, the floors of the ``ir.Result`` values it reads (from i
 buffers it loads (from the nodes that wrote them). Output: ``floor(expr)``, a float that every value of ``expr``
 other than nan is at least, or None when nothing is known.
 
-Why: the guarded forms of rsqrt and sqrt (guarded_math.py) spend most of their instructions on inputs that are
-zero, negative or tiny. ``rsqrt(mean(x * x) + eps)``, the heart of RMSNorm and LayerNorm, has a floor of eps: it
-needs only the large-input scaling and the inf / nan cases. On a one-row decode step those (P, 1) instructions are
-a latency chain that dominates the norm kernel.
+Why: the guarded form of sqrt (guarded_math.py) spends most of its instructions on inputs that are zero, negative
+or tiny. ``sqrt(mean(x * x) + eps)`` (a root mean square) has a floor of eps: it needs only the large-input scaling.
+(rsqrt, RMSNorm's, is GpSimd's ALU rsqrt with or without a floor: one instruction.)
 
 Soundness: a floor only ever moves down. fp32 rounding of a sum or a product of non-negative values can lower it
 by half an ulp, a bf16 cast by half a bf16 ulp: positive floors are shrunk by more than that.

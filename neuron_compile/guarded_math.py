@@ -1,5 +1,6 @@
 """IR expression builders shared by lowering and the range-guard pass: exact guarded forms of the range-limited
-Scalar-engine functions (log, sqrt, rsqrt), and the reciprocal as VectorE's ALU reciprocal, which has no range.
+Scalar-engine functions (log, sqrt), and the reciprocal and rsqrt as ALU operators (VectorE's reciprocal, GpSimd's
+rsqrt), which have no range.
 
 Input: an IR expression ``x``. Output: an IR expression equal to ``f(x)`` for every fp32 ``x`` in which the bare
 instruction (the op table's ``*_in_range`` op) only ever sees values inside its valid range: finite nonzero inputs
@@ -50,10 +51,10 @@ class Scaling:
 SCALINGS = {
     "log": Scaling(2.0**63, 2.0**-63, 2.0**-64, 2.0**100),  # 2**-149 * 2**100 = 2**-49
     "sqrt": Scaling(2.0**100, 2.0**-100, 2.0**-100, 2.0**100),  # even powers: sqrt halves them exactly
-    "rsqrt": Scaling(2.0**96, 2.0**-86, 2.0**-100, 2.0**100),
 }
-# reciprocal: its expansion is VectorE's reciprocal, which has no valid range: ScalarE's bare reciprocal sees nothing
-RECIPROCAL_REACHING: list[tuple[float, float]] = []
+# reciprocal and rsqrt: their expansions are ALU operators, which have no valid range: ScalarE's bare instructions
+# see nothing
+UNRANGED_REACHING: dict[str, list[tuple[float, float]]] = {"reciprocal": [], "rsqrt": []}
 
 
 def _in_range(name: str) -> str:
@@ -67,7 +68,7 @@ _op = ir.op
 def check_scalings() -> None:
     """Every value each guarded expansion feeds its bare instruction lies inside the op table's valid range of that
     instruction; raise ``RangeGuardError`` naming the function, the range and the values otherwise."""
-    reaching = {name: scaling.reaching() for name, scaling in SCALINGS.items()} | {"reciprocal": RECIPROCAL_REACHING}
+    reaching = {name: scaling.reaching() for name, scaling in SCALINGS.items()} | UNRANGED_REACHING
     if set(reaching) != set(RANGE_LIMITED):
         raise RangeGuardError(f"range-limited functions {sorted(RANGE_LIMITED)}, expansions for {sorted(reaching)}")
     for name, intervals in reaching.items():
@@ -100,25 +101,23 @@ def safe_log(u) -> ir.Op:
     return _op("where", positive, core, special)
 
 
-def _floored_root(name: str, v, floor: float | None, undo_big: float, at_inf: float | None) -> ir.Op | None:
-    """sqrt or rsqrt (``name``) of v whose every value but nan is at least ``floor``, when the floor is above the
-    scaling's ``small``: only large values are scaled (by the scaling's power of two, undone by ``undo_big``), the
-    tiny, zero and negative cases cannot occur; inf gives ``at_inf``, nan nan (``at_inf`` None: the function
-    gives inf and nan back, so v itself is the answer for both). None for a lower or no floor."""
-    scaling = SCALINGS[name]
+def _floored_sqrt(v, floor: float | None) -> ir.Op | None:
+    """sqrt(v) for v whose every value but nan is at least ``floor``, when the floor is above the scaling's
+    ``small``: only large values are scaled (by 2**-100, undone by 2**50), the tiny, zero and negative cases cannot
+    occur; inf and nan are v itself (sqrt gives them back). None for a lower or no floor."""
+    scaling = SCALINGS["sqrt"]
     if floor is None or floor < scaling.small:
         return None
     big, ordinary = _op("gt", v, scaling.big), _op("lt", v, INF)  # lt is false for nan
     scaled = _op("where", big, _op("mul", v, scaling.big_scale), v)
-    core = _op("mul", _op(_in_range(name), _op("where", ordinary, scaled, 1.0)), _op("where", big, undo_big, 1.0))
-    special = v if at_inf is None else _op("where", _op("eq", v, INF), at_inf, math.nan)
-    return _op("where", ordinary, core, special)
+    core = _op("mul", _op(_in_range("sqrt"), _op("where", ordinary, scaled, 1.0)), _op("where", big, 2.0**50, 1.0))
+    return _op("where", ordinary, core, v)
 
 
 def safe_sqrt(v, floor: float | None = None) -> ir.Op:
     """sqrt(v); sqrt(+-0) = +-0, sqrt(inf) = inf, negatives and nan -> nan. With a ``floor`` above 2**-100:
     ScalarE's sqrt with only large values scaled (sqrt(v * 4**-k) * 2**k); without: 1 / rsqrt(v) on the ALU."""
-    floored = _floored_root("sqrt", v, floor, 2.0**50, None)
+    floored = _floored_sqrt(v, floor)
     if floored is not None:
         return floored
     # 1 / rsqrt(v) on the ALU, whose operators have no valid range: rsqrt(+-0) = +-inf gives +-0 back, rsqrt(inf)
@@ -126,14 +125,13 @@ def safe_sqrt(v, floor: float | None = None) -> ir.Op:
     return safe_reciprocal(_op("rsqrt_alu", v))
 
 
-def safe_rsqrt(v, floor: float | None = None) -> ir.Op:
-    """1/sqrt(v); rsqrt(+-0) = +-inf, rsqrt(inf) = 0, negatives and nan -> nan. With a ``floor`` above 2**-86
-    (RMSNorm's ``mean(x * x) + eps``): ScalarE's rsqrt with only large values scaled; without: GpSimd's ALU
-    rsqrt."""
-    floored = _floored_root("rsqrt", v, floor, 2.0**-50, 0.0)
-    if floored is not None:
-        return floored
-    return _op("rsqrt_alu", v)  # GpSimd's ALU rsqrt: every input, IEEE special values
+def safe_rsqrt(v) -> ir.Op:
+    """1/sqrt(v); rsqrt(+-0) = +-inf, rsqrt(inf) = 0, negatives and nan -> nan: GpSimd's ALU rsqrt, one instruction
+    for every input. Also above a floor (RMSNorm's ``mean(x * x) + eps`` >= eps): the floor rules out only the small
+    inputs, while nothing bounds the mean from above (squares of values over 2**49 pass ScalarE's range, 2**97, or
+    overflow to inf), so ScalarE's rsqrt would still need its large-value scaling and the inf case, about 20
+    instructions where the ALU takes one."""
+    return _op("rsqrt_alu", v)
 
 
 def safe_reciprocal(y) -> ir.Op:
@@ -145,7 +143,7 @@ def safe_reciprocal(y) -> ir.Op:
 
 
 EXPANSIONS = {"log": safe_log, "sqrt": safe_sqrt, "rsqrt": safe_rsqrt, "reciprocal": safe_reciprocal}
-FLOORED = {"sqrt", "rsqrt"}  # the expansions that take a ``floor``
+FLOORED = {"sqrt"}  # the expansions that take a ``floor``
 if set(EXPANSIONS) != set(RANGE_LIMITED):
     raise RangeGuardError(f"range-limited functions {sorted(RANGE_LIMITED)}, expansions for {sorted(EXPANSIONS)}")
 check_scalings()

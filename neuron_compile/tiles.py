@@ -17,6 +17,10 @@ from neuron_compile.limits import SBUF_SHARE
 FP32_BYTES = 4
 MAX_FREE_TILE = 4096  # elements per partition per tile: >= 2 KiB / partition DMA transfers, small enough to unroll
 TRANSPOSE_BLOCK = 128  # rows per TensorE transpose (nc_transpose moves at most [128, 128])
+# A row shorter than this (bytes) with no outer dim to widen with: each partition takes several rows
+# (``rows_per_partition``); a DMA of fewer bytes per partition is overhead-bound (nki-spec §2)
+SHORT_ROW_BYTES = 512
+GROUPED_ROWS_MAX_ELEMENTS = 1024  # per partition: long enough DMAs, and tiles enough to overlap them
 
 
 class TilingError(RuntimeError):
@@ -43,6 +47,9 @@ class TilePlan:
     row_group: int = 0
     parts: tuple[TilePlan, ...] = ()  # concat only: one pointwise plan per input
     cross_partition: bool = False  # reduction only: the reduced dim is spread over partitions too
+    # reduction only: free[0] is not reduced but kept rows, several per partition (``rows_per_partition``), each
+    # reduced on its own into a [partitions, free[0]] tile of results
+    grouped_rows: bool = False
 
     def describe(self) -> str:
         def fmt(dim):
@@ -51,6 +58,7 @@ class TilePlan:
         outer = ", ".join(fmt(d) for d in self.outer) or "-"
         free = ", ".join(fmt(d) for d in self.free)
         text = f"{self.kind}: outer [{outer}] partition {fmt(self.partition)} free [{free}]"
+        text += f" ({self.free[0].size} rows per partition)" if self.grouped_rows else ""
         if self.kind == "concat":
             return "concat: " + "; ".join(part.describe() for part in self.parts)
         if self.kind == "matmul":
@@ -58,6 +66,25 @@ class TilePlan:
             text += " (moving operand streamed per K chunk)" if self.stream_moving else ""
             text += f", a^T resident per {self.row_group} rows, b loaded once per group" if self.row_group else ""
         return text
+
+
+def rows_per_partition(partition: LoopDim, free: LoopDim, tiles: int, target) -> tuple[LoopDim, tuple[LoopDim, ...]]:
+    """(partition dim, free dims): with no outer dim to widen a short row with, the rows split into groups of ``k``
+    consecutive rows, one group per partition row (the partition dim ``R / k``, ``k`` the first free dim): q / k
+    norms over [tokens x 8 heads, 128] then move k rows per partition per DMA, not 256 bytes (pointwise kernels),
+    and reduce k rows per instruction (row reductions). ``k`` divides the rows, keeps at least the target's
+    partitions of row groups and fits the SBUF share; at least four partition tiles of rows, so that loads still
+    overlap compute."""
+    if free.tile < free.size or partition.size < 4 * target.partitions:
+        return partition, (free,)
+    fits = max(1, min(free_tile(partition.size // target.partitions * free.size, tiles, target),
+                      GROUPED_ROWS_MAX_ELEMENTS) // free.size)
+    per_partition = largest_divisor_at_most(partition.size, min(fits, partition.size // target.partitions))
+    if per_partition < 2:
+        return partition, (free,)
+    groups = partition.size // per_partition
+    rows = LoopDim(groups, partition.source, partition.multiplier * per_partition, min(groups, target.partitions))
+    return rows, (LoopDim(per_partition, partition.source, partition.multiplier, per_partition), free)
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:

@@ -69,8 +69,9 @@ def _rms_norm(a: torch.Tensor, eps: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_with_a_floor_on_special_rows(dtype):
-    """mean(x * x) + eps has a floor of eps: the guard keeps only the large-input scaling and inf / nan, and every
-    special row still matches eager (the simulator refuses an rsqrt input outside its range)."""
+    """mean(x * x) + eps has a floor of eps, but no ceiling: its rsqrt is GpSimd's ALU rsqrt (one instruction, no
+    range), its root mean square ScalarE's sqrt with only the large-input scaling; every special row still matches
+    eager (the simulator refuses a ScalarE input outside its range)."""
     x = random_tensor((130, 48), seed=5)
     x[0] = 0.0  # mean 0: rsqrt(eps)
     x[1] = 3e38  # mean(x * x) overflows to inf: rsqrt(inf) = 0, then 3e38 * 0 = 0
@@ -80,15 +81,16 @@ def test_rms_norm_with_a_floor_on_special_rows(dtype):
     x = x.to(dtype)
     for eps in (1e-6, 2.0**-80):
         region = check_against_eager(lambda a: _rms_norm(a, eps), x)
-        assert "op0=nl.rsqrt" not in "".join(kernel.source for kernel in region.kernels)  # the floored form ran
+        sources = "".join(kernel.source for kernel in region.kernels)
+        assert "op0=nl.rsqrt" in sources and "op=nl.rsqrt" not in sources  # the ALU's, not ScalarE's
     root_mean_square = check_against_eager(lambda a: torch.sqrt(a.float().pow(2).mean(-1) + 1e-5), x)
     sources = "".join(kernel.source for kernel in root_mean_square.kernels)
     assert "nl.sqrt" in sources and f"op0=nl.less, operand0={2.0**-100!r}" not in sources  # no small-value test
-    region = check_against_eager(lambda a: _rms_norm(a, 0.0), x)  # no eps, no floor: GpSimd's ALU rsqrt
+    region = check_against_eager(lambda a: _rms_norm(a, 0.0), x)  # no eps, no floor: GpSimd's ALU rsqrt as well
     assert "op0=nl.rsqrt" in "".join(kernel.source for kernel in region.kernels)
 
 
-def test_the_floor_of_a_mean_of_squares_plus_eps_drops_the_small_value_guards():
+def test_a_mean_of_squares_plus_eps_has_a_floor_but_its_rsqrt_is_the_alus():
     from neuron_compile.expression_floors import Floors
 
     x = ir.Load("x", ir.Layout((4,), (1,), 0), "float32")
@@ -96,12 +98,12 @@ def test_the_floor_of_a_mean_of_squares_plus_eps_drops_the_small_value_guards():
     floors = Floors(results=(0.0,))
     assert 0.0 < floors.of(mean_plus_eps) <= 1e-6
     floored = str(guard_expression(ir.Op("rsqrt", (mean_plus_eps,)), floors=floors))
-    full = str(guard_expression(ir.Op("rsqrt", (mean_plus_eps,))))
-    # above a floor, ScalarE's rsqrt with the large-value scaling; without, GpSimd's ALU rsqrt (no range)
-    assert "rsqrt_in_range" in floored and "rsqrt_alu" not in floored and full.startswith("rsqrt_alu(")
-    # no floor, or one below the instruction's scaling threshold: the full guard
-    assert str(guard_expression(ir.Op("rsqrt", (ir.Result(),)), floors=floors)) == str(
-        guard_expression(ir.Op("rsqrt", (ir.Result(),))))
+    # the floor bounds rsqrt's input from below only: GpSimd's ALU rsqrt (no range) either way, one instruction
+    assert floored == str(guard_expression(ir.Op("rsqrt", (mean_plus_eps,)))) and floored.startswith("rsqrt_alu(")
+    # sqrt above a floor: ScalarE's with the large-value scaling; with none, 1 / rsqrt on the ALU
+    floored_sqrt = str(guard_expression(ir.Op("sqrt", (mean_plus_eps,)), floors=floors))
+    assert "sqrt_in_range" in floored_sqrt and "rsqrt_alu" not in floored_sqrt
+    assert "sqrt_in_range" not in str(guard_expression(ir.Op("sqrt", (ir.Result(),)), floors=floors))
     assert Floors().of(ir.Op("add", (x, ir.Scalar(1.0)))) is None  # a load nobody bounded
     assert Floors().of(ir.Op("sub", (ir.Op("mul", (x, x)), ir.Scalar(1.0)))) is None
     assert Floors(buffers={"x": 2.0}).of(ir.Op("cast", (x,), "bfloat16")) < 2.0  # a bf16 rounding may go down

@@ -59,6 +59,28 @@ def test_prod_and_full_reductions():
     check_against_eager(lambda x: (x.prod(1), x.prod(), x.sum(), x.mean(), x.amax()), x)
 
 
+def test_variance_sums_squared_deviations_on_scalar_e_in_chunks_and_whole_rows():
+    """The second pass of a variance is one ScalarE activation per chunk, square(x - mean) with its row sum in
+    reduce_res; an inf in the row gives nan, a constant row 0, as eager."""
+    x = random_tensor((3, 70_000), seed=3)
+    x[1, 5] = float("inf")
+    x[2] = 7.0
+    region = check_against_eager(lambda x: x.var(1), x, tolerances={torch.float32: (1e-4, 1e-3)})
+    source = "".join(kernel.source for kernel in region.kernels)
+    assert "if f0 == 0:" in source and "op=nl.square" in source and "bias=negated_mean" in source
+    whole = check_against_eager(lambda x: x.var(1, correction=0), x[:, :1000])
+    assert whole.kernels[0].source.count("nisa.dma_copy(dst=arg0_1_tile") == 1  # the row is loaded once
+
+
+def test_reductions_of_widened_bf16_rows_read_the_bf16_tile():
+    """``x.float().sum(-1)`` of a bf16 x: tensor_reduce and ScalarE's activation compute in fp32 from the bf16 tile,
+    so no fp32 copy of the row is made first."""
+    x = random_tensor((300, 1000), torch.bfloat16, seed=4)
+    region = check_against_eager(lambda a: (a.float().sum(-1), a.float().amax(-1), a.float().var(-1)), x,
+                                 tolerances=REDUCTION_TOLERANCES)
+    assert "tensor_copy" not in "".join(kernel.source for kernel in region.kernels)
+
+
 def test_long_rows_reduce_in_chunks_with_partials():
     # 70000 columns do not fit one SBUF tile per partition: the kernel carries partial sums across chunks.
     x = random_tensor((3, 70_000), seed=2)

@@ -272,8 +272,9 @@ def _emit_uncached(expr, scope, lines) -> Ref:
     return _emit_op(expr, _operands(expr, scope, lines), scope, lines)
 
 
-# Sequences of one instruction that reads a bf16 / fp16 tile as it reads an fp32 one (the ALU's reciprocal and rsqrt).
-READS_NARROW_TILES = {"reciprocal_alu", "rsqrt_alu"}
+# Sequences whose instructions read a bf16 / fp16 tile as they read an fp32 one (the ALU's reciprocal and rsqrt; pow's
+# square, copy and power by a number; its elementwise power widens its operands itself).
+READS_NARROW_TILES = {"reciprocal_alu", "rsqrt_alu", "pow"}
 # Casts to fp32 that change no value: the engines read these dtypes and compute in fp32 anyway.
 EXACT_WIDENING = {"bfloat16", "float16"}
 
@@ -304,6 +305,14 @@ def _row_condition(condition: ir.Expr, scope: TileScope, lines: list[str]) -> Re
 def _is_row_condition(condition: ir.Expr, scope: TileScope) -> bool:
     return isinstance(condition, ir.Load) and condition.dtype == "bool" and scope.vector_pattern is not None \
         and scope.vector_pattern(_canonical_load(condition), "column") is not None
+
+
+def unwidened(expr: ir.Expr) -> ir.Expr:
+    """``expr`` without a cast to fp32 of a bf16 / fp16 value (a cast that changes no value), for an instruction
+    that reads the narrow tile as it reads an fp32 one (reductions and activations compute in fp32 from any float
+    input): no widening copy is emitted for it."""
+    widens = isinstance(expr, ir.Op) and op_table.spec(expr.op).form == "copy" and expr.dtype == "float32"
+    return expr.args[0] if widens and getattr(expr.args[0], "dtype", None) in EXACT_WIDENING else expr
 
 
 def _widened_source(arg: ir.Expr, scope: TileScope, lines: list[str]) -> Ref | None:

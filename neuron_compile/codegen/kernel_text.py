@@ -180,10 +180,14 @@ def row_scopes(node, plan: TilePlan, allocator: TileAllocator, patterns: Pattern
     return prologue, row_free, free, chunked
 
 
-def epilogue_scope(allocator: TileAllocator, patterns: Patterns, result: Ref) -> TileScope:
-    one = [(LoopDim(1, None), "1")]
+def epilogue_scope(allocator: TileAllocator, patterns: Patterns, result: Ref,
+                   results: list[tuple[LoopDim, str]] | None = None) -> TileScope:
+    """The scope over a row kernel's results: [rows, 1], one per partition, or [rows, k] when each partition
+    holds k rows (``results``: the free dims of the results tile, with their extents)."""
+    results = results or [(LoopDim(1, None), "1")]
+    width = math.prod(int(count) for _, count in results)
 
     def pattern(load: ir.Load, tile: str):
-        return f"{tile}[0:rows, 0:1]", patterns.hbm(load.buffer, load.layout, one, False)
+        return f"{tile}[0:rows, 0:{width}]", patterns.hbm(load.buffer, load.layout, results, False)
 
-    return TileScope(allocator, 1, "[0:rows, 0:1]", pattern, result)
+    return TileScope(allocator, width, f"[0:rows, 0:{width}]", pattern, result)

@@ -6,7 +6,7 @@ chunks sized to the SBUF share); a long last dim is split by a divisor so rows f
 dim (a 64-wide attention head, each head an outer loop) takes the innermost outer dim into the free axis as well
 (``widen_free``): a tile then holds [rows, heads x 64], its DMAs move a few KiB per partition instead of 128 B,
 and there are heads-times fewer of them (each DMA has a fixed cost). With no outer dim, rows shorter than 512 bytes
-go several to a partition (``rows_per_partition``). Codegen: per tile one DMA per input through
+go several to a partition (tiles.py ``rows_per_partition``). Codegen: per tile one DMA per input through
 its access pattern (two free entries, flattened into the tile's columns, when widened), the expression body, one
 DMA per store (pointwise.py.j2).
 """
@@ -30,13 +30,17 @@ from neuron_compile.codegen.strided_rows import (
 from neuron_compile.dims import LoopDim, collapse
 from neuron_compile.kind_registry import register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
-from neuron_compile.tiles import TilePlan, count_tiles, free_tile, largest_divisor_at_most
+from neuron_compile.tiles import (
+    SHORT_ROW_BYTES,
+    TilePlan,
+    count_tiles,
+    free_tile,
+    largest_divisor_at_most,
+    rows_per_partition,
+)
 
 # A tile's free axis shorter than this (elements per partition) takes an outer dim in too: DMAs of >= 1 KiB.
 WIDE_FREE_MIN = 512
-# A row shorter than this (bytes) with no outer dim to widen with: each partition takes several rows
-# (``rows_per_partition``); a DMA of fewer bytes per partition is overhead-bound (nki-spec §2)
-SHORT_ROW_BYTES = 512
 # Column tiles in flight in a kernel of several (``pipeline_stages``): the tile plan budgets SBUF for them all.
 PIPELINED_TILES = 2
 
@@ -71,25 +75,6 @@ def plan_pointwise(node: ir.Pointwise, target, tiles: int | None = None) -> Tile
     if not outer and len(free_dims) == 1 and row_bytes < SHORT_ROW_BYTES:
         partition, free_dims = rows_per_partition(partition, free, tiles, target)
     return TilePlan("pointwise", tuple(outer), partition, free_dims, tiles)
-
-
-def rows_per_partition(partition: LoopDim, free: LoopDim, tiles: int, target) -> tuple[LoopDim, tuple[LoopDim, ...]]:
-    """(partition dim, free dims): with no outer dim to widen a short row with (``widen_free``), the rows split into
-    groups of ``k`` consecutive rows, one group per partition row (the partition dim ``R / k``, ``k`` the first free
-    dim): q / k norms over [tokens x 8 heads, 128] then move k rows per partition per DMA, not 256 bytes. ``k``
-    divides the rows, keeps at least the target's partitions of row groups and fits the SBUF share; at least four
-    partition tiles of rows, so that loads still overlap compute."""
-    if free.tile < free.size or partition.size < 4 * target.partitions:
-        return partition, (free,)
-    # up to 2 * WIDE_FREE_MIN elements per partition: long enough DMAs, and tiles enough to overlap them
-    fits = max(1, min(free_tile(partition.size // target.partitions * free.size, tiles, target),
-                      2 * WIDE_FREE_MIN) // free.size)
-    per_partition = largest_divisor_at_most(partition.size, min(fits, partition.size // target.partitions))
-    if per_partition < 2:
-        return partition, (free,)
-    groups = partition.size // per_partition
-    rows = LoopDim(groups, partition.source, partition.multiplier * per_partition, min(groups, target.partitions))
-    return rows, (LoopDim(per_partition, partition.source, partition.multiplier, per_partition), free)
 
 
 def widest_rows_on_partitions(dims: list[LoopDim], partitions: int) -> list[LoopDim]:

@@ -29,7 +29,7 @@ _op = ir.op
 
 def guard_expression(expr: ir.Expr, memo: dict | None = None, floors: Floors | None = None) -> ir.Expr:
     """``expr`` with every guarded function (and division by a non-number) in its exact guarded form; ``floors``
-    (lower bounds of its subexpressions) lets sqrt and rsqrt of a value bounded away from zero skip the guards for
+    (lower bounds of its subexpressions) lets sqrt of a value bounded away from zero skip the guards for
     tiny, zero and negative inputs."""
     memo = {} if memo is None else memo
     if not isinstance(expr, ir.Op):
@@ -51,7 +51,7 @@ def guard_expression(expr: ir.Expr, memo: dict | None = None, floors: Floors | N
 
 def guard_node(node: ir.Node, buffer_floors: dict[str, float] | None = None) -> ir.Node:
     """``node`` with every expression guarded (its kernel kind knows where its expressions are). The floors of
-    the buffers written before it (``buffer_floors``) and of its own results bound what sqrt and rsqrt see; the
+    the buffers written before it (``buffer_floors``) and of its own results bound what sqrt sees; the
     floors of the buffers it writes are added to ``buffer_floors``."""
     buffer_floors = {} if buffer_floors is None else buffer_floors
     kind = kinds.kind_of(node)
