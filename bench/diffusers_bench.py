@@ -42,7 +42,7 @@ def child(class_name: str, backend: str) -> dict:
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    model, kwargs = diffusers_models.MODELS[class_name]()
+    model, kwargs = diffusers_models.builder(class_name)()
     with torch.no_grad():
         expected = diffusers_models.first_output(model(**kwargs))
         torch._dynamo.reset()
