@@ -1,7 +1,7 @@
-"""flex_attention runs as the ATen ops of its reference (passes/flex_attention.py), every node in kernels, with
-eager's results: no mask, a causal mask, a mask and a score modification reading captured tensors, a block mask
-whose block lists are sparser than its mask (the reference, and eager, compute every block). Unsupported dtypes stay
-eager and are counted as eager nodes."""
+"""flex_attention runs as the ATen ops of its reference (passes/flex_attention.py), every node in kernels (fp32:
+the flash-attention kernel), with eager's results: no mask, a causal mask, a mask and a score modification reading
+captured tensors, fully masked rows, a block mask whose block lists are sparser than its mask (the reference, and
+eager, compute every block). Unsupported dtypes stay eager and are counted as eager nodes."""
 
 from __future__ import annotations
 
@@ -26,6 +26,28 @@ def test_flex_attention_without_and_with_a_causal_mask_matches_eager(seq):
     q, k, v = qkv(1, 2, seq, 16)
     mask = create_block_mask(causal, None, None, seq, seq, device="cpu")
     check_through_backend(lambda q, k, v: flex_attention(q, k, v), q, k, v)
+    check_through_backend(lambda q, k, v: flex_attention(q, k, v, block_mask=mask), q, k, v)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_fp32_flex_attention_is_the_flash_kernel(masked):
+    """Unmasked or causal, the reference's softmax(q @ k^T * scale) @ v is matched as attention
+    (passes/attention_pattern.py): the [heads, queries, keys] scores never cross HBM."""
+    q, k, v = qkv(1, 2, 256, 16)
+    mask = create_block_mask(causal, None, None, 256, 256, device="cpu") if masked else None
+    stats = check_through_backend(lambda q, k, v: flex_attention(q, k, v, block_mask=mask), q, k, v)
+    scores_bytes = 2 * 256 * 256 * 4
+    assert stats["hbm_bytes"] < scores_bytes, stats["hbm_bytes"]
+
+
+def test_fully_masked_rows_are_zero_as_in_eager():
+    """Every third query attends nothing: the reference's safe softmax gives 0 there, and so does the kernel."""
+    q, k, v = qkv(1, 2, 130, 16)
+
+    def every_third_row_closed(batch, head, q_index, kv_index):
+        return (kv_index <= q_index) & (q_index % 3 != 0)
+
+    mask = create_block_mask(every_third_row_closed, None, None, 130, 130, device="cpu")
     check_through_backend(lambda q, k, v: flex_attention(q, k, v, block_mask=mask), q, k, v)
 
 

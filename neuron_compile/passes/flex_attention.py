@@ -108,7 +108,7 @@ def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, reference: tuple) -> 
                 outputs = pytree.tree_leaves(each.args[0])
             elif each.op == "get_attr":
                 name = _free_attribute_name(gm, "flex_attention_constant")
-                setattr(gm, name, getattr(traced, each.target))
+                gm.register_buffer(name, getattr(traced, each.target))
                 copied[each] = gm.graph.get_attr(name)
                 copied[each].meta = dict(each.meta)
             elif each.op != "placeholder":
