@@ -107,3 +107,11 @@ def test_float64_flex_attention_stays_eager_and_is_counted():
     torch.testing.assert_close(got, flex_attention(q, k, v))
     reasons = neuron_compile.stats()["fallback_reasons"]
     assert any(reason.startswith("higher_order.flex_attention:") for reason in reasons), reasons
+
+
+def test_flex_attention_over_transposed_heads_matches_eager():
+    # [batch, seq, heads, dim] memory seen as [batch, heads, seq, dim], as diffusers' processors pass it
+    q, k, v = (tensor.transpose(1, 2) for tensor in qkv(1, 128, 2, 12))
+    mask = create_block_mask(causal, None, None, 128, 128, device="cpu")
+    check_through_backend(lambda q, k, v: flex_attention(q, k, v), q, k, v)
+    check_through_backend(lambda q, k, v: flex_attention(q, k, v, block_mask=mask), q, k, v)

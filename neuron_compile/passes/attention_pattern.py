@@ -286,6 +286,10 @@ def _replace(graph: torch.fx.Graph, match: AttentionMatch) -> None:
         v = _emit(graph, aten.unsqueeze.default, match.v, 1)
         attention = _emit(graph, SDPA, q, k, v, mask, 0.0, causal, scale=match.scale)
         output = _emit(graph, aten.squeeze.dim, attention, 1)
+        if output.meta["val"].stride() != match.output.meta["val"].stride():
+            # SDPA lays its output out as the query (a transposed [batch, seq, heads, dim] one too); the readers
+            # were traced on the bmm's contiguous output and read it through those strides
+            output = _emit(graph, aten.clone.default, output, memory_format=torch.contiguous_format)
         if not _every_row_attends(match) and not match.zero_rows:
             output = _nan_rows(graph, match, output)
     match.output.replace_all_uses_with(output)
