@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -42,7 +43,7 @@ def child(class_name: str, backend: str) -> dict:
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    model, kwargs = diffusers_models.MODELS[class_name]()
+    model, kwargs = diffusers_models.builder(class_name)()
     with torch.no_grad():
         expected = diffusers_models.first_output(model(**kwargs))
         torch._dynamo.reset()
@@ -81,9 +82,15 @@ def run_child(class_name: str, backend: str, timeout: float, cold: bool = False)
         return dict(failure=f"timeout after {timeout:.0f} s")
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        last = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:] or ["no output"]
-        return dict(failure=last[0][:160])
+        return dict(failure=error_line(done.stderr)[:160])
     return json.loads(lines[-1])
+
+
+def error_line(stderr: str) -> str:
+    """The last ``SomeError: message`` line of a traceback (torch appends hints after it), else the last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+    return (errors or lines or ["no output"])[-1]
 
 
 def row(class_name: str, results: dict) -> str:

@@ -4,15 +4,17 @@ Input: an aot_autograd ATen graph (already decomposed by our table, backend.py) 
 arguments. Output: for each NKI region, a ``CompiledRegion`` ready to launch.
 
 ``PASSES`` is the order, as data: graph passes (``specialize``, ``bound inputs``, ``complex pairs``,
-``attention pattern``, ``partition``) run once per graph and call signature (runtime/compiled_graph.py drives them;
-``bound inputs`` applies the integer-input guard that the dispatch key checks on every call,
-passes/input_ranges.py; ``complex pairs`` carries complex64 values as fp32 pairs, passes/complex_pairs.py;
-``attention pattern`` makes hand-written attention one SDPA node, passes/attention_pattern.py); region passes
-(``lower`` ... ``load``) run per NKI region (``compile_region``). Every pass is a function of the previous pass's output and a ``PassContext``, and has a
-``describe`` that prints its output: with ``NEURON_COMPILE_DUMP`` set, the IR after every pass is written to the
-dump (``on_pass`` receives each pass's name and text). Every failure in a region pass is a ``LoweringError`` that
-names the op or the kernel. The on-disk cache (runtime/disk_cache.py) keeps the output of ``render`` (a
-``RenderedRegion``, plain data) keyed by the input of ``lower``: a hit runs ``load`` alone.
+``flex attention``, ``attention pattern``, ``partition``) run once per graph and call signature
+(runtime/compiled_graph.py drives them; ``bound inputs`` applies the integer-input guard that the dispatch key
+checks on every call, passes/input_ranges.py; ``complex pairs`` carries complex64 values as fp32 pairs,
+passes/complex_pairs.py; ``flex attention`` inlines the ATen ops of flex attention's reference,
+passes/flex_attention.py; ``attention pattern`` makes hand-written attention one SDPA node,
+passes/attention_pattern.py); region passes (``lower`` ... ``load``) run per NKI region (``compile_region``).
+Every pass is a function of the previous pass's output and a ``PassContext``, and has a ``describe`` that prints
+its output: with ``NEURON_COMPILE_DUMP`` set, the IR after every pass is written to the dump (``on_pass`` receives
+each pass's name and text). Every failure in a region pass is a ``LoweringError`` that names the op or the kernel.
+The on-disk cache (runtime/disk_cache.py) keeps the output of ``render`` (a ``RenderedRegion``, plain data) keyed
+by the input of ``lower``: a hit runs ``load`` alone.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from neuron_compile.lowering import LoweredRegion, LoweringError, lower_graph
 from neuron_compile.passes.activation_ranges import guard_activation_ranges
 from neuron_compile.passes.attention_pattern import fuse_attention
 from neuron_compile.passes.complex_pairs import rewrite_complex_pairs
+from neuron_compile.passes.flex_attention import inline_flex_attention
 from neuron_compile.passes.fusion import FusionResult, fuse
 from neuron_compile.passes.input_ranges import bound_integer_inputs, describe_bounds
 from neuron_compile.passes.partition import partition_graph
@@ -92,6 +95,10 @@ def _bound_inputs(gm: torch.fx.GraphModule, context: PassContext) -> torch.fx.Gr
 
 def _complex_pairs(gm: torch.fx.GraphModule, context: PassContext) -> torch.fx.GraphModule:
     return rewrite_complex_pairs(gm)
+
+
+def _flex_attention(gm: torch.fx.GraphModule, context: PassContext) -> torch.fx.GraphModule:
+    return inline_flex_attention(gm)
 
 
 def _attention_pattern(gm: torch.fx.GraphModule, context: PassContext) -> torch.fx.GraphModule:
@@ -248,6 +255,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("specialize", "graph", _specialize, lambda gm: str(gm.graph)),
     Pass("bound inputs", "graph", _bound_inputs, describe_bounds),
     Pass("complex pairs", "graph", _complex_pairs, lambda gm: str(gm.graph)),
+    Pass("flex attention", "graph", _flex_attention, lambda gm: str(gm.graph)),
     Pass("attention pattern", "graph", _attention_pattern, lambda gm: str(gm.graph)),
     Pass("partition", "graph", _partition, _describe_partition),
     Pass("lower", "region", _lower, _describe_lowered),

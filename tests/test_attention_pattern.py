@@ -163,3 +163,12 @@ def test_a_mask_from_a_split_constant_is_evaluated_without_failing():
 
     q, k, v = qkv((1, 2, 40, 32))
     check_through_backend(split_mask_attention, q, k, v)
+
+
+def test_attention_over_transposed_heads_matches_eager():
+    """q, k, v as [batch, seq, heads, dim] memory seen as [batch, heads, seq, dim] (diffusers' processors): SDPA
+    lays its output out as the query, the readers traced on the bmm's contiguous output get it contiguous."""
+    for seq in (1, 127, 129):
+        q, k, v = (tensor.transpose(1, 2) for tensor in qkv((1, seq, 2, 12)))
+        check_through_backend(plain_attention, q, k, v)
+        check_through_backend(lambda q, k, v: causal_attention(q, k, v).transpose(1, 2).contiguous(), q, k, v)

@@ -118,7 +118,8 @@ def test_dump_writes_every_stage_of_a_graph(dumped):
     assert "nki_region_0" in partition and "eager: no lowering for aten.sort.default" in partition
     passes = sorted(path.name for path in (folder / "passes").iterdir())
     assert [re.sub(r"^\d\d-", "", name) for name in passes] == [
-        "specialize.txt", "bound_inputs.txt", "complex_pairs.txt", "attention_pattern.txt", "partition.txt",
+        "specialize.txt", "bound_inputs.txt", "complex_pairs.txt", "flex_attention.txt", "attention_pattern.txt",
+        "partition.txt",
         "lower.nki_region_0.txt",
         "guard_ranges.nki_region_0.txt",
         "fuse.nki_region_0.txt", "plan_tiles.nki_region_0.txt", "render.nki_region_0.txt", "load.nki_region_0.txt"]

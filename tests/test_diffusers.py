@@ -96,3 +96,19 @@ def test_wan_interleaved_rotary_runs_in_kernels():
     expected, actual, stats = regional(model, kwargs)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     assert stats["graphs_compiled"] == 1 and stats["fallback_nodes"] == 0  # slice_scatter with step 2 included
+
+
+@pytest.mark.slow
+def test_kandinsky6_sr_flex_attention_runs_in_kernels():
+    # NABLA's sparse attention through flex_attention: the reference's dense attention in kernels (its block lists,
+    # sorted on the block statistics, are not read by the reference and go), as eager computes it.
+    torch.manual_seed(0)
+    model = diffusers.Kandinsky6SRTransformer3DModel(
+        in_visual_dim=4, out_visual_dim=4, time_dim=16, patch_size=(1, 2, 2), model_dim=24, ff_dim=32,
+        num_visual_blocks=2, axes_dims=(4, 4, 4)).eval()
+    generator = torch.Generator().manual_seed(0)
+    # 2 frames of 8 x 8 patches: NABLA's token grid must be a multiple of its 8 x 8 blocks
+    kwargs = dict(hidden_states=torch.randn(1, 2, 16, 16, 9, generator=generator), timestep=torch.tensor([500.0]))
+    expected, actual, stats = regional(model, kwargs)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert stats["graphs_compiled"] == 1 and stats["fallback_nodes"] == 0

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
+from lowering_harness import check_against_eager, check_through_backend, compile_and_run, random_tensor, trace
 from neuron_compile.lowering import unsupported_reason
 
 SIZES = st.sampled_from([1, 2, 5, 127, 128, 129])
@@ -145,6 +145,20 @@ def test_where_is_an_exact_select(pair, dtype):
         return torch.where(x > y, x, y), torch.where(y < 0.5, float("-inf"), x), torch.where(x > 0, 1.0, 0.0) * y
 
     check_against_eager(fn, x, y)
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 127), (2, 129)])
+def test_where_with_a_constant_condition_selects_statically(shape):
+    """flex attention's no-op mask is a constant True expanded over the scores: the select is a copy of one side
+    (it failed the region before), the other side's inf / nan never read."""
+    x, y = random_tensor(shape, seed=5), random_tensor(shape, seed=6)
+    y.view(-1)[-1] = float("nan")
+
+    def fn(x, y):
+        attended = torch.ones((), dtype=torch.bool).expand(x.shape)
+        return torch.where(attended, x * 2, y), torch.where(~attended, y, float("inf")), torch.where(attended, 1.0, y)
+
+    check_through_backend(fn, x, y)
 
 
 @settings(max_examples=10, deadline=None)

@@ -717,8 +717,9 @@ def _emit_where(args, dst, vector, scope, lines, dtype: str = "float32") -> None
     first (the predicated copy's source shares its destination's dtype). Over (P, 1) row vectors (every operand
     constant along the free axis, e.g. a one-column domain) it works on [rows, 1] slices."""
     condition, on_true, on_false = args
-    if condition.value is not None:
-        raise ExpressionError("where with a constant condition")
+    if condition.value is not None:  # a constant condition (flex attention's no-op mask): a static choice
+        _copy_into(dst, on_true if condition.value else on_false, vector, scope, lines, dtype, "chosen")
+        return
     predicate = _predicate_text(condition, vector, scope, lines)
     true_text = _select_source(on_true, vector, scope, lines, "true", dtype)
     if true_text == dst:  # dst already holds on_true: bring on_false in where the condition fails
@@ -726,16 +727,21 @@ def _emit_where(args, dst, vector, scope, lines, dtype: str = "float32") -> None
         lines.append(f"nisa.tensor_copy_predicated(dst={dst}, src={false_text}, predicate={predicate}, "
                      "reverse_pred=True)")
         return
-    if on_false.value is not None:
-        lines.append(f"nisa.memset(dst={dst}, value={number(on_false.value)})")
-    else:
-        # a plain copy also widens a bf16 / fp16 tile into the fp32 dst exactly: no fp32 copy of it first
-        widens = dtype == "float32" and on_false.dtype in EXACT_WIDENING
-        direct = on_false.tile is not None and on_false.vector == vector and (widens or on_false.dtype == dtype)
-        false_text = scope.ref_text(on_false) if direct else _fp32_text(on_false, vector, scope, lines, "false")
-        if false_text != dst:
-            lines.append(f"nisa.tensor_copy(dst={dst}, src={false_text})")
+    _copy_into(dst, on_false, vector, scope, lines, dtype, "false")
     lines.append(f"nisa.tensor_copy_predicated(dst={dst}, src={true_text}, predicate={predicate})")
+
+
+def _copy_into(dst, operand, vector, scope, lines, dtype: str, role: str) -> None:
+    """dst (of ``dtype``) = ``operand``: a memset for a number, else an exact copy of its tile."""
+    if operand.value is not None:
+        lines.append(f"nisa.memset(dst={dst}, value={number(operand.value)})")
+        return
+    # a plain copy also widens a bf16 / fp16 tile into the fp32 dst exactly: no fp32 copy of it first
+    widens = dtype == "float32" and operand.dtype in EXACT_WIDENING
+    direct = operand.tile is not None and operand.vector == vector and (widens or operand.dtype == dtype)
+    text = scope.ref_text(operand) if direct else _fp32_text(operand, vector, scope, lines, role)
+    if text != dst:
+        lines.append(f"nisa.tensor_copy(dst={dst}, src={text})")
 
 
 def _select_source(ref: Ref, vector: bool, scope: TileScope, lines: list[str], role: str,

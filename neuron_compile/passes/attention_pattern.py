@@ -21,6 +21,10 @@ A match needs every intermediate (scores, probabilities) to have no other reader
 the probabilities for the backward keeps its three kernels. The flash kernel computes the scores and softmax in
 fp32 where a bf16 graph rounds them to bf16 between ops, so bf16 results differ from eager's by that rounding
 (fp32: by an ulp or so). ``NEURON_COMPILE_FLASH_ATTENTION=0`` turns the rewrite off.
+
+The softmax may be the safe one (``_safe_softmax``: 0 on a fully masked row, as the kernel gives), the form flex
+attention's reference takes (passes/flex_attention.py); a mask is read through its expands (flex's vmapped mask is
+a [queries, keys] one expanded over batch and heads), and a constant one that masks nothing is dropped.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class AttentionMatch:
     true_masks: bool  # the boolean mask is True where a key is masked out (where(mask, -inf, s)), else attended
     additive: torch.fx.Node | None  # an additive float mask
     output: torch.fx.Node  # the probabilities @ v bmm
+    zero_rows: bool = False  # the softmax is the safe one: a fully masked row is 0, as in the kernel
 
 
 def fuse_attention(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -99,9 +104,9 @@ def _scores_of(softmax_input: torch.fx.Node):
     softmax's input down to the bmm), or None."""
     node, boolean_mask, true_masks, additive = softmax_input, None, False, None
     if node.target is aten.where.self and _is_constant_value(node.args[1], -math.inf):
-        boolean_mask, true_masks, node = node.args[0], True, node.args[2]  # where(masked, -inf, scores)
+        boolean_mask, true_masks, node = _unexpanded(node.args[0]), True, node.args[2]  # where(masked, -inf, s)
     elif node.target is aten.where.self and _is_constant_value(node.args[2], -math.inf):
-        boolean_mask, node = node.args[0], node.args[1]  # where(attended, scores, -inf)
+        boolean_mask, node = _unexpanded(node.args[0]), node.args[1]  # where(attended, scores, -inf)
     elif node.target is aten.add.Tensor and isinstance(node.args[1], torch.fx.Node):
         additive, node = node.args[1], node.args[0]
     scale = 1.0
@@ -114,6 +119,13 @@ def _scores_of(softmax_input: torch.fx.Node):
         path = _path(softmax_input, scaled) + _path(scaled, product)
         return product, scale, boolean_mask, true_masks, additive, path
     return None
+
+
+def _unexpanded(mask: torch.fx.Node) -> torch.fx.Node:
+    """The tensor a mask is an expand of (the scores' where broadcasts it back)."""
+    while isinstance(mask, torch.fx.Node) and mask.target is aten.expand.default:
+        mask = mask.args[0]
+    return mask
 
 
 def _path(start: torch.fx.Node, end: torch.fx.Node) -> list[torch.fx.Node]:
@@ -136,8 +148,7 @@ def _match(node: torch.fx.Node) -> AttentionMatch | None:
         return None
     probabilities, v = node.args
     softmax = _skip_casts(_unviewed(probabilities))
-    if softmax is None or softmax.target is not aten._softmax.default or softmax.args[2] \
-            or softmax.args[1] % softmax.meta["val"].dim() != softmax.meta["val"].dim() - 1:
+    if not _is_last_dim_softmax(softmax):
         return None
     found = _scores_of(_skip_casts(softmax.args[0]))
     if found is None:
@@ -153,8 +164,23 @@ def _match(node: torch.fx.Node) -> AttentionMatch | None:
         return None
     if additive is not None and additive.meta["val"].dtype != query.dtype:
         return None  # SDPA takes a float mask of the inputs' dtype
-    match = AttentionMatch(q, k_transposed, v, scale, boolean_mask, true_masks, additive, node)
+    match = AttentionMatch(q, k_transposed, v, scale, boolean_mask, true_masks, additive, node,
+                           zero_rows=softmax.target is aten._safe_softmax.default)
     return match if _broadcast_mask(match) else None
+
+
+def _is_last_dim_softmax(node) -> bool:
+    """A softmax over the last dim in its input's dtype: ``_softmax`` (not half to float) or ``_safe_softmax``."""
+    if not isinstance(node, torch.fx.Node) or "val" not in node.meta:
+        return False
+    if node.target is aten._softmax.default:
+        widens = node.args[2]
+    elif node.target is aten._safe_softmax.default:
+        widens = node.kwargs.get("dtype", node.args[2] if len(node.args) > 2 else None) is not None
+    else:
+        return False
+    rank = node.meta["val"].dim()
+    return not widens and node.args[1] % rank == rank - 1
 
 
 def _broadcast_mask(match: AttentionMatch) -> bool:
@@ -171,6 +197,12 @@ def _every_row_attends(match: AttentionMatch) -> bool:
         return True
     attended = _attended(match)
     return attended is not None and bool(attended.any(dim=-1).all())
+
+
+def _masks_nothing(match: AttentionMatch) -> bool:
+    """Whether the boolean mask is a constant that attends every key (flex attention's no-op mask)."""
+    attended = _attended(match)
+    return attended is not None and bool(attended.all())
 
 
 def _evaluated_mask(match: AttentionMatch):
@@ -198,6 +230,9 @@ def _evaluate(node, depth: int = 0):
     """The value of ``node`` when it is computed from constants alone (no graph input), else None."""
     if not isinstance(node, torch.fx.Node):
         return node
+    if node.op == "get_attr":  # a constant the graph holds (flex attention's -inf)
+        value = getattr(node.graph.owning_module, node.target, None)
+        return value if isinstance(value, torch.Tensor) and value.numel() <= MAX_EVALUATED_MASK else None
     value = node.meta.get("val")
     # (a node of several outputs, split or max.dim, carries a list of values: not evaluated, not a constant)
     if node.op != "call_function" or depth > 32 or not isinstance(value, torch.Tensor) \
@@ -244,14 +279,18 @@ def _replace(graph: torch.fx.Graph, match: AttentionMatch) -> None:
     with graph.inserting_before(match.output):
         causal = (match.boolean_mask is not None or match.additive is not None) and _is_causal(match)
         mask = None if causal else match.additive
-        if match.boolean_mask is not None and not causal:
+        if match.boolean_mask is not None and not causal and not _masks_nothing(match):
             mask = _additive_mask(graph, match)
         q = _emit(graph, aten.unsqueeze.default, match.q, 1)
         k = _emit(graph, aten.unsqueeze.default, _emit(graph, aten.transpose.int, match.k, 1, 2), 1)
         v = _emit(graph, aten.unsqueeze.default, match.v, 1)
         attention = _emit(graph, SDPA, q, k, v, mask, 0.0, causal, scale=match.scale)
         output = _emit(graph, aten.squeeze.dim, attention, 1)
-        if not _every_row_attends(match):
+        if output.meta["val"].stride() != match.output.meta["val"].stride():
+            # SDPA lays its output out as the query (a transposed [batch, seq, heads, dim] one too); the readers
+            # were traced on the bmm's contiguous output and read it through those strides
+            output = _emit(graph, aten.clone.default, output, memory_format=torch.contiguous_format)
+        if not _every_row_attends(match) and not match.zero_rows:
             output = _nan_rows(graph, match, output)
     match.output.replace_all_uses_with(output)
 

@@ -91,10 +91,13 @@ class PartitionResult:
 
 
 def op_name(node: torch.fx.Node) -> str:
-    """``aten.mm.default`` style name of a call_function target."""
+    """``aten.mm.default`` style name of a call_function target (``higher_order.flex_attention`` for a
+    higher-order op)."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order.{target.name()}"
     return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
 
 

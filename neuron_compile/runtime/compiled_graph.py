@@ -172,8 +172,9 @@ def describe_region(name: str, ops: list[str]) -> str:
 
 def _count_region_fallback(ops: list[str], reason: str) -> None:
     for op in ops:
-        # getitem and other glue are not compute; torch.distributed's functional collectives are (collective kernels)
-        if op.startswith(("aten.", "prims.", "_c10d_functional.")):
+        # getitem and other glue are not compute; torch.distributed's functional collectives are (collective
+        # kernels), and so are higher-order ops (flex attention) left eager
+        if op.startswith(("aten.", "prims.", "_c10d_functional.", "higher_order.")):
             stats.add_fallback(op, reason)
 
 
