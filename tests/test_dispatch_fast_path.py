@@ -157,11 +157,17 @@ def test_only_graph_inputs_are_held_by_the_dispatch_key():
     assert compiled_graph.dispatch_keyed_inputs(top, region) == []
 
 
+def _positions_passed_to(monkeypatch, method: str) -> list[list[int]]:
+    """The positions each call of ``CompiledRegion.<method>`` receives, in order (the method still runs)."""
+    passed = []
+    original = getattr(region_module.CompiledRegion, method)
+    monkeypatch.setattr(region_module.CompiledRegion, method,
+                        lambda self, positions: passed.append(list(positions)) or original(self, positions))
+    return passed
+
+
 def test_a_compiled_graph_trusts_its_regions_graph_inputs(monkeypatch):
-    trusted = []
-    trust = region_module.CompiledRegion.trust_inputs
-    monkeypatch.setattr(region_module.CompiledRegion, "trust_inputs",
-                        lambda self, positions: trusted.append(list(positions)) or trust(self, positions))
+    trusted = _positions_passed_to(monkeypatch, "trust_inputs")
 
     def sorted_then_matmul(x, w):
         return torch.relu(torch.sort(x, dim=-1).values @ w) + 1.0
@@ -218,10 +224,7 @@ def test_a_region_failing_on_a_hit_still_falls_back(monkeypatch):
 
 
 def test_int64_inputs_the_dispatch_key_bounds_are_narrowed_without_a_range_check(monkeypatch):
-    trusted = []
-    trust = region_module.CompiledRegion.trust_values
-    monkeypatch.setattr(region_module.CompiledRegion, "trust_values",
-                        lambda self, positions: trusted.append(list(positions)) or trust(self, positions))
+    trusted = _positions_passed_to(monkeypatch, "trust_values")
 
     def shifted(ids, x):
         return x + (ids % 7).to(torch.float32) * 0.5
