@@ -60,6 +60,9 @@ class PassContext:
     target: object = None
     example_inputs: list = dataclasses.field(default_factory=list)  # the graph's (or region's) arguments
     region_ops: list = dataclasses.field(default_factory=list)  # region passes: its distinct ATen ops, in order
+    # Whether the flex attention pass may trace (make_fx): not at call time, in a compiled graph's per-signature
+    # passes (CompiledGraph inlines flex attention while Dynamo compiles; what is left stays eager).
+    trace_flex_attention: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +101,7 @@ def _complex_pairs(gm: torch.fx.GraphModule, context: PassContext) -> torch.fx.G
 
 
 def _flex_attention(gm: torch.fx.GraphModule, context: PassContext) -> torch.fx.GraphModule:
-    return inline_flex_attention(gm)
+    return inline_flex_attention(gm) if context.trace_flex_attention else gm
 
 
 def _attention_pattern(gm: torch.fx.GraphModule, context: PassContext) -> torch.fx.GraphModule:

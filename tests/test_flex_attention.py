@@ -115,3 +115,31 @@ def test_flex_attention_over_transposed_heads_matches_eager():
     mask = create_block_mask(causal, None, None, 128, 128, device="cpu")
     check_through_backend(lambda q, k, v: flex_attention(q, k, v), q, k, v)
     check_through_backend(lambda q, k, v: flex_attention(q, k, v, block_mask=mask), q, k, v)
+
+
+def test_the_reference_is_traced_while_dynamo_compiles_never_at_call_time(monkeypatch):
+    # make_fx sets FX's process-wide "tracing now" flag: set at call time (a compiled graph's first call of a
+    # signature), it breaks other threads' compiled calls (passes/specialize.py). Traces happen in the backend.
+    from neuron_compile.passes import flex_attention as flex_pass
+    from neuron_compile.runtime import compiled_graph
+
+    calling, traced_during_calls, traces = [False], [], []
+    graph_call, make_fx = compiled_graph.CompiledGraph.__call__, flex_pass.make_fx
+
+    def call(self, args):
+        calling[0] = True
+        try:
+            return graph_call(self, args)
+        finally:
+            calling[0] = False
+
+    def spied_make_fx(*args, **kwargs):
+        traces.append(True)
+        traced_during_calls.append(calling[0])
+        return make_fx(*args, **kwargs)
+
+    monkeypatch.setattr(compiled_graph.CompiledGraph, "__call__", call)
+    monkeypatch.setattr(flex_pass, "make_fx", spied_make_fx)
+    q, k, v = qkv(1, 2, 64, 16)
+    check_through_backend(lambda q, k, v: flex_attention(q, k, v, score_mod=None), q, k, v)
+    assert traces and not any(traced_during_calls)

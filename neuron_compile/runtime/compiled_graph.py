@@ -31,6 +31,7 @@ from neuron_compile import config as config_module
 from neuron_compile.config import Config
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.passes.bucket import BucketPlan, plan_buckets
+from neuron_compile.passes.flex_attention import inline_flex_attention
 from neuron_compile.passes.input_ranges import range_guarded_floats
 from neuron_compile.passes.layouts import column_major_inputs
 from neuron_compile.passes.partition import PartitionReport, op_name
@@ -328,7 +329,8 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
         graph_texts[name] = text
         dumps.append((name, "", text))
 
-    partitioned = run_passes("graph", gm, PassContext(config, configured_target(config), args), on_graph_pass)
+    context = PassContext(config, configured_target(config), args, trace_flex_attention=False)  # call time
+    partitioned = run_passes("graph", gm, context, on_graph_pass)
     top = partitioned.graph_module
     record = CompiledGraphRecord(
         kind=kind,
@@ -417,6 +419,9 @@ class CompiledGraph:
         # aot_autograd passes the arguments as one list. An instance attribute, not a class one: Dynamo's
         # disable() wrapper around backward callables copies only the instance __dict__ (functools.wraps).
         self._boxed_call = True
+        # Flex attention is inlined here, while Dynamo compiles (make_fx sets FX's process-wide "tracing now" flag,
+        # which must never be set at call time: passes/specialize.py); the per-signature pass then finds none.
+        gm = inline_flex_attention(gm)
         self.gm, self.kind, self.options = gm, kind, dict(options or {})
         self.option_items = tuple(self.options.items())  # config.get's memo key for our options, built once
         self.dynamo_graph = dynamo_graph  # its Dynamo graph's index (compile_events), for the dump folder
