@@ -8,7 +8,8 @@ arguments. Output: for each NKI region, a ``CompiledRegion`` ready to launch.
 (runtime/compiled_graph.py drives them; ``bound inputs`` applies the integer-input guard that the dispatch key
 checks on every call, passes/input_ranges.py; ``complex pairs`` carries complex64 values as fp32 pairs,
 passes/complex_pairs.py; ``flex attention`` inlines the ATen ops of flex attention's reference,
-passes/flex_attention.py; ``attention pattern`` makes hand-written attention one SDPA node,
+passes/flex_attention.py, where tracing is allowed: a compiled graph inlines it while Dynamo compiles, and its
+per-signature pass, at call time, does not trace; ``attention pattern`` makes hand-written attention one SDPA node,
 passes/attention_pattern.py); region passes (``lower`` ... ``load``) run per NKI region (``compile_region``).
 Every pass is a function of the previous pass's output and a ``PassContext``, and has a ``describe`` that prints
 its output: with ``NEURON_COMPILE_DUMP`` set, the IR after every pass is written to the dump (``on_pass`` receives
