@@ -287,11 +287,8 @@ def dispatch_keyed_inputs(top: torch.fx.GraphModule, region_node: torch.fx.Node)
     graph's dispatch key holds (``dispatch_signature``): a region compiled for that key sees them unchanged. An
     input an eager node made is not held by the key (an eager op's output shape may depend on values), and none is
     when an eager op of the graph may change a tensor's metadata in place (``resize_``; ``copy_`` writes data only)."""
-    for node in top.graph.nodes:
-        target = node.target
-        if (node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
-                and target is not torch.ops.aten.copy_.default):
-            return []
+    if _writes_in_place(top, except_copies=True):
+        return []
     return [index for index, arg in enumerate(region_node.args)
             if isinstance(arg, torch.fx.Node) and arg.op == "placeholder"]
 
@@ -300,12 +297,18 @@ def int32_bounded_inputs(top: torch.fx.GraphModule, region_node: torch.fx.Node) 
     """The positions of a region's inputs that are graph inputs whose values the graph's dispatch key bounds within
     int32 (``passes/input_ranges.guard_bound``, kept on the placeholder as its value range). None when any op of the
     graph writes in place (an eager ``copy_`` into the input could change its values after the key was taken)."""
-    if any(node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-           and node.target._schema.is_mutable for node in top.graph.nodes):
+    if _writes_in_place(top, except_copies=False):
         return []
     return [index for index, arg in enumerate(region_node.args)
             if isinstance(arg, torch.fx.Node) and arg.op == "placeholder"
             and isinstance(bound := arg.meta.get(RANGE_KEY), Interval) and bound.within(INT32_RANGE[1])]
+
+
+def _writes_in_place(top: torch.fx.GraphModule, except_copies: bool) -> bool:
+    """Whether an op of ``top`` mutates a tensor (``copy_``, which writes data only, left out if ``except_copies``)."""
+    return any(node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+               and node.target._schema.is_mutable
+               and not (except_copies and node.target is torch.ops.aten.copy_.default) for node in top.graph.nodes)
 
 
 def _meta_value(arg):

@@ -16,7 +16,6 @@ metadata the caller's dispatch key holds (``trust_inputs``: graph inputs) are no
 from __future__ import annotations
 
 import dataclasses
-
 import math
 
 import torch
