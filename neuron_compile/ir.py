@@ -21,6 +21,9 @@ import sympy
 
 from neuron_compile import op_table
 
+# Bytes per element of the IR's dtype names (fusion, tiling and codegen size their tiles and DMAs by them).
+ITEMSIZE = {"float32": 4, "int32": 4, "bfloat16": 2, "float16": 2, "bool": 1}
+
 
 @dataclass(frozen=True)
 class Layout:

@@ -22,12 +22,11 @@ from neuron_compile.codegen.expressions import AccessPattern, BroadcastLoad, Ref
 from neuron_compile.dims import LoopDim
 
 STEP_BYTES_MAX = 16  # an SBUF operand's innermost step up to this many bytes streams at full rate
-ITEMSIZE = {"float32": 4, "int32": 4, "bfloat16": 2, "float16": 2, "bool": 1}
 
 
 def small_step(stride: int, dtype: str) -> bool:
     """Whether an innermost step of ``stride`` elements is one these helpers take on chip."""
-    return 2 <= stride and stride * ITEMSIZE.get(dtype, 4) <= STEP_BYTES_MAX
+    return 2 <= stride and stride * ir.ITEMSIZE.get(dtype, 4) <= STEP_BYTES_MAX
 
 
 def _size(count) -> int | None:

@@ -38,7 +38,6 @@ from neuron_compile.tiles import (
     needs_transpose,
 )
 
-ITEMSIZE = {"float32": 4, "bfloat16": 2}
 # Keys per block: S and dP of a block are one matmul each into one PSUM bank of fp32 (the moving operand's limit),
 # P and dS one ScalarE / VectorE instruction each, and dq's share sums the block's four chunks in PSUM before its one
 # add into SBUF (measured, seq 1024 D 128 bf16: blocks of 128 keys spend 21 us of VectorE on those adds).
@@ -78,7 +77,7 @@ def group_dims(node: ir.AttentionBackward) -> tuple[int, ...]:
 
 def plan_attention_backward(node: ir.AttentionBackward, target) -> AttentionBackwardPlan:
     *batch, queries, keys = node.domain
-    itemsize = ITEMSIZE[node.q.dtype]
+    itemsize = ir.ITEMSIZE[node.q.dtype]
     grouped = group_dims(node)
     reason = attention_backward_reason(node.depth, node.value_dim, queries, keys, itemsize, bool(grouped), target)
     if reason:
@@ -109,7 +108,7 @@ def group_bytes(node: ir.AttentionBackward, heads: int, itemsize: int) -> int:
     log-sum-exp and dq; the key side (k, k^T, v^T) of every key block."""
     *_, queries, keys = node.domain
     depth, value_dim = node.depth, node.value_dim
-    per_tile = heads * ((depth + 2 * value_dim) * itemsize + 4 + depth * ITEMSIZE[node.grad_query.buffer.dtype])
+    per_tile = heads * ((depth + 2 * value_dim) * itemsize + 4 + depth * ir.ITEMSIZE[node.grad_query.buffer.dtype])
     key_side = math.ceil(keys / 128) * depth * itemsize + 2 * keys * itemsize
     return math.ceil(queries / 128) * per_tile + key_side
 

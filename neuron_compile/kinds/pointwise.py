@@ -21,7 +21,6 @@ from neuron_compile.codegen.engine_balance import EngineBalance
 from neuron_compile.codegen.expressions import BroadcastLoad, RepeatedColumnsLoad, TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template, store_lines
 from neuron_compile.codegen.strided_rows import (
-    ITEMSIZE,
     SpanLoads,
     emit_span_load,
     interleaved_store_lines,
@@ -71,7 +70,7 @@ def plan_pointwise(node: ir.Pointwise, target, tiles: int | None = None) -> Tile
         tiles *= PIPELINED_TILES
         free = dataclasses.replace(free, tile=free_tile(free.size, tiles, target))
     outer, free_dims = widen_free(dims[:-2], free, tiles, target)
-    row_bytes = free.size * max(ITEMSIZE.get(store.buffer.dtype, 4) for store in node.stores) if node.stores else 0
+    row_bytes = free.size * max(ir.ITEMSIZE.get(store.buffer.dtype, 4) for store in node.stores) if node.stores else 0
     if not outer and len(free_dims) == 1 and row_bytes < SHORT_ROW_BYTES:
         partition, free_dims = rows_per_partition(partition, free, tiles, target)
     return TilePlan("pointwise", tuple(outer), partition, free_dims, tiles)

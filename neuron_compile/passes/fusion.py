@@ -38,7 +38,6 @@ import itertools
 import networkx as nx
 
 from neuron_compile import ir, kinds
-from neuron_compile.codegen.strided_rows import ITEMSIZE
 from neuron_compile.passes.tiling import TilingError, plan_kernel
 
 
@@ -134,7 +133,7 @@ def _narrows_a_pointwise_result(store: ir.Store, pointwise_outputs: set[str]) ->
     the readers load the narrow value, as eager does."""
     loads = ir.loads_of(store.expr)
     return bool(loads) and all(
-        load.buffer in pointwise_outputs and ITEMSIZE.get(load.dtype, 4) > ITEMSIZE.get(store.buffer.dtype, 4)
+        load.buffer in pointwise_outputs and ir.ITEMSIZE.get(load.dtype, 4) > ir.ITEMSIZE.get(store.buffer.dtype, 4)
         for load in loads)
 
 
