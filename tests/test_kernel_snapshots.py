@@ -106,9 +106,9 @@ def reduction_kernel_0(arg0_1, arg1_1):
         nisa.tensor_scalar(dst=acc_1[0:rows, 0:1], data=acc_1[0:rows, 0:1], op0=nl.multiply, operand0=0.015625)
         nisa.tensor_scalar(dst=add_4[0:rows, 0:1], data=acc_1[0:rows, 0:1], op0=nl.add, operand0=1e-06)
         nisa.tensor_scalar(dst=rsqrt_alu_5[0:rows, 0:1], data=add_4[0:rows, 0:1], op0=nl.rsqrt, operand0=0.0, engine=nisa.engine.gpsimd)
-        nisa.tensor_scalar(dst=mul_6[0:rows, 0:cols], data=arg0_1_tile_2[0:rows, 0:cols], op0=nl.multiply, operand0=rsqrt_alu_5[0:rows, 0:1], engine=nisa.engine.scalar)
+        nisa.tensor_scalar(dst=mul_6[0:rows, 0:cols], data=arg0_1_tile_2[0:rows, 0:cols], op0=nl.multiply, operand0=rsqrt_alu_5[0:rows, 0:1])
         nisa.dma_copy(dst=arg1_1_tile_7[0:rows, 0:cols], src=arg1_1.ap([[0, rows], [1, cols]], offset=0))
-        nisa.tensor_tensor(dst=mul_8[0:rows, 0:cols], data1=mul_6[0:rows, 0:cols], data2=arg1_1_tile_7[0:rows, 0:cols], op=nl.multiply)
+        nisa.tensor_tensor(dst=mul_8[0:rows, 0:cols], data1=mul_6[0:rows, 0:cols], data2=arg1_1_tile_7[0:rows, 0:cols], op=nl.multiply, engine=nisa.engine.gpsimd)
         nisa.dma_copy(dst=pointwise_11.ap([[64, rows], [1, cols]], offset=p0 * 64), src=mul_8[0:rows, 0:cols])
     return pointwise_11
 """)

@@ -15,8 +15,9 @@ instructions on VectorE, then both 8-cycle reciprocals had to share the rest une
 Relative costs of one tile, as the cost model charges them (runtime/simulator/cost.py): VectorE 1 per pass over
 the elements (0.5 on bf16 tiles, its trn2 performance mode), GpSimd and ScalarE 0.8 (a faster clock, no bf16
 mode); a tensor_tensor makes two passes unless it adds, subtracts or multiplies bf16 tiles; the ALU's reciprocal
-8 and rsqrt 4. Instructions that touch PSUM (GpSimd cannot reach it) or (P, 1) row vectors stay on VectorE;
-ScalarE takes casts and tensor_scalar multiplies and / or adds only.
+8 and rsqrt 4. Instructions that touch PSUM (GpSimd cannot reach it) or (P, 1) row vectors stay on VectorE (work
+on row vectors alone, one element per partition, weighs nothing); ScalarE takes casts and tensor_scalar multiplies
+and / or adds only.
 """
 
 from __future__ import annotations
@@ -95,11 +96,13 @@ class EngineBalance:
         ``passes``: 2 for a tensor_tensor the engines stream at half rate."""
         tiles = [ref for ref in operands if ref.tile is not None]
         on_psum = any(ref.tile in scope.allocator.psum_tiles for ref in tiles)
+        full_tile = any(not ref.vector for ref in tiles)  # (P, 1) vector-only work stays on VectorE
+        if not full_tile:  # one element per partition: no pass over the tile to weigh against the others
+            return ENGINE_ARGUMENTS[self.choose({"vector": 0.0})]
         costs = {"vector": passes * (0.5 if tiles and all(ref.dtype == "bfloat16" for ref in tiles) else 1.0)}
         if not on_psum and not any(ref.vector for ref in tiles):
             costs["gpsimd"] = passes * GPSIMD_COST
-        full_tile = any(not ref.vector for ref in tiles)  # (P, 1) vector-only work stays on VectorE
-        if (stages in SCALAR_STAGES or stages == COPY) and full_tile and all(
+        if (stages in SCALAR_STAGES or stages == COPY) and all(
                 ref.dtype in FLOAT_TILE_DTYPES for ref in tiles):
             costs["scalar"] = passes * SCALAR_COST
         return ENGINE_ARGUMENTS[self.choose(costs)]

@@ -370,7 +370,10 @@ def _emit_rounded_op(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref |
     if not tiles or all(arg.vector for arg in tiles):
         return None  # numbers only, or (P, 1) row vectors (tensor_scalar operands stay fp32): the plain path
     out = Ref(tile=scope.tile(expr.dtype, stem=f"{inner.op}_{expr.dtype}"), dtype=expr.dtype)
-    lines.append(PLAIN_FORMS[entry.form](entry, args, scope.ref_text(out), scope, expr.dtype))
+    if _subtracts_constant(inner.op, args):
+        lines += _subtraction(args, scope.ref_text(out), scope)
+    else:
+        lines.append(PLAIN_FORMS[entry.form](entry, args, scope.ref_text(out), scope, expr.dtype))
     return out
 
 
@@ -513,7 +516,9 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
         return _emit_cast(expr.dtype, args[0], vector, scope, lines)
     out = Ref(tile=scope.tile(vector=vector, stem=expr.op), vector=vector)
     dst = scope.ref_text(out)
-    if entry.form == "sequence":
+    if _subtracts_constant(expr.op, args):
+        lines += _subtraction(args, dst, scope)
+    elif entry.form == "sequence":
         emitted = len(lines)
         SEQUENCES[expr.op](args, dst, vector, scope, lines)
         charged = vector or expr.op in SELF_BALANCED  # (P, 1) row vectors: one element per partition
@@ -551,6 +556,34 @@ def _binary(entry: op_table.OpSpec, args, dst: str, scope: TileScope, dst_dtype:
     engine = scope.balance.pick(list(args), scope, passes=1 if one_pass else 2)
     return (f"nisa.tensor_tensor(dst={dst}, data1={scope.ref_text(a)}, data2={scope.ref_text(b)}, "
             f"op={entry.nl_op}{engine})")
+
+
+def _subtracts_constant(op: str, args: list[Ref]) -> bool:
+    """Whether the op is ``tile - c`` with ``c`` a number or a (P, 1) row vector (a norm's ``x - mean``)."""
+    return op == "sub" and args[0].tile is not None and not args[0].vector and _is_constant(args[1], args[0])
+
+
+def _subtraction(args: list[Ref], dst: str, scope: TileScope) -> list[str]:
+    """The lines of ``dst = x - c`` (``_subtracts_constant``): a subtract stage on VectorE or GpSimd, or, on
+    ScalarE, whose tensor_scalar has no subtract stage on trn2, an add of ``-c``: the same IEEE value (x - c is
+    x + (-c), signed zeros, inf and nan included). A row vector is negated once per scope for that (a (P, 1)
+    instruction, where the subtract is a pass over the whole tile)."""
+    data, constant = args
+    engine = scope.balance.pick(list(args), scope, ("nl.add",))
+    if engine != SCALAR:
+        return [_tensor_scalar(dst, scope.ref_text(data), (("nl.subtract", None),), scope.operand_text(constant),
+                               engine)]
+    if constant.value is not None:
+        return [_tensor_scalar(dst, scope.ref_text(data), (("nl.add", -constant.value),), engine=engine)]
+    lines: list[str] = []
+    key = ("negated row vector", constant.tile)
+    if key not in scope.memo:
+        scope.memo[key] = Ref(tile=scope.tile(vector=True, stem="negated"), vector=True)
+        lines.append(_tensor_scalar(scope.ref_text(scope.memo[key]), scope.ref_text(constant),
+                                    (("nl.multiply", -1.0),)))
+    lines.append(_tensor_scalar(dst, scope.ref_text(data), (("nl.add", None),), scope.ref_text(scope.memo[key]),
+                                engine))
+    return lines
 
 
 def _operators(stages) -> tuple[str, ...]:

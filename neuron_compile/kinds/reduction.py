@@ -37,6 +37,7 @@ from neuron_compile.codegen.kernel_text import (
     row_scopes,
     store_lines,
 )
+from neuron_compile.codegen.engine_balance import EngineBalance
 from neuron_compile.codegen.grouped_rows import row_values
 from neuron_compile.codegen.row_broadcast import RowBroadcast
 from neuron_compile.dims import LoopDim, reduced_dims_in_memory_order
@@ -138,9 +139,13 @@ def _reduce_pass(node, prologue: TileScope, reduce_op: str, accumulator: str, pa
         squares = prologue.tile(key=("squared deviations",), stem="squares") + prologue.slice_text
         lines.append(f"nisa.activation(dst={squares}, op=nl.square, data={prologue.ref_text(value)}, "
                      f"bias={negated_mean}, reduce_op=nl.add, reduce_res={target}[0:rows, 0:1])")
+        prologue.balance.note("scalar")
         return lines + _combine_partials(reduce_op, accumulator, partial, chunked)
     lines.append(f"nisa.tensor_reduce(dst={target}[0:rows, 0:1], op={reduce_op}, data={prologue.ref_text(value)}, "
                  "axis=1, keepdims=True)")
+    # the cost model's tensor_reduce: half a pass over a bf16 tile for add and max
+    halved = value.dtype == "bfloat16" and reduce_op in ("nl.add", "nl.maximum")
+    prologue.balance.note("vector", 0.5 if halved else 1.0)
     return lines + _combine_partials(reduce_op, accumulator, partial, chunked)
 
 
@@ -196,19 +201,42 @@ def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: 
     store_lines(node.stores, epilogue, patterns, results, False, passes[-1][1])
     if node.row_stores:
         # The row is still in SBUF: the fused consumers read it, with the reduced value as a (P, 1) operand.
-        # values constant along the row load as (P, 1) columns, as in the prologue
-        row = TileScope(allocator, row_free, prologue.slice_text, prologue.load_pattern,
-                        Ref(tile=accumulator, vector=True), vector_pattern=prologue.vector_pattern)
-        row.tiles, row.memo, row.shared_row = prologue.tiles, dict(prologue.memo), shared.tile_for
+        row = _row_scope(allocator, prologue, accumulator, shared)
         if plan.grouped_rows:
             row.balance = prologue.balance  # VectorE has the tensor_reduce, ScalarE the prologue's activations
             exprs = [store.expr for store in node.row_stores]
             row_values(exprs, node.reduce_dims, row, epilogue, per_partition, passes[-1][1])
+        else:
+            row.balance = _planned_row_balance(node, prologue, accumulator, shared, patterns, free)
         store_lines(node.row_stores, row, patterns, free, False, passes[-1][1])
     chunk_allocations, allocations = allocator.split_by_width(row_free) if chunked else ([], allocator.lines)
     context = kernel_context(node, plan, name, parameters, allocations=allocations, passes=passes, chunked=chunked,
                              chunk_allocations=chunk_allocations, once=shared.lines)
     return render_template("reduction.py.j2", **context)
+
+
+def _row_scope(allocator: TileAllocator, prologue: TileScope, accumulator: str, shared: RowBroadcast) -> TileScope:
+    """The scope of a row epilogue over the row the prologue loaded: its tiles and values are reused, values
+    constant along the row load as (P, 1) columns (as in the prologue), ``Result()`` is the reduced column."""
+    row = TileScope(allocator, prologue.free, prologue.slice_text, prologue.load_pattern,
+                    Ref(tile=accumulator, vector=True), vector_pattern=prologue.vector_pattern)
+    row.tiles, row.memo, row.shared_row = prologue.tiles, dict(prologue.memo), shared.tile_for
+    return row
+
+
+def _planned_row_balance(node: ir.Reduction, prologue: TileScope, accumulator: str, shared: RowBroadcast,
+                         patterns: Patterns, free) -> EngineBalance:
+    """The engines of a row epilogue's instructions, planned longest first on top of the prologue's work (VectorE
+    holds the tensor_reduce): a trial emission into scratch tiles records every choice (as the pointwise body's
+    ``balanced_body``); the real emission replays the plan. Deciding as they come put a norm's ``x - mean`` and
+    its first product on VectorE, before the two tensor_tensors of a modulation that only VectorE and GpSimd run."""
+    scratch = TileAllocator(prologue.allocator.partitions, reserved=prologue.allocator.reserved)
+    trial = _row_scope(scratch, prologue, accumulator, shared)
+    trial.tiles = dict(prologue.tiles)
+    trial.balance = EngineBalance()
+    trial.balance.load, trial.balance.fixed = dict(prologue.balance.fixed), dict(prologue.balance.fixed)
+    store_lines(node.row_stores, trial, patterns, free, False, [])
+    return trial.balance.planned()
 
 
 def render_column_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
