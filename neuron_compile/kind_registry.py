@@ -95,7 +95,8 @@ class KernelKind:
         be computed inside ``second`` (horizontal fusion: one pass over their shared input)."""
         return f"{self.name} kernels take no sibling"
 
-    def merge_sibling(self, first, second):
+    def merge_sibling(self, first, second, outside: set[str]):
+        """The one node computing both; ``outside``: ``first``'s outputs that something else reads."""
         raise NotImplementedError(f"{self.name} takes no sibling")
 
     def prune(self, node, needed: set[str]):

@@ -558,6 +558,9 @@ def _binary(entry: op_table.OpSpec, args, dst: str, scope: TileScope, dst_dtype:
             f"op={entry.nl_op}{engine})")
 
 
+_NEGATION_KEY = "negated row vector"  # memo keys (this, a row vector's tile): the tile holding its negation
+
+
 def _subtracts_constant(op: str, args: list[Ref]) -> bool:
     """Whether the op is ``tile - c`` with ``c`` a number or a (P, 1) row vector (a norm's ``x - mean``)."""
     return op == "sub" and args[0].tile is not None and not args[0].vector and _is_constant(args[1], args[0])
@@ -576,7 +579,7 @@ def _subtraction(args: list[Ref], dst: str, scope: TileScope) -> list[str]:
     if constant.value is not None:
         return [_tensor_scalar(dst, scope.ref_text(data), (("nl.add", -constant.value),), engine=engine)]
     lines: list[str] = []
-    key = ("negated row vector", constant.tile)
+    key = (_NEGATION_KEY, constant.tile)
     if key not in scope.memo:
         scope.memo[key] = Ref(tile=scope.tile(vector=True, stem="negated"), vector=True)
         lines.append(_tensor_scalar(scope.ref_text(scope.memo[key]), scope.ref_text(constant),
@@ -584,6 +587,12 @@ def _subtraction(args: list[Ref], dst: str, scope: TileScope) -> list[str]:
     lines.append(_tensor_scalar(dst, scope.ref_text(data), (("nl.add", None),), scope.ref_text(scope.memo[key]),
                                 engine))
     return lines
+
+
+def remember_negation(scope: TileScope, value: Ref, negated: Ref) -> None:
+    """Note that the (P, 1) tile ``negated`` holds ``-value`` (a variance's negated mean), for ``_subtraction``
+    to add instead of negating ``value`` again; scopes copying ``scope``'s memo later know it too."""
+    scope.memo[_NEGATION_KEY, value.tile] = negated
 
 
 def _operators(stages) -> tuple[str, ...]:

@@ -181,13 +181,14 @@ def row_scopes(node, plan: TilePlan, allocator: TileAllocator, patterns: Pattern
 
 
 def epilogue_scope(allocator: TileAllocator, patterns: Patterns, result: Ref,
-                   results: list[tuple[LoopDim, str]] | None = None) -> TileScope:
+                   results: list[tuple[LoopDim, str]] | None = None, more_results: tuple[Ref, ...] = ()) -> TileScope:
     """The scope over a row kernel's results: [rows, 1], one per partition, or [rows, k] when each partition
-    holds k rows (``results``: the free dims of the results tile, with their extents)."""
+    holds k rows (``results``: the free dims of the results tile, with their extents); ``more_results``: the
+    Refs of ``Result(1)``, ..."""
     results = results or [(LoopDim(1, None), "1")]
     width = math.prod(int(count) for _, count in results)
 
     def pattern(load: ir.Load, tile: str):
         return f"{tile}[0:rows, 0:{width}]", patterns.hbm(load.buffer, load.layout, results, False)
 
-    return TileScope(allocator, width, f"[0:rows, 0:{width}]", pattern, result)
+    return TileScope(allocator, width, f"[0:rows, 0:{width}]", pattern, result, more_results=more_results)

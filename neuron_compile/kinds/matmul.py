@@ -360,7 +360,7 @@ class MatMulKind(MatchingIndexEpilogue):
     def sibling_reason(self, first, second, outside):
         return sibling_reason(self, first, second, outside)
 
-    def merge_sibling(self, first, second):
+    def merge_sibling(self, first, second, outside):
         return merge_sibling(first, second)
 
     def plan(self, node, target):

@@ -26,6 +26,7 @@ from neuron_compile.codegen.expressions import (
     emit_row_summed,
     fp32_tile,
     number,
+    remember_negation,
     unwidened,
 )
 from neuron_compile.codegen.kernel_text import (
@@ -42,6 +43,7 @@ from neuron_compile.codegen.grouped_rows import row_values
 from neuron_compile.codegen.row_broadcast import RowBroadcast
 from neuron_compile.dims import LoopDim, reduced_dims_in_memory_order
 from neuron_compile.kind_registry import loads, register_kind
+from neuron_compile.kinds import reduction_siblings
 from neuron_compile.kinds.fusion_rules import ProloguedKind, matching_index_reason, stored_exprs
 from neuron_compile.kinds.rows import count_row_tiles, partition_dim, row_budget, row_dims, row_layouts
 from neuron_compile.tiles import TilePlan, largest_divisor_at_most, rows_per_partition
@@ -176,18 +178,12 @@ def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: 
     partial = allocator.new("partial", 1) if chunked else accumulator
     acc = f"{accumulator}[0:rows, 0:{per_partition}]"
     passes = [(_reduce_pass(node, prologue, REDUCE_OPS[node.op], accumulator, partial, chunked, per_partition), [])]
+    more_results: tuple[Ref, ...] = ()
     if node.op == "mean":
-        passes[0][1].append(f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, operand0={1.0 / count!r})")
+        passes[0][1].append(_mean_line(acc, acc, count))
     elif node.op == "var":
-        # Two passes, as the numerically stable definition: mean first, then the mean of squared deviations.
-        scale = 1.0 / (count - node.correction) if count > node.correction else float("nan")
-        negated_mean = allocator.new("negated_mean", 1)
-        passes[0][1].append(f"nisa.tensor_scalar(dst={negated_mean}[0:rows, 0:1], data={acc}, op0=nl.multiply, "
-                            f"operand0={-1.0 / count!r})")
-        second = _reduce_pass(node, prologue, "nl.add", accumulator, partial, chunked,
-                              negated_mean=f"{negated_mean}[0:rows, 0:1]")
-        passes.append((second, [f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, "
-                                f"operand0={number(scale)})"]))
+        second, more_results = _variance_pass(node, prologue, accumulator, partial, chunked, passes[0][1])
+        passes.append(second)
     if plan.cross_partition:
         # Every partition holds a partial of the one result: transpose them into a row and reduce that.
         spread = allocator.new_psum("partials_row", plan.partition.tile)
@@ -197,17 +193,17 @@ def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: 
             "axis=1, keepdims=True)",
             "rows = 1",
         ])
-    epilogue = epilogue_scope(allocator, patterns, Ref(tile=accumulator), results)
+    epilogue = epilogue_scope(allocator, patterns, Ref(tile=accumulator), results, more_results)
     store_lines(node.stores, epilogue, patterns, results, False, passes[-1][1])
     if node.row_stores:
         # The row is still in SBUF: the fused consumers read it, with the reduced value as a (P, 1) operand.
-        row = _row_scope(allocator, prologue, accumulator, shared)
+        row = _row_scope(allocator, prologue, accumulator, shared, more_results)
         if plan.grouped_rows:
             row.balance = prologue.balance  # VectorE has the tensor_reduce, ScalarE the prologue's activations
             exprs = [store.expr for store in node.row_stores]
             row_values(exprs, node.reduce_dims, row, epilogue, per_partition, passes[-1][1])
         else:
-            row.balance = _planned_row_balance(node, prologue, accumulator, shared, patterns, free)
+            row.balance = _planned_row_balance(node, prologue, accumulator, shared, patterns, free, more_results)
         store_lines(node.row_stores, row, patterns, free, False, passes[-1][1])
     chunk_allocations, allocations = allocator.split_by_width(row_free) if chunked else ([], allocator.lines)
     context = kernel_context(node, plan, name, parameters, allocations=allocations, passes=passes, chunked=chunked,
@@ -215,23 +211,55 @@ def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: 
     return render_template("reduction.py.j2", **context)
 
 
-def _row_scope(allocator: TileAllocator, prologue: TileScope, accumulator: str, shared: RowBroadcast) -> TileScope:
+def _mean_line(dst: str, sums: str, count: int) -> str:
+    return f"nisa.tensor_scalar(dst={dst}, data={sums}, op0=nl.multiply, operand0={1.0 / count!r})"
+
+
+def _variance_pass(node: ir.Reduction, prologue: TileScope, accumulator: str, partial: str, chunked: bool,
+                   after_sums: list[str]) -> tuple[tuple[list[str], list[str]], tuple[Ref, ...]]:
+    """A variance's second pass (the sum of squared deviations from the mean, scaled), with the lines after the
+    first pass's sums appended to ``after_sums``; and the results beyond the variance: the mean, as the mean
+    kernel computes it, when a paired mean's stores read it (``Result(1)``, kinds/reduction_siblings.py)."""
+    allocator, acc = prologue.allocator, f"{accumulator}[0:rows, 0:1]"
+    count = math.prod(node.domain[d] for d in node.reduce_dims)
+    scale = 1.0 / (count - node.correction) if count > node.correction else float("nan")
+    negated_mean = allocator.new("negated_mean", 1)
+    # Two passes, as the numerically stable definition: mean first, then the mean of squared deviations.
+    after_sums.append(f"nisa.tensor_scalar(dst={negated_mean}[0:rows, 0:1], data={acc}, op0=nl.multiply, "
+                      f"operand0={-1.0 / count!r})")
+    more_results: tuple[Ref, ...] = ()
+    if reduction_siblings.reads_mean(node):
+        mean = Ref(tile=allocator.new("mean", 1), vector=True)
+        after_sums.append(_mean_line(f"{mean.tile}[0:rows, 0:1]", acc, count))
+        # -(sums * (1 / count)) is sums * (-1 / count) bit for bit: x - mean adds the negated mean already there
+        remember_negation(prologue, mean, Ref(tile=negated_mean, vector=True))
+        more_results = (mean,)
+    second = _reduce_pass(node, prologue, "nl.add", accumulator, partial, chunked,
+                          negated_mean=f"{negated_mean}[0:rows, 0:1]")
+    return (second, [f"nisa.tensor_scalar(dst={acc}, data={acc}, op0=nl.multiply, operand0={number(scale)})"]), \
+        more_results
+
+
+def _row_scope(allocator: TileAllocator, prologue: TileScope, accumulator: str, shared: RowBroadcast,
+               more_results: tuple[Ref, ...] = ()) -> TileScope:
     """The scope of a row epilogue over the row the prologue loaded: its tiles and values are reused, values
-    constant along the row load as (P, 1) columns (as in the prologue), ``Result()`` is the reduced column."""
+    constant along the row load as (P, 1) columns (as in the prologue), ``Result()`` is the reduced column
+    (``Result(1)`` a paired variance's mean)."""
     row = TileScope(allocator, prologue.free, prologue.slice_text, prologue.load_pattern,
-                    Ref(tile=accumulator, vector=True), vector_pattern=prologue.vector_pattern)
+                    Ref(tile=accumulator, vector=True), vector_pattern=prologue.vector_pattern,
+                    more_results=more_results)
     row.tiles, row.memo, row.shared_row = prologue.tiles, dict(prologue.memo), shared.tile_for
     return row
 
 
 def _planned_row_balance(node: ir.Reduction, prologue: TileScope, accumulator: str, shared: RowBroadcast,
-                         patterns: Patterns, free) -> EngineBalance:
+                         patterns: Patterns, free, more_results: tuple[Ref, ...]) -> EngineBalance:
     """The engines of a row epilogue's instructions, planned longest first on top of the prologue's work (VectorE
     holds the tensor_reduce): a trial emission into scratch tiles records every choice (as the pointwise body's
     ``balanced_body``); the real emission replays the plan. Deciding as they come put a norm's ``x - mean`` and
     its first product on VectorE, before the two tensor_tensors of a modulation that only VectorE and GpSimd run."""
     scratch = TileAllocator(prologue.allocator.partitions, reserved=prologue.allocator.reserved)
-    trial = _row_scope(scratch, prologue, accumulator, shared)
+    trial = _row_scope(scratch, prologue, accumulator, shared, more_results)
     trial.tiles = dict(prologue.tiles)
     trial.balance = EngineBalance()
     trial.balance.load, trial.balance.fixed = dict(prologue.balance.fixed), dict(prologue.balance.fixed)
@@ -333,7 +361,10 @@ class ReductionKind(ProloguedKind):
         """A sum, mean or variance of non-negative values is non-negative (fp32 rounding keeps that); a max or
         min is one of the prologue's values."""
         floor = floor_of(node.prologue)
-        if node.op == "var" or (node.op in ("sum", "mean") and floor is not None and floor >= 0):
+        non_negative = floor is not None and floor >= 0
+        if node.op == "var":  # Result(1): the mean of a paired variance (kinds/reduction_siblings.py)
+            return (0.0, 0.0 if non_negative else None)
+        if node.op in ("sum", "mean") and non_negative:
             return (0.0,)
         return (floor,) if node.op in ("max", "min") else (None,)
 
@@ -383,6 +414,12 @@ class ReductionKind(ProloguedKind):
         inlined = tuple(ir.Store(store.buffer, ir.map_leaves(store.expr, inline), store.layout)
                         for store in consumer.stores)
         return dataclasses.replace(group, row_stores=group.row_stores + inlined)
+
+    def sibling_reason(self, first, second, outside):
+        return reduction_siblings.sibling_reason(first, second, outside)
+
+    def merge_sibling(self, first, second, outside):
+        return reduction_siblings.merge_sibling(first, second, outside)
 
     def prune(self, node, needed):
         return dataclasses.replace(

@@ -20,7 +20,8 @@ live with the kernel kinds (neuron_compile/kinds/); this module is the greedy dr
 
 After grouping, ``fuse_siblings`` computes a kernel inside a later kernel of its kind when both share their main
 input and their kind pairs them: one matmul kernel with two products (a gated MLP's gate and up projections, the
-gate read by the up projection's epilogue; attention's k and v projections, both stored).
+gate read by the up projection's epilogue; attention's k and v projections, both stored); one reduction kernel
+giving a variance and the mean of the same rows (a layer norm, kinds/reduction_siblings.py).
 
 Before grouping, a cheap pointwise node (one store, one input or one reader, at most ``INLINE_MAX_OPS`` operations:
 a cast, a square, a negation, a rotary embedding's ``q * cos``) is inlined into its readers (``inline_cheap``) when
@@ -326,7 +327,7 @@ def fuse_siblings(kernels: list[ir.Node], region_outputs: set[str], decisions: l
             reason = kind.sibling_reason(first, second, outside)
             if reason is None and any(written & reads[node.name] for node in kernels[position + 1:index]):
                 reason = f"a kernel between them reads {first.name}'s outputs"
-            merged = kind.merge_sibling(first, second) if reason is None else None
+            merged = kind.merge_sibling(first, second, outside) if reason is None else None
             if merged is not None and fits is not None and not fits(merged):
                 reason = "the paired kernel would not fit the target's SBUF"
             decisions.append(f"{first.name} inside {second.name}: " + ("fused" if reason is None else reason))
