@@ -2,8 +2,9 @@
 ``_subtraction``): Wan's and Flux's layer norm + modulation, ``(x - mean) * rstd * (1 + scale) + shift``, has two
 tensor_tensors that only VectorE and GpSimd run; the subtract of the mean goes to ScalarE as an add of the negated
 mean (the same IEEE value), and the epilogue's engines are planned longest first on top of the reduction's own
-VectorE work. Against eager under hypothesis (rows 1 / 127 / 128 / 129 / 200, widths 64 / 256 / 1024, fp32 and
-bf16), on special values, and the kernel's VectorE time against the plain order."""
+VectorE work; so are those of Flux's q / k RMSNorm over rows grouped per partition. Against eager under hypothesis
+(rows 1 / 127 / 128 / 129 / 200, widths 64 / 256 / 1024, fp32 and bf16), on special values, and the engines the
+mid-size kernels take."""
 
 from __future__ import annotations
 
@@ -95,3 +96,27 @@ def test_the_wan_norm_subtracts_its_mean_on_scalar_e_and_balances_its_modulation
     assert len(subtract) == 1 and "engine=nisa.engine.scalar" in subtract[0]
     products = [line for line in lines if line.lstrip().startswith("nisa.tensor_tensor(")]
     assert sorted("engine=nisa.engine.gpsimd" in line for line in products) == [False, True]
+
+
+def flux_qk_norm(x, weight):
+    """Flux's q / k RMSNorm with an fp32 weight: rows of 128 several to a partition (codegen/grouped_rows.py)."""
+    statistic = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS)
+    return (x.float() * statistic * weight).to(x.dtype)
+
+
+@settings(max_examples=12, deadline=None)
+@given(tokens=st.sampled_from([1, 127, 128, 129, 200]), heads=st.sampled_from([5, 8]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_qk_norms_with_an_fp32_weight_match_eager(tokens, heads, dtype):
+    x = random_tensor((1, tokens, heads, 128), dtype, seed=tokens * heads)
+    x[0, 0, 0, 0] = float("nan") if tokens > 1 else x[0, 0, 0, 0]
+    check_against_eager(flux_qk_norm, x, random_tensor((128,), seed=3))
+
+
+def test_the_flux_qk_norm_puts_its_weight_product_on_gpsimd():
+    """VectorE holds the grouped rows' tensor_reduce and ScalarE the square and the per-row scaling: the weight's
+    tensor_tensor goes to the idle GpSimd."""
+    x = random_tensor((1, 1280, 8, 128), torch.bfloat16, seed=4)
+    region = check_against_eager(flux_qk_norm, x, random_tensor((128,), seed=5))
+    products = [line for line in region.kernels[0].source.splitlines() if "nisa.tensor_tensor(" in line]
+    assert len(products) == 1 and "engine=nisa.engine.gpsimd" in products[0]

@@ -13,6 +13,7 @@ over strided leading dims, the reduced rows on partitions summed on TensorE agai
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -197,14 +198,12 @@ def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: 
     store_lines(node.stores, epilogue, patterns, results, False, passes[-1][1])
     if node.row_stores:
         # The row is still in SBUF: the fused consumers read it, with the reduced value as a (P, 1) operand.
-        row = _row_scope(allocator, prologue, accumulator, shared, more_results)
-        if plan.grouped_rows:
-            row.balance = prologue.balance  # VectorE has the tensor_reduce, ScalarE the prologue's activations
-            exprs = [store.expr for store in node.row_stores]
-            row_values(exprs, node.reduce_dims, row, epilogue, per_partition, passes[-1][1])
-        else:
-            row.balance = _planned_row_balance(node, prologue, accumulator, shared, patterns, free, more_results)
-        store_lines(node.row_stores, row, patterns, free, False, passes[-1][1])
+        def row_scope(tiles: TileAllocator) -> TileScope:
+            return _row_scope(tiles, prologue, accumulator, shared, more_results)
+
+        row = row_scope(allocator)
+        row.balance = _planned_row_balance(node, plan, prologue, epilogue, row_scope, patterns, free)
+        _row_epilogue_lines(node, plan, row, epilogue, patterns, free, passes[-1][1])
     chunk_allocations, allocations = allocator.split_by_width(row_free) if chunked else ([], allocator.lines)
     context = kernel_context(node, plan, name, parameters, allocations=allocations, passes=passes, chunked=chunked,
                              chunk_allocations=chunk_allocations, once=shared.lines)
@@ -252,18 +251,32 @@ def _row_scope(allocator: TileAllocator, prologue: TileScope, accumulator: str, 
     return row
 
 
-def _planned_row_balance(node: ir.Reduction, prologue: TileScope, accumulator: str, shared: RowBroadcast,
-                         patterns: Patterns, free, more_results: tuple[Ref, ...]) -> EngineBalance:
+def _row_epilogue_lines(node: ir.Reduction, plan: TilePlan, row: TileScope, epilogue: TileScope, patterns: Patterns,
+                        free, lines: list[str]) -> None:
+    """The row stores' instructions; over grouped rows, the values constant along each row first, on the [P, k]
+    results (codegen/grouped_rows.py)."""
+    if plan.grouped_rows:
+        exprs = [store.expr for store in node.row_stores]
+        row_values(exprs, node.reduce_dims, row, epilogue, plan.free[0].size, lines)
+    store_lines(node.row_stores, row, patterns, free, False, lines)
+
+
+def _planned_row_balance(node: ir.Reduction, plan: TilePlan, prologue: TileScope, epilogue: TileScope, row_scope,
+                         patterns: Patterns, free) -> EngineBalance:
     """The engines of a row epilogue's instructions, planned longest first on top of the prologue's work (VectorE
-    holds the tensor_reduce): a trial emission into scratch tiles records every choice (as the pointwise body's
-    ``balanced_body``); the real emission replays the plan. Deciding as they come put a norm's ``x - mean`` and
-    its first product on VectorE, before the two tensor_tensors of a modulation that only VectorE and GpSimd run."""
+    holds the tensor_reduce, ScalarE a square): a trial emission into scratch tiles (``row_scope(allocator)``
+    makes its scope) records every choice, as the pointwise body's ``balanced_body`` does; the real emission
+    replays the plan. Deciding as they came put a norm's ``x - mean`` and its first product on VectorE before
+    the modulation's two tensor_tensors, which only VectorE and GpSimd run, and an RMSNorm's weight product on
+    VectorE beside its tensor_reduce while GpSimd idled."""
     scratch = TileAllocator(prologue.allocator.partitions, reserved=prologue.allocator.reserved)
-    trial = _row_scope(scratch, prologue, accumulator, shared, more_results)
+    trial, results = row_scope(scratch), copy.copy(epilogue)
     trial.tiles = dict(prologue.tiles)
+    results.allocator, results.memo, results.tiles = scratch, dict(epilogue.memo), dict(epilogue.tiles)
+    results.balance = EngineBalance()
     trial.balance = EngineBalance()
-    trial.balance.load, trial.balance.fixed = dict(prologue.balance.fixed), dict(prologue.balance.fixed)
-    store_lines(node.row_stores, trial, patterns, free, False, [])
+    trial.balance.load, trial.balance.fixed = dict(prologue.balance.load), dict(prologue.balance.load)
+    _row_epilogue_lines(node, plan, trial, results, patterns, free, [])
     return trial.balance.planned()
 
 
