@@ -1,7 +1,8 @@
 """Kernel kind ``concat``: every input copied into its slice of one output buffer (``ir.Concat``, aten.cat).
 
 One kernel writes the whole output (a buffer has one writer). Fusion: a pointwise producer whose outputs only the
-concat reads is inlined into the parts that read it over their own domain (a prologue: rotate_half's ``neg``), and
+concat reads is inlined into the parts that read it over their own domain (a prologue: rotate_half's ``neg``) or
+read one slice of it restated over the concat's (LTX's ``x * cos`` read as its even and odd elements), and
 so is a concat producer whose parts the reads match one for one (Wan's two step-2 slice_scatters); a concat takes
 such prologues from several producer groups. A pointwise consumer over the concat's domain (or over one the
 concat's splits, restated: ``ir.refine_layout``) that reads its outputs with their own index map is distributed
@@ -60,6 +61,35 @@ def over_domain(node: ir.Pointwise, domain: tuple[int, ...]) -> ir.Pointwise | N
         for store in node.stores))
 
 
+def producer_value(producer: ir.Pointwise, load: ir.Load, concat_domain: tuple[int, ...]) -> ir.Expr | None:
+    """The expression a part's ``load`` of the pointwise ``producer``'s output stands for, over the part's domain
+    (``load.layout.shape``): the producer restated over it, or, when the part reads one slice of the producer
+    restated over the concat's domain (LTX's rotary reads ``x * cos`` over [.., 1024] as the even and the odd
+    elements of [.., 512, 2], its parts' [.., 512, 1]), that slice of each of its layouts. None otherwise."""
+    domain = tuple(load.layout.shape)
+    restated = over_domain(producer, domain)
+    if restated is not None:
+        store = stored_exprs(restated.stores)[load.buffer]
+        return store.expr if ir.same_index_map(load.layout, store.layout) else None
+    wide = over_domain(producer, tuple(concat_domain))
+    cut = [dim for dim, (size, full) in enumerate(zip(domain, concat_domain)) if size != full]
+    if wide is None or len(domain) != len(concat_domain) or len(cut) != 1 or domain[cut[0]] != 1:
+        return None
+    store = stored_exprs(wide.stores)[load.buffer]
+    stride, delta = store.layout.strides[cut[0]], load.layout.offset - store.layout.offset
+    if stride <= 0 or delta % stride or not 0 <= delta // stride < concat_domain[cut[0]]:
+        return None
+    start = tuple(delta // stride if dim == cut[0] else 0 for dim in range(len(domain)))
+    if not ir.same_index_map(load.layout, slice_layout(store.layout, start, domain)):
+        return None
+
+    def leaf(node):
+        return dataclasses.replace(node, layout=slice_layout(node.layout, start, domain)) \
+            if isinstance(node, ir.Load) else node
+
+    return ir.map_leaves(store.expr, leaf)
+
+
 def epilogue_refusal(group: ir.Concat, consumer) -> str | None:
     """None if the pointwise ``consumer`` may be distributed over ``group``'s parts (see the module docstring)."""
     if len(group.starts) != len(group.parts):
@@ -106,13 +136,9 @@ def prologue_refusal(producer, consumer: ir.Concat, outside: set[str]) -> str | 
     written = stored_exprs(producer.stores)
     for part in consumer.parts:
         for load in loads(part):
-            if load.buffer not in written:
-                continue
-            restated = over_domain(producer, part.domain)
-            if restated is None:
-                return f"prologue domain {list(producer.domain)} differs from the part's {list(part.domain)}"
-            if not ir.same_index_map(load.layout, stored_exprs(restated.stores)[load.buffer].layout):
-                return f"{load.buffer} is read through a view that changes the index map"
+            if load.buffer in written and producer_value(producer, load, consumer.domain) is None:
+                return (f"{load.buffer} (over {list(producer.domain)}) is read through a view that is neither its "
+                        f"index map over the part's {list(part.domain)} nor a slice of it over the concat's")
     return None
 
 
@@ -155,14 +181,15 @@ def inline_concat_prologue(producer: ir.Concat, part: ir.Pointwise) -> ir.Pointw
         dataclasses.replace(store, expr=ir.map_leaves(store.expr, leaf)) for store in part.stores))
 
 
-def inline_prologue(producer, part: ir.Pointwise) -> ir.Pointwise:
+def inline_prologue(producer, part: ir.Pointwise, concat_domain: tuple[int, ...]) -> ir.Pointwise:
     written = {store.buffer.name for store in producer.stores}
     if not any(load.buffer in written for load in loads(part)):
         return part
-    stores = stored_exprs(over_domain(producer, part.domain).stores)
 
     def leaf(node):
-        return stores[node.buffer].expr if isinstance(node, ir.Load) and node.buffer in stores else node
+        if isinstance(node, ir.Load) and node.buffer in written:
+            return producer_value(producer, node, concat_domain)
+        return node
 
     return dataclasses.replace(part, stores=tuple(
         dataclasses.replace(store, expr=ir.map_leaves(store.expr, leaf)) for store in part.stores))
@@ -263,8 +290,11 @@ class ConcatKind(KernelKind):
         return prologue_refusal(producer, consumer, outside)
 
     def merge_prologue(self, producer, consumer):
-        inline = inline_concat_prologue if isinstance(producer, ir.Concat) else inline_prologue
-        return dataclasses.replace(consumer, parts=tuple(inline(producer, part) for part in consumer.parts))
+        if isinstance(producer, ir.Concat):
+            return dataclasses.replace(consumer, parts=tuple(inline_concat_prologue(producer, part)
+                                                             for part in consumer.parts))
+        return dataclasses.replace(consumer, parts=tuple(inline_prologue(producer, part, consumer.domain)
+                                                         for part in consumer.parts))
 
     def exprs(self, node):
         return [store.expr for part in node.parts for store in part.stores]

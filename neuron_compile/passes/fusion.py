@@ -11,7 +11,8 @@ that reads the reduced value broadcast back becomes a row epilogue (rms norm: th
 reduction, softmax or scan absorbs a pointwise producer group as its prologue when nothing else needs that
 group's outputs (a scan's pointwise consumers over its domain become its epilogue, as a softmax's do); a node
 joins one producer group, and a kind that takes several prologues (a concat) then absorbs its other producer groups
-too (``absorb_other_producers``). No
+too (``absorb_other_producers``), or, from one it cannot take whole, the pointwise members only it reads
+(``detach_epilogues``). No
 fusion may create a cycle in the group DAG, nor (given a target) a kernel that no longer tiles within its SBUF, and
 a random draw (dropout's mask) stays in pointwise kernels, which
 evaluate it once per element: a reduction recomputing its prologue would draw a second, different mask.
@@ -228,6 +229,7 @@ def absorb_other_producers(state: FusionState, joined: int, others: list[int], f
         state.decisions.append(f"{producer.name} into {group.name} (a second producer): "
                                + ("fused" if reason is None else reason))
         if reason is not None:
+            detach_epilogues(state, joined, other, fits)
             left.append(other)
             continue
         state.groups[joined] = merge(producer, group)
@@ -239,6 +241,48 @@ def absorb_other_producers(state: FusionState, joined: int, others: list[int], f
         state.dag.remove_node(other)
         del state.groups[other]
     return left
+
+
+def detach_epilogues(state: FusionState, joined: int, other: int, fits) -> None:
+    """Pointwise members of producer group ``other`` (which ``joined``, a kind taking several prologues, cannot take
+    whole) that only ``joined`` reads, and that read nothing of ``other`` but buffers stored for readers outside it,
+    leave ``other`` and become prologues of ``joined``: they are recomputed from those buffers instead of stored and
+    read back. LTX's rotary: ``x * cos`` had joined the q norm as a row epilogue, whose fp32 product made an HBM
+    round trip of 4 bytes an element into the rotary's concat, which reads the normed ``x`` anyway."""
+    for member in [node for node in state.members[other] if _detachable(state, node, other, joined)]:
+        group = state.groups[joined]
+        reason = can_fuse(member, group, set())
+        if reason is None and fits is not None:
+            inside = {node.name for node in state.members[joined]} | {member.name}
+            reason = _misfit_reason(member, group, inside, state.readers, state.region_outputs, fits)
+        state.decisions.append(f"{member.name} out of {state.groups[other].name} into {group.name}: "
+                               + ("fused" if reason is None else reason))
+        if reason is not None:
+            continue
+        written = _writers(member)
+        state.groups[joined] = merge(member, group)
+        state.groups[other] = kinds.kind_of(state.groups[other]).prune(
+            state.groups[other], _writers(state.groups[other]) - written)
+        state.members[other].remove(member)
+        state.members[joined].append(member)
+        for buffer in written:
+            state.group_of[buffer] = joined
+
+
+def _detachable(state: FusionState, member: ir.Node, other: int, joined: int) -> bool:
+    """Whether ``member`` of group ``other`` is a pointwise node whose outputs only group ``joined`` reads and whose
+    reads of ``other`` are of buffers stored for other readers anyway (``detach_epilogues``)."""
+    written = _writers(member)
+    joined_names = {node.name for node in state.members[joined]}
+    if not kinds.kind_of(member).elementwise or not written & _reads(state.groups[joined]):
+        return False
+    if written & state.region_outputs or any(state.readers.get(name, set()) - joined_names for name in written):
+        return False
+    staying = {node.name for node in state.members[other]} - {member.name}
+    stored_anyway = {name for node in state.members[other] if node is not member for name in _writers(node)
+                     if name in state.region_outputs or state.readers.get(name, set()) - staying - {member.name}}
+    produced_here = _writers(state.groups[other]) - written
+    return all(name in stored_anyway for name in _reads(member) & produced_here)
 
 
 def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, target=None) -> FusionResult:
