@@ -249,7 +249,9 @@ def detach_epilogues(state: FusionState, joined: int, other: int, fits) -> None:
     leave ``other`` and become prologues of ``joined``: they are recomputed from those buffers instead of stored and
     read back. LTX's rotary: ``x * cos`` had joined the q norm as a row epilogue, whose fp32 product made an HBM
     round trip of 4 bytes an element into the rotary's concat, which reads the normed ``x`` anyway."""
-    for member in [node for node in state.members[other] if _detachable(state, node, other, joined)]:
+    for member in list(state.members[other]):
+        if not _detachable(state, member, other, joined):  # asked again: an earlier detach changes the groups
+            continue
         group = state.groups[joined]
         reason = can_fuse(member, group, set())
         if reason is None and fits is not None:
