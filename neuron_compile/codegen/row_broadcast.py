@@ -21,7 +21,6 @@ from neuron_compile.tiles import TilePlan
 
 PSUM_BANK_COLUMNS = 512  # fp32 columns of one PSUM bank: one matmul's moving free size
 SPREADABLE_DTYPES = ("bfloat16", "float16", "float32")  # TensorE inputs that 1.0 x value reproduces exactly
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Below this the broadcast DMA is cheaper than the spread's chain (a DMA, a matmul, a PSUM copy before the first
 # use): a decode step's single row, a narrow weight over a few rows.
 MIN_REPEATED_BYTES = 256 * 1024
@@ -49,7 +48,7 @@ class RowBroadcast:
         """What the broadcast DMAs would move: the row once per partition of every row block."""
         blocks = math.prod(dim.size for dim in self.plan.outer) * math.ceil(
             self.plan.partition.size / self.plan.partition.tile)
-        row = math.prod(dim.size for dim in self.plan.free) * DTYPE_BYTES[load.dtype]
+        row = math.prod(dim.size for dim in self.plan.free) * ir.ITEMSIZE[load.dtype]
         return blocks * self.plan.partition.tile * row
 
     def tile_for(self, load: ir.Load) -> str | None:
