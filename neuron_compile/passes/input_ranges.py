@@ -56,12 +56,21 @@ def guard_bound(value) -> Interval | None:
 
     Fake and meta tensors (no values), sparse ones (no cheap minimum and maximum) and empty tensors (no values to
     bound) give None."""
-    if not _checkable(value, GUARDED_DTYPES):
-        return None
-    low, high = torch.aminmax(value.detach())
+    return integer_values_bound(value) if _checkable(value, GUARDED_DTYPES) else None
+
+
+def integer_values_bound(tensor: torch.Tensor) -> Interval | None:
+    """``guard_bound`` of a tensor known to be one it checks (``guard_reads_values``): one ``aminmax``."""
+    low, high = torch.aminmax(tensor.detach())
     if -GUARD_BOUND <= int(low) and int(high) <= GUARD_BOUND:
         return GUARDED_INTERVAL
     return None
+
+
+def guard_reads_values(value, float_guard: bool = False) -> bool:
+    """Whether ``guard_bound`` (``guard_float_bound`` with ``float_guard``) reads ``value``'s values: a tensor's
+    type, dtype, layout, device and size decide it, so a caller that knows them unchanged knows the answer."""
+    return _checkable(value, GUARDED_FLOAT_DTYPES if float_guard else GUARDED_DTYPES)
 
 
 def _checkable(value, dtypes) -> bool:
@@ -76,9 +85,12 @@ def _checkable(value, dtypes) -> bool:
 def guard_float_bound(value) -> Interval | None:
     """``Interval(-2**k, 2**k)`` for the smallest ``k >= 0`` holding every value of a small float tensor, if all are
     finite and ``2**k <= FLOAT_GUARD_MAX``; None otherwise (and for what ``guard_bound`` also refuses)."""
-    if not _checkable(value, GUARDED_FLOAT_DTYPES):
-        return None
-    low, high = torch.aminmax(value.detach())  # one op: this runs on every call of the graph
+    return float_values_bound(value) if _checkable(value, GUARDED_FLOAT_DTYPES) else None
+
+
+def float_values_bound(tensor: torch.Tensor) -> Interval | None:
+    """``guard_float_bound`` of a tensor known to be one it checks (``guard_reads_values``): one ``aminmax``."""
+    low, high = torch.aminmax(tensor.detach())  # one op: this runs on every call of the graph
     magnitude = max(-float(low), float(high))
     if math.isnan(magnitude):  # max() of a nan and a number may pick the number: refuse nan explicitly
         return None

@@ -5,9 +5,10 @@ compile options. Output: ``CompiledGraph``, a boxed callable (``fn(args: list) -
 looks up the call's ``GraphKey`` (graph hash, argument shapes / strides / dtypes, config) and on a miss
 specializes the graph to the call's shapes, partitions it into NKI regions and eager nodes, compiles each
 region with ``pipeline.compile_region`` (the passes are ``pipeline.PASSES``) and keeps the result; later calls
-with the same signature reuse it. A region that cannot be compiled (or fails when it runs) follows
-``Config.fallback``: ``warn`` runs it eagerly with a ``NeuronCompileWarning``, ``silent`` runs it eagerly,
-``raise`` raises ``NeuronCompileError``.
+with the same signature reuse it, and a call with the key of the previous one does not even build it (the hit
+plan, runtime/hit_plan.py, checks the same parts without it). A region that cannot be compiled (or fails when it
+runs) follows ``Config.fallback``: ``warn`` runs it eagerly with a ``NeuronCompileWarning``, ``silent`` runs it
+eagerly, ``raise`` raises ``NeuronCompileError``.
 
 Every compile leaves a ``CompiledGraphRecord`` (ATen graph, partition report, kernel sources) that
 ``neuron_compile.last_compiled()`` returns. With a dump folder (``NEURON_COMPILE_DUMP``), the record is written
@@ -47,6 +48,7 @@ from neuron_compile.runtime.cache import (
     graph_hash,
     signature_of,
 )
+from neuron_compile.runtime.hit_plan import HitPlan
 from neuron_compile.runtime.launch_plan import INT32_RANGE
 
 log = logging.getLogger(__name__)
@@ -436,6 +438,8 @@ class CompiledGraph:
         self.cache: DispatchCache[torch.fx.GraphModule] = DispatchCache()
         self._warned_recompiles = False
         self._bucket_plans: dict[int, BucketPlan] = {}
+        # What the last call through the key proved (runtime/hit_plan.py): the next call like it skips the key.
+        self.hit_plan: HitPlan | None = None
 
     def lookup(self, config: Config, args: list) -> tuple[tuple, torch.fx.GraphModule | None]:
         """The hit path: this call's dispatch key (the config and ``dispatch_signature``) and the graph compiled
@@ -445,14 +449,24 @@ class CompiledGraph:
 
     def __call__(self, args: list):
         config = config_module.get(self.option_items)  # once per call
+        hit = self.hit_plan
+        if hit is not None and hit.config is config:
+            arguments = hit.arguments(args)  # None unless the call has the key of the plan's call
+            if arguments is not None:
+                stats.add(cache_hits=1)
+                return hit.entry.forward(*arguments)
+        given = args
         if self.column_major and config.transposed_weights:
             args = weight_layouts.COPIES.apply(args, self.column_major)
-        plan = self.bucket_plan(config.bucket)
-        if plan is None or not plan.active:
-            return self._run(config, args, plan)  # a declined plan: its reasons go to the record
-        sizes = plan.sizes(args)
-        outputs = self._run(config, plan.pad(args, sizes), plan)
-        return type(outputs)(plan.unpad(outputs, sizes))
+        bucket = self.bucket_plan(config.bucket)
+        if bucket is None or not bucket.active:  # a declined plan: its reasons go to the record
+            compiled = self._entry(config, args, bucket)
+            self.hit_plan = HitPlan.of(config, given, args, compiled, self.float_guarded)
+            return compiled.forward(*args)
+        sizes = bucket.sizes(args)
+        padded = bucket.pad(args, sizes)
+        outputs = self._entry(config, padded, bucket).forward(*padded)
+        return type(outputs)(bucket.unpad(outputs, sizes))
 
     def bucket_plan(self, multiple: int) -> BucketPlan | None:
         """With Config.bucket, which sizes of this graph are padded (inference graphs with SymInts only: a
@@ -464,15 +478,15 @@ class CompiledGraph:
             bucket_log.info("the %s graph %s: %s", self.kind, self.graph_hash, plan.describe())
         return self._bucket_plans[multiple]
 
-    def _run(self, config: Config, args: list, plan: BucketPlan | None = None):
+    def _entry(self, config: Config, args: list, plan: BucketPlan | None = None) -> torch.fx.GraphModule:
+        """The graph compiled for this call's key, compiled now on a miss. The caller calls its ``forward``, not
+        ``__call__``: GraphModule's call wrapper and nn.Module's hook dispatch cost every hit, and no hook is ever
+        registered on this graph of ours."""
         key, compiled = self.lookup(config, args)
         if compiled is None:
-            compiled = self._compile(key, args, plan.describe() if plan is not None else "")
-        else:
-            stats.add(cache_hits=1)
-        # forward, not __call__: GraphModule's call wrapper and nn.Module's hook dispatch cost every hit, and no
-        # hook is ever registered on this graph of ours
-        return compiled.forward(*args)
+            return self._compile(key, args, plan.describe() if plan is not None else "")
+        stats.add(cache_hits=1)
+        return compiled
 
     def _compile(self, key: tuple, args: list, bucketing: str = "") -> torch.fx.GraphModule:
         """A miss: compile for this signature (once, when threads race), with the readable GraphKey recorded."""

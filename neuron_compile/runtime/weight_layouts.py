@@ -6,8 +6,12 @@ innermost (strides (1, rows) for a matrix; a convolution weight's output channel
 compiled for that signature load the weight's transpose with plain DMAs.
 
 A copy is made once per parameter and version: it is keyed by the parameter's identity (weakly, so a freed model
-frees its copies) and checked against the parameter's version counter and storage on every call, so an optimizer
-step, an in-place update (``w.mul_(2)``) or ``w.data = ...`` is seen and the copy remade. Only parameters are
+frees its copies) and checked against the parameter's version counter, data pointer, shape, strides and storage
+offset on every call, so an optimizer step, an in-place update (``w.mul_(2)``) or ``w.data = ...`` (even a view of
+the same memory with other strides, which keeps the data pointer and the version) is seen and the copy remade. What
+no counter shows is not seen: a write through ``w.data`` (``w.data.mul_(2)``) leaves ``w``'s version unchanged, so
+the copy keeps the old values; update weights in place under ``torch.no_grad()`` instead, or set
+``NEURON_COMPILE_TRANSPOSED_WEIGHTS=0``. Only parameters are
 copied: an activation is a new tensor on every call, and copying it would cost a transpose per call. Only inference
 graphs use copies (see CompiledGraph): a training step changes every weight, and the copy would then be remade by
 the host on every step, a cost our device estimate would not show. The price is memory: one more copy of each such
@@ -26,20 +30,20 @@ from neuron_compile.runtime import stats
 
 
 class ColumnMajorCopies:
-    """Parameter -> (version, data pointer, its column-major copy); thread-safe.
+    """Parameter -> (its stamp: version, data pointer and metadata; its column-major copy); thread-safe.
 
     Keyed by ``id`` in a plain dict, with a weak reference that tells the parameter apart from a later object of
     the same id and drops the entry when the parameter dies: torch's ``WeakIdKeyDictionary`` makes a weak reference
     on every lookup, and a cache hit looks up every transposed weight of the graph."""
 
     def __init__(self):
-        self._copies: dict[int, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}
+        self._copies: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
         # Reentrant: a parameter may die (and _forget run) in a garbage collection inside the locked section.
         self._lock = threading.RLock()
 
     def copy_of(self, weight: torch.nn.Parameter) -> torch.Tensor:
         """``weight``'s column-major copy, made now if the weight changed since the last one."""
-        stamp = (weight._version, weight.data_ptr())
+        stamp = (weight._version, weight.data_ptr(), weight.shape, weight.stride(), weight.storage_offset())
         entry = self._copies.get(id(weight))
         if entry is not None and entry[0]() is weight and entry[1] == stamp:
             return entry[2]
@@ -74,3 +78,36 @@ class ColumnMajorCopies:
 
 
 COPIES = ColumnMajorCopies()  # one per process: a weight shared by several graphs has one copy
+
+
+class KeptCopies:
+    """The copies one call swapped in, by argument position, for a hit plan (runtime/hit_plan.py) to reuse: a
+    position's copy serves the next call while its argument is the same parameter object with the same version
+    counter and data pointer, and its metadata is unchanged (which the plan checks first: the copy follows from
+    the weight's metadata and values); otherwise ``copies.copy_of`` answers, and its copy is kept instead. Weights
+    and copies are held weakly: a plan must not keep a freed model's weights or copies alive."""
+
+    def __init__(self, args: list, swapped: list, copies: ColumnMajorCopies = COPIES):
+        self.copies = copies
+        # per swapped position: (position, weak reference to the weight, its version, its data pointer, weak
+        # reference to the copy); one tuple each, replaced whole, so threads see it whole
+        self.kept = [(position, *self.stamp(args[position], swapped[position]))
+                     for position in range(len(args)) if swapped[position] is not args[position]]
+
+    @staticmethod
+    def stamp(weight: torch.Tensor, copy: torch.Tensor) -> tuple:
+        return weakref.ref(weight), weight._version, weight.data_ptr(), weakref.ref(copy)
+
+    def apply(self, args: list) -> list:
+        """``args`` with the kept positions' copies swapped in (``args`` itself when no position is kept)."""
+        if not self.kept:
+            return args
+        swapped = list(args)
+        for index, (position, weight_ref, version, pointer, copy_ref) in enumerate(self.kept):
+            weight, copy = args[position], copy_ref()
+            if weight_ref() is not weight or weight._version != version or weight.data_ptr() != pointer \
+                    or copy is None:
+                copy = self.copies.copy_of(weight)
+                self.kept[index] = (position, *self.stamp(weight, copy))
+            swapped[position] = copy
+        return swapped
