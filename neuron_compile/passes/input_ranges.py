@@ -43,6 +43,8 @@ GUARDED_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8
 GUARDED_INTERVAL = Interval(-float(GUARD_BOUND), float(GUARD_BOUND))
 # Float inputs: finite values within +-2**k for the smallest k >= 0 that holds them, up to 2**20; beyond, unbounded.
 FLOAT_GUARD_MAX = 2.0**20
+# The bound of each class, made once: a caller may compare the bounds of two calls by identity.
+FLOAT_BOUNDS = {exponent: Interval(-2.0**exponent, 2.0**exponent) for exponent in range(21)}
 GUARDED_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The ops whose argument's range decides the code lowered for them (the trigonometry's argument reduction).
 RANGE_CONSUMERS = (torch.ops.aten.sin.default, torch.ops.aten.cos.default)
@@ -61,7 +63,7 @@ def guard_bound(value) -> Interval | None:
 
 def integer_values_bound(tensor: torch.Tensor) -> Interval | None:
     """``guard_bound`` of a tensor known to be one it checks (``guard_reads_values``): one ``aminmax``."""
-    low, high = torch.aminmax(tensor.detach())
+    low, high = torch.aminmax(tensor.detach() if tensor.requires_grad else tensor)
     if -GUARD_BOUND <= int(low) and int(high) <= GUARD_BOUND:
         return GUARDED_INTERVAL
     return None
@@ -90,14 +92,14 @@ def guard_float_bound(value) -> Interval | None:
 
 def float_values_bound(tensor: torch.Tensor) -> Interval | None:
     """``guard_float_bound`` of a tensor known to be one it checks (``guard_reads_values``): one ``aminmax``."""
-    low, high = torch.aminmax(tensor.detach())  # one op: this runs on every call of the graph
+    # one op: this runs on every call of the graph
+    low, high = torch.aminmax(tensor.detach() if tensor.requires_grad else tensor)
     magnitude = max(-float(low), float(high))
     if math.isnan(magnitude):  # max() of a nan and a number may pick the number: refuse nan explicitly
         return None
     if not magnitude <= FLOAT_GUARD_MAX:
         return None
-    bound = 2.0 ** max(0, math.ceil(math.log2(magnitude))) if magnitude > 0 else 1.0
-    return Interval(-bound, bound)
+    return FLOAT_BOUNDS[max(0, math.ceil(math.log2(magnitude))) if magnitude > 0 else 0]
 
 
 def range_guarded_floats(gm: torch.fx.GraphModule) -> frozenset[int]:

@@ -206,15 +206,19 @@ class RegionModule(torch.nn.Module):
             record,
         )
         self.node_ops = [placement.op for placement in record.report.regions[name]]  # one entry per node
-        self.costs_dumped = False  # with a dump folder: whether the first launch's cost reports were written
+        # Whether the first launch's cost reports are still to be written: with a dump folder or a structured trace
+        # (decided with the record's pass dumps, at compile time)
+        self.costs_pending = bool(record.key.config.dump_dir) or trace_artifacts.enabled()
         # Whether the outputs' shapes and dtypes were checked once and are fixed by the region's launch plan (a
         # CompiledRegion's are: its layouts and dtypes are constants), so later calls need not check them again.
         self.outputs_checked = False
 
     def __call__(self, *tensors):
-        # Straight to forward: nothing registers hooks on this internal module, and nn.Module's hook dispatch
-        # would cost every call.
-        return self.forward(*tensors)
+        # Not nn.Module's: nothing registers hooks on this internal module, and its hook dispatch would cost every
+        # call.
+        if self.costs_pending:
+            return self.forward(*tensors)
+        return self.run(*tensors)
 
     def _check(self, outputs) -> None:
         _check_outputs(outputs, self.expected, self.region_name)
@@ -223,9 +227,9 @@ class RegionModule(torch.nn.Module):
     def forward(self, *tensors):
         if self.compiled is None:
             return self.eager(*tensors)
-        if not self.costs_dumped and (self.record.key.config.dump_dir or trace_artifacts.enabled()):
+        if self.costs_pending:
             dump_dir = self.record.key.config.dump_dir
-            self.costs_dumped = True  # the first launch's reports: later launches of a kernel cost the same
+            self.costs_pending = False  # the first launch's reports: later launches of a kernel cost the same
             with stats.record_launches() as launches:
                 outputs = self.run(*tensors)
             mine = {kernel.name for kernel in [*self.record.kernels, *self.record.region_kernels]
@@ -285,14 +289,15 @@ def kernel_records(region_name: str, region, launched: bool = False) -> list[Ker
 
 
 def dispatch_keyed_inputs(top: torch.fx.GraphModule, region_node: torch.fx.Node) -> list[int]:
-    """The positions of a region's inputs that are graph inputs, whose shape, strides, storage offset and dtype the
-    graph's dispatch key holds (``dispatch_signature``): a region compiled for that key sees them unchanged. An
-    input an eager node made is not held by the key (an eager op's output shape may depend on values), and none is
-    when an eager op of the graph may change a tensor's metadata in place (``resize_``; ``copy_`` writes data only)."""
+    """The positions of a region's inputs whose shape, strides, storage offset and dtype are the same on every call
+    of a graph compiled for one key: graph inputs (the dispatch key holds them: ``dispatch_signature``) and the
+    graph's own constants (``get_attr``: one tensor object, ours, on every call). An input an eager node made is
+    not fixed (an eager op's output shape may depend on values), and none is when an eager op of the graph may
+    change a tensor's metadata in place (``resize_``; ``copy_`` writes data only)."""
     if _writes_in_place(top, except_copies=True):
         return []
     return [index for index, arg in enumerate(region_node.args)
-            if isinstance(arg, torch.fx.Node) and arg.op == "placeholder"]
+            if isinstance(arg, torch.fx.Node) and arg.op in ("placeholder", "get_attr")]
 
 
 def int32_bounded_inputs(top: torch.fx.GraphModule, region_node: torch.fx.Node) -> list[int]:
@@ -384,12 +389,22 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
                 record.fusion_decisions[name] = [str(decision) for decision in decisions]
         setattr(top, name, RegionModule(name, region, submodule, expected, record))
     top.recompile()
+    _read_attributes_directly(top)
     with _records_lock:
         _records.append(record)
     if config.dump_dir:
         log.info("neuron_compile: dumped the %s graph to %s", kind, dump_record(record, config.dump_dir))
     trace_artifacts.emit_record(record, compile_events.compile_id_of(dynamo_graph))
     return top
+
+
+def _read_attributes_directly(top: torch.fx.GraphModule) -> None:
+    """Put the regions and constants ``top``'s code reads (``self.nki_region_0``, ``self._tensor_constant0``) in its
+    instance dict too, where an attribute read finds them before ``nn.Module.__getattr__`` (a microsecond a read,
+    on every call); they stay registered as submodules and buffers, and nothing assigns them again."""
+    for node in top.graph.nodes:
+        if node.op in ("call_module", "get_attr") and "." not in node.target:
+            top.__dict__[node.target] = getattr(top, node.target)
 
 
 def _compile_or_fall_back(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str,
@@ -453,7 +468,7 @@ class CompiledGraph:
         if hit is not None and hit.config is config:
             arguments = hit.arguments(args)  # None unless the call has the key of the plan's call
             if arguments is not None:
-                stats.add(cache_hits=1)
+                stats.count_hit()
                 return hit.entry.forward(*arguments)
         given = args
         if self.column_major and config.transposed_weights:
@@ -485,7 +500,7 @@ class CompiledGraph:
         key, compiled = self.lookup(config, args)
         if compiled is None:
             return self._compile(key, args, plan.describe() if plan is not None else "")
-        stats.add(cache_hits=1)
+        stats.count_hit()
         return compiled
 
     def _compile(self, key: tuple, args: list, bucketing: str = "") -> torch.fx.GraphModule:
@@ -502,7 +517,7 @@ class CompiledGraph:
                       _describe_signature(graph_key))
             self._warn_on_recompile_storm(config)
         else:
-            stats.add(cache_hits=1)
+            stats.count_hit()
         return compiled
 
     def _warn_on_recompile_storm(self, config: Config) -> None:

@@ -78,7 +78,7 @@ class HitPlan:
             if type(args[position]) is not kind or scalar_value(args[position]) != value:
                 return None
         for position, bound_of, bound in self.value_guards:
-            if bound_of(args[position]) != bound:
+            if bound_of(args[position]) is not bound:  # each class has one bound object (or None)
                 return None
         return self.copies.apply(args)
 

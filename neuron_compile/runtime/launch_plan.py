@@ -8,9 +8,10 @@ mutation the input it writes. ``CompiledRegion`` builds one when it is made
 and reads it on every call, so a cache hit does no layout arithmetic, name search or dtype table lookup.
 
 ``StableViews`` keeps, per input, the flat view of a storage seen at the same address on two calls in a row
-(parameters, buffers, weight copies), so a hit does not remake it; a tensor new on every call (an activation) gets
-a fresh view, and no view of it is kept. A kept view holds its storage alive until the input moves: one storage per
-input at most, and one its owner held anyway.
+(parameters, buffers), so a hit does not remake it; a tensor new on every call (an activation) gets a fresh view,
+and no view of it is kept. A column-major weight copy (runtime/weight_layouts.py) is only ever read and owns its
+storage, so its view is kept at once and serves the same object without any check. A kept view holds its storage
+alive until the input moves: one storage per input at most, and one its owner held anyway.
 
 ``ValidatedSignatures`` remembers the input signatures (shape, strides, dtype per tensor) a region's first-call
 checks accepted: the checks are a function of exactly those, so a later call with one of them skips them, and any
@@ -19,6 +20,7 @@ other signature is checked in full.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 
@@ -27,6 +29,7 @@ import torch
 from neuron_compile import ir
 from neuron_compile.lowering import LoweringError
 from neuron_compile.runtime.launcher import TORCH_DTYPES, LoadedKernel
+from neuron_compile.runtime.weight_layouts import COPIES
 
 INT32_RANGE = (-(2**31), 2**31 - 1)
 SIGNATURES_KEPT = 16  # validated input signatures remembered per region (one per distinct strides; usually one)
@@ -48,12 +51,23 @@ class OutputSlot:
     layout: ir.Layout
     input_index: int  # the input it views, -1 for a kernel-written buffer
     dtype: torch.dtype | None  # the dtype handed back for a kernel-written buffer (int32 widened where eager's is int64)
+    alone: bool = False  # the only output read from its kernel-written buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """One launched kernel and where its arguments come from."""
+
+    kernel: LoadedKernel
+    parameters: tuple[str, ...]  # the buffers it takes, in order
+    # The region inputs it takes, by position, when every parameter is one (a region kernel's usual case); else None
+    input_positions: tuple[int, ...] | None
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchPlan:
     inputs: tuple[InputSlot, ...]
-    kernels: tuple[tuple[LoadedKernel, tuple[str, ...]], ...]  # (kernel, the buffers it takes in order)
+    kernels: tuple[KernelCall, ...]
     outputs: tuple[OutputSlot, ...]
     mutations: tuple[tuple[int, str, ir.Layout], ...]  # (input index written, buffer read, layout in that buffer)
 
@@ -63,6 +77,7 @@ def launch_plan(inputs: list[ir.Buffer], launched: list[LoadedKernel], outputs, 
     """The plan of a region (see the module docstring); ``outputs``: a TensorValue per graph output,
     ``mutations``: (input buffer name, TensorValue) pairs."""
     input_index = {buffer.name: index for index, buffer in enumerate(inputs)}
+    readers = collections.Counter(value.buffer for value in outputs)
     output_slots = []
     for index, value in enumerate(outputs):
         if value.buffer in input_index:
@@ -71,13 +86,20 @@ def launch_plan(inputs: list[ir.Buffer], launched: list[LoadedKernel], outputs, 
         dtype = TORCH_DTYPES[value.dtype]
         if value.dtype == "int32" and output_dtypes[index:index + 1] == [torch.int64]:
             dtype = torch.int64  # NKI has no int64: widen
-        output_slots.append(OutputSlot(value.buffer, value.layout, -1, dtype))
+        output_slots.append(OutputSlot(value.buffer, value.layout, -1, dtype, alone=readers[value.buffer] == 1))
     return LaunchPlan(
         inputs=tuple(InputSlot(buffer.name, buffer.layout.span(), buffer.dtype == "int32") for buffer in inputs),
-        kernels=tuple((kernel, tuple(kernel.source.parameters)) for kernel in launched),
+        kernels=tuple(kernel_call(kernel, input_index) for kernel in launched),
         outputs=tuple(output_slots),
         mutations=tuple((input_index[name], value.buffer, value.layout) for name, value in mutations),
     )
+
+
+def kernel_call(kernel: LoadedKernel, input_index: dict[str, int]) -> KernelCall:
+    """``kernel``'s call; ``input_index``: the region's input buffers' positions by name."""
+    parameters = tuple(kernel.source.parameters)
+    taken = tuple(input_index[name] for name in parameters if name in input_index)
+    return KernelCall(kernel, parameters, taken if len(taken) == len(parameters) else None)
 
 
 def flat_argument(tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
@@ -124,21 +146,37 @@ class StableViews:
     stayed at one address (see the module docstring). A kept view serves a call when it starts at the tensor's data
     pointer (its storage's address plus its offset), has its dtype, and its storage still covers the slot's span:
     it then reads the very memory a new view would (two live storages cannot share an address unless they share
-    the memory), also after its storage was freed and regathered in place (FSDP2's ``resize_``)."""
+    the memory), also after its storage was freed and regathered in place (FSDP2's ``resize_``). A weight copy's
+    view serves the same copy object (``ColumnMajorCopies.owns``), an empty input's the same empty tensor."""
 
     def __init__(self, inputs: int):
         # per input: (its data pointer on the last call, the kept view or None, the view's storage, the bytes that
         # storage must hold for the view's span)
         self._slots: list[tuple] = [(0, None, None, 0)] * inputs
         self._empty: list[torch.Tensor | None] = [None] * inputs  # per input with an empty span: one empty view
+        # per input: (a tensor whose view serves it whenever it comes again, that view): a weight copy (one object
+        # is one memory), an empty input (nothing is read; its dtype is checked before, by the key or the region)
+        self._by_identity: list[tuple] = [(None, None)] * inputs
+
+    def arguments(self, tensors, slots: tuple[InputSlot, ...]) -> list[torch.Tensor]:
+        """The kernels' flat argument for each input, in order (``view``, after the views kept by identity)."""
+        by_identity = self._by_identity
+        arguments = []
+        for index, tensor in enumerate(tensors):
+            known, view = by_identity[index]  # one tuple: threads see it whole
+            arguments.append(view if tensor is known else self.view(index, tensor, slots[index]))
+        return arguments
 
     def view(self, index: int, tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
         """The flat view of ``tensor`` for input ``index`` (``slot``): the kept one, or a new one."""
+        if slot.narrow_to_int32:  # a converted copy: its values are checked on every call
+            return flat_argument(tensor, slot)
         if slot.span == 0:
             # Nothing is read: any empty view of the dtype serves (an empty tensor's address is 0 or arbitrary).
             kept = self._empty[index]
             if kept is None or kept.dtype != tensor.dtype:
                 kept = self._empty[index] = flat_argument(tensor, slot)
+            self._by_identity[index] = (tensor, kept)
             return kept
         pointer = tensor.data_ptr()
         last_pointer, kept, storage, needed_bytes = self._slots[index]  # one tuple: threads see it whole
@@ -147,7 +185,9 @@ class StableViews:
                 and storage.nbytes() >= needed_bytes:
             return kept
         flat = flat_argument(tensor, slot)
-        if pointer == last_pointer and pointer != 0:
+        if COPIES.owns(tensor):
+            self._by_identity[index] = (tensor, flat)
+        elif pointer == last_pointer and pointer != 0:
             needed = (flat.storage_offset() + slot.span) * flat.element_size()
             self._slots[index] = (pointer, flat, flat.untyped_storage(), needed)
         else:

@@ -38,6 +38,8 @@ class ColumnMajorCopies:
 
     def __init__(self):
         self._copies: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
+        # every live copy, by id (``owns``; not a WeakSet: it compares members with ``==``, elementwise for tensors)
+        self._made: dict[int, weakref.ref] = {}
         # Reentrant: a parameter may die (and _forget run) in a garbage collection inside the locked section.
         self._lock = threading.RLock()
 
@@ -54,6 +56,7 @@ class ColumnMajorCopies:
                     copy = weight.detach().movedim(0, -1).contiguous().movedim(-1, 0)
                 forget = functools.partial(self._forget, id(weight))
                 entry = self._copies[id(weight)] = (weakref.ref(weight, forget), stamp, copy)
+                self._made[id(copy)] = weakref.ref(copy, functools.partial(self._forget_copy, id(copy)))
                 stats.add(weight_copies=1, weight_copy_bytes=copy.numel() * copy.element_size())
         return entry[2]
 
@@ -63,6 +66,17 @@ class ColumnMajorCopies:
             entry = self._copies.get(key)
             if entry is not None and entry[0] is dead:
                 del self._copies[key]
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a copy made here: only ever read (a graph that writes a weight gets no copy of it,
+        passes/layouts.py), over a storage of its own that nothing resizes, so one object is one memory."""
+        made = self._made.get(id(tensor))
+        return made is not None and made() is tensor
+
+    def _forget_copy(self, key: int, dead: weakref.ref) -> None:
+        with self._lock:
+            if self._made.get(key) is dead:
+                del self._made[key]
 
     def apply(self, args: list, indices: tuple[int, ...]) -> list:
         """``args`` with the parameters at ``indices`` replaced by their copies (a new list; ``args`` unchanged)."""
