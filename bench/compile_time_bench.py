@@ -289,11 +289,11 @@ def measure(model_name: str, backend: str, hits: int, warm_runs: int = 1) -> dic
 HOT_BACKENDS = ("neuron", "pass-through", "aot_eager")
 
 
-def measure_hot(model_name: str, batches: int, calls: int) -> dict:
-    """Per backend of ``HOT_BACKENDS``, a hot-loop child's figures (each its own process, caches off)."""
+def measure_hot(model_name: str, batches: int, calls: int, backends=HOT_BACKENDS) -> dict:
+    """Per backend of ``backends``, a hot-loop child's figures (each its own process, caches off)."""
     env = dict(os.environ, NEURON_COMPILE_CACHE="off")
     figures = {}
-    for backend in HOT_BACKENDS:
+    for backend in backends:
         log(f"{model_name} / {backend}: hot loop ...")
         command = [sys.executable, os.path.abspath(__file__), "--hot-child", model_name, backend,
                    "--batches", str(batches), "--calls", str(calls)]
@@ -307,11 +307,17 @@ def measure_hot(model_name: str, batches: int, calls: int) -> dict:
 def format_hot_table(rows: dict) -> str:
     lines = ["| model | ours us | neuron whole call us | pass-through whole call us | neuron - pass-through us | "
              "aot_eager whole call us |", "|---|---:|---:|---:|---:|---:|"]
+
+    def shown(figures: dict, backend: str, name: str) -> str:
+        return f"{figures[backend][name] * 1e6:.1f}" if backend in figures else "-"
+
     for model_name, figures in rows.items():
-        neuron, passing = figures["neuron"]["call_s"], figures["pass-through"]["call_s"]
-        lines.append(f"| {model_name} | {figures['neuron']['ours_s'] * 1e6:.1f} | {neuron * 1e6:.1f} | "
-                     f"{passing * 1e6:.1f} | {(neuron - passing) * 1e6:.1f} | "
-                     f"{figures['aot_eager']['call_s'] * 1e6:.1f} |")
+        difference = "-"
+        if {"neuron", "pass-through"} <= set(figures):
+            difference = f"{(figures['neuron']['call_s'] - figures['pass-through']['call_s']) * 1e6:.1f}"
+        lines.append(f"| {model_name} | {shown(figures, 'neuron', 'ours_s')} | {shown(figures, 'neuron', 'call_s')} | "
+                     f"{shown(figures, 'pass-through', 'call_s')} | {difference} | "
+                     f"{shown(figures, 'aot_eager', 'call_s')} |")
     return "\n".join(lines)
 
 
@@ -342,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hot", action="store_true", help="time a hit in a hot loop, the simulation replayed")
     parser.add_argument("--batches", type=int, default=15, help="--hot: batches timed (the best one counts)")
     parser.add_argument("--calls", type=int, default=200, help="--hot: calls per batch")
+    parser.add_argument("--hot-backends", default=",".join(HOT_BACKENDS), help="--hot: comma-separated, of "
+                        + ", ".join(HOT_BACKENDS))
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
     parser.add_argument("--hot-child", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -352,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(hot_child(*args.hot_child, args.batches, args.calls)))
         return 0
     if args.hot:
-        print(format_hot_table({name: measure_hot(name, args.batches, args.calls) for name in args.only.split(",")}))
+        backends = args.hot_backends.split(",")
+        print(format_hot_table({name: measure_hot(name, args.batches, args.calls, backends)
+                                for name in args.only.split(",")}))
         return 0
     rows: dict[str, dict] = {}
     for model_name in args.only.split(","):

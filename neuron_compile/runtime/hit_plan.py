@@ -72,7 +72,7 @@ class HitPlan:
         tensors = args if self.tensor_positions is None else [args[position] for position in self.tensor_positions]
         if not self.tensor_check.check(*tensors):
             return None
-        if [tensor.storage_offset() for tensor in tensors] != self.storage_offsets:
+        if list(map(torch.Tensor.storage_offset, tensors)) != self.storage_offsets:  # map: no Python frame per item
             return None
         for position, kind, value in self.scalars:
             if type(args[position]) is not kind or scalar_value(args[position]) != value:

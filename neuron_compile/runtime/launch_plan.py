@@ -159,12 +159,22 @@ class StableViews:
         self._by_identity: list[tuple] = [(None, None)] * inputs
 
     def arguments(self, tensors, slots: tuple[InputSlot, ...]) -> list[torch.Tensor]:
-        """The kernels' flat argument for each input, in order (``view``, after the views kept by identity)."""
-        by_identity = self._by_identity
+        """The kernels' flat argument for each input, in order: ``view``'s, with its two kept cases first, inline
+        (a Python call per input costs more than the checks, the more so deep in a compiled model's stack, where
+        a frame may need a new chunk of CPython's frame stack)."""
+        by_identity, by_pointer = self._by_identity, self._slots
         arguments = []
         for index, tensor in enumerate(tensors):
             known, view = by_identity[index]  # one tuple: threads see it whole
-            arguments.append(view if tensor is known else self.view(index, tensor, slots[index]))
+            if tensor is known:
+                arguments.append(view)
+                continue
+            _, kept, storage, needed_bytes = by_pointer[index]
+            if kept is not None and kept.data_ptr() == tensor.data_ptr() and kept.dtype == tensor.dtype \
+                    and storage.nbytes() >= needed_bytes:
+                arguments.append(kept)
+                continue
+            arguments.append(self.view(index, tensor, slots[index]))
         return arguments
 
     def view(self, index: int, tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:

@@ -118,7 +118,7 @@ class CompiledRegion:
         if len(tensors) != len(plan.inputs):
             raise LoweringError(f"region expects {len(plan.inputs)} inputs, got {len(tensors)}")
         tensors = self._real_pairs(tensors)
-        signature = input_signature([tensors[index] for index in self.checked_inputs])
+        signature = input_signature([tensors[index] for index in self.checked_inputs]) if self.checked_inputs else ()
         if signature not in self.validated:
             for buffer, tensor in zip(self.inputs, tensors):
                 self._check_input(buffer, tensor)
@@ -143,15 +143,17 @@ class CompiledRegion:
             trusted = set(range(len(tensors))) - set(self.checked_inputs)
             self.maybe_complex = tuple(index for index, tensor in enumerate(tensors)
                                        if index not in trusted or tensor.is_complex())
-        if not any(tensors[index].is_complex() for index in self.maybe_complex):
-            return tensors
-        return tuple(torch.view_as_real(tensor) if tensor.is_complex() else tensor for tensor in tensors)
+        for index in self.maybe_complex:
+            if tensors[index].is_complex():
+                return tuple(torch.view_as_real(tensor) if tensor.is_complex() else tensor for tensor in tensors)
+        return tensors
 
     def _launch_all(self, arguments: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Launch every kernel on the inputs' flat ``arguments``; the buffers they wrote, by name (and the random
         seeds and never-written buffers read on the way)."""
         written: dict[str, torch.Tensor] = {}
-        fill_random_seeds(self.buffers, written)
+        if ir.RANDOM_SEEDS in self.buffers:
+            fill_random_seeds(self.buffers, written)
         for call in self.plan.kernels:
             if call.input_positions is not None:
                 taken = [arguments[index] for index in call.input_positions]
@@ -178,10 +180,13 @@ class CompiledRegion:
                 results.append(torch.as_strided(tensor, layout.shape, layout.strides,
                                                 tensor.storage_offset() + layout.offset))
                 continue
-            if slot.buffer not in converted:
-                buffer = self._buffer(slot.buffer, written)
-                converted[slot.buffer] = buffer if buffer.dtype == slot.dtype else buffer.to(slot.dtype)
-            results.append(output_tensor(converted[slot.buffer], layout, slot.alone))
+            buffer = converted.get(slot.buffer)
+            if buffer is None:
+                buffer = written.get(slot.buffer)
+                if buffer is None:
+                    buffer = self._buffer(slot.buffer, written)
+                buffer = converted[slot.buffer] = buffer if buffer.dtype == slot.dtype else buffer.to(slot.dtype)
+            results.append(output_tensor(buffer, layout, slot.alone))
         return tuple(results)
 
     @staticmethod

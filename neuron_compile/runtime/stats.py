@@ -138,7 +138,8 @@ def count_hit() -> None:
 def count_launch(kernel: str, report: object, source: object = None) -> None:
     """One kernel launch: handed to the recorders, counted, and its cost-model figures summed (a launcher without
     a cost model, the device, gives no report); deferred, as a cache hit calls this for every launch."""
-    add_launch(kernel, report, source)
+    if _recorders:  # read without the lock, as add_launch does
+        add_launch(kernel, report, source)
     _deferred.append(NO_REPORT if report is None else report)
     if len(_deferred) >= DEFERRED_KEPT:
         _fold_now()
