@@ -11,7 +11,7 @@ import torch
 import neuron_compile
 from neuron_compile import config
 from neuron_compile.errors import NeuronCompileError
-from neuron_compile.runtime import compiled_graph
+from neuron_compile.runtime import compiled_graph, launch_plan
 from neuron_compile.runtime.hit_plan import HitPlan
 
 
@@ -161,17 +161,28 @@ def test_weights_updated_in_place_or_replaced_are_read_anew():
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
 
 
-def test_two_modules_sharing_one_graph_keep_their_own_copies():
+def test_two_modules_sharing_one_graph_keep_their_own_copies_and_views(monkeypatch):
     """As diffusers' regional compile calls one compiled block class with each block's weights in turn."""
     torch.manual_seed(0)
     first, second = MLP().eval(), MLP().eval()
     x = torch.randn(12, 16)
     forward = torch.compile(lambda module, inputs: module(inputs), backend="neuron")
     neuron_compile.reset_stats()
-    for _ in range(3):
+    for _ in range(2):
+        for module in (first, second):
+            torch.testing.assert_close(forward(module, x), module(x), rtol=1e-5, atol=1e-5)
+    views_made, flat_argument = [], launch_plan.flat_argument
+    monkeypatch.setattr(launch_plan, "flat_argument", lambda *args: views_made.append(1) or flat_argument(*args))
+    for _ in range(2):
         for module in (first, second):
             torch.testing.assert_close(forward(module, x), module(x), rtol=1e-5, atol=1e-5)
     assert neuron_compile.stats()["weight_copies"] == 4  # two weights per module, each copied once
+    assert views_made == []  # every weight, copy and bias of both modules read through a kept view
+    first.up.weight.mul_(-1.0)  # one module's weight changes: its copy is made again, the other's is kept
+    second.down.bias.add_(1.0)  # a bias read in place: its kept view sees the new values
+    for module in (first, second, first):
+        torch.testing.assert_close(forward(module, x), module(x), rtol=1e-5, atol=1e-5)
+    assert neuron_compile.stats()["weight_copies"] == 5
 
 
 def test_in_place_ops_on_returned_tensors_change_nothing_the_next_call_reads():

@@ -7,11 +7,12 @@ output where it is read from (an input's storage or a kernel-written buffer) and
 mutation the input it writes. ``CompiledRegion`` builds one when it is made
 and reads it on every call, so a cache hit does no layout arithmetic, name search or dtype table lookup.
 
-``StableViews`` keeps, per input, the flat view of a storage seen at the same address on two calls in a row
-(parameters, buffers), so a hit does not remake it; a tensor new on every call (an activation) gets a fresh view,
-and no view of it is kept. A column-major weight copy (runtime/weight_layouts.py) is only ever read and owns its
-storage, so its view is kept at once and serves the same object without any check. A kept view holds its storage
-alive until the input moves: one storage per input at most, and one its owner held anyway.
+``StableViews`` keeps, per input, the flat views of storages that stay put, so a hit does not remake them: each
+parameter's (several per input: a regional compile calls one graph with each block's weights), and a buffer's seen
+at the same address on two calls in a row; a tensor new on every call (an activation) gets a fresh view, and no
+view of it is kept. A column-major weight copy (runtime/weight_layouts.py) is only ever read and owns its storage,
+so its view is kept at once and serves the same object without any check. A kept view holds its storage alive:
+a parameter's, which its owner holds anyway, and one other storage per input at most.
 
 ``ValidatedSignatures`` remembers the input signatures (shape, strides, dtype per tensor) a region's first-call
 checks accepted: the checks are a function of exactly those, so a later call with one of them skips them, and any
@@ -33,6 +34,7 @@ from neuron_compile.runtime.weight_layouts import COPIES
 
 INT32_RANGE = (-(2**31), 2**31 - 1)
 SIGNATURES_KEPT = 16  # validated input signatures remembered per region (one per distinct strides; usually one)
+KEPT_PER_INPUT = 64  # views kept per region input (the blocks of one class a regional compile calls in turn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,43 +144,47 @@ class ValidatedSignatures:
 
 
 class StableViews:
-    """Per region input, the flat argument view of the storage it had on the last two calls, when that storage
-    stayed at one address (see the module docstring). A kept view serves a call when it starts at the tensor's data
-    pointer (its storage's address plus its offset), has its dtype, and its storage still covers the slot's span:
-    it then reads the very memory a new view would (two live storages cannot share an address unless they share
-    the memory), also after its storage was freed and regathered in place (FSDP2's ``resize_``). A weight copy's
-    view serves the same copy object (``ColumnMajorCopies.owns``), an empty input's the same empty tensor."""
+    """Per region input, the flat argument views it may serve again (see the module docstring). A view kept by
+    address serves a call when it starts at the tensor's data pointer (its storage's address plus its offset), has
+    its dtype, and its storage still covers the slot's span: it then reads the very memory a new view would (two
+    live storages cannot share an address unless they share the memory), also after its storage was freed and
+    regathered in place (FSDP2's ``resize_``). Parameters keep up to ``KEPT_PER_INPUT`` views each (diffusers'
+    regional compile calls one graph with each block's weights in turn); any other tensor one, made when it came
+    at the same address on two calls in a row (an activation new on every call keeps none). A weight copy's view
+    serves the same copy object (``ColumnMajorCopies.owns``), an empty input's the same empty tensor."""
 
     def __init__(self, inputs: int):
-        # per input: (its data pointer on the last call, the kept view or None, the view's storage, the bytes that
-        # storage must hold for the view's span)
-        self._slots: list[tuple] = [(0, None, None, 0)] * inputs
+        # per input: {data pointer: (the kept view, the view's storage, the bytes that storage must hold)}; a
+        # storage object's nbytes shows a resize of it (FSDP2 freeing it)
+        self._by_pointer: list[dict[int, tuple]] = [{} for _ in range(inputs)]
+        self._last_pointer = [0] * inputs  # per input: the data pointer of a non-parameter on the last call
         self._empty: list[torch.Tensor | None] = [None] * inputs  # per input with an empty span: one empty view
-        # per input: (a tensor whose view serves it whenever it comes again, that view): a weight copy (one object
-        # is one memory), an empty input (nothing is read; its dtype is checked before, by the key or the region)
-        self._by_identity: list[tuple] = [(None, None)] * inputs
+        # per input: {id: (a tensor whose view serves it whenever it comes again, that view)}: weight copies (one
+        # object is one memory), empty inputs (nothing is read; the dtype is checked before, by the key or region)
+        self._by_identity: list[dict[int, tuple]] = [{} for _ in range(inputs)]
 
     def arguments(self, tensors, slots: tuple[InputSlot, ...]) -> list[torch.Tensor]:
         """The kernels' flat argument for each input, in order: ``view``'s, with its two kept cases first, inline
-        (a Python call per input costs more than the checks, the more so deep in a compiled model's stack, where
-        a frame may need a new chunk of CPython's frame stack)."""
-        by_identity, by_pointer = self._by_identity, self._slots
+        (a Python call per input costs more than the checks)."""
+        by_identity, by_pointer = self._by_identity, self._by_pointer
         arguments = []
         for index, tensor in enumerate(tensors):
-            known, view = by_identity[index]  # one tuple: threads see it whole
-            if tensor is known:
-                arguments.append(view)
+            known = by_identity[index].get(id(tensor))
+            if known is not None and known[0] is tensor:
+                arguments.append(known[1])
                 continue
-            _, kept, storage, needed_bytes = by_pointer[index]
-            if kept is not None and kept.data_ptr() == tensor.data_ptr() and kept.dtype == tensor.dtype \
-                    and storage.nbytes() >= needed_bytes:
-                arguments.append(kept)
+            pointer = tensor.data_ptr()
+            kept = by_pointer[index].get(pointer)
+            if kept is not None and kept[0].data_ptr() == pointer and kept[0].dtype == tensor.dtype \
+                    and kept[1].nbytes() >= kept[2]:
+                arguments.append(kept[0])
                 continue
             arguments.append(self.view(index, tensor, slots[index]))
         return arguments
 
     def view(self, index: int, tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
-        """The flat view of ``tensor`` for input ``index`` (``slot``): the kept one, or a new one."""
+        """The flat view of ``tensor`` for input ``index`` (``slot``), made now and kept where it may serve again
+        (``arguments`` finds the kept ones)."""
         if slot.narrow_to_int32:  # a converted copy: its values are checked on every call
             return flat_argument(tensor, slot)
         if slot.span == 0:
@@ -186,20 +192,28 @@ class StableViews:
             kept = self._empty[index]
             if kept is None or kept.dtype != tensor.dtype:
                 kept = self._empty[index] = flat_argument(tensor, slot)
-            self._by_identity[index] = (tensor, kept)
-            return kept
-        pointer = tensor.data_ptr()
-        last_pointer, kept, storage, needed_bytes = self._slots[index]  # one tuple: threads see it whole
-        # ``storage`` is the kept view's own storage object: a resize of it (FSDP2 freeing it) shows in its nbytes
-        if kept is not None and kept.data_ptr() == pointer and kept.dtype == tensor.dtype \
-                and storage.nbytes() >= needed_bytes:
+            keep(self._by_identity[index], id(tensor), (tensor, kept))
             return kept
         flat = flat_argument(tensor, slot)
+        pointer, by_pointer = tensor.data_ptr(), self._by_pointer[index]
         if COPIES.owns(tensor):
-            self._by_identity[index] = (tensor, flat)
-        elif pointer == last_pointer and pointer != 0:
-            needed = (flat.storage_offset() + slot.span) * flat.element_size()
-            self._slots[index] = (pointer, flat, flat.untyped_storage(), needed)
-        else:
-            self._slots[index] = (pointer, None, None, 0)
+            keep(self._by_identity[index], id(tensor), (tensor, flat))
+        elif isinstance(tensor, torch.nn.Parameter) and pointer != 0:
+            keep(by_pointer, pointer, self._kept(flat, slot))
+        else:  # one view at most, of a storage that stayed put
+            by_pointer.pop(self._last_pointer[index], None)
+            if pointer == self._last_pointer[index] and pointer != 0:
+                by_pointer[pointer] = self._kept(flat, slot)
+            self._last_pointer[index] = pointer
         return flat
+
+    @staticmethod
+    def _kept(flat: torch.Tensor, slot: InputSlot) -> tuple:
+        return flat, flat.untyped_storage(), (flat.storage_offset() + slot.span) * flat.element_size()
+
+
+def keep(kept: dict, key: int, entry: tuple) -> None:
+    """``kept[key] = entry``, emptying ``kept`` first when it holds ``KEPT_PER_INPUT`` entries."""
+    if len(kept) >= KEPT_PER_INPUT:
+        kept.clear()
+    kept[key] = entry

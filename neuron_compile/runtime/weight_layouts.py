@@ -92,20 +92,22 @@ class ColumnMajorCopies:
 
 
 COPIES = ColumnMajorCopies()  # one per process: a weight shared by several graphs has one copy
+KEPT_PER_POSITION = 64  # weights a hit plan keeps the copies of, per argument position
 
 
 class KeptCopies:
-    """The copies one call swapped in, by argument position, for a hit plan (runtime/hit_plan.py) to reuse: a
-    position's copy serves the next call while its argument is the same parameter object with the same version
-    counter and data pointer, and its metadata is unchanged (which the plan checks first: the copy follows from
-    the weight's metadata and values); otherwise ``copies.copy_of`` answers, and its copy is kept instead. Weights
-    and copies are held weakly: a plan must not keep a freed model's weights or copies alive."""
+    """The copies calls swapped in, by argument position, for a hit plan (runtime/hit_plan.py) to reuse: a kept copy
+    serves a later call while its weight is the same parameter object with the same version counter and data
+    pointer, and its metadata is unchanged (which the plan checks first: the copy follows from the weight's metadata
+    and values); otherwise ``copies.copy_of`` answers, and its copy is kept too. Up to ``KEPT_PER_POSITION`` weights
+    per position (diffusers' regional compile calls one graph with each block's weights in turn). Weights and copies
+    are held weakly: a plan must not keep a freed model's weights or copies alive."""
 
     def __init__(self, args: list, swapped: list, copies: ColumnMajorCopies = COPIES):
         self.copies = copies
-        # per swapped position: (position, weak reference to the weight, its version, its data pointer, weak
-        # reference to the copy); one tuple each, replaced whole, so threads see it whole
-        self.kept = [(position, *self.stamp(args[position], swapped[position]))
+        # per swapped position: (position, {id(weight): (weak reference to the weight, its version, its data
+        # pointer, weak reference to the copy)})
+        self.kept = [(position, {id(args[position]): self.stamp(args[position], swapped[position])})
                      for position in range(len(args)) if swapped[position] is not args[position]]
 
     @staticmethod
@@ -117,11 +119,17 @@ class KeptCopies:
         if not self.kept:
             return args
         swapped = list(args)
-        for index, (position, weight_ref, version, pointer, copy_ref) in enumerate(self.kept):
-            weight, copy = args[position], copy_ref()
-            if weight_ref() is not weight or weight._version != version or weight.data_ptr() != pointer \
-                    or copy is None:
+        for position, kept in self.kept:
+            weight = args[position]
+            entry = kept.get(id(weight))
+            copy = None
+            if entry is not None and entry[0]() is weight and weight._version == entry[1] \
+                    and weight.data_ptr() == entry[2]:
+                copy = entry[3]()
+            if copy is None:
                 copy = self.copies.copy_of(weight)
-                self.kept[index] = (position, *self.stamp(weight, copy))
+                if len(kept) >= KEPT_PER_POSITION:
+                    kept.clear()
+                kept[id(weight)] = self.stamp(weight, copy)
             swapped[position] = copy
         return swapped
