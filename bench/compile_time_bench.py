@@ -33,6 +33,7 @@ the weight copies, the FX graph, each region's inputs, launches and outputs, sta
 ``compiled(*inputs)`` (Dynamo's guards, aot_autograd's wrappers and the model's Python outside the graph too);
 "pass-through" is the same call through aot_autograd with a compiler that replays the graph's first outputs (what
 Dynamo and aot_autograd cost around a graph that costs nothing); "aot_eager" runs the graph's ATen ops eagerly.
+``--only flux2`` (hot loop only): two Flux blocks of one class called in turn, as diffusers' regional compile does.
 
 Progress goes to stderr; the table (markdown) to stdout.
 """
@@ -229,25 +230,40 @@ def replayed_pass_through():
                         partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
 
 
+def hot_calls(model_name: str, backend):
+    """The calls one hot-loop step makes: ``[(callable, args)]``. ``flux2``: two Flux blocks of one class called in
+    turn through one compiled function, as diffusers' regional compile calls each block (figures per call)."""
+    import torch
+
+    if model_name != "flux2":
+        model, inputs = {"llama": build_llama, "flux": build_flux}[model_name]()
+        return [(torch.compile(model, backend=backend), inputs)]
+    (first, inputs), (second, _) = build_flux(), build_flux()
+    compiled = torch.compile(lambda block, *arguments: block(*arguments), backend=backend)
+    return [(compiled, (first, *inputs)), (compiled, (second, *inputs))]
+
+
 def hot_child(model_name: str, backend: str, batches: int, calls: int) -> dict:
     """One process: compile, warm up, then per-call thread CPU of a hit in a hot loop (see the module docstring)."""
     import torch
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model, inputs = {"llama": build_llama, "flux": build_flux}[model_name]()
     replay = record_then_replay_launches() if backend == "neuron" else None
-    compiled = torch.compile(model, backend=replayed_pass_through() if backend == "pass-through" else backend)
+    steps = hot_calls(model_name, replayed_pass_through() if backend == "pass-through" else backend)
     figures = {}
     with torch.no_grad():
-        compiled(*inputs)  # compiles
+        for compiled, inputs in steps:
+            compiled(*inputs)  # compiles
         with captured_graph_calls() as graph_calls:
-            compiled(*inputs)  # a hit, simulated: its launches are the ones replayed below
+            for compiled, inputs in steps:
+                compiled(*inputs)  # a hit, simulated: its launches are the ones replayed below
         if replay is not None:
             replay()
             figures["ours_s"] = best_per_call(
-                lambda: [graph(list(args)) for graph, args in graph_calls], batches, calls)
-        figures["call_s"] = best_per_call(lambda: compiled(*inputs), batches, calls)
+                lambda: [graph(list(args)) for graph, args in graph_calls], batches, calls) / len(steps)
+        figures["call_s"] = best_per_call(
+            lambda: [compiled(*inputs) for compiled, inputs in steps], batches, calls) / len(steps)
     return figures
 
 
@@ -339,7 +355,8 @@ def format_table(rows: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default=",".join(MODELS), help="comma-separated models: llama, flux")
+    parser.add_argument("--only", default=",".join(MODELS),
+                        help="comma-separated models: llama, flux (with --hot also flux2: two blocks in turn)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: neuron, inductor")
     parser.add_argument("--hits", type=int, default=5, help="hit calls timed per model (median)")
     parser.add_argument("--warm-runs", type=int, default=1,
