@@ -48,8 +48,9 @@ class HitPlan:
         tensors = [position for position, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
         # None when every argument is a tensor: the arguments list is then checked as it is
         self.tensor_positions: tuple[int, ...] | None = None if len(tensors) == len(args) else tuple(tensors)
+        # None: every size and stride is checked; both keywords are required (the constructor reads them as given)
         self.tensor_check = TensorGuards(*[args[position] for position in tensors], dynamic_dims_sizes=None,
-                                         dynamic_dims_strides=None)  # None: every size and stride is static
+                                         dynamic_dims_strides=None)
         self.storage_offsets = [args[position].storage_offset() for position in tensors]
         self.scalars = tuple((position, type(arg), scalar_value(arg)) for position, arg in enumerate(args)
                              if not isinstance(arg, torch.Tensor))
