@@ -74,6 +74,7 @@ class ColumnMajorCopies:
         return made is not None and made() is tensor
 
     def _forget_copy(self, key: int, dead: weakref.ref) -> None:
+        """A copy died: forget it (unless a new copy of the same id has taken the entry since)."""
         with self._lock:
             if self._made.get(key) is dead:
                 del self._made[key]
