@@ -23,6 +23,17 @@ a 2-layer ``LlamaForCausalLM`` (hidden 256, 4 heads, seq 128) and one diffusers 
     python bench/compile_time_bench.py              # both models, both backends (~2 min on 2 shared cores)
     python bench/compile_time_bench.py --only llama --hits 20
     python bench/compile_time_bench.py --hits 9 --warm-runs 5   # warm starts: the median of 5 processes each
+    python bench/compile_time_bench.py --hot                    # the hit path alone, in a hot loop (below)
+
+``--hot`` times a cache hit in a hot loop instead (one process per model and backend; thread CPU per call, the best
+of ``--batches`` batches of ``--calls`` calls, after warm-up calls): the launcher's simulation is replaced by
+replaying each kernel's last real launch (its outputs and report), so what is left is dispatch. Columns: "ours"
+calls the ``CompiledGraph`` objects directly with the arguments aot_autograd handed them (our part alone: the key,
+the weight copies, the FX graph, each region's inputs, launches and outputs, stats); "whole call" is
+``compiled(*inputs)`` (Dynamo's guards, aot_autograd's wrappers and the model's Python outside the graph too);
+"pass-through" is the same call through aot_autograd with a compiler that replays the graph's first outputs (what
+Dynamo and aot_autograd cost around a graph that costs nothing); "aot_eager" runs the graph's ATen ops eagerly.
+``--only flux2`` (hot loop only): two Flux blocks of one class called in turn, as diffusers' regional compile does.
 
 Progress goes to stderr; the table (markdown) to stdout.
 """
@@ -30,7 +41,10 @@ Progress goes to stderr; the table (markdown) to stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
+import math
 import os
 import resource
 import statistics
@@ -137,6 +151,122 @@ def child(model_name: str, backend: str, hits: int) -> dict:
     return {"first_s": first_s, **{name: statistics.median(values) for name, values in per_call.items() if values}}
 
 
+# ---------------------------------------------------------------- hot loop (child process)
+
+
+def best_per_call(function, batches: int, calls: int) -> float:
+    """Thread CPU seconds per call of ``function``: the best batch's mean (the garbage collector off while timing:
+    its pauses belong to whichever call triggers them)."""
+    best = math.inf
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(batches):
+            start = time.thread_time()
+            for _ in range(calls):
+                function()
+            best = min(best, (time.thread_time() - start) / calls)
+    finally:
+        gc.enable()
+    return best
+
+
+def record_then_replay_launches():
+    """Record each kernel's launches on the simulator; the returned function switches to replaying the last one
+    (its outputs and report) without simulating, so a hot loop times our dispatch and not the kernels."""
+    from neuron_compile.runtime import launcher
+
+    recorded: dict[int, tuple] = {}
+    simulate = launcher.SimulatorLauncher.launch
+
+    def recording(self, kernel, tensors):
+        recorded[id(kernel)] = result = simulate(self, kernel, tensors)
+        return result
+
+    def replaying(self, kernel, tensors):
+        return recorded[id(kernel)]
+
+    launcher.SimulatorLauncher.launch = recording
+    return lambda: setattr(launcher.SimulatorLauncher, "launch", replaying)
+
+
+@contextlib.contextmanager
+def captured_graph_calls():
+    """Yields a list that collects each ``CompiledGraph`` call inside the block as (graph, its arguments)."""
+    from neuron_compile.runtime import compiled_graph
+
+    calls: list = []
+    dispatch = compiled_graph.CompiledGraph.__call__
+
+    def capturing(self, args):
+        calls.append((self, list(args)))
+        return dispatch(self, args)
+
+    compiled_graph.CompiledGraph.__call__ = capturing
+    try:
+        yield calls
+    finally:
+        compiled_graph.CompiledGraph.__call__ = dispatch
+
+
+def replayed_pass_through():
+    """A pass-through backend (aot_autograd as aot_eager sets it up) whose compiled graph runs its ATen ops once
+    and then returns those outputs on every call: Dynamo's and aot_autograd's cost around a graph costing nothing."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def replaying_compiler(graph, example_inputs):
+        first: list = []
+
+        def run(args):
+            if not first:
+                first.append(graph(*args))
+            return first[0]
+
+        run._boxed_call = True
+        return run
+
+    return aot_autograd(fw_compiler=replaying_compiler, inference_compiler=replaying_compiler,
+                        partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
+
+
+def hot_calls(model_name: str, backend):
+    """The calls one hot-loop step makes: ``[(callable, args)]``. ``flux2``: two Flux blocks of one class called in
+    turn through one compiled function, as diffusers' regional compile calls each block (figures per call)."""
+    import torch
+
+    if model_name != "flux2":
+        model, inputs = {"llama": build_llama, "flux": build_flux}[model_name]()
+        return [(torch.compile(model, backend=backend), inputs)]
+    (first, inputs), (second, _) = build_flux(), build_flux()
+    compiled = torch.compile(lambda block, *arguments: block(*arguments), backend=backend)
+    return [(compiled, (first, *inputs)), (compiled, (second, *inputs))]
+
+
+def hot_child(model_name: str, backend: str, batches: int, calls: int) -> dict:
+    """One process: compile, warm up, then per-call thread CPU of a hit in a hot loop (see the module docstring)."""
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    replay = record_then_replay_launches() if backend == "neuron" else None
+    steps = hot_calls(model_name, replayed_pass_through() if backend == "pass-through" else backend)
+    figures = {}
+    with torch.no_grad():
+        for compiled, inputs in steps:
+            compiled(*inputs)  # compiles
+        with captured_graph_calls() as graph_calls:
+            for compiled, inputs in steps:
+                compiled(*inputs)  # a hit, simulated: its launches are the ones replayed below
+        if replay is not None:
+            replay()
+            figures["ours_s"] = best_per_call(
+                lambda: [graph(list(args)) for graph, args in graph_calls], batches, calls) / len(steps)
+        figures["call_s"] = best_per_call(
+            lambda: [compiled(*inputs) for compiled, inputs in steps], batches, calls) / len(steps)
+    return figures
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -172,6 +302,41 @@ def measure(model_name: str, backend: str, hits: int, warm_runs: int = 1) -> dic
     }
 
 
+HOT_BACKENDS = ("neuron", "pass-through", "aot_eager")
+
+
+def measure_hot(model_name: str, batches: int, calls: int, backends=HOT_BACKENDS) -> dict:
+    """Per backend of ``backends``, a hot-loop child's figures (each its own process, caches off)."""
+    env = dict(os.environ, NEURON_COMPILE_CACHE="off")
+    figures = {}
+    for backend in backends:
+        log(f"{model_name} / {backend}: hot loop ...")
+        command = [sys.executable, os.path.abspath(__file__), "--hot-child", model_name, backend,
+                   "--batches", str(batches), "--calls", str(calls)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{model_name}/{backend} hot child failed:\n{done.stderr[-3000:]}")
+        figures[backend] = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def format_hot_table(rows: dict) -> str:
+    lines = ["| model | ours us | neuron whole call us | pass-through whole call us | neuron - pass-through us | "
+             "aot_eager whole call us |", "|---|---:|---:|---:|---:|---:|"]
+
+    def shown(figures: dict, backend: str, name: str) -> str:
+        return f"{figures[backend][name] * 1e6:.1f}" if backend in figures else "-"
+
+    for model_name, figures in rows.items():
+        difference = "-"
+        if {"neuron", "pass-through"} <= set(figures):
+            difference = f"{(figures['neuron']['call_s'] - figures['pass-through']['call_s']) * 1e6:.1f}"
+        lines.append(f"| {model_name} | {shown(figures, 'neuron', 'ours_s')} | {shown(figures, 'neuron', 'call_s')} | "
+                     f"{shown(figures, 'pass-through', 'call_s')} | {difference} | "
+                     f"{shown(figures, 'aot_eager', 'call_s')} |")
+    return "\n".join(lines)
+
+
 def format_table(rows: dict) -> str:
     lines = ["| model | backend | cold compile s | warm start s | per call ms | in kernels ms | dispatch us | "
              "lookup us |", "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -190,16 +355,31 @@ def format_table(rows: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default=",".join(MODELS), help="comma-separated models: llama, flux")
+    parser.add_argument("--only", default=",".join(MODELS),
+                        help="comma-separated models: llama, flux (with --hot also flux2: two blocks in turn)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: neuron, inductor")
     parser.add_argument("--hits", type=int, default=5, help="hit calls timed per model (median)")
     parser.add_argument("--warm-runs", type=int, default=1,
                         help="warm starts per model and backend, each a new process (median): one is noisy on a "
                              "shared machine")
+    parser.add_argument("--hot", action="store_true", help="time a hit in a hot loop, the simulation replayed")
+    parser.add_argument("--batches", type=int, default=15, help="--hot: batches timed (the best one counts)")
+    parser.add_argument("--calls", type=int, default=200, help="--hot: calls per batch")
+    parser.add_argument("--hot-backends", default=",".join(HOT_BACKENDS), help="--hot: comma-separated, of "
+                        + ", ".join(HOT_BACKENDS))
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
+    parser.add_argument("--hot-child", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(*args.child, args.hits)))
+        return 0
+    if args.hot_child:
+        print(json.dumps(hot_child(*args.hot_child, args.batches, args.calls)))
+        return 0
+    if args.hot:
+        backends = args.hot_backends.split(",")
+        print(format_hot_table({name: measure_hot(name, args.batches, args.calls, backends)
+                                for name in args.only.split(",")}))
         return 0
     rows: dict[str, dict] = {}
     for model_name in args.only.split(","):

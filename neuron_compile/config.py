@@ -246,7 +246,7 @@ def _environment_fingerprint() -> tuple:
 def get(options: Mapping[str, object] | tuple = ()) -> Config:
     """The current configuration: the environment, then any active ``patch()`` blocks, innermost last, then
     ``options`` (torch.compile's; a mapping, or its items as a tuple). Memoized (see the module docstring)."""
-    items = tuple(options.items()) if isinstance(options, Mapping) else options
+    items = options if isinstance(options, tuple) else tuple(options.items())  # not Mapping's slower ABC check
     key = (_environment_fingerprint(), tuple(_override_stack()), items)
     try:
         return _memo[key]

@@ -139,20 +139,20 @@ def test_trusted_inputs_are_not_read_again_and_the_others_still_are():
 
 
 def _top_graph(with_resize: bool) -> tuple[torch.fx.GraphModule, torch.fx.Node]:
-    """placeholders x, w; an eager sort of x; a region reading (sorted x, w, x)."""
+    """placeholders x, w; an eager sort of x; a region reading (sorted x, w, x, a constant of the graph)."""
     graph = torch.fx.Graph()
     x, w = graph.placeholder("x"), graph.placeholder("w")
     if with_resize:
         graph.call_function(aten.resize_.default, (x, [4]))
     values = graph.call_function(operator.getitem, (graph.call_function(aten.sort.default, (x,)), 0))
-    region = graph.call_module("nki_region_0", (values, w, x))
+    region = graph.call_module("nki_region_0", (values, w, x, graph.get_attr("constant")))
     graph.output(region)
-    return torch.fx.GraphModule({"nki_region_0": torch.nn.Identity()}, graph), region
+    return torch.fx.GraphModule({"nki_region_0": torch.nn.Identity(), "constant": torch.zeros(0)}, graph), region
 
 
-def test_only_graph_inputs_are_held_by_the_dispatch_key():
+def test_graph_inputs_and_constants_are_fixed_for_a_key():
     top, region = _top_graph(with_resize=False)
-    assert compiled_graph.dispatch_keyed_inputs(top, region) == [1, 2]  # not the eager sort's output
+    assert compiled_graph.dispatch_keyed_inputs(top, region) == [1, 2, 3]  # not the eager sort's output
     top, region = _top_graph(with_resize=True)  # an eager op may change an input's metadata: trust nothing
     assert compiled_graph.dispatch_keyed_inputs(top, region) == []
 
@@ -261,3 +261,64 @@ def test_empty_inputs_keep_one_view_per_dtype():
     assert views.view(0, torch.empty(0, 3), slot) is first  # nothing is read: any empty view serves
     other = views.view(0, torch.empty(0, dtype=torch.bfloat16), slot)
     assert other is not first and other.dtype == torch.bfloat16 and other.numel() == 0
+
+
+def _concatenated(x, e):
+    return aten.cat.default([x, e]),
+
+
+def test_an_empty_input_kept_by_identity_is_still_checked_for_its_dtype():
+    x, empty = torch.randn(4, 16), torch.empty(0, 16)
+    region = _region(_concatenated, x, empty)
+    for _ in range(2):  # the second call serves the empty input's view by identity
+        torch.testing.assert_close(region(x, empty)[0], x)
+    empty.data = torch.empty(0, 16, dtype=torch.bfloat16)  # the same object, another dtype
+    with pytest.raises(LoweringError, match="compiled for dtype"):  # refused before any view is taken
+        region(x, empty)
+
+
+def _two_halves(x):
+    doubled = aten.mul.Tensor(x, 2.0)
+    return aten.slice.Tensor(doubled, 0, 0, 2), aten.slice.Tensor(doubled, 0, 2, 4)
+
+
+def test_outputs_of_one_buffer_do_not_share_a_version_counter():
+    """An in-place op on one must not count as one on the other (autograd would refuse a saved one)."""
+    x = torch.randn(4, 16)
+    region = _region(_two_halves, x)
+    for _ in range(2):
+        first, second = region(x)
+        assert first._is_view() is False and second._is_view() is False
+        assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+        before = second._version
+        first.add_(1.0)
+        assert second._version == before
+        torch.testing.assert_close(second, x[2:] * 2)
+
+
+def test_the_only_output_of_its_buffer_is_no_view_and_owns_its_memory_apart_from_the_next_call():
+    x = torch.randn(4, 16)
+    region = _region(lambda a: (aten.mul.Tensor(a, 3.0),), x)
+    outputs = [region(x)[0] for _ in range(3)]
+    for out in outputs:
+        assert out._is_view() is False and out.shape == (4, 16)
+    assert len({out.untyped_storage().data_ptr() for out in outputs}) == 3
+    outputs[0].resize_(100)  # eager's outputs can be resized and written; the later ones are unaffected
+    outputs[1].mul_(0)
+    torch.testing.assert_close(outputs[2], x * 3)
+
+
+def test_deferred_counts_are_added_when_read_and_dropped_by_a_reset(monkeypatch):
+    neuron_compile.reset_stats()
+    stats_module = compiled_graph.stats
+    stats_module.count_hit()
+    stats_module.count_launch("kernel", None)
+    assert neuron_compile.stats()["cache_hits"] == 1 and neuron_compile.stats()["kernels_launched"] == 1
+    stats_module.count_hit()
+    neuron_compile.reset_stats()  # a hit counted before the reset belongs before it
+    assert neuron_compile.stats()["cache_hits"] == 0
+    monkeypatch.setattr(stats_module, "DEFERRED_KEPT", 3)
+    for _ in range(3):
+        stats_module.count_hit()
+    assert stats_module.pending() == 0  # folded at the bound, not kept until read
+    assert neuron_compile.stats()["cache_hits"] == 3

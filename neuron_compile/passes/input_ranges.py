@@ -43,6 +43,8 @@ GUARDED_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8
 GUARDED_INTERVAL = Interval(-float(GUARD_BOUND), float(GUARD_BOUND))
 # Float inputs: finite values within +-2**k for the smallest k >= 0 that holds them, up to 2**20; beyond, unbounded.
 FLOAT_GUARD_MAX = 2.0**20
+# The bound of each class, made once: a caller may compare the bounds of two calls by identity.
+FLOAT_BOUNDS = {exponent: Interval(-2.0**exponent, 2.0**exponent) for exponent in range(21)}
 GUARDED_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The ops whose argument's range decides the code lowered for them (the trigonometry's argument reduction).
 RANGE_CONSUMERS = (torch.ops.aten.sin.default, torch.ops.aten.cos.default)
@@ -56,12 +58,21 @@ def guard_bound(value) -> Interval | None:
 
     Fake and meta tensors (no values), sparse ones (no cheap minimum and maximum) and empty tensors (no values to
     bound) give None."""
-    if not _checkable(value, GUARDED_DTYPES):
-        return None
-    low, high = torch.aminmax(value.detach())
+    return integer_values_bound(value) if _checkable(value, GUARDED_DTYPES) else None
+
+
+def integer_values_bound(tensor: torch.Tensor) -> Interval | None:
+    """``guard_bound`` of a tensor known to be one it checks (``guard_reads_values``): one ``aminmax``."""
+    low, high = torch.aminmax(tensor.detach() if tensor.requires_grad else tensor)
     if -GUARD_BOUND <= int(low) and int(high) <= GUARD_BOUND:
         return GUARDED_INTERVAL
     return None
+
+
+def guard_reads_values(value, float_guard: bool = False) -> bool:
+    """Whether ``guard_bound`` (``guard_float_bound`` with ``float_guard``) reads ``value``'s values: a tensor's
+    type, dtype, layout, device and size decide it, so a caller that knows them unchanged knows the answer."""
+    return _checkable(value, GUARDED_FLOAT_DTYPES if float_guard else GUARDED_DTYPES)
 
 
 def _checkable(value, dtypes) -> bool:
@@ -76,16 +87,19 @@ def _checkable(value, dtypes) -> bool:
 def guard_float_bound(value) -> Interval | None:
     """``Interval(-2**k, 2**k)`` for the smallest ``k >= 0`` holding every value of a small float tensor, if all are
     finite and ``2**k <= FLOAT_GUARD_MAX``; None otherwise (and for what ``guard_bound`` also refuses)."""
-    if not _checkable(value, GUARDED_FLOAT_DTYPES):
-        return None
-    low, high = torch.aminmax(value.detach())  # one op: this runs on every call of the graph
+    return float_values_bound(value) if _checkable(value, GUARDED_FLOAT_DTYPES) else None
+
+
+def float_values_bound(tensor: torch.Tensor) -> Interval | None:
+    """``guard_float_bound`` of a tensor known to be one it checks (``guard_reads_values``): one ``aminmax``."""
+    # one op: this runs on every call of the graph
+    low, high = torch.aminmax(tensor.detach() if tensor.requires_grad else tensor)
     magnitude = max(-float(low), float(high))
     if math.isnan(magnitude):  # max() of a nan and a number may pick the number: refuse nan explicitly
         return None
     if not magnitude <= FLOAT_GUARD_MAX:
         return None
-    bound = 2.0 ** max(0, math.ceil(math.log2(magnitude))) if magnitude > 0 else 1.0
-    return Interval(-bound, bound)
+    return FLOAT_BOUNDS[max(0, math.ceil(math.log2(magnitude))) if magnitude > 0 else 0]
 
 
 def range_guarded_floats(gm: torch.fx.GraphModule) -> frozenset[int]:

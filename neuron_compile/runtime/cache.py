@@ -76,9 +76,14 @@ def dispatch_signature(args: Sequence[object], float_guarded: frozenset[int] = f
     return tuple([
         (arg.shape, arg.stride(), arg.storage_offset(), arg.dtype, arg.device, _bound(arg, position in float_guarded))
         if isinstance(arg, torch.Tensor)
-        else (type(arg), arg if isinstance(arg, bool | int | float) else repr(arg))
+        else (type(arg), scalar_value(arg))
         for position, arg in enumerate(args)
     ])
+
+
+def scalar_value(arg):
+    """A non-tensor argument as the dispatch key compares it: numbers by value, anything else by its repr."""
+    return arg if isinstance(arg, bool | int | float) else repr(arg)
 
 
 def _bound(tensor: torch.Tensor, float_guard: bool):

@@ -5,9 +5,10 @@ compile options. Output: ``CompiledGraph``, a boxed callable (``fn(args: list) -
 looks up the call's ``GraphKey`` (graph hash, argument shapes / strides / dtypes, config) and on a miss
 specializes the graph to the call's shapes, partitions it into NKI regions and eager nodes, compiles each
 region with ``pipeline.compile_region`` (the passes are ``pipeline.PASSES``) and keeps the result; later calls
-with the same signature reuse it. A region that cannot be compiled (or fails when it runs) follows
-``Config.fallback``: ``warn`` runs it eagerly with a ``NeuronCompileWarning``, ``silent`` runs it eagerly,
-``raise`` raises ``NeuronCompileError``.
+with the same signature reuse it, and a call with the key of the previous one does not even build it (the hit
+plan, runtime/hit_plan.py, checks the same parts without it). A region that cannot be compiled (or fails when it
+runs) follows ``Config.fallback``: ``warn`` runs it eagerly with a ``NeuronCompileWarning``, ``silent`` runs it
+eagerly, ``raise`` raises ``NeuronCompileError``.
 
 Every compile leaves a ``CompiledGraphRecord`` (ATen graph, partition report, kernel sources) that
 ``neuron_compile.last_compiled()`` returns. With a dump folder (``NEURON_COMPILE_DUMP``), the record is written
@@ -47,6 +48,7 @@ from neuron_compile.runtime.cache import (
     graph_hash,
     signature_of,
 )
+from neuron_compile.runtime.hit_plan import HitPlan
 from neuron_compile.runtime.launch_plan import INT32_RANGE
 
 log = logging.getLogger(__name__)
@@ -204,15 +206,19 @@ class RegionModule(torch.nn.Module):
             record,
         )
         self.node_ops = [placement.op for placement in record.report.regions[name]]  # one entry per node
-        self.costs_dumped = False  # with a dump folder: whether the first launch's cost reports were written
+        # Whether the first launch's cost reports are still to be written: with a dump folder or a structured trace
+        # (decided with the record's pass dumps, at compile time)
+        self.costs_pending = bool(record.key.config.dump_dir) or trace_artifacts.enabled()
         # Whether the outputs' shapes and dtypes were checked once and are fixed by the region's launch plan (a
         # CompiledRegion's are: its layouts and dtypes are constants), so later calls need not check them again.
         self.outputs_checked = False
 
     def __call__(self, *tensors):
-        # Straight to forward: nothing registers hooks on this internal module, and nn.Module's hook dispatch
-        # would cost every call.
-        return self.forward(*tensors)
+        # Not nn.Module's: nothing registers hooks on this internal module, and its hook dispatch would cost every
+        # call.
+        if self.costs_pending:
+            return self.forward(*tensors)
+        return self.run(*tensors)
 
     def _check(self, outputs) -> None:
         _check_outputs(outputs, self.expected, self.region_name)
@@ -221,9 +227,9 @@ class RegionModule(torch.nn.Module):
     def forward(self, *tensors):
         if self.compiled is None:
             return self.eager(*tensors)
-        if not self.costs_dumped and (self.record.key.config.dump_dir or trace_artifacts.enabled()):
+        if self.costs_pending:
             dump_dir = self.record.key.config.dump_dir
-            self.costs_dumped = True  # the first launch's reports: later launches of a kernel cost the same
+            self.costs_pending = False  # the first launch's reports: later launches of a kernel cost the same
             with stats.record_launches() as launches:
                 outputs = self.run(*tensors)
             mine = {kernel.name for kernel in [*self.record.kernels, *self.record.region_kernels]
@@ -283,14 +289,15 @@ def kernel_records(region_name: str, region, launched: bool = False) -> list[Ker
 
 
 def dispatch_keyed_inputs(top: torch.fx.GraphModule, region_node: torch.fx.Node) -> list[int]:
-    """The positions of a region's inputs that are graph inputs, whose shape, strides, storage offset and dtype the
-    graph's dispatch key holds (``dispatch_signature``): a region compiled for that key sees them unchanged. An
-    input an eager node made is not held by the key (an eager op's output shape may depend on values), and none is
-    when an eager op of the graph may change a tensor's metadata in place (``resize_``; ``copy_`` writes data only)."""
+    """The positions of a region's inputs whose shape, strides, storage offset and dtype are the same on every call
+    of a graph compiled for one key: graph inputs (the dispatch key holds them: ``dispatch_signature``) and the
+    graph's own constants (``get_attr``: one tensor object, ours, on every call). An input an eager node made is
+    not fixed (an eager op's output shape may depend on values), and none is when an eager op of the graph may
+    change a tensor's metadata in place (``resize_``; ``copy_`` writes data only)."""
     if _writes_in_place(top, except_copies=True):
         return []
     return [index for index, arg in enumerate(region_node.args)
-            if isinstance(arg, torch.fx.Node) and arg.op == "placeholder"]
+            if isinstance(arg, torch.fx.Node) and arg.op in ("placeholder", "get_attr")]
 
 
 def int32_bounded_inputs(top: torch.fx.GraphModule, region_node: torch.fx.Node) -> list[int]:
@@ -382,12 +389,22 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
                 record.fusion_decisions[name] = [str(decision) for decision in decisions]
         setattr(top, name, RegionModule(name, region, submodule, expected, record))
     top.recompile()
+    _read_attributes_directly(top)
     with _records_lock:
         _records.append(record)
     if config.dump_dir:
         log.info("neuron_compile: dumped the %s graph to %s", kind, dump_record(record, config.dump_dir))
     trace_artifacts.emit_record(record, compile_events.compile_id_of(dynamo_graph))
     return top
+
+
+def _read_attributes_directly(top: torch.fx.GraphModule) -> None:
+    """Put the regions and constants ``top``'s code reads (``self.nki_region_0``, ``self._tensor_constant0``) in its
+    instance dict too, where an attribute read finds them before ``nn.Module.__getattr__`` (a microsecond a read,
+    on every call); they stay registered as submodules and buffers, and nothing assigns them again."""
+    for node in top.graph.nodes:
+        if node.op in ("call_module", "get_attr") and "." not in node.target:
+            top.__dict__[node.target] = getattr(top, node.target)
 
 
 def _compile_or_fall_back(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str,
@@ -436,6 +453,8 @@ class CompiledGraph:
         self.cache: DispatchCache[torch.fx.GraphModule] = DispatchCache()
         self._warned_recompiles = False
         self._bucket_plans: dict[int, BucketPlan] = {}
+        # What the last call through the key proved (runtime/hit_plan.py): the next call like it skips the key.
+        self.hit_plan: HitPlan | None = None
 
     def lookup(self, config: Config, args: list) -> tuple[tuple, torch.fx.GraphModule | None]:
         """The hit path: this call's dispatch key (the config and ``dispatch_signature``) and the graph compiled
@@ -445,14 +464,24 @@ class CompiledGraph:
 
     def __call__(self, args: list):
         config = config_module.get(self.option_items)  # once per call
+        hit = self.hit_plan
+        if hit is not None and hit.config is config:
+            arguments = hit.arguments(args)  # None unless the call has the key of the plan's call
+            if arguments is not None:
+                stats.count_hit()
+                return hit.entry.forward(*arguments)
+        given = args
         if self.column_major and config.transposed_weights:
             args = weight_layouts.COPIES.apply(args, self.column_major)
-        plan = self.bucket_plan(config.bucket)
-        if plan is None or not plan.active:
-            return self._run(config, args, plan)  # a declined plan: its reasons go to the record
-        sizes = plan.sizes(args)
-        outputs = self._run(config, plan.pad(args, sizes), plan)
-        return type(outputs)(plan.unpad(outputs, sizes))
+        bucket = self.bucket_plan(config.bucket)
+        if bucket is None or not bucket.active:  # a declined plan: its reasons go to the record
+            compiled = self._entry(config, args, bucket)
+            self.hit_plan = HitPlan.of(config, given, args, compiled, self.float_guarded)
+            return compiled.forward(*args)
+        sizes = bucket.sizes(args)
+        padded = bucket.pad(args, sizes)
+        outputs = self._entry(config, padded, bucket).forward(*padded)
+        return type(outputs)(bucket.unpad(outputs, sizes))
 
     def bucket_plan(self, multiple: int) -> BucketPlan | None:
         """With Config.bucket, which sizes of this graph are padded (inference graphs with SymInts only: a
@@ -464,15 +493,15 @@ class CompiledGraph:
             bucket_log.info("the %s graph %s: %s", self.kind, self.graph_hash, plan.describe())
         return self._bucket_plans[multiple]
 
-    def _run(self, config: Config, args: list, plan: BucketPlan | None = None):
+    def _entry(self, config: Config, args: list, plan: BucketPlan | None = None) -> torch.fx.GraphModule:
+        """The graph compiled for this call's key, compiled now on a miss. The caller calls its ``forward``, not
+        ``__call__``: GraphModule's call wrapper and nn.Module's hook dispatch cost every hit, and no hook is ever
+        registered on this graph of ours."""
         key, compiled = self.lookup(config, args)
         if compiled is None:
-            compiled = self._compile(key, args, plan.describe() if plan is not None else "")
-        else:
-            stats.add(cache_hits=1)
-        # forward, not __call__: GraphModule's call wrapper and nn.Module's hook dispatch cost every hit, and no
-        # hook is ever registered on this graph of ours
-        return compiled.forward(*args)
+            return self._compile(key, args, plan.describe() if plan is not None else "")
+        stats.count_hit()
+        return compiled
 
     def _compile(self, key: tuple, args: list, bucketing: str = "") -> torch.fx.GraphModule:
         """A miss: compile for this signature (once, when threads race), with the readable GraphKey recorded."""
@@ -488,7 +517,7 @@ class CompiledGraph:
                       _describe_signature(graph_key))
             self._warn_on_recompile_storm(config)
         else:
-            stats.add(cache_hits=1)
+            stats.count_hit()
         return compiled
 
     def _warn_on_recompile_storm(self, config: Config) -> None:

@@ -24,24 +24,24 @@ from neuron_compile import ir
 from neuron_compile.codegen.render import KernelSource
 from neuron_compile.lowering import SUPPORTED_DTYPES, LoweringError
 from neuron_compile.runtime import stats
-from neuron_compile.runtime.launch_plan import (
-    StableViews,
-    ValidatedSignatures,
-    flat_argument,
-    input_signature,
-    launch_plan,
-)
+from neuron_compile.runtime.launch_plan import StableViews, ValidatedSignatures, input_signature, launch_plan
 from neuron_compile.runtime.launcher import TORCH_DTYPES, Launcher, LoadedKernel, select_launcher
 
-def output_tensor(written: torch.Tensor, layout: ir.Layout) -> torch.Tensor:
+def output_tensor(written: torch.Tensor, layout: ir.Layout, alone: bool = False) -> torch.Tensor:
     """A graph output read from a kernel-written buffer (``written``: flat, torch-allocated, resizable): an
     ordinary tensor over that buffer's storage with eager's shape, strides and offset, which autograd does not
     see as a view. An ``as_strided`` view here would be an output of the autograd Function aot_autograd wraps
     the graph in that is a view, and autograd forbids in-place ops on those ("Output 0 of CompiledFunction is a
     view and is being modified inplace"), which eager allows: the Trainer's ``loss *= scale``. Outputs read
     from one buffer share its storage, as eager's views of one intermediate do (aot_autograd regenerates those
-    aliases itself); no other output shares it."""
+    aliases itself); no other output shares it.
+
+    The only output of its buffer (``alone``) is ``written``'s detached alias restrided in place: not a view
+    either, and cheaper than a new tensor ``set_`` to the storage, but it shares ``written``'s version counter,
+    which two outputs of one buffer must not share (an in-place op on one would count as one on the other)."""
     offset = written.storage_offset() + layout.offset
+    if alone:
+        return written.detach().as_strided_(layout.shape, layout.strides, offset)
     return written.new_empty((0,)).set_(written.untyped_storage(), offset, layout.shape, layout.strides)
 
 
@@ -81,6 +81,8 @@ class CompiledRegion:
         # but those a caller's dispatch key fixes (``trust_inputs``).
         self.checked_inputs: tuple[int, ...] = tuple(range(len(self.inputs)))
         self.outputs_planned = True  # every call's outputs have the plan's shapes and dtypes (RegionModule)
+        self.input_positions = {buffer.name: index for index, buffer in enumerate(self.inputs)}
+        self.maybe_complex: tuple[int, ...] | None = None  # the inputs that may be complex64 (``_real_pairs``)
 
     def trust_inputs(self, positions) -> None:
         """The caller's dispatch key holds the shape, strides, storage offset and dtype of the inputs at
@@ -88,6 +90,7 @@ class CompiledRegion:
         other inputs. The first call of each signature still checks every input."""
         trusted = set(positions)
         self.checked_inputs = tuple(index for index in range(len(self.inputs)) if index not in trusted)
+        self.maybe_complex = None  # found again on the next call
 
     def trust_values(self, positions) -> None:
         """The caller's dispatch key bounds the values of the integer inputs at ``positions`` within int32
@@ -114,39 +117,61 @@ class CompiledRegion:
         plan = self.plan
         if len(tensors) != len(plan.inputs):
             raise LoweringError(f"region expects {len(plan.inputs)} inputs, got {len(tensors)}")
-        # A complex64 input was compiled as its fp32 (real, imaginary) pairs (lowering/registry.py input_layout).
-        tensors = tuple(torch.view_as_real(tensor) if tensor.is_complex() else tensor for tensor in tensors)
-        signature = input_signature([tensors[index] for index in self.checked_inputs])
+        tensors = self._real_pairs(tensors)
+        signature = input_signature([tensors[index] for index in self.checked_inputs]) if self.checked_inputs else ()
         if signature not in self.validated:
             for buffer, tensor in zip(self.inputs, tensors):
                 self._check_input(buffer, tensor)
             self.validated.add(signature)
-        flat: dict[str, torch.Tensor] = {}  # buffer -> flat tensor in the kernel dtype (inputs, kernel outputs)
-        views = self.views
-        for index, (slot, tensor) in enumerate(zip(plan.inputs, tensors)):
-            if slot.narrow_to_int32:  # a converted copy: its values are checked on every call
-                flat[slot.name] = flat_argument(tensor, slot)
-            else:
-                flat[slot.name] = views.view(index, tensor, slot)
-        fill_random_seeds(self.buffers, flat)
-        for kernel, parameters in plan.kernels:
-            self._launch(kernel, [flat[name] if name in flat else self._buffer(name, flat) for name in parameters],
-                         flat)
-        results = self._outputs(tensors, flat)
+        arguments = self.views.arguments(tensors, plan.inputs)
+        written = self._launch_all(arguments)
+        results = self._outputs(tensors, written)
         if validate is not None:
             validate(results)  # before any input is written: a failure here can still fall back eagerly
         for index, buffer, layout in plan.mutations:
             # On the device the kernel's store could target the input's HBM directly; launched kernels return fresh
             # outputs, so the stored view is written into the input tensor here, once every kernel ran.
-            written = self._buffer(buffer, flat)
-            tensors[index].copy_(torch.as_strided(written, layout.shape, layout.strides, layout.offset))
+            tensors[index].copy_(torch.as_strided(self._read(buffer, arguments, written), layout.shape,
+                                                  layout.strides, layout.offset))
         return results
 
-    def _outputs(self, tensors, flat: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def _real_pairs(self, tensors: tuple) -> tuple:
+        """``tensors`` with each complex64 one as its fp32 (real, imaginary) pairs, as it was compiled
+        (lowering/registry.py input_layout). Only the inputs that may be complex are looked at: the trusted ones
+        (``trust_inputs``) keep the dtype they had on the first call."""
+        if self.maybe_complex is None:  # the first call: trusted inputs keep the dtype they have now
+            trusted = set(range(len(tensors))) - set(self.checked_inputs)
+            self.maybe_complex = tuple(index for index, tensor in enumerate(tensors)
+                                       if index not in trusted or tensor.is_complex())
+        for index in self.maybe_complex:
+            if tensors[index].is_complex():
+                return tuple(torch.view_as_real(tensor) if tensor.is_complex() else tensor for tensor in tensors)
+        return tensors
+
+    def _launch_all(self, arguments: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Launch every kernel on the inputs' flat ``arguments``; the buffers they wrote, by name (and the random
+        seeds and never-written buffers read on the way)."""
+        written: dict[str, torch.Tensor] = {}
+        if ir.RANDOM_SEEDS in self.buffers:
+            fill_random_seeds(self.buffers, written)
+        for call in self.plan.kernels:
+            if call.input_positions is not None:
+                taken = [arguments[index] for index in call.input_positions]
+            else:
+                taken = [self._read(name, arguments, written) for name in call.parameters]
+            self._launch(call.kernel, taken, written)
+        return written
+
+    def _read(self, name: str, arguments: list[torch.Tensor], written: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Buffer ``name``'s flat tensor: a region input's argument, or a buffer kernels wrote (``_buffer``)."""
+        position = self.input_positions.get(name)
+        return arguments[position] if position is not None else self._buffer(name, written)
+
+    def _outputs(self, tensors, written: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The graph outputs: views of region inputs as eager's view ops give them, the others over the storage of
         the buffers kernels wrote (one torch tensor per buffer, shared by the outputs it holds)."""
         results = []
-        written: dict[str, torch.Tensor] = {}  # kernel-written buffer -> its flat tensor in the output dtype
+        converted: dict[str, torch.Tensor] = {}  # kernel-written buffer -> its flat tensor in the output dtype
         for slot in self.plan.outputs:
             layout = slot.layout
             if slot.input_index >= 0:
@@ -155,10 +180,13 @@ class CompiledRegion:
                 results.append(torch.as_strided(tensor, layout.shape, layout.strides,
                                                 tensor.storage_offset() + layout.offset))
                 continue
-            if slot.buffer not in written:
-                buffer = self._buffer(slot.buffer, flat)
-                written[slot.buffer] = buffer if buffer.dtype == slot.dtype else buffer.to(slot.dtype)
-            results.append(output_tensor(written[slot.buffer], layout))
+            buffer = converted.get(slot.buffer)
+            if buffer is None:
+                buffer = written.get(slot.buffer)
+                if buffer is None:
+                    buffer = self._buffer(slot.buffer, written)
+                buffer = converted[slot.buffer] = buffer if buffer.dtype == slot.dtype else buffer.to(slot.dtype)
+            results.append(output_tensor(buffer, layout, slot.alone))
         return tuple(results)
 
     @staticmethod
@@ -182,11 +210,11 @@ class CompiledRegion:
                 "dtype differs from the one eager produced)"
             )
 
-    def _launch(self, kernel: LoadedKernel, arguments: list[torch.Tensor], flat: dict[str, torch.Tensor]) -> None:
-        """Launch one kernel through the launcher; its outputs join ``flat``; the launch joins the stats."""
+    def _launch(self, kernel: LoadedKernel, arguments: list[torch.Tensor], written: dict[str, torch.Tensor]) -> None:
+        """Launch one kernel through the launcher; its outputs join ``written``; the launch joins the stats."""
         outputs, report = self.launcher.launch(kernel, arguments)
         for buffer, output in zip(kernel.source.outputs, outputs):
-            flat[buffer.name] = output if output.dim() == 1 else output.reshape(-1)  # launchers return flat buffers
+            written[buffer.name] = output if output.dim() == 1 else output.reshape(-1)  # launchers return flat buffers
         stats.count_launch(kernel.source.name, report, kernel.source)
 
     def _buffer(self, name: str, flat: dict[str, torch.Tensor]) -> torch.Tensor:

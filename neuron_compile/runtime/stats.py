@@ -4,6 +4,9 @@ One process-wide ``Stats`` object. The backend counts graphs, cache hits and mis
 kernels vs eager, with a per-op Counter of fallback reasons); the kernel launcher adds kernels launched and
 the simulator's cost-model figures for every launch. ``reset_stats()`` zeroes everything. ``record_launches()``
 collects each launch's kernel name and cost report inside a ``with`` block (the per-kernel view the sums hide).
+
+What every cache hit counts (the hit, each launch and its report's figures) is deferred: appended to a list (one
+atomic operation in CPython, no lock) and added to the counters when they are read, or when the list grows long.
 """
 
 from __future__ import annotations
@@ -69,6 +72,10 @@ _stats = Stats()
 _recorders: list[list[Launch]] = []
 COUNTS_KEPT = 1024  # launch_counts' memo: reports whose counters are kept
 _counts_by_report: dict[int, tuple[object, tuple]] = {}
+# Counted but not yet added: CACHE_HIT for a hit, a launch's report (or NO_REPORT) for a launch.
+_deferred: list = []
+DEFERRED_KEPT = 4096  # folded into the counters at this length, so an unread process does not grow it
+CACHE_HIT, NO_REPORT = object(), object()
 
 
 def add(**counts) -> None:
@@ -110,24 +117,57 @@ def record_launches() -> Iterator[list[Launch]]:
 
 def snapshot() -> dict:
     with _lock:
+        _fold_deferred()
         return _stats.as_dict()
 
 
 def reset() -> None:
     global _stats
     with _lock:
+        del _deferred[:]  # counted before the reset
         _stats = Stats()
+
+
+def count_hit() -> None:
+    """One cache hit (deferred: see the module docstring)."""
+    _deferred.append(CACHE_HIT)
+    if len(_deferred) >= DEFERRED_KEPT:
+        _fold_now()
 
 
 def count_launch(kernel: str, report: object, source: object = None) -> None:
     """One kernel launch: handed to the recorders, counted, and its cost-model figures summed (a launcher without
-    a cost model, the device, gives no report). One lock per launch: a cache hit calls this for every launch."""
-    add_launch(kernel, report, source)
-    counts = launch_counts(report) if report is not None else ()
+    a cost model, the device, gives no report); deferred, as a cache hit calls this for every launch."""
+    if _recorders:  # read without the lock, as add_launch does
+        add_launch(kernel, report, source)
+    _deferred.append(NO_REPORT if report is None else report)
+    if len(_deferred) >= DEFERRED_KEPT:
+        _fold_now()
+
+
+def pending() -> int:
+    """Hits and launches counted but not yet added to the counters (fewer than ``DEFERRED_KEPT``)."""
+    return len(_deferred)
+
+
+def _fold_now() -> None:
     with _lock:
+        _fold_deferred()
+
+
+def _fold_deferred() -> None:
+    """Add the deferred hits and launches to the counters (the caller holds the lock). Items appended meanwhile
+    by other threads land after the ones taken here and stay for the next fold."""
+    taken = _deferred[:]
+    del _deferred[:len(taken)]
+    for item in taken:
+        if item is CACHE_HIT:
+            _stats.cache_hits += 1
+            continue
         _stats.kernels_launched += 1
-        for name, value in counts:
-            setattr(_stats, name, getattr(_stats, name) + value)
+        if item is not NO_REPORT:
+            for name, value in launch_counts(item):
+                setattr(_stats, name, getattr(_stats, name) + value)
 
 
 def launch_counts(report) -> tuple[tuple[str, int | float], ...]:

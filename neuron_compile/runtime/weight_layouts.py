@@ -6,8 +6,12 @@ innermost (strides (1, rows) for a matrix; a convolution weight's output channel
 compiled for that signature load the weight's transpose with plain DMAs.
 
 A copy is made once per parameter and version: it is keyed by the parameter's identity (weakly, so a freed model
-frees its copies) and checked against the parameter's version counter and storage on every call, so an optimizer
-step, an in-place update (``w.mul_(2)``) or ``w.data = ...`` is seen and the copy remade. Only parameters are
+frees its copies) and checked against the parameter's version counter, data pointer, shape, strides and storage
+offset on every call, so an optimizer step, an in-place update (``w.mul_(2)``) or ``w.data = ...`` (even a view of
+the same memory with other strides, which keeps the data pointer and the version) is seen and the copy remade. What
+no counter shows is not seen: a write through ``w.data`` (``w.data.mul_(2)``) leaves ``w``'s version unchanged, so
+the copy keeps the old values; update weights in place under ``torch.no_grad()`` instead, or set
+``NEURON_COMPILE_TRANSPOSED_WEIGHTS=0``. Only parameters are
 copied: an activation is a new tensor on every call, and copying it would cost a transpose per call. Only inference
 graphs use copies (see CompiledGraph): a training step changes every weight, and the copy would then be remade by
 the host on every step, a cost our device estimate would not show. The price is memory: one more copy of each such
@@ -26,20 +30,22 @@ from neuron_compile.runtime import stats
 
 
 class ColumnMajorCopies:
-    """Parameter -> (version, data pointer, its column-major copy); thread-safe.
+    """Parameter -> (its stamp: version, data pointer and metadata; its column-major copy); thread-safe.
 
     Keyed by ``id`` in a plain dict, with a weak reference that tells the parameter apart from a later object of
     the same id and drops the entry when the parameter dies: torch's ``WeakIdKeyDictionary`` makes a weak reference
     on every lookup, and a cache hit looks up every transposed weight of the graph."""
 
     def __init__(self):
-        self._copies: dict[int, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}
+        self._copies: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
+        # every live copy, by id (``owns``; not a WeakSet: it compares members with ``==``, elementwise for tensors)
+        self._made: dict[int, weakref.ref] = {}
         # Reentrant: a parameter may die (and _forget run) in a garbage collection inside the locked section.
         self._lock = threading.RLock()
 
     def copy_of(self, weight: torch.nn.Parameter) -> torch.Tensor:
         """``weight``'s column-major copy, made now if the weight changed since the last one."""
-        stamp = (weight._version, weight.data_ptr())
+        stamp = (weight._version, weight.data_ptr(), weight.shape, weight.stride(), weight.storage_offset())
         entry = self._copies.get(id(weight))
         if entry is not None and entry[0]() is weight and entry[1] == stamp:
             return entry[2]
@@ -50,6 +56,7 @@ class ColumnMajorCopies:
                     copy = weight.detach().movedim(0, -1).contiguous().movedim(-1, 0)
                 forget = functools.partial(self._forget, id(weight))
                 entry = self._copies[id(weight)] = (weakref.ref(weight, forget), stamp, copy)
+                self._made[id(copy)] = weakref.ref(copy, functools.partial(self._forget_copy, id(copy)))
                 stats.add(weight_copies=1, weight_copy_bytes=copy.numel() * copy.element_size())
         return entry[2]
 
@@ -59,6 +66,18 @@ class ColumnMajorCopies:
             entry = self._copies.get(key)
             if entry is not None and entry[0] is dead:
                 del self._copies[key]
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a copy made here: only ever read (a graph that writes a weight gets no copy of it,
+        passes/layouts.py), over a storage of its own that nothing resizes, so one object is one memory."""
+        made = self._made.get(id(tensor))
+        return made is not None and made() is tensor
+
+    def _forget_copy(self, key: int, dead: weakref.ref) -> None:
+        """A copy died: forget it (unless a new copy of the same id has taken the entry since)."""
+        with self._lock:
+            if self._made.get(key) is dead:
+                del self._made[key]
 
     def apply(self, args: list, indices: tuple[int, ...]) -> list:
         """``args`` with the parameters at ``indices`` replaced by their copies (a new list; ``args`` unchanged)."""
@@ -74,3 +93,44 @@ class ColumnMajorCopies:
 
 
 COPIES = ColumnMajorCopies()  # one per process: a weight shared by several graphs has one copy
+KEPT_PER_POSITION = 64  # weights a hit plan keeps the copies of, per argument position
+
+
+class KeptCopies:
+    """The copies calls swapped in, by argument position, for a hit plan (runtime/hit_plan.py) to reuse: a kept copy
+    serves a later call while its weight is the same parameter object with the same version counter and data
+    pointer, and its metadata is unchanged (which the plan checks first: the copy follows from the weight's metadata
+    and values); otherwise ``copies.copy_of`` answers, and its copy is kept too. Up to ``KEPT_PER_POSITION`` weights
+    per position (diffusers' regional compile calls one graph with each block's weights in turn). Weights and copies
+    are held weakly: a plan must not keep a freed model's weights or copies alive."""
+
+    def __init__(self, args: list, swapped: list, copies: ColumnMajorCopies = COPIES):
+        self.copies = copies
+        # per swapped position: (position, {id(weight): (weak reference to the weight, its version, its data
+        # pointer, weak reference to the copy)})
+        self.kept = [(position, {id(args[position]): self.stamp(args[position], swapped[position])})
+                     for position in range(len(args)) if swapped[position] is not args[position]]
+
+    @staticmethod
+    def stamp(weight: torch.Tensor, copy: torch.Tensor) -> tuple:
+        return weakref.ref(weight), weight._version, weight.data_ptr(), weakref.ref(copy)
+
+    def apply(self, args: list) -> list:
+        """``args`` with the kept positions' copies swapped in (``args`` itself when no position is kept)."""
+        if not self.kept:
+            return args
+        swapped = list(args)
+        for position, kept in self.kept:
+            weight = args[position]
+            entry = kept.get(id(weight))
+            copy = None
+            if entry is not None and entry[0]() is weight and weight._version == entry[1] \
+                    and weight.data_ptr() == entry[2]:
+                copy = entry[3]()
+            if copy is None:
+                copy = self.copies.copy_of(weight)
+                if len(kept) >= KEPT_PER_POSITION:
+                    kept.clear()
+                kept[id(weight)] = self.stamp(weight, copy)
+            swapped[position] = copy
+        return swapped

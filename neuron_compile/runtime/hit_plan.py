@@ -1,0 +1,96 @@
+"""Runtime stage: a compiled graph's hit plan, what one call proved about the calls that follow it.
+
+Input: one call of a ``CompiledGraph`` (runtime/compiled_graph.py): its arguments (aot_autograd's list) as given and
+with the column-major weight copies swapped in (runtime/weight_layouts.py), the config, the compiled entry its
+dispatch key found, and the positions of the value-guarded float inputs. Output: a ``HitPlan`` whose
+``arguments(args)`` tells whether a later call has the same dispatch key (``runtime/cache.dispatch_signature``)
+without building or hashing it, and then returns the arguments to call the entry with; None otherwise, and the
+caller builds the key and looks it up as before. The plan only skips work; it never picks an entry the key would
+not pick.
+
+How the plan checks each part of the key, on the arguments as given:
+
+* every tensor's shape, strides, dtype and device: one C++ call over all of them, torch's tensor-match check
+  (``TensorGuards``: the exact Python type, dispatch keys (device type, conjugate / negative bits), dtype, device
+  index, requires_grad, sizes and strides; a call where one tensor fills two positions fails it); storage offsets:
+  one list compare;
+* every other argument: its type and value;
+* the value bounds of the small integer tensors and the guarded float inputs (passes/input_ranges.py): recomputed
+  on every call, since values change without any metadata changing; a tensor the guard does not read (too large,
+  another dtype) keeps its "no bound" with its metadata;
+* the weight copies: a copy's metadata follows from its weight's (the same shape, dtype and device, column-major
+  strides, offset 0), checked above, so the copies' part of the key holds too; the copy itself is reused while its
+  weight is the same object with the same version and data pointer (``KeptCopies``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from neuron_compile.config import Config
+from neuron_compile.passes.input_ranges import float_values_bound, guard_reads_values, integer_values_bound
+from neuron_compile.runtime.cache import scalar_value
+from neuron_compile.runtime.weight_layouts import KeptCopies
+
+try:  # torch's C++ tensor-match check (Dynamo's own guards use its successor); without it, no plan: keys only
+    from torch._C._dynamo.guards import TensorGuards
+except ImportError:  # pragma: no cover -- present in the torch this package pins
+    TensorGuards = None
+
+
+class HitPlan:
+    """The plan of one call (see the module docstring); build with ``HitPlan.of``."""
+
+    def __init__(self, config: Config, args: list, swapped: list, entry, float_guarded: frozenset[int]):
+        self.config = config
+        self.entry = entry  # the compiled GraphModule the call's key found
+        self.length = len(args)
+        tensors = [position for position, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
+        # None when every argument is a tensor: the arguments list is then checked as it is
+        self.tensor_positions: tuple[int, ...] | None = None if len(tensors) == len(args) else tuple(tensors)
+        # None: every size and stride is checked; both keywords are required (the constructor reads them as given)
+        self.tensor_check = TensorGuards(*[args[position] for position in tensors], dynamic_dims_sizes=None,
+                                         dynamic_dims_strides=None)
+        self.storage_offsets = [args[position].storage_offset() for position in tensors]
+        self.scalars = tuple((position, type(arg), scalar_value(arg)) for position, arg in enumerate(args)
+                             if not isinstance(arg, torch.Tensor))
+        self.value_guards = value_guards(args, tensors, float_guarded)
+        self.copies = KeptCopies(args, swapped)
+
+    @classmethod
+    def of(cls, config: Config, args: list, swapped: list, entry, float_guarded: frozenset[int]) -> HitPlan | None:
+        """The plan of a call whose key found ``entry``; None where no plan can hold (one tensor object in two
+        positions, which the tensor check refuses; no ``TensorGuards`` in this torch)."""
+        tensor_ids = [id(arg) for arg in args if isinstance(arg, torch.Tensor)]
+        if TensorGuards is None or len(set(tensor_ids)) != len(tensor_ids):
+            return None
+        return cls(config, args, swapped, entry, float_guarded)
+
+    def arguments(self, args: list) -> list | None:
+        """The arguments to call ``entry`` with, if ``args`` have this plan's dispatch key; None if not."""
+        if len(args) != self.length:
+            return None
+        tensors = args if self.tensor_positions is None else [args[position] for position in self.tensor_positions]
+        if not self.tensor_check.check(*tensors):
+            return None
+        if list(map(torch.Tensor.storage_offset, tensors)) != self.storage_offsets:  # map: no Python frame per item
+            return None
+        for position, kind, value in self.scalars:
+            if type(args[position]) is not kind or scalar_value(args[position]) != value:
+                return None
+        for position, bound_of, bound in self.value_guards:
+            if bound_of(args[position]) is not bound:  # each class has one bound object (or None)
+                return None
+        return self.copies.apply(args)
+
+
+def value_guards(args: list, positions: list[int], float_guarded: frozenset[int]) -> tuple:
+    """(position, the guard's bound function, the bound now) per tensor at ``positions`` whose values the dispatch
+    key's guard reads."""
+    guards = []
+    for position in positions:
+        float_guard = position in float_guarded
+        if guard_reads_values(args[position], float_guard=float_guard):
+            bound_of = float_values_bound if float_guard else integer_values_bound
+            guards.append((position, bound_of, bound_of(args[position])))
+    return tuple(guards)
