@@ -164,3 +164,36 @@ def test_a_per_row_epilogue_operand_is_loaded_as_a_column(rows, cols):
     (kernel,) = region.kernels
     assert kernel.name.startswith("matmul_kernel") and "_column_" in kernel.source
     assert not re.search(r"src=\w+\.ap\(\[\[\d+, rows\], \[0, cols\]\]", kernel.source)
+
+
+@pytest.mark.parametrize("m, k, n, dtype, transposed_weight", [
+    (400, 5120, 600, torch.float32, False),  # ragged M and N: 3 blocks and 16 rows, a 512 tile and 88 columns
+    (700, 5120, 600, torch.bfloat16, True),  # x @ W.T: b's kept tiles arrive by DMA transpose, K chunks per load
+    (385, 4999, 1100, torch.float32, False),  # ragged K: one DMA per K chunk; three column groups
+])
+def test_matmul_keeps_b_resident_when_b_would_be_read_again(m, k, n, dtype, transposed_weight):
+    # With K this long a^T of every row does not fit SBUF, so the a-resident form would read b once per row group;
+    # b's tiles are kept instead (a read once per column group), and the bias, gate and residual epilogue runs on
+    # every (row block, column tile) all the same. A K this long sums in another order than eager's: the error
+    # against float64 must be no larger than eager's own, within a few K-scaled ulps.
+    x, residual = random_tensor((m, k), dtype, seed=1), random_tensor((m, n), dtype, seed=2)
+    weight = random_tensor((n, k) if transposed_weight else (k, n), dtype, seed=3)
+    gate, bias = random_tensor((n,), dtype, seed=4), random_tensor((n,), dtype, seed=5)
+
+    def gated(x, weight, residual, gate, bias):
+        product = torch.nn.functional.linear(x, weight) if transposed_weight else x @ weight
+        return residual + gate * (product + bias)
+
+    before = stats.snapshot()
+    region, (got,) = compile_and_run(gated, x, weight, residual, gate, bias)
+    moved = stats.snapshot()["hbm_bytes"] - before["hbm_bytes"]
+    inputs = (x, weight, residual, gate, bias)
+    reference = gated(*(value.double() for value in inputs))
+    eager_error = (gated(*inputs).double() - reference).abs().max().item()
+    assert (got.double() - reference).abs().max().item() <= eager_error * 1.5
+    (kernel,) = region.kernels
+    group = int(re.search(r"b resident per (\d+) columns", kernel.source).group(1))
+    itemsize = x.element_size()
+    operands = (k * n + -(-n // group) * m * k) * itemsize
+    epilogue = (2 * m * n + 2 * 128 * n * -(-m // 128)) * itemsize  # residual, output, the broadcast gate and bias
+    assert moved <= operands + epilogue, (moved, operands, epilogue)
