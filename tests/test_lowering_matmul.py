@@ -197,3 +197,22 @@ def test_matmul_keeps_b_resident_when_b_would_be_read_again(m, k, n, dtype, tran
     operands = (k * n + -(-n // group) * m * k) * itemsize
     epilogue = (2 * m * n + 2 * 128 * n * -(-m // 128)) * itemsize  # residual, output, the broadcast gate and bias
     assert moved <= operands + epilogue, (moved, operands, epilogue)
+
+
+@pytest.mark.parametrize("m, k, n, dtype", [(1000, 64, 300, torch.float32), (129, 200, 600, torch.bfloat16),
+                                            (1, 1024, 700, torch.bfloat16)])
+def test_a_per_column_epilogue_operand_is_loaded_once_per_column_tile(m, k, n, dtype):
+    """linear(x, w, bias): the bias is the same for every row; it is spread to the partitions once per N tile of a
+    row group, not once per (128-row block, N tile), so the kernel moves x, w and the output once and the bias
+    repeated to 128 partitions once per row group and N tile."""
+    x, weight = random_tensor((m, k), dtype, seed=1), random_tensor((n, k), dtype, seed=2)
+    bias = random_tensor((n,), dtype, seed=3)
+    before = stats.snapshot()
+    region = check_against_eager(torch.nn.functional.linear, x, weight, bias, tolerances=MATMUL_TOLERANCES)
+    moved = stats.snapshot()["hbm_bytes"] - before["hbm_bytes"]
+    (kernel,) = region.kernels
+    row_group = int(re.search(r"a\^T resident per (\d+) rows", kernel.source).group(1))
+    assert "_columns_" in kernel.source
+    itemsize = x.element_size()
+    once = (m * k + n * k + m * n) * itemsize
+    assert moved <= once + -(-m // row_group) * min(m, 128) * n * itemsize, (moved, once)

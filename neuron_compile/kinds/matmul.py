@@ -26,6 +26,7 @@ from neuron_compile.codegen.kernel_text import (
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import loads, register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue, matching_index_reason
+from neuron_compile.kinds.matmul_columns import ColumnOperands
 from neuron_compile.kinds.matmul_windows import TermColumns, Window, moving_windows
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import TRANSPOSE_BLOCK, TilePlan, TilingError, count_tiles, needs_transpose
@@ -307,6 +308,8 @@ def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list
     more_results = () if second_product is None else (Ref(tile=second_product),)
     scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=product),
                       vector_pattern=column_pattern(plan, patterns), more_results=more_results)
+    columns = ColumnOperands(plan, allocator)
+    scope.shared_row = columns.tile_for
     epilogue: list[str] = []
     store_lines(node.stores, scope, patterns, free, True, epilogue)
     load_stationary, load_moving, *load_second_moving = operand_loads(node, plan.k_tile, plan.free[0].tile,
@@ -317,7 +320,7 @@ def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list
                 for tile, psum in ((product, "accumulator"), (second_product, "second_accumulator")) if tile]
     context = kernel_context(
         node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue, evacuate=evacuate,
-        load_stationary=load_stationary, load_moving=load_moving, operand_dtype=NL_DTYPES[node.a.dtype],
+        column_loads=columns.lines, load_stationary=load_stationary, load_moving=load_moving, operand_dtype=NL_DTYPES[node.a.dtype],
         moving_tile="moving[column]" if plan.column_group else "moving",
         load_second_moving=load_second_moving[0] if load_second_moving else None,
         k=node.k, k_tile=plan.k_tile, k_tiles=plan.k_tiles,
