@@ -144,10 +144,6 @@ def matmul_kernel_0(arg0_1, arg1_1, arg2_1):
             blocks = (min(256, 130 - g0) + 127) // 128
             stationary = [nl.ndarray((64, 1, 128), dtype=nl.float32, buffer=nl.sbuf)
                           for _ in range(blocks)]
-            for block in range(blocks):
-                p0 = g0 + block * 128
-                rows = min(128, 130 - p0)
-                nisa.dma_transpose(dst=stationary[block][0:64, 0:1, 0:rows], src=arg0_1.ap([[64, rows], [64, 1], [1, 64]], offset=p0 * 64), axes=(2, 1, 0))
             for f0 in range(0, 96, 96):
                 cols = min(96, 96 - f0)
                 # Fresh tiles per N tile: the next tile's loads overlap this one's matmuls.
@@ -159,6 +155,10 @@ def matmul_kernel_0(arg0_1, arg1_1, arg2_1):
                 for block in range(blocks):
                     p0 = g0 + block * 128
                     rows = min(128, 130 - p0)
+                    if f0 == 0:
+                        # a^T of this block arrives just before the first N tile multiplies it: the first matmuls wait for
+                        # one block's load, not the whole group's
+                        nisa.dma_transpose(dst=stationary[block][0:64, 0:1, 0:rows], src=arg0_1.ap([[64, rows], [64, 1], [1, 64]], offset=p0 * 64), axes=(2, 1, 0))
                     accumulator = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.psum)
                     for kt in range(1):
                         k0 = kt * 64
