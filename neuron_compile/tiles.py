@@ -45,6 +45,9 @@ class TilePlan:
     # matmul only: rows of a whose a^T tiles stay resident while b streams past them once (the DMA-transposing
     # form, matmul_resident.py.j2); 0 for the TensorE-transposing form (matmul.py.j2)
     row_group: int = 0
+    # matmul only, with row_group: columns of b whose tiles stay resident across the row groups (loaded during the
+    # first one), so that b crosses HBM once and a once per column group; 0: b is loaded again for every row group
+    column_group: int = 0
     parts: tuple[TilePlan, ...] = ()  # concat only: one pointwise plan per input
     cross_partition: bool = False  # reduction only: the reduced dim is spread over partitions too
     # reduction only: free[0] is not reduced but kept rows, several per partition (``rows_per_partition``), each
@@ -64,7 +67,11 @@ class TilePlan:
         if self.kind == "matmul":
             text += f" K {self.k_tiles}x{self.k_tile}"
             text += " (moving operand streamed per K chunk)" if self.stream_moving else ""
-            text += f", a^T resident per {self.row_group} rows, b loaded once per group" if self.row_group else ""
+            if self.column_group:
+                text += (f", b resident per {self.column_group} columns (loaded once), a^T per {self.row_group} "
+                         "rows, loaded once per column group")
+            elif self.row_group:
+                text += f", a^T resident per {self.row_group} rows, b loaded once per group"
         return text
 
 

@@ -144,18 +144,21 @@ def matmul_kernel_0(arg0_1, arg1_1, arg2_1):
             blocks = (min(256, 130 - g0) + 127) // 128
             stationary = [nl.ndarray((64, 1, 128), dtype=nl.float32, buffer=nl.sbuf)
                           for _ in range(blocks)]
-            for block in range(blocks):
-                p0 = g0 + block * 128
-                rows = min(128, 130 - p0)
-                nisa.dma_transpose(dst=stationary[block][0:64, 0:1, 0:rows], src=arg0_1.ap([[64, rows], [64, 1], [1, 64]], offset=p0 * 64), axes=(2, 1, 0))
             for f0 in range(0, 96, 96):
                 cols = min(96, 96 - f0)
                 # Fresh tiles per N tile: the next tile's loads overlap this one's matmuls.
                 moving = nl.ndarray((64, 1, 96), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.dma_transpose(dst=moving[0:64, 0:1, 0:cols], src=arg1_1.ap([[64, cols], [64, 1], [1, 64]], offset=f0 * 64), axes=(2, 1, 0))
+                # the epilogue's operands that are the same for every row, once for all the row blocks of this N tile
+                arg2_1_columns_2 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=arg2_1_columns_2[0:128, 0:cols], src=arg2_1.ap([[0, 128], [1, cols]], offset=f0))
                 for block in range(blocks):
                     p0 = g0 + block * 128
                     rows = min(128, 130 - p0)
+                    if f0 == 0:
+                        # a^T of this block arrives just before the first N tile multiplies it: the first matmuls wait for
+                        # one block's load, not the whole group's
+                        nisa.dma_transpose(dst=stationary[block][0:64, 0:1, 0:rows], src=arg0_1.ap([[64, rows], [64, 1], [1, 64]], offset=p0 * 64), axes=(2, 1, 0))
                     accumulator = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.psum)
                     for kt in range(1):
                         k0 = kt * 64
@@ -164,12 +167,10 @@ def matmul_kernel_0(arg0_1, arg1_1, arg2_1):
                         nisa.nc_matmul(dst=accumulator[0:rows, 0:cols], stationary=stationary[block][0:kk, kt, 0:rows],
                                        moving=moving[0:kk, kt, 0:cols], accumulate=kt > 0)
                     product_1 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
-                    arg2_1_tile_2 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
                     add_3 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
                     gelu_4 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.activation(dst=product_1[0:rows, 0:cols], op=nl.copy, data=accumulator[0:rows, 0:cols])
-                    nisa.dma_copy(dst=arg2_1_tile_2[0:rows, 0:cols], src=arg2_1.ap([[0, rows], [1, cols]], offset=f0))
-                    nisa.tensor_tensor(dst=add_3[0:rows, 0:cols], data1=product_1[0:rows, 0:cols], data2=arg2_1_tile_2[0:rows, 0:cols], op=nl.add)
+                    nisa.tensor_tensor(dst=add_3[0:rows, 0:cols], data1=product_1[0:rows, 0:cols], data2=arg2_1_columns_2[0:rows, 0:cols], op=nl.add)
                     nisa.activation(dst=gelu_4[0:rows, 0:cols], op=nl.gelu, data=add_3[0:rows, 0:cols])
                     nisa.dma_copy(dst=pointwise_3.ap([[96, rows], [1, cols]], offset=p0 * 96 + f0), src=gelu_4[0:rows, 0:cols])
 

@@ -164,3 +164,55 @@ def test_a_per_row_epilogue_operand_is_loaded_as_a_column(rows, cols):
     (kernel,) = region.kernels
     assert kernel.name.startswith("matmul_kernel") and "_column_" in kernel.source
     assert not re.search(r"src=\w+\.ap\(\[\[\d+, rows\], \[0, cols\]\]", kernel.source)
+
+
+@pytest.mark.parametrize("m, k, n, dtype, transposed_weight", [
+    (400, 5120, 600, torch.float32, False),  # ragged M and N: 3 blocks and 16 rows, a 512 tile and 88 columns
+    (700, 5120, 600, torch.bfloat16, True),  # x @ W.T: b's kept tiles arrive by DMA transpose, K chunks per load
+    (385, 4999, 1100, torch.float32, False),  # ragged K: one DMA per K chunk; three column groups
+])
+def test_matmul_keeps_b_resident_when_b_would_be_read_again(m, k, n, dtype, transposed_weight):
+    # With K this long a^T of every row does not fit SBUF, so the a-resident form would read b once per row group;
+    # b's tiles are kept instead (a read once per column group), and the bias, gate and residual epilogue runs on
+    # every (row block, column tile) all the same. A K this long sums in another order than eager's: the error
+    # against float64 must be no larger than eager's own, within a few K-scaled ulps.
+    x, residual = random_tensor((m, k), dtype, seed=1), random_tensor((m, n), dtype, seed=2)
+    weight = random_tensor((n, k) if transposed_weight else (k, n), dtype, seed=3)
+    gate, bias = random_tensor((n,), dtype, seed=4), random_tensor((n,), dtype, seed=5)
+
+    def gated(x, weight, residual, gate, bias):
+        product = torch.nn.functional.linear(x, weight) if transposed_weight else x @ weight
+        return residual + gate * (product + bias)
+
+    before = stats.snapshot()
+    region, (got,) = compile_and_run(gated, x, weight, residual, gate, bias)
+    moved = stats.snapshot()["hbm_bytes"] - before["hbm_bytes"]
+    inputs = (x, weight, residual, gate, bias)
+    reference = gated(*(value.double() for value in inputs))
+    eager_error = (gated(*inputs).double() - reference).abs().max().item()
+    assert (got.double() - reference).abs().max().item() <= eager_error * 1.5
+    (kernel,) = region.kernels
+    group = int(re.search(r"b resident per (\d+) columns", kernel.source).group(1))
+    itemsize = x.element_size()
+    operands = (k * n + -(-n // group) * m * k) * itemsize
+    epilogue = (2 * m * n + 2 * 128 * n * -(-m // 128)) * itemsize  # residual, output, the broadcast gate and bias
+    assert moved <= operands + epilogue, (moved, operands, epilogue)
+
+
+@pytest.mark.parametrize("m, k, n, dtype", [(1000, 64, 300, torch.float32), (129, 200, 600, torch.bfloat16),
+                                            (1, 1024, 700, torch.bfloat16)])
+def test_a_per_column_epilogue_operand_is_loaded_once_per_column_tile(m, k, n, dtype):
+    """linear(x, w, bias): the bias is the same for every row; it is spread to the partitions once per N tile of a
+    row group, not once per (128-row block, N tile), so the kernel moves x, w and the output once and the bias
+    repeated to 128 partitions once per row group and N tile."""
+    x, weight = random_tensor((m, k), dtype, seed=1), random_tensor((n, k), dtype, seed=2)
+    bias = random_tensor((n,), dtype, seed=3)
+    before = stats.snapshot()
+    region = check_against_eager(torch.nn.functional.linear, x, weight, bias, tolerances=MATMUL_TOLERANCES)
+    moved = stats.snapshot()["hbm_bytes"] - before["hbm_bytes"]
+    (kernel,) = region.kernels
+    row_group = int(re.search(r"a\^T resident per (\d+) rows", kernel.source).group(1))
+    assert "_columns_" in kernel.source
+    itemsize = x.element_size()
+    once = (m * k + n * k + m * n) * itemsize
+    assert moved <= once + -(-m // row_group) * min(m, 128) * n * itemsize, (moved, once)

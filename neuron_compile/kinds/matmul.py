@@ -26,9 +26,14 @@ from neuron_compile.codegen.kernel_text import (
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import loads, register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue, matching_index_reason
+from neuron_compile.kinds.matmul_columns import ColumnOperands
 from neuron_compile.kinds.matmul_windows import TermColumns, Window, moving_windows
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import TRANSPOSE_BLOCK, TilePlan, TilingError, count_tiles, needs_transpose
+
+# Bytes per partition of one DMA filling a kept b tile: past the 4 KiB at which a transfer saturates the DMA
+# engines (nki-spec §2), and a fraction of the tile, so that its first K chunks arrive early
+KEPT_MOVING_LOAD_BYTES = 8192
 
 
 def plan_matmul(node: ir.MatMul, target) -> TilePlan:
@@ -48,14 +53,26 @@ def plan_matmul(node: ir.MatMul, target) -> TilePlan:
 
 
 def plan_resident(node: ir.MatMul, target) -> TilePlan | None:
+    """The DMA-transposing form: a^T resident per row group with b loaded again for every group
+    (``plan_streamed_moving``), or b's tiles kept across the row groups (``plan_kept_moving``) when that moves
+    fewer HBM bytes (a long K: a^T of every row does not fit, so b would be read once per row group). None when
+    the target has no DMA transpose or not even one row block fits."""
+    streamed = plan_streamed_moving(node, target)
+    kept = plan_kept_moving(node, target) if streamed is not None else None
+    if kept is not None and operand_traffic(node, kept) < operand_traffic(node, streamed):
+        return kept
+    return streamed
+
+
+def plan_streamed_moving(node: ir.MatMul, target) -> TilePlan | None:
     """a^T resident for as many 128-row blocks as fit (``row_group``), b streamed once per group, N tiles of
     512 (256, 128 if K is large). SBUF per partition: the group's a^T chunks, two N tiles' b chunks (this one's
-    and the next one's, loaded while this one multiplies) and two sets of epilogue tiles. None when the target
-    has no DMA transpose or not even one row block fits. A paired matmul keeps two of each b and PSUM tile."""
+    and the next one's, loaded while this one multiplies) and two sets of epilogue tiles. A paired matmul keeps
+    two of each b and PSUM tile."""
     if not target.dma_transpose and (not node.shifts or transposes_an_operand(node)):
         return None
     *batch, m, n = node.domain
-    itemsize = 2 if node.a.dtype == "bfloat16" else 4
+    itemsize = operand_itemsize(node)
     operands = 1 if node.b2 is None else 2
     k_tile = min(node.k, target.partitions)
     k_tiles = math.ceil(node.k / k_tile)
@@ -68,12 +85,66 @@ def plan_resident(node: ir.MatMul, target) -> TilePlan | None:
         room = budget - 2 * operands * k_tiles * window_columns * itemsize - 2 * tiles * n_tile * 4
         blocks = min(math.ceil(m / target.gemm_stationary_fmax), room // block_bytes)
         if blocks >= 1:
-            outer = tuple(LoopDim(size, dim, 1, 1) for dim, size in enumerate(batch))
-            partition = LoopDim(m, len(batch), 1, min(m, target.gemm_stationary_fmax))
-            free = (LoopDim(n, len(batch) + 1, 1, n_tile),)
-            return TilePlan("matmul", outer, partition, free, tiles, k_tile, k_tiles,
-                            row_group=blocks * target.gemm_stationary_fmax)
+            return resident_plan(node, target, k_tile, n_tile, tiles, blocks * target.gemm_stationary_fmax)
     return None
+
+
+def plan_kept_moving(node: ir.MatMul, target) -> TilePlan | None:
+    """b's tiles for ``column_group`` columns resident (all of N when they fit), a^T streamed past them in row
+    groups, so b crosses HBM once and a once per column group; N tiles of 512 (256, 128 if K is large). A row
+    group has as many 128-row blocks as keep TensorE busier than the DMA engines while b's tiles arrive during the
+    first group (``blocks_per_moving_tile``), fewer if they do not fit. SBUF per partition: the kept b chunks, two
+    row groups' a^T chunks (the next group's loaded while this one multiplies) and two sets of epilogue tiles.
+    Plain matmuls only (no implicit GEMM, no paired matmul)."""
+    if node.shifts or node.b2 is not None:
+        return None
+    n = node.domain[-1]
+    itemsize = operand_itemsize(node)
+    k_tile = min(node.k, target.partitions)
+    k_tiles = math.ceil(node.k / k_tile)
+    tiles = count_tiles([store.expr for store in node.stores])
+    block_bytes = k_tiles * target.gemm_stationary_fmax * itemsize
+    row_blocks = math.ceil(node.domain[-2] / target.gemm_stationary_fmax)
+    for n_tile in sorted({min(n, size) for size in (target.gemm_moving_fmax, 256, 128)}, reverse=True):
+        budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE) - 2 * tiles * n_tile * 4
+        for blocks in range(min(row_blocks, blocks_per_moving_tile(node, target)), 0, -1):
+            column_tiles = (budget - 2 * blocks * block_bytes) // (k_tiles * n_tile * itemsize)
+            if column_tiles >= 1:
+                plan = resident_plan(node, target, k_tile, n_tile, tiles, blocks * target.gemm_stationary_fmax)
+                return dataclasses.replace(plan, column_group=min(n, column_tiles * n_tile))
+    return None
+
+
+def blocks_per_moving_tile(node: ir.MatMul, target) -> int:
+    """128-row blocks whose matmuls with one N tile of b take TensorE at least as long as the DMA engines take to
+    load that tile (K x N tile operand elements against K / 128 matmuls of N tile columns, 4x as long in fp32)."""
+    itemsize = operand_itemsize(node)
+    load_s = target.partitions * itemsize / target.dma_bytes_per_s
+    multiply_s = (4 if itemsize == 4 else 1) / (target.tensor_ghz * 1e9)
+    return max(1, math.ceil(load_s / multiply_s))
+
+
+def operand_traffic(node: ir.MatMul, plan: TilePlan) -> int:
+    """HBM bytes of a and b a resident plan loads: each once, b again for every row group when it is not kept,
+    a again for every column group when b is."""
+    *batch, m, n = node.domain
+    a_bytes = math.prod(batch) * m * node.k * operand_itemsize(node)
+    b_bytes = math.prod(batch) * node.k * n * operand_itemsize(node) * (1 if node.b2 is None else 2)
+    if plan.column_group:
+        return b_bytes + math.ceil(n / plan.column_group) * a_bytes
+    return a_bytes + math.ceil(m / plan.row_group) * b_bytes
+
+
+def resident_plan(node: ir.MatMul, target, k_tile: int, n_tile: int, tiles: int, row_group: int) -> TilePlan:
+    *batch, m, n = node.domain
+    outer = tuple(LoopDim(size, dim, 1, 1) for dim, size in enumerate(batch))
+    partition = LoopDim(m, len(batch), 1, min(m, target.gemm_stationary_fmax))
+    free = (LoopDim(n, len(batch) + 1, 1, n_tile),)
+    return TilePlan("matmul", outer, partition, free, tiles, k_tile, math.ceil(node.k / k_tile), row_group=row_group)
+
+
+def operand_itemsize(node: ir.MatMul) -> int:
+    return 2 if node.a.dtype == "bfloat16" else 4
 
 
 def moving_layout(node: ir.MatMul, n_tile: int) -> tuple[tuple[Window, ...], tuple[TermColumns, ...]]:
@@ -93,7 +164,7 @@ def transposes_an_operand(node: ir.MatMul) -> bool:
 
 def plan_transposing(node: ir.MatMul, target) -> TilePlan:
     *batch, m, n = node.domain
-    itemsize = 2 if node.a.dtype == "bfloat16" else 4
+    itemsize = operand_itemsize(node)
     k_tile = min(node.k, target.partitions)
     k_tiles = math.ceil(node.k / k_tile)
     rank = len(batch)
@@ -142,16 +213,21 @@ class OperandTile:
     loop_var: str  # p0 or f0: where the tile starts along its free dim
     loop: str | None = None  # "for term, shift in ...:" (the loop binds ``shift``, an element offset)
     first_chunk: str = "0"
+    chunks_per_load: int = 0  # K chunks per DMA (a loop binding kg, kn); 0: all of them in one
 
 
-def operand_tiles(node: ir.MatMul, k_tiles: int, n_tile: int) -> list[OperandTile]:
-    """a^T into ``stationary[block]``, b into ``moving`` (and b2 into ``second_moving``). An implicit GEMM loads
+def operand_tiles(node: ir.MatMul, k_tiles: int, n_tile: int, kept_moving: bool = False) -> list[OperandTile]:
+    """a^T into ``stationary[block]``, b into ``moving`` (and b2 into ``second_moving``); b into
+    ``moving[column]`` when its tiles are kept (``kept_moving``), in DMAs of about ``KEPT_MOVING_LOAD_BYTES`` per
+    partition, so that the first matmuls wait for a few K chunks rather than the whole tile. An implicit GEMM loads
     a^T once per term and b once per window (matmul_windows.py), each into its own K chunks."""
     batch = len(node.domain) - 2
     a, b = node.a.layout.strides, node.b.layout.strides
     if not node.shifts:
-        tiles = [OperandTile(node.a, "stationary[block]", "rows", a[batch + 1], a[batch], "p0"),
-                 OperandTile(node.b, "moving", "cols", b[batch], b[batch + 1], "f0")]
+        per_load = max(1, KEPT_MOVING_LOAD_BYTES // (n_tile * operand_itemsize(node))) if kept_moving else 0
+        moving = OperandTile(node.b, "moving[column]" if kept_moving else "moving", "cols", b[batch], b[batch + 1],
+                             "f0", chunks_per_load=per_load)
+        tiles = [OperandTile(node.a, "stationary[block]", "rows", a[batch + 1], a[batch], "p0"), moving]
         if node.b2 is not None:
             second = node.b2.layout.strides
             tiles.append(OperandTile(node.b2, "second_moving", "cols", second[batch], second[batch + 1], "f0"))
@@ -165,24 +241,29 @@ def operand_tiles(node: ir.MatMul, k_tiles: int, n_tile: int) -> list[OperandTil
                         f"for window, (shift, span) in enumerate({window_list}):", f"window * {k_tiles}")]
 
 
-def operand_loads(node: ir.MatMul, k_tile: int, n_tile: int) -> tuple[list[str], ...]:
+def operand_loads(node: ir.MatMul, k_tile: int, n_tile: int, kept_moving: bool = False) -> tuple[list[str], ...]:
     """The lines that bring a^T [K, rows] into ``stationary[block]`` and b [K, cols] into ``moving``, both
-    [k_tile, K chunks, 128 or cols] (element (p, kt, j) is K index kt * k_tile + p): one DMA per operand tile, a
-    DMA transpose when the operand's K is its contiguous dim. With ragged K chunks (K not a multiple of
-    k_tile) one instruction per chunk ``kt`` of ``kk`` rows, in a loop; an implicit GEMM's in a loop over its terms
-    (a^T) or windows (b)."""
+    [k_tile, K chunks, 128 or cols] (element (p, kt, j) is K index kt * k_tile + p): one DMA per operand tile (a
+    kept b tile: one per group of ``chunks_per_load`` chunks, in a loop), a DMA transpose when the operand's K is
+    its contiguous dim. With ragged K chunks (K not a multiple of k_tile) one instruction per chunk ``kt`` of ``kk``
+    rows, in a loop; an implicit GEMM's in a loop over its terms (a^T) or windows (b)."""
     batch = len(node.domain) - 2
     k_tiles = math.ceil(node.k / k_tile)
     whole = node.k % k_tile == 0
     loads = []
-    for operand in operand_tiles(node, k_tiles, n_tile):
+    for operand in operand_tiles(node, k_tiles, n_tile, kept_moving):
         strides = operand.load.layout.strides
+        grouped = whole and 0 < operand.chunks_per_load < k_tiles
         terms = [(f"o{i}", strides[i]) for i in range(batch)] + [(operand.loop_var, operand.other_stride)]
         terms += [] if whole else [("k0", operand.k_stride)]
+        terms += [("kg", operand.k_stride * k_tile)] if grouped else []
         terms += [("shift", 1)] if operand.loop else []
         offset = offset_text(operand.load.layout.offset, terms)
         first = operand.first_chunk
-        if whole:
+        if grouped:
+            dst = f"{operand.tile}[0:{k_tile}, kg:kg + kn, 0:{operand.free}]"
+            k_entries = [[operand.k_stride, k_tile], [operand.k_stride * k_tile, "kn"]]
+        elif whole:
             chunks = f"0:{k_tiles}" if first == "0" else f"{first}:{first} + {k_tiles}"
             dst = f"{operand.tile}[0:{k_tile}, {chunks}, 0:{operand.free}]"
             k_entries = [[operand.k_stride, k_tile], [operand.k_stride * k_tile, k_tiles]]
@@ -198,7 +279,10 @@ def operand_loads(node: ir.MatMul, k_tile: int, n_tile: int) -> tuple[list[str],
         else:
             entries = [*k_entries, [operand.other_stride, operand.free]]
             line = f"nisa.dma_copy(dst={dst}, src={operand.load.buffer}.ap({entries_text(entries)}, offset={offset}))"
-        loads.append(in_loops([line], node.k, k_tile, operand.loop))
+        if grouped:
+            line = (f"for kg in range(0, {k_tiles}, {operand.chunks_per_load}):\n"
+                    f"    kn = min({operand.chunks_per_load}, {k_tiles} - kg)\n    {line}")
+        loads.append(in_loops(line.split("\n"), node.k, k_tile, operand.loop))
     return tuple(loads)
 
 
@@ -224,16 +308,20 @@ def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list
     more_results = () if second_product is None else (Ref(tile=second_product),)
     scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=product),
                       vector_pattern=column_pattern(plan, patterns), more_results=more_results)
+    columns = ColumnOperands(plan, allocator)
+    scope.shared_row = columns.tile_for
     epilogue: list[str] = []
     store_lines(node.stores, scope, patterns, free, True, epilogue)
-    load_stationary, load_moving, *load_second_moving = operand_loads(node, plan.k_tile, plan.free[0].tile)
+    load_stationary, load_moving, *load_second_moving = operand_loads(node, plan.k_tile, plan.free[0].tile,
+                                                                      kept_moving=bool(plan.column_group))
     windows, term_columns = moving_layout(node, plan.free[0].tile)
     # PSUM -> SBUF on ScalarE: VectorE has the epilogue's work
     evacuate = [f"nisa.activation(dst={tile}[0:rows, 0:cols], op=nl.copy, data={psum}[0:rows, 0:cols])"
                 for tile, psum in ((product, "accumulator"), (second_product, "second_accumulator")) if tile]
     context = kernel_context(
         node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue, evacuate=evacuate,
-        load_stationary=load_stationary, load_moving=load_moving, operand_dtype=NL_DTYPES[node.a.dtype],
+        column_loads=columns.lines, load_stationary=load_stationary, load_moving=load_moving, operand_dtype=NL_DTYPES[node.a.dtype],
+        moving_tile="moving[column]" if plan.column_group else "moving",
         load_second_moving=load_second_moving[0] if load_second_moving else None,
         k=node.k, k_tile=plan.k_tile, k_tiles=plan.k_tiles,
         stationary_chunks=max(1, len(node.shifts)) * plan.k_tiles, moving_chunks=len(windows) * plan.k_tiles,
