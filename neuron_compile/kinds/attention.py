@@ -81,15 +81,17 @@ SCORES_AHEAD = 3
 # one exponential, P @ [v | 1] accumulated across the row's chunks in PSUM, so no running max, no rescale of the
 # output and no add of block outputs (VectorE's per-block work beside the max). The score banks are released as
 # soon as the exponential has read them, and the pipeline issues the scores WHOLE_ROW_SCORES_AHEAD steps ahead (two
-# tiles of three banks beside the P^T and output banks fill PSUM; at 1024 keys 1 / 2 / 3 ahead measured 129.8 /
-# 118.9 / 129.0 us). Measured (the Flux / Wan mid-size attention: 8 heads,
-# D 128, bf16): 1280 keys 208.9 -> 167.1 us, 1024 keys 131.9 -> 113.1 us (bench/RESULTS.md, issue 12, stop 31).
+# tiles of three banks beside the P^T and output banks fill PSUM; at 1024 keys, without DMA transposes, 1 / 2 / 3
+# ahead measured 129.8 / 118.9 / 129.0 us). Measured (the Flux / Wan mid-size attention: 8 heads, D 128, bf16):
+# 1280 keys 208.9 -> 165.7 us, 1024 keys 131.9 -> 111.5 us (bench/RESULTS.md, issue 12, stop 31).
 WHOLE_ROW_MAX_BANKS = 3
 WHOLE_ROW_SCORES_AHEAD = 2
 # Whole-row tiles: the last few whole chunks of P^T come through a DMA transpose (SBUF -> SBUF), which spares TensorE
-# the transposes and ScalarE / VectorE the PSUM copies while the DMA queues are idle; one copy in six of the others
-# leaves PSUM through VectorE, which has the row max. Measured over 0-4 chunks and one in 3, 4 or 6 on VectorE.
-WHOLE_ROW_DMA_CHUNKS = 3
+# the transposes and ScalarE / VectorE the PSUM copies; one copy in six of the others leaves PSUM through VectorE,
+# which has the row max. Measured (kernel alone, 1280 / 1024 keys, us): 0 chunks 184.4 / 123.0, 2 chunks 165.7 /
+# 111.5, 3 chunks 162.8 / 112.2; in Wan's mid-size forward, where the DMA queues also carry the matmuls' weights,
+# 1.603 / 1.599 / 1.619 ms: two.
+WHOLE_ROW_DMA_CHUNKS = 2
 WHOLE_ROW_VECTOR_COPY_PERIOD = 6
 
 
