@@ -361,11 +361,11 @@ def test_tiles_of_few_blocks_transpose_on_tensor_engine_only():
 @pytest.mark.parametrize("queries,keys", [(17, 1280), (129, 513), (127, 1030), (300, 1536)])
 def test_a_row_of_up_to_three_score_banks_is_one_block(queries, keys, case, dtype):
     """513 to 1536 keys: every query tile's keys are one block of scores over several PSUM banks (one row max, one
-    exponential, no rescale), its last whole chunks of P^T by DMA transpose; ragged chunks (513, 1030 keys), a
-    short tile (17 queries: one query takes the decode form), causal tiles (the diagonal in the row's one block,
-    or with a scale too small for the bias, a diagonal block of its own after the row's visible keys), a
-    [queries, keys] mask with a fully masked row, a key padding row, query heads sharing a tile, the training
-    forward's log-sum-exp."""
+    exponential, no rescale), the last whole chunks of P^T by DMA transpose in rows of three banks (over 1024 keys),
+    none in rows of two; ragged chunks (513, 1030 keys), a short tile (17 queries: one query takes the decode
+    form), causal tiles (the diagonal in the row's one block, or with a scale too small for the bias, a diagonal
+    block of its own after the row's visible keys), a [queries, keys] mask with a fully masked row, a key padding
+    row, query heads sharing a tile, the training forward's log-sum-exp."""
     heads, kv_heads = (4, 1) if case == "grouped" else (2, None)
     q, k, v = qkv(1, heads, queries, keys, 64, dtype, kv_heads=kv_heads)
     if case in ("mask", "padding"):
@@ -383,4 +383,4 @@ def test_a_row_of_up_to_three_score_banks_is_one_block(queries, keys, case, dtyp
     region = check_against_eager(fn, *inputs, tolerances=TOLERANCES)
     source = region.kernels[0].source
     assert f"key blocks of {keys}" in source and "each row's keys in one block" in source
-    assert "nisa.dma_transpose(dst=probabilities_t" in source
+    assert ("nisa.dma_transpose(dst=probabilities_t" in source) == (keys > 1024)

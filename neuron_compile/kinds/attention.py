@@ -83,15 +83,18 @@ SCORES_AHEAD = 3
 # soon as the exponential has read them, and the pipeline issues the scores WHOLE_ROW_SCORES_AHEAD steps ahead (two
 # tiles of three banks beside the P^T and output banks fill PSUM; at 1024 keys, without DMA transposes, 1 / 2 / 3
 # ahead measured 129.8 / 118.9 / 129.0 us). Measured (the Flux / Wan mid-size attention: 8 heads, D 128, bf16):
-# 1280 keys 208.9 -> 165.7 us, 1024 keys 131.9 -> 111.5 us (bench/RESULTS.md, issue 12, stop 31).
+# 1280 keys 208.9 -> 165.7 us, 1024 keys 131.9 -> 123.0 us (bench/RESULTS.md, issue 12, stop 31).
 WHOLE_ROW_MAX_BANKS = 3
 WHOLE_ROW_SCORES_AHEAD = 2
-# Whole-row tiles: the last few whole chunks of P^T come through a DMA transpose (SBUF -> SBUF), which spares TensorE
-# the transposes and ScalarE / VectorE the PSUM copies; one copy in six of the others leaves PSUM through VectorE,
-# which has the row max. Measured (kernel alone, 1280 / 1024 keys, us): 0 chunks 184.4 / 123.0, 2 chunks 165.7 /
-# 111.5, 3 chunks 162.8 / 112.2; in Wan's mid-size forward, where the DMA queues also carry the matmuls' weights,
-# 1.603 / 1.599 / 1.619 ms: two.
+# Whole-row tiles over three score banks: the last two whole chunks of P^T come through a DMA transpose (SBUF ->
+# SBUF), which spares TensorE the transposes and ScalarE / VectorE the PSUM copies; one copy in six of the others
+# leaves PSUM through VectorE, which has the row max. Measured over 0 / 1 / 2 / 3 chunks: the kernel alone (us) at
+# 1280 keys 184.4 / - / 165.7 / 162.8, at 1024 keys 123.0 / - / 111.5 / 112.2; but in a launch the DMA queues also
+# carry the neighbouring matmuls' weights, and the mid-size forwards (ms) gave Flux (1280 keys) 3.760 / 3.723 /
+# 3.698 / -, LTX-Video (1024) 1.622 / 1.653 / 1.671 / -, Wan (1024) 1.603 / - / 1.599 / 1.619: two chunks where the
+# row has three banks, none under.
 WHOLE_ROW_DMA_CHUNKS = 2
+WHOLE_ROW_DMA_MIN_BANKS = 3
 WHOLE_ROW_VECTOR_COPY_PERIOD = 6
 
 
@@ -144,8 +147,14 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
                          lanes=lanes, lane_dim=-1 if lane_dim is None else lane_dim, mask_bias=mask_bias,
                          dma_transpose_period=dma_period, dma_transpose_min_blocks=DMA_TRANSPOSE_MIN_BLOCKS,
                          vector_copy_period=copy_period, whole_row=whole_row, scores_ahead=scores_ahead,
-                         dma_transpose_chunks=WHOLE_ROW_DMA_CHUNKS if whole_row and target.dma_transpose else 0,
+                         dma_transpose_chunks=whole_row_dma_chunks(key_block, bank_keys, target) if whole_row else 0,
                          transposed_bank_chunks=bank_chunks)
+
+
+def whole_row_dma_chunks(key_block: int, bank_keys: int, target) -> int:
+    """Chunks of P^T a whole-row tile brings by DMA transpose (see WHOLE_ROW_DMA_CHUNKS)."""
+    wide = math.ceil(key_block / bank_keys) >= WHOLE_ROW_DMA_MIN_BANKS
+    return WHOLE_ROW_DMA_CHUNKS if wide and target.dma_transpose else 0
 
 
 def query_group_dim(node: ir.Attention, batch: list[int], target) -> int | None:
