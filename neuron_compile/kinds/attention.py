@@ -141,13 +141,15 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     scores_ahead = SCORES_AHEAD
     if whole_row:
         copy_period, scores_ahead = WHOLE_ROW_VECTOR_COPY_PERIOD, WHOLE_ROW_SCORES_AHEAD
-    bank_chunks = min(math.ceil(key_block / target.partitions), target.psum_bank_bytes // (target.partitions * itemsize))
+    bank_chunks = min(math.ceil(key_block / target.partitions),
+                      target.psum_bank_bytes // (target.partitions * itemsize))  # P^T chunks per PSUM bank
     return AttentionPlan("attention", outer, partition, free, tiles, k_tile, k_tiles, key_block=key_block,
                          resident=resident, transpose_loads=transpose_loads, causal_bias=causal_bias,
                          lanes=lanes, lane_dim=-1 if lane_dim is None else lane_dim, mask_bias=mask_bias,
                          dma_transpose_period=dma_period, dma_transpose_min_blocks=DMA_TRANSPOSE_MIN_BLOCKS,
                          vector_copy_period=copy_period, whole_row=whole_row, scores_ahead=scores_ahead,
-                         dma_transpose_chunks=whole_row_dma_chunks(key_block, bank_keys, target) if whole_row else 0,
+                         dma_transpose_chunks=whole_row_dma_chunks(key_block, bank_keys, target) if whole_row
+                         else 0,
                          transposed_bank_chunks=bank_chunks)
 
 

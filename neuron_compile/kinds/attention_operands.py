@@ -62,7 +62,7 @@ class AttentionPlan(TilePlan):
         if self.dma_transpose_period:
             text += f", P^T of every {self.dma_transpose_period}th block by DMA transpose"
         if self.whole_row:
-            text += f", each row's keys in one block (the last {self.dma_transpose_chunks} chunks of P^T by DMA transpose)"
+            text += f", each row's keys in one block ({self.dma_transpose_chunks} chunks of P^T by DMA transpose)"
         return text + (", causal mask on TensorE" if self.causal_bias else "")
 
 
