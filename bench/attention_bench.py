@@ -17,6 +17,7 @@ square). Every result is checked against eager (max abs error shown).
     python bench/attention_bench.py --backward --seqs 256 --head-dims 64 --dtypes bf16 --causal yes --heads 32 \
         --kv-heads 4 --fused-only              # the backward at the 1-layer Llama goal point's shapes
     python bench/attention_bench.py --decode   # decode steps instead (see below)
+    python bench/attention_bench.py --mid --engines  # the diffusers mid size's self-attention (see below)
 
 ``--backward``: ``aten._scaled_dot_product_flash_attention_for_cpu_backward`` alone (dO, q, k, v, the forward's
 output and log-sum-exp from eager), the fused backward kernel (one kernel: P and dS stay on chip) against the
@@ -29,6 +30,10 @@ with transformers' cache mask (finfo.min after the position), head dim 64 and 12
 decode form (kinds/attention_decode.py, the default) against the flash kernel's query tiles (``flash_decode=False``),
 one run each; roofline ``max(4 * cache * D * heads FLOPs / TensorE peak, (q + k + v + mask + out) bytes / DMA
 bandwidth)``; errors against eager in fp32.
+
+``--mid``: the self-attention of bench/diffusers_scale_bench.py's mid size (issue 12): 8 heads of 128, bf16,
+non-causal, q, k and v viewed heads-first from [batch, seq, heads, D] projections, over 1024 tokens (Wan, LTX-Video)
+and 1280 (Flux: 1024 image + 256 text tokens); the forward table's columns.
 
 Progress goes to stderr; the table (markdown) to stdout.
 """
@@ -52,6 +57,7 @@ SEQS = (128, 1024, 4096, 8192)
 QUICK_SEQS = (128, 1024)
 HEAD_DIMS = (64, 128)
 HEADS = 2
+MID_HEADS, MID_DEPTH, MID_SEQS = 8, 128, (1024, 1280)  # the diffusers mid size's self-attention
 THREE_KERNEL_MAX_SEQ = 4096  # beyond this the three-kernel form's S x S scores make the simulation too slow here
 # (at 4096 in fp32 its softmax row no longer fits SBUF: the table says so)
 
@@ -87,26 +93,30 @@ def run(q, k, v, causal: bool, flash: bool) -> Measured:
 ENGINES = ("scalar", "vector", "tensor", "gpsimd", "dma")
 
 
-def roofline_s(seq: int, depth: int, dtype: torch.dtype) -> tuple[float, str, int]:
+def roofline_s(seq: int, depth: int, dtype: torch.dtype, heads: int = HEADS) -> tuple[float, str, int]:
     target = get_target("trn2")
-    flops = 4 * HEADS * seq * seq * depth
+    flops = 4 * heads * seq * seq * depth
     peak = (target.tensor_bf16_tflops if dtype == torch.bfloat16 else target.tensor_fp32_tflops) * 1e12
-    operand_bytes = 4 * HEADS * seq * depth * (2 if dtype == torch.bfloat16 else 4)
+    operand_bytes = 4 * heads * seq * depth * (2 if dtype == torch.bfloat16 else 4)
     compute, memory = flops / peak, operand_bytes / target.dma_bytes_per_s
     return max(compute, memory), "c" if compute >= memory else "m", operand_bytes
 
 
-def measure(seq: int, depth: int, causal: bool, dtype: torch.dtype, engines: bool = False) -> str:
+def measure(seq: int, depth: int, causal: bool, dtype: torch.dtype, engines: bool = False, mid: bool = False) -> str:
     generator = torch.Generator().manual_seed(seq + depth)
-    q, k, v = (torch.randn(1, HEADS, seq, depth, generator=generator).to(dtype) for _ in range(3))
+    if mid:  # [batch, seq, heads, D] projections viewed heads-first, as diffusers' attention processors do
+        q, k, v = (torch.randn(1, seq, MID_HEADS, depth, generator=generator).to(dtype).transpose(1, 2)
+                   for _ in range(3))
+    else:
+        q, k, v = (torch.randn(1, HEADS, seq, depth, generator=generator).to(dtype) for _ in range(3))
     flash = run(q, k, v, causal, flash=True)
     three = None
-    if seq <= THREE_KERNEL_MAX_SEQ:
+    if seq <= THREE_KERNEL_MAX_SEQ and not mid:
         try:
             three = run(q, k, v, causal, flash=False)
         except NeuronCompileError:  # a softmax row of S fp32 scores no longer fits SBUF
             three = "does not fit"
-    bound, kind, operand_bytes = roofline_s(seq, depth, dtype)
+    bound, kind, operand_bytes = roofline_s(seq, depth, dtype, MID_HEADS if mid else HEADS)
     name = "bf16" if dtype == torch.bfloat16 else "fp32"
     cells = [str(seq), str(depth), "yes" if causal else "no", name, f"{operand_bytes / 1e6:.2f}",
              f"{flash.kernels}", f"{flash.hbm_bytes / 1e6:.2f}", f"{flash.hbm_bytes / operand_bytes:.2f}x",
@@ -277,9 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=HEADS, help="backward: query heads")
     parser.add_argument("--kv-heads", type=int, help="backward: key/value heads (grouped-query; default: --heads)")
     parser.add_argument("--fused-only", action="store_true", help="backward: skip the separate kernels")
+    parser.add_argument("--mid", action="store_true", help="the diffusers mid size's self-attention (8 heads of 128, "
+                        "bf16, 1024 and 1280 tokens, the flash kernel only)")
     args = parser.parse_args(argv)
     if args.decode:
         return main_decode(args.quick)
+    if args.mid:
+        args.seqs, args.head_dims, args.dtypes, args.causal = ",".join(map(str, MID_SEQS)), str(MID_DEPTH), "bf16", "no"
     seqs = [int(seq) for seq in args.seqs.split(",")] if args.seqs else QUICK_SEQS if args.quick else SEQS
     head_dims = [int(depth) for depth in args.head_dims.split(",")] if args.head_dims else HEAD_DIMS
     dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[name] for name in args.dtypes.split(",")]
@@ -291,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         rows.append(measure_backward(seq, depth, causal, dtype, args.heads, args.kv_heads or args.heads,
                                      0 if args.fused_only else BACKWARD_SEPARATE_MAX_SEQ) if args.backward else
-                    measure(seq, depth, causal, dtype, args.engines))
+                    measure(seq, depth, causal, dtype, args.engines, args.mid))
     header = BACKWARD_HEADER if args.backward else HEADER
     if args.engines and not args.backward:
         lines = header.split("\n")

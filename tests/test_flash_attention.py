@@ -348,7 +348,39 @@ def test_every_other_block_of_a_long_tile_brings_its_transposed_probabilities_by
 
 
 def test_tiles_of_few_blocks_transpose_on_tensor_engine_only():
-    """Under 4 key blocks the DMA transpose's latency costs more than it spares (bench/RESULTS.md, stop 29)."""
-    q, k, v = qkv(1, 1, 130, 1030, 64, torch.bfloat16)
+    """Under 4 key blocks of 512 the DMA transpose's latency costs more than it spares (bench/RESULTS.md, stop 29);
+    1600 keys are too many for one block of scores (three PSUM banks), so they come in blocks of 512."""
+    q, k, v = qkv(1, 1, 130, 1600, 64, torch.bfloat16)
     region = check_against_eager(lambda q, k, v: SDPA(q, k, v), q, k, v, tolerances=TOLERANCES)
-    assert "dma_transpose(dst=probabilities_t" not in region.kernels[0].source
+    source = region.kernels[0].source
+    assert "key blocks of 512" in source and "dma_transpose(dst=probabilities_t" not in source
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["plain", "causal", "mask", "padding", "grouped", "logsumexp", "tiny_scale"])
+@pytest.mark.parametrize("queries,keys", [(17, 1280), (129, 513), (127, 1030), (300, 1536)])
+def test_a_row_of_up_to_three_score_banks_is_one_block(queries, keys, case, dtype):
+    """513 to 1536 keys: every query tile's keys are one block of scores over several PSUM banks (one row max, one
+    exponential, no rescale), the last whole chunks of P^T by DMA transpose in rows of three banks (over 1024 keys),
+    none in rows of two; ragged chunks (513, 1030 keys), a short tile (17 queries: one query takes the decode
+    form), causal tiles (the diagonal in the row's one block, or with a scale too small for the bias, a diagonal
+    block of its own after the row's visible keys), a [queries, keys] mask with a fully masked row, a key padding
+    row, query heads sharing a tile, the training forward's log-sum-exp."""
+    heads, kv_heads = (4, 1) if case == "grouped" else (2, None)
+    q, k, v = qkv(1, heads, queries, keys, 64, dtype, kv_heads=kv_heads)
+    if case in ("mask", "padding"):
+        mask = random_tensor((queries, keys) if case == "mask" else (1, keys), dtype, seed=4)
+        mask[0, : keys // 2] = float("-inf")
+        if case == "mask":
+            mask[-1] = float("-inf")
+        fn, inputs = (lambda q, k, v, m: SDPA(q, k, v, attn_mask=m)), (q, k, v, mask)
+    elif case == "logsumexp":
+        fn, inputs = (lambda q, k, v: FLASH(q, k, v)), (q, k, v)
+    else:
+        scale = 1e-34 if case == "tiny_scale" else None
+        fn, inputs = (lambda q, k, v: SDPA(q, k, v, is_causal=case in ("causal", "tiny_scale"), scale=scale,
+                                           enable_gqa=True)), (q, k, v)
+    region = check_against_eager(fn, *inputs, tolerances=TOLERANCES)
+    source = region.kernels[0].source
+    assert f"key blocks of {keys}" in source and "each row's keys in one block" in source
+    assert ("nisa.dma_transpose(dst=probabilities_t" in source) == (keys > 1024)

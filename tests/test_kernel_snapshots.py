@@ -415,29 +415,37 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         \"\"\"P^T on TensorE, P @ [v | 1], and the tile's output accumulator (the row sums in its last column).\"\"\"
         rows, blocks, accumulator = tile["rows"], tile["blocks"], tile.get("accumulator")
         kv0, block_cols = blocks[index][0], blocks[index][1]
-        scores, values, probabilities = block["scores"], block["values"], block["probabilities"]
+        values, probabilities = block["values"], block["probabilities"]
         correction = block.get("correction")
         chunks = (block_cols + 127) // 128
-        # P^T [keys, queries] chunk by chunk (the keys go on partitions, the contraction dim of P @ v), all the
-        # block's chunks in one PSUM bank so that the next blocks' tiles find free banks
+        # P^T [keys, queries] chunk by chunk (the keys go on partitions, the contraction dim of P @ v), the chunks in
+        # PSUM banks of 2 so that the next blocks' tiles find free banks
         # (128 query columns per chunk whatever the tile's rows, so that no chunk straddles a PSUM bank)
         transposed_psum = nl.ndarray((128, 2, 128), dtype=nl.float32, buffer=nl.psum)
         probabilities_t = block.get("probabilities_t")
         if probabilities_t is None:
             probabilities_t = nl.ndarray((128, 2, 128), dtype=nl.float32, buffer=nl.sbuf)
         # this block's P @ v goes into the score tile's first bank, read by now: the next blocks find free banks
-        block_output = scores
-        for c in range(chunks):
+        block_output = block["scores"]
+        dma_first, dma_end = block.get("dma_chunks", (0, 0))
+        order = range(chunks)
+        transposed = 0  # chunks transposed on TensorE so far
+        for position, c in enumerate(order):
             c0 = c * 128
             kk = min(128, block_cols - c0)
-            if c >= block.get("dma_chunks", 0):  # P^T on TensorE, unless the DMA transpose brought this chunk
-                nisa.nc_transpose(dst=transposed_psum[0:kk, c, 0:rows], data=probabilities[0:rows, c0:c0 + kk])
+            if not dma_first <= c < dma_end:  # P^T on TensorE, unless the DMA transpose brought this chunk
+                slot = transposed % 2
+                transposed += 1
+                if slot == 0 and transposed > 1:  # a PSUM bank for the next 2 chunks
+                    transposed_psum = None
+                    transposed_psum = nl.ndarray((128, 2, 128), dtype=nl.float32, buffer=nl.psum)
+                nisa.nc_transpose(dst=transposed_psum[0:kk, slot, 0:rows], data=probabilities[0:rows, c0:c0 + kk])
                 copies[0] += 1
                 if copies[0] % 3 == 0:  # one PSUM -> SBUF copy in 3 on VectorE (it has the row max), the others on ScalarE
-                    nisa.tensor_copy(dst=probabilities_t[0:kk, c, 0:rows], src=transposed_psum[0:kk, c, 0:rows])
+                    nisa.tensor_copy(dst=probabilities_t[0:kk, c, 0:rows], src=transposed_psum[0:kk, slot, 0:rows])
                 else:
-                    nisa.activation(dst=probabilities_t[0:kk, c, 0:rows], op=nl.copy, data=transposed_psum[0:kk, c, 0:rows])
-            nisa.nc_matmul(dst=block_output[0:rows, 0:cols + 1], stationary=probabilities_t[0:kk, c, 0:rows], accumulate=c > 0,
+                    nisa.activation(dst=probabilities_t[0:kk, c, 0:rows], op=nl.copy, data=transposed_psum[0:kk, slot, 0:rows])
+            nisa.nc_matmul(dst=block_output[0:rows, 0:cols + 1], stationary=probabilities_t[0:kk, c, 0:rows], accumulate=position > 0,
                            moving=values[0:kk, kv0 // 128 + c, 0:cols + 1])
         if len(blocks) == 1:  # the only block: its output stays in PSUM for the normalization, its sums go to SBUF
             new_accumulator = block_output

@@ -77,6 +77,25 @@ VECTOR_COPY_PERIOD_WITH_DMA = 0
 # attention / seq 1024 D 64 bf16 non-causal / causal): 1 ahead 38.1 / 38.4 / 28.1 us, 2 ahead 38.6 / 38.3 / 27.3,
 # 3 ahead 34.4 / 38.0 / 27.0, 4 ahead 39.8 / 38.8 / 28.0; 5 ahead overflows PSUM.
 SCORES_AHEAD = 3
+# A query tile's keys up to this many (three PSUM banks of fp32 scores) form one block: one row max over them all,
+# one exponential, P @ [v | 1] accumulated across the row's chunks in PSUM, so no running max, no rescale of the
+# output and no add of block outputs (VectorE's per-block work beside the max). The score banks are released as
+# soon as the exponential has read them, and the pipeline issues the scores WHOLE_ROW_SCORES_AHEAD steps ahead (two
+# tiles of three banks beside the P^T and output banks fill PSUM; at 1024 keys, without DMA transposes, 1 / 2 / 3
+# ahead measured 129.8 / 118.9 / 129.0 us). Measured (the Flux / Wan mid-size attention: 8 heads, D 128, bf16):
+# 1280 keys 208.9 -> 165.7 us, 1024 keys 131.9 -> 123.0 us (bench/RESULTS.md, issue 12, stop 31).
+WHOLE_ROW_MAX_BANKS = 3
+WHOLE_ROW_SCORES_AHEAD = 2
+# Whole-row tiles over three score banks: the last two whole chunks of P^T come through a DMA transpose (SBUF ->
+# SBUF), which spares TensorE the transposes and ScalarE / VectorE the PSUM copies; one copy in six of the others
+# leaves PSUM through VectorE, which has the row max. Measured over 0 / 1 / 2 / 3 chunks: the kernel alone (us) at
+# 1280 keys 184.4 / - / 165.7 / 162.8, at 1024 keys 123.0 / - / 111.5 / 112.2; but in a launch the DMA queues also
+# carry the neighbouring matmuls' weights, and the mid-size forwards (ms) gave Flux (1280 keys) 3.760 / 3.723 /
+# 3.698 / -, LTX-Video (1024) 1.622 / 1.653 / 1.671 / -, Wan (1024) 1.603 / - / 1.599 / 1.619: two chunks where the
+# row has three banks, none under.
+WHOLE_ROW_DMA_CHUNKS = 2
+WHOLE_ROW_DMA_MIN_BANKS = 3
+WHOLE_ROW_VECTOR_COPY_PERIOD = 6
 
 
 def plan_attention(node: ir.Attention, target) -> AttentionPlan:
@@ -88,7 +107,9 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     itemsize = 2 if node.q.dtype == "bfloat16" else 4
     # PSUM per block: its scores (then its P @ v) in one bank and its transposed probabilities: with the next
     # block's scores issued ahead, the next block's matmul runs while this block's softmax does
-    key_block = min(node.keys, target.gemm_moving_fmax)
+    bank_keys = target.psum_bank_bytes // 4  # fp32 scores per PSUM bank
+    whole_row = bank_keys < node.keys <= WHOLE_ROW_MAX_BANKS * bank_keys
+    key_block = node.keys if whole_row else min(node.keys, target.gemm_moving_fmax)
     key_chunks = math.ceil(node.keys / target.partitions)
     tiles = count_tiles([store.expr for store in node.stores])
     # SBUF bytes per partition of one query tile: q^T, the scores (fp32 when masked), the probabilities and their
@@ -116,11 +137,26 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     mask_bias = node.mask is not None and node.mask.layout.strides[rank] == 0 and node.scale >= MIN_CAUSAL_BIAS_SCALE
     # P^T by DMA transpose for every other block of the tiles with many blocks (measured; see DMA_TRANSPOSE_PERIOD)
     dma_period = DMA_TRANSPOSE_PERIOD if target.dma_transpose and node.keys >= DMA_TRANSPOSE_MIN_BLOCKS * key_block else 0
+    copy_period = VECTOR_COPY_PERIOD_WITH_DMA if dma_period else VECTOR_COPY_PERIOD
+    scores_ahead = SCORES_AHEAD
+    if whole_row:
+        copy_period, scores_ahead = WHOLE_ROW_VECTOR_COPY_PERIOD, WHOLE_ROW_SCORES_AHEAD
+    bank_chunks = min(math.ceil(key_block / target.partitions),
+                      target.psum_bank_bytes // (target.partitions * itemsize))  # P^T chunks per PSUM bank
     return AttentionPlan("attention", outer, partition, free, tiles, k_tile, k_tiles, key_block=key_block,
                          resident=resident, transpose_loads=transpose_loads, causal_bias=causal_bias,
                          lanes=lanes, lane_dim=-1 if lane_dim is None else lane_dim, mask_bias=mask_bias,
                          dma_transpose_period=dma_period, dma_transpose_min_blocks=DMA_TRANSPOSE_MIN_BLOCKS,
-                         vector_copy_period=VECTOR_COPY_PERIOD_WITH_DMA if dma_period else VECTOR_COPY_PERIOD)
+                         vector_copy_period=copy_period, whole_row=whole_row, scores_ahead=scores_ahead,
+                         dma_transpose_chunks=whole_row_dma_chunks(key_block, bank_keys, target) if whole_row
+                         else 0,
+                         transposed_bank_chunks=bank_chunks)
+
+
+def whole_row_dma_chunks(key_block: int, bank_keys: int, target) -> int:
+    """Chunks of P^T a whole-row tile brings by DMA transpose (see WHOLE_ROW_DMA_CHUNKS)."""
+    wide = math.ceil(key_block / bank_keys) >= WHOLE_ROW_DMA_MIN_BANKS
+    return WHOLE_ROW_DMA_CHUNKS if wide and target.dma_transpose else 0
 
 
 def query_group_dim(node: ir.Attention, batch: list[int], target) -> int | None:
@@ -192,7 +228,7 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
         mask_load=(mask_row_load(plan, patterns, node.mask, "mask_row[0:1, 0:block_cols]") if plan.mask_bias else
                    mask_load(plan, patterns, node.mask, "mask_tile[0:rows, 0:block_cols]")) if node.mask else None,
         mask_dtype=NL_DTYPES[node.mask.dtype] if node.mask else None, lowest=LOWEST_FP32, epilogue_source=output,
-        masked_value=CAUSAL_BIAS, scores_ahead=SCORES_AHEAD,
+        masked_value=CAUSAL_BIAS,
         logsumexp_store=logsumexp_store(patterns, node.logsumexp) if node.logsumexp else None,
     )
     return render_template("attention.py.j2", **context)

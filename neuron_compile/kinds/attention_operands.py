@@ -33,7 +33,11 @@ class AttentionPlan(TilePlan):
     row), q^T taking the scale, instead of a [queries, keys] mask tile loaded and added on VectorE per block;
     ``dma_transpose_period``: in a query tile of at least ``dma_transpose_min_blocks`` key blocks, every n-th block
     brings its P^T through a DMA transpose (0: never); ``vector_copy_period``: one P^T chunk in n leaves PSUM
-    through VectorE, the others through ScalarE (0: none through VectorE)."""
+    through VectorE, the others through ScalarE (0: none through VectorE); ``whole_row``: a query tile's visible keys
+    are one block whose scores span several PSUM banks, so one row max and one exponential serve the whole row (no
+    online rescale), P @ [v | 1] accumulates in a PSUM bank of its own, the last ``dma_transpose_chunks`` whole
+    chunks of P^T come through a DMA transpose and ScalarE normalizes; ``scores_ahead``: how many steps ahead of its
+    P @ v a block's scores are issued; ``transposed_bank_chunks``: P^T chunks of 128 keys per PSUM bank."""
 
     key_block: int = 0
     resident: bool = False
@@ -45,6 +49,10 @@ class AttentionPlan(TilePlan):
     dma_transpose_period: int = 0
     dma_transpose_min_blocks: int = 0
     vector_copy_period: int = 0
+    whole_row: bool = False
+    dma_transpose_chunks: int = 0
+    scores_ahead: int = 1
+    transposed_bank_chunks: int = 4
 
     def describe(self) -> str:
         text = super().describe() + f" D {self.k_tiles}x{self.k_tile}, key blocks of {self.key_block}"
@@ -53,6 +61,8 @@ class AttentionPlan(TilePlan):
         text += ", the mask row on TensorE" if self.mask_bias else ""
         if self.dma_transpose_period:
             text += f", P^T of every {self.dma_transpose_period}th block by DMA transpose"
+        if self.whole_row:
+            text += f", each row's keys in one block ({self.dma_transpose_chunks} chunks of P^T by DMA transpose)"
         return text + (", causal mask on TensorE" if self.causal_bias else "")
 
 
