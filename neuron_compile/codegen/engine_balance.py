@@ -8,13 +8,15 @@ scope's time is its busiest engine's share of the work: the balance spreads the 
 Two ways to decide. Online (``EngineBalance()``): each instruction goes to another engine once VectorE has more
 of the scope's work than that engine would have with it, else to VectorE. Planned (``balance.planned()`` after an
 online emission of the same scope): the instructions the online pass recorded are assigned longest first, each to
-the engine that ends least loaded with it (the LPT rule for scheduling on unrelated machines); a second emission of
+the engine that ends least loaded with it (the LPT rule for scheduling on unrelated machines; instructions with one
+candidate engine first); a second emission of
 the scope replays that plan. The online rule is blind to what comes later: AdamW's update put three small
 instructions on VectorE, then both 8-cycle reciprocals had to share the rest unevenly.
 
 Relative costs of one tile, as the cost model charges them (runtime/simulator/cost.py): VectorE 1 per pass over
 the elements (0.5 on bf16 tiles, its trn2 performance mode), GpSimd and ScalarE 0.8 (a faster clock, no bf16
-mode); a tensor_tensor makes two passes unless it adds, subtracts or multiplies bf16 tiles; the ALU's reciprocal
+mode); a tensor_tensor makes two passes unless it adds, subtracts or multiplies bf16 tiles or reads one operand
+from PSUM; the ALU's reciprocal
 8 and rsqrt 4. Instructions that touch PSUM (GpSimd cannot reach it) or (P, 1) row vectors stay on VectorE (work
 on row vectors alone, one element per partition, weighs nothing); ScalarE takes casts and tensor_scalar multiplies
 and / or adds only.
@@ -83,7 +85,10 @@ class EngineBalance:
         this one's choices on top of its fixed work."""
         loads = dict(self.fixed)
         plan = [""] * len(self.choices)
-        for index in sorted(range(len(self.choices)), key=lambda i: -max(self.choices[i].values())):
+        # instructions with one candidate engine first (no choice: work as fixed as ``fixed``), then longest first
+        order = sorted(range(len(self.choices)),
+                       key=lambda i: (len(self.choices[i]) > 1, -max(self.choices[i].values())))
+        for index in order:
             costs = self.choices[index]
             engine = min(costs, key=lambda name: (loads[name] + costs[name], name != "vector"))
             loads[engine] += costs[engine]
@@ -99,6 +104,8 @@ class EngineBalance:
         full_tile = any(not ref.vector for ref in tiles)  # (P, 1) vector-only work stays on VectorE
         if not full_tile:  # one element per partition: no pass over the tile to weigh against the others
             return ENGINE_ARGUMENTS[self.choose({"vector": 0.0})]
+        if on_psum:  # a PSUM operand streams beside the SBUF one: one pass (cost.py)
+            passes = 1
         costs = {"vector": passes * (0.5 if tiles and all(ref.dtype == "bfloat16" for ref in tiles) else 1.0)}
         if not on_psum and not any(ref.vector for ref in tiles):
             costs["gpsimd"] = passes * GPSIMD_COST

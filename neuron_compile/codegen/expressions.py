@@ -27,6 +27,8 @@ SIGN_BIT = -(2**31)  # 0x80000000 as an int32 operand
 MAGNITUDE_BITS = 2**31 - 1  # 0x7fffffff
 EXPONENT_BITS = 2139095040  # 0x7f800000
 ROW_VECTOR = "[0:rows, 0:1]"  # the slice of a (P, 1) row vector
+PSUM_BANK_FP32 = 512  # fp32 elements per partition of one PSUM bank (2 KiB)
+_PSUM_STAGING_KEY = "broadcast operands in PSUM"  # memo key: (the scope's PSUM bank, elements used)
 
 
 def number(value: float) -> str:
@@ -115,6 +117,16 @@ class TileAllocator:
         self.psum_tiles.add(name)
         return name
 
+    def new_psum_bank(self, stem: str) -> str:
+        """A [partitions, one PSUM bank] fp32 tile (PSUM operands: see ``stage_in_psum``)."""
+        name = self.take_name(stem)
+        self.lines.append(f"{name} = nl.ndarray(({self.partitions}, {PSUM_BANK_FP32}), dtype=nl.float32, "
+                          "buffer=nl.psum)")
+        self.names.append(name)
+        self.widths.append(0)
+        self.psum_tiles.add(name)
+        return name
+
     def new_element(self, stem: str, dtype: str) -> str:
         """A [1, 1] SBUF tile (one value on partition 0: a random seed)."""
         name = self.take_name(stem)
@@ -164,8 +176,10 @@ class BroadcastLoad:
     def slice_text(self) -> str:
         return f"[0:rows, 0:{(self.width - 1) * self.step + 1}]"
 
-    def view(self, tile: str) -> str:
-        return f"{tile}.ap([[{self.span}, rows], [0, {self.repeats}], [{self.step}, {self.width}]], offset=0)"
+    def view(self, tile: str, row_elems: int | None = None, offset: int = 0) -> str:
+        """The repeating view of the elements at ``offset`` of ``tile`` (``row_elems`` per partition)."""
+        row = self.span if row_elems is None else row_elems
+        return f"{tile}.ap([[{row}, rows], [0, {self.repeats}], [{self.step}, {self.width}]], offset={offset})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,7 +448,8 @@ def _emit_load(expr: ir.Load, scope: TileScope, lines: list[str]) -> Ref:
     if broadcast is not None:
         name = scope.allocator.new(f"{expr.buffer}_once", broadcast.span, expr.dtype)
         lines.append(f"nisa.dma_copy(dst={name}{broadcast.slice_text}, src={broadcast.source})")
-        return Ref(tile=name, dtype=expr.dtype, view=broadcast.view(name))
+        return stage_in_psum(name, expr.dtype, broadcast, scope, lines) or Ref(
+            tile=name, dtype=expr.dtype, view=broadcast.view(name))
     spanned = scope.span_load(expr, lines) if scope.span_load is not None else None
     if spanned is not None:
         return spanned
@@ -442,6 +457,30 @@ def _emit_load(expr: ir.Load, scope: TileScope, lines: list[str]) -> Ref:
     dst, src = scope.load_pattern(expr, name)
     lines.append(f"nisa.dma_copy(dst={dst}, src={src})")
     return Ref(tile=name, dtype=expr.dtype)
+
+
+def stage_in_psum(name: str, dtype: str, broadcast: BroadcastLoad, scope: TileScope, lines: list[str]) -> Ref | None:
+    """An fp32 broadcast operand (a rotary's cos or sin, the same for every head) copied on ScalarE into a PSUM bank
+    the scope's broadcast operands share, and read from there: a VectorE tensor_tensor with one PSUM operand
+    streams at full rate, where two fp32 SBUF operands halve it (cost.py), so each product with x costs one pass
+    instead of two for a copy of one head's elements. The copy is exact (fp32 to fp32, signed zeros, inf and nan
+    as they are); its SBUF tile stays readable for an instruction whose other operand is in PSUM too. None (nothing
+    emitted) for other dtypes or when the bank is full."""
+    if dtype != "float32" or not isinstance(broadcast, BroadcastLoad):
+        return None
+    bank, used = scope.memo.get(_PSUM_STAGING_KEY, (None, 0))
+    width = (broadcast.width - 1) * broadcast.step + 1
+    if used + broadcast.span > PSUM_BANK_FP32:
+        return None
+    if bank is None:
+        bank = scope.allocator.new_psum_bank("broadcast_psum")
+    scope.memo[_PSUM_STAGING_KEY] = (bank, used + broadcast.span)
+    scope.balance.note("scalar", broadcast.span / scope.free)
+    lines.append(f"nisa.tensor_copy(dst={bank}[0:rows, {used}:{used + width}], src={name}[0:rows, 0:{width}]"
+                 f"{SCALAR})")
+    staged = Ref(tile=bank, dtype=dtype, view=broadcast.view(bank, PSUM_BANK_FP32, used))
+    scope.memo[(_PSUM_STAGING_KEY, staged)] = Ref(tile=name, dtype=dtype, view=broadcast.view(name))
+    return staged
 
 
 def _emit_column_load(expr: ir.Load, scope: TileScope, lines: list[str]) -> Ref | None:
@@ -553,6 +592,8 @@ def _binary(entry: op_table.OpSpec, args, dst: str, scope: TileScope, dst_dtype:
     # the cost model's one pass: a bf16 add, subtract or multiply (operands and destination)
     one_pass = entry.nl_op in ("nl.add", "nl.subtract", "nl.multiply") and dst_dtype == "bfloat16" and all(
         arg.dtype == "bfloat16" for arg in args if arg.tile is not None)
+    if all(arg.tile in scope.allocator.psum_tiles for arg in args):  # at most one operand may be in PSUM
+        a, b = args = [scope.memo.get((_PSUM_STAGING_KEY, a), a), b]
     engine = scope.balance.pick(list(args), scope, passes=1 if one_pass else 2)
     return (f"nisa.tensor_tensor(dst={dst}, data1={scope.ref_text(a)}, data2={scope.ref_text(b)}, "
             f"op={entry.nl_op}{engine})")

@@ -87,15 +87,18 @@ SCORES_AHEAD = 3
 WHOLE_ROW_MAX_BANKS = 3
 WHOLE_ROW_SCORES_AHEAD = 2
 # Whole-row tiles over three score banks: the last two whole chunks of P^T come through a DMA transpose (SBUF ->
-# SBUF), which spares TensorE the transposes and ScalarE / VectorE the PSUM copies; one copy in six of the others
+# SBUF), which spares TensorE the transposes and ScalarE / VectorE the PSUM copies; one copy in four of the others
 # leaves PSUM through VectorE, which has the row max. Measured over 0 / 1 / 2 / 3 chunks: the kernel alone (us) at
 # 1280 keys 184.4 / - / 165.7 / 162.8, at 1024 keys 123.0 / - / 111.5 / 112.2; but in a launch the DMA queues also
 # carry the neighbouring matmuls' weights, and the mid-size forwards (ms) gave Flux (1280 keys) 3.760 / 3.723 /
 # 3.698 / -, LTX-Video (1024) 1.622 / 1.653 / 1.671 / -, Wan (1024) 1.603 / - / 1.599 / 1.619: two chunks where the
-# row has three banks, none under.
+# row has three banks, none under (three chunks with one copy in four: Flux 3.339 against 3.319 ms).
 WHOLE_ROW_DMA_CHUNKS = 2
 WHOLE_ROW_DMA_MIN_BANKS = 3
-WHOLE_ROW_VECTOR_COPY_PERIOD = 6
+# With the normalization on ScalarE the kernel is ScalarE-bound: one P^T copy in four on VectorE, not one in six.
+# Measured in the forwards (ms), one copy in 3 / 4 / 5 / 6 on VectorE: Flux 3.329 / 3.319 / 3.325 / 3.325; Wan
+# 1.482 at 4, LTX-Video 1.446 at 4 (bench/RESULTS.md, issue 12, stop 31).
+WHOLE_ROW_VECTOR_COPY_PERIOD = 4
 
 
 def plan_attention(node: ir.Attention, target) -> AttentionPlan:
