@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from neuron_compile.runtime.kept import keep
+from neuron_compile.runtime.launch_plan import flat_argument
 
 DATA_POINTER = torch.Tensor.data_ptr
 VERSION = operator.attrgetter("_version")
@@ -60,9 +61,9 @@ class StableArguments:
         self.pointers = list(map(DATA_POINTER, self.objects))
         self.pick_copied, self.versions = picker(copied), [args[position]._version for position in copied]
         self.flat = tuple(arguments)
-        # per region input made per call: (input index, the argument position it reads)
-        self.volatile = tuple((index, source) for index, source in enumerate(sources) if isinstance(source, int)
-                              and (source not in stable or index in narrowed))
+        # per region input made per call: (input index, the argument position it reads, whether it is narrowed)
+        self.volatile = tuple((index, source, index in narrowed) for index, source in enumerate(sources)
+                              if isinstance(source, int) and (source not in stable or index in narrowed))
         # the flat views of parameters (not of copies, which nothing resizes; not of empty spans, which read nothing)
         viewed = [arguments[index] for index, source in enumerate(sources) if isinstance(source, int)
                   and source in stable and source not in copied and index not in narrowed
@@ -89,14 +90,15 @@ class StableArguments:
         """The kernels' flat arguments for ``args``: the memo's, with the volatile inputs' made now."""
         arguments = list(self.flat)
         slots, views = region.plan.inputs, region.views
-        for index, position in self.volatile:
-            arguments[index] = views.view(index, args[position], slots[index])
+        for index, position, narrowed in self.volatile:
+            if narrowed:  # a new tensor on every call: no view of it is ever kept
+                arguments[index] = flat_argument(args[position], slots[index])
+            else:
+                arguments[index] = views.argument(index, args[position], slots[index])
         return arguments
 
     def tensors(self, args: list) -> list:
-        """The region's input tensors ``finish`` reads (the others None): an empty list when it reads none."""
-        if not self.reads:
-            return []
+        """The region's input tensors ``finish`` reads (``reads``; the others None)."""
         tensors = [None] * self.count
         for index, source in self.reads:
             tensors[index] = args[source] if isinstance(source, int) else source
@@ -111,9 +113,15 @@ class DirectHit:
         self.region = module.compiled
         self.sources = sources  # per region input: a graph argument's position, or a constant tensor
         self.outputs = outputs  # per graph output: (True, region output index) or (False, argument position)
+        # when every graph output is a region output: the region's outputs -> the graph's, in one C call
+        self.pick_outputs = picker(tuple(index for _, index in outputs)) if all(
+            from_region for from_region, _ in outputs) else None
         self.anchor = anchor  # the first parameter's position: memos are kept by its data pointer
         self.memos: dict[int, StableArguments] = {}
         self.previous: list | None = None  # weak references to the last new memo's call's tensors
+        # Whether the region module was settled (``RegionModule.settled``) with real inputs only: it stays so until
+        # it fails, when its ``compiled`` is no longer this region
+        self.settled = False
 
     @classmethod
     def of(cls, entry: torch.fx.GraphModule, args: list) -> DirectHit | None:
@@ -156,11 +164,11 @@ class DirectHit:
         settled (not yet called, or failed): the caller runs the entry. ``swap``: the call's arguments with the
         column-major weight copies swapped in."""
         module, region = self.module, self.region
-        if module.compiled is not region or not module.settled or region.maybe_complex:
+        if module.compiled is not region or not (self.settled or self.settle()):
             return None
         memo = self.memos.get(args[self.anchor].data_ptr() if self.anchor is not None else 0)
         if memo is not None and memo.holds(args):
-            tensors, arguments = memo.tensors(args), memo.arguments(args, region)
+            tensors, arguments = memo.tensors(args) if memo.reads else (), memo.arguments(args, region)
         else:
             swapped = swap(args)
             tensors = self.region_tensors(swapped)
@@ -175,11 +183,18 @@ class DirectHit:
             results = module.fall_back_from(error, self.region_tensors(swap(args)))
         return self.graph_outputs(results, args)
 
+    def settle(self) -> bool:
+        """Whether the region module has settled, for good (``settled``); complex inputs (as real pairs) never are."""
+        self.settled = self.module.settled and not self.region.maybe_complex
+        return self.settled
+
     def region_tensors(self, swapped: list) -> list:
         """The region's input tensors for a call whose arguments (copies swapped in) are ``swapped``."""
         return [swapped[source] if isinstance(source, int) else source for source in self.sources]
 
     def graph_outputs(self, results, args: list) -> tuple:
+        if self.pick_outputs is not None:
+            return self.pick_outputs(results)
         return tuple([results[index] if from_region else args[index] for from_region, index in self.outputs])
 
     def remember(self, args: list, swapped: list, arguments: list) -> None:

@@ -57,10 +57,14 @@ class HitPlan:
         self.storage_offsets = [args[position].storage_offset() for position in tensors]
         self.scalars = tuple((position, type(arg), scalar_value(arg)) for position, arg in enumerate(args)
                              if not isinstance(arg, torch.Tensor))
-        self.value_guards = value_guards(args, tensors, float_guarded)
-        # per value guard: (the tensor whose bound was last found the plan's, its version, its data pointer) or None;
-        # kept for the float guards only (small tensors: the guard reads no other), see the module docstring
-        self.float_stamps: list[tuple | None] = [None] * len(self.value_guards)
+        guards = value_guards(args, tensors, float_guarded)
+        # (position, bound) per integer value guard; (position, bound) per float one, whose bound is kept with a stamp
+        # of the tensor it was found on: (that tensor, its version, its data pointer), or None (module docstring)
+        self.integer_guards = tuple((position, bound) for position, bound_of, bound in guards
+                                    if bound_of is integer_values_bound)
+        self.float_guards = tuple((position, bound) for position, bound_of, bound in guards
+                                  if bound_of is float_values_bound)
+        self.float_stamps: list[tuple | None] = [None] * len(self.float_guards)
         self.copies = KeptCopies(args, swapped)
         self.direct = DirectHit.of(entry, args) if entry is not None else None
 
@@ -95,23 +99,24 @@ class HitPlan:
         for position, kind, value in self.scalars:
             if type(args[position]) is not kind or scalar_value(args[position]) != value:
                 return False
-        for guard in range(len(self.value_guards)):
-            if not self.bound_holds(guard, args):
+        for position, bound in self.integer_guards:
+            if integer_values_bound(args[position]) is not bound:  # each class has one bound object (or None)
+                return False
+        for guard in range(len(self.float_guards)):
+            if not self.float_bound_holds(guard, args):
                 return False
         return True
 
-    def bound_holds(self, guard: int, args: list) -> bool:
-        """Whether value guard ``guard``'s tensor in ``args`` has the plan's bound (each class has one bound object,
-        or None)."""
-        position, bound_of, bound = self.value_guards[guard]
+    def float_bound_holds(self, guard: int, args: list) -> bool:
+        """Whether float guard ``guard``'s tensor in ``args`` has the plan's bound."""
+        position, bound = self.float_guards[guard]
         tensor = args[position]
         stamp = self.float_stamps[guard]
         if stamp is not None and stamp[0] is tensor and tensor._version == stamp[1] and tensor.data_ptr() == stamp[2]:
             return True
-        if bound_of(tensor) is not bound:
+        if float_values_bound(tensor) is not bound:
             return False
-        if bound_of is float_values_bound:
-            self.float_stamps[guard] = (tensor, tensor._version, tensor.data_ptr())  # one assignment: thread-safe
+        self.float_stamps[guard] = (tensor, tensor._version, tensor.data_ptr())  # one assignment: thread-safe
         return True
 
 

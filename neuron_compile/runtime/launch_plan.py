@@ -24,6 +24,10 @@ from neuron_compile.lowering import LoweringError
 from neuron_compile.runtime.launcher import TORCH_DTYPES, LoadedKernel
 
 INT32_RANGE = (-(2**31), 2**31 - 1)
+# torch's C++ tensor over another's storage with given sizes, strides and offset: not a view, with a version counter
+# of its own, made without the dispatcher and without a bounds check (what Inductor's generated code calls
+# ``reinterpret_tensor``); None in a torch without it, where callers make the same tensor through ops.
+REINTERPRET_TENSOR = getattr(torch._C._dynamo.guards, "_reinterpret_tensor", None)
 SIGNATURES_KEPT = 16  # validated input signatures remembered per region (one per distinct strides; usually one)
 
 
@@ -53,6 +57,8 @@ class KernelCall:
     parameters: tuple[str, ...]  # the buffers it takes, in order
     # The region inputs it takes, by position, when every parameter is one (a region kernel's usual case); else None
     input_positions: tuple[int, ...] | None
+    takes_every_input: bool = False  # it takes the region's inputs, all and in order (a region kernel usually does)
+    output_names: tuple[str, ...] = ()  # the buffers it writes, in the order the launcher returns them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +111,10 @@ def kernel_call(kernel: LoadedKernel, input_index: dict[str, int]) -> KernelCall
     """``kernel``'s call; ``input_index``: the region's input buffers' positions by name."""
     parameters = tuple(kernel.source.parameters)
     taken = tuple(input_index[name] for name in parameters if name in input_index)
-    return KernelCall(kernel, parameters, taken if len(taken) == len(parameters) else None)
+    output_names = tuple(buffer.name for buffer in kernel.source.outputs)
+    if len(taken) != len(parameters):
+        return KernelCall(kernel, parameters, None, output_names=output_names)
+    return KernelCall(kernel, parameters, taken, taken == tuple(range(len(input_index))), output_names)
 
 
 def flat_argument(tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
@@ -113,15 +122,24 @@ def flat_argument(tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
     kernel's dtype (a view where the dtypes agree)."""
     if tensor.requires_grad:
         tensor = tensor.detach()  # the kernels' arguments are data: no autograd view of them
-    flat = torch.as_strided(tensor, (slot.span,), (1,), tensor.storage_offset())
-    if slot.narrow_to_int32 and flat.dtype != torch.int32:
-        # int64 is narrowed to the int32 kernel dtype only when every value fits; otherwise the region fails
-        # here and the call runs eagerly (a silent wrap would be a wrong answer).
-        if slot.check_int32_range and flat.numel() and (
-                int(flat.min()) < INT32_RANGE[0] or int(flat.max()) > INT32_RANGE[1]):
-            raise LoweringError(f"input {slot.name}: int64 values beyond int32, the kernel dtype")
-        return flat.to(torch.int32)
-    return flat
+    if slot.narrow_to_int32 and tensor.dtype != torch.int32:
+        return narrowed_argument(tensor, slot)
+    return torch.as_strided(tensor, (slot.span,), (1,), tensor.storage_offset())
+
+
+def narrowed_argument(tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
+    """``flat_argument`` of an int64 input whose kernels read int32: its span's values narrowed, in a new tensor.
+    A contiguous tensor that is its whole span is narrowed as it is and flattened by ``REINTERPRET_TENSOR`` (the
+    narrowed copy holds exactly the span: nothing to check), one dispatched op fewer than through a flat view."""
+    whole = REINTERPRET_TENSOR is not None and tensor.numel() == slot.span and tensor.is_contiguous()
+    values = tensor if whole else torch.as_strided(tensor, (slot.span,), (1,), tensor.storage_offset())
+    # int64 is narrowed to the int32 kernel dtype only when every value fits; otherwise the region fails here and
+    # the call runs eagerly (a silent wrap would be a wrong answer).
+    if slot.check_int32_range and values.numel() and (
+            int(values.min()) < INT32_RANGE[0] or int(values.max()) > INT32_RANGE[1]):
+        raise LoweringError(f"input {slot.name}: int64 values beyond int32, the kernel dtype")
+    narrowed = values.to(torch.int32)
+    return REINTERPRET_TENSOR(narrowed, (slot.span,), (1,), 0) if whole else narrowed
 
 
 def input_signature(tensors) -> tuple:

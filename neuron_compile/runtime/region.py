@@ -24,15 +24,10 @@ from neuron_compile import ir
 from neuron_compile.codegen.render import KernelSource
 from neuron_compile.lowering import SUPPORTED_DTYPES, LoweringError
 from neuron_compile.runtime import stats
-from neuron_compile.runtime.launch_plan import ValidatedSignatures, input_signature, launch_plan
+from neuron_compile.runtime.launch_plan import (REINTERPRET_TENSOR, KernelCall, ValidatedSignatures, input_signature,
+                                                 launch_plan)
 from neuron_compile.runtime.stable_views import StableViews
 from neuron_compile.runtime.launcher import TORCH_DTYPES, Launcher, LoadedKernel, select_launcher
-
-# torch's C++ tensor over another's storage with given sizes, strides and offset, not a view, with a version counter of
-# its own, made without the dispatcher (what Inductor's generated code calls ``reinterpret_tensor``); None in a torch
-# without it, where ``output_tensor`` makes the same tensor through ops.
-REINTERPRET_TENSOR = getattr(torch._C._dynamo.guards, "_reinterpret_tensor", None)
-
 
 def output_tensor(written: torch.Tensor, layout: ir.Layout) -> torch.Tensor:
     """A graph output read from a kernel-written buffer (``written``: flat, torch-allocated, resizable): an
@@ -175,11 +170,13 @@ class CompiledRegion:
         if ir.RANDOM_SEEDS in self.buffers:
             fill_random_seeds(self.buffers, written)
         for call in self.plan.kernels:
-            if call.input_positions is not None:
+            if call.takes_every_input:
+                taken = arguments
+            elif call.input_positions is not None:
                 taken = [arguments[index] for index in call.input_positions]
             else:
                 taken = [self._read(name, arguments, written) for name in call.parameters]
-            self._launch(call.kernel, taken, written)
+            self._launch(call, taken, written)
         return written
 
     def _read(self, name: str, arguments: list[torch.Tensor], written: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -234,12 +231,13 @@ class CompiledRegion:
                 "dtype differs from the one eager produced)"
             )
 
-    def _launch(self, kernel: LoadedKernel, arguments: list[torch.Tensor], written: dict[str, torch.Tensor]) -> None:
-        """Launch one kernel through the launcher; its outputs join ``written``; the launch joins the stats."""
-        outputs, report = self.launcher.launch(kernel, arguments)
-        for buffer, output in zip(kernel.source.outputs, outputs):
-            written[buffer.name] = output if output.dim() == 1 else output.reshape(-1)  # launchers return flat buffers
-        stats.count_launch(kernel.source.name, report, kernel.source)
+    def _launch(self, call: KernelCall, arguments: list[torch.Tensor], written: dict[str, torch.Tensor]) -> None:
+        """Launch one kernel through the launcher; its outputs join ``written``; the launch joins the stats. Outputs
+        are read through their storage (``output_tensor``, ``torch.as_strided``), whatever shape a launcher gives."""
+        source = call.kernel.source
+        outputs, report = self.launcher.launch(call.kernel, arguments)
+        written.update(zip(call.output_names, outputs))
+        stats.count_launch(source.name, report, source)
 
     def _buffer(self, name: str, flat: dict[str, torch.Tensor]) -> torch.Tensor:
         """A buffer's flat tensor; one no kernel writes (aten.empty, a numel-0 result) is NaN-filled like every

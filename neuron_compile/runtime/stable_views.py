@@ -41,23 +41,20 @@ class StableViews:
         self._by_identity: list[dict[int, tuple]] = [{} for _ in range(inputs)]
 
     def arguments(self, tensors, slots: tuple[InputSlot, ...]) -> list[torch.Tensor]:
-        """The kernels' flat argument for each input, in order: ``view``'s, with its two kept cases first, inline
-        (a Python call per input costs more than the checks)."""
-        by_identity, by_pointer = self._by_identity, self._by_pointer
-        arguments = []
-        for index, tensor in enumerate(tensors):
-            known = by_identity[index].get(id(tensor))
-            if known is not None and known[0] is tensor:
-                arguments.append(known[1])
-                continue
-            pointer = tensor.data_ptr()
-            kept = by_pointer[index].get(pointer)
-            if kept is not None and kept[0].data_ptr() == pointer and kept[0].dtype == tensor.dtype \
-                    and kept[1].nbytes() >= kept[2]:
-                arguments.append(kept[0])
-                continue
-            arguments.append(self.view(index, tensor, slots[index]))
-        return arguments
+        """The kernels' flat argument for each input, in order (``argument``)."""
+        return [self.argument(index, tensor, slot) for index, (tensor, slot) in enumerate(zip(tensors, slots))]
+
+    def argument(self, index: int, tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
+        """Input ``index``'s flat argument: a view kept for the same object or the same memory, else ``view``'s."""
+        known = self._by_identity[index].get(id(tensor))
+        if known is not None and known[0] is tensor:
+            return known[1]
+        pointer = tensor.data_ptr()
+        kept = self._by_pointer[index].get(pointer)
+        if kept is not None and kept[0].data_ptr() == pointer and kept[0].dtype == tensor.dtype \
+                and kept[1].nbytes() >= kept[2]:
+            return kept[0]
+        return self.view(index, tensor, slot)
 
     def view(self, index: int, tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
         """The flat view of ``tensor`` for input ``index`` (``slot``), made now and kept where it may serve again
