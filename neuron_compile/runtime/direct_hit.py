@@ -11,10 +11,11 @@ Stable arguments are the parameters and any tensor that was the very same object
 the rest (activations) get a flat argument per call, as do int64 inputs narrowed to int32 (a converted copy). A
 call reuses a memo's flat arguments when its stable arguments are the same objects at the same data pointers; the
 weights the region reads as column-major copies (runtime/weight_layouts.py) also with the same version counter
-(the copy holds their values then); and each parameter's flat view still starting at that pointer over a storage of
-the same size (FSDP2 frees and regathers storages in place). The caller has checked everything else of the call's
-dispatch key (every tensor's metadata and storage offset, the scalars, the value bounds). Anything else makes a
-new memo through the region's ``prepare``, as a region call would. Memos are kept per anchor, the first
+(the copy holds their values then). A memo's flat views hold their storages, so no other memory can take a viewed
+parameter's address: the same data pointer is the same memory (a storage freed in place, as FSDP2 does with
+``resize_(0)``, moves the tensor's pointer to 0; one resized elsewhere moves it too). The caller has checked
+everything else of the call's dispatch key (every tensor's metadata and storage offset, the scalars, the value
+bounds). Anything else makes a new memo through the region's ``prepare``, as a region call would. Memos are kept per anchor, the first
 parameter's data pointer: diffusers' regional compile calls one graph with each block's weights in turn.
 
 A memo holds its stable arguments and flat arguments; the region's kept views (runtime/stable_views.py) hold those
@@ -34,7 +35,6 @@ from neuron_compile.runtime.launch_plan import flat_argument
 
 DATA_POINTER = torch.Tensor.data_ptr
 VERSION = operator.attrgetter("_version")
-STORAGE_BYTES = torch.UntypedStorage.nbytes
 
 
 def picker(positions: tuple[int, ...]) -> Callable[[list], tuple]:
@@ -64,14 +64,6 @@ class StableArguments:
         # per region input made per call: (input index, the argument position it reads, whether it is narrowed)
         self.volatile = tuple((index, source, index in narrowed) for index, source in enumerate(sources)
                               if isinstance(source, int) and (source not in stable or index in narrowed))
-        # the flat views of parameters (not of copies, which nothing resizes; not of empty spans, which read nothing)
-        viewed = [arguments[index] for index, source in enumerate(sources) if isinstance(source, int)
-                  and source in stable and source not in copied and index not in narrowed
-                  and region.plan.inputs[index].span > 0]
-        self.views = tuple(viewed)
-        self.view_pointers = list(map(DATA_POINTER, viewed))
-        self.storages = tuple(view.untyped_storage() for view in viewed)
-        self.storage_bytes = list(map(STORAGE_BYTES, self.storages))
         # the region inputs ``finish`` reads as tensors: (input index, argument position or the fixed tensor)
         self.reads = tuple((index, swapped[sources[index]] if sources[index] in copied else sources[index])
                            for index in region.reads_tensors)
@@ -82,9 +74,7 @@ class StableArguments:
         stable = self.pick(args)
         return (all(map(operator.is_, stable, self.objects))
                 and list(map(DATA_POINTER, stable)) == self.pointers
-                and list(map(VERSION, self.pick_copied(args))) == self.versions
-                and list(map(DATA_POINTER, self.views)) == self.view_pointers
-                and list(map(STORAGE_BYTES, self.storages)) == self.storage_bytes)
+                and list(map(VERSION, self.pick_copied(args))) == self.versions)
 
     def arguments(self, args: list, region) -> list:
         """The kernels' flat arguments for ``args``: the memo's, with the volatile inputs' made now."""
