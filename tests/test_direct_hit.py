@@ -7,22 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hit_path_models import MLP
 
 import neuron_compile
 from neuron_compile import config
 from neuron_compile.runtime import compiled_graph, region
 
 SETTLING_CALLS = 4  # the plan's call, the first direct call (records its tensors), the memo's call, one served by it
-
-
-class MLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = torch.nn.Linear(16, 24)
-        self.down = torch.nn.Linear(24, 8)
-
-    def forward(self, x):
-        return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
 @pytest.fixture(autouse=True)
