@@ -14,7 +14,7 @@ from neuron_compile import config, pipeline
 from neuron_compile.config import Config
 from neuron_compile.lowering import LoweringError
 from neuron_compile.passes import value_range
-from neuron_compile.runtime import compiled_graph, launch_plan, launcher, simulator
+from neuron_compile.runtime import compiled_graph, launch_plan, launcher, simulator, stable_views
 from neuron_compile.runtime import region as region_module
 
 from launch_spy import spy_traces
@@ -255,7 +255,7 @@ def test_int32_bounds_are_trusted_only_for_guarded_graph_inputs_of_a_graph_witho
 
 
 def test_empty_inputs_keep_one_view_per_dtype():
-    views = launch_plan.StableViews(1)
+    views = stable_views.StableViews(1)
     slot = launch_plan.InputSlot("e", 0, False)
     first = views.view(0, torch.empty(0), slot)
     assert views.view(0, torch.empty(0, 3), slot) is first  # nothing is read: any empty view serves

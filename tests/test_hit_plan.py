@@ -7,22 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hit_path_models import MLP
 
 import neuron_compile
 from neuron_compile import config
 from neuron_compile.errors import NeuronCompileError
 from neuron_compile.runtime import compiled_graph, launch_plan
 from neuron_compile.runtime.hit_plan import HitPlan
-
-
-class MLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = torch.nn.Linear(16, 24)
-        self.down = torch.nn.Linear(24, 8)
-
-    def forward(self, x):
-        return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
 @pytest.fixture(autouse=True)

@@ -49,12 +49,14 @@ from neuron_compile.runtime.cache import (
     signature_of,
 )
 from neuron_compile.runtime.hit_plan import HitPlan
+from neuron_compile.runtime.kept import keep
 from neuron_compile.runtime.launch_plan import INT32_RANGE
 
 log = logging.getLogger(__name__)
 bucket_log = logging.getLogger("neuron_compile.passes.bucket")  # the bucket topic (logs.py)
 
 RECORDS_KEPT = 64
+NO_PLAN = object()  # a dispatch key whose plan is not made yet (None: no plan can hold)
 OPS_NAMED = 8  # a message names at most this many of a region's ops
 
 
@@ -258,16 +260,28 @@ class RegionModule(torch.nn.Module):
             self._check(outputs)
             return outputs
         except Exception as error:  # noqa: BLE001 -- any kernel failure falls back, per Config.fallback
-            message = (
-                f"{describe_region(self.region_name, self.record.report.region_ops(self.region_name))} of the "
-                f"{self.record.kind} graph failed when run: {type(error).__name__}: {error}"
-            )
-            _fall_back(self.record.key.config, message, error)
-            self.compiled = None  # later calls go straight to eager: the failure would repeat
-            stats.add(region_run_failures=1)
-            _count_region_fallback(self.node_ops, f"its region failed when run ({type(error).__name__})")
-            self.record.failures.append(message)
-            return self.eager(*tensors)
+            return self.fall_back_from(error, tensors)
+
+    def fall_back_from(self, error: Exception, tensors) -> tuple:
+        """After the compiled region failed on ``tensors``: what Config.fallback says, then this call and every later
+        one run the eager submodule (the failure would repeat)."""
+        message = (
+            f"{describe_region(self.region_name, self.record.report.region_ops(self.region_name))} of the "
+            f"{self.record.kind} graph failed when run: {type(error).__name__}: {error}"
+        )
+        _fall_back(self.record.key.config, message, error)
+        self.compiled = None  # later calls go straight to eager: the failure would repeat
+        stats.add(region_run_failures=1)
+        _count_region_fallback(self.node_ops, f"its region failed when run ({type(error).__name__})")
+        self.record.failures.append(message)
+        return self.eager(*tensors)
+
+    @property
+    def settled(self) -> bool:
+        """Whether a call may go straight to the compiled region's ``prepare`` / ``finish`` (runtime/direct_hit.py):
+        it is compiled and has not failed, its outputs were checked once and are fixed by its plan, and its first
+        launch's cost reports are written."""
+        return self.compiled is not None and self.outputs_checked and not self.costs_pending
 
 
 def kernel_records(region_name: str, region, launched: bool = False) -> list[KernelRecord]:
@@ -455,6 +469,7 @@ class CompiledGraph:
         self._bucket_plans: dict[int, BucketPlan] = {}
         # What the last call through the key proved (runtime/hit_plan.py): the next call like it skips the key.
         self.hit_plan: HitPlan | None = None
+        self._plans: dict[tuple, HitPlan | None] = {}  # per dispatch key: its plan (None: no plan can hold)
 
     def lookup(self, config: Config, args: list) -> tuple[tuple, torch.fx.GraphModule | None]:
         """The hit path: this call's dispatch key (the config and ``dispatch_signature``) and the graph compiled
@@ -466,22 +481,31 @@ class CompiledGraph:
         config = config_module.get(self.option_items)  # once per call
         hit = self.hit_plan
         if hit is not None and hit.config is config:
-            arguments = hit.arguments(args)  # None unless the call has the key of the plan's call
-            if arguments is not None:
+            outputs = hit.outputs(args)  # None unless the call has the key of the plan's call
+            if outputs is not None:
                 stats.count_hit()
-                return hit.entry.forward(*arguments)
+                return outputs
         given = args
         if self.column_major and config.transposed_weights:
             args = weight_layouts.COPIES.apply(args, self.column_major)
         bucket = self.bucket_plan(config.bucket)
         if bucket is None or not bucket.active:  # a declined plan: its reasons go to the record
-            compiled = self._entry(config, args, bucket)
-            self.hit_plan = HitPlan.of(config, given, args, compiled, self.float_guarded)
+            key, compiled = self._entry(config, args, bucket)
+            self.hit_plan = self._plan_for(key, config, given, args, compiled)
             return compiled.forward(*args)
         sizes = bucket.sizes(args)
         padded = bucket.pad(args, sizes)
-        outputs = self._entry(config, padded, bucket).forward(*padded)
+        outputs = self._entry(config, padded, bucket)[1].forward(*padded)
         return type(outputs)(bucket.unpad(outputs, sizes))
+
+    def _plan_for(self, key: tuple, config: Config, given: list, args: list, compiled) -> HitPlan | None:
+        """The hit plan of ``key``'s calls: made on its first call (``given``: the arguments as given, ``args``: with
+        the weight copies), then kept, so that a graph called with several signatures in turn makes none again."""
+        plan = self._plans.get(key, NO_PLAN)
+        if plan is NO_PLAN:
+            plan = HitPlan.of(config, given, args, compiled, self.float_guarded)
+            keep(self._plans, key, plan)
+        return plan
 
     def bucket_plan(self, multiple: int) -> BucketPlan | None:
         """With Config.bucket, which sizes of this graph are padded (inference graphs with SymInts only: a
@@ -493,15 +517,15 @@ class CompiledGraph:
             bucket_log.info("the %s graph %s: %s", self.kind, self.graph_hash, plan.describe())
         return self._bucket_plans[multiple]
 
-    def _entry(self, config: Config, args: list, plan: BucketPlan | None = None) -> torch.fx.GraphModule:
-        """The graph compiled for this call's key, compiled now on a miss. The caller calls its ``forward``, not
+    def _entry(self, config: Config, args: list, plan: BucketPlan | None = None) -> tuple[tuple, torch.fx.GraphModule]:
+        """This call's key and the graph compiled for it, compiled now on a miss. The caller calls its ``forward``, not
         ``__call__``: GraphModule's call wrapper and nn.Module's hook dispatch cost every hit, and no hook is ever
         registered on this graph of ours."""
         key, compiled = self.lookup(config, args)
         if compiled is None:
-            return self._compile(key, args, plan.describe() if plan is not None else "")
+            return key, self._compile(key, args, plan.describe() if plan is not None else "")
         stats.count_hit()
-        return compiled
+        return key, compiled
 
     def _compile(self, key: tuple, args: list, bucketing: str = "") -> torch.fx.GraphModule:
         """A miss: compile for this signature (once, when threads race), with the readable GraphKey recorded."""

@@ -4,9 +4,9 @@ Input: one call of a ``CompiledGraph`` (runtime/compiled_graph.py): its argument
 with the column-major weight copies swapped in (runtime/weight_layouts.py), the config, the compiled entry its
 dispatch key found, and the positions of the value-guarded float inputs. Output: a ``HitPlan`` whose
 ``arguments(args)`` tells whether a later call has the same dispatch key (``runtime/cache.dispatch_signature``)
-without building or hashing it, and then returns the arguments to call the entry with; None otherwise, and the
-caller builds the key and looks it up as before. The plan only skips work; it never picks an entry the key would
-not pick.
+without building or hashing it, and then calls the entry (through ``DirectHit``, runtime/direct_hit.py, when
+the entry is one region) and returns its outputs; None otherwise, and the caller builds the key and looks it up as
+before. The plan only skips work; it never picks an entry the key would not pick.
 
 How the plan checks each part of the key, on the arguments as given:
 
@@ -17,7 +17,9 @@ How the plan checks each part of the key, on the arguments as given:
 * every other argument: its type and value;
 * the value bounds of the small integer tensors and the guarded float inputs (passes/input_ranges.py): recomputed
   on every call, since values change without any metadata changing; a tensor the guard does not read (too large,
-  another dtype) keeps its "no bound" with its metadata;
+  another dtype) keeps its "no bound" with its metadata. A guarded float input (a rotary embedding's frequencies,
+  a buffer) that is the very tensor whose bound was last found, with the same version counter and data pointer,
+  keeps that bound: what moves neither (a write through ``.data``) is not seen, as for the weights' copies;
 * the weight copies: a copy's metadata follows from its weight's (the same shape, dtype and device, column-major
   strides, offset 0), checked above, so the copies' part of the key holds too; the copy itself is reused while its
   weight is the same object with the same version and data pointer (``KeptCopies``).
@@ -30,6 +32,7 @@ import torch
 from neuron_compile.config import Config
 from neuron_compile.passes.input_ranges import float_values_bound, guard_reads_values, integer_values_bound
 from neuron_compile.runtime.cache import scalar_value
+from neuron_compile.runtime.direct_hit import DirectHit
 from neuron_compile.runtime.weight_layouts import KeptCopies
 
 try:  # torch's C++ tensor-match check (Dynamo's own guards use its successor); without it, no plan: keys only
@@ -54,8 +57,16 @@ class HitPlan:
         self.storage_offsets = [args[position].storage_offset() for position in tensors]
         self.scalars = tuple((position, type(arg), scalar_value(arg)) for position, arg in enumerate(args)
                              if not isinstance(arg, torch.Tensor))
-        self.value_guards = value_guards(args, tensors, float_guarded)
+        guards = value_guards(args, tensors, float_guarded)
+        # (position, bound) per integer value guard; (position, bound) per float one, whose bound is kept with a stamp
+        # of the tensor it was found on: (that tensor, its version, its data pointer), or None (module docstring)
+        self.integer_guards = tuple((position, bound) for position, bound_of, bound in guards
+                                    if bound_of is integer_values_bound)
+        self.float_guards = tuple((position, bound) for position, bound_of, bound in guards
+                                  if bound_of is float_values_bound)
+        self.float_stamps: list[tuple | None] = [None] * len(self.float_guards)
         self.copies = KeptCopies(args, swapped)
+        self.direct = DirectHit.of(entry, args) if entry is not None else None
 
     @classmethod
     def of(cls, config: Config, args: list, swapped: list, entry, float_guarded: frozenset[int]) -> HitPlan | None:
@@ -66,22 +77,47 @@ class HitPlan:
             return None
         return cls(config, args, swapped, entry, float_guarded)
 
-    def arguments(self, args: list) -> list | None:
-        """The arguments to call ``entry`` with, if ``args`` have this plan's dispatch key; None if not."""
-        if len(args) != self.length:
+    def outputs(self, args: list) -> tuple | None:
+        """The entry's outputs for ``args`` if they have this plan's dispatch key; None if not."""
+        if not self.matches(args):
             return None
+        if self.direct is not None:
+            outputs = self.direct(args, self.copies.apply)
+            if outputs is not None:
+                return outputs
+        return self.entry.forward(*self.copies.apply(args))
+
+    def matches(self, args: list) -> bool:
+        """Whether ``args`` have this plan's dispatch key."""
+        if len(args) != self.length:
+            return False
         tensors = args if self.tensor_positions is None else [args[position] for position in self.tensor_positions]
         if not self.tensor_check.check(*tensors):
-            return None
+            return False
         if list(map(torch.Tensor.storage_offset, tensors)) != self.storage_offsets:  # map: no Python frame per item
-            return None
+            return False
         for position, kind, value in self.scalars:
             if type(args[position]) is not kind or scalar_value(args[position]) != value:
-                return None
-        for position, bound_of, bound in self.value_guards:
-            if bound_of(args[position]) is not bound:  # each class has one bound object (or None)
-                return None
-        return self.copies.apply(args)
+                return False
+        for position, bound in self.integer_guards:
+            if integer_values_bound(args[position]) is not bound:  # each class has one bound object (or None)
+                return False
+        for guard in range(len(self.float_guards)):
+            if not self.float_bound_holds(guard, args):
+                return False
+        return True
+
+    def float_bound_holds(self, guard: int, args: list) -> bool:
+        """Whether float guard ``guard``'s tensor in ``args`` has the plan's bound."""
+        position, bound = self.float_guards[guard]
+        tensor = args[position]
+        stamp = self.float_stamps[guard]
+        if stamp is not None and stamp[0] is tensor and tensor._version == stamp[1] and tensor.data_ptr() == stamp[2]:
+            return True
+        if float_values_bound(tensor) is not bound:
+            return False
+        self.float_stamps[guard] = (tensor, tensor._version, tensor.data_ptr())  # one assignment: thread-safe
+        return True
 
 
 def value_guards(args: list, positions: list[int], float_guarded: frozenset[int]) -> tuple:

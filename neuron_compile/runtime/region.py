@@ -24,24 +24,23 @@ from neuron_compile import ir
 from neuron_compile.codegen.render import KernelSource
 from neuron_compile.lowering import SUPPORTED_DTYPES, LoweringError
 from neuron_compile.runtime import stats
-from neuron_compile.runtime.launch_plan import StableViews, ValidatedSignatures, input_signature, launch_plan
+from neuron_compile.runtime.launch_plan import (REINTERPRET_TENSOR, KernelCall, ValidatedSignatures, input_signature,
+                                                 launch_plan)
+from neuron_compile.runtime.stable_views import StableViews
 from neuron_compile.runtime.launcher import TORCH_DTYPES, Launcher, LoadedKernel, select_launcher
 
-def output_tensor(written: torch.Tensor, layout: ir.Layout, alone: bool = False) -> torch.Tensor:
+def output_tensor(written: torch.Tensor, layout: ir.Layout) -> torch.Tensor:
     """A graph output read from a kernel-written buffer (``written``: flat, torch-allocated, resizable): an
     ordinary tensor over that buffer's storage with eager's shape, strides and offset, which autograd does not
     see as a view. An ``as_strided`` view here would be an output of the autograd Function aot_autograd wraps
     the graph in that is a view, and autograd forbids in-place ops on those ("Output 0 of CompiledFunction is a
     view and is being modified inplace"), which eager allows: the Trainer's ``loss *= scale``. Outputs read
     from one buffer share its storage, as eager's views of one intermediate do (aot_autograd regenerates those
-    aliases itself); no other output shares it.
-
-    The only output of its buffer (``alone``) is ``written``'s detached alias restrided in place: not a view
-    either, and cheaper than a new tensor ``set_`` to the storage, but it shares ``written``'s version counter,
-    which two outputs of one buffer must not share (an in-place op on one would count as one on the other)."""
+    aliases itself), each with its own version counter (an in-place op on one is not one on another); no other
+    output shares it."""
     offset = written.storage_offset() + layout.offset
-    if alone:
-        return written.detach().as_strided_(layout.shape, layout.strides, offset)
+    if REINTERPRET_TENSOR is not None:
+        return REINTERPRET_TENSOR(written, layout.shape, layout.strides, offset)
     return written.new_empty((0,)).set_(written.untyped_storage(), offset, layout.shape, layout.strides)
 
 
@@ -81,7 +80,6 @@ class CompiledRegion:
         # but those a caller's dispatch key fixes (``trust_inputs``).
         self.checked_inputs: tuple[int, ...] = tuple(range(len(self.inputs)))
         self.outputs_planned = True  # every call's outputs have the plan's shapes and dtypes (RegionModule)
-        self.input_positions = {buffer.name: index for index, buffer in enumerate(self.inputs)}
         self.maybe_complex: tuple[int, ...] | None = None  # the inputs that may be complex64 (``_real_pairs``)
 
     def trust_inputs(self, positions) -> None:
@@ -114,6 +112,12 @@ class CompiledRegion:
         )
 
     def __call__(self, *tensors: torch.Tensor, validate=None):
+        tensors, arguments = self.prepare(tensors)
+        return self.finish(tensors, arguments, validate)
+
+    def prepare(self, tensors) -> tuple[tuple, list[torch.Tensor]]:
+        """The call's tensors (complex ones as real pairs) and the kernels' flat arguments; the tensors' checks the
+        first time their signature comes."""
         plan = self.plan
         if len(tensors) != len(plan.inputs):
             raise LoweringError(f"region expects {len(plan.inputs)} inputs, got {len(tensors)}")
@@ -123,17 +127,28 @@ class CompiledRegion:
             for buffer, tensor in zip(self.inputs, tensors):
                 self._check_input(buffer, tensor)
             self.validated.add(signature)
-        arguments = self.views.arguments(tensors, plan.inputs)
+        return tensors, self.views.arguments(tensors, plan.inputs)
+
+    def finish(self, tensors, arguments: list[torch.Tensor], validate=None) -> tuple[torch.Tensor, ...]:
+        """Launch the kernels on ``arguments`` (``prepare``'s), then the graph outputs; inputs the region mutates are
+        written last. ``tensors``: the call's tensors, read only by outputs that view an input and by mutations
+        (``reads_tensors``)."""
         written = self._launch_all(arguments)
         results = self._outputs(tensors, written)
         if validate is not None:
             validate(results)  # before any input is written: a failure here can still fall back eagerly
-        for index, buffer, layout in plan.mutations:
+        for index, buffer, layout in self.plan.mutations:
             # On the device the kernel's store could target the input's HBM directly; launched kernels return fresh
             # outputs, so the stored view is written into the input tensor here, once every kernel ran.
             tensors[index].copy_(torch.as_strided(self._read(buffer, arguments, written), layout.shape,
                                                   layout.strides, layout.offset))
         return results
+
+    @property
+    def reads_tensors(self) -> tuple[int, ...]:
+        """The inputs ``finish`` reads as tensors (not as flat arguments): those outputs view and mutations write."""
+        return tuple(sorted({slot.input_index for slot in self.plan.outputs if slot.input_index >= 0}
+                            | {index for index, _, _ in self.plan.mutations}))
 
     def _real_pairs(self, tensors: tuple) -> tuple:
         """``tensors`` with each complex64 one as its fp32 (real, imaginary) pairs, as it was compiled
@@ -155,21 +170,27 @@ class CompiledRegion:
         if ir.RANDOM_SEEDS in self.buffers:
             fill_random_seeds(self.buffers, written)
         for call in self.plan.kernels:
-            if call.input_positions is not None:
+            if call.takes_every_input:
+                taken = arguments
+            elif call.input_positions is not None:
                 taken = [arguments[index] for index in call.input_positions]
             else:
                 taken = [self._read(name, arguments, written) for name in call.parameters]
-            self._launch(call.kernel, taken, written)
+            self._launch(call, taken, written)
         return written
 
     def _read(self, name: str, arguments: list[torch.Tensor], written: dict[str, torch.Tensor]) -> torch.Tensor:
         """Buffer ``name``'s flat tensor: a region input's argument, or a buffer kernels wrote (``_buffer``)."""
-        position = self.input_positions.get(name)
+        position = self.plan.input_index.get(name)
         return arguments[position] if position is not None else self._buffer(name, written)
 
     def _outputs(self, tensors, written: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The graph outputs: views of region inputs as eager's view ops give them, the others over the storage of
         the buffers kernels wrote (one torch tensor per buffer, shared by the outputs it holds)."""
+        if self.plan.written_outputs is not None and REINTERPRET_TENSOR is not None:
+            # output_tensor, inline: a Python call per output costs as much as the tensor
+            return tuple([REINTERPRET_TENSOR(written[buffer], shape, strides, written[buffer].storage_offset() + offset)
+                          for buffer, shape, strides, offset in self.plan.written_outputs])
         results = []
         converted: dict[str, torch.Tensor] = {}  # kernel-written buffer -> its flat tensor in the output dtype
         for slot in self.plan.outputs:
@@ -186,7 +207,7 @@ class CompiledRegion:
                 if buffer is None:
                     buffer = self._buffer(slot.buffer, written)
                 buffer = converted[slot.buffer] = buffer if buffer.dtype == slot.dtype else buffer.to(slot.dtype)
-            results.append(output_tensor(buffer, layout, slot.alone))
+            results.append(output_tensor(buffer, layout))
         return tuple(results)
 
     @staticmethod
@@ -210,12 +231,13 @@ class CompiledRegion:
                 "dtype differs from the one eager produced)"
             )
 
-    def _launch(self, kernel: LoadedKernel, arguments: list[torch.Tensor], written: dict[str, torch.Tensor]) -> None:
-        """Launch one kernel through the launcher; its outputs join ``written``; the launch joins the stats."""
-        outputs, report = self.launcher.launch(kernel, arguments)
-        for buffer, output in zip(kernel.source.outputs, outputs):
-            written[buffer.name] = output if output.dim() == 1 else output.reshape(-1)  # launchers return flat buffers
-        stats.count_launch(kernel.source.name, report, kernel.source)
+    def _launch(self, call: KernelCall, arguments: list[torch.Tensor], written: dict[str, torch.Tensor]) -> None:
+        """Launch one kernel through the launcher; its outputs join ``written``; the launch joins the stats. Outputs
+        are read through their storage (``output_tensor``, ``torch.as_strided``), whatever shape a launcher gives."""
+        source = call.kernel.source
+        outputs, report = self.launcher.launch(call.kernel, arguments)
+        written.update(zip(call.output_names, outputs))
+        stats.count_launch(source.name, report, source)
 
     def _buffer(self, name: str, flat: dict[str, torch.Tensor]) -> torch.Tensor:
         """A buffer's flat tensor; one no kernel writes (aten.empty, a numel-0 result) is NaN-filled like every

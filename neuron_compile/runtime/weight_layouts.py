@@ -27,6 +27,7 @@ import weakref
 import torch
 
 from neuron_compile.runtime import stats
+from neuron_compile.runtime.kept import keep
 
 
 class ColumnMajorCopies:
@@ -93,14 +94,13 @@ class ColumnMajorCopies:
 
 
 COPIES = ColumnMajorCopies()  # one per process: a weight shared by several graphs has one copy
-KEPT_PER_POSITION = 64  # weights a hit plan keeps the copies of, per argument position
 
 
 class KeptCopies:
     """The copies calls swapped in, by argument position, for a hit plan (runtime/hit_plan.py) to reuse: a kept copy
     serves a later call while its weight is the same parameter object with the same version counter and data
     pointer, and its metadata is unchanged (which the plan checks first: the copy follows from the weight's metadata
-    and values); otherwise ``copies.copy_of`` answers, and its copy is kept too. Up to ``KEPT_PER_POSITION`` weights
+    and values); otherwise ``copies.copy_of`` answers, and its copy is kept too. Up to ``KEPT_PER_OWNER`` weights
     per position (diffusers' regional compile calls one graph with each block's weights in turn). Weights and copies
     are held weakly: a plan must not keep a freed model's weights or copies alive."""
 
@@ -129,8 +129,6 @@ class KeptCopies:
                 copy = entry[3]()
             if copy is None:
                 copy = self.copies.copy_of(weight)
-                if len(kept) >= KEPT_PER_POSITION:
-                    kept.clear()
-                kept[id(weight)] = self.stamp(weight, copy)
+                keep(kept, id(weight), self.stamp(weight, copy))
             swapped[position] = copy
         return swapped
