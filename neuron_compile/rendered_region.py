@@ -6,8 +6,9 @@ load pass turns into a ``CompiledRegion``, and ``to_data`` / ``from_data``: a di
 (no pickle: a cache directory shared between users must not be a way to run code). ``from_data`` raises
 ``ValueError`` on anything that is not what ``to_data`` writes. The kernel texts it holds are data too until the
 launcher loads them (runtime/launcher.py), and it loads only texts inside the subset our templates emit
-(codegen/kernel_check.py), with restricted builtins. ``check_stored`` applies that check to every kernel text of
-a stored region, those a load would not execute too.
+(codegen/kernel_check.py), with restricted builtins: a text planted in a shared cache folder is refused there, and
+the on-disk cache takes the refusal as a miss. ``check_stored`` applies that check to every kernel text of an
+entry, those a load would not execute too (``neuron-compile cache verify``).
 """
 
 from __future__ import annotations
