@@ -194,14 +194,26 @@ class _NodeChecker:
                        ast.keyword: self.keyword, ast.Import: self.nested_import}
 
     def run(self) -> None:
-        allowed = ALLOWED_NODES
-        for node in _nodes(self.tree):
+        children, checks = CHILD_FIELDS, self.checks
+        stack: list = list(self.tree.body)
+        while stack:
+            node = stack.pop()
+            if node is None:  # an absent optional part (``**`` in a dict display, a keyword-only default)
+                continue
             kind = type(node)
-            if kind not in allowed:
-                self.construct(node)
-            check = self.checks.get(kind)
+            fields = children.get(kind)
+            if fields is None:
+                self.construct(node)  # not looked into: the text is refused anyway
+                continue
+            check = checks.get(kind)
             if check is not None:
                 check(node)
+            for field in fields:
+                value = getattr(node, field)
+                if type(value) is list:
+                    stack.extend(value)
+                else:
+                    stack.append(value)
         for node in self.reads:
             if node.id not in self.bound and node.id not in NKI_ALIASES and node.id not in KERNEL_BUILTINS:
                 self.violation(node, "builtin", f"`{node.id}` is read but never bound, and is not one of the "
@@ -281,20 +293,14 @@ class _NodeChecker:
 ALLOWED_NODES = frozenset(STATEMENTS + EXPRESSIONS) | frozenset(
     kind for part in PARTS for kind in (part, *part.__subclasses__())
 )
-
-
-def _nodes(tree: ast.Module):
-    """Every node below ``tree`` but the expression contexts (Load, Store, Del: read from ``Name.ctx``)."""
-    stack = list(tree.body)
-    while stack:
-        node = stack.pop()
-        yield node
-        for field in node._fields:
-            value = getattr(node, field, None)
-            if type(value) is list:
-                stack.extend(item for item in value if isinstance(item, ast.AST))
-            elif isinstance(value, ast.AST) and not isinstance(value, ast.expr_context):
-                stack.append(value)
+# Fields of those nodes that hold no node to look into: names, the expression context (read from ``Name.ctx``),
+# operators (every one is allowed) and a constant's value.
+PLAIN_FIELDS = frozenset({"id", "ctx", "attr", "arg", "name", "asname", "kind", "type_comment", "op", "ops",
+                          "is_async"})
+CHILD_FIELDS = {
+    kind: () if kind is ast.Constant else tuple(field for field in kind._fields if field not in PLAIN_FIELDS)
+    for kind in ALLOWED_NODES
+}
 
 
 def _text(node: ast.AST) -> str:
