@@ -1,8 +1,9 @@
 """Codegen stage: the subset of Python our kernel templates emit, checked on kernel text before it is executed.
 
-Input: a kernel's NKI source text (a ``KernelSource.source``: a rendered kernel or region kernel). Output: nothing,
-or a ``KernelTextError`` naming the rule the text breaks and the line. ``kernel_builtins`` gives the only builtins
-such a text is executed with (runtime/launcher.py): the two layers back each other.
+Input: a kernel's NKI source text (a ``KernelSource.source``: a rendered kernel or region kernel). Output: its
+syntax tree, which the launcher compiles (runtime/launcher.py), or a ``KernelTextError`` naming the rule the text
+breaks and the line. ``kernel_builtins`` gives the only builtins such a text is executed with: the two layers back
+each other.
 
 Why: the on-disk cache (runtime/disk_cache.py) keeps kernel sources that the launcher executes when a region is
 loaded. A cache folder shared between users must not be a way to run code in another user's process, so text read
@@ -170,7 +171,7 @@ def _is_docstring(statement: ast.stmt) -> bool:
 def _check_import(statement: ast.Import, kernel: str) -> None:
     for alias in statement.names:
         if (alias.name, alias.asname) not in NKI_IMPORTS:
-            allowed = ", ".join(f"import {name}" + (f" as {alias}" if alias else "") for name, alias in
+            allowed = ", ".join(f"import {module}" + (f" as {as_name}" if as_name else "") for module, as_name in
                                 sorted(NKI_IMPORTS, key=str))
             _fail(kernel, "import", statement, f"`{_text(statement)}` (only {allowed})")
 
