@@ -231,8 +231,17 @@ def _cache_show(cache, prefix: str) -> int:
     return 0
 
 
+def _check_cached_region(entry: dict) -> None:
+    """A region entry's payload must decode and its kernel texts stay inside what the launcher executes."""
+    from neuron_compile import rendered_region
+    from neuron_compile.runtime import disk_cache
+
+    if entry["parts"].get("what") == disk_cache.REGION_WHAT:
+        rendered_region.check_stored(entry["payload"])
+
+
 def _cache_verify(cache, delete: bool) -> int:
-    problems = cache.verify()
+    problems = cache.verify(_check_cached_region)
     for key, problem in problems:
         print(f"{key}: {problem}" + (" (deleted)" if delete else ""))
         if delete:

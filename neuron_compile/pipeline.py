@@ -320,15 +320,14 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None, on_pas
     def render() -> dict:
         return run_passes("region", gm, context, on_pass, through=CACHED_THROUGH).to_data()
 
+    def load(payload: dict) -> CompiledRegion:  # a ValueError: a stored payload is refused (a miss)
+        return run_passes("region", RenderedRegion.from_data(payload), context, on_pass, after=CACHED_THROUGH)
+
     if config.dump_dir:
         payload = render()
+        region, created = load(payload), True
         store.store(disk_cache.key_of(parts), parts, payload)
-        created = True
     else:
-        payload, created = store.get_or_create(parts, render)
-    rendered = RenderedRegion.from_data(payload)
-    if created:
-        stats.add(disk_cache_misses=1)
-    else:
-        stats.add(disk_cache_hits=1)
-    return run_passes("region", rendered, context, on_pass, after=CACHED_THROUGH)
+        region, created = store.get_or_create(parts, render, accept=load)
+    stats.add(**{"disk_cache_misses" if created else "disk_cache_hits": 1})
+    return region

@@ -4,7 +4,11 @@ Input: the lowered region's interface (input buffers, outputs, buffers no kernel
 output dtypes), the fusion decisions, and each kernel's source and tile plan. Output: a frozen dataclass that the
 load pass turns into a ``CompiledRegion``, and ``to_data`` / ``from_data``: a dict of str, int, list and dict only
 (no pickle: a cache directory shared between users must not be a way to run code). ``from_data`` raises
-``ValueError`` on anything that is not what ``to_data`` writes.
+``ValueError`` on anything that is not what ``to_data`` writes. The kernel texts it holds are data too until the
+launcher loads them (runtime/launcher.py), and it loads only texts inside the subset our templates emit
+(codegen/kernel_check.py), with restricted builtins: a text planted in a shared cache folder is refused there, and
+the on-disk cache takes the refusal as a miss. ``check_stored`` applies that check to every kernel text of an
+entry, those a load would not execute too (``neuron-compile cache verify``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import dataclasses
 import torch
 
 from neuron_compile import ir
+from neuron_compile.codegen.kernel_check import check_kernel_text
 from neuron_compile.codegen.kernel_text import KernelSource
 from neuron_compile.lowering import TensorValue
 
@@ -74,6 +79,14 @@ class RenderedRegion:
             )
         except (KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"not a rendered region: {type(error).__name__}: {error}") from error
+
+
+def check_stored(data: dict) -> None:
+    """Raise ``ValueError`` unless ``data`` is a rendered region whose every kernel text (each kernel's and the
+    region kernel's) stays inside the subset the launcher executes; the message names the kernel, rule and line."""
+    rendered = RenderedRegion.from_data(data)
+    for source in [*rendered.sources, *([rendered.launch] if rendered.launch is not None else [])]:
+        check_kernel_text(source.source, source.name)
 
 
 def _text(value) -> str:

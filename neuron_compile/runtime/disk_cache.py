@@ -15,6 +15,12 @@ payload, and a checksum of the payload), ``<key>.key.txt`` beside it is the key'
   compile a key once;
 * an entry that cannot be read, is truncated or garbage, has another format version, another key or a wrong
   checksum is a miss; the compile that follows rewrites it. Nothing here raises on a bad entry;
+* an entry is data: JSON, never pickle, so reading one runs no code. A region's entry holds kernel texts that are
+  executed when it is loaded, and a valid checksum says nothing of who wrote them (anyone who can write into a
+  shared folder can compute one): the caller's ``accept`` loads the payload, and the launcher executes a kernel text
+  only when it stays inside what our templates emit (codegen/kernel_check.py), with restricted builtins; one that
+  does not is a miss like any bad entry (logged once with the rule and the line it breaks), compiled again and
+  rewritten, never executed;
 * a failed compile writes nothing: the next process retries it;
 * the folder is bounded (``NEURON_COMPILE_CACHE_SIZE``): after a write that takes it over the bound, the least
   recently used entries (by mtime, which a hit refreshes) are deleted until it is at 90 % of the bound.
@@ -52,6 +58,7 @@ from neuron_compile.version import __version__
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: a rendered region holds its region kernel ("launch")
+REGION_WHAT = "nki region"  # the ``what`` key part of a region's entry (a cost report's: runtime/report_cache.py)
 OFF = "off"
 LOCK_TIMEOUT_S = 120.0
 LOCK_POLL_S = 0.02
@@ -162,7 +169,7 @@ def region_key_parts(gm: torch.fx.GraphModule, example_inputs, config: Config | 
     carry: passes/input_ranges.py) and what changes its result."""
     parts = {
         "format": FORMAT_VERSION,
-        "what": "nki region",
+        "what": REGION_WHAT,
         "graph": normalized_graph(gm),
         "inputs": [_meta_text(value) for value in example_inputs],
         "config": config_key(config),
@@ -257,40 +264,57 @@ class DiskCache:
         self.lock_timeout_s = lock_timeout_s
         self._size_lock = threading.Lock()
         self._known_bytes: int | None = None  # this process's view of the folder's size (None: not yet scanned)
+        self._reported: set[tuple[Path, str]] = set()  # unusable entries already logged, with their reason
+        self._reported_lock = threading.Lock()
 
     def entry_path(self, key: str) -> Path:
         return self.directory / key[:2] / f"{key}{ENTRY_SUFFIX}"
 
     # -- lookups
 
-    def lookup(self, key: str) -> dict | None:
-        """The payload stored under ``key``, or None (absent, unreadable or corrupt: each a miss)."""
+    def lookup(self, key: str, accept: Callable[[dict], object] | None = None):
+        """The payload stored under ``key`` (with ``accept``: what it makes of the payload), or None: absent,
+        unreadable, corrupt, or refused by ``accept`` (a ``ValueError``, as a kernel text outside the subset our
+        templates emit: codegen/kernel_check.py), each a miss."""
         path = self.entry_path(key)
         try:
-            entry = read_entry(path, key)
+            payload = read_entry(path, key)["payload"]
+            value = accept(payload) if accept is not None else payload
         except FileNotFoundError:
             return None
-        except (OSError, CorruptEntry) as error:
-            log.warning("neuron_compile: disk cache entry %s is unusable (%s); compiling it again", path, error)
-            stats.add(disk_cache_corrupt=1)
+        except (OSError, ValueError) as error:  # CorruptEntry is a ValueError
+            self._report_unusable(path, error)
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # least recently used means least recently hit, too
-        return entry["payload"]
+        return value
 
-    def get_or_create(self, parts: dict, create: Callable[[], dict]) -> tuple[dict, bool]:
-        """``(payload, created_now)``: the stored payload, or ``create()``'s, written before it is returned."""
+    def _report_unusable(self, path: Path, error: Exception) -> None:
+        """Count every unusable lookup; log each entry's reason once per process (a miss looks twice)."""
+        stats.add(disk_cache_corrupt=1)
+        with self._reported_lock:
+            first = (path, str(error)) not in self._reported
+            self._reported.add((path, str(error)))
+        if first:
+            log.warning("neuron_compile: disk cache entry %s is unusable (%s); compiling it again", path, error)
+
+    def get_or_create(self, parts: dict, create: Callable[[], dict],
+                      accept: Callable[[dict], object] | None = None) -> tuple[object, bool]:
+        """``(value, created_now)``: the stored payload, or ``create()``'s, written before it is returned. With
+        ``accept``, the value is ``accept(payload)``; a stored payload it refuses is a miss (``lookup``), and a created
+        one it refuses raises and is not written."""
         key = key_of(parts)
-        payload = self.lookup(key)
-        if payload is not None:
-            return payload, False
+        value = self.lookup(key, accept)
+        if value is not None:
+            return value, False
         with self._key_lock(key):
-            payload = self.lookup(key)  # another process or thread may have written it while this one waited
-            if payload is not None:
-                return payload, False
+            value = self.lookup(key, accept)  # another process or thread may have written it while this one waited
+            if value is not None:
+                return value, False
             payload = create()  # an exception leaves nothing behind: the next attempt compiles again
+            value = accept(payload) if accept is not None else payload
             self.store(key, parts, payload)
-        return payload, True
+        return value, True
 
     # -- writes
 
@@ -391,13 +415,16 @@ class DiskCache:
         """The whole entry (parts and payload); raises ``CorruptEntry`` or ``OSError``."""
         return read_entry(self.entry_path(key), key)
 
-    def verify(self) -> list[tuple[str, str]]:
-        """``(key, problem)`` for every entry that a lookup would treat as a miss."""
+    def verify(self, check: Callable[[dict], None] | None = None) -> list[tuple[str, str]]:
+        """``(key, problem)`` for every entry that a lookup would treat as a miss; ``check(entry)`` raises a
+        ``ValueError`` for an entry whose content its reader would refuse (the CLI checks regions' kernel texts)."""
         problems = []
         for info in self.entries():
             try:
-                self.read(info.key)
-            except (OSError, CorruptEntry) as error:
+                entry = self.read(info.key)
+                if check is not None:
+                    check(entry)
+            except (OSError, ValueError) as error:
                 problems.append((info.key, str(error)))
         return problems
 

@@ -11,7 +11,11 @@ launcher has no cost model.
 ``Launcher``           the interface: ``load(source) -> LoadedKernel``, ``launch(kernel, tensors) -> (outputs,
                        report)``. Both paths get the same kernel text; each binds ``import nki`` /
                        ``nki.language`` / ``nki.isa`` in it to its own modules through the loaded module's
-                       ``__import__`` (no sys.modules change, nothing left behind).
+                       ``__import__`` (no sys.modules change, nothing left behind). Loading is the one place
+                       generated kernel text is executed, fresh or read back from the on-disk cache: ``checked_code``
+                       compiles it only when it stays inside the subset the templates emit (codegen/kernel_check.py,
+                       else ``KernelTextError``), and it runs with only the builtins that subset uses and an
+                       ``__import__`` that resolves the ``nki`` package alone.
 ``SimulatorLauncher``  the built-in numpy simulator (``neuron_compile.runtime.simulator``): torch tensors to
                        numpy (bfloat16 through ml_dtypes, bool as uint8), ``simulator.run_kernel``, outputs
                        copied into torch-allocated tensors; the report is the simulator's ``CostReport`` (a
@@ -46,7 +50,6 @@ tests drive it with a stand-in ``nki`` module passed to the constructor):
 from __future__ import annotations
 
 import abc
-import builtins
 import dataclasses
 import glob
 import importlib
@@ -59,6 +62,7 @@ import numpy as np
 import torch
 
 from neuron_compile import config as config_module
+from neuron_compile.codegen.kernel_check import check_kernel_text, kernel_builtins
 from neuron_compile.codegen.render import KernelSource
 from neuron_compile.hardware import Target, get_target
 from neuron_compile.runtime import simulator
@@ -113,6 +117,14 @@ class Launcher(abc.ABC):
         return f"{type(self).__name__}()"
 
 
+def checked_code(source: KernelSource) -> types.CodeType:
+    """The kernel text compiled from its syntax tree once codegen/kernel_check.py admits it (``KernelTextError``
+    names the rule and the line it breaks otherwise): a text read back from a shared cache folder is executed only
+    when it is what our templates emit."""
+    tree = check_kernel_text(source.source, source.name)
+    return compile(tree, simulator.kernel_filename(source.name), "exec", dont_inherit=True)
+
+
 # ------------------------------------------------------------------------------------------------ simulator
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A kernel argument as the simulator takes it: bfloat16 as ml_dtypes.bfloat16, bool as uint8. Read from a
@@ -160,7 +172,8 @@ class SimulatorLauncher(Launcher):
         self.replay = replay  # launches after a signature's first replay its recorded plan
 
     def load(self, source: KernelSource) -> LoadedKernel:
-        module = simulator.load_module(source.source, source.name)
+        module = simulator.load_module(source.source, source.name, code=checked_code(source),
+                                       builtins_for=kernel_builtins)
         return LoadedKernel(source, getattr(module, source.name))
 
     def launch(self, kernel: LoadedKernel, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], CostReport]:
@@ -212,7 +225,8 @@ def default_device() -> torch.device | str:
 
 def _bound_import(nki_module: types.ModuleType):
     """An ``__import__`` resolving ``nki`` and ``nki.<sub>`` to ``nki_module`` and its submodules (a real
-    package's submodules are imported on first use, as ``import nki.isa`` would)."""
+    package's submodules are imported on first use, as ``import nki.isa`` would). ``kernel_builtins`` hands it the
+    ``nki`` package's names alone."""
 
     def resolve(name: str) -> types.ModuleType:
         module, path = nki_module, nki_module.__name__
@@ -223,25 +237,25 @@ def _bound_import(nki_module: types.ModuleType):
         return module
 
     def bound_import(name, globals=None, locals=None, fromlist=(), level=0):  # noqa: A002 - __import__ signature
-        if level == 0 and (name == "nki" or name.startswith("nki.")):
-            module = resolve(name)
-            for item in fromlist or ():
-                if item != "*" and not hasattr(module, item):
-                    resolve(f"{name}.{item}")  # ``from nki import isa``: a submodule, imported as an attribute
-            return module if fromlist else nki_module
-        return builtins.__import__(name, globals, locals, fromlist, level)
+        module = resolve(name)
+        for item in fromlist or ():
+            if item != "*" and not hasattr(module, item):
+                resolve(f"{name}.{item}")  # ``from nki import isa``: a submodule, imported as an attribute
+        return module if fromlist else nki_module
 
     return bound_import
 
 
 def load_with_nki(source: KernelSource, nki_module: types.ModuleType) -> LoadedKernel:
-    """Execute the kernel text as module ``source.name`` with ``import nki`` bound to ``nki_module``."""
+    """Execute the kernel text as module ``source.name`` with ``import nki`` bound to ``nki_module`` (checked and
+    with restricted builtins, as ``checked_code`` says)."""
+    code = checked_code(source)
     module = types.ModuleType(source.name)
-    filename = f"<nki-kernel {source.name}>"
+    filename = simulator.kernel_filename(source.name)
     module.__file__ = filename
-    module.__dict__["__builtins__"] = {**builtins.__dict__, "__import__": _bound_import(nki_module)}
+    module.__dict__["__builtins__"] = kernel_builtins(_bound_import(nki_module))
     linecache.cache[filename] = (len(source.source), None, source.source.splitlines(keepends=True), filename)
-    exec(compile(source.source, filename, "exec"), module.__dict__)
+    exec(code, module.__dict__)
     return LoadedKernel(source, getattr(module, source.name))
 
 

@@ -22,6 +22,7 @@ import functools
 import linecache
 import sys
 import types
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -40,7 +41,8 @@ from neuron_compile.runtime.simulator.tensor import NkiTensor
 from neuron_compile.runtime.simulator.trace import InstructionRecord
 
 __all__ = ["jit", "simulate", "language", "isa", "collectives", "typing", "dtype", "run_kernel", "load_module",
-           "nki_import_alias", "KernelRun", "Kernel", "launch_hooks", "NkiValidationError", "NkiCapacityError", "NkiNotSimulatedError"]
+           "kernel_filename", "nki_import_alias", "KernelRun", "Kernel", "launch_hooks", "NkiValidationError",
+           "NkiCapacityError", "NkiNotSimulatedError"]
 
 # Callables receiving every KernelRun after a launch (the CLI's --report registers one).
 launch_hooks: list = []
@@ -330,18 +332,33 @@ def _alias_import(name, globals=None, locals=None, fromlist=(), level=0):  # noq
     return builtins.__import__(name, globals, locals, fromlist, level)
 
 
-def load_module(source: str, name: str) -> types.ModuleType:
-    """Execute NKI source text as module ``name`` with ``nki`` bound to this simulator (no sys.modules change)."""
+def kernel_filename(name: str) -> str:
+    """The file name kernel text ``name`` is compiled under (linecache holds the text under it)."""
+    return f"<nki-kernel {name}>"
+
+
+def load_module(source: str, name: str, *, code: types.CodeType | None = None,
+                builtins_for: Callable[[Callable], dict] | None = None) -> types.ModuleType:
+    """Execute NKI source text as module ``name`` with ``nki`` bound to this simulator (no sys.modules change).
+
+    ``code``: the text already compiled (under ``kernel_filename(name)``), as the launcher does from a checked syntax
+    tree; ``builtins_for``: given this module's import hook, the module's whole ``__builtins__`` (the launcher's
+    restricted set for generated kernels); None: every builtin, for kernels people write."""
     module = types.ModuleType(name)
-    filename = f"<nki-kernel {name}>"
+    filename = kernel_filename(name)
     module.__file__ = filename
-    module_builtins = dict(builtins.__dict__)
-    module_builtins["__import__"] = _alias_import
+    if builtins_for is None:
+        module_builtins = dict(builtins.__dict__)
+        module_builtins["__import__"] = _alias_import
+    else:
+        module_builtins = builtins_for(_alias_import)
     module.__dict__["__builtins__"] = module_builtins
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     # dont_inherit: the source gets its own __future__ flags, not this module's (postponed annotations would send
     # dataclasses looking the module up in sys.modules, where a loaded kernel module never is)
-    exec(compile(source, filename, "exec", dont_inherit=True), module.__dict__)
+    if code is None:
+        code = compile(source, filename, "exec", dont_inherit=True)
+    exec(code, module.__dict__)
     return module
 
 
