@@ -157,8 +157,7 @@ def bound_integer_inputs(gm: torch.fx.GraphModule, args: list) -> torch.fx.Graph
     for original, node, bound in zip(placeholders, copies, bounds):
         if bound is not None and original.name == node.name:
             node.meta[RANGE_KEY] = bound
-    bounded.recompile()
-    return bounded
+    return bounded  # the code GraphModule compiled from the copy: metadata is not in it
 
 
 def describe_bounds(gm: torch.fx.GraphModule) -> str:

@@ -388,7 +388,7 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
             if decisions:
                 record.fusion_decisions[name] = [str(decision) for decision in decisions]
         setattr(top, name, RegionModule(name, region, submodule, expected, record))
-    top.recompile()
+    # No recompile: the partition pass compiled ``top``'s code, which reads each region by its unchanged name.
     _read_attributes_directly(top)
     with _records_lock:
         _records.append(record)
