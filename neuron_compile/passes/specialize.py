@@ -35,6 +35,8 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_aggregate, map_arg
 
+from neuron_compile.passes.graph_copies import lazy_copy
+
 aten = torch.ops.aten
 
 # Run-time checks on symbols (``torch._check``): once their arguments are constants (and the propagation, which
@@ -198,7 +200,7 @@ def specialize(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
     output = graph.graph_copy(gm.graph, {})  # node metas are copied (shallowly): ``gm`` keeps its own
     graph.output(output)
-    specialized = torch.fx.GraphModule(gm, graph)
+    specialized = lazy_copy(gm, graph)
     # aot_autograd's graphs are already differentiated: run them without autograd, on detached inputs (a
     # parameter that requires grad would otherwise give every meta value requires_grad).
     detached = [arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args]
