@@ -16,6 +16,13 @@ optimizers) and the eval fast path of ``nn.TransformerEncoderLayer`` / ``_native
 A second reason for both groups: their decompositions round differently from ATen's kernels (by an ulp or
 so), so with them decomposed a graph whose ops all fall back would no longer be bit-identical to eager.
 Ops still decomposed can differ from eager at that level (e.g. ``std``, ``lerp``, ``addcmul``).
+
+The core table is torch's ``core_aten_decompositions()``, built as torch builds it (``core_aten_table``) but in a
+third of its time: torch finds the CompositeImplicitAutograd (CIA) ops by making every overload of every operator
+of every namespace and asking each, and asks the C++ dispatcher's list of CIA ops again for each of 27 namespaces
+(0.11 s of each process's first compile); here the dispatcher's list is read once and only the overloads made so far
+are asked for a CIA kernel registered in Python (making an overload is the only way to register one). A test
+compares the two tables entry by entry.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch._decomp import core_aten_decompositions
+from torch._decomp import _core_aten_decompositions_post_autograd
+from torch._export.utils import _get_decomp_for_cia, _is_preservable_cia_op
+from torch.export.decomp_utils import PRESERVED_ATEN_CIA_OPS
 
 from neuron_compile.passes.decompose_foreach import foreach_decompositions
 from neuron_compile.passes.decompose_transformer import transformer_decompositions
@@ -62,9 +71,43 @@ ADDED = (
 )
 
 
+CIA = torch._C.DispatchKey.CompositeImplicitAutograd
+
+
+def _overload(qualified_name: str) -> torch._ops.OpOverload:
+    """``aten::add.Tensor`` as ``torch.ops.aten.add.Tensor`` (no overload name: ``default``)."""
+    namespace, _, name = qualified_name.partition("::")
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+
+
+def _overloads_with_python_cia() -> list[torch._ops.OpOverload]:
+    """The overloads made so far whose CIA kernel is registered in Python (``py_impl``), in every namespace."""
+    found = []
+    for namespace_name in list(torch.ops._dir):
+        namespace = getattr(torch.ops, namespace_name)
+        if not isinstance(namespace, torch._ops._OpNamespace):
+            continue
+        for packet_name in list(namespace._dir):
+            packet = getattr(namespace, packet_name)
+            found += [overload for name in list(packet._dir) if CIA in (overload := getattr(packet, name)).py_kernels]
+    return found
+
+
+def core_aten_table() -> dict:
+    """What ``dict(torch._decomp.core_aten_decompositions())`` holds: the core ATen decompositions, and each
+    functional CIA op (but those torch preserves) decomposed through its CIA kernel."""
+    table = _core_aten_decompositions_post_autograd()
+    registered = torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")
+    for op in [*map(_overload, registered), *_overloads_with_python_cia()]:
+        if op not in table and op not in PRESERVED_ATEN_CIA_OPS and _is_preservable_cia_op(op):
+            table[op] = _get_decomp_for_cia(op)
+    return table
+
+
 @functools.cache
 def _table() -> dict:
-    table = dict(core_aten_decompositions())
+    table = core_aten_table()
     table.update({op: torch._decomp.decomposition_table[op] for op in ADDED})
     table.update(foreach_decompositions())
     table.update(transformer_decompositions())

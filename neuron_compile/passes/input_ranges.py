@@ -32,6 +32,7 @@ import math
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from neuron_compile.passes.graph_copies import lazy_copy
 from neuron_compile.passes.value_range import RANGE_KEY, RULES, Interval
 
 # Integer inputs whose every value lies within +-GUARD_BOUND are bounded by it (2**4 below the exact fp32 integers:
@@ -150,14 +151,13 @@ def bound_integer_inputs(gm: torch.fx.GraphModule, args: list) -> torch.fx.Graph
     graph = torch.fx.Graph()
     output = graph.graph_copy(gm.graph, {})  # node metas are copied shallowly: setting a key here leaves gm's alone
     graph.output(output)
-    bounded = torch.fx.GraphModule(gm, graph)
+    bounded = lazy_copy(gm, graph)
     for node in bounded.graph.nodes:
         node.meta.pop(RANGE_KEY, None)  # ranges inferred without the bounds are recomputed with them
     copies = [node for node in bounded.graph.nodes if node.op == "placeholder"]
     for original, node, bound in zip(placeholders, copies, bounds):
         if bound is not None and original.name == node.name:
             node.meta[RANGE_KEY] = bound
-    bounded.recompile()
     return bounded
 
 

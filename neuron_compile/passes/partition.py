@@ -28,6 +28,7 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.utils.flop_counter import flop_registry
 
 from neuron_compile.hardware import Target
+from neuron_compile.passes.graph_copies import compile_now, lazy_copy
 from neuron_compile.user_kernels import user_call
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ def partition_graph(gm: torch.fx.GraphModule, target: Target | str | None = None
         # (tests install one) keeps working.
         unsupported_reason = registry_unsupported_reason() if target is None else registry_unsupported_reason(target)
     # Work on a copy of the graph: the caller's GraphModule (held by the dispatch cache) stays intact.
-    work = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    work = lazy_copy(gm, copy.deepcopy(gm.graph))
     reasons = _compute_reasons(work, unsupported_reason)
     partitioner = CapabilityBasedPartitioner(work, _RegistrySupport(reasons), allows_single_node_partition=True)
     order = {node: index for index, node in enumerate(work.graph.nodes)}
@@ -236,4 +237,5 @@ def partition_graph(gm: torch.fx.GraphModule, target: Target | str | None = None
             work, [part.nodes for part in partitions], prefix=REGION_PREFIX, always_return_tuple=True
         )
     work.recompile()
+    compile_now(work)  # the module the runtime calls: its code made here, once, not by whichever call is first
     return PartitionResult(graph_module=work, report=PartitionReport(placements))

@@ -6,16 +6,25 @@ arguments of one call. Output: a GraphModule with the same placeholders (so it t
 whose every ``node.meta["val"]`` has concrete sizes and strides; SymInt arithmetic is folded into constants.
 A graph that is already static, called with the strides it was traced with, is returned as is.
 
-How: a copy of the graph is run node by node on fake tensors of this call's arguments (a ``FakeTensorMode``
-without a shape environment, so every size is a plain int), each node's ``meta["val"]`` is replaced by what
-it computed, and every node that computed a Python number (``sym_size``, SymInt arithmetic) is folded into its
-users as a constant. The ATen ops stay the very same nodes.
+How, for a static graph called with other strides (a weight the runtime passes column-major,
+runtime/weight_layouts.py): in a copy of the graph, only the nodes downstream of those inputs run again, in the fake
+mode the graph was traced with, and only as far as results differ from what was traced (``mm`` of a transposed
+weight is row-major either way); every other node keeps its traced value, so all stay in one fake mode, as the
+passes that compute a new node's value from its inputs' (the attention pattern) require. That mode is the graph's,
+shared by the threads that call it: the caller holds Dynamo's compile lock (runtime/compiled_graph.py), as every
+compile of the graph does.
+
+How, otherwise (a dynamic graph; a static one whose values are not all fake tensors of one mode, or whose in-place
+ops may change metadata): a copy of the graph is run node by node on fake tensors of this call's arguments (a
+``FakeTensorMode`` without a shape environment, so every size is a plain int), each node's ``meta["val"]`` is
+replaced by what it computed, and every node that computed a Python number (``sym_size``, SymInt arithmetic) is
+folded into its users as a constant. The ATen ops stay the very same nodes.
 
 This runs at call time, in whatever thread calls the compiled model, beside Dynamo compiling other frames in
 other threads. So it touches no process-wide state: no ``make_fx`` / FX ``Tracer`` (which sets FX's global
 "symbolic tracing now" flag and patches ``torch.nn.Module.__getattr__`` and ``__call__`` for every thread while
 it runs, and restores them by save / restore, so two overlapping traces leave them set for good) and no
-``fx.Interpreter`` (which swaps FX's global ``current_meta`` while another thread's aot_autograd traces). The
+``fx.Interpreter`` (which swaps FX's global ``current_meta`` while another thread's aot_autograd traces). A
 fake mode is entered on this thread's dispatch stack only.
 """
 
@@ -25,6 +34,8 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_aggregate, map_arg
+
+from neuron_compile.passes.graph_copies import lazy_copy
 
 aten = torch.ops.aten
 
@@ -122,19 +133,82 @@ def _strides_differ(gm: torch.fx.GraphModule, args: list) -> bool:
     return False
 
 
+def _tensors(value) -> list:
+    """The tensors in a recorded value (a tensor, or a list / tuple of values)."""
+    if isinstance(value, list | tuple):
+        return [tensor for item in value for tensor in _tensors(item)]
+    return [value] if isinstance(value, torch.Tensor) else []
+
+
+def _traced_mode(gm: torch.fx.GraphModule) -> FakeTensorMode | None:
+    """The one fake mode every traced tensor of ``gm`` belongs to; None if a node has no value, a tensor is not
+    fake, or the tensors belong to several modes."""
+    modes = set()
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        if "val" not in node.meta:
+            return None
+        for tensor in _tensors(node.meta["val"]):
+            if not isinstance(tensor, FakeTensor):
+                return None
+            modes.add(tensor.fake_mode)
+    return modes.pop() if len(modes) == 1 else None
+
+
+def _same_metadata(first, second) -> bool:
+    """Whether two recorded values have the same sizes, strides, storage offsets, dtypes and devices (tensors), or
+    are equal (anything else, item by item in lists and tuples)."""
+    if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
+        return (first.shape == second.shape and first.stride() == second.stride() and first.dtype == second.dtype
+                and first.storage_offset() == second.storage_offset() and first.device == second.device)
+    if isinstance(first, list | tuple) and isinstance(second, list | tuple):
+        return len(first) == len(second) and all(map(_same_metadata, first, second))
+    return type(first) is type(second) and not isinstance(first, torch.Tensor) and first == second
+
+
+def _propagate_changes(gm: torch.fx.GraphModule, args: list, mode: FakeTensorMode) -> None:
+    """Run again, in ``mode``, the nodes of the static ``gm`` that read a value whose metadata differs from what was
+    traced (the placeholders: ``args``'), each on its inputs' values; record only the results that differ too."""
+    changed: dict[torch.fx.Node, object] = {}
+    arguments = iter(args)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value = next(arguments)
+            if isinstance(value, torch.Tensor) and not _same_metadata(value, node.meta["val"]):
+                changed[node] = mode.from_tensor(value, static_shapes=True)
+        elif node.op == "call_function" and any(source in changed for source in node.all_input_nodes):
+            def current(source: torch.fx.Node):
+                return changed.get(source, source.meta["val"])
+
+            with mode:
+                value = node.target(*map_arg(node.args, current), **map_arg(node.kwargs, current))
+            if not _same_metadata(value, node.meta["val"]):
+                changed[node] = value
+    for node, value in changed.items():
+        node.meta["val"] = value
+        for key in SYMBOLIC_META:
+            node.meta.pop(key, None)
+
+
 def specialize(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
     """``gm`` with the concrete shapes and strides of ``args`` (real tensors and ints of one call); a static graph
     called with the strides it was traced with is returned unchanged."""
-    if not is_dynamic(gm) and not _strides_differ(gm, args):
+    dynamic = is_dynamic(gm)
+    if not dynamic and not _strides_differ(gm, args):
         return gm
     graph = torch.fx.Graph()
     output = graph.graph_copy(gm.graph, {})  # node metas are copied (shallowly): ``gm`` keeps its own
     graph.output(output)
-    specialized = torch.fx.GraphModule(gm, graph)
+    specialized = lazy_copy(gm, graph)
     # aot_autograd's graphs are already differentiated: run them without autograd, on detached inputs (a
     # parameter that requires grad would otherwise give every meta value requires_grad).
     detached = [arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args]
+    traced_mode = None if dynamic or _may_change_metadata(gm) else _traced_mode(gm)
     with torch.no_grad():
+        if traced_mode is not None:  # no symbol to fold: the graph's code stays as it is
+            _propagate_changes(specialized, detached, traced_mode)
+            return specialized
         _propagate(specialized, detached, FakeTensorMode(allow_non_fake_inputs=True))
     _fold_numbers(specialized.graph)
     specialized.graph.lint()

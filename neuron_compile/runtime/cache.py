@@ -65,8 +65,9 @@ class GraphKey:
 
 
 def graph_hash(gm: torch.fx.GraphModule) -> str:
-    """A stable hash of the graph's code (names, ops, constants) — not of its weights, which are inputs."""
-    return hashlib.sha256(gm.code.encode()).hexdigest()[:16]
+    """A stable hash of the graph's text (names, ops, constants) — not of its weights, which are inputs. The text, not
+    ``gm.code``: aot_autograd's graph modules generate their code on first use, and nothing else here uses it."""
+    return hashlib.sha256(str(gm.graph).encode()).hexdigest()[:16]
 
 
 def dispatch_signature(args: Sequence[object], float_guarded: frozenset[int] = frozenset()) -> tuple:

@@ -347,22 +347,24 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
     config = key.config
     keep_passes = bool(config.dump_dir) or trace_artifacts.enabled()  # every pass's output, for dumps and traces
     dumps: list[tuple[str, str, str]] = []
-    graph_texts: dict[str, str] = {}
 
     def on_graph_pass(name: str, text: str) -> None:
-        graph_texts[name] = text
         dumps.append((name, "", text))
 
+    # Each pass's output as text only for dumps and traces; the record keeps the specialized graph's in any case.
+    on_pass = on_graph_pass if keep_passes else None
     context = PassContext(config, configured_target(config), args, trace_flex_attention=False)  # call time
-    partitioned = run_passes("graph", gm, context, on_graph_pass)
+    specialized = run_passes("graph", gm, context, on_pass, through="specialize")
+    aten_graph = dumps[0][2] if keep_passes else str(specialized.graph)
+    partitioned = run_passes("graph", specialized, context, on_pass, after="specialize")
     top = partitioned.graph_module
     record = CompiledGraphRecord(
         kind=kind,
         key=key,
-        aten_graph=graph_texts["specialize"],
+        aten_graph=aten_graph,
         partitioned_graph=str(top.graph),
         report=partitioned.report,
-        pass_dumps=dumps if keep_passes else [],
+        pass_dumps=dumps,
         dynamo_graph=dynamo_graph,
         bucketing=bucketing,
     )
@@ -402,7 +404,7 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
             if decisions:
                 record.fusion_decisions[name] = [str(decision) for decision in decisions]
         setattr(top, name, RegionModule(name, region, submodule, expected, record))
-    top.recompile()
+    # No recompile: the partition pass compiled ``top``'s code, which reads each region by its unchanged name.
     _read_attributes_directly(top)
     with _records_lock:
         _records.append(record)
