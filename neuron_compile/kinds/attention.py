@@ -152,6 +152,9 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     group_bytes = 0 if group_dim is None else batch[group_dim] * (k_tiles * target.partitions + value_dim) * itemsize
     if group_dim is not None and (not resident or 2 * (per_head + per_query_tile + group_bytes) > budget):
         group_dim = None
+    kv_heads = math.prod(size for dim, size in enumerate(batch)  # every batch index with k and v of its own
+                         if node.k.layout.strides[dim] or node.v.layout.strides[dim])
+    positions_outer = group_dim is not None and kv_heads * per_head + 2 * (per_query_tile + group_bytes) <= budget
     return AttentionPlan("attention", outer, partition, free, tiles, k_tile, k_tiles, key_block=key_block,
                          resident=resident, transpose_loads=transpose_loads, causal_bias=causal_bias,
                          lanes=lanes, lane_dim=-1 if lane_dim is None else lane_dim, mask_bias=mask_bias,
@@ -159,7 +162,8 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
                          vector_copy_period=copy_period, whole_row=whole_row, scores_ahead=scores_ahead,
                          dma_transpose_chunks=whole_row_dma_chunks(key_block, bank_keys, target) if whole_row
                          else 0,
-                         transposed_bank_chunks=bank_chunks, head_group_dim=-1 if group_dim is None else group_dim)
+                         transposed_bank_chunks=bank_chunks, head_group_dim=-1 if group_dim is None else group_dim,
+                         positions_outer=positions_outer)
 
 
 def shared_transfer_dim(node: ir.Attention, batch: list[int], lane_dim: int | None,
@@ -277,11 +281,14 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
 def tile_loops(plan: AttentionPlan, kv_dims: list[int], group_dims: list[int]) -> str:
     """The comprehension loops over the query tiles: per key/value head, its group's query heads, then the query tile
     positions; with a head group (``plan.head_group_dim``), the group's heads innermost, so that they take each
-    position one after another."""
+    position one after another, and the positions outermost where every head stays resident
+    (``plan.positions_outer``)."""
     def loops(dims):
         return "".join(f" for o{j} in range({plan.outer[j].size})" for j in dims)
 
     positions = f" for p0 in range(0, {plan.partition.size}, {plan.partition.tile})"
+    if plan.positions_outer:
+        return positions + loops(kv_dims) + loops(group_dims)
     if plan.head_group_dim >= 0:
         return loops(kv_dims) + positions + loops(group_dims)
     return loops(kv_dims + group_dims) + positions

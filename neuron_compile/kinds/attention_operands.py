@@ -40,7 +40,9 @@ class AttentionPlan(TilePlan):
     P @ v a block's scores are issued; ``transposed_bank_chunks``: P^T chunks of 128 keys per PSUM bank;
     ``head_group_dim``: the outer dim that picks a query head of a key/value group, when the group's heads take each
     query tile position one after another and share one q^T load and one output store there (-1: each head
-    loads and stores its own)."""
+    loads and stores its own); ``positions_outer``: with a head group, k^T and v of every key/value head stay
+    resident and the query tile positions are the outermost loop, so that the output's first rows (every head of
+    them) are done before its last: the output projection's first row block can start while attention runs."""
 
     key_block: int = 0
     resident: bool = False
@@ -57,6 +59,7 @@ class AttentionPlan(TilePlan):
     scores_ahead: int = 1
     transposed_bank_chunks: int = 4
     head_group_dim: int = -1
+    positions_outer: bool = False
 
     def describe(self) -> str:
         text = super().describe() + f" D {self.k_tiles}x{self.k_tile}, key blocks of {self.key_block}"
@@ -69,6 +72,7 @@ class AttentionPlan(TilePlan):
             text += f", each row's keys in one block ({self.dma_transpose_chunks} chunks of P^T by DMA transpose)"
         if self.head_group_dim >= 0:
             text += f", q^T and output of the {self.outer[self.head_group_dim].size} heads of a group in one DMA each"
+        text += ", query tile positions outermost (every head's k^T and v resident)" if self.positions_outer else ""
         return text + (", causal mask on TensorE" if self.causal_bias else "")
 
 
