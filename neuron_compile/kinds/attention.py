@@ -12,7 +12,9 @@ finished a step before. Causal: a query tile sees keys 0 .. its last query; the 
 its last block) get the mask as a bias accumulated onto the scores on TensorE (identity x a constant mask tile), unless
 the scale is too small for the bias to dominate (then an affine_select in SBUF on a diagonal block of its own).
 With few queries per head, the query heads of a grouped-query group share each query tile (stacked on the
-partitions), where that at least halves the tiles. The training forward also writes each row's log-sum-exp.
+partitions), where that at least halves the tiles; otherwise they take each query tile position in turn, with one q^T
+load and one output store for the group there, and, when every key/value head fits, the positions outermost. The
+training forward also writes each row's log-sum-exp.
 Fusion: pointwise consumers over the output domain are epilogues on the normalized output tile.
 Codegen: attention.py.j2.
 """
