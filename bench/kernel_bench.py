@@ -20,6 +20,7 @@ eagerly. Needs the ``models`` extra (transformers) for the Llama graphs.
     python bench/kernel_bench.py --quick     # hidden 512, seq 128 only (~30 s)
     python bench/kernel_bench.py --only mlp,attention --quick
     python bench/kernel_bench.py --smoke     # the Inductor byte check and a tiny MLP through our side
+    python bench/kernel_bench.py --only llama_layer --size 2048,256 --kernels   # and each kernel's share
 
 Progress goes to stderr; the table (markdown) to stdout.
 """
@@ -236,6 +237,7 @@ class Ours:
     graphs: int  # Dynamo graphs compiled (graph breaks make several)
     eager_reasons: list[tuple[str, int]]
     top_kernels: list[tuple[str, float, str]]  # (kernel, est seconds, bottleneck engine)
+    sections: list = dataclasses.field(default_factory=list)  # every launch's SectionCosts, in launch order
 
 
 def run_ours(case: Case, fusion: bool = True) -> Ours:
@@ -259,6 +261,7 @@ def run_ours(case: Case, fusion: bool = True) -> Ours:
         eager_nodes=stats["fallback_nodes"], graphs=stats["graphs_compiled"],
         eager_reasons=stats["fallback_reasons"].most_common(3),
         top_kernels=top[:3],
+        sections=[section for report in reports for section in report.sections],
     )
 
 
@@ -391,6 +394,24 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def format_kernels(rows: list[Row]) -> str:
+    """Per kernel of each fused graph (``--kernels``): its share of the launch's estimate (how far it pushed the
+    schedule's end past the kernels before it; the shares and the launch cost add up to the estimate), its start and
+    end in the schedule, its busiest engine's time, its own roofline, HBM bytes and DMA busy time."""
+    lines = []
+    for row in rows:
+        lines += ["", f"{row.graph} h{row.hidden} s{row.seq}, per kernel:", "",
+                  "| kernel | share us | start us | end us | busiest engine us | its roofline us | HBM MB | "
+                  "DMA busy us |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for section in row.ours.sections:
+            busy = section.busy_s_per_engine
+            lines.append(f"| {section.name} | {section.est_time_s * 1e6:.1f} | {section.start_s * 1e6:.1f} | "
+                         f"{section.end_s * 1e6:.1f} | {section.lower_bound_s * 1e6:.1f} ({section.bottleneck}) | "
+                         f"{section.roofline_s * 1e6:.1f} | {section.hbm_bytes / MB:.2f} | "
+                         f"{busy.get('dma', 0.0) * 1e6:.1f} |")
+    return "\n".join(lines)
+
+
 def format_details(rows: list[Row]) -> str:
     lines = ["", "Where our time goes (top kernels by est time, bottleneck engine) and what ran eagerly:"]
     for row in rows:
@@ -435,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="hidden 512 fp32, seq 128 only")
     parser.add_argument("--only", help="comma-separated graph names: " + ", ".join(GRAPHS))
     parser.add_argument("--smoke", action="store_true", help="the Inductor byte check and one tiny graph")
+    parser.add_argument("--kernels", action="store_true", help="also a table per graph: each kernel's share of the "
+                        "estimate, its busiest engine, roofline, HBM bytes and DMA time")
     parser.add_argument("--size", action="append", metavar="HIDDEN,SEQ",
                         help="measure this size instead (bf16 from hidden 2048 up, else fp32); repeatable")
     args = parser.parse_args(argv)
@@ -462,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(rows))
     print(format_details(rows))
+    if args.kernels:
+        print(format_kernels(rows))
     log(f"done in {time.time() - started:.0f} s")
     return 0
 

@@ -166,3 +166,14 @@ def random_reason(host, moved) -> str | None:
 
 def map_exprs(node, fn: Callable[[ir.Expr], ir.Expr]):
     return kind_of(node).map_exprs(node, fn)
+
+
+def map_loads(node, fn: Callable[[ir.Load], ir.Load]):
+    """``node`` with ``fn`` applied to every load its expressions hold and to every load held by one of its fields
+    (the operand loads of a matmul or an attention node). A kind that keeps operand loads deeper is not reached:
+    callers check ``loads`` of the result."""
+    node = map_exprs(node, lambda expr: ir.map_leaves(expr, lambda leaf: fn(leaf) if isinstance(leaf, ir.Load)
+                                                      else leaf))
+    operands = {field.name: fn(getattr(node, field.name)) for field in dataclasses.fields(node)
+                if isinstance(getattr(node, field.name), ir.Load)}
+    return dataclasses.replace(node, **operands) if operands else node

@@ -384,3 +384,52 @@ def test_a_row_of_up_to_three_score_banks_is_one_block(queries, keys, case, dtyp
     source = region.kernels[0].source
     assert f"key blocks of {keys}" in source and "each row's keys in one block" in source
     assert ("nisa.dma_transpose(dst=probabilities_t" in source) == (keys > 1024)
+
+
+def model_qkv(queries, heads, kv_heads, dtype, batch=1):
+    """q, k, v viewed heads-first from [batch, seq, heads, depth] projections, as models make them."""
+    q = random_tensor((batch, queries, heads, 64), dtype, seed=5).transpose(1, 2)
+    k = random_tensor((batch, queries, kv_heads, 64), dtype, seed=6).transpose(1, 2)
+    v = random_tensor((batch, queries, kv_heads, 64), dtype, seed=7).transpose(1, 2)
+    return q, k, v
+
+
+def attention_rows(q, k, v, causal):
+    """SDPA's output as the [batch, seq, heads * depth] rows the output projection reads."""
+    out = SDPA(q, k, v, is_causal=causal, enable_gqa=True)
+    return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+
+@settings(max_examples=10, deadline=None)
+@given(queries=st.sampled_from([1, 127, 128, 129, 300]), group=st.sampled_from([2, 3, 8]), causal=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), batch=st.sampled_from([1, 2]))
+def test_a_groups_query_heads_share_one_q_load_and_one_store_per_query_tile(queries, group, causal, dtype, batch):
+    """Grouped-query attention with a query tile per head: the group's heads take each query tile position in
+    turn, q^T of all of them comes in one DMA transpose and their outputs leave in one store; every key/value head
+    stays resident and the positions go outermost. Each head's output is exactly what the kernel gives that head
+    alone (the same instructions on the same tiles)."""
+    q, k, v = model_qkv(queries, 2 * group, 2, dtype, batch)
+    region, (grouped,) = compile_and_run(lambda q, k, v: attention_rows(q, k, v, causal), q, k, v)
+    torch.testing.assert_close(grouped, attention_rows(q, k, v, causal), rtol=TOLERANCES[dtype][0],
+                               atol=TOLERANCES[dtype][1])
+    sources = [kernel.source for kernel in region.kernels if kernel.name.startswith("attention_kernel")]
+    if queries >= 127:  # (a single query: the decode form; its own tests)
+        assert len(sources) == 1 and f"output of the {group} heads of a group in one DMA each" in sources[0]
+        assert "query tile positions outermost" in sources[0]
+    for head in range(2 * group):
+        kv = head // group
+        _, (alone,) = compile_and_run(lambda q, k, v: attention_rows(q, k, v, causal), q[:, head:head + 1],
+                                      k[:, kv:kv + 1], v[:, kv:kv + 1])
+        assert torch.equal(grouped[..., head * 64:(head + 1) * 64], alone), head
+
+
+
+def test_a_head_group_keeps_one_key_value_head_resident_where_all_would_not_fit():
+    """8192 keys of D 128 per key/value head (32 KiB per partition each): the eight heads do not all fit beside
+    the query tiles, so the heads go outermost, each resident in turn, and the group still shares its loads."""
+    q = random_tensor((1, 130, 16, 128), torch.bfloat16, seed=5).transpose(1, 2)
+    k, v = (random_tensor((1, 8192, 8, 128), torch.bfloat16, seed=seed).transpose(1, 2) for seed in (6, 7))
+    region = check_against_eager(lambda q, k, v: SDPA(q, k, v, enable_gqa=True), q, k, v, tolerances=TOLERANCES)
+    (kernel,) = region.kernels
+    assert "heads of a group in one DMA each" in kernel.source
+    assert "query tile positions outermost" not in kernel.source

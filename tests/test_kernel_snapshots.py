@@ -299,7 +299,7 @@ Attention kernel_2 domain=[1, 1, 2, 130, 16] scale=0.25 causal=True
   v: load(arg2_1, ap(shape=[1, 1, 2, 130, 16], strides=[2080, 2080, 0, 16, 1], offset=0))
   attention_1 = result
 
-Tile plan: attention: outer [1/1, 1/1, 2/1] partition 130/128 free [16/16] D 1x16, key blocks of 130, k^T and v resident per head, causal mask on TensorE
+Tile plan: attention: outer [1/1, 1/1, 2/1] partition 130/128 free [16/16] D 1x16, key blocks of 130, k^T and v resident per head, q^T and output of the 2 heads of a group in one DMA each, query tile positions outermost (every head's k^T and v resident), causal mask on TensorE
 \"\"\"
 
 import nki
@@ -345,15 +345,19 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         return keys_t, values
 
 
-    head = []  # the resident k^T and v of the current key/value head
+    heads = {}  # the resident k^T and v of every key/value head, loaded at its first tile
+    group_queries, group_outputs = [], []  # q^T and the output tile of the current query tile position's head group
     def open_tile(o0, o1, o2, p0):
         \"\"\"A query tile: its q^T, its key blocks and its online-softmax state (set by its first block).\"\"\"
         rows = min(128, 130 - p0)
-        if o2 == 0 and p0 == 0:  # the head's first tile: its k^T and v start loading
-            head[:] = [load_head(o0, o1)]
-        keys_t, values = head[0]
-        queries_t = nl.ndarray((16, 1, 128), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_transpose(dst=queries_t[0:16, 0:1, 0:rows], src=arg0_1.ap([[16, rows], [16, 1], [1, 16]], offset=o0 * 4160 + o1 * 4160 + o2 * 2080 + p0 * 16), axes=(2, 1, 0))
+        if (o0, o1,) not in heads:  # the head's first tile: its k^T and v start loading
+            heads[(o0, o1,)] = load_head(o0, o1)
+        keys_t, values = heads[(o0, o1,)]
+        if o2 == 0:  # the group's first head at this position: q^T of its 2 heads in one DMA transpose
+            queries_t = nl.ndarray((16, 1, 2, 128), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_transpose(dst=queries_t[0:16, 0:1, 0:2, 0:rows], src=arg0_1.ap([[2080, 2], [16, rows], [16, 1], [1, 16]], offset=o0 * 4160 + o1 * 4160 + p0 * 16), axes=(3, 2, 0, 1))
+            group_queries[:] = [queries_t]
+        queries_t = group_queries[0]
         # Causal (key j masked for query i > j): the tile sees keys 0 .. its last query, in blocks; the keys that need
         # the mask (the diagonal, from the tile's first query on) fall in the last block, and nothing above is visible.
         visible = min(130, p0 + rows)
@@ -373,7 +377,7 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         for m0 in range(0, block_cols, 130):  # one matmul per PSUM bank of the score tile
             mm = min(130, block_cols - m0)
             for dc in range(1):
-                nisa.nc_matmul(dst=scores[0:rows, m0:m0 + mm], stationary=queries_t[0:16, dc, 0:rows],
+                nisa.nc_matmul(dst=scores[0:rows, m0:m0 + mm], stationary=queries_t[0:16, dc, o2, 0:rows],
                                moving=keys_t[0:16, dc, kv0 + m0:kv0 + m0 + mm])
         if diagonal:  # keys p0 .. of this block: the mask tile's columns, accumulated onto their scores
             masked = kv0 + block_cols - p0
@@ -471,16 +475,19 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         safe_sum = running_sum
         inverse_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.reciprocal(dst=inverse_sum[0:rows, 0:1], data=safe_sum[0:rows, 0:1], engine=nisa.engine.gpsimd)
-        output_1 = nl.ndarray((128, 16), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=output_1[0:rows, 0:cols], data=accumulator[0:rows, 0:cols], op0=nl.multiply,
+        if o2 == 0:  # the group's first head at this position: the output tile of its 2 heads
+            group_outputs[:] = [nl.ndarray((128, 2, 16), dtype=nl.float32, buffer=nl.sbuf)]
+        output_1 = group_outputs[0]
+        nisa.tensor_scalar(dst=output_1[0:rows, o2, 0:cols], data=accumulator[0:rows, 0:cols], op0=nl.multiply,
                            operand0=inverse_sum[0:rows, 0:1])
-        nisa.dma_copy(dst=attention_1.ap([[16, rows], [1, cols]], offset=o0 * 4160 + o1 * 4160 + o2 * 2080 + p0 * 16), src=output_1[0:rows, 0:cols])
+        if o2 == 1:  # the group's last head: one store for all of them
+            nisa.dma_copy(dst=attention_1.ap([[16, rows], [2080, 2], [1, cols]], offset=o0 * 4160 + o1 * 4160 + p0 * 16), src=output_1[0:rows, 0:2, 0:cols])
 
 
     # Software pipelined over the stream of (query tile, key block) steps: each step issues the scores of the block
     # 3 ahead, the softmax of the next one and its own P @ v, and stores the tile a block before, so that no
     # engine waits in program order behind one block's dependency chain (scores -> max -> exp -> P^T -> P @ v).
-    tiles = [(o0, o1, o2, p0,) for o0 in range(1) for o1 in range(1) for o2 in range(2) for p0 in range(0, 130, 128)]
+    tiles = [(o0, o1, o2, p0,) for p0 in range(0, 130, 128) for o0 in range(1) for o1 in range(1) for o2 in range(2)]
     steps = []  # (tile, block index, block) in issue order; a step's entry is dropped once done, freeing its tiles
     cursor = {"tile": 0, "index": 0, "open": None}
 

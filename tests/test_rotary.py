@@ -147,3 +147,20 @@ def test_rows_grouped_per_partition_cut_the_norm_epilogues_time(monkeypatch):
     grouped = estimated()
     monkeypatch.setattr(pointwise, "SHORT_ROW_BYTES", 0)  # one 256-byte row per partition per tile, as before
     assert grouped < 0.6 * estimated()
+
+
+@settings(max_examples=6, deadline=None)
+@given(seq=st.sampled_from([1, 127, 128, 129, 256]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_the_rotary_written_into_an_empty_cache_is_one_kernel(seq, dtype):
+    """A cache's first ``cat([past, k_rotated])`` with an empty past (transformers' first forward) copies the rotated
+    keys: one part covering the output, lowered as a pointwise copy that joins the rotary's kernel, not a concat of
+    its own re-reading rotate_half(k) from HBM. One kernel; from 127 rows on, HBM traffic exactly inputs + output."""
+    heads = 4
+    k, cos, sin = _rotary_inputs(heads, seq, dtype)
+    past = torch.empty(1, heads, 0, 64, dtype=dtype)
+    neuron_compile.reset_stats()
+    region = check_against_eager(lambda p, a, c, s: torch.cat([p, apply_rotary(a, c, s, heads)], 2), past, k, cos, sin)
+    stats = neuron_compile.stats()
+    assert len(region.kernels) == 1 and stats["fallback_nodes"] == 0
+    moved = sum(t.numel() * t.element_size() for t in (k, cos, sin)) + k.numel() * k.element_size()
+    assert stats["hbm_bytes"] == moved or seq == 1  # (one row: cos / sin come per head, a [1, 64] row each)

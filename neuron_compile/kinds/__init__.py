@@ -12,6 +12,7 @@ from neuron_compile.kind_registry import (
     kind_of,
     loads,
     map_exprs,
+    map_loads,
     random_reason,
     registered_kinds,
     registered_node_types,
@@ -34,5 +35,5 @@ from neuron_compile.kinds import (
 KINDS = (pointwise, reduction, row_normalize, scan, matmul, attention, attention_backward, concat, gather, scatter,
          collective)
 
-__all__ = ["KINDS", "KernelKind", "UnknownKernelKind", "describe", "kind_of", "loads", "map_exprs",
+__all__ = ["KINDS", "KernelKind", "UnknownKernelKind", "describe", "kind_of", "loads", "map_exprs", "map_loads",
            "random_reason", "registered_kinds", "registered_node_types", "stores"]

@@ -12,7 +12,9 @@ finished a step before. Causal: a query tile sees keys 0 .. its last query; the 
 its last block) get the mask as a bias accumulated onto the scores on TensorE (identity x a constant mask tile), unless
 the scale is too small for the bias to dominate (then an affine_select in SBUF on a diagonal block of its own).
 With few queries per head, the query heads of a grouped-query group share each query tile (stacked on the
-partitions), where that at least halves the tiles. The training forward also writes each row's log-sum-exp.
+partitions), where that at least halves the tiles; otherwise they take each query tile position in turn, with one q^T
+load and one output store for the group there, and, when every key/value head fits, the positions outermost. The
+training forward also writes each row's log-sum-exp.
 Fusion: pointwise consumers over the output domain are epilogues on the normalized output tile.
 Codegen: attention.py.j2.
 """
@@ -38,6 +40,8 @@ from neuron_compile.kinds.attention_operands import (
     LOWEST_FP32,
     AttentionPlan,
     LanePatterns,
+    grouped_output_store,
+    grouped_query_load,
     head_loops,
     logsumexp_store,
     mask_load,
@@ -146,6 +150,13 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
         copy_period, scores_ahead = WHOLE_ROW_VECTOR_COPY_PERIOD, WHOLE_ROW_SCORES_AHEAD
     bank_chunks = min(math.ceil(key_block / target.partitions),
                       target.psum_bank_bytes // (target.partitions * itemsize))  # P^T chunks per PSUM bank
+    group_dim = shared_transfer_dim(node, batch, lane_dim, transpose_loads)
+    group_bytes = 0 if group_dim is None else batch[group_dim] * (k_tiles * target.partitions + value_dim) * itemsize
+    if group_dim is not None and (not resident or 2 * (per_head + per_query_tile + group_bytes) > budget):
+        group_dim = None
+    kv_heads = math.prod(size for dim, size in enumerate(batch)  # every batch index with k and v of its own
+                         if node.k.layout.strides[dim] or node.v.layout.strides[dim])
+    positions_outer = group_dim is not None and kv_heads * per_head + 2 * (per_query_tile + group_bytes) <= budget
     return AttentionPlan("attention", outer, partition, free, tiles, k_tile, k_tiles, key_block=key_block,
                          resident=resident, transpose_loads=transpose_loads, causal_bias=causal_bias,
                          lanes=lanes, lane_dim=-1 if lane_dim is None else lane_dim, mask_bias=mask_bias,
@@ -153,7 +164,25 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
                          vector_copy_period=copy_period, whole_row=whole_row, scores_ahead=scores_ahead,
                          dma_transpose_chunks=whole_row_dma_chunks(key_block, bank_keys, target) if whole_row
                          else 0,
-                         transposed_bank_chunks=bank_chunks)
+                         transposed_bank_chunks=bank_chunks, head_group_dim=-1 if group_dim is None else group_dim,
+                         positions_outer=positions_outer)
+
+
+def shared_transfer_dim(node: ir.Attention, batch: list[int], lane_dim: int | None,
+                        transpose_loads: bool) -> int | None:
+    """The outer dim that picks a query head within a key/value group (stride 0 in k and v), when its heads should
+    take each query tile position in turn, with q^T of all of them in one DMA transpose and their outputs in one
+    store: a DMA's fixed cost (~1.3 us, overhead-bound below 256 B per partition) is then paid once per group, not
+    once per head (the goal point's 8 heads of D 64: 64 q^T loads and 64 stores of 16 KB -> 8 and 8, 23.3 -> 9.7 us
+    of DMA). Only where q comes through a DMA transpose, the output is stored as computed (no epilogue), and the
+    heads do not share a query tile (lanes)."""
+    if lane_dim is not None or not transpose_loads:
+        return None
+    if len(node.stores) != 1 or not isinstance(node.stores[0].expr, ir.Result):
+        return None
+    shared = [dim for dim, size in enumerate(batch)
+              if size > 1 and node.k.layout.strides[dim] == 0 and node.v.layout.strides[dim] == 0]
+    return shared[0] if len(shared) == 1 else None
 
 
 def whole_row_dma_chunks(key_block: int, bank_keys: int, target) -> int:
@@ -203,10 +232,18 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
     as_is = len(stored) == 1 and all(isinstance(store.expr, ir.Result) for store in node.stores)
     output_dtype = stored.pop() if as_is else "float32"
     output = allocator.new("output", value_dim, dtype=output_dtype)
-    scope = TileScope(allocator, value_dim, "[0:rows, 0:cols]", load_pattern, Ref(tile=output, dtype=output_dtype),
-                      vector_pattern=column_pattern)
+    grouped = plan.head_group_dim >= 0
     epilogue: list[str] = []
-    store_lines(node.stores, scope, patterns, free, False, epilogue)
+    if grouped:  # the normalization writes each head's slice of the group's output tile, stored with the last head
+        head = f"o{plan.head_group_dim}"
+        last = plan.outer[plan.head_group_dim].size - 1
+        epilogue = [f"if {head} == {last}:  # the group's last head: one store for all of them",
+                    "    " + grouped_output_store(plan, patterns, node.stores[0],
+                                                  f"{output}[0:rows, 0:{last + 1}, 0:cols]")]
+    else:
+        scope = TileScope(allocator, value_dim, "[0:rows, 0:cols]", load_pattern, Ref(tile=output, dtype=output_dtype),
+                          vector_pattern=column_pattern)
+        store_lines(node.stores, scope, patterns, free, False, epilogue)
     kv_dims, group_dims = head_loops(node, plan)
     # k^T and v come in one key block at a time, into the resident tiles (the first query tile starts on the
     # first block while the others arrive) or into the block's own tiles
@@ -216,6 +253,8 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
                                start, count)
     # q^T: [D chunk, chunk, rows], or with lanes [D chunk, chunk, queries, heads] (row r = query r // lanes)
     query_rows = f"0:lane_rows, 0:{plan.lanes}" if plan.lanes > 1 else "0:rows"
+    if grouped:
+        query_rows = f"{head}, 0:rows"
     value_lines = value_loads(plan, patterns, node, f"{start} // 128" if plan.resident else "0", start, count)
     context = kernel_context(
         node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue,
@@ -223,8 +262,12 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
         tile_params="".join(f"o{i}, " for i in kv_dims + group_dims),
         group_first="".join(f"o{j} == 0 and " for j in group_dims), operand_dtype=NL_DTYPES[node.q.dtype], value_dim=value_dim,
         keys=node.keys, key_chunks=math.ceil(node.keys / 128), scale=float(node.scale), causal=node.causal,
-        query_load=transposed_load(plan, patterns, node.q, f"queries_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {query_rows}]",
-                                   "p0", "lane_rows" if plan.lanes > 1 else "rows"),
+        query_load=grouped_query_load(plan, patterns, node.q, f"queries_t[0:{plan.k_tile}, 0:{plan.k_tiles}, "
+                                      f"0:{plan.outer[plan.head_group_dim].size}, 0:rows]") if grouped else
+        transposed_load(plan, patterns, node.q, f"queries_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {query_rows}]",
+                        "p0", "lane_rows" if plan.lanes > 1 else "rows"),
+        group_head=head if grouped else None, group_size=plan.outer[plan.head_group_dim].size if grouped else 1,
+        output_dtype=NL_DTYPES[output_dtype], tile_loops=tile_loops(plan, kv_dims, group_dims),
         partitions=partitions, query_rows=query_rows,
         query_columns=f"{plan.partition.tile}, {plan.lanes}" if plan.lanes > 1 else plan.partition.tile,
         key_load=key_load, value_loads=value_lines,
@@ -235,6 +278,22 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
         logsumexp_store=logsumexp_store(patterns, node.logsumexp) if node.logsumexp else None,
     )
     return render_template("attention.py.j2", **context)
+
+
+def tile_loops(plan: AttentionPlan, kv_dims: list[int], group_dims: list[int]) -> str:
+    """The comprehension loops over the query tiles: per key/value head, its group's query heads, then the query tile
+    positions; with a head group (``plan.head_group_dim``), the group's heads innermost, so that they take each
+    position one after another, and the positions outermost where every head stays resident
+    (``plan.positions_outer``)."""
+    def loops(dims):
+        return "".join(f" for o{j} in range({plan.outer[j].size})" for j in dims)
+
+    positions = f" for p0 in range(0, {plan.partition.size}, {plan.partition.tile})"
+    if plan.positions_outer:
+        return positions + loops(kv_dims) + loops(group_dims)
+    if plan.head_group_dim >= 0:
+        return loops(kv_dims) + positions + loops(group_dims)
+    return loops(kv_dims + group_dims) + positions
 
 
 class AttentionKind(MatchingIndexEpilogue):

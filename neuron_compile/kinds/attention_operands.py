@@ -37,7 +37,12 @@ class AttentionPlan(TilePlan):
     are one block whose scores span several PSUM banks, so one row max and one exponential serve the whole row (no
     online rescale), P @ [v | 1] accumulates in a PSUM bank of its own, the last ``dma_transpose_chunks`` whole
     chunks of P^T come through a DMA transpose and ScalarE normalizes; ``scores_ahead``: how many steps ahead of its
-    P @ v a block's scores are issued; ``transposed_bank_chunks``: P^T chunks of 128 keys per PSUM bank."""
+    P @ v a block's scores are issued; ``transposed_bank_chunks``: P^T chunks of 128 keys per PSUM bank;
+    ``head_group_dim``: the outer dim that picks a query head of a key/value group, when the group's heads take each
+    query tile position one after another and share one q^T load and one output store there (-1: each head
+    loads and stores its own); ``positions_outer``: with a head group, k^T and v of every key/value head stay
+    resident and the query tile positions are the outermost loop, so that the output's first rows (every head of
+    them) are done before its last: the output projection's first row block can start while attention runs."""
 
     key_block: int = 0
     resident: bool = False
@@ -53,6 +58,8 @@ class AttentionPlan(TilePlan):
     dma_transpose_chunks: int = 0
     scores_ahead: int = 1
     transposed_bank_chunks: int = 4
+    head_group_dim: int = -1
+    positions_outer: bool = False
 
     def describe(self) -> str:
         text = super().describe() + f" D {self.k_tiles}x{self.k_tile}, key blocks of {self.key_block}"
@@ -63,6 +70,9 @@ class AttentionPlan(TilePlan):
             text += f", P^T of every {self.dma_transpose_period}th block by DMA transpose"
         if self.whole_row:
             text += f", each row's keys in one block ({self.dma_transpose_chunks} chunks of P^T by DMA transpose)"
+        if self.head_group_dim >= 0:
+            text += f", q^T and output of the {self.outer[self.head_group_dim].size} heads of a group in one DMA each"
+        text += ", query tile positions outermost (every head's k^T and v resident)" if self.positions_outer else ""
         return text + (", causal mask on TensorE" if self.causal_bias else "")
 
 
@@ -99,6 +109,30 @@ def transposed_load(plan: AttentionPlan, patterns: Patterns, load: ir.Load, dst:
                f"axes={axes})"
     entries = [*reversed(chunks), *rows]
     return f"nisa.dma_copy(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, offset={offset}))"
+
+
+def grouped_query_load(plan: AttentionPlan, patterns: Patterns, load: ir.Load, dst: str) -> str:
+    """The DMA transpose that brings q^T of every query head of a group (``plan.head_group_dim``) for the query
+    tile at ``p0`` into ``dst`` as [D chunk on partitions, chunk, head, rows]."""
+    rank = len(plan.outer)
+    seq_stride, depth_stride = load.layout.strides[rank], load.layout.strides[rank + 1]
+    group = plan.outer[plan.head_group_dim]
+    terms = [term for dim, term in enumerate(patterns.outer_terms(load.layout)) if dim != plan.head_group_dim]
+    entries = [[group.stride(load.layout), group.size], [seq_stride, "rows"],
+               [depth_stride * plan.k_tile, plan.k_tiles], [depth_stride, plan.k_tile]]
+    return (f"nisa.dma_transpose(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, "
+            f"offset={offset_text(load.layout.offset, terms + [('p0', seq_stride)])}), axes=(3, 2, 0, 1))")
+
+
+def grouped_output_store(plan: AttentionPlan, patterns: Patterns, store: ir.Store, src: str) -> str:
+    """The DMA that writes ``src`` [rows, head, D], the output of every query head of a group at the query tile
+    ``p0``, to the output's buffer."""
+    group = plan.outer[plan.head_group_dim]
+    pattern = patterns.hbm(store.buffer.name, store.layout, [(plan.free[0], "cols")], False)
+    terms = [term for dim, term in enumerate(patterns.outer_terms(store.layout)) if dim != plan.head_group_dim]
+    entries = (pattern.entries[0], (group.stride(store.layout), group.size), *pattern.entries[1:])
+    offset = offset_text(store.layout.offset, terms + [("p0", plan.partition.stride(store.layout))])
+    return f"nisa.dma_copy(dst={store.buffer.name}.ap({entries_text(entries)}, offset={offset}), src={src})"
 
 
 def value_loads(plan: AttentionPlan, patterns: Patterns, node: ir.Attention, first_chunk: str, start: str,

@@ -101,7 +101,10 @@ def lower_cat(ctx, node):
         parts.append(ir.Pointwise(ctx.fresh_name("part"), shape, (ir.Store(output, source, target),)))
         starts.append(tuple(start if d == dim else 0 for d in range(len(shape))))
         start += shape[dim]
-    ctx.emit(ir.Concat(ctx.fresh_name("kernel"), output.layout.shape, tuple(parts), output, tuple(starts)))
+    if len(parts) == 1:  # one part covers the output (the others are empty, as a cache's first cat): a copy
+        ctx.emit(parts[0])
+    else:
+        ctx.emit(ir.Concat(ctx.fresh_name("kernel"), output.layout.shape, tuple(parts), output, tuple(starts)))
     return TensorValue(output.name, output.layout, output.dtype)
 
 

@@ -24,12 +24,14 @@ input and their kind pairs them: one matmul kernel with two products (a gated ML
 gate read by the up projection's epilogue; attention's k and v projections, both stored); one reduction kernel
 giving a variance and the mean of the same rows (a layer norm, kinds/reduction_siblings.py).
 
-Before grouping, a cheap pointwise node (one store, one input or one reader, at most ``INLINE_MAX_OPS`` operations:
-a cast, a square, a negation, a rotary embedding's ``q * cos``) is inlined into its readers (``inline_cheap``) when
-every reader reads it with its own index map (a constant, with any): recomputing it costs an instruction or two
-where storing it costs an HBM round trip, and a kernel when its producer cannot take it (rms norm's ``x.float()``
-and ``x.float() ** 2``: 4-byte copies of a 2-byte tensor, written by the residual's matmul epilogue and read back
-by the norm, which now reads ``x`` itself).
+Before grouping, a pure copy (one load stored in another layout, as a write into an empty cache makes) whose every
+reader can read its source through a strided view is dropped and its readers read the source
+(``passes/copy_views.py``); then a cheap pointwise node (one store, one input or one reader, at most
+``INLINE_MAX_OPS`` operations: a cast, a square, a negation, a rotary embedding's ``q * cos``) is inlined into its
+readers (``inline_cheap``) when every reader reads it with its own index map (a constant, with any): recomputing it
+costs an instruction or two where storing it costs an HBM round trip, and a kernel when its producer cannot take it
+(rms norm's ``x.float()`` and ``x.float() ** 2``: 4-byte copies of a 2-byte tensor, written by the residual's
+matmul epilogue and read back by the norm, which now reads ``x`` itself).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import itertools
 import networkx as nx
 
 from neuron_compile import ir, kinds
+from neuron_compile.passes.copy_views import read_copies_as_views
 from neuron_compile.passes.tiling import TilingError, plan_kernel
 
 
@@ -292,7 +295,7 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
     ``target``, cheap nodes are inlined only into readers that still fit it."""
     fits = None if target is None else _fits(target)
     if enabled:
-        nodes = inline_cheap(nodes, region_outputs, fits=fits)
+        nodes = inline_cheap(read_copies_as_views(nodes, region_outputs), region_outputs, fits=fits)
     groups: dict[int, ir.Node] = {}
     fresh_ids = itertools.count(1)  # a group absorbed into another leaves a gap: ids are never reused
     group_of: dict[str, int] = {}  # buffer -> id of the group writing it

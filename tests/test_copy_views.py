@@ -1,0 +1,120 @@
+"""passes/copy_views.py: a pure copy's readers read its source as a view. The layout composition against numpy
+indexing (random permuted copies, random views of their output, broadcasts), the copies kept where a view cannot
+say it, and end to end: transformers' write of v into an empty cache read by the flash kernel, against eager."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import neuron_compile
+from lowering_harness import check_against_eager, random_tensor
+from neuron_compile import ir
+from neuron_compile.passes.copy_views import dense_dims, read_copies_as_views, view_through_copy
+
+SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def gather(flat: np.ndarray, layout: ir.Layout) -> np.ndarray:
+    """The elements ``layout`` addresses in ``flat``, in its shape."""
+    index = np.full(layout.shape, layout.offset)
+    for dim, (size, stride) in enumerate(zip(layout.shape, layout.strides, strict=True)):
+        shape = [1] * len(layout.shape)
+        shape[dim] = size
+        index = index + np.arange(size).reshape(shape) * stride
+    return flat[index]
+
+
+@st.composite
+def copies(draw):
+    """A source layout (a permuted view of a flat buffer), the copy's contiguous store layout (possibly permuted
+    too) and a view of the copy's output: a slice of some dims, a broadcast dim, or the whole."""
+    shape = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=4)))
+    rank = len(shape)
+    source_order = draw(st.permutations(range(rank)))
+    store_order = draw(st.permutations(range(rank)))
+
+    def permuted(order, offset):
+        strides, step = [0] * rank, 1
+        for dim in reversed(order):
+            strides[dim], step = step, step * shape[dim]
+        return ir.Layout(shape, tuple(strides), offset)
+
+    source, store = permuted(source_order, draw(st.integers(0, 3))), permuted(store_order, draw(st.integers(0, 2)))
+    starts = [draw(st.integers(0, size - 1)) for size in shape]
+    sizes = [draw(st.integers(1, size - start)) for size, start in zip(shape, starts, strict=True)]
+    reader_dims = draw(st.permutations(range(rank)))
+    view_shape = [sizes[d] for d in reader_dims]
+    view_strides = [store.strides[d] for d in reader_dims]
+    if draw(st.booleans()):  # a broadcast dim (grouped-query attention reads each key/value head per query head)
+        where = draw(st.integers(0, rank))
+        view_shape.insert(where, draw(st.integers(1, 3)))
+        view_strides.insert(where, 0)
+    offset = store.offset + sum(start * stride for start, stride in zip(starts, store.strides, strict=True))
+    return source, store, ir.Layout(tuple(view_shape), tuple(view_strides), offset)
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=copies())
+def test_a_view_of_the_copy_reads_what_the_view_of_its_source_reads(case):
+    source, store, reader = case
+    flat_source = np.arange(source.span() + 5)
+    copied = np.full(store.span(), -1)
+    copied[gather(np.arange(store.span()), store).ravel()] = gather(flat_source, source).ravel()
+    view = view_through_copy(reader, store, source)
+    assert view is not None
+    np.testing.assert_array_equal(gather(flat_source, view), gather(copied, reader))
+
+
+def test_views_that_walk_two_of_the_copys_dims_as_one_keep_the_copy():
+    store = ir.Layout((4, 8), (8, 1))
+    assert view_through_copy(ir.Layout((32,), (1,)), store, ir.Layout((4, 8), (1, 4))) is None  # flattened
+    assert view_through_copy(ir.Layout((4, 4), (8, 2)), store, ir.Layout((4, 8), (1, 4))) is None  # every other
+    assert dense_dims(ir.Layout((4, 8), (16, 1))) is None  # a store with gaps
+
+
+def _copy_and_reader(reader_layout: ir.Layout, source_layout=ir.Layout((4, 8), (16, 1), 3),
+                     region_outputs=frozenset()):
+    """``copied = x`` over [4, 8] (x read through ``source_layout``), and ``copied * 2`` read through
+    ``reader_layout``, through the pass."""
+    domain = (4, 8)
+    out = ir.Buffer("copied", "float32", ir.Layout(domain, (8, 1)))
+    copy = ir.Pointwise("copy", domain, (ir.Store(out, ir.Load("x", source_layout, "float32"), out.layout),))
+    result = ir.Buffer("result", "float32", ir.Layout(reader_layout.shape, ir.contiguous_strides(reader_layout.shape)))
+    reader = ir.Pointwise("reader", reader_layout.shape, (ir.Store(
+        result, ir.op("mul", ir.Load("copied", reader_layout, "float32"), ir.Scalar(2.0)), result.layout),))
+    return read_copies_as_views([copy, reader], set(region_outputs))
+
+
+def test_a_copy_is_dropped_only_when_every_reader_reads_a_view_and_it_is_not_an_output():
+    kept = _copy_and_reader(ir.Layout((4, 8), (8, 1)))
+    assert [node.name for node in kept] == ["reader"]
+    assert kept[0].stores[0].expr.args[0] == ir.Load("x", ir.Layout((4, 8), (16, 1), 3), "float32")
+    assert len(_copy_and_reader(ir.Layout((32,), (1,)))) == 2  # a flattened read: no view says it
+    assert len(_copy_and_reader(ir.Layout((4, 8), (8, 1)), region_outputs={"copied"})) == 2  # torch gets it
+    # the copy made x's columns rows: the reader's contiguous rows would become strided reads
+    assert len(_copy_and_reader(ir.Layout((4, 8), (8, 1)), source_layout=ir.Layout((4, 8), (1, 4)))) == 2
+
+
+@settings(max_examples=6, deadline=None)
+@given(seq=st.sampled_from([1, 127, 128, 129, 200]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_values_written_into_an_empty_cache_are_read_where_the_projection_wrote_them(seq, dtype):
+    """``cat([past, v])`` with no past copies v into the cache's layout; the attention kernel reads v from the
+    projection's [seq, kv heads x 64] rows instead: one kernel, and v crosses HBM once."""
+    q = random_tensor((1, seq, 8, 64), dtype, seed=1).transpose(1, 2)
+    k = random_tensor((1, 2, seq, 64), dtype, seed=2)
+    v = random_tensor((1, seq, 2 * 64), dtype, seed=3)
+    past = torch.empty(1, 2, 0, 64, dtype=dtype)
+
+    def attention(q, k, v, past):
+        values = torch.cat([past, v.view(1, seq, 2, 64).transpose(1, 2)], 2)
+        return SDPA(q, k, values, is_causal=True, enable_gqa=True)
+
+    neuron_compile.reset_stats()
+    region = check_against_eager(attention, q, k, v, past, tolerances={torch.float32: (1e-4, 1e-4),
+                                                                       torch.bfloat16: (2e-2, 2e-2)})
+    assert [kernel.name for kernel in region.kernels] == ["attention_kernel_0"]
+    moved = sum(t.numel() * t.element_size() for t in (q, k, v)) + q.numel() * q.element_size()
+    assert neuron_compile.stats()["hbm_bytes"] == moved
