@@ -15,8 +15,9 @@ weights the region reads as column-major copies (runtime/weight_layouts.py) also
 parameter's address: the same data pointer is the same memory (a storage freed in place, as FSDP2 does with
 ``resize_(0)``, moves the tensor's pointer to 0; one resized elsewhere moves it too). The caller has checked
 everything else of the call's dispatch key (every tensor's metadata and storage offset, the scalars, the value
-bounds). Anything else makes a new memo through the region's ``prepare``, as a region call would. Memos are kept per anchor, the first
-parameter's data pointer: diffusers' regional compile calls one graph with each block's weights in turn.
+bounds). Anything else makes a new memo through the region's ``prepare``, as a region call would. Memos are kept
+per anchor, the first parameter's data pointer: diffusers' regional compile calls one graph with each block's
+weights in turn.
 
 A memo holds its stable arguments and flat arguments; the region's kept views (runtime/stable_views.py) hold those
 storages already, and the model holds its parameters.
@@ -127,7 +128,7 @@ class DirectHit:
                 continue
             elif node.op == "output":
                 outputs = node.args[0]
-            elif node.op != "get_attr":
+            elif node.op != "get_attr" or "." in node.target:  # a constant of a submodule: not read as one here
                 return None
         if region_node is None or not isinstance(outputs, (tuple, list)):
             return None
