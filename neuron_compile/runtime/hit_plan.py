@@ -57,13 +57,10 @@ class HitPlan:
         self.storage_offsets = [args[position].storage_offset() for position in tensors]
         self.scalars = tuple((position, type(arg), scalar_value(arg)) for position, arg in enumerate(args)
                              if not isinstance(arg, torch.Tensor))
-        guards = value_guards(args, tensors, float_guarded)
-        # (position, bound) per integer value guard; (position, bound) per float one, whose bound is kept with a stamp
-        # of the tensor it was found on: (that tensor, its version, its data pointer), or None (module docstring)
-        self.integer_guards = tuple((position, bound) for position, bound_of, bound in guards
-                                    if bound_of is integer_values_bound)
-        self.float_guards = tuple((position, bound) for position, bound_of, bound in guards
-                                  if bound_of is float_values_bound)
+        # (position, bound) per integer value guard and per float one; a float one's bound is kept with a stamp of
+        # the tensor it was found on: (that tensor, its version, its data pointer), or None (module docstring)
+        self.integer_guards = value_guards(args, tensors, float_guarded, float_guard=False)
+        self.float_guards = value_guards(args, tensors, float_guarded, float_guard=True)
         self.float_stamps: list[tuple | None] = [None] * len(self.float_guards)
         self.copies = KeptCopies(args, swapped)
         self.direct = DirectHit.of(entry, args) if entry is not None else None
@@ -120,13 +117,10 @@ class HitPlan:
         return True
 
 
-def value_guards(args: list, positions: list[int], float_guarded: frozenset[int]) -> tuple:
-    """(position, the guard's bound function, the bound now) per tensor at ``positions`` whose values the dispatch
-    key's guard reads."""
-    guards = []
-    for position in positions:
-        float_guard = position in float_guarded
-        if guard_reads_values(args[position], float_guard=float_guard):
-            bound_of = float_values_bound if float_guard else integer_values_bound
-            guards.append((position, bound_of, bound_of(args[position])))
-    return tuple(guards)
+def value_guards(args: list, positions: list[int], float_guarded: frozenset[int], float_guard: bool) -> tuple:
+    """(position, the bound now) per tensor at ``positions`` whose values the dispatch key's integer guard reads
+    (``float_guard``: its float guard, for the positions in ``float_guarded``)."""
+    bound_of = float_values_bound if float_guard else integer_values_bound
+    return tuple((position, bound_of(args[position])) for position in positions
+                 if (position in float_guarded) == float_guard
+                 and guard_reads_values(args[position], float_guard=float_guard))

@@ -68,8 +68,9 @@ class LaunchPlan:
     outputs: tuple[OutputSlot, ...]
     mutations: tuple[tuple[int, str, ir.Layout], ...]  # (input index written, buffer read, layout in that buffer)
     input_index: dict[str, int]  # each input buffer's position, by name
-    # When every output is read from a buffer a kernel writes, in that buffer's dtype (a model's usual outputs): per
-    # output (buffer, shape, strides, offset in the buffer); None otherwise
+    # When every output is read from a buffer a kernel writes, in that buffer's dtype (a model's usual outputs), and
+    # torch has ``REINTERPRET_TENSOR`` to make them: per output (buffer, shape, strides, offset in the buffer); None
+    # otherwise
     written_outputs: tuple[tuple[str, tuple, tuple, int], ...] | None = None
 
 
@@ -101,7 +102,7 @@ def written_outputs(slots: list[OutputSlot], outputs, launched: list[LoadedKerne
     """``LaunchPlan.written_outputs`` of a region whose outputs are ``slots`` (``outputs``: their TensorValues), whose
     ``launched`` kernels write the buffers."""
     written = {buffer.name for kernel in launched for buffer in kernel.source.outputs}
-    if not all(slot.input_index < 0 and slot.buffer in written and slot.dtype == TORCH_DTYPES[value.dtype]
+    if REINTERPRET_TENSOR is None or not all(slot.input_index < 0 and slot.buffer in written and slot.dtype == TORCH_DTYPES[value.dtype]
                for slot, value in zip(slots, outputs)):
         return None
     return tuple((slot.buffer, slot.layout.shape, slot.layout.strides, slot.layout.offset) for slot in slots)

@@ -187,7 +187,7 @@ class CompiledRegion:
     def _outputs(self, tensors, written: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The graph outputs: views of region inputs as eager's view ops give them, the others over the storage of
         the buffers kernels wrote (one torch tensor per buffer, shared by the outputs it holds)."""
-        if self.plan.written_outputs is not None and REINTERPRET_TENSOR is not None:
+        if self.plan.written_outputs is not None:
             # output_tensor, inline: a Python call per output costs as much as the tensor
             return tuple([REINTERPRET_TENSOR(written[buffer], shape, strides, written[buffer].storage_offset() + offset)
                           for buffer, shape, strides, offset in self.plan.written_outputs])
@@ -203,9 +203,7 @@ class CompiledRegion:
                 continue
             buffer = converted.get(slot.buffer)
             if buffer is None:
-                buffer = written.get(slot.buffer)
-                if buffer is None:
-                    buffer = self._buffer(slot.buffer, written)
+                buffer = self._buffer(slot.buffer, written)
                 buffer = converted[slot.buffer] = buffer if buffer.dtype == slot.dtype else buffer.to(slot.dtype)
             results.append(output_tensor(buffer, layout))
         return tuple(results)
