@@ -49,7 +49,7 @@ from neuron_compile.runtime.cache import (
     signature_of,
 )
 from neuron_compile.runtime.hit_plan import HitPlan
-from neuron_compile.runtime.kept import keep
+from neuron_compile.runtime.kept import Kept
 from neuron_compile.runtime.launch_plan import INT32_RANGE
 
 log = logging.getLogger(__name__)
@@ -471,7 +471,7 @@ class CompiledGraph:
         self._bucket_plans: dict[int, BucketPlan] = {}
         # What the last call through the key proved (runtime/hit_plan.py): the next call like it skips the key.
         self.hit_plan: HitPlan | None = None
-        self._plans: dict[tuple, HitPlan | None] = {}  # per dispatch key: its plan (None: no plan can hold)
+        self._plans: Kept = Kept()  # per dispatch key: its plan (None: no plan can hold)
 
     def lookup(self, config: Config, args: list) -> tuple[tuple, torch.fx.GraphModule | None]:
         """The hit path: this call's dispatch key (the config and ``dispatch_signature``) and the graph compiled
@@ -506,7 +506,7 @@ class CompiledGraph:
         plan = self._plans.get(key, NO_PLAN)
         if plan is NO_PLAN:
             plan = HitPlan.of(config, given, args, compiled, self.float_guarded)
-            keep(self._plans, key, plan)
+            self._plans.keep(key, plan)
         return plan
 
     def bucket_plan(self, multiple: int) -> BucketPlan | None:

@@ -11,16 +11,17 @@ Stable arguments are the parameters and any tensor that was the very same object
 the rest (activations) get a flat argument per call, as do int64 inputs narrowed to int32 (a converted copy). A
 call reuses a memo's flat arguments when its stable arguments are the same objects at the same data pointers; the
 weights the region reads as column-major copies (runtime/weight_layouts.py) also with the same version counter
-(the copy holds their values then). A memo's flat views hold their storages, so no other memory can take a viewed
-parameter's address: the same data pointer is the same memory (a storage freed in place, as FSDP2 does with
-``resize_(0)``, moves the tensor's pointer to 0; one resized elsewhere moves it too). The caller has checked
+(the copy holds their values then). A memo's flat views hold their storages, and it holds the storages the copies
+were made from, so no other memory can take a viewed or copied parameter's address: the same data pointer is the
+same memory (a storage freed in place, as FSDP2 does with ``resize_(0)``, moves the tensor's pointer to 0; one
+resized elsewhere moves it too). The caller has checked
 everything else of the call's dispatch key (every tensor's metadata and storage offset, the scalars, the value
 bounds). Anything else makes a new memo through the region's ``prepare``, as a region call would. Memos are kept
-per anchor, the first parameter's data pointer: diffusers' regional compile calls one graph with each block's
+per anchor, the first parameter (by identity): diffusers' regional compile calls one graph with each block's
 weights in turn.
 
-A memo holds its stable arguments and flat arguments; the region's kept views (runtime/stable_views.py) hold those
-storages already, and the model holds its parameters.
+A memo lives no longer than its stable arguments (``Kept``): it holds their memory, not the tensors, so a freed
+model frees its weights, and it tells its stable arguments by ``id``, which no other object can take while they live.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from neuron_compile.runtime.kept import keep
+from neuron_compile.runtime.kept import Kept
 from neuron_compile.runtime.launch_plan import flat_argument
 
 DATA_POINTER = torch.Tensor.data_ptr
@@ -49,6 +50,17 @@ def picker(positions: tuple[int, ...]) -> Callable[[list], tuple]:
     return operator.itemgetter(*positions)
 
 
+def kept_arguments(arguments: list, volatile: tuple) -> tuple:
+    """A memo's flat arguments: none for the inputs made per call (a kept one would hold its call's tensor), and
+    the others detached: an autograd view's ``_base`` would hold the tensor it was made from, and a memo must not
+    outlive its stable arguments."""
+    kept = [argument.detach() if isinstance(argument, torch.Tensor) and argument._base is not None else argument
+            for argument in arguments]
+    for index, _, _ in volatile:
+        kept[index] = None
+    return tuple(kept)
+
+
 class StableArguments:
     """One call's flat kernel arguments, and what must hold for a later call to reuse them (module docstring).
 
@@ -58,13 +70,15 @@ class StableArguments:
                  region):
         copied = tuple(position for position in stable if swapped[position] is not args[position])
         narrowed = {index for index, slot in enumerate(region.plan.inputs) if slot.narrow_to_int32}
-        self.pick, self.objects = picker(stable), tuple(args[position] for position in stable)
-        self.pointers = list(map(DATA_POINTER, self.objects))
+        self.pick = picker(stable)
+        self.ids, self.pointers = [id(args[position]) for position in stable], list(map(DATA_POINTER, self.pick(args)))
         self.pick_copied, self.versions = picker(copied), [args[position]._version for position in copied]
-        self.flat = tuple(arguments)
+        # the memory the copies were made from: no other tensor can come at its address while the memo lives
+        self.copied_from = tuple(args[position].detach() for position in copied)
         # per region input made per call: (input index, the argument position it reads, whether it is narrowed)
         self.volatile = tuple((index, source, index in narrowed) for index, source in enumerate(sources)
                               if isinstance(source, int) and (source not in stable or index in narrowed))
+        self.flat = kept_arguments(arguments, self.volatile)
         # the region inputs ``finish`` reads as tensors: (input index, argument position or the fixed tensor)
         self.reads = tuple((index, swapped[sources[index]] if sources[index] in copied else sources[index])
                            for index in region.reads_tensors)
@@ -73,7 +87,7 @@ class StableArguments:
     def holds(self, args: list) -> bool:
         """Whether this memo's flat arguments serve ``args`` (a call with the memo's dispatch key)."""
         stable = self.pick(args)
-        return (all(map(operator.is_, stable, self.objects))
+        return (list(map(id, stable)) == self.ids
                 and list(map(DATA_POINTER, stable)) == self.pointers
                 and list(map(VERSION, self.pick_copied(args))) == self.versions)
 
@@ -107,8 +121,8 @@ class DirectHit:
         # when every graph output is a region output: the region's outputs -> the graph's, in one C call
         self.pick_outputs = picker(tuple(index for _, index in outputs)) if all(
             from_region for from_region, _ in outputs) else None
-        self.anchor = anchor  # the first parameter's position: memos are kept by its data pointer
-        self.memos: dict[int, StableArguments] = {}
+        self.anchor = anchor  # the first parameter's position: memos are kept by its id
+        self.memos = Kept()  # anchor id -> StableArguments
         self.previous: list | None = None  # weak references to the last new memo's call's tensors
         # Whether the region module was settled (``RegionModule.settled``) with real inputs only: it stays so until
         # it fails, when its ``compiled`` is no longer this region
@@ -157,7 +171,7 @@ class DirectHit:
         module, region = self.module, self.region
         if module.compiled is not region or not (self.settled or self.settle()):
             return None
-        memo = self.memos.get(args[self.anchor].data_ptr() if self.anchor is not None else 0)
+        memo = self.memos.get(id(args[self.anchor]) if self.anchor is not None else 0)
         if memo is not None and memo.holds(args):
             tensors, arguments = memo.tensors(args) if memo.reads else (), memo.arguments(args, region)
         else:
@@ -198,4 +212,5 @@ class DirectHit:
         stable = tuple(position for position, arg in enumerate(args) if isinstance(arg, torch.Tensor) and (
             isinstance(arg, torch.nn.Parameter) or (previous[position] is not None and previous[position]() is arg)))
         memo = StableArguments(args, stable, swapped, self.sources, arguments, self.region)
-        keep(self.memos, args[self.anchor].data_ptr() if self.anchor is not None else 0, memo)
+        self.memos.keep(id(args[self.anchor]) if self.anchor is not None else 0, memo,
+                        owners=tuple(args[position] for position in stable))

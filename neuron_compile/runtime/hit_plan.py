@@ -27,6 +27,8 @@ How the plan checks each part of the key, on the arguments as given:
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from neuron_compile.config import Config
@@ -58,7 +60,7 @@ class HitPlan:
         self.scalars = tuple((position, type(arg), scalar_value(arg)) for position, arg in enumerate(args)
                              if not isinstance(arg, torch.Tensor))
         # (position, bound) per integer value guard and per float one; a float one's bound is kept with a stamp of
-        # the tensor it was found on: (that tensor, its version, its data pointer), or None (module docstring)
+        # the tensor it was found on: (a weak reference to it, its version, its data pointer), or None (docstring)
         self.integer_guards = value_guards(args, tensors, float_guarded, float_guard=False)
         self.float_guards = value_guards(args, tensors, float_guarded, float_guard=True)
         self.float_stamps: list[tuple | None] = [None] * len(self.float_guards)
@@ -109,11 +111,12 @@ class HitPlan:
         position, bound = self.float_guards[guard]
         tensor = args[position]
         stamp = self.float_stamps[guard]
-        if stamp is not None and stamp[0] is tensor and tensor._version == stamp[1] and tensor.data_ptr() == stamp[2]:
+        if stamp is not None and stamp[0]() is tensor and tensor._version == stamp[1] and tensor.data_ptr() == stamp[2]:
             return True
         if float_values_bound(tensor) is not bound:
             return False
-        self.float_stamps[guard] = (tensor, tensor._version, tensor.data_ptr())  # one assignment: thread-safe
+        # one assignment: thread-safe; the tensor held weakly, as a plan must not keep a freed model's buffers
+        self.float_stamps[guard] = (weakref.ref(tensor), tensor._version, tensor.data_ptr())
         return True
 
 

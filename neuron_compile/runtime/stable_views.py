@@ -7,15 +7,15 @@ per input, over the storage span its kernels read (``flat_argument``), remade on
 parameter's (several per input: a regional compile calls one graph with each block's weights), and a buffer's seen
 at the same address on two calls in a row; a tensor new on every call (an activation) gets a fresh view, and no
 view of it is kept. A column-major weight copy (runtime/weight_layouts.py) is only ever read and owns its storage,
-so its view is kept at once and serves the same object without any check. A kept view holds its storage alive:
-a parameter's, which its owner holds anyway, and one other storage per input at most.
+so its view is kept at once and serves the same object without any check. A kept view holds its storage alive
+no longer than the tensor it was made from lives (``Kept``): a freed model frees its weights.
 """
 
 from __future__ import annotations
 
 import torch
 
-from neuron_compile.runtime.kept import keep
+from neuron_compile.runtime.kept import Kept
 from neuron_compile.runtime.launch_plan import InputSlot, flat_argument
 from neuron_compile.runtime.weight_layouts import COPIES
 
@@ -33,12 +33,12 @@ class StableViews:
     def __init__(self, inputs: int):
         # per input: {data pointer: (the kept view, the view's storage, the bytes that storage must hold)}; a
         # storage object's nbytes shows a resize of it (FSDP2 freeing it)
-        self._by_pointer: list[dict[int, tuple]] = [{} for _ in range(inputs)]
+        self._by_pointer: list[Kept] = [Kept() for _ in range(inputs)]
         self._last_pointer = [0] * inputs  # per input: the data pointer of a non-parameter on the last call
         self._empty: list[torch.Tensor | None] = [None] * inputs  # per input with an empty span: one empty view
-        # per input: {id: (a tensor whose view serves it whenever it comes again, that view)}: weight copies (one
+        # per input: {id of a live tensor: the view that serves it whenever it comes again}: weight copies (one
         # object is one memory), empty inputs (nothing is read; the dtype is checked before, by the key or region)
-        self._by_identity: list[dict[int, tuple]] = [{} for _ in range(inputs)]
+        self._by_identity: list[Kept] = [Kept() for _ in range(inputs)]
 
     def arguments(self, tensors, slots: tuple[InputSlot, ...]) -> list[torch.Tensor]:
         """The kernels' flat argument for each input, in order (``argument``)."""
@@ -47,8 +47,8 @@ class StableViews:
     def argument(self, index: int, tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
         """Input ``index``'s flat argument: a view kept for the same object or the same memory, else ``view``'s."""
         known = self._by_identity[index].get(id(tensor))
-        if known is not None and known[0] is tensor:
-            return known[1]
+        if known is not None:
+            return known
         pointer = tensor.data_ptr()
         kept = self._by_pointer[index].get(pointer)
         if kept is not None and kept[0].data_ptr() == pointer and kept[0].dtype == tensor.dtype \
@@ -58,29 +58,35 @@ class StableViews:
 
     def view(self, index: int, tensor: torch.Tensor, slot: InputSlot) -> torch.Tensor:
         """The flat view of ``tensor`` for input ``index`` (``slot``), made now and kept where it may serve again
-        (``arguments`` finds the kept ones)."""
+        (``arguments`` finds the kept ones). A kept view is detached: an autograd view's ``_base`` would hold the
+        tensor it was made from alive, and nothing kept may outlive that tensor."""
         if slot.narrow_to_int32:  # a converted copy: its values are checked on every call
             return flat_argument(tensor, slot)
         if slot.span == 0:
             # Nothing is read: any empty view of the dtype serves (an empty tensor's address is 0 or arbitrary).
             kept = self._empty[index]
             if kept is None or kept.dtype != tensor.dtype:
-                kept = self._empty[index] = flat_argument(tensor, slot)
-            keep(self._by_identity[index], id(tensor), (tensor, kept))
+                kept = self._empty[index] = flat_argument(tensor, slot).detach()
+            self._by_identity[index].keep(id(tensor), kept, owners=(tensor,))
             return kept
         flat = flat_argument(tensor, slot)
         pointer, by_pointer = tensor.data_ptr(), self._by_pointer[index]
         if COPIES.owns(tensor):
-            keep(self._by_identity[index], id(tensor), (tensor, flat))
+            flat = flat.detach()
+            self._by_identity[index].keep(id(tensor), flat, owners=(tensor,))
         elif isinstance(tensor, torch.nn.Parameter) and pointer != 0:
-            keep(by_pointer, pointer, self._kept(flat, slot))
+            flat = self.keep_by_pointer(by_pointer, tensor, flat, slot)
         else:  # one view at most, of a storage that stayed put
-            by_pointer.pop(self._last_pointer[index], None)
+            by_pointer.drop(self._last_pointer[index])
             if pointer == self._last_pointer[index] and pointer != 0:
-                by_pointer[pointer] = self._kept(flat, slot)
+                flat = self.keep_by_pointer(by_pointer, tensor, flat, slot)
             self._last_pointer[index] = pointer
         return flat
 
     @staticmethod
-    def _kept(flat: torch.Tensor, slot: InputSlot) -> tuple:
-        return flat, flat.untyped_storage(), (flat.storage_offset() + slot.span) * flat.element_size()
+    def keep_by_pointer(by_pointer: Kept, tensor: torch.Tensor, flat: torch.Tensor, slot: InputSlot) -> torch.Tensor:
+        """Keep ``flat``, detached, for calls that bring ``tensor``'s memory again; the kept view."""
+        flat = flat.detach()
+        storage_bytes = (flat.storage_offset() + slot.span) * flat.element_size()
+        by_pointer.keep(tensor.data_ptr(), (flat, flat.untyped_storage(), storage_bytes), owners=(tensor,))
+        return flat

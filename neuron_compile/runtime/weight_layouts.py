@@ -27,18 +27,23 @@ import weakref
 import torch
 
 from neuron_compile.runtime import stats
-from neuron_compile.runtime.kept import keep
+from neuron_compile.runtime.kept import Kept
 
 
 class ColumnMajorCopies:
-    """Parameter -> (its stamp: version, data pointer and metadata; its column-major copy); thread-safe.
+    """Parameter -> (its stamp: version, data pointer and metadata; its column-major copy; the memory it was made
+    from); thread-safe.
+
+    The entry holds the memory the copy was made from until the copy is remade or the parameter dies, so no other
+    tensor can come at that address meanwhile: a weight swapped in two steps (``w.data = torch.empty(0)``, later
+    ``w.data = new``) cannot land at its old address with its old version and be taken for the copied one.
 
     Keyed by ``id`` in a plain dict, with a weak reference that tells the parameter apart from a later object of
     the same id and drops the entry when the parameter dies: torch's ``WeakIdKeyDictionary`` makes a weak reference
     on every lookup, and a cache hit looks up every transposed weight of the graph."""
 
     def __init__(self):
-        self._copies: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
+        self._copies: dict[int, tuple[weakref.ref, tuple, torch.Tensor, torch.Tensor]] = {}
         # every live copy, by id (``owns``; not a WeakSet: it compares members with ``==``, elementwise for tensors)
         self._made: dict[int, weakref.ref] = {}
         # Reentrant: a parameter may die (and _forget run) in a garbage collection inside the locked section.
@@ -56,7 +61,7 @@ class ColumnMajorCopies:
                 with torch.no_grad():
                     copy = weight.detach().movedim(0, -1).contiguous().movedim(-1, 0)
                 forget = functools.partial(self._forget, id(weight))
-                entry = self._copies[id(weight)] = (weakref.ref(weight, forget), stamp, copy)
+                entry = self._copies[id(weight)] = (weakref.ref(weight, forget), stamp, copy, weight.detach())
                 self._made[id(copy)] = weakref.ref(copy, functools.partial(self._forget_copy, id(copy)))
                 stats.add(weight_copies=1, weight_copy_bytes=copy.numel() * copy.element_size())
         return entry[2]
@@ -102,18 +107,22 @@ class KeptCopies:
     pointer, and its metadata is unchanged (which the plan checks first: the copy follows from the weight's metadata
     and values); otherwise ``copies.copy_of`` answers, and its copy is kept too. Up to ``KEPT_PER_OWNER`` weights
     per position (diffusers' regional compile calls one graph with each block's weights in turn). Weights and copies
-    are held weakly: a plan must not keep a freed model's weights or copies alive."""
+    are held weakly, and an entry goes when its weight dies: a plan must not keep a freed model's weights or copies
+    alive. An entry holds the memory its copy was made from, as ``ColumnMajorCopies`` does, so the same data pointer
+    is the same memory."""
 
     def __init__(self, args: list, swapped: list, copies: ColumnMajorCopies = COPIES):
         self.copies = copies
         # per swapped position: (position, {id(weight): (weak reference to the weight, its version, its data
-        # pointer, weak reference to the copy)})
-        self.kept = [(position, {id(args[position]): self.stamp(args[position], swapped[position])})
-                     for position in range(len(args)) if swapped[position] is not args[position]]
+        # pointer, weak reference to the copy, the memory the copy was made from)})
+        self.kept = [(position, Kept()) for position in range(len(args)) if swapped[position] is not args[position]]
+        for position, kept in self.kept:
+            self.keep(kept, args[position], swapped[position])
 
     @staticmethod
-    def stamp(weight: torch.Tensor, copy: torch.Tensor) -> tuple:
-        return weakref.ref(weight), weight._version, weight.data_ptr(), weakref.ref(copy)
+    def keep(kept: Kept, weight: torch.Tensor, copy: torch.Tensor) -> None:
+        stamp = weakref.ref(weight), weight._version, weight.data_ptr(), weakref.ref(copy), weight.detach()
+        kept.keep(id(weight), stamp, owners=(weight,))
 
     def apply(self, args: list) -> list:
         """``args`` with the kept positions' copies swapped in (``args`` itself when no position is kept)."""
@@ -129,6 +138,6 @@ class KeptCopies:
                 copy = entry[3]()
             if copy is None:
                 copy = self.copies.copy_of(weight)
-                keep(kept, id(weight), self.stamp(weight, copy))
+                self.keep(kept, weight, copy)
             swapped[position] = copy
         return swapped
