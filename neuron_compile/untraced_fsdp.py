@@ -27,8 +27,10 @@ MESSAGE = (
 )
 
 _lock = threading.Lock()
-_seen = {"reasons": 0}  # how many of Dynamo's graph-break reasons were already checked
-_warned: set[str] = set()  # the FSDP2 source lines warned about (a model breaks at the same hook once per layer)
+# Dynamo's graph-break reasons checked so far: how many, and the last of them (``torch._dynamo.reset()`` empties
+# the list, and a list refilled past the old count is told apart by its element at that place)
+_seen = {"count": 0, "last": None}
+_warned: set[str] = set()  # the FSDP2 source lines warned about since the last reset (a break repeats per layer)
 
 
 def fsdp_frame(reason) -> str | None:
@@ -41,12 +43,7 @@ def fsdp_frame(reason) -> str | None:
 
 def check_new_graph_breaks(_callback_args=None) -> None:
     """Warn for new graph breaks at FSDP2's hooks, once per source line (Dynamo's end-of-compile callback)."""
-    reasons = torch._dynamo.utils.graph_break_reasons
-    with _lock:
-        start = _seen["reasons"] if _seen["reasons"] <= len(reasons) else 0  # torch._dynamo.reset() empties it
-        _seen["reasons"] = len(reasons)
-        new = list(reasons[start:])
-    for reason in new:
+    for reason in unchecked(torch._dynamo.utils.graph_break_reasons):
         where = fsdp_frame(reason)
         if where is None:
             continue
@@ -55,6 +52,18 @@ def check_new_graph_breaks(_callback_args=None) -> None:
             _warned.add(where)
         if first:
             warnings.warn(MESSAGE.format(where=where), NeuronCompileWarning, stacklevel=2)
+
+
+def unchecked(reasons: list) -> list:
+    """The graph-break reasons not checked yet. After ``torch._dynamo.reset()`` every reason is new, and each
+    source line is warned about again: the user started over."""
+    with _lock:
+        count = _seen["count"]
+        continued = 0 < count <= len(reasons) and reasons[count - 1] is _seen["last"]
+        if not continued:
+            _warned.clear()
+        _seen.update(count=len(reasons), last=reasons[-1] if reasons else None)
+        return list(reasons[count if continued else 0:])
 
 
 def install() -> None:

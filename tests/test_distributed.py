@@ -418,3 +418,17 @@ def test_a_whole_fully_shard_model_warns_that_nothing_compiles_and_compiled_laye
         layered(torch.randn(2, 8)).sum().backward()
     assert not [w for w in caught if "FSDP2's hooks" in str(w.message)]
     assert neuron_compile.stats()["graphs_compiled"] > 0
+
+
+def test_graph_breaks_after_dynamo_reset_are_all_checked_even_when_more_than_before():
+    """The FSDP2 check's bookkeeping (untraced_fsdp.unchecked): a list that ``torch._dynamo.reset()`` emptied and
+    Dynamo refilled past the old count before the next look is read from its start, not from the old count."""
+    from neuron_compile.untraced_fsdp import unchecked
+
+    reasons = [object() for _ in range(3)]
+    assert unchecked(reasons) == reasons
+    reasons.append(later := object())
+    assert unchecked(reasons) == [later]
+    assert unchecked(reasons) == []
+    reasons[:] = [object() for _ in range(6)]  # a reset, then six breaks
+    assert unchecked(reasons) == reasons
