@@ -9,9 +9,9 @@ module's call or a region call's per-input work, once a memo of the call's stabl
 A memo (``StableArguments``) holds the region's flat kernel arguments of one call and what makes them valid again.
 Stable arguments are the parameters and any tensor that was the very same object on the call before (a buffer);
 the rest (activations) get a flat argument per call, as do int64 inputs narrowed to int32 (a converted copy). A
-call reuses a memo's flat arguments when its stable arguments are the same objects at the same data pointers; the
-weights the region reads as column-major copies (runtime/weight_layouts.py) also with the same version counter
-(the copy holds their values then). A memo's flat views hold their storages, and it holds the storages the copies
+call reuses a memo's flat arguments when its stable arguments are at the same data pointers; the weights the
+region reads as column-major copies (runtime/weight_layouts.py) must also be the same objects with the same
+version counter (the copy holds their values then; a counter belongs to its object). A memo's flat views hold their storages, and it holds the storages the copies
 were made from, so no other memory can take a viewed or copied parameter's address: the same data pointer is the
 same memory (a storage freed in place, as FSDP2 does with ``resize_(0)``, moves the tensor's pointer to 0; one
 resized elsewhere moves it too). The caller has checked
@@ -21,7 +21,7 @@ per anchor, the first parameter (by identity): diffusers' regional compile calls
 weights in turn.
 
 A memo lives no longer than its stable arguments (``Kept``): it holds their memory, not the tensors, so a freed
-model frees its weights, and it tells its stable arguments by ``id``, which no other object can take while they live.
+model frees its weights, and it tells its copied weights by ``id``, which no other object can take while they live.
 """
 
 from __future__ import annotations
@@ -70,9 +70,11 @@ class StableArguments:
                  region):
         copied = tuple(position for position in stable if swapped[position] is not args[position])
         narrowed = {index for index, slot in enumerate(region.plan.inputs) if slot.narrow_to_int32}
-        self.pick = picker(stable)
-        self.ids, self.pointers = [id(args[position]) for position in stable], list(map(DATA_POINTER, self.pick(args)))
-        self.pick_copied, self.versions = picker(copied), [args[position]._version for position in copied]
+        self.pick, self.pointers = picker(stable), [args[position].data_ptr() for position in stable]
+        # the copied weights by id (sound: a memo lives no longer than its stable arguments) and version
+        self.pick_copied = picker(copied)
+        self.copied_ids, self.versions = [id(args[position]) for position in copied], [
+            args[position]._version for position in copied]
         # the memory the copies were made from: no other tensor can come at its address while the memo lives
         self.copied_from = tuple(args[position].detach() for position in copied)
         # per region input made per call: (input index, the argument position it reads, whether it is narrowed)
@@ -86,10 +88,10 @@ class StableArguments:
 
     def holds(self, args: list) -> bool:
         """Whether this memo's flat arguments serve ``args`` (a call with the memo's dispatch key)."""
-        stable = self.pick(args)
-        return (list(map(id, stable)) == self.ids
-                and list(map(DATA_POINTER, stable)) == self.pointers
-                and list(map(VERSION, self.pick_copied(args))) == self.versions)
+        copied = self.pick_copied(args)
+        return (list(map(DATA_POINTER, self.pick(args))) == self.pointers
+                and list(map(id, copied)) == self.copied_ids
+                and list(map(VERSION, copied)) == self.versions)
 
     def arguments(self, args: list, region) -> list:
         """The kernels' flat arguments for ``args``: the memo's, with the volatile inputs' made now."""
