@@ -6,7 +6,8 @@ Every value is computed in an fp32 tile (the engines compute in fp32 anyway); ``
 its dtype; a store stages through a tile of the buffer's dtype when they differ. Equal subexpressions are
 computed once per scope. Each op renders from its entry in the op table (neuron_compile/op_table.py): the plain
 forms (binary ALU ops, tensor_scalar ops, activations, copies) from the entry's NKI operator, the sequences
-(division, power, where, copysign, the inverse power of two) by the small emitters named in ``SEQUENCES``.
+(division, power, where, copysign, the inverse power of two, the ALU's reciprocal, rsqrt and sqrt) by the small
+emitters named in ``SEQUENCES``.
 Tiles are named for what they hold (``x_tile_1`` a load of ``x``, ``exp_2`` an op's result, ``as_bfloat16_3``
 a cast), numbered so that every name in a kernel is distinct.
 """
