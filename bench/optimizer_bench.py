@@ -3,7 +3,8 @@ gradients and state, random weights and gradients) against the bytes it must mov
 
 The step's HBM roofline is 14 bytes per parameter element at the DMA bandwidth: the parameter read and written, the
 gradient read, both moments read and written (2 bytes each). Prints the estimate of the third (steady) step, its
-lower bound (each launch's busiest engine), the roofline and the ratio, then the top kernels. Default: the goal
+lower bound (each launch's busiest engine), the roofline and the ratio, each engine's busy time, then the top
+kernels. Default: the goal
 point of issue 17 (a 1-layer Llama at hidden 2048, 32 heads and 4 KV heads of 64, intermediate 5632, vocab 1024).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 NEURON_COMPILE_CACHE=off .venv/bin/python bench/optimizer_bench.py
@@ -50,6 +51,9 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     print(f"| {elements} | {estimate * 1e6:.1f} | {lower_bound * 1e6:.1f} | {roofline * 1e6:.1f} | "
           f"{estimate / roofline:.2f}x | {wall:.1f} |")
+    busy = {engine: sum(launch.report.busy_s_per_engine.get(engine, 0.0) for launch in reports)
+            for engine in ("vector", "gpsimd", "scalar", "dma")}
+    print("busy us per engine: " + ", ".join(f"{engine} {seconds * 1e6:.1f}" for engine, seconds in busy.items()))
     costs = [cost for launch in reports for cost in launch.report.kernel_costs(launch.kernel)]
     for cost in sorted(costs, key=lambda cost: -cost.est_time_s)[:args.top]:
         print(f"- {cost.name}: {cost.est_time_s * 1e6:.1f} us ({cost.bottleneck}; lower bound "

@@ -1,6 +1,6 @@
 """IR expression builders shared by lowering and the range-guard pass: exact guarded forms of the range-limited
-Scalar-engine functions (log, sqrt), and the reciprocal and rsqrt as ALU operators (VectorE's reciprocal, GpSimd's
-rsqrt), which have no range.
+Scalar-engine functions (log, sqrt), and the reciprocal, rsqrt and sqrt as ALU operators (VectorE's reciprocal,
+GpSimd's rsqrt, sqrt as v * rsqrt(v)), which have no range.
 
 Input: an IR expression ``x``. Output: an IR expression equal to ``f(x)`` for every fp32 ``x`` in which the bare
 instruction (the op table's ``*_in_range`` op) only ever sees values inside its valid range: finite nonzero inputs
@@ -116,13 +116,23 @@ def _floored_sqrt(v, floor: float | None) -> ir.Op | None:
 
 def safe_sqrt(v, floor: float | None = None) -> ir.Op:
     """sqrt(v); sqrt(+-0) = +-0, sqrt(inf) = inf, negatives and nan -> nan. With a ``floor`` above 2**-100:
-    ScalarE's sqrt with only large values scaled (sqrt(v * 4**-k) * 2**k); without: 1 / rsqrt(v) on the ALU."""
+    ScalarE's sqrt with only large values scaled (sqrt(v * 4**-k) * 2**k); without: v * rsqrt(v) on the ALU
+    (``alu_sqrt``)."""
     floored = _floored_sqrt(v, floor)
     if floored is not None:
         return floored
-    # 1 / rsqrt(v) on the ALU, whose operators have no valid range: rsqrt(+-0) = +-inf gives +-0 back, rsqrt(inf)
-    # = 0 gives inf, negatives, -inf and nan stay nan; two instructions where the guarded ScalarE sqrt takes ~30
-    return safe_reciprocal(_op("rsqrt_alu", v))
+    return alu_sqrt(v)
+
+
+def alu_sqrt(v) -> ir.Op:
+    """sqrt(v) for every fp32 v as ``v * min(|rsqrt(min(v, fp32 max))|, 2**100)``: GpSimd's ALU rsqrt (4 cycles
+    per element) and one multiply, where 1 / rsqrt(v) took a second, 8-cycle ALU reciprocal. The clamps make the
+    special values come out as torch's: v = +-0 gives rsqrt = +-inf, clamped to 2**100, so +-0 * 2**100 = +-0;
+    v = inf reads rsqrt(fp32 max) = 2**-64, so inf * 2**-64 = inf; negatives, -inf and nan give a nan rsqrt, which
+    the clamps and the product keep (the ALU's minimum propagates nan, as the clamp lowerings rely on). Finite
+    positive v never meet the clamps: rsqrt(v) lies in [2**-64, 2**74.5]. Three roundings (the sqrt inside
+    rsqrt, its reciprocal, the product), as many as 1 / rsqrt(v) had."""
+    return _op("sqrt_alu", v)
 
 
 def safe_rsqrt(v) -> ir.Op:

@@ -166,6 +166,9 @@ _SPECS = [
     # 1 / sqrt(x) by GpSimd's ALU rsqrt (tensor_scalar op0=nl.rsqrt): no valid range either, at a higher precision
     # than ScalarE's and 4x its cycles; rsqrt(+-0) = +-inf, rsqrt(inf) = 0, negatives and nan -> nan
     _sequence("rsqrt_alu", 1, ("tensor_scalar", *_WIDEN)),
+    # sqrt(x) as x * rsqrt(x) on the ALU: GpSimd's rsqrt of min(x, fp32's largest), then one scalar_tensor_tensor
+    # multiplying x by min(|rsqrt|, 2**100); no valid range, every special value IEEE's (guarded_math.safe_sqrt)
+    _sequence("sqrt_alu", 1, ("tensor_scalar", "scalar_tensor_tensor", *_WIDEN)),
 ]
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in _SPECS}

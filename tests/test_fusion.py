@@ -301,13 +301,47 @@ def _adam_like_moments(m, v, g):
 
 def test_a_cast_down_of_a_computed_value_is_not_inlined_so_readers_load_the_narrow_value():
     """AdamW's bf16 second moment: inlined into the update's kernel, the cast made it load the fp32 sum, which
-    the moment's kernel then stored (4 bytes written and read per element instead of 2)."""
+    the moment's kernel then stored (4 bytes written and read per element instead of 2). The moment's kernel is
+    now computed inside the update's (a pointwise sibling), which stores the bf16 moment and nothing fp32."""
     m, v, g = (random_tensor((130, 64), torch.bfloat16, seed=seed) for seed in (20, 21, 22))
     v = v.abs()
     _, result = _fused(_adam_like_moments, m, v, g)
     stored = {store.buffer.name: store.buffer.dtype for kernel in result.kernels for store in kinds.stores(kernel)}
-    assert len(result.kernels) == 2 and "float32" not in stored.values()
+    assert len(result.kernels) == 1 and "float32" not in stored.values()
+    assert any("inside" in decision and decision.endswith(": fused") for decision in result.decisions)
     check_against_eager(_adam_like_moments, m, v, g)
+
+
+def test_a_pointwise_kernel_read_by_a_later_one_is_computed_inside_it():
+    """Two pointwise groups over one domain, the later reading the earlier's output with its own index map: one
+    kernel, the earlier output stored only because the graph returns it; its reader gets the value on chip."""
+    x, y = random_tensor((129, 300), seed=30), random_tensor((129, 300), seed=31)
+
+    def fn(x, y):
+        a = x * 2 + y  # the first group
+        b = (y - 1) * x  # the second group: joins neither a's group nor a alone
+        return a, b * a.exp()
+
+    lowered, result = _fused(fn, x, y)
+    assert len(result.kernels) == 1
+    stored = [store.buffer.name for store in kinds.stores(result.kernels[0])]
+    assert sorted(stored) == sorted(value.buffer for value in lowered.outputs)
+    assert not {load.buffer for load in kinds.loads(result.kernels[0])} & set(stored)  # nothing read back
+    check_against_eager(fn, x, y)
+
+
+def test_a_pointwise_kernel_read_through_another_view_keeps_its_own_kernel():
+    """Read transposed, the earlier kernel's values are not the later one's elements: no pairing."""
+    x, y = random_tensor((64, 64), seed=32), random_tensor((64, 64), seed=33)
+
+    def fn(x, y):
+        a = x * 2 + y
+        return (y - 1) * x * a.t().exp()
+
+    _, result = _fused(fn, x, y)
+    assert len(result.kernels) == 2
+    assert any("index map" in decision for decision in result.decisions if " inside " in decision)
+    check_against_eager(fn, x, y)
 
 
 def test_a_reader_that_would_not_fit_keeps_the_cheap_nodes_it_reads():

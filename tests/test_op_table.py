@@ -188,12 +188,12 @@ def test_the_range_guard_pass_guards_the_tables_range_limited_functions():
     assert set(guarded_math.GUARDED) == limited == set(guarded_math.EXPANSIONS)
     x = ir.Load("x", LAYOUT, "float32")
     # without a floor, these take ALU instructions that have no valid range
-    unranged = {"reciprocal": "reciprocal_alu", "sqrt": "rsqrt_alu", "rsqrt": "rsqrt_alu"}
+    unranged = {"reciprocal": "reciprocal_alu", "sqrt": "sqrt_alu", "rsqrt": "rsqrt_alu"}
     for name in limited:
         text = str(activation_ranges.guard_expression(ir.op(name, x)))
         instruction = unranged.get(name, op_table.OPS[name].in_range_form)
         assert f"{instruction}(" in text and f" {name}(" not in f" {text}", name
-    assert op_table.OPS["reciprocal_alu"].valid_range is None and op_table.OPS["rsqrt_alu"].valid_range is None
+    assert all(op_table.OPS[name].valid_range is None for name in ("reciprocal_alu", "rsqrt_alu", "sqrt_alu"))
 
 
 def test_the_range_guard_pass_checks_its_scalings_against_the_tables_ranges(monkeypatch):
@@ -231,6 +231,28 @@ def test_alu_rsqrt_of_a_psum_tile_reads_an_sbuf_copy():
     expressions._emit_op(ir.Op("rsqrt_alu", (ir.Scalar(1.0),)), [Ref(tile=psum)], scope, lines)
     assert lines[0].startswith("nisa.tensor_copy(") and f"src={psum}[0:rows, 0:cols]" in lines[0]
     assert "op0=nl.rsqrt" in lines[1] and "engine=nisa.engine.gpsimd" in lines[1] and psum not in lines[1]
+
+
+def test_alu_sqrt_is_one_rsqrt_and_one_multiply_and_reads_psum_through_an_sbuf_copy():
+    """sqrt(x) = x * min(|rsqrt(min(x, fp32 max))|, 2**100): two instructions, the first on GpSimd, which cannot
+    reach PSUM (a matmul's PSUM tile is copied to SBUF for it)."""
+    scope, lines = _scope(), []
+    psum = scope.allocator.new_psum("product", 16)
+    expressions._emit_op(ir.Op("sqrt_alu", (ir.Scalar(1.0),)), [Ref(tile=psum)], scope, lines)
+    assert lines[0].startswith("nisa.tensor_copy(") and f"src={psum}[0:rows, 0:cols]" in lines[0]
+    assert "op0=nl.minimum" in lines[1] and "op1=nl.rsqrt" in lines[1] and "engine=nisa.engine.gpsimd" in lines[1]
+    assert lines[2].startswith("nisa.scalar_tensor_tensor(") and "op0=nl.abs_min" in lines[2]
+    assert len(lines) == 3 and all(psum not in line for line in lines[1:])
+
+
+def test_a_rounded_alu_sqrt_writes_the_narrow_tile_itself():
+    """cast[bf16](sqrt_alu(x)): the multiply rounds its fp32 product into the bf16 tile, as the cast would."""
+    scope, lines = _scope(), []
+    x = ir.Load("x", LAYOUT, "float32")
+    rounded = expressions.emit(ir.Op("cast", (ir.Op("sqrt_alu", (x,)),), dtype="bfloat16"), scope, lines)
+    assert rounded.dtype == "bfloat16" and not any(line.startswith("nisa.tensor_copy(") for line in lines)
+    assert lines[-1].startswith("nisa.scalar_tensor_tensor(") and lines[-1].startswith(
+        f"nisa.scalar_tensor_tensor(dst={scope.ref_text(rounded)},")
 
 
 def test_number_casts_fold_and_a_multiply_by_one_is_no_instruction():

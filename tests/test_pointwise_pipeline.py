@@ -15,8 +15,9 @@ from neuron_compile.kinds import pointwise
 
 
 def adam_like_update(p, m, v):
-    """The parameter update of AdamW: two reciprocals (the sqrt as 1 / rsqrt, the division) in a chain."""
-    return p * 0.999 - 0.01 * m / (v.sqrt() * 31.6 + 1e-8)
+    """AdamW's parameter update with its sqrt written as 1 / rsqrt: two ALU reciprocals in a chain (the sqrt
+    itself now takes GpSimd's rsqrt and a multiply)."""
+    return p * 0.999 - 0.01 * m / (v.rsqrt().reciprocal() * 31.6 + 1e-8)
 
 
 def _inputs(rows, cols, dtype):

@@ -6,7 +6,8 @@ Every value is computed in an fp32 tile (the engines compute in fp32 anyway); ``
 its dtype; a store stages through a tile of the buffer's dtype when they differ. Equal subexpressions are
 computed once per scope. Each op renders from its entry in the op table (neuron_compile/op_table.py): the plain
 forms (binary ALU ops, tensor_scalar ops, activations, copies) from the entry's NKI operator, the sequences
-(division, power, where, copysign, the inverse power of two) by the small emitters named in ``SEQUENCES``.
+(division, power, where, copysign, the inverse power of two, the ALU's reciprocal, rsqrt and sqrt) by the small
+emitters named in ``SEQUENCES``.
 Tiles are named for what they hold (``x_tile_1`` a load of ``x``, ``exp_2`` an op's result, ``as_bfloat16_3``
 a cast), numbered so that every name in a kernel is distinct.
 """
@@ -19,7 +20,15 @@ import math
 import struct
 
 from neuron_compile import ir, op_table
-from neuron_compile.codegen.engine_balance import COPY, FLOAT_TILE_DTYPES, GPSIMD, GPSIMD_COST, SCALAR, EngineBalance
+from neuron_compile.codegen.engine_balance import (
+    COPY,
+    ENGINE_ARGUMENTS,
+    FLOAT_TILE_DTYPES,
+    GPSIMD,
+    GPSIMD_COST,
+    SCALAR,
+    EngineBalance,
+)
 
 NL_DTYPES = {"float32": "nl.float32", "bfloat16": "nl.bfloat16", "bool": "nl.uint8", "int32": "nl.int32"}
 
@@ -288,7 +297,7 @@ def _emit_uncached(expr, scope, lines) -> Ref:
 
 # Sequences whose instructions read a bf16 / fp16 tile as they read an fp32 one (the ALU's reciprocal and rsqrt; pow's
 # square, copy and power by a number; its elementwise power widens its operands itself).
-READS_NARROW_TILES = {"reciprocal_alu", "rsqrt_alu", "pow"}
+READS_NARROW_TILES = {"reciprocal_alu", "rsqrt_alu", "sqrt_alu", "pow"}
 # Casts to fp32 that change no value: the engines read these dtypes and compute in fp32 anyway.
 EXACT_WIDENING = {"bfloat16", "float16"}
 
@@ -376,6 +385,8 @@ def _emit_rounded_op(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref |
         return _emit_rounded_scaling(expr.dtype, inner, scope, lines)
     if isinstance(inner, ir.Op) and inner not in scope.memo and inner.op == "where":
         return _emit_rounded_select(expr.dtype, inner, scope, lines)
+    if isinstance(inner, ir.Op) and inner not in scope.memo and inner.op in ROUNDED_BY_LAST_INSTRUCTION:
+        return _emit_rounded_sequence(expr.dtype, inner, scope, lines)
     if not isinstance(inner, ir.Op) or inner in scope.memo or op_table.spec(inner.op).form not in PLAIN_FORMS:
         return None
     args = _operands(inner, scope, lines)
@@ -433,6 +444,22 @@ def _emit_rounded_select(dtype: str, select: ir.Op, scope: TileScope, lines: lis
     emitted = len(lines)
     _emit_where(args, scope.ref_text(out), False, scope, lines, dtype)
     scope.balance.note("vector", len(lines) - emitted)
+    return out
+
+
+# Sequences whose value is their last instruction's fp32 result, so that instruction may round into the cast's tile.
+ROUNDED_BY_LAST_INSTRUCTION = {"sqrt_alu", "reciprocal_alu"}
+
+
+def _emit_rounded_sequence(dtype: str, sequence: ir.Op, scope: TileScope, lines: list[str]) -> Ref | None:
+    """``cast(sqrt_alu(x), dtype)`` (or the ALU reciprocal) of a full tile: the sequence's last instruction writes
+    the ``dtype`` tile, rounding its fp32 result once, as the cast would; no fp32 result and rounding copy. None
+    for (P, 1) row vectors (kept fp32)."""
+    args = _operands(sequence, scope, lines)
+    if args[0].tile is None or args[0].vector:
+        return None
+    out = Ref(tile=scope.tile(dtype, stem=f"{sequence.op}_{dtype}"), dtype=dtype)
+    SEQUENCES[sequence.op](args, scope.ref_text(out), False, scope, lines)
     return out
 
 
@@ -907,6 +934,34 @@ def _emit_gpsimd_rsqrt(args, dst, vector, scope, lines) -> None:
     lines.append(_tensor_scalar(dst, data, (("nl.rsqrt", 0.0),), engine=GPSIMD))
 
 
+FP32_LARGEST = 3.4028234663852886e38  # fp32's largest finite value: rsqrt(inf) would be 0, and inf * 0 nan
+RSQRT_OF_ZERO_CLAMP = 2.0**100  # above every rsqrt of a finite positive fp32 (at most 2**74.5): only +-inf meet it
+
+
+def _emit_alu_sqrt(args, dst, vector, scope, lines) -> None:
+    """dst = sqrt(x) = x * min(|rsqrt(min(x, fp32 max))|, 2**100) (guarded_math.alu_sqrt): GpSimd's ALU rsqrt with
+    the clamp as its first stage, then one scalar_tensor_tensor (VectorE or GpSimd, as the engine balance says)
+    that clamps the rsqrt and multiplies by x. GpSimd cannot read PSUM: a PSUM operand is copied to SBUF first."""
+    data = scope.ref_text(args[0])
+    if args[0].tile in scope.allocator.psum_tiles:
+        staged = f"{scope.tile(vector=vector, stem='from_psum')}{scope.window(vector)}"
+        lines.append(f"nisa.tensor_copy(dst={staged}, src={data})")
+        data = staged
+        if not vector:
+            scope.balance.note("vector")
+    inverse_root = f"{scope.tile(vector=vector, stem='rsqrt')}{scope.window(vector)}"
+    lines.append(_tensor_scalar(inverse_root, data, (("nl.minimum", FP32_LARGEST), ("nl.rsqrt", 0.0)),
+                                engine=GPSIMD))
+    engine = "vector"  # (P, 1) row vectors: one element per partition, nothing to balance
+    if not vector:
+        scope.balance.note("gpsimd", CYCLES_PER_ELEMENT["op1=nl.rsqrt"] * GPSIMD_COST)
+        passes = 2  # a scalar_tensor_tensor streams its two tiles (cost.py)
+        engine = scope.balance.choose({"vector": passes, "gpsimd": passes * GPSIMD_COST})
+    lines.append(f"nisa.scalar_tensor_tensor(dst={dst}, data={inverse_root}, op0=nl.abs_min, "
+                 f"operand0={number(RSQRT_OF_ZERO_CLAMP)}, op1=nl.multiply, operand1={data}"
+                 f"{ENGINE_ARGUMENTS[engine]})")
+
+
 def _emit_inverse_power_of_two(args, dst, vector, scope, lines) -> None:
     """dst = 2**(127 - E) for x's biased exponent E (x >= 0, E <= 253): x * dst lies in [1, 2) for normal x, an
     exact rescaling that keeps a reciprocal's input in range. Bits: 0x7f000000 - (bits(x) & 0x7f800000); the
@@ -926,12 +981,13 @@ SEQUENCES = {
     "inverse_power_of_two": _emit_inverse_power_of_two,
     "reciprocal_alu": _emit_alu_reciprocal,
     "rsqrt_alu": _emit_gpsimd_rsqrt,
+    "sqrt_alu": _emit_alu_sqrt,
 }
 # Sequences whose emitter asks the engine balance itself (its choice is charged there).
-SELF_BALANCED = {"reciprocal_alu"}
+SELF_BALANCED = {"reciprocal_alu", "sqrt_alu"}
 # Cycles per element of the instructions a sequence emits, where not 1 (the cost model's figures: the ALU's
 # reciprocal takes 8, GpSimd's ALU rsqrt 4), so the engine balance weighs them as the schedule will.
-CYCLES_PER_ELEMENT = {"nisa.reciprocal(": 8, "op0=nl.reciprocal": 8, "op0=nl.rsqrt": 4}
+CYCLES_PER_ELEMENT = {"nisa.reciprocal(": 8, "op0=nl.reciprocal": 8, "op0=nl.rsqrt": 4, "op1=nl.rsqrt": 4}
 
 
 def _engine_and_cost(line: str) -> tuple[str, float]:

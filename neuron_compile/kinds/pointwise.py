@@ -27,8 +27,8 @@ from neuron_compile.codegen.strided_rows import (
     stepped_broadcast,
 )
 from neuron_compile.dims import LoopDim, collapse
-from neuron_compile.kind_registry import register_kind
-from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
+from neuron_compile.kind_registry import loads, register_kind
+from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue, matching_index_reason, merge_as_epilogue
 from neuron_compile.tiles import (
     SHORT_ROW_BYTES,
     TilePlan,
@@ -177,6 +177,21 @@ class PointwiseKind(MatchingIndexEpilogue):
     name = "pointwise"
     elementwise = True
     holds_random = True
+
+    def sibling_reason(self, first, second, outside):
+        """A pointwise kernel whose outputs a later one over the same domain reads with their own index map (AdamW's
+        new second moment, read by the parameter update) is computed inside it: its values reach the reader on
+        chip instead of through HBM, and the reader's loads of the shared inputs happen once."""
+        if not {store.buffer.name for store in first.stores} & {load.buffer for load in loads(second)}:
+            return "pointwise kernels pair only with a kernel that reads them"
+        return matching_index_reason(self, first, second)
+
+    def merge_sibling(self, first, second, outside):
+        """``second`` with ``first``'s values inlined where it reads them; ``first``'s stores kept only where
+        something else reads them (``outside``: a region output, another kernel)."""
+        merged = merge_as_epilogue(self, first, second)
+        kept = tuple(store for store in merged.stores[:len(first.stores)] if store.buffer.name in outside)
+        return dataclasses.replace(merged, name=second.name, stores=kept + merged.stores[len(first.stores):])
 
     def plan(self, node, target):
         return plan_pointwise(node, target)

@@ -22,7 +22,7 @@ aten = torch.ops.aten
 # Base ops whose every functional foreach overload maps one to one onto the per-tensor op.
 ELEMENTWISE = (
     "add", "sub", "mul", "div", "pow", "addcmul", "addcdiv", "lerp", "sqrt", "rsqrt", "neg", "reciprocal", "abs",
-    "exp", "log", "sign", "sigmoid", "tanh", "copy", "zero", "clamp_min", "clamp_max", "max",
+    "exp", "log", "sign", "sigmoid", "tanh", "copy", "zero", "clamp_min", "clamp_max", "max", "maximum",
 )
 KEPT_WHOLE = {"_foreach_addcmul.Tensor", "_foreach_addcdiv.Tensor"}
 
@@ -57,8 +57,12 @@ def _addcdiv(self, tensor1, tensor2, value=1):
     return aten.addcdiv(self, tensor1, tensor2, value=value)
 
 
+def _maximum(self, other):  # amsgrad's running maximum of the second moment; a number: a clamp from below
+    return aten.maximum(self, other) if isinstance(other, torch.Tensor) else aten.clamp_min(self, other)
+
+
 # Per-tensor forms whose signature differs from the foreach op's (argument kinds or names).
-ADAPTED = {"norm": _norm, "addcmul": _addcmul, "addcdiv": _addcdiv}
+ADAPTED = {"norm": _norm, "addcmul": _addcmul, "addcdiv": _addcdiv, "maximum": _maximum}
 
 
 def _functional_overloads(packet):
