@@ -84,6 +84,8 @@ class TileAllocator:
     widths: list[int] = dataclasses.field(default_factory=list)  # free elements of each line's SBUF tile (PSUM: 0)
     psum_tiles: set[str] = dataclasses.field(default_factory=set)
     names: list[str] = dataclasses.field(default_factory=list)  # the name each line of ``lines`` declares
+    sbuf_bytes: int = 0  # bytes per partition of the SBUF tiles ``new`` declared
+
 
     def split_by_width(self, width: int) -> tuple[list[str], list[str]]:
         """(the allocations of SBUF tiles ``width`` wide, the others): a chunked row kernel allocates the first
@@ -140,6 +142,7 @@ class TileAllocator:
         self.lines.append(f"{name} = nl.ndarray(({self.partitions}, {free}), dtype={NL_DTYPES[dtype]}, buffer=nl.sbuf)")
         self.names.append(name)
         self.widths.append(free)
+        self.sbuf_bytes += free * ir.ITEMSIZE.get(dtype, 4)
         return name
 
 

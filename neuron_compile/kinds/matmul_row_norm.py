@@ -1,0 +1,89 @@
+"""Kernel kinds: the fusion rule that gives a matmul a row-norm prologue (``ir.MatMul`` -> ``ir.NormedMatMul``).
+
+Input: a whole row-reduction kernel with a row epilogue (an RMSNorm: the mean of squares of each row, then
+``x * rsqrt(mean + eps) * weight`` over the row) and a whole matmul kernel multiplying one of its row stores as
+its left operand. Output: a reason they may not fuse, or the matmul that computes that operand itself from the
+norm's inputs, per row block (kinds/normed_matmul.py plans and renders it; passes/row_norm_operands.py drives it).
+The rule: the norm's rows are the matmul's rows of K (one reduced dim, the last), the matmul reads the row store
+only as ``a`` and with the store's own index map, is no implicit GEMM, and the norm draws no random numbers (every
+matmul reading it recomputes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from neuron_compile import ir
+from neuron_compile.kind_registry import kind_of
+
+
+def _with_unit_batch(layout: ir.Layout) -> ir.Layout:
+    return ir.Layout((1, *layout.shape), (0, *layout.strides), layout.offset)
+
+
+def _indexes_without_loads(expr: ir.Expr) -> bool:
+    """Whether ``expr`` has a leaf indexing the domain that is not a Load (an iota, a random draw); each shared
+    subexpression is visited once."""
+    seen, pending = set(), [expr]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ir.Iota, ir.RandomKeep)):
+            return True
+        if isinstance(node, ir.Op) and node not in seen:
+            seen.add(node)
+            pending.extend(node.args)
+    return False
+
+
+def in_matmul_domain(norm: ir.Reduction, matmul: ir.MatMul) -> ir.Reduction:
+    """``norm`` over the matmul's domain with K for N: mm's domain has a size-1 batch dim the norm's rows lack, so
+    the norm takes it too (stride 0 in every layout); unchanged otherwise."""
+    if len(norm.domain) != len(matmul.domain) - 1 or matmul.domain[0] != 1:
+        return norm
+    if any(_indexes_without_loads(expr) for expr in kind_of(norm).exprs(norm)):
+        return norm  # an iota's index map would need restating too: left as it is, the rule declines
+
+    def restated(expr: ir.Expr) -> ir.Expr:
+        return ir.map_leaves(expr, lambda leaf: ir.Load(leaf.buffer, _with_unit_batch(leaf.layout), leaf.dtype)
+                             if isinstance(leaf, ir.Load) else leaf)
+
+    def stores(stores: tuple[ir.Store, ...]) -> tuple[ir.Store, ...]:
+        return tuple(ir.Store(store.buffer, restated(store.expr), _with_unit_batch(store.layout)) for store in stores)
+
+    return dataclasses.replace(norm, domain=(1, *norm.domain), reduce_dims=tuple(dim + 1 for dim in norm.reduce_dims),
+                               prologue=restated(norm.prologue), stores=stores(norm.stores),
+                               row_stores=stores(norm.row_stores))
+
+
+def row_operand_reason(norm, matmul: ir.MatMul) -> str | None:
+    """None if ``matmul`` may compute its left operand, a row store of the kernel ``norm``, itself."""
+    if not isinstance(norm, ir.Reduction):
+        return f"a matmul computes only a row reduction's row store on chip, not a {type(norm).__name__}'s"
+    norm = in_matmul_domain(norm, matmul)
+    stores = {store.buffer.name: store for store in norm.row_stores}
+    if matmul.a.buffer not in stores:
+        return f"{matmul.name}'s left operand is not one of {norm.name}'s row stores"
+    if matmul.shifts:
+        return "an implicit GEMM (a convolution) loads its operand once per term"
+    rank = len(norm.domain)
+    if norm.reduce_dims != (rank - 1,) or norm.domain != (*matmul.domain[:-1], matmul.k):
+        return (f"{norm.name}'s rows (domain {list(norm.domain)} over {list(norm.reduce_dims)}) are not "
+                f"{matmul.name}'s rows of K={matmul.k}")
+    if not ir.same_index_map(matmul.a.layout, stores[matmul.a.buffer].layout):
+        return f"{matmul.a.buffer} is read through a view that changes the index map"
+    others = [matmul.b, matmul.b2] + [load for store in matmul.stores for load in ir.loads_of(store.expr)]
+    written = {store.buffer.name for store in kind_of(norm).stores(norm)}
+    beside = sorted({load.buffer for load in others if load is not None and load.buffer in written})
+    if beside:
+        return f"{matmul.name} reads {', '.join(beside)} of {norm.name}'s beside its left operand"
+    if any(ir.draws_random(expr) for expr in kind_of(norm).exprs(norm)):
+        return f"{norm.name} draws random numbers, which every matmul computing it would draw again"
+    return None
+
+
+def merge_row_operand(norm: ir.Reduction, matmul: ir.MatMul, kept: set[str]) -> ir.NormedMatMul:
+    """``matmul`` with ``norm`` as its prologue; of ``norm``'s outputs only those named in ``kept`` stay stored."""
+    norm = in_matmul_domain(norm, matmul)
+    operand = next(store.expr for store in norm.row_stores if store.buffer.name == matmul.a.buffer)
+    return ir.NormedMatMul(matmul.name, matmul.domain, matmul.k, matmul.a, matmul.b, matmul.stores,
+                           kind_of(norm).prune(norm, kept), operand, matmul.b2)
