@@ -116,3 +116,25 @@ def test_a_normed_matmul_that_does_not_fit_keeps_the_norm_kernel_and_says_why(mo
     assert [type(kernel).__name__ for kernel in result.kernels] == ["Reduction", "MatMul", "MatMul"]
     refused = [decision for decision in result.decisions if "computed inside" in decision]
     assert len(refused) == 2 and all("would not fit the target's SBUF" in decision for decision in refused), refused
+
+
+def modulated_layer_norm_linear(x, shift, scale, weight, bias, w):
+    """A diffusers block's adaLN: layer norm without affine, modulated, into a linear; and an affine one."""
+    width = x.shape[-1]
+    modulated = torch.nn.functional.layer_norm(x, (width,), eps=1e-6) * (1 + scale) + shift
+    affine = torch.nn.functional.layer_norm(x, (width,), weight, bias, 1e-5)
+    return modulated @ w, affine @ w
+
+
+@settings(max_examples=4, deadline=None)
+@given(rows=st.sampled_from([1, 127, 129]), width=st.sampled_from([96, 384]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_layer_norms_whose_rows_need_their_mean_match_eager(rows, width, dtype):
+    """A variance's rows read their mean too (Result(1), computed only when something reads it): the operand
+    does."""
+    x, shift, scale, weight, bias = (random_tensor(shape, dtype, seed=seed) for seed, shape in
+                                     enumerate([(rows, width), (width,), (width,), (width,), (width,)]))
+    w = random_tensor((width, 80), dtype, seed=5) / width ** 0.5
+    region = check_against_eager(modulated_layer_norm_linear, x, shift, scale, weight, bias, w)
+    decisions = _normed(region)
+    assert len(decisions) == 2 and all(decision.endswith(": fused") for decision in decisions), decisions

@@ -15,7 +15,7 @@ import dataclasses
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator
+from neuron_compile.codegen.expressions import NL_DTYPES, TileAllocator
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import KernelKind, kind_of, register_kind
@@ -40,7 +40,7 @@ def row_plan(node: ir.NormedMatMul, outer: tuple[LoopDim, ...], partition: LoopD
 
 def row_body(node: ir.NormedMatMul, plan: TilePlan, allocator: TileAllocator) -> ReductionBody:
     """The reduction kind's lines for one row block, the operand computed after the norm's own row stores."""
-    return reduction_body(node.norm, plan, allocator, Patterns(plan), operands=(node.operand,))
+    return reduction_body(node.norm, plan, allocator, Patterns(plan), operands=((node.operand, node.a.dtype),))
 
 
 def row_bytes(node: ir.NormedMatMul, target) -> int:
@@ -68,14 +68,12 @@ def plan_normed_matmul(node: ir.NormedMatMul, target) -> TilePlan:
     return plan
 
 
-def transpose_lines(node: ir.NormedMatMul, plan: TilePlan, operand: Ref, allocator: TileAllocator) -> list[str]:
-    """The operand's rows [rows, K] into ``stationary[block]`` [K chunk, K chunks, rows]: each K chunk transposed
-    on TensorE into PSUM, a bank of chunks copied out at once (the last chunk alone when K is ragged)."""
+def transpose_lines(node: ir.NormedMatMul, plan: TilePlan, source: str, allocator: TileAllocator) -> list[str]:
+    """The operand's rows (tile ``source``, [rows, K]) into ``stationary[block]`` [K chunk, K chunks, rows]: each K
+    chunk transposed on TensorE into PSUM, a bank of chunks copied out at once (the last chunk alone when K is
+    ragged)."""
     lines: list[str] = []
     dtype = node.a.dtype
-    source = operand.tile
-    if operand.dtype != dtype or operand.view is not None or operand.vector or source is None:
-        raise TilingError(f"{node.name}: the normed operand is not a [rows, K] tile of {dtype}")
     whole = node.k % plan.k_tile == 0
     per_bank = max(1, PSUM_BANK_BYTES // (plan.partition.tile * ir.ITEMSIZE[dtype])) if whole else 1
     transposed = allocator.take_name("transposed")

@@ -28,6 +28,7 @@ from neuron_compile.codegen.expressions import (
     fp32_tile,
     number,
     remember_negation,
+    stored_tile,
     unwidened,
 )
 from neuron_compile.codegen.kernel_text import (
@@ -169,22 +170,23 @@ def _combine_partials(reduce_op: str, accumulator: str, partial: str, chunked: b
 class ReductionBody:
     """The instructions of one row block of a row reduction: per walk over the row, (its lines, the lines after
     it); the lines filling the shared tiles before the loops (``once``); whether the row is walked in chunks and
-    the width of a chunk's tiles; and where the extra row values asked for are (``operands``: a fused matmul's
-    left operand, computed like a row store but not stored)."""
+    the width of a chunk's tiles; and the tiles holding the extra row values asked for (``operands``: a fused
+    matmul's left operand, computed like a row store but not stored)."""
 
     passes: list[tuple[list[str], list[str]]]
     once: list[str]
     chunked: bool
     row_free: int
-    operands: tuple[Ref, ...] = ()
+    operands: tuple[str, ...] = ()  # the tiles holding them
     shared_bytes: int = 0  # SBUF bytes per partition of the tiles ``once`` fills
 
 
 def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator, patterns: Patterns,
-                   operands: tuple[ir.Expr, ...] = ()) -> ReductionBody:
+                   operands: tuple[tuple[ir.Expr, str], ...] = ()) -> ReductionBody:
     """The lines of one row block (``p0``, ``rows``) of ``node`` under ``plan``, its tiles declared by
-    ``allocator``; ``operands`` are row expressions (reading ``Result()`` as the reduced value) computed after
-    the row stores, on the engines the row epilogue's balance plans for both."""
+    ``allocator``; ``operands`` are (row expression, dtype of its tile) pairs, the expressions reading
+    ``Result()`` as the reduced value, computed after the row stores on the engines the row epilogue's balance
+    plans for both."""
     prologue, row_free, free, chunked = row_scopes(node, plan, allocator, patterns, columns=not plan.grouped_rows)
     shared = RowBroadcast(plan, allocator)
     prologue.shared_row = shared.tile_for
@@ -200,7 +202,7 @@ def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator,
     if node.op == "mean":
         passes[0][1].append(_mean_line(acc, acc, count))
     elif node.op == "var":
-        second, more_results = _variance_pass(node, prologue, accumulator, partial, chunked, passes[0][1])
+        second, more_results = _variance_pass(node, prologue, accumulator, partial, chunked, passes[0][1], operands)
         passes.append(second)
     if plan.cross_partition:
         # Every partition holds a partial of the one result: transpose them into a row and reduce that.
@@ -213,7 +215,7 @@ def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator,
         ])
     epilogue = epilogue_scope(allocator, patterns, Ref(tile=accumulator), results, more_results)
     store_lines(node.stores, epilogue, patterns, results, False, passes[-1][1])
-    refs: tuple[Ref, ...] = ()
+    tiles: tuple[str, ...] = ()
     if node.row_stores or operands:
         # The row is still in SBUF: the fused consumers read it, with the reduced value as a (P, 1) operand.
         def row_scope(tiles: TileAllocator) -> TileScope:
@@ -221,8 +223,8 @@ def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator,
 
         row = row_scope(allocator)
         row.balance = _planned_row_balance(node, plan, prologue, epilogue, row_scope, patterns, free, operands)
-        refs = _row_epilogue_lines(node, plan, row, epilogue, patterns, free, passes[-1][1], operands)
-    return ReductionBody(passes, shared.lines, chunked, row_free, refs, shared.sbuf_bytes)
+        tiles = _row_epilogue_lines(node, plan, row, epilogue, patterns, free, passes[-1][1], operands)
+    return ReductionBody(passes, shared.lines, chunked, row_free, tiles, shared.sbuf_bytes)
 
 
 def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
@@ -241,7 +243,8 @@ def _mean_line(dst: str, sums: str, count: int) -> str:
 
 
 def _variance_pass(node: ir.Reduction, prologue: TileScope, accumulator: str, partial: str, chunked: bool,
-                   after_sums: list[str]) -> tuple[tuple[list[str], list[str]], tuple[Ref, ...]]:
+                   after_sums: list[str], operands: tuple[tuple[ir.Expr, str], ...] = ()) \
+        -> tuple[tuple[list[str], list[str]], tuple[Ref, ...]]:
     """A variance's second pass (the sum of squared deviations from the mean, scaled), with the lines after the
     first pass's sums appended to ``after_sums``; and the results beyond the variance: the mean, as the mean
     kernel computes it, when a paired mean's stores read it (``Result(1)``, kinds/reduction_siblings.py)."""
@@ -253,7 +256,7 @@ def _variance_pass(node: ir.Reduction, prologue: TileScope, accumulator: str, pa
     after_sums.append(f"nisa.tensor_scalar(dst={negated_mean}[0:rows, 0:1], data={acc}, op0=nl.multiply, "
                       f"operand0={-1.0 / count!r})")
     more_results: tuple[Ref, ...] = ()
-    if reduction_siblings.reads_mean(node):
+    if reduction_siblings.reads_mean(node, tuple(expr for expr, _ in operands)):
         mean = Ref(tile=allocator.new("mean", 1), vector=True)
         after_sums.append(_mean_line(f"{mean.tile}[0:rows, 0:1]", acc, count))
         # -(sums * (1 / count)) is sums * (-1 / count) bit for bit: x - mean adds the negated mean already there
@@ -278,18 +281,18 @@ def _row_scope(allocator: TileAllocator, prologue: TileScope, accumulator: str, 
 
 
 def _row_epilogue_lines(node: ir.Reduction, plan: TilePlan, row: TileScope, epilogue: TileScope, patterns: Patterns,
-                        free, lines: list[str], operands: tuple[ir.Expr, ...] = ()) -> tuple[Ref, ...]:
-    """The row stores' instructions, then the ``operands``' (whose Refs it returns); over grouped rows, the values
-    constant along each row first, on the [P, k] results (codegen/grouped_rows.py)."""
+                        free, lines: list[str], operands: tuple[tuple[ir.Expr, str], ...] = ()) -> tuple[str, ...]:
+    """The row stores' instructions, then the ``operands``' (the tiles holding them, of their dtypes: returned);
+    over grouped rows, the values constant along each row first, on the [P, k] results (codegen/grouped_rows.py)."""
     if plan.grouped_rows:
-        exprs = [store.expr for store in node.row_stores] + list(operands)
+        exprs = [store.expr for store in node.row_stores] + [expr for expr, _ in operands]
         row_values(exprs, node.reduce_dims, row, epilogue, plan.free[0].size, lines)
     store_lines(node.row_stores, row, patterns, free, False, lines)
-    return tuple(emit(expr, row, lines) for expr in operands)
+    return tuple(stored_tile(dtype, emit(expr, row, lines), row, lines) for expr, dtype in operands)
 
 
 def _planned_row_balance(node: ir.Reduction, plan: TilePlan, prologue: TileScope, epilogue: TileScope, row_scope,
-                         patterns: Patterns, free, operands: tuple[ir.Expr, ...] = ()) -> EngineBalance:
+                         patterns: Patterns, free, operands: tuple[tuple[ir.Expr, str], ...] = ()) -> EngineBalance:
     """The engines of a row epilogue's instructions, planned longest first on top of the prologue's work (VectorE
     holds the tensor_reduce, ScalarE a square): a trial emission into scratch tiles (``row_scope(allocator)``
     makes its scope) records every choice, as the pointwise body's ``balanced_body`` does; the real emission
