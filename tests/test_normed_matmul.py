@@ -126,15 +126,14 @@ def modulated_layer_norm_linear(x, shift, scale, weight, bias, w):
     return modulated @ w, affine @ w
 
 
-@settings(max_examples=4, deadline=None)
-@given(rows=st.sampled_from([1, 127, 129]), width=st.sampled_from([96, 384]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_layer_norms_whose_rows_need_their_mean_match_eager(rows, width, dtype):
-    """A variance's rows read their mean too (Result(1), computed only when something reads it): the operand
-    does."""
+@pytest.mark.parametrize("rows, dtype", [(1, torch.bfloat16), (129, torch.float32)])
+def test_layer_norms_stay_their_own_kernel_and_say_why(rows, dtype):
+    """A layer norm's two passes, recomputed in every projection, cost more than the round trip (the Flux mid
+    size, measured): the rule refuses a variance, by name."""
+    width = 384
     x, shift, scale, weight, bias = (random_tensor(shape, dtype, seed=seed) for seed, shape in
                                      enumerate([(rows, width), (width,), (width,), (width,), (width,)]))
     w = random_tensor((width, 80), dtype, seed=5) / width ** 0.5
     region = check_against_eager(modulated_layer_norm_linear, x, shift, scale, weight, bias, w)
     decisions = _normed(region)
-    assert len(decisions) == 2 and all(decision.endswith(": fused") for decision in decisions), decisions
+    assert len(decisions) == 2 and all("is a var: a layer norm's two passes" in decision for decision in decisions)

@@ -202,7 +202,7 @@ def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator,
     if node.op == "mean":
         passes[0][1].append(_mean_line(acc, acc, count))
     elif node.op == "var":
-        second, more_results = _variance_pass(node, prologue, accumulator, partial, chunked, passes[0][1], operands)
+        second, more_results = _variance_pass(node, prologue, accumulator, partial, chunked, passes[0][1])
         passes.append(second)
     if plan.cross_partition:
         # Every partition holds a partial of the one result: transpose them into a row and reduce that.
@@ -243,8 +243,7 @@ def _mean_line(dst: str, sums: str, count: int) -> str:
 
 
 def _variance_pass(node: ir.Reduction, prologue: TileScope, accumulator: str, partial: str, chunked: bool,
-                   after_sums: list[str], operands: tuple[tuple[ir.Expr, str], ...] = ()) \
-        -> tuple[tuple[list[str], list[str]], tuple[Ref, ...]]:
+                   after_sums: list[str]) -> tuple[tuple[list[str], list[str]], tuple[Ref, ...]]:
     """A variance's second pass (the sum of squared deviations from the mean, scaled), with the lines after the
     first pass's sums appended to ``after_sums``; and the results beyond the variance: the mean, as the mean
     kernel computes it, when a paired mean's stores read it (``Result(1)``, kinds/reduction_siblings.py)."""
@@ -256,7 +255,7 @@ def _variance_pass(node: ir.Reduction, prologue: TileScope, accumulator: str, pa
     after_sums.append(f"nisa.tensor_scalar(dst={negated_mean}[0:rows, 0:1], data={acc}, op0=nl.multiply, "
                       f"operand0={-1.0 / count!r})")
     more_results: tuple[Ref, ...] = ()
-    if reduction_siblings.reads_mean(node, tuple(expr for expr, _ in operands)):
+    if reduction_siblings.reads_mean(node):
         mean = Ref(tile=allocator.new("mean", 1), vector=True)
         after_sums.append(_mean_line(f"{mean.tile}[0:rows, 0:1]", acc, count))
         # -(sums * (1 / count)) is sums * (-1 / count) bit for bit: x - mean adds the negated mean already there

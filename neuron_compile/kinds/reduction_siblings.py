@@ -58,18 +58,17 @@ def merge_sibling(first: ir.Reduction, second: ir.Reduction, outside: set[str]) 
                                row_stores=mapped(second.row_stores))
 
 
-def reads_mean(node: ir.Reduction, also: tuple[ir.Expr, ...] = ()) -> bool:
-    """Whether a variance's stores (or the expressions ``also`` computed over its rows) read the mean of its rows
-    (``Result(1)``)."""
-    return MEAN in _results(node, also)
+def reads_mean(node: ir.Reduction) -> bool:
+    """Whether a variance's stores read the mean of its rows (``Result(1)``)."""
+    return MEAN in _results(node)
 
 
 def _loads(node: ir.Reduction) -> list[ir.Load]:
     return [load for store in node.stores + node.row_stores for load in ir.loads_of(store.expr)]
 
 
-def _results(node: ir.Reduction, also: tuple[ir.Expr, ...] = ()) -> set[ir.Result]:
-    """The results the node's stores (and ``also``) read."""
+def _results(node: ir.Reduction) -> set[ir.Result]:
+    """The results the node's stores read."""
     found: set[ir.Result] = set()
 
     def note(leaf):
@@ -77,6 +76,6 @@ def _results(node: ir.Reduction, also: tuple[ir.Expr, ...] = ()) -> set[ir.Resul
             found.add(leaf)
         return leaf
 
-    for expr in [store.expr for store in node.stores + node.row_stores] + list(also):
-        ir.map_leaves(expr, note)
+    for store in node.stores + node.row_stores:
+        ir.map_leaves(store.expr, note)
     return found
