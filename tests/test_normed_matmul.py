@@ -94,7 +94,7 @@ def test_a_reader_before_the_first_matmul_keeps_the_norm_kernel():
     inputs = _inputs(128, 256, 64, torch.float32, matrices=1)
     region = check_against_eager(fn, *inputs)
     stays = [decision for decision in region.fusion_decisions if "stays its own kernel" in decision]
-    assert len(stays) == 1 and "before" in stays[0], region.fusion_decisions
+    assert len(stays) == 1 and "before" in stays[0], region.fusion_decisions  # the one matmul that could take it
     kernels = _fused(fn, *inputs, target=get_target("trn2")).kernels
     assert [type(kernel).__name__ for kernel in kernels] == ["Reduction", "MatMul", "MatMul"]
 
@@ -137,3 +137,19 @@ def test_layer_norms_stay_their_own_kernel_and_say_why(rows, dtype):
     region = check_against_eager(modulated_layer_norm_linear, x, shift, scale, weight, bias, w)
     decisions = _normed(region)
     assert len(decisions) == 2 and all("is a var: a layer norm's two passes" in decision for decision in decisions)
+
+
+@settings(max_examples=4, deadline=None)
+@given(batch=st.sampled_from([2, 3]), sequence=st.sampled_from([1, 7, 65]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_batched_rows_flattened_by_a_linear_are_the_matmuls_rows(batch, sequence, dtype):
+    """``F.linear`` of a (batch, sequence, hidden) norm flattens batch and sequence into mm's rows: the norm's
+    kept dims merge into them (its layouts are contiguous rows, its weight stride 0)."""
+    def fn(x, weight, w):
+        return torch.nn.functional.linear(rms_norm(x, weight), w)
+
+    x = random_tensor((batch, sequence, 200), dtype, seed=0)
+    weight = random_tensor((200,), dtype, seed=1)
+    w = random_tensor((96, 200), dtype, seed=2) / 200 ** 0.5
+    region = check_against_eager(fn, x, weight, w)
+    assert _normed(region) and all(decision.endswith(": fused") for decision in _normed(region)), _normed(region)

@@ -12,6 +12,7 @@ implicit GEMM, and the norm draws no random numbers (every matmul reading it rec
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from neuron_compile import ir
 from neuron_compile.kind_registry import kind_of
@@ -23,8 +24,16 @@ from neuron_compile.kind_registry import kind_of
 NORM_OPS = ("mean", "sum")
 
 
-def _with_unit_batch(layout: ir.Layout) -> ir.Layout:
-    return ir.Layout((1, *layout.shape), (0, *layout.strides), layout.offset)
+def _as_rows(layout: ir.Layout) -> ir.Layout | None:
+    """``layout`` over (*kept, K) as one over (1, M, K), M the kept dims' product: each kept dim's stride is the
+    next one's times its size (contiguous rows, or stride 0 throughout: a weight), size-1 dims aside (their stride
+    is never used); None when they do not merge."""
+    kept = [(size, stride) for size, stride in zip(layout.shape[:-1], layout.strides[:-1]) if size != 1]
+    if any(outer[1] != inner[1] * inner[0] for outer, inner in zip(kept, kept[1:])):
+        return None
+    row_stride = kept[-1][1] if kept else 0
+    rows = math.prod(size for size, _ in kept)
+    return ir.Layout((1, rows, layout.shape[-1]), (0, row_stride, layout.strides[-1]), layout.offset)
 
 
 def _indexes_without_loads(expr: ir.Expr) -> bool:
@@ -42,23 +51,28 @@ def _indexes_without_loads(expr: ir.Expr) -> bool:
 
 
 def in_matmul_domain(norm: ir.Reduction, matmul: ir.MatMul) -> ir.Reduction:
-    """``norm`` over the matmul's domain with K for N: mm's domain has a size-1 batch dim the norm's rows lack, so
-    the norm takes it too (stride 0 in every layout); unchanged otherwise."""
-    if len(norm.domain) != len(matmul.domain) - 1 or matmul.domain[0] != 1:
+    """``norm`` over the matmul's domain with K for N: mm's domain is (1, M, N) while the norm's rows may have
+    several kept dims (batch and sequence: a linear flattens them into M), merged into M when every layout of the
+    norm allows it (``_as_rows``); unchanged otherwise (the rule then declines)."""
+    rows = (1, math.prod(matmul.domain[:-1]), matmul.k)
+    if norm.domain == (*matmul.domain[:-1], matmul.k) or matmul.domain[:-2] != (1,) or norm.reduce_dims != (
+            len(norm.domain) - 1,) or (1, math.prod(norm.domain[:-1]), norm.domain[-1]) != rows:
         return norm
     if any(_indexes_without_loads(expr) for expr in kind_of(norm).exprs(norm)):
         return norm  # an iota's index map would need restating too: left as it is, the rule declines
+    layouts = [load.layout for expr in kind_of(norm).exprs(norm) for load in ir.loads_of(expr)]
+    if any(_as_rows(layout) is None for layout in layouts + [store.layout for store in kind_of(norm).stores(norm)]):
+        return norm
 
     def restated(expr: ir.Expr) -> ir.Expr:
-        return ir.map_leaves(expr, lambda leaf: ir.Load(leaf.buffer, _with_unit_batch(leaf.layout), leaf.dtype)
+        return ir.map_leaves(expr, lambda leaf: ir.Load(leaf.buffer, _as_rows(leaf.layout), leaf.dtype)
                              if isinstance(leaf, ir.Load) else leaf)
 
     def stores(stores: tuple[ir.Store, ...]) -> tuple[ir.Store, ...]:
-        return tuple(ir.Store(store.buffer, restated(store.expr), _with_unit_batch(store.layout)) for store in stores)
+        return tuple(ir.Store(store.buffer, restated(store.expr), _as_rows(store.layout)) for store in stores)
 
-    return dataclasses.replace(norm, domain=(1, *norm.domain), reduce_dims=tuple(dim + 1 for dim in norm.reduce_dims),
-                               prologue=restated(norm.prologue), stores=stores(norm.stores),
-                               row_stores=stores(norm.row_stores))
+    return dataclasses.replace(norm, domain=rows, reduce_dims=(2,), prologue=restated(norm.prologue),
+                               stores=stores(norm.stores), row_stores=stores(norm.row_stores))
 
 
 def row_operand_reason(norm, matmul: ir.MatMul) -> str | None:

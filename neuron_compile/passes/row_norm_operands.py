@@ -39,9 +39,10 @@ def _takers(norm: ir.Node, readers: list[ir.Node], decisions: list[str], fits) -
         reason = kind.row_operand_reason(norm, reader)
         if reason is None and fits is not None and not fits(kind.merge_row_operand(norm, reader, set())):
             reason = "the matmul computing the norm would not fit the target's SBUF"
-        decisions.append(f"{norm.name} computed inside {reader.name}: " + ("fused" if reason is None else reason))
         if reason is None:
             takers.append(reader)
+        else:
+            decisions.append(f"{norm.name} computed inside {reader.name}: {reason}")
     return takers
 
 
@@ -74,7 +75,9 @@ def _fold(norm: ir.Node, kernels: list[ir.Node], region_outputs: set[str], decis
     merged = {taker.name: kinds.kind_of(taker).merge_row_operand(norm, taker, kept if taker is takers[0] else set())
               for taker in takers}
     reason = _kept_reason(kept, takers[0], merged[takers[0].name], others, kernels, fits) if kept else None
+    for taker in takers:
+        outcome = "fused" if reason is None else f"{norm.name} stays its own kernel: {reason}"
+        decisions.append(f"{norm.name} computed inside {taker.name}: {outcome}")
     if reason is not None:
-        decisions.append(f"{norm.name} stays its own kernel: {reason}")
         return kernels
     return [merged.get(kernel.name, kernel) for kernel in kernels if kernel is not norm]
