@@ -86,7 +86,6 @@ class TileAllocator:
     names: list[str] = dataclasses.field(default_factory=list)  # the name each line of ``lines`` declares
     sbuf_bytes: int = 0  # bytes per partition of the SBUF tiles ``new`` declared
 
-
     def split_by_width(self, width: int) -> tuple[list[str], list[str]]:
         """(the allocations of SBUF tiles ``width`` wide, the others): a chunked row kernel allocates the first
         per chunk (they hold one chunk's values) and the others per row block (partials that carry across
@@ -953,7 +952,7 @@ def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str])
 def stored_tile(store_dtype: str, value: Ref, scope: TileScope, lines: list[str]) -> str:
     """The name of a whole SBUF tile of ``store_dtype`` holding ``value`` (itself when it is one)."""
     if value.value is not None:
-        tile = scope.tile(store_dtype, stem='fill')
+        tile = scope.tile(store_dtype, stem="fill")
         lines.append(f"nisa.memset(dst={tile}{scope.slice_text}, value={_memset_literal(store_dtype, value.value)})")
         return tile
     if value.vector and scope.slice_text != ROW_VECTOR:
