@@ -394,6 +394,27 @@ class MatMul:
 
 
 @dataclass(frozen=True)
+class NormedMatMul:
+    """A ``MatMul`` whose left operand is computed on chip from rows the kernel loads itself (a row-norm prologue):
+    ``norm`` (a ``Reduction`` over (*batch, M, K) along K, an RMSNorm's mean of squares) reduces each row block,
+    ``operand`` (over the same domain, ``Result()`` the row's reduced value: the normed rows, weight included) is
+    the operand, transposed on TensorE into a^T; ``a`` is the load of the buffer it stood for (its dtype is the
+    operand's). ``norm``'s own stores and row stores are what the norm still writes to HBM because something
+    outside the kernel reads them (a training forward's saved rstd). The other fields are ``MatMul``'s.
+    """
+
+    name: str
+    domain: tuple[int, ...]
+    k: int
+    a: Load
+    b: Load
+    stores: tuple[Store, ...]
+    norm: Reduction
+    operand: Expr
+    b2: Load | None = None
+
+
+@dataclass(frozen=True)
 class Attention:
     """``softmax(q @ k^T * scale + mask) @ v`` over domain (*batch, Sq, Dv), the scores never leaving the chip.
 
@@ -570,5 +591,5 @@ class Collective:
     reduce: str = "add"
 
 
-Node = (Pointwise | Reduction | RowNormalize | Scan | MatMul | Attention | AttentionBackward | Concat | Gather | Scatter
-        | Collective)
+Node = (Pointwise | Reduction | RowNormalize | Scan | MatMul | NormedMatMul | Attention | AttentionBackward | Concat
+        | Gather | Scatter | Collective)

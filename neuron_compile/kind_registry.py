@@ -90,6 +90,17 @@ class KernelKind:
     def merge_prologue(self, producer, consumer):
         raise NotImplementedError(f"{self.name} takes no prologue")
 
+    def row_operand_reason(self, producer, consumer) -> str | None:
+        """None if the whole kernel ``consumer`` (of this kind) may compute an operand it reads from the whole
+        kernel ``producer`` itself, from the producer's inputs (a matmul's left operand normed on chip:
+        passes/row_norm_operands.py)."""
+        return f"{self.name} kernels compute no operand of theirs on chip"
+
+    def merge_row_operand(self, producer, consumer, kept: set[str]):
+        """``consumer`` computing its operand from ``producer``'s inputs, and storing ``producer``'s outputs
+        named in ``kept`` (read outside both)."""
+        raise NotImplementedError(f"{self.name} computes no operand on chip")
+
     def sibling_reason(self, first, second, outside: set[str]) -> str | None:
         """None if ``first``, whose outputs only the later ``second`` reads (both whole kernels of this kind), may
         be computed inside ``second`` (horizontal fusion: one pass over their shared input)."""

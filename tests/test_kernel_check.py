@@ -174,6 +174,9 @@ def sample_models():
         (lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (q, k, v)),  # attention
         (lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (q[:, :, :1], k, v)),  # decode attention
         (lambda x, w: F.max_pool2d(F.conv2d(x, w, padding=1), 2), (randn(1, 3, 8, 8), randn(4, 3, 3, 3))),
+        # normed matmul: an RMSNorm computed inside the linear reading it
+        (lambda x, g, w: F.linear(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g, w),
+         (randn(130, 64), randn(64), randn(32, 64))),
     ]
 
 

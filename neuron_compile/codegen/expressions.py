@@ -93,6 +93,7 @@ class TileAllocator:
     widths: list[int] = dataclasses.field(default_factory=list)  # free elements of each line's SBUF tile (PSUM: 0)
     psum_tiles: set[str] = dataclasses.field(default_factory=set)
     names: list[str] = dataclasses.field(default_factory=list)  # the name each line of ``lines`` declares
+    sbuf_bytes: int = 0  # bytes per partition of the SBUF tiles ``new`` declared
 
     def split_by_width(self, width: int) -> tuple[list[str], list[str]]:
         """(the allocations of SBUF tiles ``width`` wide, the others): a chunked row kernel allocates the first
@@ -149,6 +150,7 @@ class TileAllocator:
         self.lines.append(f"{name} = nl.ndarray(({self.partitions}, {free}), dtype={NL_DTYPES[dtype]}, buffer=nl.sbuf)")
         self.names.append(name)
         self.widths.append(free)
+        self.sbuf_bytes += free * ir.ITEMSIZE.get(dtype, 4)
         return name
 
 
@@ -1000,9 +1002,14 @@ def _engine_and_cost(line: str) -> tuple[str, float]:
 
 def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str]) -> str:
     """The SBUF tile slice (of ``store_dtype``) holding ``value``, ready to DMA out."""
+    return f"{stored_tile(store_dtype, value, scope, lines)}{scope.slice_text}"
+
+
+def stored_tile(store_dtype: str, value: Ref, scope: TileScope, lines: list[str]) -> str:
+    """The name of a whole SBUF tile of ``store_dtype`` holding ``value`` (itself when it is one)."""
     if value.value is not None:
-        tile = f"{scope.tile(store_dtype, stem='fill')}{scope.slice_text}"
-        lines.append(f"nisa.memset(dst={tile}, value={_memset_literal(store_dtype, value.value)})")
+        tile = scope.tile(store_dtype, stem="fill")
+        lines.append(f"nisa.memset(dst={tile}{scope.slice_text}, value={_memset_literal(store_dtype, value.value)})")
         return tile
     if value.vector and scope.slice_text != ROW_VECTOR:
         # A row vector stored over a full tile (an expand materialized): broadcast it with -0.0 + vector (the
@@ -1013,11 +1020,11 @@ def emit_store(store_dtype: str, value: Ref, scope: TileScope, lines: list[str])
                      f"op0=nl.add, operand0={scope.ref_text(value)})")
         value = Ref(tile=tile)
     if value.dtype == store_dtype and value.view is None:
-        return scope.ref_text(value)
+        return value.tile
     # another dtype, or a view (a broadcast, a step): a DMA of a strided SBUF read would pay a burst per element
     tile = scope.tile(store_dtype, stem=f"as_{store_dtype}")
     lines.append(f"nisa.tensor_copy(dst={tile}{scope.slice_text}, src={scope.ref_text(value)})")
-    return f"{tile}{scope.slice_text}"
+    return tile
 
 
 def _memset_literal(dtype: str, value: float) -> str:

@@ -81,6 +81,13 @@ class RowBroadcast:
         self.tiles[load] = tile
         return tile
 
+    @property
+    def sbuf_bytes(self) -> int:
+        """Bytes per partition of the spread tiles (each load's row on every partition; its [1, width] source row
+        is on one partition only)."""
+        width = math.prod(dim.size for dim in self.plan.free)
+        return sum(width * ir.ITEMSIZE[load.dtype] for load in self.tiles)
+
     def _ones(self, dtype: str, partitions: int) -> str:
         # TensorE takes fp32 only with fp32: the ones row has the row's dtype
         if dtype not in self.ones:

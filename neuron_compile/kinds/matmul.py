@@ -25,6 +25,7 @@ from neuron_compile.codegen.kernel_text import (
 )
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import loads, register_kind
+from neuron_compile.kinds import matmul_row_norm
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue, matching_index_reason
 from neuron_compile.kinds.matmul_columns import ColumnOperands
 from neuron_compile.kinds.matmul_windows import TermColumns, Window, moving_windows
@@ -296,8 +297,17 @@ def in_loops(lines: list[str], k: int, k_tile: int, loop: str | None) -> list[st
 
 
 def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
-    patterns = Patterns(plan)
     allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
+    context = kernel_context(node, plan, name, parameters, **resident_context(node, plan, allocator))
+    return render_template("matmul_resident.py.j2", **context)
+
+
+def resident_context(node: ir.MatMul, plan: TilePlan, allocator: TileAllocator, loads_a: bool = True) -> dict:
+    """The resident form's template entries beside ``kernel_context``'s; the tiles are declared by ``allocator``
+    (those it declared before belong to the caller). ``loads_a`` False: a^T is not loaded (the caller's
+    ``row_prologue`` fills ``stationary[block]`` for each row block, kernels/matmul_row_norm.py)."""
+    patterns = Patterns(plan)
+    first_allocation = len(allocator.lines)
     free = [(plan.free[0], "cols")]
 
     def load_pattern(load: ir.Load, tile: str):
@@ -318,17 +328,17 @@ def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list
     # PSUM -> SBUF on ScalarE: VectorE has the epilogue's work
     evacuate = [f"nisa.activation(dst={tile}[0:rows, 0:cols], op=nl.copy, data={psum}[0:rows, 0:cols])"
                 for tile, psum in ((product, "accumulator"), (second_product, "second_accumulator")) if tile]
-    context = kernel_context(
-        node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue, evacuate=evacuate,
-        column_loads=columns.lines, load_stationary=load_stationary, load_moving=load_moving, operand_dtype=NL_DTYPES[node.a.dtype],
-        moving_tile="moving[column]" if plan.column_group else "moving",
+    return dict(
+        allocations=allocator.lines[first_allocation:], epilogue=epilogue, evacuate=evacuate,
+        column_loads=columns.lines, load_stationary=load_stationary if loads_a else [], load_moving=load_moving,
+        operand_dtype=NL_DTYPES[node.a.dtype], moving_tile="moving[column]" if plan.column_group else "moving",
         load_second_moving=load_second_moving[0] if load_second_moving else None,
         k=node.k, k_tile=plan.k_tile, k_tiles=plan.k_tiles,
         stationary_chunks=max(1, len(node.shifts)) * plan.k_tiles, moving_chunks=len(windows) * plan.k_tiles,
         span=max(window.span for window in windows),
         term_columns=tuple((place.window, place.column) for place in term_columns) if node.shifts else None,
+        row_prologue=[], once=[],
     )
-    return render_template("matmul_resident.py.j2", **context)
 
 
 def render_transposing(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
@@ -444,6 +454,12 @@ class MatMulKind(MatchingIndexEpilogue):
         if len(layout.shape) == 2 and group.domain[0] == 1:  # mm's domain has a size-1 batch dim
             layout = ir.Layout((1, *layout.shape), (0, *layout.strides), layout.offset)
         return super().restate(layout, group)
+
+    def row_operand_reason(self, producer, consumer):
+        return matmul_row_norm.row_operand_reason(producer, consumer)
+
+    def merge_row_operand(self, producer, consumer, kept):
+        return matmul_row_norm.merge_row_operand(producer, consumer, kept)
 
     def sibling_reason(self, first, second, outside):
         return sibling_reason(self, first, second, outside)

@@ -28,6 +28,7 @@ from neuron_compile.codegen.expressions import (
     fp32_tile,
     number,
     remember_negation,
+    stored_tile,
     unwidened,
 )
 from neuron_compile.codegen.kernel_text import (
@@ -165,9 +166,27 @@ def _combine_partials(reduce_op: str, accumulator: str, partial: str, chunked: b
     ]
 
 
-def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
-    patterns = Patterns(plan)
-    allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
+@dataclasses.dataclass
+class ReductionBody:
+    """The instructions of one row block of a row reduction: per walk over the row, (its lines, the lines after
+    it); the lines filling the shared tiles before the loops (``once``); whether the row is walked in chunks and
+    the width of a chunk's tiles; and the tiles holding the extra row values asked for (``operands``: a fused
+    matmul's left operand, computed like a row store but not stored)."""
+
+    passes: list[tuple[list[str], list[str]]]
+    once: list[str]
+    chunked: bool
+    row_free: int
+    operands: tuple[str, ...] = ()  # the tiles holding them
+    shared_bytes: int = 0  # SBUF bytes per partition of the tiles ``once`` fills
+
+
+def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator, patterns: Patterns,
+                   operands: tuple[tuple[ir.Expr, str], ...] = ()) -> ReductionBody:
+    """The lines of one row block (``p0``, ``rows``) of ``node`` under ``plan``, its tiles declared by
+    ``allocator``; ``operands`` are (row expression, dtype of its tile) pairs, the expressions reading
+    ``Result()`` as the reduced value, computed after the row stores on the engines the row epilogue's balance
+    plans for both."""
     prologue, row_free, free, chunked = row_scopes(node, plan, allocator, patterns, columns=not plan.grouped_rows)
     shared = RowBroadcast(plan, allocator)
     prologue.shared_row = shared.tile_for
@@ -196,17 +215,26 @@ def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: 
         ])
     epilogue = epilogue_scope(allocator, patterns, Ref(tile=accumulator), results, more_results)
     store_lines(node.stores, epilogue, patterns, results, False, passes[-1][1])
-    if node.row_stores:
+    tiles: tuple[str, ...] = ()
+    if node.row_stores or operands:
         # The row is still in SBUF: the fused consumers read it, with the reduced value as a (P, 1) operand.
         def row_scope(tiles: TileAllocator) -> TileScope:
             return _row_scope(tiles, prologue, accumulator, shared, more_results)
 
         row = row_scope(allocator)
-        row.balance = _planned_row_balance(node, plan, prologue, epilogue, row_scope, patterns, free)
-        _row_epilogue_lines(node, plan, row, epilogue, patterns, free, passes[-1][1])
-    chunk_allocations, allocations = allocator.split_by_width(row_free) if chunked else ([], allocator.lines)
-    context = kernel_context(node, plan, name, parameters, allocations=allocations, passes=passes, chunked=chunked,
-                             chunk_allocations=chunk_allocations, once=shared.lines)
+        row.balance = _planned_row_balance(node, plan, prologue, epilogue, row_scope, patterns, free, operands)
+        tiles = _row_epilogue_lines(node, plan, row, epilogue, patterns, free, passes[-1][1], operands)
+    return ReductionBody(passes, shared.lines, chunked, row_free, tiles, shared.sbuf_bytes)
+
+
+def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    patterns = Patterns(plan)
+    allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
+    body = reduction_body(node, plan, allocator, patterns)
+    chunked = body.chunked
+    chunk_allocations, allocations = allocator.split_by_width(body.row_free) if chunked else ([], allocator.lines)
+    context = kernel_context(node, plan, name, parameters, allocations=allocations, passes=body.passes,
+                             chunked=chunked, chunk_allocations=chunk_allocations, once=body.once)
     return render_template("reduction.py.j2", **context)
 
 
@@ -252,17 +280,18 @@ def _row_scope(allocator: TileAllocator, prologue: TileScope, accumulator: str, 
 
 
 def _row_epilogue_lines(node: ir.Reduction, plan: TilePlan, row: TileScope, epilogue: TileScope, patterns: Patterns,
-                        free, lines: list[str]) -> None:
-    """The row stores' instructions; over grouped rows, the values constant along each row first, on the [P, k]
-    results (codegen/grouped_rows.py)."""
+                        free, lines: list[str], operands: tuple[tuple[ir.Expr, str], ...] = ()) -> tuple[str, ...]:
+    """The row stores' instructions, then the ``operands``' (the tiles holding them, of their dtypes: returned);
+    over grouped rows, the values constant along each row first, on the [P, k] results (codegen/grouped_rows.py)."""
     if plan.grouped_rows:
-        exprs = [store.expr for store in node.row_stores]
+        exprs = [store.expr for store in node.row_stores] + [expr for expr, _ in operands]
         row_values(exprs, node.reduce_dims, row, epilogue, plan.free[0].size, lines)
     store_lines(node.row_stores, row, patterns, free, False, lines)
+    return tuple(stored_tile(dtype, emit(expr, row, lines), row, lines) for expr, dtype in operands)
 
 
 def _planned_row_balance(node: ir.Reduction, plan: TilePlan, prologue: TileScope, epilogue: TileScope, row_scope,
-                         patterns: Patterns, free) -> EngineBalance:
+                         patterns: Patterns, free, operands: tuple[tuple[ir.Expr, str], ...] = ()) -> EngineBalance:
     """The engines of a row epilogue's instructions, planned longest first on top of the prologue's work (VectorE
     holds the tensor_reduce, ScalarE a square): a trial emission into scratch tiles (``row_scope(allocator)``
     makes its scope) records every choice, as the pointwise body's ``balanced_body`` does; the real emission
@@ -276,7 +305,7 @@ def _planned_row_balance(node: ir.Reduction, plan: TilePlan, prologue: TileScope
     results.balance = EngineBalance()
     trial.balance = EngineBalance()
     trial.balance.load, trial.balance.fixed = dict(prologue.balance.load), dict(prologue.balance.load)
-    _row_epilogue_lines(node, plan, trial, results, patterns, free, [])
+    _row_epilogue_lines(node, plan, trial, results, patterns, free, [], operands)
     return trial.balance.planned()
 
 

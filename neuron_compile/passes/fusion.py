@@ -22,7 +22,8 @@ live with the kernel kinds (neuron_compile/kinds/); this module is the greedy dr
 After grouping, ``fuse_siblings`` computes a kernel inside a later kernel of its kind when both share their main
 input and their kind pairs them: one matmul kernel with two products (a gated MLP's gate and up projections, the
 gate read by the up projection's epilogue; attention's k and v projections, both stored); one reduction kernel
-giving a variance and the mean of the same rows (a layer norm, kinds/reduction_siblings.py).
+giving a variance and the mean of the same rows (a layer norm, kinds/reduction_siblings.py). Last, a row norm whose
+normed rows matmuls multiply is computed inside each of them (``fold_row_norms``, passes/row_norm_operands.py).
 
 Before grouping, a pure copy (one load stored in another layout, as a write into an empty cache makes) whose every
 reader can read its source through a strided view is dropped and its readers read the source
@@ -43,6 +44,7 @@ import networkx as nx
 
 from neuron_compile import ir, kinds
 from neuron_compile.passes.copy_views import read_copies_as_views
+from neuron_compile.passes.row_norm_operands import fold_row_norms
 from neuron_compile.passes.tiling import TilingError, plan_kernel
 
 
@@ -350,6 +352,7 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
     kernels = [kernel for kernel in kernels if kernel is not None and kinds.stores(kernel)]
     if enabled:
         kernels = fuse_siblings(kernels, region_outputs, decisions, fits)
+        kernels = fold_row_norms(kernels, region_outputs, decisions, fits)
     return FusionResult(kernels, decisions)
 
 
