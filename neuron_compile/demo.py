@@ -98,7 +98,7 @@ def run_model_demo() -> bool:
     share = 100.0 * stats["nki_nodes"] / total if total else 0.0
     replay = "on" if neuron_compile.config.get().replay else "off"
     print(f"a cached call: {per_call * 1e3:.1f} ms wall on the simulator (replay {replay}: NEURON_COMPILE_REPLAY), "
-          f"eager {eager_per_call * 1e3:.2f} ms: {per_call / eager_per_call:.1f}x")
+          f"eager {eager_per_call * 1e3:.2f} ms: {per_call / eager_per_call:.2g}x")
     print(f"ATen nodes in NKI kernels: {stats['nki_nodes']} of {total} ({share:.0f}%); "
           f"launches: {stats['kernels_launched']} (one region kernel per NKI region and call); cache hits/misses: "
           f"{stats['cache_hits']}/{stats['cache_misses']}")
