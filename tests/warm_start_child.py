@@ -1,0 +1,174 @@
+"""A separate process for tests/test_warm_start.py: compiles one small graph (a CASE) with backend="neuron" under the
+NEURON_COMPILE_CACHE it is given, calls it, and prints one JSON line: each call's largest difference from eager, a
+hash of the compiled outputs' bytes, how many times aot_autograd traced, and the stats.
+
+``python warm_start_child.py CASE`` runs one case (``generate``: a tiny Llama's ``generate()`` with a static cache); ``python warm_start_child.py all`` runs every case in turn (with
+``torch._dynamo.reset()`` between them), as the first process that fills a cache for the others does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import torch
+
+import neuron_compile
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32))
+
+
+def accepted_case():
+    """One NKI region, nothing mutated, no output aliasing: the fast path's case."""
+    model = mlp()
+
+    def forward(x):
+        y = model(x)
+        return y, torch.softmax(y, dim=-1).sum(-1)
+
+    inputs = [(torch.randn(16, 64),), (torch.randn(16, 64),)]
+    return forward, inputs, torch.no_grad
+
+
+def bounds_case():
+    """Integer math under the input-range guard: the second call's values leave the first call's bound, so its
+    dispatch key is another (Dynamo's guards do not see values)."""
+
+    def forward(ids, x):
+        return (ids * 3 + 1).to(torch.float32) * x,
+
+    small = torch.arange(12).reshape(3, 4)
+    inputs = [(small, torch.randn(3, 4)), (small + 2**22, torch.randn(3, 4))]
+    return forward, inputs, torch.no_grad
+
+
+def mutation_case():
+    """An input written in place (a cache's ``index_copy_``), kept in the graph by aot_autograd."""
+
+    def forward(cache, position, x):
+        cache.index_copy_(0, position, x)
+        return cache * 2.0,
+
+    inputs = [(torch.zeros(8, 16), torch.tensor([2]), torch.randn(1, 16)),
+              (torch.zeros(8, 16), torch.tensor([5]), torch.randn(1, 16))]
+    return forward, inputs, torch.no_grad
+
+
+def alias_input_case():
+    def forward(x):
+        return x.view(-1), x * 2.0
+
+    return forward, [(torch.randn(8, 16),), (torch.randn(8, 16),)], torch.no_grad
+
+
+def alias_intermediate_case():
+    def forward(x):
+        y = torch.relu(x) * 3.0
+        return y, y.view(-1)
+
+    return forward, [(torch.randn(8, 16),), (torch.randn(8, 16),)], torch.no_grad
+
+
+def training_case():
+    """Grad enabled and the weights require grad: aot_autograd makes forward and backward graphs."""
+    model = mlp()
+
+    def forward(x):
+        return (model(x) ** 2).mean(),
+
+    return forward, [(torch.randn(16, 64),), (torch.randn(16, 64),)], torch.enable_grad
+
+
+def dynamic_case():
+    model = mlp()
+
+    def forward(x):
+        return model(x),
+
+    return forward, [(torch.randn(16, 64),), (torch.randn(24, 64),)], torch.no_grad
+
+
+CASES = {
+    "accepted": accepted_case, "bounds": bounds_case, "mutation": mutation_case, "alias_input": alias_input_case,
+    "alias_intermediate": alias_intermediate_case, "training": training_case, "dynamic": dynamic_case,
+}
+
+
+def count_aot_traces() -> list:
+    """Count aot_autograd's traces (the backend's ``aot_autograd`` calls ``aot_module_simplified`` from here)."""
+    from torch._dynamo.backends import common
+
+    traced = []
+    real = common.aot_module_simplified
+
+    def counted(*args, **kwargs):
+        traced.append(1)
+        return real(*args, **kwargs)
+
+    common.aot_module_simplified = counted
+    return traced
+
+
+def run(case: str, traced: list) -> dict:
+    torch.manual_seed(1)
+    forward, calls, grad_mode = CASES[case]()
+    compiled = torch.compile(forward, backend="neuron", dynamic=True if case == "dynamic" else None)
+    differences, digest = [], hashlib.sha256()
+    for arguments in calls:
+        eager_arguments = [argument.clone() for argument in arguments]
+        with grad_mode():
+            expected = forward(*eager_arguments)
+            actual = compiled(*arguments)
+        for got, want in zip(actual, expected, strict=True):
+            differences.append(float((got.detach() - want.detach()).abs().max()))
+            digest.update(got.detach().contiguous().numpy().tobytes())
+        differences += [float((got - want).abs().max()) for got, want in zip(arguments, eager_arguments, strict=True)]
+    stats = {name: value for name, value in neuron_compile.stats().items() if isinstance(value, int)}
+    return {"case": case, "differences": differences, "outputs": digest.hexdigest(), "aot_traces": len(traced),
+            "stats": stats}
+
+
+def generate(traced: list) -> dict:
+    """``generate()`` with a static cache on a tiny Llama (random weights), compiled as transformers does it: the tokens
+    and whether they equal eager's."""
+    import warnings
+
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        "llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    compile_config = transformers.CompileConfig(backend="neuron", fullgraph=False, dynamic=False)
+    compile_config._compile_all_devices = True  # transformers compiles the step on CPU tensors only with this
+    tokens = {}
+    for name, extra in (("eager", {}), ("compiled", {"compile_config": compile_config})):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tokens[name] = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
+                                          **extra).tolist()
+    stats = {name: value for name, value in neuron_compile.stats().items() if isinstance(value, int)}
+    return {"case": "generate", "tokens": tokens["compiled"], "equal": tokens["compiled"] == tokens["eager"],
+            "aot_traces": len(traced), "stats": stats}
+
+
+def main() -> None:
+    traced = count_aot_traces()
+    names = list(CASES) if sys.argv[1] == "all" else [sys.argv[1]]
+    results = {}
+    for name in names:
+        torch._dynamo.reset()
+        neuron_compile.reset_stats()
+        traced.clear()
+        results[name] = generate(traced) if name == "generate" else run(name, traced)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
