@@ -1,6 +1,6 @@
 """A separate process for tests/test_warm_start.py: compiles one small graph (a CASE) with backend="neuron" under the
 NEURON_COMPILE_CACHE it is given, calls it, and prints one JSON line: each call's largest difference from eager, a
-hash of the compiled outputs' bytes, how many times aot_autograd traced, and the stats.
+hash of the compiled outputs' bytes, the inputs' version counters after each call, how many times aot_autograd traced, and the stats.
 
 ``python warm_start_child.py CASE`` runs one case (``generate``: a tiny Llama's ``generate()`` with a static cache); ``python warm_start_child.py all`` runs every case in turn (with
 ``torch._dynamo.reset()`` between them), as the first process that fills a cache for the others does.
@@ -34,6 +34,19 @@ def accepted_case():
     return forward, inputs, torch.no_grad
 
 
+def constant_and_order_case():
+    """A constant in aot_autograd's graph (an empty tensor, as transformers' first cache write cats onto) and outputs
+    in another order than the region's."""
+    model = mlp()
+
+    def forward(x):
+        first = torch.relu(x) + 1.0
+        second = torch.cat([torch.tensor([]), model(x).reshape(-1)])
+        return second, first
+
+    return forward, [(torch.randn(16, 64),), (torch.randn(16, 64),)], torch.no_grad
+
+
 def bounds_case():
     """Integer math under the input-range guard: the second call's values leave the first call's bound, so its
     dispatch key is another (Dynamo's guards do not see values)."""
@@ -46,16 +59,36 @@ def bounds_case():
     return forward, inputs, torch.no_grad
 
 
-def mutation_case():
-    """An input written in place (a cache's ``index_copy_``), kept in the graph by aot_autograd."""
+def cache_write(cache, position, x):
+    cache.index_copy_(0, position, x)
+    return cache * 2.0,
 
-    def forward(cache, position, x):
-        cache.index_copy_(0, position, x)
-        return cache * 2.0,
 
-    inputs = [(torch.zeros(8, 16), torch.tensor([2]), torch.randn(1, 16)),
-              (torch.zeros(8, 16), torch.tensor([5]), torch.randn(1, 16))]
-    return forward, inputs, torch.no_grad
+def cache_inputs() -> list:
+    return [(torch.zeros(8, 16), torch.tensor([2]), torch.randn(1, 16)),
+            (torch.zeros(8, 16), torch.tensor([5]), torch.randn(1, 16))]
+
+
+def cache_write_case():
+    """An input written in place under no_grad (a static cache's ``index_copy_``): aot_autograd keeps the write in its
+    graph and hides it from autograd, our region writes the input."""
+    return cache_write, cache_inputs(), torch.no_grad
+
+
+def cache_write_with_grad_case():
+    """The same write with grad enabled (no input requires grad: still an inference graph): autograd sees the write,
+    and aot_autograd's wrapper bumps the input's version counter."""
+    return cache_write, cache_inputs(), torch.enable_grad
+
+
+def metadata_mutation_case():
+    """A transpose in place of an input: Dynamo applies it outside its graph (aot_autograd sees no mutation)."""
+
+    def forward(x):
+        x.t_()
+        return x * 2.0,
+
+    return forward, [(torch.randn(8, 16),), (torch.randn(8, 16),)], torch.no_grad
 
 
 def alias_input_case():
@@ -93,7 +126,8 @@ def dynamic_case():
 
 
 CASES = {
-    "accepted": accepted_case, "bounds": bounds_case, "mutation": mutation_case, "alias_input": alias_input_case,
+    "accepted": accepted_case, "constant_and_order": constant_and_order_case, "bounds": bounds_case, "cache_write": cache_write_case,
+    "cache_write_with_grad": cache_write_with_grad_case, "metadata_mutation": metadata_mutation_case, "alias_input": alias_input_case,
     "alias_intermediate": alias_intermediate_case, "training": training_case, "dynamic": dynamic_case,
 }
 
@@ -117,7 +151,7 @@ def run(case: str, traced: list) -> dict:
     torch.manual_seed(1)
     forward, calls, grad_mode = CASES[case]()
     compiled = torch.compile(forward, backend="neuron", dynamic=True if case == "dynamic" else None)
-    differences, digest = [], hashlib.sha256()
+    differences, digest, versions = [], hashlib.sha256(), []
     for arguments in calls:
         eager_arguments = [argument.clone() for argument in arguments]
         with grad_mode():
@@ -127,8 +161,10 @@ def run(case: str, traced: list) -> dict:
             differences.append(float((got.detach() - want.detach()).abs().max()))
             digest.update(got.detach().contiguous().numpy().tobytes())
         differences += [float((got - want).abs().max()) for got, want in zip(arguments, eager_arguments, strict=True)]
+        versions += [argument._version for argument in arguments]
     stats = {name: value for name, value in neuron_compile.stats().items() if isinstance(value, int)}
-    return {"case": case, "differences": differences, "outputs": digest.hexdigest(), "aot_traces": len(traced),
+    return {"case": case, "differences": differences, "outputs": digest.hexdigest(), "versions": versions,
+            "aot_traces": len(traced),
             "stats": stats}
 
 

@@ -9,17 +9,20 @@ runtime/disk_cache.py, never pickle), which a later process reads to run the gra
 A record is written only when skipping aot_autograd leaves nothing undone, which is when its inference runtime
 wrapper does nothing but call our compiled graph with Dynamo's arguments under ``no_grad``:
 
-* aot_autograd's facts (``aot_refusal``): no input mutated (data, metadata or storage), every output a non-alias
-  (none is an input, a view of one or a view of an intermediate; no intermediate bases), no effect tokens, no
-  subclass inputs or outputs, no graph-safe RNG state, and one ATen input per Dynamo input (nothing deduplicated,
-  lifted or made a synthetic base);
-* our compile of the first call (``entry_refusal``): one NKI region whose inputs are the graph's arguments in
-  order and whose outputs are the graph's outputs in order, loaded from or stored in the on-disk cache, and that
-  ran without failing.
+* aot_autograd's facts (``aot_refusal``): no input's metadata or storage mutated, and a data mutation only where
+  aot_autograd keeps it in its graph (``mutation_refusal``: a static cache's write), where its wrapper does nothing
+  for it but bump the input's version counter when autograd may see the write (the record keeps which); every output a non-alias (none is an input or a view of one; no intermediate bases), no effect
+  tokens, no subclass inputs or outputs, no graph-safe RNG state, and one ATen input per Dynamo input (nothing
+  deduplicated, lifted or made a synthetic base);
+* our compile of the first call (``entry_refusal``): one NKI region that reads every graph argument (and maybe small
+  constants of aot_autograd's graph, kept by value) and whose outputs are the graph's outputs, none viewing an input or sharing a buffer with another
+  (aot_autograd calls a view of an intermediate a non-alias in an inference graph; refused here too), loaded from or
+  stored in the on-disk cache, and that ran without failing. The region writes the mutated inputs itself.
 
-The record holds the region's entry key (the kernels stay in the region's own entry, loaded as any disk hit is: the
+The record holds which argument or constant each region input is and which region output each graph output is, the
+region's entry key (the kernels stay in the region's own entry, loaded as any disk hit is: the
 launcher checks every kernel text, codegen/kernel_check.py), the column-major weight inputs, the value-guarded float
-inputs, the dispatch signature of the first call (as text), and the region's ATen node placements (for stats and
+inputs, the dispatch signature of the first call (as text), the inputs whose version aot_autograd bumps, and the region's ATen node placements (for stats and
 messages). ``from_data`` refuses anything that is not what ``to_data`` writes (a ``ValueError``: a miss).
 """
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 
 import torch
@@ -42,6 +46,9 @@ log = logging.getLogger("neuron_compile.runtime.disk_cache")  # the cache topic 
 
 KEY_PATTERN = re.compile(r"[0-9a-f]{40}")
 REGION_NAME_PATTERN = re.compile(re.escape(REGION_PREFIX) + r"[0-9]+")
+# aot_autograd's graph constants a record may hold (an empty cache's ``tensor([])``): small, by value
+CONSTANT_DTYPES = ("float32", "bfloat16", "float16", "int64", "int32", "bool")
+MAX_CONSTANT_ELEMENTS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,17 +57,23 @@ class WarmRecord:
 
     region_key: str  # the region's on-disk cache entry
     region_name: str  # its submodule's name (``nki_region_<i>``)
-    inputs: int  # the graph's arguments, which are the region's inputs in order
+    inputs: int  # the graph's arguments: each one an input of the region
+    # per region input: the graph argument it is (a position), or a constant of aot_autograd's graph (a small tensor)
+    sources: tuple[int | torch.Tensor, ...]
+    outputs: tuple[int, ...]  # per graph output, the region output it is
     column_major: tuple[int, ...]  # the arguments read through column-major weight copies
     float_guarded: tuple[int, ...]  # the float arguments whose value bound is part of the dispatch key
     signature: str  # the first call's dispatch signature (``runtime/cache.signature_of``), as text
+    version_bumps: tuple[int, ...]  # the arguments whose version aot_autograd's wrapper bumps (``version_bumps``)
     placements: tuple[NodePlacement, ...]  # the region's ATen nodes
 
     def to_data(self) -> dict:
         return {
             "region_key": self.region_key, "region_name": self.region_name, "inputs": self.inputs,
+            "sources": [source if isinstance(source, int) else constant_data(source) for source in self.sources],
+            "outputs": list(self.outputs),
             "column_major": list(self.column_major), "float_guarded": list(self.float_guarded),
-            "signature": self.signature,
+            "signature": self.signature, "version_bumps": list(self.version_bumps),
             "placements": [[placement.node, placement.op, placement.flops] for placement in self.placements],
         }
 
@@ -73,9 +86,12 @@ class WarmRecord:
                 region_key=_matching(data["region_key"], KEY_PATTERN),
                 region_name=region_name,
                 inputs=inputs,
+                sources=_sources(data["sources"], inputs),
+                outputs=_outputs(data["outputs"]),
                 column_major=_positions(data["column_major"], inputs),
                 float_guarded=_positions(data["float_guarded"], inputs),
                 signature=_text(data["signature"]),
+                version_bumps=_positions(data["version_bumps"], inputs),
                 placements=tuple(_placement(item, region_name) for item in data["placements"]),
             )
         except (KeyError, TypeError, ValueError) as error:
@@ -103,6 +119,36 @@ def _count(value) -> int:
     return value
 
 
+def constant_data(tensor: torch.Tensor) -> dict:
+    return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+            "values": tensor.reshape(-1).tolist()}
+
+
+def _constant(data: dict) -> torch.Tensor:
+    dtype_name, shape, values = _text(data["dtype"]), [_count(size) for size in data["shape"]], data["values"]
+    if dtype_name not in CONSTANT_DTYPES or not isinstance(values, list) or len(values) != math.prod(shape):
+        raise ValueError(f"not a constant: {dtype_name} {shape} with {len(values)} values")
+    if len(values) > MAX_CONSTANT_ELEMENTS or not all(type(value) in (int, float, bool) for value in values):
+        raise ValueError("a constant's values are not numbers, or too many")
+    return torch.tensor(values, dtype=getattr(torch, dtype_name)).reshape(shape)
+
+
+def _sources(items, inputs: int) -> tuple[int | torch.Tensor, ...]:
+    sources = tuple(item if isinstance(item, int) and not isinstance(item, bool) else _constant(item)
+                    for item in items)
+    positions = [source for source in sources if isinstance(source, int)]
+    if sorted(set(positions)) != list(range(inputs)):
+        raise ValueError(f"the region's inputs {positions} are not every graph argument")
+    return sources
+
+
+def _outputs(items) -> tuple[int, ...]:
+    outputs = tuple(_count(item) for item in items)
+    if sorted(outputs) != list(range(len(outputs))):
+        raise ValueError(f"the graph's outputs {list(outputs)} are not the region's, one each")
+    return outputs
+
+
 def _placement(item, region: str) -> NodePlacement:
     node, op, flops = item
     return NodePlacement(_text(node), _text(op), region, None, _count(flops))
@@ -122,8 +168,9 @@ def aot_refusal(meta, aten_gm: torch.fx.GraphModule, dynamo_inputs: int) -> str 
 
     if meta is None:
         return "aot_autograd's runtime metadata is not available"
-    if any(info.mutates_data or info.mutates_metadata or info.mutates_storage_metadata for info in meta.input_info):
-        return "an input is mutated"
+    refusal = mutation_refusal(meta)
+    if refusal is not None:
+        return refusal
     if any(info.output_type != OutputType.non_alias for info in meta.output_info) or meta.num_intermediate_bases:
         return "an output aliases an input or an intermediate"
     if meta.tokens or getattr(meta, "num_graphsafe_rng_states", 0):
@@ -137,6 +184,30 @@ def aot_refusal(meta, aten_gm: torch.fx.GraphModule, dynamo_inputs: int) -> str 
     return None
 
 
+def mutation_refusal(meta) -> str | None:
+    """Why an input mutation needs more of aot_autograd's wrapper than a version bump, if one does. A data mutation
+    aot_autograd keeps in its graph (``keep_inference_input_mutations``: a static cache's ``index_copy_``) leaves the
+    wrapper no epilogue (it is not a runtime-mutated input); where autograd may see it, the wrapper bumps the input's
+    version counter before the call (``version_bumps``, which the record keeps); our region writes the input itself,
+    once its kernels ran, as on every call of the graph compiled the usual way."""
+    from torch._functorch._aot_autograd.schemas import MutationType  # torch's, read on a compile
+
+    for info in meta.input_info:
+        if info.mutates_metadata or info.mutates_storage_metadata or info.mutation_inductor_storage_resize:
+            return "an input's metadata or storage is mutated"
+        if info.mutates_data and info.mutation_type != MutationType.MUTATED_IN_GRAPH:
+            return "an input mutation is outside aot_autograd's graph"
+    if meta.num_mutated_inp_runtime_indices:
+        return "aot_autograd's wrapper applies an input mutation"
+    return None
+
+
+def version_bumps(meta) -> tuple[int, ...]:
+    """The inputs whose version counter aot_autograd's wrapper bumps before each call: the mutations it keeps in its
+    graph that autograd may see (not all under ``no_grad`` or inference mode)."""
+    return tuple(meta.mutated_graph_handled_indices_seen_by_autograd)
+
+
 def entry_refusal(direct: DirectHit | None, given: list) -> str | None:
     """Why the entry a first call compiled cannot be run from a record (``direct``: its direct hit, None when it is
     more than one region), if it cannot."""
@@ -147,19 +218,22 @@ def entry_refusal(direct: DirectHit | None, given: list) -> str | None:
         return "its region failed"
     if getattr(region, "disk_key", None) is None or not hasattr(region, "plan"):
         return "its region is not in the on-disk cache"
-    if direct.sources != tuple(range(len(given))):
-        return "the region does not read every argument, in order"
-    if direct.outputs != tuple((True, index) for index in range(len(direct.outputs))):
-        return "the graph's outputs are not the region's, in order"
+    positions = [source for source in direct.sources if isinstance(source, int)]
+    if sorted(set(positions)) != list(range(len(given))):
+        return "the region does not read every argument"
+    constants = [source for source in direct.sources if not isinstance(source, int)]
+    if not all(type(constant) is torch.Tensor and constant.is_contiguous() and constant.device.type == "cpu"
+               and str(constant.dtype).removeprefix("torch.") in CONSTANT_DTYPES
+               and constant.numel() <= MAX_CONSTANT_ELEMENTS for constant in constants):
+        return "a constant of the region is not a small CPU tensor"
     slots = region.plan.outputs
-    if len(direct.outputs) != len(slots):
-        return "the region has outputs the graph does not return"
+    if not all(from_region for from_region, _ in direct.outputs) or sorted(
+            index for _, index in direct.outputs) != list(range(len(slots))):
+        return "the graph's outputs are not the region's outputs, one each"
     if any(slot.input_index >= 0 for slot in slots) or len({slot.buffer for slot in slots}) != len(slots):
         # aot_autograd calls an output that views an intermediate a non-alias in an inference graph; refused here
         # too, so that every output of a warm start owns its storage
         return "an output views an input or shares its buffer with another output"
-    if region.mutations:
-        return "the region writes an input"
     return None
 
 
@@ -176,17 +250,20 @@ class WarmCandidate:
         def compile_inference(gm: torch.fx.GraphModule, example_inputs: list):
             compiled = inference_compiler(gm, example_inputs)
             context = torch._guards.TracingContext.try_get()
-            refusal = aot_refusal(getattr(context, "fw_metadata", None), gm, self.dynamo_inputs)
+            meta = getattr(context, "fw_metadata", None)
+            refusal = aot_refusal(meta, gm, self.dynamo_inputs)
             if refusal is not None:
                 log.debug("no warm-start record: %s", refusal)
             elif hasattr(compiled, "after_first_call"):
-                compiled.after_first_call = lambda *call: self.write(compiled, *call)
+                bumps = version_bumps(meta)
+                compiled.after_first_call = lambda *call: self.write(compiled, bumps, *call)
             return compiled
 
         return compile_inference
 
-    def write(self, graph, config: Config, given: list, swapped: list, entry) -> None:
-        """After ``graph``'s first call (``entry`` ran it): store the record, unless ``entry_refusal`` says no."""
+    def write(self, graph, bumps: tuple[int, ...], config: Config, given: list, swapped: list, entry) -> None:
+        """After ``graph``'s first call (``entry`` ran it): store the record, unless ``entry_refusal`` says no;
+        ``bumps``: the inputs whose version aot_autograd's wrapper bumps."""
         direct = DirectHit.of(entry, given) if isinstance(entry, torch.fx.GraphModule) else None
         refusal = entry_refusal(direct, given)
         store = disk_cache.open_cache(config)
@@ -196,9 +273,10 @@ class WarmCandidate:
         module = direct.module
         record = WarmRecord(
             region_key=direct.region.disk_key, region_name=module.region_name, inputs=len(given),
+            sources=direct.sources, outputs=tuple(index for _, index in direct.outputs),
             column_major=tuple(graph.column_major) if config.transposed_weights else (),
             float_guarded=tuple(sorted(graph.float_guarded)),
-            signature=repr(signature_of(swapped, graph.float_guarded)),
+            signature=repr(signature_of(swapped, graph.float_guarded)), version_bumps=bumps,
             placements=module.record.report.regions[module.region_name],
         )
         store.store(disk_cache.key_of(self.parts), self.parts, record.to_data())

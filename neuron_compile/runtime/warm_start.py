@@ -7,16 +7,19 @@ the graph the usual way (aot_autograd, then our compiler: the backend's). Output
 runtime/warm_record.py).
 
 What a warm graph does on a call is what aot_autograd's inference wrapper and our ``CompiledGraph`` do for such a
-graph: grad is off around the call (the outputs require no grad), the weights the region reads column-major are
+graph: the inputs whose version aot_autograd bumps are bumped, grad is off around the call (the outputs require no
+grad), the weights the region reads column-major are
 swapped for their copies (runtime/weight_layouts.py), and the call's dispatch key (runtime/cache.py) must be the
 record's: on its first call, the key's text must equal the record's and every argument's metadata (dtype, shape,
 strides, offset) must equal the region entry's recorded inputs, a float input with a value bound in the region entry
-must be guarded by the record, and the region checks every input against its buffers; later calls must have that
+must be guarded by the record, the constants' metadata must be the region entry's too, and the region checks every
+input against its buffers; later calls must have that
 first call's key (the hit plan, runtime/hit_plan.py, checks it without building it). The region runs through the
 same ``RegionModule`` (its fallback, on a failure, is Dynamo's graph run eagerly, which computes what the region
 does) and ``DirectHit`` as a compiled graph's.
 
-Any call outside the record (another key, another config) and any failure to build the warm graph compiles the graph
+Any call outside the record (another key, another config) and any failure to build the warm graph (a record whose outputs' shapes or dtypes are not those of Dynamo's graph) compiles
+the graph
 the usual way, once, under Dynamo's compile lock, and every later call goes there: the answer is the one aot_autograd
 gives, never one from a record that does not fit.
 """
@@ -30,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 import torch.fx
+from torch.autograd.graph import increment_version
 
 from neuron_compile import config as config_module
 from neuron_compile.config import Config
@@ -50,24 +54,38 @@ NOT_TRACED = "(not traced: a warm start ran this graph from its warm-start recor
 
 
 class DynamoGraphAsRegion:
-    """The region's eager fallback: Dynamo's graph run eagerly on the region's inputs (the graph's arguments, in
-    order, weights maybe as their column-major copies: the same values), returning its outputs (the region's)."""
+    """The region's eager fallback: Dynamo's graph run eagerly on the graph arguments among the region's inputs
+    (weights maybe as their column-major copies: the same values), its outputs put in the region's order."""
 
-    def __init__(self, gm: torch.fx.GraphModule):
-        self.gm = gm
+    def __init__(self, gm: torch.fx.GraphModule, record: WarmRecord):
+        self.gm, self.record = gm, record
 
     def __call__(self, *tensors):
-        return tuple(self.gm(*tensors))
+        arguments = [None] * self.record.inputs
+        for tensor, source in zip(tensors, self.record.sources, strict=True):
+            if isinstance(source, int):
+                arguments[source] = tensor
+        results = [None] * len(self.record.outputs)
+        for output, index in zip(self.gm(*arguments), self.record.outputs, strict=True):
+            results[index] = output
+        return tuple(results)
 
 
-def region_graph(region_name: str, module: RegionModule, inputs: int, outputs: int) -> torch.fx.GraphModule:
-    """The partitioned graph of a one-region graph: every argument to the region, its outputs returned in order."""
-    graph = torch.fx.Graph()
-    arguments = [graph.placeholder(f"arg{position}_1") for position in range(inputs)]
-    region = graph.call_module(region_name, tuple(arguments))
-    graph.output(tuple(graph.call_function(operator.getitem, (region, index)) for index in range(outputs)))
-    root = torch.nn.Module()
-    setattr(root, region_name, module)
+def region_graph(record: WarmRecord, module: RegionModule) -> torch.fx.GraphModule:
+    """The partitioned graph of a one-region graph: the arguments and constants to the region, its outputs returned
+    in the graph's order."""
+    graph, root = torch.fx.Graph(), torch.nn.Module()
+    arguments = [graph.placeholder(f"arg{position}_1") for position in range(record.inputs)]
+    region_inputs = []
+    for index, source in enumerate(record.sources):
+        if isinstance(source, int):
+            region_inputs.append(arguments[source])
+        else:
+            root.register_buffer(f"_tensor_constant{index}", source)
+            region_inputs.append(graph.get_attr(f"_tensor_constant{index}"))
+    region = graph.call_module(record.region_name, tuple(region_inputs))
+    graph.output(tuple(graph.call_function(operator.getitem, (region, index)) for index in record.outputs))
+    setattr(root, record.region_name, module)
     top = torch.fx.GraphModule(root, graph)
     read_attributes_directly(top)
     return top
@@ -85,14 +103,16 @@ def load_region(store, record: WarmRecord, config: Config):
 
     def accept(parts: dict, payload: dict):
         region = load_stored_region(payload, config)
-        if parts.get("what") != disk_cache.REGION_WHAT or len(parts.get("inputs", ())) != record.inputs:
+        count = len(record.sources)
+        if parts.get("what") != disk_cache.REGION_WHAT or len(parts.get("inputs", ())) != count:
             raise ValueError("the warm-start record's region entry is not a region of its inputs")
-        if len(region.inputs) != record.inputs:
-            raise ValueError(f"the region has {len(region.inputs)} inputs, the record {record.inputs}")
-        ranges = parts.get("input ranges", ["None"] * record.inputs)
-        unguarded = [position for position, (buffer, bound) in enumerate(zip(region.inputs, ranges, strict=True))
+        if len(region.inputs) != count or len(region.outputs) != len(record.outputs):
+            raise ValueError(f"the region has {len(region.inputs)} inputs and {len(region.outputs)} outputs, the "
+                             f"record {count} and {len(record.outputs)}")
+        ranges = parts.get("input ranges", ["None"] * count)
+        unguarded = [source for source, buffer, bound in zip(record.sources, region.inputs, ranges, strict=True)
                      if bound != "None" and buffer.dtype in ("float32", "bfloat16")
-                     and position not in record.float_guarded]
+                     and not (isinstance(source, int) and source in record.float_guarded)]
         if unguarded:
             raise ValueError(f"float inputs {unguarded} have a value bound the record does not guard")
         return parts, region
@@ -117,9 +137,9 @@ class WarmGraph:
             report=PartitionReport(record.placements), dynamo_graph=dynamo_graph)
         self.graph_record.kernels += kernel_records(record.region_name, region)
         self.graph_record.region_kernels += kernel_records(record.region_name, region, launched=True)
-        module = RegionModule(record.region_name, region, DynamoGraphAsRegion(gm), expected_outputs(region),
+        module = RegionModule(record.region_name, region, DynamoGraphAsRegion(gm, record), expected_outputs(region),
                               self.graph_record)
-        self.entry = region_graph(record.region_name, module, record.inputs, len(region.outputs))
+        self.entry = region_graph(record, module)
         self.graph_record.partitioned_graph = str(self.entry.graph)
         self.key: tuple | None = None  # the first call's dispatch signature, once it matched the record
         self.hit_plan: HitPlan | None = None
@@ -146,11 +166,10 @@ class WarmGraph:
         if config is not self.config and config != self.config:
             return None
         plan = self.hit_plan
-        if plan is not None and plan.config is config:
-            outputs = plan.outputs(args)
-            if outputs is not None:
-                stats.count_hit()
-                return outputs
+        if plan is not None and plan.config is config and plan.matches(args):
+            self.bump_versions(args)
+            stats.count_hit()
+            return plan.run(args)
         swapped = weight_layouts.COPIES.apply(args, self.column_major) if self.column_major else args
         key = dispatch_signature(swapped, self.float_guarded)
         if self.key is None:
@@ -163,7 +182,14 @@ class WarmGraph:
         else:
             stats.count_hit()
         self.hit_plan = HitPlan.of(config, args, swapped, self.entry, self.float_guarded)
+        self.bump_versions(args)
         return self.entry.forward(*swapped)
+
+    def bump_versions(self, args: list) -> None:
+        """As aot_autograd's wrapper does before each call: bump the version of the inputs the graph writes where
+        autograd may see it (runtime/warm_record.version_bumps)."""
+        if self.record.version_bumps:
+            increment_version(tuple(args[position] for position in self.record.version_bumps))
 
     def first_call_fits(self, swapped: list) -> bool:
         """Whether the first call is the one the record and the region entry were made for (module docstring); the
@@ -173,11 +199,13 @@ class WarmGraph:
         if repr(signature_of(swapped, self.float_guarded)) != self.record.signature:
             log.info("neuron_compile: a call outside its warm-start record: compiling the graph the usual way")
             return False
-        if [disk_cache.meta_text(arg) for arg in swapped] != self.region_inputs:
+        tensors = [swapped[source] if isinstance(source, int) else source for source in self.record.sources]
+        if [disk_cache.meta_text(tensor) for tensor in tensors] != self.region_inputs:
             return False
-        self.region.trust_inputs(range(len(swapped)))
-        self.region.trust_values([position for position, arg in enumerate(swapped)
-                                  if (bound := guard_bound(arg)) is not None and bound.within(INT32_RANGE[1])])
+        self.region.trust_inputs(range(len(tensors)))  # graph arguments (the key holds them) and constants
+        self.region.trust_values([index for index, (tensor, source) in enumerate(zip(tensors, self.record.sources))
+                                  if isinstance(source, int) and (bound := guard_bound(tensor)) is not None
+                                  and bound.within(INT32_RANGE[1])])
         return True
 
     def compiled_slowly(self) -> Callable:
@@ -189,6 +217,17 @@ class WarmGraph:
                 with compile_lock:
                     self.slow = self.compile_slowly()
         return self.slow
+
+
+def outputs_fit(gm: torch.fx.GraphModule, record: WarmRecord, region) -> bool:
+    """Whether each of Dynamo's graph outputs (its traced example value) has the shape and dtype of the region output
+    the record says it is."""
+    output_node = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
+    returned = output_node.args[0] if isinstance(output_node.args[0], tuple | list) else (output_node.args[0],)
+    values = [node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None for node in returned]
+    return len(values) == len(record.outputs) and all(
+        isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(region.outputs[index].layout.shape)
+        and value.dtype == region.output_dtypes[index] for value, index in zip(values, record.outputs, strict=True))
 
 
 def load_warm_graph(parts: dict, gm: torch.fx.GraphModule, config: Config, options: dict,
@@ -204,6 +243,9 @@ def load_warm_graph(parts: dict, gm: torch.fx.GraphModule, config: Config, optio
     if loaded is None:
         return None
     region_parts, region = loaded
+    if not outputs_fit(gm, record, region):
+        log.warning("neuron_compile: a warm-start record's outputs do not fit its graph; compiling it the usual way")
+        return None
     warm = WarmGraph(record, region, region_parts, config, options, gm, compile_slowly, dynamo_graph)
     keep_record(warm.graph_record)
     stats.add(graphs_compiled=1, aot_autograd_skipped=1, regions_compiled=1, disk_cache_hits=1,
