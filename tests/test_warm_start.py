@@ -84,6 +84,16 @@ def test_a_warm_process_skips_aot_autograd_with_the_same_answer(cold, case):
     assert warm["stats"]["disk_cache_hits"] == 1 and warm["stats"]["disk_cache_corrupt"] == 0
 
 
+def test_a_region_that_fails_in_a_warm_process_runs_dynamos_graph_eagerly(cold):
+    """The region's fallback in a warm start is Dynamo's graph run eagerly, its outputs put in the region's order
+    (this case's region has a constant input and returns its outputs in another order than the graph)."""
+    cache, _ = cold
+    warm = run_child(cache, "constant_and_order", WARM_CHILD_FAIL_LAUNCH="1")["constant_and_order"]
+    assert warm["stats"]["aot_autograd_skipped"] == 1 and warm["aot_traces"] == 0
+    assert warm["stats"]["region_run_failures"] == 1 and warm["stats"]["kernels_launched"] == 0
+    assert max(warm["differences"]) == 0.0  # eager's own answer
+
+
 def test_a_call_outside_the_record_compiles_the_usual_way(cold):
     """The second call's integers leave the first call's bound: another dispatch key, which needs aot_autograd's
     graph; it is traced then, and the answer is eager's exactly."""

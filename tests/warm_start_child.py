@@ -2,7 +2,7 @@
 NEURON_COMPILE_CACHE it is given, calls it, and prints one JSON line: each call's largest difference from eager, a
 hash of the compiled outputs' bytes, the inputs' version counters after each call, how many times aot_autograd traced, and the stats.
 
-``python warm_start_child.py CASE`` runs one case (``generate``: a tiny Llama's ``generate()`` with a static cache); ``python warm_start_child.py all`` runs every case in turn (with
+With ``WARM_CHILD_FAIL_LAUNCH`` set, every kernel launch fails. ``python warm_start_child.py CASE`` runs one case (``generate``: a tiny Llama's ``generate()`` with a static cache); ``python warm_start_child.py all`` runs every case in turn (with
 ``torch._dynamo.reset()`` between them), as the first process that fills a cache for the others does.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 
 import torch
@@ -194,8 +195,20 @@ def generate(traced: list) -> dict:
             "aot_traces": len(traced), "stats": stats}
 
 
+def fail_every_launch() -> None:
+    """Every kernel launch raises, as a kernel that fails on the device would: regions fall back eagerly."""
+    from neuron_compile.runtime import launcher
+
+    def fail(self, kernel, arguments):
+        raise RuntimeError("launch refused by the test")
+
+    launcher.SimulatorLauncher.launch = fail
+
+
 def main() -> None:
     traced = count_aot_traces()
+    if os.environ.get("WARM_CHILD_FAIL_LAUNCH"):
+        fail_every_launch()
     names = list(CASES) if sys.argv[1] == "all" else [sys.argv[1]]
     results = {}
     for name in names:

@@ -27,6 +27,7 @@ import operator
 
 import torch
 import torch.fx
+from torch._functorch import config as functorch_config
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -65,7 +66,7 @@ def warm_key_parts(gm: torch.fx.GraphModule, example_inputs: list, config: Confi
         "graph": graph,
         "inputs": input_lines(example_inputs),
         "state": global_state(),
-        "config": config_key(config),
+        "config": {name: value for name, value in config_key(config).items() if name != "logs"},  # logs change nothing
         "versions": versions(),
     }
 
@@ -113,8 +114,6 @@ def input_lines(example_inputs: list) -> list[str]:
 
 def global_state() -> dict:
     """The process state aot_autograd's trace reads, as text."""
-    from torch._functorch import config as functorch_config  # torch's own module: read when a key is taken
-
     return {
         "grad": torch.is_grad_enabled(),
         "inference mode": torch.is_inference_mode_enabled(),

@@ -35,6 +35,7 @@ import re
 
 import torch
 import torch.fx
+from torch._functorch._aot_autograd.schemas import MutationType, OutputType, PlainTensorMeta
 
 from neuron_compile.config import Config
 from neuron_compile.passes.partition import REGION_PREFIX, NodePlacement
@@ -42,7 +43,7 @@ from neuron_compile.runtime import disk_cache, stats
 from neuron_compile.runtime.cache import signature_of
 from neuron_compile.runtime.direct_hit import DirectHit
 
-log = logging.getLogger("neuron_compile.runtime.disk_cache")  # the cache topic (logs.py)
+log = logging.getLogger(__name__)
 
 KEY_PATTERN = re.compile(r"[0-9a-f]{40}")
 REGION_NAME_PATTERN = re.compile(re.escape(REGION_PREFIX) + r"[0-9]+")
@@ -164,8 +165,6 @@ def _positions(values, length: int) -> tuple[int, ...]:
 def aot_refusal(meta, aten_gm: torch.fx.GraphModule, dynamo_inputs: int) -> str | None:
     """Why aot_autograd's runtime wrapper would do more than call the graph for these facts (``meta``: its
     ``ViewAndMutationMeta``), if it would; None when it would not."""
-    from torch._functorch._aot_autograd.schemas import OutputType, PlainTensorMeta  # torch's, read on a compile
-
     if meta is None:
         return "aot_autograd's runtime metadata is not available"
     refusal = mutation_refusal(meta)
@@ -190,8 +189,6 @@ def mutation_refusal(meta) -> str | None:
     wrapper no epilogue (it is not a runtime-mutated input); where autograd may see it, the wrapper bumps the input's
     version counter before the call (``version_bumps``, which the record keeps); our region writes the input itself,
     once its kernels ran, as on every call of the graph compiled the usual way."""
-    from torch._functorch._aot_autograd.schemas import MutationType  # torch's, read on a compile
-
     for info in meta.input_info:
         if info.mutates_metadata or info.mutates_storage_metadata or info.mutation_inductor_storage_resize:
             return "an input's metadata or storage is mutated"

@@ -8,20 +8,18 @@ runtime/warm_record.py).
 
 What a warm graph does on a call is what aot_autograd's inference wrapper and our ``CompiledGraph`` do for such a
 graph: the inputs whose version aot_autograd bumps are bumped, grad is off around the call (the outputs require no
-grad), the weights the region reads column-major are
-swapped for their copies (runtime/weight_layouts.py), and the call's dispatch key (runtime/cache.py) must be the
-record's: on its first call, the key's text must equal the record's and every argument's metadata (dtype, shape,
-strides, offset) must equal the region entry's recorded inputs, a float input with a value bound in the region entry
-must be guarded by the record, the constants' metadata must be the region entry's too, and the region checks every
-input against its buffers; later calls must have that
-first call's key (the hit plan, runtime/hit_plan.py, checks it without building it). The region runs through the
-same ``RegionModule`` (its fallback, on a failure, is Dynamo's graph run eagerly, which computes what the region
-does) and ``DirectHit`` as a compiled graph's.
+grad), the weights the region reads column-major are swapped for their copies (runtime/weight_layouts.py), and the
+call's dispatch key (runtime/cache.py) must be the record's. On the first call the key's text must equal the record's,
+the metadata (dtype, shape, strides, offset) of every region input (an argument or a constant) must equal the region
+entry's recorded inputs, a float input with a value bound in the region entry must be guarded by the record, and the
+region checks every input against its buffers; later calls must have that first call's key (the hit plan,
+runtime/hit_plan.py, checks it without building it). The region runs through the same ``RegionModule`` (its fallback,
+on a failure, is Dynamo's graph run eagerly, which computes what the region does) and ``DirectHit`` as a compiled
+graph's.
 
-Any call outside the record (another key, another config) and any failure to build the warm graph (a record whose outputs' shapes or dtypes are not those of Dynamo's graph) compiles
-the graph
-the usual way, once, under Dynamo's compile lock, and every later call goes there: the answer is the one aot_autograd
-gives, never one from a record that does not fit.
+A record whose outputs' shapes or dtypes are not those of Dynamo's graph is not used. Any call outside the record
+(another key, another config) compiles the graph the usual way, once, under Dynamo's compile lock, and every later
+call goes there: the answer is the one aot_autograd gives, never one from a record that does not fit.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ from neuron_compile.runtime.hit_plan import HitPlan
 from neuron_compile.runtime.launch_plan import INT32_RANGE
 from neuron_compile.runtime.warm_record import WarmRecord
 
-log = logging.getLogger("neuron_compile.runtime.disk_cache")  # the cache topic (logs.py)
+log = logging.getLogger(__name__)
 
 NOT_TRACED = "(not traced: a warm start ran this graph from its warm-start record, without aot_autograd)"
 
