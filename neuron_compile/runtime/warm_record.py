@@ -267,6 +267,14 @@ class WarmCandidate:
         if refusal is not None or store is None:
             log.debug("no warm-start record: %s", refusal or "the on-disk cache is off")
             return
+        try:
+            self.store_record(store, graph, bumps, config, given, swapped, direct)
+        except Exception as error:  # noqa: BLE001 -- a record only saves a later process work: never fail this call
+            log.warning("neuron_compile: no warm-start record written: %s: %s", type(error).__name__, error)
+
+    def store_record(self, store, graph, bumps: tuple[int, ...], config: Config, given: list, swapped: list,
+                     direct: DirectHit) -> None:
+        """Write the record of ``direct``'s region under this graph's key."""
         module = direct.module
         record = WarmRecord(
             region_key=direct.region.disk_key, region_name=module.region_name, inputs=len(given),
