@@ -6,7 +6,9 @@ runs ``--runs`` new processes over it, and prints per stage the median CPU secon
 our decomposition table, aot_autograd (its trace, with our ``CompiledGraph`` made inside it), each pass of
 ``pipeline.PASSES`` (graph passes once per graph, region passes on a disk hit: ``load`` only), the region's disk-cache
 key, the weights' column-major copies and the first launch (a hit replays it). "ours" is what the backend adds to
-Dynamo + aot_autograd: the table, and ``CompiledGraph``'s making and its first call minus a hit's.
+Dynamo + aot_autograd: the table, and ``CompiledGraph``'s making and its first call minus a hit's; on a warm start
+from a warm-start record (runtime/warm_start.py, aot_autograd skipped), the key, the record's load and the warm
+graph's first call minus a hit's.
 
 Run it with ``PYTHONPATH`` at the tree to measure (a checkout of another commit measures that commit; the stage
 names are those of ``pipeline.PASSES``). Torch on one thread; CPU seconds of this process only.
@@ -41,7 +43,14 @@ STAGES = (
     ("region disk-cache key", "neuron_compile.runtime.disk_cache:region_key_parts"),
     ("weight copies", "neuron_compile.runtime.weight_layouts:COPIES.apply"),
     ("first launch", "neuron_compile.runtime.launcher:SimulatorLauncher.launch"),
+    # the warm start without aot_autograd (runtime/warm_start.py): absent from trees before it, then skipped
+    ("warm-start key", "neuron_compile.backend:warm_key_parts"),
+    ("warm graph loaded (record and region)", "neuron_compile.backend:load_warm_graph"),
+    ("WarmGraph first call", "neuron_compile.runtime.warm_start:WarmGraph.__call__"),
 )
+# the stages that make up "ours": what the backend adds to Dynamo (and to aot_autograd, when it runs)
+OURS = ("decomposition table", "CompiledGraph made", "CompiledGraph first call", "warm-start key",
+        "warm graph loaded (record and region)", "WarmGraph first call")
 
 
 def timed(function, label: str, totals: collections.Counter):
@@ -62,11 +71,15 @@ def install_timers(totals: collections.Counter) -> None:
 
     for label, where in STAGES:
         module_name, path = where.split(":")
-        owner = importlib.import_module(module_name)
+        try:
+            owner = importlib.import_module(module_name)
+        except ImportError:  # a tree without that stage
+            continue
         *parents, name = path.split(".")
         for parent in parents:
             owner = getattr(owner, parent)
-        setattr(owner, name, timed(getattr(owner, name), label, totals))
+        if hasattr(owner, name):
+            setattr(owner, name, timed(getattr(owner, name), label, totals))
     pipeline.PASSES = tuple(dataclasses.replace(step, run=timed(step.run, f"pass {step.name}", totals))
                             for step in pipeline.PASSES)
 
@@ -92,9 +105,16 @@ def child(model_name: str) -> dict:
             compiled(*inputs)
             hits.append(time.process_time() - start)
     hit_s = min(hits)
-    stages["ours"] = (stages.get("decomposition table", 0.0) + stages.get("CompiledGraph made", 0.0)
-                      + stages.get("CompiledGraph first call", 0.0) - hit_s)
+    stages["ours"] = sum(stages.get(label, 0.0) for label in OURS) - hit_s
+    stats = neuron_compile_stats()
+    stages["aot_autograd skipped (graphs)"] = stats.get("aot_autograd_skipped", 0)
     return {"first - hit": first_s - hit_s, "hit": hit_s, **stages}
+
+
+def neuron_compile_stats() -> dict:
+    import neuron_compile
+
+    return neuron_compile.stats()
 
 
 def run_child(model_name: str, env: dict) -> dict:

@@ -20,6 +20,8 @@ as a torch operator, eager and compiled: neuron_compile/nki_op.py).
   (``NEURON_COMPILE_CACHE``: their lowering, fusion, tiling and rendering were skipped) / compiled and written to
   it; ``disk_cache_corrupt``: entries found unusable (each also a miss, rewritten); ``disk_cache_evictions``:
   entries deleted to keep the cache under ``NEURON_COMPILE_CACHE_SIZE``.
+- ``aot_autograd_skipped`` / ``warm_records_written``: Dynamo graphs run from their warm-start record without
+  aot_autograd's trace (``NEURON_COMPILE_WARM_START``) / records written for later processes.
 - ``nki_nodes`` / ``fallback_nodes``: ATen nodes placed in NKI kernels / run eagerly (per signature);
   ``fallback_reasons`` is a Counter of ``"<op>: <reason>"`` for the eager ones.
 - ``kernels_launched``, ``hbm_bytes``, ``flops``, ``est_time_s``, ``roofline_s``: kernel launches and the

@@ -4,7 +4,9 @@ Input: a torch-level FX graph from Dynamo and its (fake) example inputs, plus ``
 ``options``. Output: a callable that runs the graph. aot_autograd turns the graph into ATen forward / backward
 (min-cut partitioned, for training) or inference graphs with our decomposition table, keeping input mutations
 in the graph; each ATen graph goes to ``compile_aten_graph`` (runtime/compiled_graph.py), which specializes,
-partitions and compiles it per call signature.
+partitions and compiles it per call signature. A graph with a warm-start key (runtime/warm_key.py) whose record is in
+the on-disk cache skips aot_autograd: it runs from the record (runtime/warm_start.py); without a record, the first
+call writes one when aot_autograd's facts and the compile allow it (runtime/warm_record.py).
 
 Every Dynamo graph is noted in runtime/compile_events.py (why it ended: a graph break and its source line); with a
 dump folder, its FX graph is written there (runtime/dump.py).
@@ -30,6 +32,9 @@ from neuron_compile.passes.decompose import decomposition_table
 from neuron_compile.passes.partition import op_name
 from neuron_compile.runtime import compile_events, dump, stats
 from neuron_compile.runtime.compiled_graph import compile_aten_graph, refresh_dump_index
+from neuron_compile.runtime.warm_key import Refusal, warm_key_parts
+from neuron_compile.runtime.warm_record import WarmCandidate
+from neuron_compile.runtime.warm_start import load_warm_graph
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +59,33 @@ def neuron_backend(
     if effective.dump_dir:
         dump.write_dynamo_graph(effective.dump_dir, event)
         refresh_dump_index(effective.dump_dir)
+    parts = warm_key_parts(gm, example_inputs, effective)
+    if isinstance(parts, Refusal):
+        log.debug("Dynamo graph %d takes no warm-start fast path: %s", event.index, parts)
+        candidate = None
+    else:
+        compile_slowly = functools.partial(_trace_and_compile, gm, example_inputs, effective, options, event.index)
+        warm = load_warm_graph(parts, gm, effective, options, compile_slowly, event.index)
+        if warm is not None:
+            log.debug("Dynamo graph %d: a warm start from its record, aot_autograd skipped", event.index)
+            return warm
+        candidate = WarmCandidate(parts, len(example_inputs))
+    return _trace_and_compile(gm, example_inputs, effective, options, event.index, candidate)
+
+
+def _trace_and_compile(gm: torch.fx.GraphModule, example_inputs: list, effective: config.Config, options: dict,
+                       dynamo_graph: int, candidate: WarmCandidate | None = None):
+    """aot_autograd with our compilers on Dynamo graph ``gm``; ``candidate`` (a graph with a warm-start key) learns
+    aot_autograd's facts and writes the graph's record after its first call (runtime/warm_record.py)."""
     compilers = {
-        kind: functools.partial(compile_aten_graph, kind=kind, options=options, dynamo_graph=event.index)
+        kind: functools.partial(compile_aten_graph, kind=kind, options=options, dynamo_graph=dynamo_graph)
         for kind in ("forward", "backward", "inference")
     }
+    inference_compiler = candidate.wrap(compilers["inference"]) if candidate is not None else compilers["inference"]
     aot_backend = aot_autograd(
         fw_compiler=compilers["forward"],
         bw_compiler=compilers["backward"],
-        inference_compiler=compilers["inference"],
+        inference_compiler=inference_compiler,
         partition_fn=min_cut_rematerialization_partition,
         decompositions=decomposition_table(),
         keep_inference_input_mutations=True,

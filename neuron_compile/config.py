@@ -44,6 +44,11 @@ NEURON_COMPILE_REPLAY      replay                ``1`` (default) | ``0``: a simu
                                                  the shapes and dtypes of an earlier launch replays the numpy work
                                                  that launch recorded (runtime/simulator/replay.py; 0: every launch
                                                  simulated in full)
+NEURON_COMPILE_WARM_START  warm_start            ``1`` (default) | ``0``: a new process over a filled on-disk cache
+                                                 runs a Dynamo graph that compiled to one NKI region straight from
+                                                 its warm-start record, without aot_autograd's trace, when the
+                                                 record's key and checks hold (runtime/warm_start.py; 0: aot_autograd
+                                                 traces every graph)
 NEURON_COMPILE_LOGS        logs                  log topics, ``TORCH_LOGS``-style: ``+dispatch,cache`` (logs.py)
 =========================  ====================  ===========================================================
 
@@ -100,6 +105,7 @@ class Config:
     launch_unit: str = "region"
     transposed_weights: bool = True
     replay: bool = True
+    warm_start: bool = True
     logs: str = ""
 
     def __post_init__(self):
@@ -170,7 +176,8 @@ def _coerce(name: str, value: object, source: str) -> object:
     """Convert a string (from the environment) or a Python value to the field's type, naming the source."""
     if name == "cache_size":
         return _coerce_size(value, source)
-    if name in ("fusion", "flash_attention", "flash_decode", "transposed_weights", "replay"):
+    if name in ("fusion", "flash_attention", "flash_decode", "transposed_weights", "replay",
+                "warm_start"):
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.strip().lower() in _BOOLEANS:

@@ -29,7 +29,9 @@ TOPICS: dict[str, tuple[str, ...]] = {
     "dispatch": ("neuron_compile.runtime.compiled_graph",),  # signature misses, recompiles, region fallbacks
     "partition": ("neuron_compile.passes.partition",),  # NKI regions vs eager nodes
     # on-disk cache hits, misses, damaged entries (kernels and first-launch cost reports)
-    "cache": ("neuron_compile.runtime.disk_cache", "neuron_compile.runtime.report_cache"),
+    # and warm starts from warm-start records (written, used, refused)
+    "cache": ("neuron_compile.runtime.disk_cache", "neuron_compile.runtime.report_cache",
+              "neuron_compile.runtime.warm_record", "neuron_compile.runtime.warm_start"),
     "bucket": ("neuron_compile.passes.bucket",),  # shape bucketing: dims padded, graphs declined and why
 }
 LEVELS = {"+": logging.DEBUG, "-": logging.ERROR}

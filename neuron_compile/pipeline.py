@@ -330,4 +330,14 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None, on_pas
     else:
         region, created = store.get_or_create(parts, render, accept=load)
     stats.add(**{"disk_cache_misses" if created else "disk_cache_hits": 1})
+    region.disk_key = disk_cache.key_of(parts)  # a warm-start record names its region's entry (runtime/warm_start.py)
     return region
+
+
+def load_stored_region(payload: dict, config) -> CompiledRegion:
+    """The load pass alone on a region's stored payload (a ``RenderedRegion``'s data, from the on-disk cache): what a
+    disk hit in ``compile_region`` does. Raises ``ValueError`` on a payload ``from_data`` refuses or a kernel text the
+    launcher does not execute (codegen/kernel_check.py)."""
+    rendered = RenderedRegion.from_data(payload)
+    context = PassContext(config, configured_target(config), [], list(rendered.ops))
+    return run_passes("region", rendered, context, after=CACHED_THROUGH)

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import threading
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.fx
@@ -122,6 +123,12 @@ def clear_records() -> None:
     """Forget the compile records (the compiled graphs themselves stay cached)."""
     with _records_lock:
         _records.clear()
+
+
+def keep_record(record: CompiledGraphRecord) -> None:
+    """Keep ``record`` among the compile records (a warm start's, made without a compile: runtime/warm_start.py)."""
+    with _records_lock:
+        _records.append(record)
 
 
 def compiled_records() -> list[CompiledGraphRecord]:
@@ -405,16 +412,15 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
                 record.fusion_decisions[name] = [str(decision) for decision in decisions]
         setattr(top, name, RegionModule(name, region, submodule, expected, record))
     # No recompile: the partition pass compiled ``top``'s code, which reads each region by its unchanged name.
-    _read_attributes_directly(top)
-    with _records_lock:
-        _records.append(record)
+    read_attributes_directly(top)
+    keep_record(record)
     if config.dump_dir:
         log.info("neuron_compile: dumped the %s graph to %s", kind, dump_record(record, config.dump_dir))
     trace_artifacts.emit_record(record, compile_events.compile_id_of(dynamo_graph))
     return top
 
 
-def _read_attributes_directly(top: torch.fx.GraphModule) -> None:
+def read_attributes_directly(top: torch.fx.GraphModule) -> None:
     """Put the regions and constants ``top``'s code reads (``self.nki_region_0``, ``self._tensor_constant0``) in its
     instance dict too, where an attribute read finds them before ``nn.Module.__getattr__`` (a microsecond a read,
     on every call); they stay registered as submodules and buffers, and nothing assigns them again."""
@@ -472,6 +478,9 @@ class CompiledGraph:
         # What the last call through the key proved (runtime/hit_plan.py): the next call like it skips the key.
         self.hit_plan: HitPlan | None = None
         self._plans: Kept = Kept()  # per dispatch key: its plan (None: no plan can hold)
+        # Called once, after the first call that was not padded returned: (config, arguments as given, with the
+        # weight copies, the entry that ran); the backend's warm-start candidate writes its record there.
+        self.after_first_call: Callable[[Config, list, list, torch.fx.GraphModule], None] | None = None
 
     def lookup(self, config: Config, args: list) -> tuple[tuple, torch.fx.GraphModule | None]:
         """The hit path: this call's dispatch key (the config and ``dispatch_signature``) and the graph compiled
@@ -494,7 +503,12 @@ class CompiledGraph:
         if bucket is None or not bucket.active:  # a declined plan: its reasons go to the record
             key, compiled = self._entry(config, args, bucket)
             self.hit_plan = self._plan_for(key, config, given, args, compiled)
-            return compiled.forward(*args)
+            if self.after_first_call is None:
+                return compiled.forward(*args)
+            outputs = compiled.forward(*args)
+            after, self.after_first_call = self.after_first_call, None
+            after(config, given, args, compiled)
+            return outputs
         sizes = bucket.sizes(args)
         padded = bucket.pad(args, sizes)
         outputs = self._entry(config, padded, bucket)[1].forward(*padded)

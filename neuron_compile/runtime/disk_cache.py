@@ -69,7 +69,8 @@ LOCK_SUFFIX = ".lock"
 TEMP_PREFIX = ".tmp-"
 STALE_TEMP_S = 3600.0  # a temporary file this old belongs to a writer that died
 # Config fields that do not change what a region compiles to: where things go, and what happens around a compile.
-CONFIG_FIELDS_NOT_IN_KEY = ("cache_dir", "cache_size", "dump_dir", "recompile_warn", "fallback", "launcher", "replay")
+CONFIG_FIELDS_NOT_IN_KEY = ("cache_dir", "cache_size", "dump_dir", "recompile_warn", "fallback", "launcher", "replay",
+                            "warm_start")
 
 
 def cache_root(setting: str) -> Path | None:
@@ -130,12 +131,12 @@ def config_key(config: Config | None) -> dict:
     }
 
 
-def _meta_text(value) -> str:
+def meta_text(value) -> str:
     if isinstance(value, torch.Tensor):
         dtype = str(value.dtype).removeprefix("torch.")
         return f"{dtype}{list(value.shape)} strides {list(value.stride())} offset {value.storage_offset()}"
     if isinstance(value, list | tuple):
-        return "(" + ", ".join(_meta_text(item) for item in value) + ")"
+        return "(" + ", ".join(meta_text(item) for item in value) + ")"
     return type(value).__name__ if value is not None else "-"
 
 
@@ -160,7 +161,7 @@ def normalized_graph(gm: torch.fx.GraphModule) -> list[str]:
         if node.op == "placeholder":
             target = "input"
         text = f"%{position[node]} = {node.op} {target}({argument(node.args)}, {argument(node.kwargs)})"
-        lines.append(f"{text} : {_meta_text(node.meta.get('val'))}")
+        lines.append(f"{text} : {meta_text(node.meta.get('val'))}")
     return lines
 
 
@@ -171,7 +172,7 @@ def region_key_parts(gm: torch.fx.GraphModule, example_inputs, config: Config | 
         "format": FORMAT_VERSION,
         "what": REGION_WHAT,
         "graph": normalized_graph(gm),
-        "inputs": [_meta_text(value) for value in example_inputs],
+        "inputs": [meta_text(value) for value in example_inputs],
         "config": config_key(config),
         "target": target_name,
         "versions": versions(),
@@ -272,14 +273,18 @@ class DiskCache:
 
     # -- lookups
 
-    def lookup(self, key: str, accept: Callable[[dict], object] | None = None):
-        """The payload stored under ``key`` (with ``accept``: what it makes of the payload), or None: absent,
-        unreadable, corrupt, or refused by ``accept`` (a ``ValueError``, as a kernel text outside the subset our
-        templates emit: codegen/kernel_check.py), each a miss."""
+    def lookup(self, key: str, accept: Callable[[dict], object] | None = None, with_parts: bool = False):
+        """The payload stored under ``key`` (with ``accept``: what it makes of the payload, or of the key's parts and
+        the payload ``with_parts``), or None: absent, unreadable, corrupt, or refused by ``accept`` (a ``ValueError``,
+        as a kernel text outside the subset our templates emit: codegen/kernel_check.py), each a miss."""
         path = self.entry_path(key)
         try:
-            payload = read_entry(path, key)["payload"]
-            value = accept(payload) if accept is not None else payload
+            entry = read_entry(path, key)
+            payload = entry["payload"]
+            if accept is None:
+                value = payload
+            else:
+                value = accept(entry["parts"], payload) if with_parts else accept(payload)
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as error:  # CorruptEntry is a ValueError

@@ -80,6 +80,10 @@ class HitPlan:
         """The entry's outputs for ``args`` if they have this plan's dispatch key; None if not."""
         if not self.matches(args):
             return None
+        return self.run(args)
+
+    def run(self, args: list) -> tuple:
+        """The entry's outputs for ``args``, which have this plan's dispatch key (``matches``)."""
         if self.direct is not None:
             outputs = self.direct(args, self.copies.apply)
             if outputs is not None:

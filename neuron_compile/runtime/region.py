@@ -81,6 +81,7 @@ class CompiledRegion:
         self.checked_inputs: tuple[int, ...] = tuple(range(len(self.inputs)))
         self.outputs_planned = True  # every call's outputs have the plan's shapes and dtypes (RegionModule)
         self.maybe_complex: tuple[int, ...] | None = None  # the inputs that may be complex64 (``_real_pairs``)
+        self.disk_key: str | None = None  # its on-disk cache entry's key, when it was stored or loaded there
 
     def trust_inputs(self, positions) -> None:
         """The caller's dispatch key holds the shape, strides, storage offset and dtype of the inputs at

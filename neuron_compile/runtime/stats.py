@@ -33,6 +33,10 @@ class Stats:
     disk_cache_misses: int = 0
     disk_cache_corrupt: int = 0
     disk_cache_evictions: int = 0
+    # Dynamo graphs a warm start ran from their warm-start record, without aot_autograd (runtime/warm_start.py), and
+    # records written for later processes
+    aot_autograd_skipped: int = 0
+    warm_records_written: int = 0
     kernels_launched: int = 0
     # Column-major weight copies made for inference graphs (runtime/weight_layouts.py): count and bytes.
     weight_copies: int = 0
