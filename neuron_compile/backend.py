@@ -64,7 +64,9 @@ def neuron_backend(
         log.debug("Dynamo graph %d takes no warm-start fast path: %s", event.index, parts)
         candidate = None
     else:
-        compile_slowly = functools.partial(_trace_and_compile, gm, example_inputs, effective, options, event.index)
+        def compile_slowly(args: list):  # the call's own arguments: holding ``example_inputs`` would hold the model
+            return _trace_and_compile(gm, args, effective, options, event.index)
+
         warm = load_warm_graph(parts, gm, effective, options, compile_slowly, event.index)
         if warm is not None:
             log.debug("Dynamo graph %d: a warm start from its record, aot_autograd skipped", event.index)

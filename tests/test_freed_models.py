@@ -1,11 +1,17 @@
 """What the hit path keeps (runtime/kept.py) lives no longer than the model it serves: a freed model frees its weights,
 as it does under eager or Inductor, also when the next model of the same class reuses the compiled graph (a loop
 over checkpoints); and a weight's old memory stays held while a column-major copy made from it may be reused, so a
-weight swapped in two steps cannot come back at its old address and be taken for the copied one."""
+weight swapped in two steps cannot come back at its old address and be taken for the copied one. A graph started
+warm from its record (runtime/warm_start.py, aot_autograd skipped) frees them too."""
 
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,3 +97,38 @@ def test_a_weight_swapped_in_two_steps_is_not_taken_for_its_copy():
     run(compiled, model, x)
     gc.collect()
     assert old_memory.expired()  # and let go once the calls have remade the copy
+
+
+# Three MLPs compiled in turn, in a process of its own over a given cache: which were freed, and the counters.
+MODELS_IN_TURN = """
+import gc, json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from hit_path_models import MLP
+from torch.multiprocessing.reductions import StorageWeakRef
+import neuron_compile
+freed = []
+with torch.no_grad():
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model, x = MLP().eval(), torch.randn(12, 16)
+        compiled = torch.compile(model, backend="neuron")
+        for _ in range(5):
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        freed.append([StorageWeakRef(p.untyped_storage()) for p in model.parameters()])
+        del model, compiled
+        gc.collect()
+print(json.dumps({"freed": [all(s.expired() for s in f) for f in freed], "stats": neuron_compile.stats()}))
+"""
+
+
+def test_a_graph_started_warm_frees_the_models_it_served(tmp_path):
+    tests = Path(__file__).parent
+    env = {**os.environ, "NEURON_COMPILE_CACHE": str(tmp_path), "PYTHONPATH": str(tests.parent), "OMP_NUM_THREADS": "1"}
+    runs = []
+    for _ in ("fills the cache", "starts warm from it"):
+        done = subprocess.run([sys.executable, "-c", MODELS_IN_TURN, str(tests)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert runs[1]["stats"]["aot_autograd_skipped"] == 1  # the second process took the warm path
+    assert [run["freed"] for run in runs] == [[True] * 3] * 2

@@ -122,7 +122,7 @@ class WarmGraph:
     """Dynamo's compiled function for a graph run from its warm-start record (module docstring)."""
 
     def __init__(self, record: WarmRecord, region, region_parts: dict, config: Config, options: dict,
-                 gm: torch.fx.GraphModule, compile_slowly: Callable[[], Callable], dynamo_graph: int):
+                 gm: torch.fx.GraphModule, compile_slowly: Callable[[list], Callable], dynamo_graph: int):
         self.record, self.config, self.compile_slowly = record, config, compile_slowly
         self.option_items = tuple(options.items())
         self.column_major = record.column_major
@@ -156,7 +156,7 @@ class WarmGraph:
                     torch._C._set_grad_enabled(True)
             if outputs is not None:
                 return outputs
-        return self.compiled_slowly()(*args)
+        return self.compiled_slowly(args)(*args)
 
     def run(self, args: list) -> tuple | None:
         """The graph's outputs, or None when the call is outside the record."""
@@ -206,14 +206,16 @@ class WarmGraph:
                                   and bound.within(INT32_RANGE[1])])
         return True
 
-    def compiled_slowly(self) -> Callable:
-        """The graph compiled the usual way (aot_autograd), once, under Dynamo's compile lock."""
+    def compiled_slowly(self, args: tuple) -> Callable:
+        """The graph compiled the usual way (aot_autograd), once, under Dynamo's compile lock, with the arguments of
+        the call that needs it as the example inputs: Dynamo's guards held for them, and keeping Dynamo's own example
+        inputs for this would keep the first model's weights alive as long as the graph."""
         from torch._dynamo.convert_frame import compile_lock  # torch's own lock, loaded when a compile needs it
 
         with self.slow_lock:
             if self.slow is None:
                 with compile_lock:
-                    self.slow = self.compile_slowly()
+                    self.slow = self.compile_slowly(list(args))
         return self.slow
 
 
@@ -229,7 +231,7 @@ def outputs_fit(gm: torch.fx.GraphModule, record: WarmRecord, region) -> bool:
 
 
 def load_warm_graph(parts: dict, gm: torch.fx.GraphModule, config: Config, options: dict,
-                    compile_slowly: Callable[[], Callable], dynamo_graph: int) -> WarmGraph | None:
+                    compile_slowly: Callable[[list], Callable], dynamo_graph: int) -> WarmGraph | None:
     """The warm graph of the record stored under ``parts``' key, or None (no record, or one that does not fit)."""
     store = disk_cache.open_cache(config)
     if store is None:
