@@ -18,6 +18,7 @@ import neuron_compile
 from neuron_compile.passes.input_ranges import (
     FLOAT_GUARD_MAX,
     GUARD_BOUND,
+    GUARDED_FLOAT_NUMEL,
     GUARDED_NUMEL,
     bound_integer_inputs,
     guard_bound,
@@ -125,7 +126,7 @@ def test_float_guard_classes_are_powers_of_two_of_finite_small_tensors():
     assert guard_float_bound(torch.zeros(3)).high == 1.0
     assert guard_float_bound(torch.tensor([FLOAT_GUARD_MAX])).high == FLOAT_GUARD_MAX
     for refused in (torch.tensor([FLOAT_GUARD_MAX * 1.5]), torch.tensor([1.0, math.nan]), torch.tensor([math.inf]),
-                    torch.zeros(GUARDED_NUMEL + 1), torch.zeros(0), torch.tensor([3]), 2.0):
+                    torch.zeros(GUARDED_FLOAT_NUMEL + 1), torch.zeros(0), torch.tensor([3]), 2.0):
         assert guard_float_bound(refused) is None
 
 

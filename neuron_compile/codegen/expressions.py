@@ -230,6 +230,9 @@ class TileScope:
         # span_load(load, lines) -> a Ref to a view of a contiguous span's tile, for loads with a small innermost
         # step (codegen/strided_rows.py), else None (nothing emitted)
         self.span_load = None
+        # hoisted: where (P, 1) values that do not depend on the column tile are computed once per row tile
+        # (codegen/hoisted_columns.py ``HoistedColumns``), or None: everything in the tile's lines
+        self.hoisted = None
         self.memo: dict = {}
         self.tiles: dict[tuple, str] = {}
         self.balance = EngineBalance()
@@ -263,9 +266,33 @@ def emit(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref:
         expr = _canonical_load(expr)
     if expr in scope.memo:
         return scope.memo[expr]
-    ref = _emit_uncached(expr, scope, lines)
+    if scope.hoisted is not None and column_invariant(expr, scope, scope.hoisted.invariant):
+        with scope.hoisted.emitting(scope) as hoisted_lines:
+            ref = _emit_uncached(expr, scope, hoisted_lines)
+    else:
+        ref = _emit_uncached(expr, scope, lines)
     scope.memo[expr] = ref
     return ref
+
+
+def column_invariant(expr: ir.Expr, scope: TileScope, known: dict | None = None) -> bool:
+    """Whether ``expr`` is a (P, 1) row vector the same in every column tile of ``scope``: a load the scope's
+    ``vector_pattern`` takes as one element per partition, or an op over such values and numbers in which every
+    op reads at least one of them. Its instructions then touch only ``[0:rows, 0:1]`` slices and never the
+    column loop's variables. (An op over numbers alone may need a full tile, a memset: it is not one.) ``known``:
+    the answers so far (expressions are DAGs that share subexpressions thousands of times)."""
+    known = {} if known is None else known
+    if expr not in known:
+        if isinstance(expr, ir.Load):
+            known[expr] = expr.dtype != "bool" and scope.vector_pattern is not None \
+                and scope.vector_pattern(_canonical_load(expr), "column") is not None
+        elif isinstance(expr, ir.Op):
+            invariant = [column_invariant(arg, scope, known) for arg in expr.args]
+            known[expr] = any(invariant) and all(
+                flag or isinstance(arg, ir.Scalar) for flag, arg in zip(invariant, expr.args))
+        else:
+            known[expr] = False
+    return known[expr]
 
 
 def _canonical_load(load: ir.Load) -> ir.Load:

@@ -8,7 +8,8 @@ dim (a 64-wide attention head, each head an outer loop) takes the innermost oute
 and there are heads-times fewer of them (each DMA has a fixed cost). With no outer dim, rows shorter than 512 bytes
 go several to a partition (tiles.py ``rows_per_partition``). Codegen: per tile one DMA per input through
 its access pattern (two free entries, flattened into the tile's columns, when widened), the expression body, one
-DMA per store (pointwise.py.j2).
+DMA per store (pointwise.py.j2). Row-vector work the same in every column tile (a scalar input, its reciprocal)
+is computed once per row tile, before the column loop (codegen/hoisted_columns.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 from neuron_compile import ir
 from neuron_compile.codegen.engine_balance import EngineBalance
 from neuron_compile.codegen.expressions import BroadcastLoad, RepeatedColumnsLoad, TileAllocator, TileScope
+from neuron_compile.codegen.hoisted_columns import HoistedColumns
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template, store_lines
 from neuron_compile.codegen.strided_rows import (
     SpanLoads,
@@ -109,19 +111,25 @@ def pointwise_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: Tile
 
 
 def balanced_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator,
-                  interleaved: tuple[tuple[ir.Store, ...], ...] = ()) -> tuple[list[str], int]:
+                  interleaved: tuple[tuple[ir.Store, ...], ...] = (),
+                  hoisted: HoistedColumns | None = None) -> tuple[list[str], int]:
     """``pointwise_body``'s lines, and the line after which half of the tile's engine work is issued. The body
     is emitted twice: first into a scratch allocator, to learn every instruction the engines could share, then
-    for real with those instructions assigned longest first (codegen/engine_balance.py)."""
+    for real with those instructions assigned longest first (codegen/engine_balance.py). ``hoisted``: where the
+    row-vector work that is the same in every column tile goes (codegen/hoisted_columns.py), or None (kept in
+    the body)."""
     trial = EngineBalance()
-    _tile_lines(stores, plan, TileAllocator(allocator.partitions, reserved=allocator.reserved), interleaved, trial)
+    scratch = TileAllocator(allocator.partitions, reserved=allocator.reserved)
+    trial_hoisted = HoistedColumns(allocator.partitions, allocator.reserved) if hoisted is not None else None
+    _tile_lines(stores, plan, scratch, interleaved, trial, trial_hoisted)
     balance = trial.planned()
-    body = _tile_lines(stores, plan, allocator, interleaved, balance)
+    body = _tile_lines(stores, plan, allocator, interleaved, balance, hoisted)
     return body, balance.halfway_line
 
 
 def _tile_lines(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator,
-                interleaved: tuple[tuple[ir.Store, ...], ...], balance: EngineBalance) -> list[str]:
+                interleaved: tuple[tuple[ir.Store, ...], ...], balance: EngineBalance,
+                hoisted: HoistedColumns | None = None) -> list[str]:
     """``pointwise_body``'s lines with the engines ``balance`` gives."""
     patterns = Patterns(plan)
     free = [(plan.free[0], "cols")] + [(dim, str(dim.size)) for dim in plan.free[1:]]
@@ -152,6 +160,7 @@ def _tile_lines(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAll
     scope = TileScope(allocator, plan.free[0].tile * inner, columns, load_pattern, vector_pattern=vector_pattern,
                       broadcast_pattern=broadcast_pattern)
     scope.balance = balance
+    scope.hoisted = hoisted
 
     def hbm(buffer: str, layout: ir.Layout):
         return patterns.hbm(buffer, layout, free, True)
@@ -198,10 +207,12 @@ class PointwiseKind(MatchingIndexEpilogue):
 
     def render(self, node, plan, name, parameters):
         allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
-        body, halfway = balanced_body(node.stores, plan, allocator)
+        hoisted = HoistedColumns(plan.partition.tile, allocator.reserved)
+        body, halfway = balanced_body(node.stores, plan, allocator, hoisted=hoisted)
         stages = pipeline_stages(plan, body, halfway)
         context = kernel_context(node, plan, name, parameters, allocations=allocator.lines, body=body,
-                                 stages=stages, tiles=", ".join(allocator.names))
+                                 stages=stages, tiles=", ".join(allocator.names),
+                                 row_tile_work=hoisted.allocations + hoisted.lines)
         return render_template("pointwise.py.j2", **context)
 
 

@@ -16,9 +16,9 @@ The bound is one class, not the values seen: +-2**20 leaves room below the fp32-
 offsets position arithmetic adds, and a single class means a value moving inside it (the next token's position,
 labels with or without -100) never recompiles.
 
-Float inputs are guarded only where a bound pays: small float inputs whose values reach the argument of a sin or
-cos through ops value ranges follow (``range_guarded_floats``: a rotary embedding's ``inv_freq`` times the
-positions), so lowering/trigonometry.py can choose a cheap argument reduction, or a cast to an integer, which lowers
+Float inputs are guarded only where a bound pays: float inputs of up to ``GUARDED_FLOAT_NUMEL`` elements whose
+values reach the argument of a sin or cos through ops value ranges follow (``range_guarded_floats``: a rotary
+embedding's ``inv_freq`` times the positions, or the angles a backward recomputes cos and sin from), so lowering/trigonometry.py can choose a cheap argument reduction, or a cast to an integer, which lowers
 only when its float values are proved within +-2**24 (positions a backward recomputes from a saved float cumsum). Their guard
 (``guard_float_bound``) checks that every value is finite and within a power of two (at least 1, at most
 ``FLOAT_GUARD_MAX``): a class per binade, so a buffer that never changes compiles once, and a value leaving its
@@ -40,6 +40,12 @@ from neuron_compile.passes.value_range import RANGE_KEY, RULES, Interval
 GUARD_BOUND = 2**20
 # Larger integer tensors are not checked (the guard runs on every call and must stay cheap): they stay unknown.
 GUARDED_NUMEL = 4096
+# Float inputs reaching a sin or cos are checked up to this size: a rotary embedding's angles, which aot_autograd's
+# partitioner saves for the backward to recompute cos and sin from ([seq, head_dim]: 16384 at 256 x 64, 65536 at
+# 1024 x 64). One fp32 aminmax of 65536 elements takes ~10 us on the host (4096: ~2 us); the bound it gives spares
+# each of the backward's cos and sin kernels the full argument reduction (~400 instructions per element instead of
+# ~20, lowering/trigonometry.py).
+GUARDED_FLOAT_NUMEL = 2**16
 GUARDED_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 GUARDED_INTERVAL = Interval(-float(GUARD_BOUND), float(GUARD_BOUND))
 # Float inputs: finite values within +-2**k for the smallest k >= 0 that holds them, up to 2**20; beyond, unbounded.
@@ -59,7 +65,7 @@ def guard_bound(value) -> Interval | None:
 
     Fake and meta tensors (no values), sparse ones (no cheap minimum and maximum) and empty tensors (no values to
     bound) give None."""
-    return integer_values_bound(value) if _checkable(value, GUARDED_DTYPES) else None
+    return integer_values_bound(value) if _checkable(value, GUARDED_DTYPES, GUARDED_NUMEL) else None
 
 
 def integer_values_bound(tensor: torch.Tensor) -> Interval | None:
@@ -73,22 +79,25 @@ def integer_values_bound(tensor: torch.Tensor) -> Interval | None:
 def guard_reads_values(value, float_guard: bool = False) -> bool:
     """Whether ``guard_bound`` (``guard_float_bound`` with ``float_guard``) reads ``value``'s values: a tensor's
     type, dtype, layout, device and size decide it, so a caller that knows them unchanged knows the answer."""
-    return _checkable(value, GUARDED_FLOAT_DTYPES if float_guard else GUARDED_DTYPES)
+    if float_guard:
+        return _checkable(value, GUARDED_FLOAT_DTYPES, GUARDED_FLOAT_NUMEL)
+    return _checkable(value, GUARDED_DTYPES, GUARDED_NUMEL)
 
 
-def _checkable(value, dtypes) -> bool:
-    """A real (not fake or meta), strided, non-empty tensor of ``dtypes`` small enough to check on every call."""
+def _checkable(value, dtypes, most: int) -> bool:
+    """A real (not fake or meta), strided, non-empty tensor of ``dtypes`` small enough to check on every call (at
+    most ``most`` elements)."""
     if not isinstance(value, torch.Tensor) or value.dtype not in dtypes or isinstance(value, FakeTensor):
         return False
     if value.layout != torch.strided or value.device.type == "meta":
         return False
-    return 0 < value.numel() <= GUARDED_NUMEL
+    return 0 < value.numel() <= most
 
 
 def guard_float_bound(value) -> Interval | None:
     """``Interval(-2**k, 2**k)`` for the smallest ``k >= 0`` holding every value of a small float tensor, if all are
     finite and ``2**k <= FLOAT_GUARD_MAX``; None otherwise (and for what ``guard_bound`` also refuses)."""
-    return float_values_bound(value) if _checkable(value, GUARDED_FLOAT_DTYPES) else None
+    return float_values_bound(value) if _checkable(value, GUARDED_FLOAT_DTYPES, GUARDED_FLOAT_NUMEL) else None
 
 
 def float_values_bound(tensor: torch.Tensor) -> Interval | None:
