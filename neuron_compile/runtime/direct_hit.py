@@ -11,10 +11,10 @@ Stable arguments are the parameters and any tensor that was the very same object
 the rest (activations) get a flat argument per call, as do int64 inputs narrowed to int32 (a converted copy). A
 call reuses a memo's flat arguments when its stable arguments are at the same data pointers; the weights the
 region reads as column-major copies (runtime/weight_layouts.py) must also be the same objects with the same
-version counter (the copy holds their values then; a counter belongs to its object). A memo's flat views hold their storages, and it holds the storages the copies
-were made from, so no other memory can take a viewed or copied parameter's address: the same data pointer is the
-same memory (a storage freed in place, as FSDP2 does with ``resize_(0)``, moves the tensor's pointer to 0; one
-resized elsewhere moves it too). The caller has checked
+version counter (the copy holds their values then; a counter belongs to its object). A memo's flat views hold
+their storages, and it holds the storages the copies were made from, so no other memory can take a viewed or
+copied parameter's address: the same data pointer is the same memory (a storage freed in place, as FSDP2 does
+with ``resize_(0)``, moves the tensor's pointer to 0; one resized elsewhere moves it too). The caller has checked
 everything else of the call's dispatch key (every tensor's metadata and storage offset, the scalars, the value
 bounds). Anything else makes a new memo through the region's ``prepare``, as a region call would. Memos are kept
 per anchor, the first parameter (by identity): diffusers' regional compile calls one graph with each block's
