@@ -46,7 +46,8 @@ class OutputSlot:
     buffer: str  # where the output is read from: an input buffer (a view) or a kernel-written buffer
     layout: ir.Layout
     input_index: int  # the input it views, -1 for a kernel-written buffer
-    dtype: torch.dtype | None  # the dtype handed back for a kernel-written buffer (int32 widened where eager's is int64)
+    # the dtype handed back for a kernel-written buffer (int32 widened where eager's is int64)
+    dtype: torch.dtype | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +103,9 @@ def written_outputs(slots: list[OutputSlot], outputs, launched: list[LoadedKerne
     """``LaunchPlan.written_outputs`` of a region whose outputs are ``slots`` (``outputs``: their TensorValues), whose
     ``launched`` kernels write the buffers."""
     written = {buffer.name for kernel in launched for buffer in kernel.source.outputs}
-    if REINTERPRET_TENSOR is None or not all(slot.input_index < 0 and slot.buffer in written and slot.dtype == TORCH_DTYPES[value.dtype]
-               for slot, value in zip(slots, outputs)):
+    if REINTERPRET_TENSOR is None or not all(
+            slot.input_index < 0 and slot.buffer in written and slot.dtype == TORCH_DTYPES[value.dtype]
+            for slot, value in zip(slots, outputs)):
         return None
     return tuple((slot.buffer, slot.layout.shape, slot.layout.strides, slot.layout.offset) for slot in slots)
 

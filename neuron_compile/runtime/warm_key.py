@@ -106,7 +106,8 @@ def input_lines(example_inputs: list) -> list[str]:
     lines = []
     for position, value in enumerate(example_inputs):
         storage = storages.setdefault(StorageWeakRef(value.untyped_storage()), position)
-        lines.append(f"{type(value).__name__} {str(value.dtype).removeprefix('torch.')}{list(value.shape)} strides {list(value.stride())} "
+        dtype = str(value.dtype).removeprefix("torch.")
+        lines.append(f"{type(value).__name__} {dtype}{list(value.shape)} strides {list(value.stride())} "
                      f"offset {value.storage_offset()} {value.device} requires_grad {value.requires_grad} "
                      f"view {value._is_view()} storage of input {storage}")
     return lines

@@ -11,19 +11,22 @@ wrapper does nothing but call our compiled graph with Dynamo's arguments under `
 
 * aot_autograd's facts (``aot_refusal``): no input's metadata or storage mutated, and a data mutation only where
   aot_autograd keeps it in its graph (``mutation_refusal``: a static cache's write), where its wrapper does nothing
-  for it but bump the input's version counter when autograd may see the write (the record keeps which); every output a non-alias (none is an input or a view of one; no intermediate bases), no effect
-  tokens, no subclass inputs or outputs, no graph-safe RNG state, and one ATen input per Dynamo input (nothing
-  deduplicated, lifted or made a synthetic base);
+  for it but bump the input's version counter when autograd may see the write (the record keeps which); every output
+  a non-alias (none is an input or a view of one; no intermediate bases), no effect tokens, no subclass inputs or
+  outputs, no graph-safe RNG state, and one ATen input per Dynamo input (nothing deduplicated, lifted or made a
+  synthetic base);
 * our compile of the first call (``entry_refusal``): one NKI region that reads every graph argument (and maybe small
-  constants of aot_autograd's graph, kept by value) and whose outputs are the graph's outputs, none viewing an input or sharing a buffer with another
-  (aot_autograd calls a view of an intermediate a non-alias in an inference graph; refused here too), loaded from or
-  stored in the on-disk cache, and that ran without failing. The region writes the mutated inputs itself.
+  constants of aot_autograd's graph, kept by value) and whose outputs are the graph's outputs, none viewing an input
+  or sharing a buffer with another (aot_autograd calls a view of an intermediate a non-alias in an inference graph;
+  refused here too), loaded from or stored in the on-disk cache, and that ran without failing. The region writes the
+  mutated inputs itself.
 
 The record holds which argument or constant each region input is and which region output each graph output is, the
-region's entry key (the kernels stay in the region's own entry, loaded as any disk hit is: the
-launcher checks every kernel text, codegen/kernel_check.py), the column-major weight inputs, the value-guarded float
-inputs, the dispatch signature of the first call (as text), the inputs whose version aot_autograd bumps, and the region's ATen node placements (for stats and
-messages). ``from_data`` refuses anything that is not what ``to_data`` writes (a ``ValueError``: a miss).
+region's entry key (the kernels stay in the region's own entry, loaded as any disk hit is: the launcher checks every
+kernel text, codegen/kernel_check.py), the column-major weight inputs, the value-guarded float inputs, the dispatch
+signature of the first call (as text), the inputs whose version aot_autograd bumps, and the region's ATen node
+placements (for stats and messages). ``from_data`` refuses anything that is not what ``to_data`` writes (a
+``ValueError``: a miss).
 """
 
 from __future__ import annotations
