@@ -71,12 +71,21 @@ def test_a_copy_is_made_once_per_version_and_storage():
         weight.mul_(2)  # an in-place update bumps the version counter
     second = copies.copy_of(weight)
     assert second is not first and torch.equal(second, weight)
+    assert copies.owns(second) and not copies.owns(weight)
+    first_id = id(first)
+    del first  # the remade copy's predecessor is forgotten: an object that takes its id next is not a copy
+    assert first_id not in copies._made
     weight.data = torch.randn(6, 8)  # a new storage, its own version counter
     assert torch.equal(copies.copy_of(weight), weight)
     activation = torch.randn(6, 8)
     assert copies.apply([activation, weight], (0, 1))[0] is activation  # only parameters are copied
-    del weight, first, second
+    latest = copies.copy_of(weight)
+    del weight, second
     assert len(copies) == 0  # a freed parameter frees its copy
+    assert copies.owns(latest)  # the copy itself lives on while someone holds it
+    latest_id = id(latest)
+    del latest
+    assert latest_id not in copies._made
 
 
 def test_compiled_linears_read_the_copy_and_see_updates():

@@ -2,8 +2,9 @@
 
 Input: a ``Kept`` the hit path keeps entries in (views by data pointer or by tensor, weight copies by weight, memos
 by anchor, plans by dispatch key) and a new entry, with the tensors it was made from. Output: the ``Kept`` with the
-entry, emptied first when it already holds ``KEPT_PER_OWNER`` entries (a graph called with ever-new tensors keeps
-working, with bounded memory, and starts keeping again from the next call); the entry is dropped again as soon as
+entry, emptied first when it already holds its limit of entries (``KEPT_PER_OWNER`` by default: a graph called with
+ever-new tensors keeps working, with bounded memory, and starts keeping again from the next call; a store whose
+entries each belong to one live object, as the weight copies do, has no limit); the entry is dropped again as soon as
 any tensor it was made from dies, so nothing the hit path keeps outlives the model whose weights it views: a freed
 model frees its memory, as it does without us.
 """
@@ -19,21 +20,22 @@ KEPT_PER_OWNER = 64
 
 
 class Kept(dict):
-    """``key -> entry``, at most ``KEPT_PER_OWNER`` of them; an entry kept with ``owners`` lives no longer than the
-    first of them to die. Readers use the plain dict's ``get``.
+    """``key -> entry``, at most ``limit`` of them (None: no limit); an entry kept with ``owners`` lives no longer
+    than the first of them to die. Readers use the plain dict's ``get``.
 
     While an entry with owners is present its owners are alive, so it may key or compare them by ``id`` without
     holding them (holding one would keep it alive for good). A weak reference's callback runs while its object is
     deallocated, before its id can be reused. A callback may run in any thread; racing a ``keep`` of the same key,
     it may drop the newer entry, which costs one remake and is never a wrong entry."""
 
-    def __init__(self):
+    def __init__(self, limit: int | None = KEPT_PER_OWNER):
         super().__init__()
+        self.limit = limit
         self.lifelines: dict = {}  # key -> weak references to the owners of the entry kept there
 
     def keep(self, key, entry, owners: tuple = ()) -> None:
         """``self[key] = entry``, emptying ``self`` first when it is full; dropped when any of ``owners`` dies."""
-        if len(self) >= KEPT_PER_OWNER:
+        if self.limit is not None and len(self) >= self.limit:
             self.clear()
             self.lifelines.clear()
         self[key] = entry

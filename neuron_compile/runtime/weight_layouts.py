@@ -20,7 +20,6 @@ weight; ``NEURON_COMPILE_TRANSPOSED_WEIGHTS=0`` keeps the weights as given.
 
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 
@@ -38,52 +37,37 @@ class ColumnMajorCopies:
     tensor can come at that address meanwhile: a weight swapped in two steps (``w.data = torch.empty(0)``, later
     ``w.data = new``) cannot land at its old address with its old version and be taken for the copied one.
 
-    Keyed by ``id`` in a plain dict, with a weak reference that tells the parameter apart from a later object of
-    the same id and drops the entry when the parameter dies: torch's ``WeakIdKeyDictionary`` makes a weak reference
-    on every lookup, and a cache hit looks up every transposed weight of the graph."""
+    Kept by ``id`` in a ``Kept`` without a limit (one entry per live parameter), which drops an entry when its
+    parameter dies, so an entry found under a parameter's id is that parameter's: torch's ``WeakIdKeyDictionary``
+    makes a weak reference on every lookup, and a cache hit looks up every transposed weight of the graph."""
 
     def __init__(self):
-        self._copies: dict[int, tuple[weakref.ref, tuple, torch.Tensor, torch.Tensor]] = {}
+        self._copies = Kept(limit=None)  # id(weight) -> (stamp, copy, the memory the copy was made from)
         # every live copy, by id (``owns``; not a WeakSet: it compares members with ``==``, elementwise for tensors)
-        self._made: dict[int, weakref.ref] = {}
-        # Reentrant: a parameter may die (and _forget run) in a garbage collection inside the locked section.
-        self._lock = threading.RLock()
+        self._made = Kept(limit=None)
+        self._lock = threading.Lock()
 
     def copy_of(self, weight: torch.nn.Parameter) -> torch.Tensor:
         """``weight``'s column-major copy, made now if the weight changed since the last one."""
         stamp = (weight._version, weight.data_ptr(), weight.shape, weight.stride(), weight.storage_offset())
         entry = self._copies.get(id(weight))
-        if entry is not None and entry[0]() is weight and entry[1] == stamp:
-            return entry[2]
+        if entry is not None and entry[0] == stamp:
+            return entry[1]
         with self._lock:
             entry = self._copies.get(id(weight))
-            if entry is None or entry[0]() is not weight or entry[1] != stamp:
+            if entry is None or entry[0] != stamp:
                 with torch.no_grad():
                     copy = weight.detach().movedim(0, -1).contiguous().movedim(-1, 0)
-                forget = functools.partial(self._forget, id(weight))
-                entry = self._copies[id(weight)] = (weakref.ref(weight, forget), stamp, copy, weight.detach())
-                self._made[id(copy)] = weakref.ref(copy, functools.partial(self._forget_copy, id(copy)))
+                entry = (stamp, copy, weight.detach())
+                self._copies.keep(id(weight), entry, owners=(weight,))
+                self._made.keep(id(copy), True, owners=(copy,))
                 stats.add(weight_copies=1, weight_copy_bytes=copy.numel() * copy.element_size())
-        return entry[2]
-
-    def _forget(self, key: int, dead: weakref.ref) -> None:
-        """A parameter died: drop its copy (unless a new object of the same id has taken the entry since)."""
-        with self._lock:
-            entry = self._copies.get(key)
-            if entry is not None and entry[0] is dead:
-                del self._copies[key]
+        return entry[1]
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a copy made here: only ever read (a graph that writes a weight gets no copy of it,
         passes/layouts.py), over a storage of its own that nothing resizes, so one object is one memory."""
-        made = self._made.get(id(tensor))
-        return made is not None and made() is tensor
-
-    def _forget_copy(self, key: int, dead: weakref.ref) -> None:
-        """A copy died: forget it (unless a new copy of the same id has taken the entry since)."""
-        with self._lock:
-            if self._made.get(key) is dead:
-                del self._made[key]
+        return id(tensor) in self._made
 
     def apply(self, args: list, indices: tuple[int, ...]) -> list:
         """``args`` with the parameters at ``indices`` replaced by their copies (a new list; ``args`` unchanged)."""
@@ -113,15 +97,15 @@ class KeptCopies:
 
     def __init__(self, args: list, swapped: list, copies: ColumnMajorCopies = COPIES):
         self.copies = copies
-        # per swapped position: (position, {id(weight): (weak reference to the weight, its version, its data
-        # pointer, weak reference to the copy, the memory the copy was made from)})
+        # per swapped position: (position, {id(weight): (its version, its data pointer, weak reference to the copy,
+        # the memory the copy was made from)}); an entry present is its weight's (``Kept`` drops it when it dies)
         self.kept = [(position, Kept()) for position in range(len(args)) if swapped[position] is not args[position]]
         for position, kept in self.kept:
             self.keep(kept, args[position], swapped[position])
 
     @staticmethod
     def keep(kept: Kept, weight: torch.Tensor, copy: torch.Tensor) -> None:
-        stamp = weakref.ref(weight), weight._version, weight.data_ptr(), weakref.ref(copy), weight.detach()
+        stamp = weight._version, weight.data_ptr(), weakref.ref(copy), weight.detach()
         kept.keep(id(weight), stamp, owners=(weight,))
 
     def apply(self, args: list) -> list:
@@ -133,9 +117,8 @@ class KeptCopies:
             weight = args[position]
             entry = kept.get(id(weight))
             copy = None
-            if entry is not None and entry[0]() is weight and weight._version == entry[1] \
-                    and weight.data_ptr() == entry[2]:
-                copy = entry[3]()
+            if entry is not None and weight._version == entry[0] and weight.data_ptr() == entry[1]:
+                copy = entry[2]()
             if copy is None:
                 copy = self.copies.copy_of(weight)
                 self.keep(kept, weight, copy)
