@@ -11,8 +11,10 @@ roofline ``max(FLOPs / TensorE peak, (parameters + inputs + outputs) bytes / DMA
 Graphs (random weights, tiny configs built in code, nothing downloaded), at hidden 512 fp32 and hidden 2048
 bf16, seq 128 and 1024, batch 1: a Llama MLP (gate/up/down, SiLU), LayerNorm + Linear + GELU, causal attention
 written with matmuls and softmax, a VAE's GroupNorm (32 groups over ``hidden`` channels of ``seq`` x 16 pixels), a
-1-layer LlamaModel, a 2-layer LlamaForCausalLM, and one decode step of that
-model with a static cache of ``seq`` positions (prefilled eagerly with ``seq - 1`` tokens). Inductor only
+1-layer LlamaModel, a 2-layer LlamaForCausalLM, one decode step of that
+model with a static cache of ``seq`` positions (prefilled eagerly with ``seq - 1`` tokens), and a 1-layer model of
+other popular architectures sized as the Llama one (``qwen3_layer``, ``mistral_layer``, ``gemma3_layer``,
+``phi3_layer``; not in the default run). Inductor only
 schedules: its compile stops once the scheduler has fused (no C++ is generated or built) and the graph then runs
 eagerly. Needs the ``models`` extra (transformers) for the Llama graphs.
 
@@ -134,6 +136,25 @@ def llama_2layer(hidden: int, dtype: torch.dtype, seq: int) -> Case:
     return Case(lambda ids: model(ids).logits, (tokens(seq),), [*model.parameters(), *model.buffers()])
 
 
+def decoder_layer(model_type: str) -> Callable[[int, torch.dtype, int], Case]:
+    """One decoder layer of another popular architecture (``model_type`` as transformers names it), sized as
+    ``llama_layer``: what users of those models get next to the Llama goal point."""
+
+    def case(hidden: int, dtype: torch.dtype, seq: int) -> Case:
+        from transformers import AutoConfig, AutoModel
+
+        heads = hidden // HEAD_DIM
+        config = AutoConfig.for_model(
+            model_type, vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate_size(hidden),
+            num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=max(1, heads // 8), head_dim=HEAD_DIM,
+            max_position_embeddings=max(seq, 128), tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+        model = AutoModel.from_config(config).eval().to(dtype)
+        return Case(lambda ids: model(ids).last_hidden_state, (tokens(seq),),
+                    [*model.parameters(), *model.buffers()])
+
+    return case
+
+
 def decode_step(hidden: int, dtype: torch.dtype, seq: int) -> Case:
     """One token through the 2-layer model, attending over a static cache of ``seq`` positions (``seq - 1``
     filled by an eager prefill)."""
@@ -172,6 +193,9 @@ GRAPHS: dict[str, Callable[[int, torch.dtype, int], Case]] = {
     "llama_2layer": llama_2layer,
     "decode": decode_step,
 }
+DEFAULT_GRAPHS = list(GRAPHS)  # the other architectures' layers run with --only
+GRAPHS.update({f"{name}_layer": decoder_layer(model_type) for name, model_type in (
+    ("qwen3", "qwen3"), ("mistral", "mistral"), ("gemma3", "gemma3_text"), ("phi3", "phi3"))})
 
 
 # ---------------------------------------------------------------- measurements
@@ -465,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # the machine is shared; the simulator's numbers do not depend on threads
     if args.smoke:
         return smoke()
-    graphs = args.only.split(",") if args.only else list(GRAPHS)
+    graphs = args.only.split(",") if args.only else DEFAULT_GRAPHS
     unknown = [graph for graph in graphs if graph not in GRAPHS]
     if unknown:
         parser.error(f"unknown graph(s) {unknown}: choose from {list(GRAPHS)}")
