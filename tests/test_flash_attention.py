@@ -402,13 +402,15 @@ def attention_rows(q, k, v, causal):
 
 @settings(max_examples=10, deadline=None)
 @given(queries=st.sampled_from([1, 127, 128, 129, 300]), group=st.sampled_from([2, 3, 8]), causal=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), batch=st.sampled_from([1, 2]))
-def test_a_groups_query_heads_share_one_q_load_and_one_store_per_query_tile(queries, group, causal, dtype, batch):
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), batch=st.sampled_from([1, 2]),
+       kv_heads=st.sampled_from([1, 2]))
+def test_a_groups_query_heads_share_one_q_load_and_one_store_per_query_tile(queries, group, causal, dtype, batch,
+                                                                            kv_heads):
     """Grouped-query attention with a query tile per head: the group's heads take each query tile position in
     turn, q^T of all of them comes in one DMA transpose and their outputs leave in one store; every key/value head
     stays resident and the positions go outermost. Each head's output is exactly what the kernel gives that head
     alone (the same instructions on the same tiles)."""
-    q, k, v = model_qkv(queries, 2 * group, 2, dtype, batch)
+    q, k, v = model_qkv(queries, kv_heads * group, kv_heads, dtype, batch)
     region, (grouped,) = compile_and_run(lambda q, k, v: attention_rows(q, k, v, causal), q, k, v)
     torch.testing.assert_close(grouped, attention_rows(q, k, v, causal), rtol=TOLERANCES[dtype][0],
                                atol=TOLERANCES[dtype][1])
@@ -416,7 +418,7 @@ def test_a_groups_query_heads_share_one_q_load_and_one_store_per_query_tile(quer
     if queries >= 127:  # (a single query: the decode form; its own tests)
         assert len(sources) == 1 and f"output of the {group} heads of a group in one DMA each" in sources[0]
         assert "query tile positions outermost" in sources[0]
-    for head in range(2 * group):
+    for head in range(kv_heads * group):
         kv = head // group
         _, (alone,) = compile_and_run(lambda q, k, v: attention_rows(q, k, v, causal), q[:, head:head + 1],
                                       k[:, kv:kv + 1], v[:, kv:kv + 1])
@@ -433,3 +435,26 @@ def test_a_head_group_keeps_one_key_value_head_resident_where_all_would_not_fit(
     (kernel,) = region.kernels
     assert "heads of a group in one DMA each" in kernel.source
     assert "query tile positions outermost" not in kernel.source
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_one_key_value_head_written_into_an_empty_cache_needs_no_head_loop(kv_heads):
+    """Phi3's layer with one key/value head: q, k and v are slices of one projection, k and v go through a cat
+    with the empty cache (transformers' first DynamicCache write), so no outer dim of the attention chooses a
+    key/value head; the kernel keeps its single head under the empty key (its text once said ``heads[(,)]``)."""
+    x = random_tensor((1, 128, 256), torch.bfloat16, seed=1)
+    weight = random_tensor((256 + 128 * kv_heads, 256), torch.bfloat16, seed=2) / 16
+
+    def layer(x, weight):
+        qkv = x @ weight.t()
+        q = qkv[..., :256].view(1, 128, 4, 64).transpose(1, 2)
+        k, v = (qkv[..., start:start + 64 * kv_heads].view(1, 128, kv_heads, 64).transpose(1, 2)
+                for start in (256, 256 + 64 * kv_heads))
+        empty = torch.zeros(1, kv_heads, 0, 64, dtype=x.dtype)
+        out = SDPA(q * 2, torch.cat([empty, k * 2], -2), torch.cat([empty, v], -2), is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(1, 128, -1)
+
+    with config.patch(fallback="raise"):
+        region = check_against_eager(layer, x, weight, tolerances=TOLERANCES)
+    (attention,) = [kernel.source for kernel in region.kernels if kernel.name.startswith("attention_kernel")]
+    assert ("heads[()]" in attention) == (kv_heads == 1)

@@ -259,6 +259,7 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
     context = kernel_context(
         node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue,
         kv_dims=kv_dims, group_dims=group_dims, kv_params=", ".join(f"o{i}" for i in kv_dims),
+        kv_key=f"({', '.join(f'o{i}' for i in kv_dims)},)" if kv_dims else "()",  # a single head: the empty tuple
         tile_params="".join(f"o{i}, " for i in kv_dims + group_dims),
         group_first="".join(f"o{j} == 0 and " for j in group_dims), operand_dtype=NL_DTYPES[node.q.dtype], value_dim=value_dim,
         keys=node.keys, key_chunks=math.ceil(node.keys / 128), scale=float(node.scale), causal=node.causal,
