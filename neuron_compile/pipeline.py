@@ -4,13 +4,14 @@ Input: an aot_autograd ATen graph (already decomposed by our table, backend.py) 
 arguments. Output: for each NKI region, a ``CompiledRegion`` ready to launch.
 
 ``PASSES`` is the order, as data: graph passes (``specialize``, ``bound inputs``, ``complex pairs``,
-``flex attention``, ``attention pattern``, ``partition``) run once per graph and call signature
+``flex attention``, ``attention pattern``, ``split projections``, ``partition``) run once per graph and call signature
 (runtime/compiled_graph.py drives them; ``bound inputs`` applies the integer-input guard that the dispatch key
 checks on every call, passes/input_ranges.py; ``complex pairs`` carries complex64 values as fp32 pairs,
 passes/complex_pairs.py; ``flex attention`` inlines the ATen ops of flex attention's reference,
 passes/flex_attention.py, where tracing is allowed: a compiled graph inlines it while Dynamo compiles, and its
 per-signature pass, at call time, does not trace; ``attention pattern`` makes hand-written attention one SDPA node,
-passes/attention_pattern.py); region passes (``lower`` ... ``load``) run per NKI region (``compile_region``).
+passes/attention_pattern.py; ``split projections`` makes a product read in column ranges one product per range,
+passes/split_projections.py); region passes (``lower`` ... ``load``) run per NKI region (``compile_region``).
 Every pass is a function of the previous pass's output and a ``PassContext``, and has a ``describe`` that prints
 its output: with ``NEURON_COMPILE_DUMP`` set, the IR after every pass is written to the dump (``on_pass`` receives
 each pass's name and text). Every failure in a region pass is a ``LoweringError`` that names the op or the kernel.
@@ -38,6 +39,7 @@ from neuron_compile.passes.fusion import FusionResult, fuse
 from neuron_compile.passes.input_ranges import bound_integer_inputs, describe_bounds
 from neuron_compile.passes.partition import partition_graph
 from neuron_compile.passes.specialize import specialize
+from neuron_compile.passes.split_projections import split_projections
 from neuron_compile.passes.tiling import TilingError, plan_kernel
 from neuron_compile.rendered_region import RenderedRegion
 from neuron_compile.runtime import disk_cache, stats
@@ -107,6 +109,10 @@ def _flex_attention(gm: torch.fx.GraphModule, context: PassContext) -> torch.fx.
 
 def _attention_pattern(gm: torch.fx.GraphModule, context: PassContext) -> torch.fx.GraphModule:
     return fuse_attention(gm) if context.config is None or context.config.flash_attention else gm
+
+
+def _split_projections(gm: torch.fx.GraphModule, context: PassContext) -> torch.fx.GraphModule:
+    return split_projections(gm)
 
 
 def _partition(gm: torch.fx.GraphModule, context: PassContext):
@@ -261,6 +267,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("complex pairs", "graph", _complex_pairs, lambda gm: str(gm.graph)),
     Pass("flex attention", "graph", _flex_attention, lambda gm: str(gm.graph)),
     Pass("attention pattern", "graph", _attention_pattern, lambda gm: str(gm.graph)),
+    Pass("split projections", "graph", _split_projections, lambda gm: str(gm.graph)),
     Pass("partition", "graph", _partition, _describe_partition),
     Pass("lower", "region", _lower, _describe_lowered),
     Pass("guard ranges", "region", _guard_ranges, _describe_lowered),

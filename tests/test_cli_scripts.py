@@ -119,7 +119,7 @@ def test_dump_writes_every_stage_of_a_graph(dumped):
     passes = sorted(path.name for path in (folder / "passes").iterdir())
     assert [re.sub(r"^\d\d-", "", name) for name in passes] == [
         "specialize.txt", "bound_inputs.txt", "complex_pairs.txt", "flex_attention.txt", "attention_pattern.txt",
-        "partition.txt",
+        "split_projections.txt", "partition.txt",
         "lower.nki_region_0.txt",
         "guard_ranges.nki_region_0.txt",
         "fuse.nki_region_0.txt", "plan_tiles.nki_region_0.txt", "render.nki_region_0.txt", "load.nki_region_0.txt"]

@@ -47,8 +47,8 @@ def test_an_unknown_node_type_is_refused_by_name():
 
 def test_passes_are_one_named_list_in_pipeline_order():
     assert [step.name for step in pipeline.PASSES] == [
-        "specialize", "bound inputs", "complex pairs", "flex attention", "attention pattern", "partition", "lower",
-        "guard ranges", "fuse", "plan tiles", "render", "load"]
+        "specialize", "bound inputs", "complex pairs", "flex attention", "attention pattern", "split projections",
+        "partition", "lower", "guard ranges", "fuse", "plan tiles", "render", "load"]
     assert {step.level for step in pipeline.PASSES} == {"graph", "region"}
 
 
@@ -73,11 +73,11 @@ def test_dump_dir_holds_the_ir_after_every_pass(tmp_path, monkeypatch):
         torch.testing.assert_close(compiled(x), torch.relu(x) + 1.0)
     (dump,) = tmp_path.glob("graph_*/*/record.txt")
     text = dump.read_text()
-    for name in ("specialize", "bound inputs", "complex pairs", "flex attention", "attention pattern", "partition",
-                 "lower", "guard ranges", "fuse", "plan tiles", "render", "load"):
+    for name in ("specialize", "bound inputs", "complex pairs", "flex attention", "attention pattern",
+                 "split projections", "partition", "lower", "guard ranges", "fuse", "plan tiles", "render", "load"):
         assert f"== after pass {name}" in text, name
     passes = sorted(path.name for path in (dump.parent / "passes").iterdir())
-    assert passes[:7] == ["00-specialize.txt", "01-bound_inputs.txt", "02-complex_pairs.txt",
-                          "03-flex_attention.txt", "04-attention_pattern.txt", "05-partition.txt",
-                          "06-lower.nki_region_0.txt"]
-    assert len(passes) == 12
+    assert passes[:8] == ["00-specialize.txt", "01-bound_inputs.txt", "02-complex_pairs.txt",
+                          "03-flex_attention.txt", "04-attention_pattern.txt", "05-split_projections.txt",
+                          "06-partition.txt", "07-lower.nki_region_0.txt"]
+    assert len(passes) == 13

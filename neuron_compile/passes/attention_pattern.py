@@ -29,14 +29,14 @@ a [queries, keys] one expanded over batch and heads), and a constant one that ma
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
+
+from neuron_compile.passes.graph_nodes import emit
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -262,17 +262,6 @@ def _is_causal(match: AttentionMatch) -> bool:
     return queries == keys and bool((attended.expand(*attended.shape[:-2], queries, keys) == causal).all())
 
 
-def _emit(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
-    """A new node computing ``target(*args, **kwargs)``, its meta value computed on the arguments' values, in the
-    graph's fake mode (an op making a tensor of its own, ``scalar_tensor``, makes a fake one there)."""
-    node = graph.call_function(target, args, kwargs)
-    values = torch.fx.node.map_arg(args, lambda arg: arg.meta["val"])
-    fake_mode = detect_fake_mode(list(values)) or _graph_fake_mode(graph)
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        node.meta["val"] = target(*values, **kwargs)
-    return node
-
-
 def _replace(graph: torch.fx.Graph, match: AttentionMatch) -> None:
     """The probabilities' bmm replaced by SDPA over the bmms' own 3-D operands as [batch x heads, 1, seq, dim]:
     its output (contiguous, as the bmm's) feeds the same readers, whose shapes and strides stay as traced."""
@@ -281,15 +270,15 @@ def _replace(graph: torch.fx.Graph, match: AttentionMatch) -> None:
         mask = None if causal else match.additive
         if match.boolean_mask is not None and not causal and not _masks_nothing(match):
             mask = _additive_mask(graph, match)
-        q = _emit(graph, aten.unsqueeze.default, match.q, 1)
-        k = _emit(graph, aten.unsqueeze.default, _emit(graph, aten.transpose.int, match.k, 1, 2), 1)
-        v = _emit(graph, aten.unsqueeze.default, match.v, 1)
-        attention = _emit(graph, SDPA, q, k, v, mask, 0.0, causal, scale=match.scale)
-        output = _emit(graph, aten.squeeze.dim, attention, 1)
+        q = emit(graph, aten.unsqueeze.default, match.q, 1)
+        k = emit(graph, aten.unsqueeze.default, emit(graph, aten.transpose.int, match.k, 1, 2), 1)
+        v = emit(graph, aten.unsqueeze.default, match.v, 1)
+        attention = emit(graph, SDPA, q, k, v, mask, 0.0, causal, scale=match.scale)
+        output = emit(graph, aten.squeeze.dim, attention, 1)
         if output.meta["val"].stride() != match.output.meta["val"].stride():
             # SDPA lays its output out as the query (a transposed [batch, seq, heads, dim] one too); the readers
             # were traced on the bmm's contiguous output and read it through those strides
-            output = _emit(graph, aten.clone.default, output, memory_format=torch.contiguous_format)
+            output = emit(graph, aten.clone.default, output, memory_format=torch.contiguous_format)
         if not _every_row_attends(match) and not match.zero_rows:
             output = _nan_rows(graph, match, output)
     match.output.replace_all_uses_with(output)
@@ -302,34 +291,25 @@ def _nan_rows(graph: torch.fx.Graph, match: AttentionMatch, output: torch.fx.Nod
     if match.boolean_mask is not None:
         masked = match.boolean_mask
         if not match.true_masks:
-            masked = _emit(graph, aten.logical_not.default, masked)
+            masked = emit(graph, aten.logical_not.default, masked)
     else:
-        masked = _emit(graph, aten.eq.Scalar, match.additive, -math.inf)
-    flags = _emit(graph, aten._to_copy.default, masked, dtype=torch.float32)
-    every_key = _emit(graph, aten.amin.default, flags, [-1], True)
-    rows = _emit(graph, aten.view.default, every_key, [every_key.meta["val"].shape[-2], 1])
-    term = _select(graph, _emit(graph, aten.eq.Scalar, rows, 1.0), math.nan, 0.0, output.meta["val"].dtype)
-    return _emit(graph, aten.add.Tensor, output, term)
-
-
-def _graph_fake_mode(graph: torch.fx.Graph):
-    """The fake mode of the graph's node values (for ops without tensor arguments), or None."""
-    for node in graph.nodes:
-        mode = detect_fake_mode([node.meta.get("val")])
-        if mode is not None:
-            return mode
-    return None
+        masked = emit(graph, aten.eq.Scalar, match.additive, -math.inf)
+    flags = emit(graph, aten._to_copy.default, masked, dtype=torch.float32)
+    every_key = emit(graph, aten.amin.default, flags, [-1], True)
+    rows = emit(graph, aten.view.default, every_key, [every_key.meta["val"].shape[-2], 1])
+    term = _select(graph, emit(graph, aten.eq.Scalar, rows, 1.0), math.nan, 0.0, output.meta["val"].dtype)
+    return emit(graph, aten.add.Tensor, output, term)
 
 
 def _select(graph: torch.fx.Graph, condition: torch.fx.Node, if_true: float, if_false: float, dtype):
     """where(condition, if_true, if_false) in ``dtype``, the numbers as 0-d tensors (the lowered ``where``)."""
-    return _emit(graph, aten.where.self, condition, _emit(graph, aten.scalar_tensor.default, if_true, dtype=dtype),
-                 _emit(graph, aten.scalar_tensor.default, if_false, dtype=dtype))
+    return emit(graph, aten.where.self, condition, emit(graph, aten.scalar_tensor.default, if_true, dtype=dtype),
+                 emit(graph, aten.scalar_tensor.default, if_false, dtype=dtype))
 
 
 def _additive_mask(graph: torch.fx.Graph, match: AttentionMatch) -> torch.fx.Node:
     """The boolean mask as SDPA's additive one: -inf where a key is masked, 0 elsewhere, in the inputs' dtype."""
     masked = match.boolean_mask
     if not match.true_masks:
-        masked = _emit(graph, aten.logical_not.default, masked)
+        masked = emit(graph, aten.logical_not.default, masked)
     return _select(graph, masked, -math.inf, 0.0, match.q.meta["val"].dtype)
