@@ -7,6 +7,8 @@ eager relative to eager's largest value.
 
 * ``qk_statistic``: Flux's q / k RMSNorm statistic alone, ``rsqrt(mean(x * x) + eps)`` over [1, 1280, 8, 128];
 * ``qk_rms_norm``: the whole q / k RMSNorm with its weight (one kernel with a row epilogue), as Flux runs it;
+* ``transposed_qk_rms_norm``: Gemma3's q norm, ``x * rsqrt(mean(x * x) + eps) * (1 + w)`` over the heads of
+  [1, 256, 32, 64] projection rows viewed heads first (the rows of one position lie side by side in memory);
 * ``layer_norm``: ``layer_norm`` over [1, 1280, 1024] (Flux's AdaLayerNorm before its modulation);
 * ``wan_norm``: Wan's FP32LayerNorm and modulation, ``(layer_norm(x.float()) * (1 + scale) + shift).to(bf16)``
   over [1, 1024, 1024].
@@ -35,6 +37,13 @@ def qk_rms_norm(x, weight):
     return (normalized.to(weight.dtype) * weight).to(x.dtype)
 
 
+def transposed_qk_rms_norm(x, weight):
+    """Gemma3's q norm: over the heads of [batch, seq, heads, dim] projection rows viewed [batch, heads, seq, dim]."""
+    heads_first = x.transpose(1, 2)
+    normalized = heads_first.float() * qk_statistic(heads_first)
+    return (normalized * (1.0 + weight.float())).to(x.dtype)
+
+
 def layer_norm(x):
     return torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=EPS)
 
@@ -54,6 +63,7 @@ def cases() -> dict:
     return {
         "qk_statistic": (qk_statistic, (heads,)),
         "qk_rms_norm": (qk_rms_norm, (heads, randn(128))),
+        "transposed_qk_rms_norm": (transposed_qk_rms_norm, (randn(1, 256, 32, 64), randn(64))),
         "layer_norm": (layer_norm, (randn(1, 1280, 1024),)),
         "wan_norm": (wan_norm, (randn(1, 1024, 1024), randn(1, 1, 1024, dtype=torch.float32),
                                 randn(1, 1, 1024, dtype=torch.float32))),

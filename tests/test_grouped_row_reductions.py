@@ -146,3 +146,43 @@ def test_grouped_rows_cut_the_statistics_estimate_and_the_norms_dma_time(monkeyp
     assert grouped[0][0] < 0.6 * single[0][0]
     # the fused norm: inside a model's region launch its DMAs share the pool with every other kernel's
     assert grouped[1][1] < 0.5 * single[1][1]
+
+
+def expected_heads_per_partition(heads: int, width: int) -> int:
+    """Rows grouped from an outer dim (the heads of a heads-first view): the largest divisor of the heads that
+    keeps at most GROUPED_ROWS_MAX_ELEMENTS per partition."""
+    return max(k for k in range(1, heads + 1) if heads % k == 0 and k * width <= GROUPED_ROWS_MAX_ELEMENTS)
+
+
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.sampled_from([2, 127, 128, 129, 200]), heads=st.sampled_from([5, 8, 32]),
+       head_dim=st.sampled_from([64, 128]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       name=st.sampled_from(sorted(ROW_REDUCTIONS) + sorted(ROW_EPILOGUES)))
+def test_heads_first_views_group_the_heads_of_a_position_per_partition(tokens, heads, head_dim, dtype, name):
+    """Gemma3's q / k norms run after the heads' transpose: [batch, heads, seq, dim] over rows laid out [batch, seq,
+    heads, dim]. A position's heads lie side by side in memory, so they share a partition (one DMA of k x dim
+    contiguous elements), not consecutive positions (k rows far apart)."""
+    x = random_tensor((1, tokens, heads, head_dim), dtype, seed=tokens + 3 * heads)
+    weight = random_tensor((head_dim,), dtype, seed=11)
+    if name in ROW_REDUCTIONS:
+        region = check_against_eager(lambda a: ROW_REDUCTIONS[name](a.transpose(1, 2)), x,
+                                     fp32_reference=dtype == torch.bfloat16 and name == "sum")
+    else:
+        region = check_against_eager(lambda a, w: ROW_EPILOGUES[name](a.transpose(1, 2), w), x, weight)
+    assert rows_per_partition(region) == expected_heads_per_partition(heads, head_dim)
+
+
+def test_grouped_heads_cut_a_heads_first_norms_dma_time(monkeypatch):
+    from neuron_compile.kinds import reduction
+
+    x = random_tensor((1, 256, 32, 64), torch.bfloat16, seed=12)
+    weight = random_tensor((64,), torch.bfloat16, seed=13)
+
+    def dma_time() -> float:
+        with neuron_compile.record_launches() as launches:
+            check_against_eager(lambda a, w: rms_norm(a.transpose(1, 2), w), x, weight)
+        return sum(launch.report.busy_s_per_engine["dma"] for launch in launches)
+
+    grouped = dma_time()
+    monkeypatch.setattr(reduction, "rows_beside_each_row", lambda *args: None)  # consecutive positions grouped
+    assert grouped < 0.4 * dma_time()

@@ -48,7 +48,13 @@ from neuron_compile.kind_registry import loads, register_kind
 from neuron_compile.kinds import reduction_siblings
 from neuron_compile.kinds.fusion_rules import ProloguedKind, matching_index_reason, stored_exprs
 from neuron_compile.kinds.rows import count_row_tiles, partition_dim, row_budget, row_dims, row_layouts
-from neuron_compile.tiles import TilePlan, largest_divisor_at_most, rows_per_partition
+from neuron_compile.tiles import (
+    GROUPED_ROWS_MAX_ELEMENTS,
+    TilePlan,
+    free_tile,
+    largest_divisor_at_most,
+    rows_per_partition,
+)
 
 REDUCE_OPS = {"sum": "nl.add", "mean": "nl.add", "var": "nl.add", "max": "nl.maximum", "min": "nl.minimum",
               "prod": "nl.multiply"}
@@ -89,10 +95,44 @@ def plan_reduction(node: ir.Reduction, target) -> TilePlan:
                             cross_partition=True)
     partition, free = partition_dim(kept, target), tuple(budget.free_dims())
     if _short_rows(node, reduced, budget):
-        # several rows per partition (a q / k norm's 128-element heads), each tensor_reduce taking k of them
+        # several rows per partition (a q / k norm's 128-element heads), each tensor_reduce taking k of them: the
+        # rows next to each one in memory where an outer dim holds them (heads of [batch, heads, seq, 64] laid out
+        # [batch, seq, heads, 64]), else consecutive rows of the partition dim
+        grouped = rows_beside_each_row(kept, reduced[0], layouts, budget.tiles, target)
+        if grouped is not None:
+            outer, inner = grouped
+            return TilePlan("reduction", outer, partition, (inner, free[0]), budget.tiles, grouped_rows=True)
         partition, free = rows_per_partition(partition, free[0], budget.tiles, target)
         return TilePlan("reduction", tuple(kept[:-1]), partition, free, budget.tiles, grouped_rows=len(free) > 1)
     return TilePlan("reduction", tuple(kept[:-1]), partition, free, budget.tiles)
+
+
+def rows_beside_each_row(kept: list[LoopDim], row: LoopDim, layouts: list[ir.Layout], tiles: int,
+                         target) -> tuple[tuple[LoopDim, ...], LoopDim] | None:
+    """(outer dims, the dim of rows per partition) when an outer kept dim steps from a row to the next one in every
+    layout (a contiguous row, then the next): ``k`` of its rows go on each partition, its remaining ``size / k``
+    stay an outer loop, so one DMA moves k x row contiguous elements per partition where the partition dim's rows
+    lie far apart (a q / k norm after the heads' transpose: 128 bytes per row otherwise). None where no outer dim
+    does, or its rows are already the partition dim's neighbours."""
+    along_rows = [layout for layout in layouts if row.stride(layout) != 0]  # (not the per-row results' stores)
+    if len(kept) < 2 or row.source is None or any(row.stride(layout) != 1 for layout in along_rows):
+        return None
+
+    def next_rows(dim: LoopDim) -> bool:  # its step is a row in every layout that moves along it
+        steps = {dim.stride(layout) for layout in along_rows} - {0}
+        return dim.source is not None and steps == {row.size}
+
+    beside = [dim for dim in kept[:-1] if next_rows(dim)]
+    if not beside or next_rows(kept[-1]):
+        return None
+    fits = max(1, min(free_tile(row.size * beside[-1].size, tiles, target), GROUPED_ROWS_MAX_ELEMENTS) // row.size)
+    per_partition = largest_divisor_at_most(beside[-1].size, fits)
+    if per_partition < 2:
+        return None
+    dim = beside[-1]
+    rest = [LoopDim(dim.size // per_partition, dim.source, dim.multiplier * per_partition)] * (dim.size > per_partition)
+    outer = [kept_dim for other in kept[:-1] for kept_dim in (rest if other is dim else [other])]
+    return tuple(outer), LoopDim(per_partition, dim.source, dim.multiplier, per_partition)
 
 
 def _short_rows(node: ir.Reduction, reduced: list[LoopDim], budget) -> bool:
