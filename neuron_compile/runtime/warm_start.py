@@ -179,7 +179,8 @@ class WarmGraph:
             return None
         else:
             stats.count_hit()
-        self.hit_plan = HitPlan.of(config, args, swapped, self.entry, self.float_guarded)
+        if self.hit_plan is None:  # made once, as CompiledGraph keeps one per key (this graph has one key)
+            self.hit_plan = HitPlan.of(config, args, swapped, self.entry, self.float_guarded)
         self.bump_versions(args)
         return self.entry.forward(*swapped)
 
