@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from lowering_harness import check_against_eager, random_tensor, trace
 
 from neuron_compile.pipeline import compile_region
@@ -185,3 +187,39 @@ def test_index_tensor_several_indices_out_of_range_raises():
             region(x, torch.tensor([1, 2]), index)
         with pytest.raises(IndexError):
             _run_compiled(lambda a, i, j: a[i, j], x, torch.tensor([1, 2]), index, fallback="silent")
+
+
+def scaled_embedding(ids, weight, scale):
+    """Gemma's embedding: the gathered rows times sqrt(hidden) (a 0-d buffer), one kernel."""
+    return torch.nn.functional.embedding(ids, weight) * scale.to(weight.dtype)
+
+
+@settings(max_examples=12, deadline=None)
+@given(rows=st.sampled_from([1, 127, 128, 129, 300]), width=st.sampled_from([1, 96, 700]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_a_row_gather_takes_its_elementwise_consumers_as_an_epilogue(rows, width, dtype):
+    ids = torch.randint(0, 50, (1, rows), generator=torch.Generator().manual_seed(rows))
+    weight, scale = random_tensor((50, width), dtype, seed=1), torch.tensor(width ** 0.5)
+    region = check_against_eager(scaled_embedding, ids, weight, scale)
+    gathers = [kernel for kernel in region.kernels if kernel.name.startswith("gather_kernel")]
+    assert len(gathers) == 1 and "mul(result" in gathers[0].source  # the product is the gather's epilogue
+    assert not any(kernel.name.startswith("pointwise") and "mul" in kernel.source for kernel in region.kernels)
+    # a row read per element of another tensor, and a store of the rows themselves besides the epilogue's
+    offsets = random_tensor((1, rows, width), dtype, seed=2)
+    check_against_eager(lambda i, w, o: (torch.nn.functional.embedding(i, w) + o, torch.nn.functional.embedding(i, w)),
+                        ids, weight, offsets)
+
+
+def test_an_out_of_range_index_still_raises_with_an_epilogue():
+    weight, scale = random_tensor((10, 4), seed=3), torch.tensor(2.0)
+    region = compile_region(trace(scaled_embedding, torch.tensor([[0, 1]]), weight, scale),
+                            [torch.tensor([[0, 1]]), weight, scale])
+    with pytest.raises(Exception, match="err_tensor_access_out_of_bound"):
+        region(torch.tensor([[0, 10]]), weight, scale)
+
+
+def test_an_element_gather_takes_no_epilogue():
+    x, index = random_tensor((6, 5), seed=4), torch.tensor([[0, 4, 1], [2, 2, 3]])
+    region = check_against_eager(lambda a, i: torch.gather(a, 1, i) * 2.0, x, index)
+    assert any("an element gather (one element per partition) takes no epilogue" in decision
+               for decision in region.fusion_decisions)

@@ -143,13 +143,14 @@ def kernel_context(node, plan, name, parameters, **extra) -> dict:
     )
 
 
-def column_pattern(plan: TilePlan, patterns: Patterns):
-    """A scope's ``vector_pattern`` over [rows, free tile]: a load constant along every free dim of ``plan`` (a
-    per-row statistic, as an RMSNorm's rsqrt in a matmul's epilogue) as one element per partition, a (P, 1)
-    operand, instead of a DMA broadcast that moves one burst per repeated element; None for any other load."""
+def column_pattern(plan: TilePlan, patterns: Patterns, free_dims: tuple[LoopDim, ...] | None = None):
+    """A scope's ``vector_pattern`` over [rows, free tile]: a load constant along every free dim of ``plan`` (or of
+    ``free_dims``, where the plan's free axis is a flattened row) (a per-row statistic, as an RMSNorm's rsqrt in a
+    matmul's epilogue) as one element per partition, a (P, 1) operand, instead of a DMA broadcast that moves one
+    burst per repeated element; None for any other load."""
 
     def pattern(load: ir.Load, tile: str):
-        if any(dim.stride(load.layout) != 0 for dim in plan.free):
+        if any(dim.stride(load.layout) != 0 for dim in (plan.free if free_dims is None else free_dims)):
             return None
         return f"{tile}[0:rows, 0:1]", patterns.hbm(load.buffer, load.layout, [(LoopDim(1, None), "1")], False)
 

@@ -1,7 +1,9 @@
 """Kernel kind ``gather``: rows or elements read through the indirect DMA (``ir.Gather``: index_select,
 embedding, gather, index.Tensor).
 
-Fusion: none (a gather takes no epilogue). Tiling: the row form puts the index's last dim on partitions in tiles
+Fusion: the row form takes elementwise consumers that read its rows with its own index map as an epilogue
+(Gemma's ``embedding * sqrt(hidden)``: computed on the gathered tile, the raw rows never stored); the element form
+takes none. Tiling: the row form puts the index's last dim on partitions in tiles
 of up to 128 and the source's trailing dims on the free axis, every leading dim an outer loop; the element form
 puts the domain's last dim on partitions, one element each. Codegen (gather.py.j2): per tile the flat source
 offsets (index values wrapped where the op wraps them, out-of-range ones redirected), then one indirect DMA.
@@ -12,9 +14,11 @@ from __future__ import annotations
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import NL_DTYPES
+from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope
+from neuron_compile.codegen.kernel_text import Patterns, column_pattern, kernel_names, store_lines
 from neuron_compile.dims import LoopDim
-from neuron_compile.kind_registry import KernelKind, register_kind
+from neuron_compile.kind_registry import register_kind
+from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue
 from neuron_compile.kinds.indirect import (
     column_address_lines,
     indirect_offset,
@@ -47,31 +51,21 @@ def plan_gather(node: ir.Gather, target) -> TilePlan:
 
 def render_row_gather(node: ir.Gather, plan: TilePlan, name: str, parameters: list[str]) -> str:
     """Index rows on partitions, the source's trailing dims on the free axis: one indirect DMA per row tile."""
-    (store,) = node.stores
     source, index, dim = node.source, node.index, node.dim
     size = source.layout.shape[dim]
     index_rank = len(index.layout.shape)
     trailing = list(range(dim + 1, len(source.layout.shape)))
     free = math.prod(source.layout.shape[d] for d in trailing)
     tile_rows = plan.partition.tile
-    out_layout = store.layout
     # Outer loop variables: o<j> for out dims 0 .. dim + index_rank - 2 (source lead dims, then index lead dims).
-    outer = list(range(dim + index_rank - 1))
     source_terms = [(f"o{j}", source.layout.strides[j]) for j in range(dim)]
     index_terms = [(f"o{dim + i}", index.layout.strides[i]) for i in range(index_rank - 1)]
-    out_terms = [(f"o{j}", out_layout.strides[j]) for j in outer]
-    out_row = dim + index_rank - 1
     index_stride = index.layout.strides[-1]
     source_entries = [f"[{source.layout.strides[dim]}, rows]"] + [
         f"[{source.layout.strides[d]}, {source.layout.shape[d]}]" for d in trailing
     ] or ["[1, 1]"]
     if not trailing:
         source_entries.append("[1, 1]")
-    out_entries = [f"[{out_layout.strides[out_row]}, rows]"] + [
-        f"[{out_layout.strides[j]}, {out_layout.shape[j]}]" for j in range(out_row + 1, len(out_layout.shape))
-    ]
-    if not trailing:
-        out_entries.append("[1, 1]")
     window = "[0:rows, 0:1]"
     body = [
         f"nisa.dma_copy(dst=raw{window}, src={index.buffer}.ap([[{index_stride}, rows], [1, 1]], "
@@ -95,9 +89,6 @@ def render_row_gather(node: ir.Gather, plan: TilePlan, name: str, parameters: li
         f"nisa.dma_copy(dst=gathered[0:rows, 0:{free}], src={source.buffer}.ap([{', '.join(source_entries)}], "
         f"offset={indirect_offset(source.layout.offset, source_terms)}, vector_offset=offsets{window}, "
         "indirect_dim=0))",
-        f"nisa.dma_copy(dst={store.buffer.name}.ap([{', '.join(out_entries)}], "
-        f"offset={indirect_offset(out_layout.offset, out_terms + [('p0', out_layout.strides[out_row])])}), "
-        f"src=gathered[0:rows, 0:{free}])",
     ]
     allocations = [f"raw = nl.ndarray(({tile_rows}, 1), dtype=nl.int32, buffer=nl.sbuf)",
                    f"offsets = nl.ndarray(({tile_rows}, 1), dtype=nl.int32, buffer=nl.sbuf)"]
@@ -105,7 +96,27 @@ def render_row_gather(node: ir.Gather, plan: TilePlan, name: str, parameters: li
                     for tile in ("shift", "wrapped", "low", "high", "bad", "keep")]
     allocations.append(f"gathered = nl.ndarray(({tile_rows}, {free}), dtype={NL_DTYPES[source.dtype]}, "
                        "buffer=nl.sbuf)")
-    return render_indirect(node, plan, name, parameters, allocations, body, "gather.py.j2")
+    allocator = TileAllocator(tile_rows, reserved=kernel_names(node, parameters))
+    body += row_store_lines(node, plan, allocator, free)
+    return render_indirect(node, plan, name, parameters, allocations + allocator.lines, body, "gather.py.j2")
+
+
+def row_store_lines(node: ir.Gather, plan: TilePlan, allocator: TileAllocator, free: int) -> list[str]:
+    """The gathered rows' stores: each store's expression (the rows themselves, or an epilogue over them) computed
+    on the [rows, free] tile and written through its layout, the trailing dims of the domain on the free axis."""
+    trailing = [LoopDim(size, dim) for dim, size in enumerate(node.domain) if dim > plan.partition.source]
+    free_dims = [(dim, str(dim.size)) for dim in trailing] or [(LoopDim(1, None), "1")]
+    patterns = Patterns(plan)
+
+    def load_pattern(load: ir.Load, tile: str):
+        return f"{tile}[0:rows, 0:{free}]", patterns.hbm(load.buffer, load.layout, free_dims, False)
+
+    scope = TileScope(allocator, free, f"[0:rows, 0:{free}]", load_pattern,
+                      Ref(tile="gathered", dtype=node.source.dtype),
+                      vector_pattern=column_pattern(plan, patterns, tuple(trailing)))
+    lines: list[str] = []
+    store_lines(node.stores, scope, patterns, free_dims, False, lines)
+    return lines
 
 
 def render_element_gather(node: ir.Gather, plan: TilePlan, name: str, parameters: list[str]) -> str:
@@ -138,10 +149,14 @@ def render_element_gather(node: ir.Gather, plan: TilePlan, name: str, parameters
     return render_indirect(node, plan, name, parameters, allocations, body, "gather.py.j2")
 
 
-class GatherKind(KernelKind):
+class GatherKind(MatchingIndexEpilogue):
     node_type = ir.Gather
     name = "gather"
-    refusal = "a gather kernel (indirect DMA) takes no epilogue"
+
+    def epilogue_reason(self, group, consumer, outside):
+        if group.elements:
+            return "an element gather (one element per partition) takes no epilogue"
+        return super().epilogue_reason(group, consumer, outside)
 
     def operand_loads(self, node):
         return [node.source, node.index] + [entry[0] for entry in node.indices]
