@@ -23,6 +23,7 @@ from neuron_compile.codegen.expressions import (
     Ref,
     TileAllocator,
     TileScope,
+    bind_load,
     emit,
     emit_row_summed,
     fp32_tile,
@@ -182,12 +183,15 @@ class ReductionBody:
 
 
 def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator, patterns: Patterns,
-                   operands: tuple[tuple[ir.Expr, str], ...] = ()) -> ReductionBody:
+                   operands: tuple[tuple[ir.Expr, str], ...] = (),
+                   on_chip: tuple[tuple[ir.Load, str], ...] = ()) -> ReductionBody:
     """The lines of one row block (``p0``, ``rows``) of ``node`` under ``plan``, its tiles declared by
     ``allocator``; ``operands`` are (row expression, dtype of its tile) pairs, the expressions reading
     ``Result()`` as the reduced value, computed after the row stores on the engines the row epilogue's balance
-    plans for both."""
+    plans for both; ``on_chip``: (load, tile) pairs of rows already in SBUF, read there instead of loaded."""
     prologue, row_free, free, chunked = row_scopes(node, plan, allocator, patterns, columns=not plan.grouped_rows)
+    for load, tile in on_chip:
+        bind_load(prologue, load, Ref(tile=tile, dtype=load.dtype))
     shared = RowBroadcast(plan, allocator)
     prologue.shared_row = shared.tile_for
     count = math.prod(node.domain[d] for d in node.reduce_dims)
