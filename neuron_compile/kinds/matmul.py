@@ -12,7 +12,7 @@ import dataclasses
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope, emit, emit_store
+from neuron_compile.codegen.expressions import NL_DTYPES, Ref, TileAllocator, TileScope
 from neuron_compile.codegen.kernel_text import (
     Patterns,
     column_pattern,
@@ -303,12 +303,12 @@ def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list
 
 
 def resident_context(node: ir.MatMul, plan: TilePlan, allocator: TileAllocator, loads_a: bool = True,
-                     kept: tuple[tuple[ir.Store, str], ...] = ()) -> dict:
+                     more_epilogue=None) -> dict:
     """The resident form's template entries beside ``kernel_context``'s; the tiles are declared by ``allocator``
     (those it declared before belong to the caller). ``loads_a`` False: a^T is not loaded (the caller's
-    ``row_prologue`` fills ``stationary[block]`` for each row block, kernels/matmul_row_norm.py). ``kept``: epilogue
-    values (as stores, which need not be in ``node.stores``) copied into SBUF slices, for the caller's
-    ``row_epilogue`` (kinds/matmul_norm_epilogue.py)."""
+    ``row_prologue`` fills ``stationary[block]`` for each row block, kernels/matmul_row_norm.py).
+    ``more_epilogue(scope, lines)`` appends the caller's lines after the stores' in each tile's epilogue scope
+    (kinds/matmul_norm_epilogue.py keeps a value of it on chip for its ``row_epilogue``)."""
     patterns = Patterns(plan)
     first_allocation = len(allocator.lines)
     free = [(plan.free[0], "cols")]
@@ -325,10 +325,8 @@ def resident_context(node: ir.MatMul, plan: TilePlan, allocator: TileAllocator, 
     scope.shared_row = columns.tile_for
     epilogue: list[str] = []
     store_lines(node.stores, scope, patterns, free, True, epilogue)
-    for store, destination in kept:
-        # on GpSimd, which nothing else in the epilogue uses (ScalarE evacuates PSUM, VectorE has the epilogue)
-        value = emit_store(store.buffer.dtype, emit(store.expr, scope, epilogue), scope, epilogue)
-        epilogue.append(f"nisa.tensor_copy(dst={destination}, src={value}, engine=nisa.engine.gpsimd)")
+    if more_epilogue is not None:
+        more_epilogue(scope, epilogue)
     load_stationary, load_moving, *load_second_moving = operand_loads(node, plan.k_tile, plan.free[0].tile,
                                                                       kept_moving=bool(plan.column_group))
     windows, term_columns = moving_layout(node, plan.free[0].tile)

@@ -3,7 +3,7 @@
 Input: a whole matmul kernel and a whole row-reduction kernel after it that reads one of the matmul's stores (a
 decoder's final RMSNorm of ``h + down(...)``). Output: a reason they may not fuse, or the matmul that norms those
 rows itself, each row block once its last N tile is done (kinds/matmul_norm_epilogue.py plans and renders it;
-passes/norm_epilogues.py drives it). The rule: the norm is a mean or a sum (``NORM_OPS``, an RMSNorm's), its rows
+passes/norm_epilogues.py drives it). The rule: the norm is a mean or a sum of squares (an RMSNorm's), its rows
 are the matmul's whole rows of N (one reduced dim, the last), it reads exactly one of the matmul's stores and that
 one with the store's own index map, the matmul is plain (no paired product, no implicit GEMM), and the norm draws
 no random numbers.
@@ -27,8 +27,9 @@ def norm_epilogue_reason(matmul: ir.MatMul, norm) -> str | None:
     if matmul.b2 is not None or matmul.shifts:
         return f"{matmul.name} is a paired matmul or an implicit GEMM, whose N loop is not the rows' one"
     norm = over_matmul_rows(norm, matmul.domain)
-    if norm.op not in NORM_OPS:
-        return f"{norm.name} is a {norm.op}, not an RMSNorm's mean of squares"
+    if norm.op not in NORM_OPS or not ir.is_square(norm.prologue):
+        what = "squares" if ir.is_square(norm.prologue) else "other values than squares"
+        return f"{norm.name} is a {norm.op} of {what}, not an RMSNorm's mean of squares"
     rank = len(norm.domain)
     if norm.reduce_dims != (rank - 1,) or norm.domain != matmul.domain:
         return (f"{norm.name}'s rows (domain {list(norm.domain)} over {list(norm.reduce_dims)}) are not "
