@@ -415,6 +415,26 @@ class NormedMatMul:
 
 
 @dataclass(frozen=True)
+class MatMulNormEpilogue:
+    """A ``MatMul`` whose output rows a row norm then reduces in the same kernel (a norm epilogue): ``rows`` is the
+    matmul's epilogue value the norm reads (a decoder layer's ``h + down(...)``), kept in SBUF for each row block
+    across the N tiles; ``norm`` (a ``Reduction`` over (*batch, M, N) along N, an RMSNorm's mean of squares, its
+    loads of ``rows.buffer`` standing for those tiles) runs on each block once its last N tile is done.
+    ``store_rows``: ``rows`` also goes to HBM (something else reads it). The other fields are ``MatMul``'s.
+    """
+
+    name: str
+    domain: tuple[int, ...]
+    k: int
+    a: Load
+    b: Load
+    stores: tuple[Store, ...]
+    rows: Store
+    store_rows: bool
+    norm: Reduction
+
+
+@dataclass(frozen=True)
 class Attention:
     """``softmax(q @ k^T * scale + mask) @ v`` over domain (*batch, Sq, Dv), the scores never leaving the chip.
 
@@ -591,5 +611,5 @@ class Collective:
     reduce: str = "add"
 
 
-Node = (Pointwise | Reduction | RowNormalize | Scan | MatMul | NormedMatMul | Attention | AttentionBackward | Concat
-        | Gather | Scatter | Collective)
+Node = (Pointwise | Reduction | RowNormalize | Scan | MatMul | NormedMatMul | MatMulNormEpilogue | Attention
+        | AttentionBackward | Concat | Gather | Scatter | Collective)

@@ -34,6 +34,7 @@ class KernelKind:
     takes_prologue = False  # a pointwise producer may be inlined as this kind's prologue
     # a group of this kind may take prologues from several producer groups (each merge keeps the earlier ones')
     takes_several_prologues = False
+    takes_norm_epilogue = False  # a later row norm of its output rows may join it (``norm_epilogue_reason``)
     refusal: str | None = None  # why a group of this kind takes no fused consumer at all
     # the kind evaluates each expression once per element of its stores' tiles, so a random draw (ir.RandomKeep)
     # may live in it; kinds that recompute their math (row passes, chunked rows) or walk other tiles may not
@@ -100,6 +101,15 @@ class KernelKind:
         """``consumer`` computing its operand from ``producer``'s inputs, and storing ``producer``'s outputs
         named in ``kept`` (read outside both)."""
         raise NotImplementedError(f"{self.name} computes no operand on chip")
+
+    def norm_epilogue_reason(self, producer, consumer) -> str | None:
+        """None if the whole kernel ``consumer``, a row norm of rows the whole kernel ``producer`` (of this kind)
+        writes, may run in ``producer``'s epilogue on those rows kept on chip (passes/norm_epilogues.py)."""
+        return f"{self.name} kernels take no norm epilogue"
+
+    def merge_norm_epilogue(self, producer, consumer, store_rows: bool):
+        """``producer`` norming its rows as ``consumer`` does; ``store_rows``: they still go to HBM."""
+        raise NotImplementedError(f"{self.name} takes no norm epilogue")
 
     def sibling_reason(self, first, second, outside: set[str]) -> str | None:
         """None if ``first``, whose outputs only the later ``second`` reads (both whole kernels of this kind), may

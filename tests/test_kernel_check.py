@@ -156,6 +156,11 @@ def test_every_operator_codegen_may_write_is_admitted():
 # ---------------------------------------------------------------- every kernel our templates write passes
 
 
+def residual_then_rms_norm(h, a, w, g):
+    out = h + F.linear(a, w)
+    return g * (out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
 def sample_models():
     """The demo model, and graphs that between them produce every kernel kind but collectives (those need a
     process group: tests/test_distributed.py loads them, through the same check)."""
@@ -177,6 +182,8 @@ def sample_models():
         # normed matmul: an RMSNorm computed inside the linear reading it
         (lambda x, g, w: F.linear(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g, w),
          (randn(130, 64), randn(64), randn(32, 64))),
+        # matmul with a norm epilogue: the RMSNorm of a residual plus the linear, in the linear's kernel
+        (residual_then_rms_norm, (randn(130, 64), randn(130, 48), randn(64, 48), randn(64))),
     ]
 
 

@@ -257,19 +257,19 @@ import nki.language as nl
 def gather_kernel_0(arg0_1, arg1_1):
     # Kernel outputs: flat HBM tensors, written through access patterns with eager's strides.
     gather_1 = nl.ndarray((112,), dtype=nl.float32, buffer=nl.shared_hbm)
-    # SBUF tiles, allocated once and reused by every iteration.
-    raw = nl.ndarray((7, 1), dtype=nl.int32, buffer=nl.sbuf)
-    offsets = nl.ndarray((7, 1), dtype=nl.int32, buffer=nl.sbuf)
-    shift = nl.ndarray((7, 1), dtype=nl.float32, buffer=nl.sbuf)
-    wrapped = nl.ndarray((7, 1), dtype=nl.float32, buffer=nl.sbuf)
-    low = nl.ndarray((7, 1), dtype=nl.float32, buffer=nl.sbuf)
-    high = nl.ndarray((7, 1), dtype=nl.float32, buffer=nl.sbuf)
-    bad = nl.ndarray((7, 1), dtype=nl.float32, buffer=nl.sbuf)
-    keep = nl.ndarray((7, 1), dtype=nl.float32, buffer=nl.sbuf)
-    gathered = nl.ndarray((7, 16), dtype=nl.float32, buffer=nl.sbuf)
     # Gather: index rows on partitions, the source's trailing dims on the free axis; one indirect DMA per tile.
+    # Fresh tiles per row tile: the next tile's index load, index math and gather need not wait for this one's store.
     for p0 in range(0, 7, 7):
         rows = min(7, 7 - p0)
+        raw = nl.ndarray((7, 1), dtype=nl.int32, buffer=nl.sbuf)
+        offsets = nl.ndarray((7, 1), dtype=nl.int32, buffer=nl.sbuf)
+        shift = nl.ndarray((7, 1), dtype=nl.float32, buffer=nl.sbuf)
+        wrapped = nl.ndarray((7, 1), dtype=nl.float32, buffer=nl.sbuf)
+        low = nl.ndarray((7, 1), dtype=nl.float32, buffer=nl.sbuf)
+        high = nl.ndarray((7, 1), dtype=nl.float32, buffer=nl.sbuf)
+        bad = nl.ndarray((7, 1), dtype=nl.float32, buffer=nl.sbuf)
+        keep = nl.ndarray((7, 1), dtype=nl.float32, buffer=nl.sbuf)
+        gathered = nl.ndarray((7, 16), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=raw[0:rows, 0:1], src=arg1_1.ap([[1, rows], [1, 1]], offset=0 + p0 * 1))
         nisa.tensor_scalar(dst=shift[0:rows, 0:1], data=raw[0:rows, 0:1], op0=nl.less, operand0=0.0, op1=nl.multiply, operand1=0.0)
         nisa.tensor_tensor(dst=wrapped[0:rows, 0:1], data1=raw[0:rows, 0:1], data2=shift[0:rows, 0:1], op=nl.add)

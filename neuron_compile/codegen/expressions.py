@@ -275,6 +275,12 @@ def emit(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref:
     return ref
 
 
+def bind_load(scope: TileScope, load: ir.Load, ref: Ref) -> None:
+    """Make ``scope`` read ``load`` from ``ref``, a tile already on chip, instead of loading it (a norm epilogue's
+    rows, kept in SBUF by the matmul that computed them)."""
+    scope.memo[_canonical_load(load)] = ref
+
+
 def column_invariant(expr: ir.Expr, scope: TileScope, known: dict | None = None) -> bool:
     """Whether ``expr`` is a (P, 1) row vector the same in every column tile of ``scope``: a load the scope's
     ``vector_pattern`` takes as one element per partition, or an op over such values and numbers in which every

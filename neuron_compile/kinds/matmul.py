@@ -25,7 +25,7 @@ from neuron_compile.codegen.kernel_text import (
 )
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import loads, register_kind
-from neuron_compile.kinds import matmul_row_norm
+from neuron_compile.kinds import matmul_row_norm, norm_epilogue_rule
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue, matching_index_reason
 from neuron_compile.kinds.matmul_columns import ColumnOperands
 from neuron_compile.kinds.matmul_windows import TermColumns, Window, moving_windows
@@ -302,10 +302,13 @@ def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list
     return render_template("matmul_resident.py.j2", **context)
 
 
-def resident_context(node: ir.MatMul, plan: TilePlan, allocator: TileAllocator, loads_a: bool = True) -> dict:
+def resident_context(node: ir.MatMul, plan: TilePlan, allocator: TileAllocator, loads_a: bool = True,
+                     more_epilogue=None) -> dict:
     """The resident form's template entries beside ``kernel_context``'s; the tiles are declared by ``allocator``
     (those it declared before belong to the caller). ``loads_a`` False: a^T is not loaded (the caller's
-    ``row_prologue`` fills ``stationary[block]`` for each row block, kernels/matmul_row_norm.py)."""
+    ``row_prologue`` fills ``stationary[block]`` for each row block, kernels/matmul_row_norm.py).
+    ``more_epilogue(scope, lines)`` appends the caller's lines after the stores' in each tile's epilogue scope
+    (kinds/matmul_norm_epilogue.py keeps a value of it on chip for its ``row_epilogue``)."""
     patterns = Patterns(plan)
     first_allocation = len(allocator.lines)
     free = [(plan.free[0], "cols")]
@@ -322,6 +325,8 @@ def resident_context(node: ir.MatMul, plan: TilePlan, allocator: TileAllocator, 
     scope.shared_row = columns.tile_for
     epilogue: list[str] = []
     store_lines(node.stores, scope, patterns, free, True, epilogue)
+    if more_epilogue is not None:
+        more_epilogue(scope, epilogue)
     load_stationary, load_moving, *load_second_moving = operand_loads(node, plan.k_tile, plan.free[0].tile,
                                                                       kept_moving=bool(plan.column_group))
     windows, term_columns = moving_layout(node, plan.free[0].tile)
@@ -337,7 +342,7 @@ def resident_context(node: ir.MatMul, plan: TilePlan, allocator: TileAllocator, 
         stationary_chunks=max(1, len(node.shifts)) * plan.k_tiles, moving_chunks=len(windows) * plan.k_tiles,
         span=max(window.span for window in windows),
         term_columns=tuple((place.window, place.column) for place in term_columns) if node.shifts else None,
-        row_prologue=[], once=[],
+        row_prologue=[], once=[], group_tiles=[], row_epilogue=[],
     )
 
 
@@ -441,6 +446,7 @@ def merge_sibling(first: ir.MatMul, second: ir.MatMul) -> ir.MatMul:
 class MatMulKind(MatchingIndexEpilogue):
     node_type = ir.MatMul
     name = "matmul"
+    takes_norm_epilogue = True
 
     def operand_loads(self, node):
         return [node.a, node.b] + ([node.b2] if node.b2 is not None else [])
@@ -460,6 +466,12 @@ class MatMulKind(MatchingIndexEpilogue):
 
     def merge_row_operand(self, producer, consumer, kept):
         return matmul_row_norm.merge_row_operand(producer, consumer, kept)
+
+    def norm_epilogue_reason(self, producer, consumer):
+        return norm_epilogue_rule.norm_epilogue_reason(producer, consumer)
+
+    def merge_norm_epilogue(self, producer, consumer, store_rows):
+        return norm_epilogue_rule.merge_norm_epilogue(producer, consumer, store_rows)
 
     def sibling_reason(self, first, second, outside):
         return sibling_reason(self, first, second, outside)

@@ -51,11 +51,16 @@ def _indexes_without_loads(expr: ir.Expr) -> bool:
 
 
 def in_matmul_domain(norm: ir.Reduction, matmul: ir.MatMul) -> ir.Reduction:
-    """``norm`` over the matmul's domain with K for N: mm's domain is (1, M, N) while the norm's rows may have
+    """``norm`` over the matmul's domain with K for N (``over_matmul_rows``)."""
+    return over_matmul_rows(norm, (*matmul.domain[:-1], matmul.k))
+
+
+def over_matmul_rows(norm: ir.Reduction, domain: tuple[int, ...]) -> ir.Reduction:
+    """``norm`` over ``domain``, a matmul's (1, M, row): mm's domain is (1, M, N) while the norm's rows may have
     several kept dims (batch and sequence: a linear flattens them into M), merged into M when every layout of the
-    norm allows it (``_as_rows``); unchanged otherwise (the rule then declines)."""
-    rows = (1, math.prod(matmul.domain[:-1]), matmul.k)
-    if norm.domain == (*matmul.domain[:-1], matmul.k) or matmul.domain[:-2] != (1,) or norm.reduce_dims != (
+    norm allows it (``_as_rows``); unchanged otherwise (the rules then decline)."""
+    rows = (1, math.prod(domain[:-1]), domain[-1])
+    if norm.domain == domain or domain[:-2] != (1,) or norm.reduce_dims != (
             len(norm.domain) - 1,) or (1, math.prod(norm.domain[:-1]), norm.domain[-1]) != rows:
         return norm
     if any(_indexes_without_loads(expr) for expr in kind_of(norm).exprs(norm)):

@@ -23,6 +23,7 @@ from neuron_compile.codegen.expressions import (
     Ref,
     TileAllocator,
     TileScope,
+    bind_load,
     emit,
     emit_row_summed,
     fp32_tile,
@@ -222,22 +223,28 @@ class ReductionBody:
 
 
 def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator, patterns: Patterns,
-                   operands: tuple[tuple[ir.Expr, str], ...] = ()) -> ReductionBody:
+                   operands: tuple[tuple[ir.Expr, str], ...] = (),
+                   on_chip: tuple[tuple[ir.Load, str], ...] = (), summed: str | None = None) -> ReductionBody:
     """The lines of one row block (``p0``, ``rows``) of ``node`` under ``plan``, its tiles declared by
     ``allocator``; ``operands`` are (row expression, dtype of its tile) pairs, the expressions reading
     ``Result()`` as the reduced value, computed after the row stores on the engines the row epilogue's balance
-    plans for both."""
+    plans for both; ``on_chip``: (load, tile) pairs of rows already in SBUF, read there instead of loaded;
+    ``summed``: a (P, 1) tile holding each row's sum of the prologue already (a sum or mean: no walk)."""
     prologue, row_free, free, chunked = row_scopes(node, plan, allocator, patterns, columns=not plan.grouped_rows)
+    for load, tile in on_chip:
+        bind_load(prologue, load, Ref(tile=tile, dtype=load.dtype))
     shared = RowBroadcast(plan, allocator)
     prologue.shared_row = shared.tile_for
     count = math.prod(node.domain[d] for d in node.reduce_dims)
     # one result per row: a (P, 1) column, or [P, k] for k grouped rows per partition
     per_partition = plan.free[0].size if plan.grouped_rows else 1
     results = [(plan.free[0], str(per_partition))] if plan.grouped_rows else [(LoopDim(1, None), "1")]
-    accumulator = allocator.new("acc", per_partition)
+    accumulator = summed or allocator.new("acc", per_partition)
     partial = allocator.new("partial", 1) if chunked else accumulator
     acc = f"{accumulator}[0:rows, 0:{per_partition}]"
-    passes = [(_reduce_pass(node, prologue, REDUCE_OPS[node.op], accumulator, partial, chunked, per_partition), [])]
+    walk = [] if summed else _reduce_pass(node, prologue, REDUCE_OPS[node.op], accumulator, partial, chunked,
+                                          per_partition)
+    passes = [(walk, [])]
     more_results: tuple[Ref, ...] = ()
     if node.op == "mean":
         passes[0][1].append(_mean_line(acc, acc, count))

@@ -23,7 +23,9 @@ After grouping, ``fuse_siblings`` computes a kernel inside a later kernel of its
 input and their kind pairs them: one matmul kernel with two products (a gated MLP's gate and up projections, the
 gate read by the up projection's epilogue; attention's k and v projections, both stored); one reduction kernel
 giving a variance and the mean of the same rows (a layer norm, kinds/reduction_siblings.py). Last, a row norm whose
-normed rows matmuls multiply is computed inside each of them (``fold_row_norms``, passes/row_norm_operands.py).
+normed rows matmuls multiply is computed inside each of them (``fold_row_norms``, passes/row_norm_operands.py), and a
+row norm left on its own runs in the epilogue of the matmul writing its rows (``fold_norm_epilogues``,
+passes/norm_epilogues.py).
 
 Before grouping, a pure copy (one load stored in another layout, as a write into an empty cache makes) whose every
 reader can read its source through a strided view is dropped and its readers read the source
@@ -44,6 +46,7 @@ import networkx as nx
 
 from neuron_compile import ir, kinds
 from neuron_compile.passes.copy_views import read_copies_as_views
+from neuron_compile.passes.norm_epilogues import fold_norm_epilogues
 from neuron_compile.passes.row_norm_operands import fold_row_norms
 from neuron_compile.passes.tiling import TilingError, plan_kernel
 
@@ -353,6 +356,7 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
     if enabled:
         kernels = fuse_siblings(kernels, region_outputs, decisions, fits)
         kernels = fold_row_norms(kernels, region_outputs, decisions, fits)
+        kernels = fold_norm_epilogues(kernels, region_outputs, decisions, fits)
     return FusionResult(kernels, decisions)
 
 

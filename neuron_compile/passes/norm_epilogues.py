@@ -1,0 +1,68 @@
+"""Fusion stage, after grouping: row norms computed in the epilogue of the matmul whose output rows they read.
+
+Input: the fused kernels in launch order (after ``fold_row_norms``, which puts a norm inside the matmuls that
+multiply its rows when it can), the region's outputs, the decisions so far and the target's fit check
+(passes/fusion.py calls it last). Output: the kernels with each row norm left on its own whose rows the latest
+kernel before it writes in a matmul epilogue folded into that matmul (the rule: kinds/norm_epilogue_rule.py; the
+kernel: kinds/matmul_norm_epilogue.py): a 1-layer decoder's final RMSNorm of ``h + down(...)`` runs on the rows
+the down projection keeps on chip, instead of a kernel that waits for them to reach HBM and loads them back. The
+merged kernel takes the matmul's place, so everything else the norm reads must be written before it; the rows
+still go to HBM when another kernel reads them or the region returns them. Each decision, with its reason, joins
+the fusion decisions.
+"""
+
+from __future__ import annotations
+
+from neuron_compile import ir, kinds
+
+
+def _writers(node: ir.Node) -> set[str]:
+    return {store.buffer.name for store in kinds.stores(node)}
+
+
+def _reads(node: ir.Node) -> set[str]:
+    return {load.buffer for load in kinds.loads(node)}
+
+
+def fold_norm_epilogues(kernels: list[ir.Node], region_outputs: set[str], decisions: list[str],
+                        fits=None) -> list[ir.Node]:
+    """``kernels`` with every norm that may run in its producer matmul's epilogue folded into it (module
+    docstring)."""
+    for norm in list(kernels):
+        kernels = _fold(norm, kernels, region_outputs, decisions, fits)
+    return kernels
+
+
+def _producer(norm: ir.Node, kernels: list[ir.Node]) -> ir.Node | None:
+    """The latest kernel before ``norm`` writing something it reads."""
+    before = kernels[:kernels.index(norm)]
+    return next((kernel for kernel in reversed(before) if _writers(kernel) & _reads(norm)), None)
+
+
+def _placement_reason(norm: ir.Node, producer: ir.Node, kernels: list[ir.Node]) -> str | None:
+    """None if every buffer ``norm`` reads is written by ``producer`` or before it (the merged kernel takes its
+    place)."""
+    between = kernels[kernels.index(producer) + 1:kernels.index(norm)]
+    late = sorted({name for kernel in between for name in _writers(kernel) & _reads(norm)})
+    return f"{norm.name} reads {', '.join(late)}, written after {producer.name}" if late else None
+
+
+def _fold(norm: ir.Node, kernels: list[ir.Node], region_outputs: set[str], decisions: list[str],
+          fits) -> list[ir.Node]:
+    producer = _producer(norm, kernels)
+    if producer is None or not kinds.kind_of(producer).takes_norm_epilogue:
+        return kernels
+    kind = kinds.kind_of(producer)
+    reason = kind.norm_epilogue_reason(producer, norm) or _placement_reason(norm, producer, kernels)
+    merged = None
+    if reason is None:
+        rows = _writers(producer) & _reads(norm)
+        others = [kernel for kernel in kernels if kernel is not producer and kernel is not norm]
+        store_rows = bool(rows & region_outputs) or any(rows & _reads(other) for other in others)
+        merged = kind.merge_norm_epilogue(producer, norm, store_rows)
+        if fits is not None and not fits(merged):
+            reason = "the matmul norming its rows would not fit the target's SBUF"
+    decisions.append(f"{norm.name} in {producer.name}'s epilogue: " + ("fused" if reason is None else reason))
+    if reason is not None:
+        return kernels
+    return [merged if kernel is producer else kernel for kernel in kernels if kernel is not norm]
