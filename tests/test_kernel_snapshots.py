@@ -281,7 +281,7 @@ def gather_kernel_0(arg0_1, arg1_1):
         nisa.tensor_scalar(dst=bad[0:rows, 0:1], data=bad[0:rows, 0:1], op0=nl.multiply, operand0=1073741824.0)
         nisa.tensor_tensor(dst=offsets[0:rows, 0:1], data1=wrapped[0:rows, 0:1], data2=bad[0:rows, 0:1], op=nl.add)
         nisa.dma_copy(dst=gathered[0:rows, 0:16], src=arg0_1.ap([[16, rows], [1, 16]], offset=0, vector_offset=offsets[0:rows, 0:1], indirect_dim=0))
-        nisa.dma_copy(dst=gather_1.ap([[16, rows], [1, 16]], offset=0 + p0 * 16), src=gathered[0:rows, 0:16])
+        nisa.dma_copy(dst=gather_1.ap([[16, rows], [1, 16]], offset=p0 * 16), src=gathered[0:rows, 0:16])
     return gather_1
 """)
 
