@@ -223,3 +223,12 @@ def test_an_element_gather_takes_no_epilogue():
     region = check_against_eager(lambda a, i: torch.gather(a, 1, i) * 2.0, x, index)
     assert any("an element gather (one element per partition) takes no epilogue" in decision
                for decision in region.fusion_decisions)
+
+
+def test_an_epilogue_too_wide_for_sbuf_beside_the_rows_stays_its_own_kernel():
+    """16384 fp32 per row: the gathered rows fit, not with the epilogue's tiles beside them."""
+    ids, weight = torch.tensor([[3, 1, 4, 1, 5]]), random_tensor((8, 16384), seed=5)
+    region = check_against_eager(scaled_embedding, ids, weight, torch.tensor(2.0))
+    assert [kernel.name.split("_kernel")[0] for kernel in region.kernels] == ["gather", "pointwise"]
+    assert any("would not fit the target's SBUF" in decision for decision in region.fusion_decisions), \
+        region.fusion_decisions

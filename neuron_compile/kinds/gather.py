@@ -25,8 +25,8 @@ from neuron_compile.kinds.indirect import (
     redirect_lines,
     render_indirect,
 )
-from neuron_compile.limits import OUT_OF_RANGE_ROW
-from neuron_compile.tiles import TilePlan
+from neuron_compile.limits import OUT_OF_RANGE_ROW, SBUF_SHARE
+from neuron_compile.tiles import FP32_BYTES, TilePlan, TilingError, count_tiles
 
 GATHER_TILES = 9  # the index, offset and flag columns and the gathered rows
 
@@ -44,9 +44,25 @@ def plan_gather(node: ir.Gather, target) -> TilePlan:
         outer, part = list(range(node.dim + index_rank - 1)), node.dim + index_rank - 1
         free = math.prod(node.source.layout.shape[node.dim + 1:])
     rows = node.domain[part]
+    if not node.elements:
+        check_epilogue_fits(node, free, target)
     return TilePlan("gather", tuple(LoopDim(node.domain[d], d) for d in outer),
                     LoopDim(rows, part, tile=min(target.partitions, rows)), (LoopDim(free, None, tile=free),),
                     GATHER_TILES)
+
+
+def check_epilogue_fits(node: ir.Gather, free: int, target) -> None:
+    """``TilingError`` when an epilogue's tiles ([rows, free] each, fp32 at most) beside the gathered rows would
+    pass the SBUF share: the fusion pass then keeps the epilogue a kernel of its own (lowering already bounds the
+    rows alone, lowering/indexing.py)."""
+    epilogue = [store.expr for store in node.stores if not isinstance(store.expr, ir.Result)]
+    if not epilogue:
+        return
+    needed = (1 + count_tiles(epilogue)) * free * FP32_BYTES
+    budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE)
+    if needed > budget:
+        raise TilingError(f"{node.name}: the gathered rows and their epilogue need {needed} bytes per partition "
+                          f"(> {budget}, the SBUF share)")
 
 
 def render_row_gather(node: ir.Gather, plan: TilePlan, name: str, parameters: list[str]) -> str:
