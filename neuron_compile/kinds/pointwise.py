@@ -9,7 +9,8 @@ and there are heads-times fewer of them (each DMA has a fixed cost). With no out
 go several to a partition (tiles.py ``rows_per_partition``). Codegen: per tile one DMA per input through
 its access pattern (two free entries, flattened into the tile's columns, when widened), the expression body, one
 DMA per store (pointwise.py.j2). Row-vector work the same in every column tile (a scalar input, its reciprocal)
-is computed once per row tile, before the column loop (codegen/hoisted_columns.py).
+is computed once per row tile, before the column loop (codegen/hoisted_columns.py). A stored sum is added by the
+DMA engines on its way out where a compute engine bounds the tile (codegen/dma_sums.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import dataclasses
 import math
 
 from neuron_compile import ir
+from neuron_compile.codegen.dma_sums import DmaSums, read_on_chip, summed_operands, tile_time_ns
 from neuron_compile.codegen.engine_balance import EngineBalance
 from neuron_compile.codegen.expressions import BroadcastLoad, RepeatedColumnsLoad, TileAllocator, TileScope
 from neuron_compile.codegen.hoisted_columns import HoistedColumns
@@ -29,6 +31,7 @@ from neuron_compile.codegen.strided_rows import (
     stepped_broadcast,
 )
 from neuron_compile.dims import LoopDim, collapse
+from neuron_compile.hardware import get_target
 from neuron_compile.kind_registry import loads, register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue, matching_index_reason, merge_as_epilogue
 from neuron_compile.tiles import (
@@ -118,19 +121,52 @@ def balanced_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileA
     for real with those instructions assigned longest first (codegen/engine_balance.py). ``hoisted``: where the
     row-vector work that is the same in every column tile goes (codegen/hoisted_columns.py), or None (kept in
     the body)."""
-    trial = EngineBalance()
-    scratch = TileAllocator(allocator.partitions, reserved=allocator.reserved)
-    trial_hoisted = HoistedColumns(allocator.partitions, allocator.reserved) if hoisted is not None else None
-    _tile_lines(stores, plan, scratch, interleaved, trial, trial_hoisted)
-    balance = trial.planned()
-    body = _tile_lines(stores, plan, allocator, interleaved, balance, hoisted)
+    balance, dma_sums = _planned_balance(stores, plan, allocator, interleaved, hoisted is not None)
+    body = _tile_lines(stores, plan, allocator, interleaved, balance, hoisted, dma_sums)
     return body, balance.halfway_line
+
+
+def _planned_balance(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator,
+                     interleaved: tuple[tuple[ir.Store, ...], ...],
+                     hoisting: bool) -> tuple[EngineBalance, DmaSums | None]:
+    """The engine plan of a tile from a trial emission, and the stored sums the DMA engines add (None: none): a
+    second trial with them, kept when its tile time is the shorter (codegen/dma_sums.py)."""
+
+    def trial(dma_sums: DmaSums | None) -> EngineBalance:
+        balance = EngineBalance()
+        scratch = TileAllocator(allocator.partitions, reserved=allocator.reserved)
+        trial_hoisted = HoistedColumns(allocator.partitions, allocator.reserved) if hoisting else None
+        _tile_lines(stores, plan, scratch, interleaved, balance, trial_hoisted, dma_sums)
+        return balance.planned()
+
+    plain = trial(None)
+    if not plan.target or interleaved or not any(summed_operands(store) for store in stores):
+        return plain, None
+    read = read_on_chip(stores)
+    summing = DmaSums(read)
+    summed = trial(summing)
+    if not summing.read_bytes:
+        return plain, None
+    target, columns = get_target(plan.target), plan.free[0].tile * math.prod(dim.size for dim in plan.free[1:])
+    plain_ns = tile_time_ns(plain.expected, _transfer_bytes(stores, plan, {}), plan.partition.tile, columns, target)
+    summed_ns = tile_time_ns(summed.expected, _transfer_bytes(stores, plan, summing.read_bytes), plan.partition.tile,
+                             columns, target)
+    return (summed, DmaSums(read)) if summed_ns < plain_ns else (plain, None)
+
+
+def _transfer_bytes(stores: tuple[ir.Store, ...], plan: TilePlan, summed_bytes: dict[str, int]) -> list[int]:
+    """Bytes per element of each DMA of a tile: its loads that vary along the free dims, and its stores (a store
+    the DMA engines sum moves its operands' ``summed_bytes``, or its own where more)."""
+    loads = dict.fromkeys(load for store in stores for load in ir.loads_of(store.expr))
+    varying = [load for load in loads if any(dim.stride(load.layout) != 0 for dim in plan.free)]
+    stored = [max(summed_bytes.get(store.buffer.name, 0), ir.ITEMSIZE[store.buffer.dtype]) for store in stores]
+    return [ir.ITEMSIZE.get(load.dtype, 4) for load in varying] + stored
 
 
 def _tile_lines(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator,
                 interleaved: tuple[tuple[ir.Store, ...], ...], balance: EngineBalance,
-                hoisted: HoistedColumns | None = None) -> list[str]:
-    """``pointwise_body``'s lines with the engines ``balance`` gives."""
+                hoisted: HoistedColumns | None = None, dma_sums: DmaSums | None = None) -> list[str]:
+    """``pointwise_body``'s lines with the engines ``balance`` gives, and the stored sums ``dma_sums`` adds."""
     patterns = Patterns(plan)
     free = [(plan.free[0], "cols")] + [(dim, str(dim.size)) for dim in plan.free[1:]]
     inner = math.prod(dim.size for dim in plan.free[1:])
@@ -175,7 +211,7 @@ def _tile_lines(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAll
     scope.span_load = span_load
     body: list[str] = []
     balance.lines = body  # where each instruction it charges lands
-    store_lines(stores, scope, patterns, free, True, body)
+    store_lines(stores, scope, patterns, free, True, body, dma_sums)
     for group in interleaved:
         interleaved_store_lines(group, scope, hbm, body)
     return body
@@ -203,7 +239,7 @@ class PointwiseKind(MatchingIndexEpilogue):
         return dataclasses.replace(merged, name=second.name, stores=kept + merged.stores[len(first.stores):])
 
     def plan(self, node, target):
-        return plan_pointwise(node, target)
+        return dataclasses.replace(plan_pointwise(node, target), target=target.name)
 
     def render(self, node, plan, name, parameters):
         allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
