@@ -18,11 +18,14 @@ labels with or without -100) never recompiles.
 
 Float inputs are guarded only where a bound pays: float inputs of up to ``GUARDED_FLOAT_NUMEL`` elements whose
 values reach the argument of a sin or cos through ops value ranges follow (``range_guarded_floats``: a rotary
-embedding's ``inv_freq`` times the positions, or the angles a backward recomputes cos and sin from), so lowering/trigonometry.py can choose a cheap argument reduction, or a cast to an integer, which lowers
-only when its float values are proved within +-2**24 (positions a backward recomputes from a saved float cumsum). Their guard
+embedding's ``inv_freq`` times the positions, or the angles a backward recomputes cos and sin from), so
+lowering/trigonometry.py can choose a cheap argument reduction, or a cast to an integer, which lowers only when its
+float values are proved within +-2**24 (positions a backward recomputes from a saved float cumsum). Their guard
 (``guard_float_bound``) checks that every value is finite and within a power of two (at least 1, at most
 ``FLOAT_GUARD_MAX``): a class per binade, so a buffer that never changes compiles once, and a value leaving its
-class compiles (or finds) the graph for the new class, or the unbounded one with the exact reduction.
+class compiles (or finds) the graph for the new class, or the unbounded one with the exact reduction. A tensor a
+forward graph returned with a bound it proved (``proved_output_bounds``: the rotary angles saved for the backward)
+carries that class (runtime/proved_bounds.py), and the guard takes it without reading the values.
 """
 
 from __future__ import annotations

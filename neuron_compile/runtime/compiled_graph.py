@@ -50,9 +50,9 @@ from neuron_compile.runtime.cache import (
     signature_of,
 )
 from neuron_compile.runtime.hit_plan import HitPlan
-from neuron_compile.runtime.proved_bounds import tag_outputs
 from neuron_compile.runtime.kept import Kept
 from neuron_compile.runtime.launch_plan import INT32_RANGE
+from neuron_compile.runtime.proved_bounds import tag_outputs
 
 log = logging.getLogger(__name__)
 bucket_log = logging.getLogger("neuron_compile.passes.bucket")  # the bucket topic (logs.py)
