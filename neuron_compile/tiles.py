@@ -53,6 +53,8 @@ class TilePlan:
     # reduction only: free[0] is not reduced but kept rows, several per partition (``rows_per_partition``), each
     # reduced on its own into a [partitions, free[0]] tile of results
     grouped_rows: bool = False
+    # the name of the target the plan was made for, where a renderer weighs its engines against its DMAs (pointwise)
+    target: str = ""
 
     def describe(self) -> str:
         def fmt(dim):

@@ -197,6 +197,34 @@ def test_dma_transpose_runs_below_dma_throughput():
     assert (transposed.latency_ns - overhead) == pytest.approx((plain.latency_ns - overhead) / 0.9)
 
 
+def dma_compute(dst, *srcs):
+    """A dma_compute record: ``dst`` and ``srcs`` are (buffer, dtype) over (128, 2048) elements."""
+    operands = [tile(f"src{i}", (128, 2048), dtype, buffer) for i, (buffer, dtype) in enumerate(srcs)]
+    return InstructionRecord("dma_compute", "dma", tile("dst", (128, 2048), dst[1], dst[0]), tuple(operands))
+
+
+def data_ns(record):
+    return cost.dma_transfer_time(record, TRN2).latency_ns - TRN2.dma_fixed_overhead_ns
+
+
+def test_dma_compute_streams_every_source():
+    # SDK: dst = reduce_op(srcs[0] * scales[0], srcs[1] * scales[1], ...): each source is read, the sum written.
+    fp32_and_bf16_to_hbm = dma_compute(("hbm", "bfloat16"), ("sbuf", "float32"), ("sbuf", "bfloat16"))
+    fp32_store, bf16_store = dma((128, 2048), "float32", load=False), dma((128, 2048), "bfloat16", load=False)
+    assert data_ns(fp32_and_bf16_to_hbm) == pytest.approx(data_ns(fp32_store) + data_ns(bf16_store))
+    # one source is a copy; a wider destination than its sources is the side that bounds it
+    assert data_ns(dma_compute(("hbm", "bfloat16"), ("sbuf", "bfloat16"))) == pytest.approx(data_ns(bf16_store))
+    widening = dma_compute(("sbuf", "float32"), ("sbuf", "bfloat16"))
+    assert data_ns(widening) == pytest.approx(data_ns(fp32_store))
+
+
+def test_dma_hbm_to_hbm_charges_the_read_and_the_write():
+    bf16_store = dma((128, 2048), "bfloat16", load=False)
+    assert data_ns(dma_compute(("hbm", "bfloat16"), ("hbm", "bfloat16"))) == pytest.approx(2 * data_ns(bf16_store))
+    two_sources = dma_compute(("hbm", "bfloat16"), ("hbm", "bfloat16"), ("hbm", "float32"))
+    assert data_ns(two_sources) == pytest.approx(4 * data_ns(bf16_store))  # 2 + 4 bytes read, 2 written
+
+
 def test_many_small_dmas_are_overhead_bound_and_overlap():
     small = [dma((128, 32), "bfloat16") for _ in range(1000)]  # 64 B per partition
     report = cost.cost_report(small, TRN2)

@@ -52,7 +52,7 @@ def pointwise_kernel_0(arg0_1, arg1_1):
             cols = min(10, 10 - f0)
             # Fresh tiles per iteration: the next tile's loads need not wait for this one's readers.
             arg0_1_tile_1 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
-            mul_2 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
+            mul_2 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.psum)
             arg1_1_tile_3 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
             add_4 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
             sigmoid_5 = nl.ndarray((78, 10), dtype=nl.float32, buffer=nl.sbuf)
@@ -60,9 +60,9 @@ def pointwise_kernel_0(arg0_1, arg1_1):
             nisa.dma_copy(dst=arg0_1_tile_1[0:rows, 0:cols], src=arg0_1.ap([[10, rows], [1, cols]], offset=p0 * 10 + f0))
             nisa.tensor_scalar(dst=mul_2[0:rows, 0:cols], data=arg0_1_tile_1[0:rows, 0:cols], op0=nl.multiply, operand0=2.0, engine=nisa.engine.scalar)
             nisa.dma_copy(dst=arg1_1_tile_3[0:rows, 0:cols], src=arg1_1.ap([[10, rows], [1, cols]], offset=p0 * 10 + f0))
-            nisa.tensor_tensor(dst=add_4[0:rows, 0:cols], data1=mul_2[0:rows, 0:cols], data2=arg1_1_tile_3[0:rows, 0:cols], op=nl.add, engine=nisa.engine.gpsimd)
+            nisa.tensor_tensor(dst=add_4[0:rows, 0:cols], data1=mul_2[0:rows, 0:cols], data2=arg1_1_tile_3[0:rows, 0:cols], op=nl.add)
             nisa.activation(dst=sigmoid_5[0:rows, 0:cols], op=nl.sigmoid, data=add_4[0:rows, 0:cols])
-            nisa.tensor_tensor(dst=mul_6[0:rows, 0:cols], data1=sigmoid_5[0:rows, 0:cols], data2=arg0_1_tile_1[0:rows, 0:cols], op=nl.multiply)
+            nisa.tensor_tensor(dst=mul_6[0:rows, 0:cols], data1=sigmoid_5[0:rows, 0:cols], data2=arg0_1_tile_1[0:rows, 0:cols], op=nl.multiply, engine=nisa.engine.gpsimd)
             nisa.dma_copy(dst=pointwise_7.ap([[10, rows], [1, cols]], offset=p0 * 10 + f0), src=mul_6[0:rows, 0:cols])
     return pointwise_7
 """)

@@ -84,3 +84,16 @@ def test_one_step_on_special_moments_equals_eager(dtype, amsgrad, weight_decay, 
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_one_step_over_sizes_equals_eager(shape, dtype):
     _check_step(shape, dtype, step=3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("step", [0.0, LATE_STEP])
+def test_the_parameter_sum_added_by_the_dma_engines_equals_eager(dtype, step):
+    """At (130, 1100) the update kernel is bound by its compute engines, so the decayed parameter plus the update
+    is added by the DMA engines on its way to HBM (codegen/dma_sums.py): the special moments still reach the
+    parameter as torch gives them."""
+    with neuron_compile.record_launches() as launches:
+        parameter = _check_step((130, 1100), dtype, step, weight_decay=0.1)[0].view(-1)
+    assert any("nisa.dma_compute(" in launch.source.source for launch in launches if launch.source is not None)
+    bad = [i for i, v in enumerate(SPECIAL_SECOND_MOMENTS) if v != v or v < 0]
+    assert parameter[bad].isnan().all() and parameter[[i for i in range(10) if i not in bad]].isfinite().all()

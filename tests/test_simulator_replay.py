@@ -179,6 +179,19 @@ def test_unwritten_memory_reads_as_nan_at_every_replay_even_when_a_tile_reuses_a
             assert np.isnan(np.delete(output, np.r_[written], axis=1)).all()
 
 
+def test_a_dma_compute_sum_replays_on_new_values():
+    def summed(x, y):
+        out = nl.ndarray(x.shape, nl.bfloat16, buffer=nl.shared_hbm)
+        nisa.dma_compute(out, [load_tile(x), load_tile(y)], nl.add)  # fp32 sum, rounded to bf16 on the way to HBM
+        return out
+
+    for seed in range(3):
+        x, y = (np.random.default_rng(seed + i).standard_normal((5, 7)).astype(np.float32) for i in (0, 10))
+        np.testing.assert_array_equal(_launch(summed, x, y).outputs[0], (x + y).astype(nl.bfloat16))
+    plan = replay.known(summed, replay.launch_signature([x, y], get_target().name, 1))
+    assert isinstance(plan, replay.ReplayPlan)
+
+
 def test_a_new_shape_or_dtype_is_validated_and_recorded_again():
     def widen(x):
         tile = load_tile(x)

@@ -46,6 +46,7 @@ class EngineBalance:
         self.plan = plan
         self.lines: list[str] | None = None  # the scope's emitted lines, when the emitter shares them
         self.charges: list[tuple[int, float]] = []  # (lines emitted so far, cost) of every instruction charged
+        self.expected: dict[str, float] = {}  # a planned balance: each engine's load once its plan is replayed
 
     def _charge(self, engine: str, cost: float) -> None:
         self.load[engine] += cost
@@ -93,7 +94,9 @@ class EngineBalance:
             engine = min(costs, key=lambda name: (loads[name] + costs[name], name != "vector"))
             loads[engine] += costs[engine]
             plan[index] = engine
-        return EngineBalance(plan)
+        balance = EngineBalance(plan)
+        balance.expected = loads
+        return balance
 
     def pick(self, operands, scope, stages: tuple[str, ...] = (), passes: int = 1) -> str:
         """The engine argument text (empty for VectorE, the default) for an instruction over ``operands`` (Refs)

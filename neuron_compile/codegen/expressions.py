@@ -137,6 +137,15 @@ class TileAllocator:
         self.psum_tiles.add(name)
         return name
 
+    def new_psum_tile(self, stem: str, free: int) -> str:
+        """A [partitions, free] fp32 PSUM tile allocated with the scope's tiles (codegen/psum_operands.py)."""
+        name = self.take_name(stem)
+        self.lines.append(f"{name} = nl.ndarray(({self.partitions}, {free}), dtype=nl.float32, buffer=nl.psum)")
+        self.names.append(name)
+        self.widths.append(0)
+        self.psum_tiles.add(name)
+        return name
+
     def new_element(self, stem: str, dtype: str) -> str:
         """A [1, 1] SBUF tile (one value on partition 0: a random seed)."""
         name = self.take_name(stem)
@@ -236,6 +245,8 @@ class TileScope:
         self.memo: dict = {}
         self.tiles: dict[tuple, str] = {}
         self.balance = EngineBalance()
+        # values computed into PSUM tiles for their tensor_tensor readers (codegen/psum_operands.py)
+        self.psum_operands: frozenset = frozenset()
 
     def tile(self, dtype: str = "float32", key=None, vector: bool = False, stem: str = "value") -> str:
         # One tile per (scope, expression): loop iterations overwrite it, the code stays straight-line.
@@ -615,7 +626,10 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
     vector = bool(tiles) and all(arg.vector for arg in tiles)
     if entry.form == "copy":
         return _emit_cast(expr.dtype, args[0], vector, scope, lines)
-    out = Ref(tile=scope.tile(vector=vector, stem=expr.op), vector=vector)
+    if not vector and expr in scope.psum_operands and entry.form == "binary":
+        out = Ref(tile=scope.allocator.new_psum_tile(expr.op, scope.free))
+    else:
+        out = Ref(tile=scope.tile(vector=vector, stem=expr.op), vector=vector)
     dst = scope.ref_text(out)
     if _subtracts_constant(expr.op, args):
         lines += _subtraction(args, dst, scope)
@@ -647,9 +661,11 @@ def _binary(entry: op_table.OpSpec, args, dst: str, scope: TileScope, dst_dtype:
         # x * x of a full tile: ScalarE's square (the same fp32 product, rounded once), off the busier VectorE
         scope.balance.note("scalar")
         return f"nisa.activation(dst={dst}, op=nl.square, data={scope.ref_text(a)})"
+    written = dst.partition("[")[0]  # a PSUM destination keeps the instruction off GpSimd (pick reads it)
     for data, number_operand, stages in ((a, b, ((entry.nl_op, None),)), (b, a, entry.number_first)):
         if _is_constant(number_operand, data):
-            engine = scope.balance.pick(list(args), scope, _operators(stages))
+            in_psum = [Ref(tile=written)] if written in scope.allocator.psum_tiles else []
+            engine = scope.balance.pick([*args, *in_psum], scope, _operators(stages))
             return _tensor_scalar(dst, scope.ref_text(data), stages, scope.operand_text(number_operand), engine)
     # the cost model's one pass: a bf16 add, subtract or multiply (operands and destination)
     one_pass = entry.nl_op in ("nl.add", "nl.subtract", "nl.multiply") and dst_dtype == "bfloat16" and all(

@@ -62,8 +62,8 @@ NL_NAMES = NL_OPERATORS | frozenset({
     "ndarray", "sbuf", "psum", "hbm", "private_hbm", "shared_hbm", "float32", "bfloat16", "int32", "uint8",
 })
 NISA_NAMES = frozenset({
-    "activation", "affine_select", "dma_copy", "dma_transpose", "dropout", "engine", "iota", "memset", "nc_matmul",
-    "nc_transpose", "reciprocal", "scalar_tensor_tensor", "select_reduce", "set_rng_seed", "tensor_copy",
+    "activation", "affine_select", "dma_compute", "dma_copy", "dma_transpose", "dropout", "engine", "iota", "memset",
+    "nc_matmul", "nc_transpose", "reciprocal", "scalar_tensor_tensor", "select_reduce", "set_rng_seed", "tensor_copy",
     "tensor_copy_predicated", "tensor_reduce", "tensor_scalar", "tensor_tensor", "tensor_tensor_scan",
 })
 NKI_API = {

@@ -115,11 +115,16 @@ def output_lines(stores) -> list[str]:
     ]
 
 
-def store_lines(stores, scope: TileScope, patterns: Patterns, free, chunked_free, lines: list[str]) -> None:
+def store_lines(stores, scope: TileScope, patterns: Patterns, free, chunked_free, lines: list[str],
+                dma_sums=None) -> None:
+    """Each store's value and its DMA to HBM; ``dma_sums`` (codegen/dma_sums.py ``DmaSums``): stored sums the DMA
+    engines add, where they apply."""
     for store in stores:
+        dst = patterns.hbm(store.buffer.name, store.layout, free, chunked_free)
+        if dma_sums is not None and dma_sums.emit(store, str(dst), scope, lines):
+            continue
         value = emit(store.expr, scope, lines)
         tile = emit_store(store.buffer.dtype, value, scope, lines)
-        dst = patterns.hbm(store.buffer.name, store.layout, free, chunked_free)
         lines.append(f"nisa.dma_copy(dst={dst}, src={tile})")
 
 

@@ -9,7 +9,8 @@ and there are heads-times fewer of them (each DMA has a fixed cost). With no out
 go several to a partition (tiles.py ``rows_per_partition``). Codegen: per tile one DMA per input through
 its access pattern (two free entries, flattened into the tile's columns, when widened), the expression body, one
 DMA per store (pointwise.py.j2). Row-vector work the same in every column tile (a scalar input, its reciprocal)
-is computed once per row tile, before the column loop (codegen/hoisted_columns.py).
+is computed once per row tile, before the column loop (codegen/hoisted_columns.py). A stored sum is added by the
+DMA engines on its way out where a compute engine bounds the tile (codegen/dma_sums.py).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import dataclasses
 import math
 
 from neuron_compile import ir
+from neuron_compile.codegen.dma_sums import DmaSums, read_on_chip, summed_operands, tile_time_ns
 from neuron_compile.codegen.engine_balance import EngineBalance
 from neuron_compile.codegen.expressions import BroadcastLoad, RepeatedColumnsLoad, TileAllocator, TileScope
 from neuron_compile.codegen.hoisted_columns import HoistedColumns
+from neuron_compile.codegen.psum_operands import psum_operands
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template, store_lines
 from neuron_compile.codegen.strided_rows import (
     SpanLoads,
@@ -29,6 +32,7 @@ from neuron_compile.codegen.strided_rows import (
     stepped_broadcast,
 )
 from neuron_compile.dims import LoopDim, collapse
+from neuron_compile.hardware import get_target
 from neuron_compile.kind_registry import loads, register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue, matching_index_reason, merge_as_epilogue
 from neuron_compile.tiles import (
@@ -118,19 +122,72 @@ def balanced_body(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileA
     for real with those instructions assigned longest first (codegen/engine_balance.py). ``hoisted``: where the
     row-vector work that is the same in every column tile goes (codegen/hoisted_columns.py), or None (kept in
     the body)."""
-    trial = EngineBalance()
-    scratch = TileAllocator(allocator.partitions, reserved=allocator.reserved)
-    trial_hoisted = HoistedColumns(allocator.partitions, allocator.reserved) if hoisted is not None else None
-    _tile_lines(stores, plan, scratch, interleaved, trial, trial_hoisted)
-    balance = trial.planned()
-    body = _tile_lines(stores, plan, allocator, interleaved, balance, hoisted)
+    balance, in_psum, dma_sums = _planned_balance(stores, plan, allocator, interleaved, hoisted is not None)
+    body = _tile_lines(stores, plan, allocator, interleaved, balance, hoisted, in_psum, dma_sums)
     return body, balance.halfway_line
+
+
+def _planned_balance(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator,
+                     interleaved: tuple[tuple[ir.Store, ...], ...],
+                     hoisting: bool) -> tuple[EngineBalance, frozenset, DmaSums | None]:
+    """The engine plan of a tile from a trial emission, the values it computes into PSUM and the stored sums the
+    DMA engines add (None: none). Each PSUM value, then the sums, is tried on top of what was kept before it and
+    kept when its trial's tile is the shorter (codegen/psum_operands.py, codegen/dma_sums.py)."""
+
+    def trial(in_psum: frozenset, dma_sums: DmaSums | None) -> EngineBalance:
+        balance = EngineBalance()
+        scratch = TileAllocator(allocator.partitions, reserved=allocator.reserved)
+        trial_hoisted = HoistedColumns(allocator.partitions, allocator.reserved) if hoisting else None
+        _tile_lines(stores, plan, scratch, interleaved, balance, trial_hoisted, in_psum, dma_sums)
+        return balance.planned()
+
+    plain = trial(frozenset(), None)
+    if not plan.target or interleaved:
+        return plain, frozenset(), None
+    target, columns = get_target(plan.target), plan.free[0].tile * math.prod(dim.size for dim in plan.free[1:])
+    in_psum: frozenset = frozenset()
+    for value in _psum_candidates(stores, plan, target):  # one at a time: each moves its readers to VectorE
+        trying = in_psum | {value}
+        with_psum = trial(trying, None)
+        if max(with_psum.expected.values()) < max(plain.expected.values()):  # the same DMAs: the engines decide
+            plain, in_psum = with_psum, trying
+    if not any(summed_operands(store) for store in stores):
+        return plain, in_psum, None
+    read = read_on_chip(stores)
+    summing = DmaSums(read)
+    summed = trial(in_psum, summing)
+    if not summing.read_bytes:
+        return plain, in_psum, None
+    plain_ns = tile_time_ns(plain.expected, _transfer_bytes(stores, plan, {}), plan.partition.tile, columns, target)
+    summed_ns = tile_time_ns(summed.expected, _transfer_bytes(stores, plan, summing.read_bytes), plan.partition.tile,
+                             columns, target)
+    return (summed, in_psum, DmaSums(read)) if summed_ns < plain_ns else (plain, in_psum, None)
+
+
+def _psum_candidates(stores: tuple[ir.Store, ...], plan: TilePlan, target) -> tuple:
+    """The values a tile could compute into PSUM (codegen/psum_operands.py): one bank each per column tile in flight;
+    none in a widened tile (its broadcast operands take PSUM banks)."""
+    if len(plan.free) != 1:
+        return ()
+    return psum_operands(stores, plan.free[0].tile, target.psum_bank_bytes // 4,
+                         target.psum_banks // PIPELINED_TILES - 1)
+
+
+def _transfer_bytes(stores: tuple[ir.Store, ...], plan: TilePlan, summed_bytes: dict[str, int]) -> list[int]:
+    """Bytes per element of each DMA of a tile: its loads that vary along the free dims, and its stores (a store
+    the DMA engines sum moves its operands' ``summed_bytes``, or its own where more)."""
+    loads = dict.fromkeys(load for store in stores for load in ir.loads_of(store.expr))
+    varying = [load for load in loads if any(dim.stride(load.layout) != 0 for dim in plan.free)]
+    stored = [max(summed_bytes.get(store.buffer.name, 0), ir.ITEMSIZE[store.buffer.dtype]) for store in stores]
+    return [ir.ITEMSIZE.get(load.dtype, 4) for load in varying] + stored
 
 
 def _tile_lines(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator,
                 interleaved: tuple[tuple[ir.Store, ...], ...], balance: EngineBalance,
-                hoisted: HoistedColumns | None = None) -> list[str]:
-    """``pointwise_body``'s lines with the engines ``balance`` gives."""
+                hoisted: HoistedColumns | None = None, in_psum: frozenset = frozenset(),
+                dma_sums: DmaSums | None = None) -> list[str]:
+    """``pointwise_body``'s lines with the engines ``balance`` gives, the values ``in_psum`` in PSUM and the stored
+    sums ``dma_sums`` adds."""
     patterns = Patterns(plan)
     free = [(plan.free[0], "cols")] + [(dim, str(dim.size)) for dim in plan.free[1:]]
     inner = math.prod(dim.size for dim in plan.free[1:])
@@ -161,6 +218,7 @@ def _tile_lines(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAll
                       broadcast_pattern=broadcast_pattern)
     scope.balance = balance
     scope.hoisted = hoisted
+    scope.psum_operands = in_psum
 
     def hbm(buffer: str, layout: ir.Layout):
         return patterns.hbm(buffer, layout, free, True)
@@ -175,7 +233,7 @@ def _tile_lines(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAll
     scope.span_load = span_load
     body: list[str] = []
     balance.lines = body  # where each instruction it charges lands
-    store_lines(stores, scope, patterns, free, True, body)
+    store_lines(stores, scope, patterns, free, True, body, dma_sums)
     for group in interleaved:
         interleaved_store_lines(group, scope, hbm, body)
     return body
@@ -203,7 +261,7 @@ class PointwiseKind(MatchingIndexEpilogue):
         return dataclasses.replace(merged, name=second.name, stores=kept + merged.stores[len(first.stores):])
 
     def plan(self, node, target):
-        return plan_pointwise(node, target)
+        return dataclasses.replace(plan_pointwise(node, target), target=target.name)
 
     def render(self, node, plan, name, parameters):
         allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))

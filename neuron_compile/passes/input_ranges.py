@@ -18,11 +18,14 @@ labels with or without -100) never recompiles.
 
 Float inputs are guarded only where a bound pays: float inputs of up to ``GUARDED_FLOAT_NUMEL`` elements whose
 values reach the argument of a sin or cos through ops value ranges follow (``range_guarded_floats``: a rotary
-embedding's ``inv_freq`` times the positions, or the angles a backward recomputes cos and sin from), so lowering/trigonometry.py can choose a cheap argument reduction, or a cast to an integer, which lowers
-only when its float values are proved within +-2**24 (positions a backward recomputes from a saved float cumsum). Their guard
+embedding's ``inv_freq`` times the positions, or the angles a backward recomputes cos and sin from), so
+lowering/trigonometry.py can choose a cheap argument reduction, or a cast to an integer, which lowers only when its
+float values are proved within +-2**24 (positions a backward recomputes from a saved float cumsum). Their guard
 (``guard_float_bound``) checks that every value is finite and within a power of two (at least 1, at most
 ``FLOAT_GUARD_MAX``): a class per binade, so a buffer that never changes compiles once, and a value leaving its
-class compiles (or finds) the graph for the new class, or the unbounded one with the exact reduction.
+class compiles (or finds) the graph for the new class, or the unbounded one with the exact reduction. A tensor a
+forward graph returned with a bound it proved (``proved_output_bounds``: the rotary angles saved for the backward)
+carries that class (runtime/proved_bounds.py), and the guard takes it without reading the values.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from neuron_compile.passes.graph_copies import lazy_copy
-from neuron_compile.passes.value_range import RANGE_KEY, RULES, Interval
+from neuron_compile.passes.value_range import RANGE_KEY, RULES, Interval, value_range
+from neuron_compile.runtime import proved_bounds
 
 # Integer inputs whose every value lies within +-GUARD_BOUND are bounded by it (2**4 below the exact fp32 integers:
 # room for a few additions and small multiples).
@@ -53,6 +57,10 @@ FLOAT_GUARD_MAX = 2.0**20
 # The bound of each class, made once: a caller may compare the bounds of two calls by identity.
 FLOAT_BOUNDS = {exponent: Interval(-2.0**exponent, 2.0**exponent) for exponent in range(21)}
 GUARDED_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Proved output bounds tag a forward's outputs up to this class: lowering/trigonometry.py's CODY_WAITE_LIMIT, below
+# which every class lowers sin and cos the same way (tests/test_proved_bounds.py checks the two agree).
+TAGGED_BOUND_MAX = 2.0**12
+PROOF_ROUNDING_SLACK = 2.0**-20  # a proved bound widened by this before its class is taken (one fp32 rounding)
 # The ops whose argument's range decides the code lowered for them (the trigonometry's argument reduction).
 RANGE_CONSUMERS = (torch.ops.aten.sin.default, torch.ops.aten.cos.default)
 # Casts whose float argument must be proved within +-2**24 for them to lower at all (integer math runs in fp32):
@@ -101,15 +109,42 @@ def guard_float_bound(value) -> Interval | None:
 
 
 def float_values_bound(tensor: torch.Tensor) -> Interval | None:
-    """``guard_float_bound`` of a tensor known to be one it checks (``guard_reads_values``): one ``aminmax``."""
+    """``guard_float_bound`` of a tensor known to be one it checks (``guard_reads_values``): the bound the graph
+    that made it proved (runtime/proved_bounds.py), else one ``aminmax``."""
+    proved = proved_bounds.bound_of(tensor)
+    if proved is not None:  # no value read
+        return proved
     # one op: this runs on every call of the graph
     low, high = torch.aminmax(tensor.detach() if tensor.requires_grad else tensor)
-    magnitude = max(-float(low), float(high))
-    if math.isnan(magnitude):  # max() of a nan and a number may pick the number: refuse nan explicitly
-        return None
-    if not magnitude <= FLOAT_GUARD_MAX:
+    return _float_class(max(-float(low), float(high)))
+
+
+def _float_class(magnitude: float) -> Interval | None:
+    """The class ``Interval(-2**k, 2**k)`` of the smallest ``k >= 0`` holding ``magnitude``; None past
+    ``FLOAT_GUARD_MAX`` (and for nan: max() of a nan and a number may pick either, so nan is refused here)."""
+    if math.isnan(magnitude) or not magnitude <= FLOAT_GUARD_MAX:
         return None
     return FLOAT_BOUNDS[max(0, math.ceil(math.log2(magnitude))) if magnitude > 0 else 0]
+
+
+def proved_output_bounds(gm: torch.fx.GraphModule) -> tuple[tuple[int, Interval], ...]:
+    """(output position, float class) for each float output of ``gm`` (a forward graph, its inputs bounded by the
+    ``bound inputs`` pass) whose value range the graph proves within ``TAGGED_BOUND_MAX``: the class the float guard
+    would find for it, or a wider one, with one fp32 rounding of slack (passes/value_range.py). The forward tags its
+    outputs with them (runtime/proved_bounds.py), so the backward's guard reads no values. Only below
+    ``TAGGED_BOUND_MAX``: a proof can be looser than the values (positions that are an integer input prove only the
+    integer guard's +-2**20), and a class the lowering tells apart from a finer one would then cost code."""
+    bounds = []
+    for position, node in enumerate(gm.graph.output_node().args[0]):
+        if not isinstance(node, torch.fx.Node) or not _is_float(node.meta.get("val")):
+            continue
+        proved = value_range(node)
+        if proved is None:
+            continue
+        bound = _float_class(max(-proved.low, proved.high) * (1 + PROOF_ROUNDING_SLACK))
+        if bound is not None and bound.high <= TAGGED_BOUND_MAX:
+            bounds.append((position, bound))
+    return tuple(bounds)
 
 
 def range_guarded_floats(gm: torch.fx.GraphModule) -> frozenset[int]:

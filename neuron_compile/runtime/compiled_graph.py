@@ -34,7 +34,7 @@ from neuron_compile.config import Config
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.passes.bucket import BucketPlan, plan_buckets
 from neuron_compile.passes.flex_attention import inline_flex_attention
-from neuron_compile.passes.input_ranges import range_guarded_floats
+from neuron_compile.passes.input_ranges import proved_output_bounds, range_guarded_floats
 from neuron_compile.passes.layouts import column_major_inputs
 from neuron_compile.passes.partition import PartitionReport, op_name
 from neuron_compile.passes.specialize import is_dynamic
@@ -52,6 +52,7 @@ from neuron_compile.runtime.cache import (
 from neuron_compile.runtime.hit_plan import HitPlan
 from neuron_compile.runtime.kept import Kept
 from neuron_compile.runtime.launch_plan import INT32_RANGE
+from neuron_compile.runtime.proved_bounds import tag_outputs
 
 log = logging.getLogger(__name__)
 bucket_log = logging.getLogger("neuron_compile.passes.bucket")  # the bucket topic (logs.py)
@@ -363,8 +364,12 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
     context = PassContext(config, configured_target(config), args, trace_flex_attention=False)  # call time
     specialized = run_passes("graph", gm, context, on_pass, through="specialize")
     aten_graph = dumps[0][2] if keep_passes else str(specialized.graph)
-    partitioned = run_passes("graph", specialized, context, on_pass, after="specialize")
+    bounded = run_passes("graph", specialized, context, on_pass, after="specialize", through="bound inputs")
+    # a forward's outputs carry what it proved of their values to the backward that reads them (proved_bounds.py)
+    output_bounds = proved_output_bounds(bounded) if kind == "forward" else ()
+    partitioned = run_passes("graph", bounded, context, on_pass, after="bound inputs")
     top = partitioned.graph_module
+    top.proved_output_bounds = output_bounds
     record = CompiledGraphRecord(
         kind=kind,
         key=key,
@@ -495,6 +500,7 @@ class CompiledGraph:
             outputs = hit.outputs(args)  # None unless the call has the key of the plan's call
             if outputs is not None:
                 stats.count_hit()
+                tag_outputs(outputs, getattr(hit.entry, "proved_output_bounds", ()))
                 return outputs
         given = args
         if self.column_major and config.transposed_weights:
@@ -503,9 +509,10 @@ class CompiledGraph:
         if bucket is None or not bucket.active:  # a declined plan: its reasons go to the record
             key, compiled = self._entry(config, args, bucket)
             self.hit_plan = self._plan_for(key, config, given, args, compiled)
-            if self.after_first_call is None:
-                return compiled.forward(*args)
             outputs = compiled.forward(*args)
+            tag_outputs(outputs, getattr(compiled, "proved_output_bounds", ()))
+            if self.after_first_call is None:
+                return outputs
             after, self.after_first_call = self.after_first_call, None
             after(config, given, args, compiled)
             return outputs

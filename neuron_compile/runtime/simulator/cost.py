@@ -63,8 +63,10 @@ DMA (nanoseconds; 16 engines per NeuronCore, each serving 128/16 = 8 partitions,
   element-strided or broadcast access) costs a whole burst per element. This is why a transpose through a
   strided DMA is slow and a TensorE or dma_transpose is not.
 * dma_transpose runs at 90% of DMA throughput HBM->SBUF and 50% SBUF->SBUF (trn2 guide).
-* [I] An HBM->HBM copy moves its bytes through the core's HBM bandwidth twice (a read and a write), so it
-  is charged double, consistently with the roofline, which counts HBM bytes read plus written.
+* A transfer streams the bytes of every source it reads (a dma_compute reads all of its sources) and of its
+  destination, reads and write pipelined: the larger side is charged. [I] An HBM->HBM copy moves its bytes
+  through the core's HBM bandwidth twice (a read and a write), so both sides are charged, consistently with
+  the roofline, which counts HBM bytes read plus written.
 * DMA busy time = max(sum of engine occupancy / 16 engines, the longest single transfer's latency): the 16
   engines are load-balanced (transfers round-robin over queues) and a kernel lasts at least one transfer.
 
@@ -327,17 +329,27 @@ def _burst_inflated_bytes(nbytes: int, run_bytes: int) -> float:
     return nbytes / run_bytes * DMA_BURST_BYTES
 
 
+def _moved_bytes(record: InstructionRecord) -> int:
+    """The bytes a DMA engine streams: every source read (a dma_compute reads all of its sources, SDK ``dst =
+    reduce_op(srcs[0] * scales[0], srcs[1] * scales[1], ...)``) and the destination written, the reads and the
+    write pipelined, so the larger side bounds it; HBM -> HBM, both sides cross the core's HBM bandwidth."""
+    read = sum(src.nbytes for src in record.srcs)
+    written = record.dst.nbytes if record.dst is not None else 0
+    operands = [o for o in (record.dst, *record.srcs) if o is not None]
+    if operands and all(o.buffer == "hbm" for o in operands):
+        return read + written  # [I] the read and the write share the HBM bandwidth
+    return max(read, written)
+
+
 def dma_transfer_time(record: InstructionRecord, target: Target) -> DmaTime:
     operands = [o for o in (record.dst, *record.srcs) if o is not None]
-    nbytes = max((o.nbytes for o in operands), default=0)
+    nbytes = _moved_bytes(record)
     on_chip = [o for o in operands if _on_chip(o)]
     partitions = max((o.partitions for o in (on_chip or operands)), default=1)
     partitions_per_engine = max(1, target.partitions // target.dma_engines)
     engines_used = max(1, min(target.dma_engines, math.ceil(partitions / partitions_per_engine)))
     run_bytes = min((_contiguous_run_bytes(o) for o in operands), default=nbytes)
     traffic = _burst_inflated_bytes(nbytes, run_bytes)
-    if all(o.buffer == "hbm" for o in operands):
-        traffic *= 2  # [I] HBM -> HBM: the bytes cross the core's HBM bandwidth twice (read, then write)
     engine_bytes_per_ns = target.dma_bytes_per_s / target.dma_engines / 1e9
     if record.name == "dma_transpose":
         source = record.srcs[0].buffer if record.srcs else "hbm"

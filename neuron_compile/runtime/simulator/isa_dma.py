@@ -187,7 +187,22 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
             raise NkiValidationError(
                 "err_dma_shape_mismatch", f"{role} has {tile.size} elements, dst {dst.size}: they must match", name
             )
-    total = sum(s.read().astype(FLOAT32).reshape(-1) for s in sources)
-    store(dst, total.reshape(dst.shape))
+    if indirect:
+        refuse_replay("dma_compute through a vector_offset (which elements it reads depends on the offsets)")
+        total = sum(s.read().astype(FLOAT32).reshape(-1) for s in sources)
+        store(dst, total.reshape(dst.shape))
+    else:
+        run_step(_sum_step(dst, sources))
     record(name, "dma", dst, [(f"src{i}", s) for i, s in enumerate(sources)], {"indirect": indirect},
            flops=dst.size * (len(sources) - 1), hbm_partitions=_on_chip_partitions(dst, sources[0]))
+
+
+def _sum_step(dst, sources):
+    """The step of a direct dma_compute: the sources' values summed in fp32, rounded to dst's dtype."""
+    views, dst_view = [source_view(source) for source in sources], destination_view(dst)
+
+    def step():
+        total = sum(view.astype(FLOAT32).reshape(-1) for view in views)
+        store_into(dst_view, total)
+
+    return step
