@@ -26,6 +26,7 @@ giving a variance and the mean of the same rows (a layer norm, kinds/reduction_s
 normed rows matmuls multiply is computed inside each of them (``fold_row_norms``, passes/row_norm_operands.py).
 With ``in_place`` (a region launched as one kernel), a concat of whole buffers that kernels write is assembled in
 place: marked before grouping, its inputs' writers store into its output after it (passes/concat_in_place.py).
+Last, what an attention kernel's keys and values need is launched before the rest (passes/launch_order.py).
 
 Before grouping, a pure copy (one load stored in another layout, as a write into an empty cache makes) whose every
 reader can read its source through a strided view is dropped and its readers read the source
@@ -47,6 +48,7 @@ import networkx as nx
 from neuron_compile import ir, kinds
 from neuron_compile.passes.concat_in_place import assemble_in_place, mark_in_place
 from neuron_compile.passes.copy_views import read_copies_as_views
+from neuron_compile.passes.launch_order import keys_and_values_first
 from neuron_compile.passes.row_norm_operands import fold_row_norms
 from neuron_compile.passes.tiling import TilingError, plan_kernel
 
@@ -365,6 +367,8 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
     assembled = frozenset()
     if in_place:
         kernels, assembled = assemble_in_place(kernels, decisions, fits)
+    if enabled:
+        kernels = keys_and_values_first(kernels)
     return FusionResult(kernels, decisions, assembled)
 
 
