@@ -150,21 +150,21 @@ def top_kernels(launches, top: int) -> list[str]:
 
 
 def kernel_tables(launches) -> list[str]:
-    """Each distinct launch of a warm call (a block class's region kernel; its repeats counted) as kernel_bench's
-    per-kernel table (``--kernels``)."""
+    """Each distinct launch of a warm call (a block class's region kernel; repeats with the same figures counted)
+    as kernel_bench's per-kernel table (``--kernels``)."""
     from kernel_bench import section_table
 
-    counts: dict[int, int] = {}
+    distinct: dict[tuple, list] = {}
     for launch in launches:
-        counts[id(launch.report)] = counts.get(id(launch.report), 0) + 1
-    lines, shown = [], set()
-    for launch in launches:
-        if launch.report is None or id(launch.report) in shown:
-            continue
-        shown.add(id(launch.report))
-        title = (f"{launch.kernel} ({counts[id(launch.report)]} launches), est {launch.report.est_time_s * 1e6:.1f} "
-                 f"us each, launch {launch.report.launch_s * 1e6:.1f} us, per kernel:")
-        lines += section_table(title, launch.report.sections)
+        if launch.report is not None:
+            report = launch.report
+            key = (launch.kernel, report.est_time_s, tuple((s.name, s.est_time_s) for s in report.sections))
+            distinct.setdefault(key, []).append(report)
+    lines = []
+    for (kernel, est_s, _), reports in distinct.items():
+        title = (f"{kernel} ({len(reports)} launches), est {est_s * 1e6:.1f} us each, launch "
+                 f"{reports[0].launch_s * 1e6:.1f} us, per kernel:")
+        lines += section_table(title, reports[0].sections)
     return lines
 
 
