@@ -76,9 +76,9 @@ def test_flux_single_blocks_attention_and_mlp_are_stored_into_their_cat(rows, dt
     """``cat([attention, gelu(x @ w1)], -1) @ w2``: the attention kernel and the matmul store their outputs into
     column slices of the cat (rows of another stride), no concat kernel copies them, and the result is eager's."""
     x = random_tensor((1, rows, 64), dtype, seed=1)
-    w1 = random_tensor((96, 64), dtype, seed=2, low=-0.2, high=0.2)
-    w2 = random_tensor((32, 160), dtype, seed=3, low=-0.2, high=0.2)
-    q, k, v = (random_tensor((1, 2, rows, 32), dtype, seed=seed) for seed in (4, 5, 6))
+    w1 = random_tensor((256, 64), dtype, seed=2, low=-0.2, high=0.2)
+    w2 = random_tensor((32, 512), dtype, seed=3, low=-0.1, high=0.1)
+    q, k, v = (random_tensor((1, 2, rows, 128), dtype, seed=seed) for seed in (4, 5, 6))
 
     def block(x, w1, w2, q, k, v):
         attention = SDPA(q, k, v).transpose(1, 2).flatten(2)
@@ -99,12 +99,12 @@ def test_joint_rows_are_stored_by_their_norms_and_projections(rows, dtype):
     attention reads them: each producer stores its tokens' rows at their offset in the joint buffer."""
     text_rows, image_rows = rows
     text, image = random_tensor((1, text_rows, 64), dtype, seed=1), random_tensor((1, image_rows, 64), dtype, seed=2)
-    wq, wv = random_tensor((64, 64), dtype, seed=3, low=-0.3, high=0.3), random_tensor((64, 64), dtype, seed=4)
-    weight = random_tensor((32,), dtype, seed=5)
+    wq, wv = random_tensor((256, 64), dtype, seed=3, low=-0.3, high=0.3), random_tensor((256, 64), dtype, seed=4)
+    weight = random_tensor((128,), dtype, seed=5)
 
     def joint(text, image, wq, wv, weight):
         def heads(x):
-            return x.unflatten(-1, (2, 32))
+            return x.unflatten(-1, (2, 128))
 
         def norm(x):  # diffusers' RMSNorm
             x = heads(x).float()
@@ -120,6 +120,15 @@ def test_joint_rows_are_stored_by_their_norms_and_projections(rows, dtype):
     assert len(_decisions(region)) == 2 and all(": yes," in decision for decision in _decisions(region))
 
 
+def test_short_runs_and_interleaved_stacks_stay_a_kernel():
+    """Columns of 40 fp32 (160 bytes a run) and a stack on the last dim (a step of 2) keep their concat kernel."""
+    a, w = random_tensor((130, 40), seed=1), random_tensor((40, 40), seed=2)
+    for fn in (lambda a, w: torch.cat([a @ w, torch.softmax(a, -1)], 1),
+               lambda a, w: torch.stack([a @ w, torch.softmax(a, -1)], -1).flatten(-2)):
+        region = check_against_eager(fn, a, w)
+        assert any(kernel.name.startswith("concat") for kernel in region.kernels) and not _decisions(region)
+
+
 def test_a_cat_of_graph_inputs_stays_a_kernel():
     a, b = random_tensor((3, 5), seed=1), random_tensor((4, 5), seed=2)
     region = check_against_eager(lambda a, b: torch.cat([a, b]) * 2, a, b)
@@ -127,11 +136,11 @@ def test_a_cat_of_graph_inputs_stays_a_kernel():
 
 
 def test_a_writer_whose_store_has_no_layout_in_the_output_leaves_the_concat_a_kernel():
-    """The add's kernel walks [3, 40] as 120 elements; in the cat's [3, 64] rows they are not one run."""
-    a, b, c = random_tensor((120,), seed=1), random_tensor((120,), seed=2), random_tensor((3, 24), seed=3)
+    """The add's kernel walks [3, 160] as 480 elements; in the cat's [3, 288] rows they are not one run."""
+    a, b, c = random_tensor((480,), seed=1), random_tensor((480,), seed=2), random_tensor((3, 24), seed=3)
 
     def fn(a, b, c):
-        return torch.cat([(a + b).view(3, 40), c @ torch.ones(24, 24)], dim=1)
+        return torch.cat([(a + b).view(3, 160), c @ torch.ones(24, 128)], dim=1)
 
     region = check_against_eager(fn, a, b, c)
     assert any(kernel.name.startswith("concat") for kernel in region.kernels)
@@ -142,7 +151,7 @@ def test_a_writer_whose_store_has_no_layout_in_the_output_leaves_the_concat_a_ke
 @pytest.mark.parametrize("launch_unit", ["kernel", "region"])
 def test_only_a_region_launched_as_one_kernel_assembles_in_place(launch_unit):
     """Launched one by one, each kernel returns its outputs whole: a second writer would replace the first's."""
-    a, w = random_tensor((130, 64), seed=1), random_tensor((64, 64), seed=2)
+    a, w = random_tensor((130, 128), seed=1), random_tensor((128, 128), seed=2, low=-0.2, high=0.2)
 
     def fn(a, w):
         return torch.cat([a @ w, torch.softmax(a, -1)], dim=1) + 1

@@ -11,8 +11,9 @@ from HBM and writes it again, an HBM round trip of its whole output. A producer 
 anyway, so storing into a slice of a larger buffer (another row stride, an offset) costs it nothing (Inductor
 realizes a concat's inputs into the output's buffer the same way).
 
-Which concats: every part copies one whole buffer (no math; every element once, in the buffer's own order), a
-buffer a node of the region writes (not a graph input), not a region output, each buffer once. A marked concat
+Which concats: every part copies one whole buffer (no math; every element once, in the buffer's own order), a buffer
+a node of the region writes (not a graph input), not a region output, each buffer once, into a slice of contiguous
+runs of at least ``MIN_RUN_BYTES`` (a stack on the last dim stays a concat: it interleaves on chip). A marked concat
 takes no prologue or epilogue, so its parts stay copies. After grouping, a part's input has one writer kernel; its
 stores and every read of it are restated in the output (``restated_in``); when a restatement does not exist, or a
 kernel would store the output twice or no longer tile, the concat stays a kernel (a plain copy) and the decision
@@ -86,15 +87,31 @@ def copied_buffer(part: ir.Pointwise, spans: dict[str, int]) -> str | None:
     return load.buffer if in_order and load.layout.offset == 0 else None
 
 
+# A part's slice must hold runs of at least this many contiguous bytes: its writer stores into it run by run, and a
+# DMA of short runs is overhead-bound (nki-spec 2: < 256 B per partition). A stack on the last dim (interleaved
+# phases, a step of 2 or 3 elements) or a cat of narrow columns stays a concat kernel, which assembles whole rows on
+# chip and stores them contiguous (codegen/strided_rows.py).
+MIN_RUN_BYTES = 512
+
+
+def run_bytes(part: ir.Pointwise) -> int:
+    """Contiguous bytes per run of ``part``'s slice of the output (its innermost dims merged where contiguous)."""
+    store = part.stores[0]
+    shape, view = _merged(tuple(part.domain), store.layout)
+    return (shape[-1] if view.strides[-1] == 1 else 1) * ir.ITEMSIZE.get(store.buffer.dtype, 4)
+
+
 def mark_in_place(nodes: list[ir.Node], region_outputs: set[str]) -> list[ir.Node]:
-    """``nodes`` with every concat whose parts copy whole buffers that other nodes write marked ``in_place``."""
+    """``nodes`` with every concat whose parts copy whole buffers that other nodes write, into slices of runs of at
+    least ``MIN_RUN_BYTES``, marked ``in_place``."""
     spans = {store.buffer.name: store.buffer.layout.span() for node in nodes for store in kinds.stores(node)}
     marked = []
     for node in nodes:
         if isinstance(node, ir.Concat) and not node.epilogue_stores:
             sources = [copied_buffer(part, spans) for part in node.parts]
             if (len(sources) > 1 and None not in sources and len(set(sources)) == len(sources)
-                    and not set(sources) & region_outputs):
+                    and not set(sources) & region_outputs
+                    and all(run_bytes(part) >= MIN_RUN_BYTES for part in node.parts)):
                 node = dataclasses.replace(node, in_place=True)
         marked.append(node)
     return marked
