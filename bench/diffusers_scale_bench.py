@@ -23,6 +23,7 @@ outputs) bytes / DMA bandwidth)`` (FLOPs from ``torch.utils.flop_counter.FlopCou
     PYTHONPATH=. python bench/diffusers_scale_bench.py --compile-time
     PYTHONPATH=. python bench/diffusers_scale_bench.py --mid --models flux
     PYTHONPATH=. python bench/diffusers_scale_bench.py --mid --top 20   # and the 20 costliest kernels per model
+    PYTHONPATH=. python bench/diffusers_scale_bench.py --mid --models flux --kernels   # each block's kernels
     PYTHONPATH=. python bench/diffusers_scale_bench.py --warm-start
 """
 
@@ -148,7 +149,26 @@ def top_kernels(launches, top: int) -> list[str]:
             f"{cost.bottleneck})" for cost in sorted(costs, key=lambda cost: -cost.est_time_s)[:top]]
 
 
-def mid_child(name: str, top: str = "0") -> dict:
+def kernel_tables(launches) -> list[str]:
+    """Each distinct launch of a warm call (a block class's region kernel; repeats with the same figures counted)
+    as kernel_bench's per-kernel table (``--kernels``)."""
+    from kernel_bench import section_table
+
+    distinct: dict[tuple, list] = {}
+    for launch in launches:
+        if launch.report is not None:
+            report = launch.report
+            key = (launch.kernel, report.est_time_s, tuple((s.name, s.est_time_s) for s in report.sections))
+            distinct.setdefault(key, []).append(report)
+    lines = []
+    for (kernel, est_s, _), reports in distinct.items():
+        title = (f"{kernel} ({len(reports)} launches), est {est_s * 1e6:.1f} us each, launch "
+                 f"{reports[0].launch_s * 1e6:.1f} us, per kernel:")
+        lines += section_table(title, reports[0].sections)
+    return lines
+
+
+def mid_child(name: str, top: str = "0", kernels: str = "0") -> dict:
     import neuron_compile
     from neuron_compile.hardware import get_target
     from torch.utils.flop_counter import FlopCounterMode
@@ -172,7 +192,7 @@ def mid_child(name: str, top: str = "0") -> dict:
     stats = neuron_compile.stats()
     return dict(est_s=stats["est_time_s"], roofline_s=roofline, flops=counter.get_total_flops(),
                 bytes=necessary, error=relative(actual, expected), eager_nodes=stats["fallback_nodes"],
-                top=top_kernels(launches, int(top)))
+                top=top_kernels(launches, int(top)), kernels=kernel_tables(launches) if int(kernels) else [])
 
 
 def warm_start_child(name: str) -> dict:
@@ -227,17 +247,20 @@ def compile_time_table(names: list[str], scratch: str) -> None:
               f"| {between:.1e} | {whole['error']:.1e} / {regional['error']:.1e} |", flush=True)
 
 
-def mid_table(names: list[str], top: int) -> None:
+def mid_table(names: list[str], top: int, kernels: bool) -> None:
     print("| model | GFLOP | necessary MB | error vs eager (relative) | eager nodes | est. trn2 ms | roofline ms "
           "| x roofline |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    kernel_lines = []
     for name in names:
-        result = run_child("mid", name, str(top))
+        result = run_child("mid", name, str(top), str(int(kernels)))
         print(f"| {name} | {result['flops'] / 1e9:.1f} | {result['bytes'] / 1e6:.1f} | {result['error']:.1e} "
               f"| {result['eager_nodes']} | {result['est_s'] * 1e3:.3f} | {result['roofline_s'] * 1e3:.3f} "
               f"| {result['est_s'] / result['roofline_s']:.2f}x |", flush=True)
         for line in result["top"]:
             print(f"  {name} {line}", file=sys.stderr)
+        kernel_lines.append("\n".join(result["kernels"]))
+    print("\n".join(kernel_lines))
 
 
 def warm_start_table(names: list[str], scratch: str) -> None:
@@ -265,6 +288,8 @@ def main() -> None:
                         help="--compile-time: blocks of each repeated kind (Flux: double and single each)")
     parser.add_argument("--pipelines", default="flux,ltx")
     parser.add_argument("--top", type=int, default=0, help="--mid: print the N costliest kernels of each row to stderr")
+    parser.add_argument("--kernels", action="store_true", help="--mid: after the table, each block's kernels (their "
+                        "share of its launch, busiest engine, roofline, HBM bytes), as kernel_bench.py --kernels")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.child:
@@ -280,7 +305,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as scratch:
             compile_time_table(names, scratch)
     if arguments.mid:
-        mid_table(names, arguments.top)
+        mid_table(names, arguments.top, arguments.kernels)
     if arguments.warm_start:
         with tempfile.TemporaryDirectory() as scratch:
             warm_start_table(arguments.pipelines.split(","), scratch)

@@ -418,21 +418,27 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def section_table(title: str, sections) -> list[str]:
+    """A markdown table of a launch's kernels (its cost report's ``sections``): each one's share of the launch's
+    estimate (how far it pushed the schedule's end past the kernels before it; the shares and the launch cost add up
+    to the estimate), its start and end in the schedule, its busiest engine's time, its own roofline, HBM bytes and
+    DMA busy time. diffusers_scale_bench.py prints its launches with it too."""
+    lines = ["", title, "", "| kernel | share us | start us | end us | busiest engine us | its roofline us | HBM MB | "
+             "DMA busy us |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for section in sections:
+        busy = section.busy_s_per_engine
+        lines.append(f"| {section.name} | {section.est_time_s * 1e6:.1f} | {section.start_s * 1e6:.1f} | "
+                     f"{section.end_s * 1e6:.1f} | {section.lower_bound_s * 1e6:.1f} ({section.bottleneck}) | "
+                     f"{section.roofline_s * 1e6:.1f} | {section.hbm_bytes / MB:.2f} | "
+                     f"{busy.get('dma', 0.0) * 1e6:.1f} |")
+    return lines
+
+
 def format_kernels(rows: list[Row]) -> str:
-    """Per kernel of each fused graph (``--kernels``): its share of the launch's estimate (how far it pushed the
-    schedule's end past the kernels before it; the shares and the launch cost add up to the estimate), its start and
-    end in the schedule, its busiest engine's time, its own roofline, HBM bytes and DMA busy time."""
+    """Per kernel of each fused graph (``--kernels``, ``section_table``)."""
     lines = []
     for row in rows:
-        lines += ["", f"{row.graph} h{row.hidden} s{row.seq}, per kernel:", "",
-                  "| kernel | share us | start us | end us | busiest engine us | its roofline us | HBM MB | "
-                  "DMA busy us |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for section in row.ours.sections:
-            busy = section.busy_s_per_engine
-            lines.append(f"| {section.name} | {section.est_time_s * 1e6:.1f} | {section.start_s * 1e6:.1f} | "
-                         f"{section.end_s * 1e6:.1f} | {section.lower_bound_s * 1e6:.1f} ({section.bottleneck}) | "
-                         f"{section.roofline_s * 1e6:.1f} | {section.hbm_bytes / MB:.2f} | "
-                         f"{busy.get('dma', 0.0) * 1e6:.1f} |")
+        lines += section_table(f"{row.graph} h{row.hidden} s{row.seq}, per kernel:", row.ours.sections)
     return "\n".join(lines)
 
 

@@ -515,7 +515,8 @@ class Concat:
     never overlap. ``starts``: where each part's box begins in ``domain`` (empty: not known). A pointwise epilogue
     that reads the output with its own index map is distributed over the parts (kinds/concat.py): each part also
     stores the epilogue's results on its slice, and ``epilogue_stores`` hold those buffers' layouts over the domain.
-    ``stores`` are the buffers the parts still write (the output itself may be pruned away)."""
+    ``stores`` are the buffers the parts still write (the output itself may be pruned away). ``in_place``: its parts
+    copy whole buffers whose writers are to store them into the output instead (passes/concat_in_place.py)."""
 
     name: str
     domain: tuple[int, ...]
@@ -523,6 +524,7 @@ class Concat:
     output: Buffer
     starts: tuple[tuple[int, ...], ...] = ()
     epilogue_stores: tuple[Store, ...] = ()
+    in_place: bool = False
 
     @property
     def stores(self) -> tuple[Store, ...]:

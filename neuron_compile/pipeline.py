@@ -151,13 +151,15 @@ def _guard_ranges(lowered: LoweredRegion, context: PassContext) -> LoweredRegion
     return dataclasses.replace(lowered, nodes=guard_activation_ranges(lowered.nodes))
 
 
-def check_single_writer(kernels: list[ir.Node]) -> None:
+def check_single_writer(kernels: list[ir.Node], assembled: frozenset = frozenset()) -> None:
     """Every buffer is written by one kernel. A launch returns each output buffer whole (the simulator's outputs
     are fresh arrays; on the device each kernel owns its outputs), so a second writer would replace the first's
-    elements: a lowering that writes one buffer in pieces must emit one node (ir.Concat), never several."""
+    elements: a lowering that writes one buffer in pieces must emit one node (ir.Concat), never several. The
+    exception, ``assembled``: a concat's output its inputs' writers store into, disjoint slices each, inside one
+    region kernel, which allocates it and hands it to each of them (passes/concat_in_place.py)."""
     writers: dict[str, str] = {}
     for node in kernels:
-        for buffer in {store.buffer.name for store in kinds.stores(node)}:
+        for buffer in {store.buffer.name for store in kinds.stores(node)} - assembled:
             if buffer in writers:
                 raise LoweringError(f"buffer {buffer} is written by two kernels ({writers[buffer]} and {node.name})")
             writers[buffer] = node.name
@@ -165,9 +167,10 @@ def check_single_writer(kernels: list[ir.Node]) -> None:
 
 def _fuse(lowered: LoweredRegion, context: PassContext) -> FusedRegion:
     region_outputs = {value.buffer for value in lowered.outputs} | {value.buffer for _, value in lowered.mutations}
+    one_launch = getattr(context.config, "launch_unit", "region") == "region"
     fused: FusionResult = fuse(lowered.nodes, region_outputs, enabled=getattr(context.config, "fusion", True),
-                               target=context.target)
-    check_single_writer(fused.kernels)
+                               target=context.target, in_place=one_launch)
+    check_single_writer(fused.kernels, fused.assembled)
     return FusedRegion(lowered, fused.kernels, fused.decisions)
 
 

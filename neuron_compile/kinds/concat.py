@@ -271,6 +271,10 @@ def nest_stores(node: ir.Concat, indices: list[int], plan: TilePlan) -> tuple[tu
     return single, tuple(groups)
 
 
+# Why a concat marked in place (passes/concat_in_place.py) fuses nothing: its parts must stay plain copies.
+IN_PLACE = "the concat is assembled in place: its inputs' writers are to store into its output"
+
+
 class ConcatKind(KernelKind):
     node_type = ir.Concat
     name = "concat"
@@ -278,7 +282,7 @@ class ConcatKind(KernelKind):
     takes_several_prologues = True  # each producer is inlined into the parts that read it, the others kept
 
     def epilogue_reason(self, group, consumer, outside):
-        return epilogue_refusal(group, consumer)
+        return IN_PLACE if group.in_place else epilogue_refusal(group, consumer)
 
     def merge_epilogue(self, group, consumer):
         consumer = over_domain(consumer, group.domain)
@@ -287,6 +291,8 @@ class ConcatKind(KernelKind):
         return dataclasses.replace(group, parts=parts, epilogue_stores=group.epilogue_stores + full)
 
     def prologue_reason(self, producer, consumer, outside):
+        if consumer.in_place or getattr(producer, "in_place", False):
+            return IN_PLACE
         return prologue_refusal(producer, consumer, outside)
 
     def merge_prologue(self, producer, consumer):
@@ -298,6 +304,10 @@ class ConcatKind(KernelKind):
 
     def exprs(self, node):
         return [store.expr for part in node.parts for store in part.stores]
+
+    def operand_loads(self, node):
+        """An in-place concat's copies stay loads: nothing is inlined into them."""
+        return [store.expr for part in node.parts for store in part.stores] if node.in_place else []
 
     def map_exprs(self, node, fn):
         parts = tuple(

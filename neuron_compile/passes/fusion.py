@@ -25,7 +25,10 @@ gate read by the up projection's epilogue; attention's k and v projections, both
 giving a variance and the mean of the same rows (a layer norm, kinds/reduction_siblings.py). Last, a row norm whose
 normed rows matmuls multiply is computed inside each of them (``fold_row_norms``, passes/row_norm_operands.py), and a
 row norm left on its own runs in the epilogue of the matmul writing its rows (``fold_norm_epilogues``,
-passes/norm_epilogues.py).
+passes/norm_epilogues.py). With ``in_place`` (a region launched as one kernel), a concat of whole buffers that
+kernels write is assembled in place: marked before grouping, its inputs' writers store into its output after it
+(passes/concat_in_place.py). Last, what an attention kernel's keys and values need is launched before the rest
+(passes/launch_order.py).
 
 Before grouping, a pure copy (one load stored in another layout, as a write into an empty cache makes) whose every
 reader can read its source through a strided view is dropped and its readers read the source
@@ -45,7 +48,9 @@ import itertools
 import networkx as nx
 
 from neuron_compile import ir, kinds
+from neuron_compile.passes.concat_in_place import assemble_in_place, mark_in_place
 from neuron_compile.passes.copy_views import read_copies_as_views
+from neuron_compile.passes.launch_order import keys_and_values_first
 from neuron_compile.passes.norm_epilogues import fold_norm_epilogues
 from neuron_compile.passes.row_norm_operands import fold_row_norms
 from neuron_compile.passes.tiling import TilingError, plan_kernel
@@ -55,6 +60,7 @@ from neuron_compile.passes.tiling import TilingError, plan_kernel
 class FusionResult:
     kernels: list[ir.Node]
     decisions: list[str]
+    assembled: frozenset = frozenset()  # buffers several kernels write, disjoint slices each (concats in place)
 
 
 def _writers(node: ir.Node) -> set[str]:
@@ -295,10 +301,15 @@ def _detachable(state: FusionState, member: ir.Node, other: int, joined: int) ->
     return all(name in stored_anyway for name in _reads(member) & produced_here)
 
 
-def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, target=None) -> FusionResult:
+def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, target=None,
+         in_place: bool = False) -> FusionResult:
     """Greedy fusion in graph order (see the module docstring); ``enabled=False`` keeps one kernel per node. With a
-    ``target``, cheap nodes are inlined only into readers that still fit it."""
+    ``target``, cheap nodes are inlined only into readers that still fit it. ``in_place``: concats may be assembled
+    in place (only where the region's kernels are launched as one)."""
     fits = None if target is None else _fits(target)
+    in_place = in_place and enabled
+    if in_place:
+        nodes = mark_in_place(nodes, region_outputs)
     if enabled:
         nodes = inline_cheap(read_copies_as_views(nodes, region_outputs), region_outputs, fits=fits)
     groups: dict[int, ir.Node] = {}
@@ -357,7 +368,12 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
         kernels = fuse_siblings(kernels, region_outputs, decisions, fits)
         kernels = fold_row_norms(kernels, region_outputs, decisions, fits)
         kernels = fold_norm_epilogues(kernels, region_outputs, decisions, fits)
-    return FusionResult(kernels, decisions)
+    assembled = frozenset()
+    if in_place:
+        kernels, assembled = assemble_in_place(kernels, decisions, fits)
+    if enabled:
+        kernels = keys_and_values_first(kernels)
+    return FusionResult(kernels, decisions, assembled)
 
 
 def fuse_siblings(kernels: list[ir.Node], region_outputs: set[str], decisions: list[str], fits=None) -> list[ir.Node]:

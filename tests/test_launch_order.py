@@ -1,0 +1,102 @@
+"""The launch order of a region's kernels (passes/launch_order.py): what attention's keys and values need first."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowering_harness import check_against_eager, random_tensor
+from neuron_compile import ir
+from neuron_compile.passes.launch_order import keys_and_values_first
+
+LAYOUT = ir.Layout((1, 1, 4, 8), (32, 32, 8, 1))
+
+
+def _buffer(name: str) -> ir.Buffer:
+    return ir.Buffer(name, "float32", LAYOUT)
+
+
+def _load(name: str) -> ir.Load:
+    return ir.Load(name, LAYOUT, "float32")
+
+
+def _pointwise(name: str, reads: list[str]) -> ir.Pointwise:
+    expr = ir.Scalar(1.0)
+    for read in reads:
+        expr = ir.Op("add", (expr, _load(read)))
+    return ir.Pointwise(name, LAYOUT.shape, (ir.Store(_buffer(name), expr, LAYOUT),))
+
+
+def _attention(name: str, q: str, k: str, v: str) -> ir.Attention:
+    return ir.Attention(name, LAYOUT.shape, _load(q), _load(k), _load(v), None, 1.0, False,
+                        (ir.Store(_buffer(name), ir.Result(), LAYOUT),))
+
+
+@st.composite
+def regions(draw):
+    """Pointwise kernels in a valid order, each reading some earlier ones, then an attention kernel reading three
+    of them, then a kernel reading the attention's output and earlier kernels."""
+    count = draw(st.integers(3, 9))
+    kernels = []
+    for index in range(count):
+        reads = draw(st.lists(st.integers(0, index - 1), max_size=2, unique=True)) if index else []
+        kernels.append(_pointwise(f"k{index}", [f"k{read}" for read in reads]))
+    q, k, v = (f"k{draw(st.integers(0, count - 1))}" for _ in range(3))
+    kernels.append(_attention("attention", q, k, v))
+    kernels.append(_pointwise("after", ["attention", f"k{draw(st.integers(0, count - 1))}"]))
+    return kernels
+
+
+def _ancestors(kernels: list[ir.Node], names: set[str]) -> set[str]:
+    by_name = {kernel.name: kernel for kernel in kernels}
+    found, pending = set(), list(names)
+    while pending:
+        name = pending.pop()
+        if name in by_name and name not in found:
+            found.add(name)
+            pending += [load.buffer for load in ir.loads_of(by_name[name].stores[0].expr)]
+    return found
+
+
+@settings(max_examples=100, deadline=None)
+@given(kernels=regions())
+def test_what_keys_and_values_need_comes_first_and_every_kernel_follows_its_writers(kernels):
+    ordered = keys_and_values_first(kernels)
+    assert sorted(kernel.name for kernel in ordered) == sorted(kernel.name for kernel in kernels)
+    position = {kernel.name: index for index, kernel in enumerate(ordered)}
+    for kernel in ordered:
+        reads = {load.buffer for load in ir.loads_of(kernel.stores[0].expr)} if isinstance(kernel, ir.Pointwise) \
+            else {kernel.q.buffer, kernel.k.buffer, kernel.v.buffer}
+        assert all(position[read] < position[kernel.name] for read in reads)
+    attention = next(kernel for kernel in kernels if isinstance(kernel, ir.Attention))
+    needed = _ancestors(kernels, {attention.k.buffer, attention.v.buffer})
+    before = [kernel.name for kernel in ordered[:position["attention"]]]
+    assert before == [name for name in before if name in needed] + [name for name in before if name not in needed]
+
+
+@settings(max_examples=6, deadline=None)
+@given(rows=st.sampled_from([1, 127, 128, 129]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_attention_after_a_query_chain_launched_last_matches_eager(rows, dtype):
+    """q's chain (projection, norm) written first in the graph, launched after k's and v's projections."""
+    x = random_tensor((1, rows, 64), dtype, seed=1)
+    wq, wk, wv = (random_tensor((64, 64), dtype, seed=seed, low=-0.3, high=0.3) for seed in (2, 3, 4))
+
+    def attend(x, wq, wk, wv):
+        q = torch.nn.functional.layer_norm(x @ wq.t(), (64,)).unflatten(-1, (2, 32)).transpose(1, 2)
+        k, v = ((x @ w.t()).unflatten(-1, (2, 32)).transpose(1, 2) for w in (wk, wv))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    check_against_eager(attend, x, wq, wk, wv, tolerances={torch.float32: (1e-4, 1e-4),
+                                                          torch.bfloat16: (2e-2, 2e-2)})
+
+
+def test_a_query_projection_of_its_own_keeps_its_place():
+    """Llama: q's projection carries most of the weights; the attention waits for it, so it leads as in the graph."""
+    projection = ir.MatMul("q_projection", LAYOUT.shape, 8, _load("x"), _load("w"),
+                           (ir.Store(_buffer("q_projection"), ir.Result(), LAYOUT),))
+    kernels = [projection, _pointwise("q", ["q_projection"]), _pointwise("k", []), _pointwise("v", []),
+               _attention("attention", "q", "k", "v")]
+    assert keys_and_values_first(kernels) == kernels
+    without = [_pointwise("q_projection", []), *kernels[1:]]
+    assert [kernel.name for kernel in keys_and_values_first(without)] == ["k", "v", "q_projection", "q", "attention"]
