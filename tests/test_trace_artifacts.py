@@ -42,8 +42,8 @@ def trace_dir(tmp_path_factory) -> Path:
 
 EXPECTED = {
     "neuron_compile_inference_aten_graph", "neuron_compile_inference_partition", "neuron_compile_inference_fusion",
-    "neuron_compile_inference_tile_plans", "neuron_compile_inference_passes_06-lower.nki_region_0",
-    "neuron_compile_inference_passes_10-render.nki_region_0",
+    "neuron_compile_inference_tile_plans", "neuron_compile_inference_passes_07-lower.nki_region_0",
+    "neuron_compile_inference_passes_11-render.nki_region_0",
     "neuron_compile_inference_kernels_nki_region_0.matmul_kernel_0.py",
     "neuron_compile_inference_costs.nki_region_0",
 }
