@@ -1,7 +1,7 @@
 """Specialization stage (graph pass, before ``partition``): a fused projection becomes one matmul per slice.
 
-Input: an ATen GraphModule with shapes in ``node.meta["val"]`` (after ``specialize``). Output: the same graph, in
-which each ``mm`` / ``addmm`` whose readers all take column ranges of its product (``slice`` on the last dim, or
+Input: an ATen GraphModule with shapes in ``node.meta["val"]`` (after ``specialize``). Output: a copy of it (or
+the graph itself, where nothing splits) in which each ``mm`` / ``addmm`` whose readers all take column ranges of its product (``slice`` on the last dim, or
 ``split`` / ``split_with_sizes`` there and their items), directly or through one ``view`` that keeps the last
 dim, is replaced by one ``mm`` / ``addmm`` per range over the matching columns of its right operand (and bias):
 a view of the weight, which the kernels read where it lies.
