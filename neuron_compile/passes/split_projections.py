@@ -1,10 +1,10 @@
 """Specialization stage (graph pass, before ``partition``): a fused projection becomes one matmul per slice.
 
 Input: an ATen GraphModule with shapes in ``node.meta["val"]`` (after ``specialize``). Output: a copy of it (or
-the graph itself, where nothing splits) in which each ``mm`` / ``addmm`` whose readers all take column ranges of its product (``slice`` on the last dim, or
-``split`` / ``split_with_sizes`` there and their items), directly or through one ``view`` that keeps the last
-dim, is replaced by one ``mm`` / ``addmm`` per range over the matching columns of its right operand (and bias):
-a view of the weight, which the kernels read where it lies.
+the graph itself, where nothing splits) in which each ``mm`` / ``addmm`` whose readers all take column ranges of
+its product (``slice`` on the last dim, or ``split`` / ``split_with_sizes`` there and their items), directly or
+through one ``view`` that keeps the last dim, is replaced by one ``mm`` / ``addmm`` per range over the matching
+columns of its right operand (and bias): a view of the weight, which the kernels read where it lies.
 
 Why: Phi3's ``qkv_proj`` and ``gate_up_proj``, GPT-NeoX's ``query_key_value``, GPT-2's ``c_attn`` compute several
 projections in one product and slice them apart. The fused product is stored whole and read back for each slice
