@@ -33,6 +33,8 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from neuron_compile.passes import graph_nodes
+
 aten = torch.ops.aten
 COMPLEX_DTYPES = (torch.complex64,)
 
@@ -152,10 +154,7 @@ class PairRewriter:
 
     def emit(self, target, *args, **kwargs) -> torch.fx.Node:
         """A new node computing ``target(*args, **kwargs)``, its meta value computed on the arguments' fake values."""
-        node = self.graph.call_function(target, args, kwargs)
-        fake_args = torch.fx.node.map_arg(args, lambda arg: arg.meta["val"])
-        node.meta["val"] = target(*fake_args, **kwargs)
-        return node
+        return graph_nodes.emit(self.graph, target, *args, **kwargs)
 
     def visit(self, node: torch.fx.Node) -> None:
         if node.op == "placeholder" and is_complex(node):
