@@ -86,14 +86,19 @@ def rows_per_partition(partition: LoopDim, free: LoopDim, tiles: int, target) ->
     overlap compute."""
     if free.tile < free.size or partition.size < 4 * target.partitions:
         return partition, (free,)
-    fits = max(1, min(free_tile(partition.size // target.partitions * free.size, tiles, target),
-                      GROUPED_ROWS_MAX_ELEMENTS) // free.size)
+    fits = rows_that_fit(free.size, partition.size // target.partitions, tiles, target)
     per_partition = largest_divisor_at_most(partition.size, min(fits, partition.size // target.partitions))
     if per_partition < 2:
         return partition, (free,)
     groups = partition.size // per_partition
     rows = LoopDim(groups, partition.source, partition.multiplier * per_partition, min(groups, target.partitions))
     return rows, (LoopDim(per_partition, partition.source, partition.multiplier, per_partition), free)
+
+
+def rows_that_fit(row: int, rows: int, tiles: int, target) -> int:
+    """How many rows of ``row`` elements (of ``rows`` to group) one partition may hold when short rows are grouped:
+    within the SBUF share of ``tiles`` tiles and ``GROUPED_ROWS_MAX_ELEMENTS``; at least one."""
+    return max(1, min(free_tile(rows * row, tiles, target), GROUPED_ROWS_MAX_ELEMENTS) // row)
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:

@@ -49,13 +49,7 @@ from neuron_compile.kind_registry import loads, register_kind
 from neuron_compile.kinds import reduction_siblings
 from neuron_compile.kinds.fusion_rules import ProloguedKind, matching_index_reason, stored_exprs
 from neuron_compile.kinds.rows import count_row_tiles, partition_dim, row_budget, row_dims, row_layouts
-from neuron_compile.tiles import (
-    GROUPED_ROWS_MAX_ELEMENTS,
-    TilePlan,
-    free_tile,
-    largest_divisor_at_most,
-    rows_per_partition,
-)
+from neuron_compile.tiles import TilePlan, largest_divisor_at_most, rows_per_partition, rows_that_fit
 
 REDUCE_OPS = {"sum": "nl.add", "mean": "nl.add", "var": "nl.add", "max": "nl.maximum", "min": "nl.minimum",
               "prod": "nl.multiply"}
@@ -126,8 +120,7 @@ def rows_beside_each_row(kept: list[LoopDim], row: LoopDim, layouts: list[ir.Lay
     beside = [dim for dim in kept[:-1] if next_rows(dim)]
     if not beside or next_rows(kept[-1]):
         return None
-    fits = max(1, min(free_tile(row.size * beside[-1].size, tiles, target), GROUPED_ROWS_MAX_ELEMENTS) // row.size)
-    per_partition = largest_divisor_at_most(beside[-1].size, fits)
+    per_partition = largest_divisor_at_most(beside[-1].size, rows_that_fit(row.size, beside[-1].size, tiles, target))
     if per_partition < 2:
         return None
     dim = beside[-1]
