@@ -14,33 +14,27 @@ held weakly: a tag dies with its tensor.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-# id(tensor) -> (a weak reference to it, its version, its data pointer, the bound proved for its values)
-_tags: dict[int, tuple[weakref.ref, int, int, object]] = {}
+from neuron_compile.runtime.kept import Kept
+
+# id(tensor) -> (its version, its data pointer, the bound proved for its values), dropped when the tensor dies
+_tags = Kept(limit=None)
 
 
 def tag(tensor: torch.Tensor, bound) -> None:
     """Record that every value of ``tensor``, as it is now, lies within ``bound`` (an Interval)."""
-    key = id(tensor)
-
-    def forget(dead: weakref.ref) -> None:
-        entry = _tags.get(key)
-        if entry is not None and entry[0] is dead:  # not a later tensor's tag under a reused id
-            _tags.pop(key, None)
-
-    _tags[key] = (weakref.ref(tensor, forget), tensor._version, tensor.data_ptr(), bound)
+    _tags.keep(id(tensor), (tensor._version, tensor.data_ptr(), bound), owners=(tensor,))
 
 
 def bound_of(tensor: torch.Tensor):
-    """The bound tagged on ``tensor`` while it is unchanged since, else None."""
+    """The bound tagged on ``tensor`` while it is unchanged since, else None (a tag present is this tensor's:
+    ``Kept`` drops it when its tensor dies, before the id can be reused)."""
     entry = _tags.get(id(tensor))
     if entry is None:
         return None
-    reference, version, pointer, bound = entry
-    if reference() is not tensor or tensor._version != version or tensor.data_ptr() != pointer:
+    version, pointer, bound = entry
+    if tensor._version != version or tensor.data_ptr() != pointer:
         return None
     return bound
 
