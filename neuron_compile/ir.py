@@ -15,6 +15,7 @@ Input: nothing (definitions). Output: frozen, hashable, printable dataclasses.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import sympy
@@ -231,65 +232,63 @@ def op(name: str, *args) -> Op:
     return Op(name, tuple(arg if isinstance(arg, Expr) else Scalar(float(arg)) for arg in args))
 
 
+def nodes_of(expr: Expr) -> Iterator[Expr]:
+    """Every node of ``expr`` (the root, its subexpressions and leaves), depth first, arguments left to right, each
+    Op once: an expression is a DAG whose shared subexpressions a tree walk would visit once per path, which is
+    exponential in the sharing depth (a Payne-Hanek reduction reuses its pieces many levels deep)."""
+    seen: set[int] = set()  # ids: the walk holds ``expr``, so no node of it is freed and its id reused meanwhile
+    pending = [expr]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, Op):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            pending.extend(reversed(node.args))
+        yield node
+
+
 def loads_of(expr: Expr) -> list[Load]:
     """Every Load leaf of ``expr``, in order of first appearance, without duplicates."""
     found: dict[Load, None] = {}
-
-    def visit(node):
+    for node in nodes_of(expr):
         if isinstance(node, Load):
             found[node] = None
         elif isinstance(node, RandomKeep):
             found[node.seed] = None
-        elif isinstance(node, Op):
-            for arg in node.args:
-                visit(arg)
-
-    visit(expr)
     return list(found)
 
 
 def access_layouts(expr: Expr) -> list[Layout]:
     """Every layout ``expr`` indexes through: its Loads' and its Iotas' (tiling must keep both exact)."""
-    found: dict[Layout, None] = {}
-
-    def visit(node):
-        if isinstance(node, (Load, Iota, RandomKeep)):
-            found[node.layout] = None
-        elif isinstance(node, Op):
-            for arg in node.args:
-                visit(arg)
-
-    visit(expr)
-    return list(found)
+    return list(dict.fromkeys(node.layout for node in nodes_of(expr) if isinstance(node, (Load, Iota, RandomKeep))))
 
 
 def map_leaves(expr: Expr, fn) -> Expr:
-    """Rebuild ``expr`` with ``fn`` applied to every Load and Result leaf."""
-    if isinstance(expr, (Load, Result)):
-        return fn(expr)
-    if isinstance(expr, Op):
-        return replace(expr, args=tuple(map_leaves(arg, fn) for arg in expr.args))
-    return expr
+    """Rebuild ``expr`` with ``fn`` applied to every Load and Result leaf; a shared subexpression is rebuilt once
+    and stays shared."""
+    rebuilt: dict[int, Expr] = {}  # by id, as nodes_of: ``expr`` is held for the whole rebuild
+
+    def rebuild(node: Expr) -> Expr:
+        if isinstance(node, (Load, Result)):
+            return fn(node)
+        if not isinstance(node, Op):
+            return node
+        if id(node) not in rebuilt:
+            rebuilt[id(node)] = replace(node, args=tuple(rebuild(arg) for arg in node.args))
+        return rebuilt[id(node)]
+
+    return rebuild(expr)
 
 
 def draws_random(expr: Expr) -> bool:
     """Whether ``expr`` draws random numbers (has a RandomKeep leaf); each shared subexpression is visited once."""
-    seen: set = set()
-    pending = [expr]
-    while pending:
-        node = pending.pop()
-        if isinstance(node, RandomKeep):
-            return True
-        if isinstance(node, Op) and node not in seen:
-            seen.add(node)
-            pending.extend(node.args)
-    return False
+    return any(isinstance(node, RandomKeep) for node in nodes_of(expr))
 
 
 def uses_result(expr: Expr) -> bool:
-    if isinstance(expr, Result):
-        return True
-    return isinstance(expr, Op) and any(uses_result(arg) for arg in expr.args)
+    """Whether ``expr`` reads a Result leaf."""
+    return any(isinstance(node, Result) for node in nodes_of(expr))
 
 
 def is_square(expr: Expr) -> bool:

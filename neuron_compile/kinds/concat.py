@@ -36,7 +36,7 @@ def slice_layout(layout: ir.Layout, start: tuple[int, ...], extent: tuple[int, .
 
 
 def _has_iota(expr: ir.Expr) -> bool:
-    return isinstance(expr, ir.Iota) or (isinstance(expr, ir.Op) and any(_has_iota(arg) for arg in expr.args))
+    return any(isinstance(node, ir.Iota) for node in ir.nodes_of(expr))
 
 
 def over_domain(node: ir.Pointwise, domain: tuple[int, ...]) -> ir.Pointwise | None:

@@ -392,9 +392,7 @@ def render_column_reduction(node: ir.Reduction, plan: TilePlan, name: str, param
 
 
 def _ops_of(expr: ir.Expr) -> set[str]:
-    if isinstance(expr, ir.Op):
-        return {expr.op}.union(*(_ops_of(arg) for arg in expr.args))
-    return set()
+    return {node.op for node in ir.nodes_of(expr) if isinstance(node, ir.Op)}
 
 
 def _reduced_output_reason(group: ir.Reduction, consumer) -> str:
