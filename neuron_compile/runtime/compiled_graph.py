@@ -49,7 +49,7 @@ from neuron_compile.runtime.cache import (
     graph_hash,
     signature_of,
 )
-from neuron_compile.runtime.hit_plan import HitPlan
+from neuron_compile.runtime.hit_plan import HitPlan, planned_outputs
 from neuron_compile.runtime.kept import Kept
 from neuron_compile.runtime.launch_plan import INT32_RANGE
 from neuron_compile.runtime.proved_bounds import tag_outputs
@@ -496,12 +496,10 @@ class CompiledGraph:
     def __call__(self, args: list):
         config = config_module.get(self.option_items)  # once per call
         hit = self.hit_plan
-        if hit is not None and hit.config is config:
-            outputs = hit.outputs(args)  # None unless the call has the key of the plan's call
-            if outputs is not None:
-                stats.count_hit()
-                tag_outputs(outputs, getattr(hit.entry, "proved_output_bounds", ()))
-                return outputs
+        outputs = planned_outputs(hit, config, args)  # None unless the call has the key of the plan's call
+        if outputs is not None:
+            tag_outputs(outputs, getattr(hit.entry, "proved_output_bounds", ()))
+            return outputs
         given = args
         if self.column_major and config.transposed_weights:
             args = weight_layouts.COPIES.apply(args, self.column_major)

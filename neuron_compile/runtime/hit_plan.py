@@ -1,12 +1,13 @@
 """Runtime stage: a compiled graph's hit plan, what one call proved about the calls that follow it.
 
-Input: one call of a ``CompiledGraph`` (runtime/compiled_graph.py): its arguments (aot_autograd's list) as given and
-with the column-major weight copies swapped in (runtime/weight_layouts.py), the config, the compiled entry its
-dispatch key found, and the positions of the value-guarded float inputs. Output: a ``HitPlan`` whose
-``arguments(args)`` tells whether a later call has the same dispatch key (``runtime/cache.dispatch_signature``)
-without building or hashing it, and then calls the entry (through ``DirectHit``, runtime/direct_hit.py, when
-the entry is one region) and returns its outputs; None otherwise, and the caller builds the key and looks it up as
-before. The plan only skips work; it never picks an entry the key would not pick.
+Input: one call of a ``CompiledGraph`` (runtime/compiled_graph.py) or a ``WarmGraph`` (runtime/warm_start.py): its
+arguments (aot_autograd's list) as given and with the column-major weight copies swapped in
+(runtime/weight_layouts.py), the config, the compiled entry its dispatch key found, and the positions of the
+value-guarded float inputs. Output: a ``HitPlan`` whose ``matches(args)`` tells whether a later call has the same
+dispatch key (``runtime/cache.dispatch_signature``) without building or hashing it, and whose ``run(args)`` then
+calls the entry (through ``DirectHit``, runtime/direct_hit.py, when the entry is one region) and returns its outputs.
+Both graphs call through their last plan with ``planned_outputs``; on None the caller builds the key and looks it up
+as before. The plan only skips work; it never picks an entry the key would not pick.
 
 How the plan checks each part of the key, on the arguments as given:
 
@@ -28,11 +29,13 @@ How the plan checks each part of the key, on the arguments as given:
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
 from neuron_compile.config import Config
 from neuron_compile.passes.input_ranges import float_values_bound, guard_reads_values, integer_values_bound
+from neuron_compile.runtime import stats
 from neuron_compile.runtime.cache import scalar_value
 from neuron_compile.runtime.direct_hit import DirectHit
 from neuron_compile.runtime.weight_layouts import KeptCopies
@@ -76,12 +79,6 @@ class HitPlan:
             return None
         return cls(config, args, swapped, entry, float_guarded)
 
-    def outputs(self, args: list) -> tuple | None:
-        """The entry's outputs for ``args`` if they have this plan's dispatch key; None if not."""
-        if not self.matches(args):
-            return None
-        return self.run(args)
-
     def run(self, args: list) -> tuple:
         """The entry's outputs for ``args``, which have this plan's dispatch key (``matches``)."""
         if self.direct is not None:
@@ -122,6 +119,20 @@ class HitPlan:
         # one assignment: thread-safe; the tensor held weakly, as a plan must not keep a freed model's buffers
         self.float_stamps[guard] = (weakref.ref(tensor), tensor._version, tensor.data_ptr())
         return True
+
+
+def planned_outputs(plan: HitPlan | None, config: Config, args: list,
+                    before_run: Callable[[list], None] | None = None) -> tuple | None:
+    """The outputs of a call through a graph's last ``plan``, counted as a hit, when the plan was made under
+    ``config`` (the same object: ``config.get`` returns one per setting) and ``args`` have its dispatch key; None
+    otherwise, and the caller builds the key. ``before_run`` (aot_autograd's version bumps) runs once the plan
+    holds, before the entry."""
+    if plan is None or plan.config is not config or not plan.matches(args):
+        return None
+    if before_run is not None:
+        before_run(args)
+    stats.count_hit()
+    return plan.run(args)
 
 
 def value_guards(args: list, positions: list[int], float_guarded: frozenset[int], float_guard: bool) -> tuple:

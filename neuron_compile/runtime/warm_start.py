@@ -42,7 +42,7 @@ from neuron_compile.runtime import disk_cache, stats, weight_layouts
 from neuron_compile.runtime.cache import GraphKey, dispatch_signature, signature_of
 from neuron_compile.runtime.compiled_graph import (CompiledGraphRecord, RegionModule, keep_record, kernel_records,
                                                    read_attributes_directly)
-from neuron_compile.runtime.hit_plan import HitPlan
+from neuron_compile.runtime.hit_plan import HitPlan, planned_outputs
 from neuron_compile.runtime.launch_plan import INT32_RANGE
 from neuron_compile.runtime.warm_record import WarmRecord
 
@@ -163,11 +163,9 @@ class WarmGraph:
         config = config_module.get(self.option_items)
         if config is not self.config and config != self.config:
             return None
-        plan = self.hit_plan
-        if plan is not None and plan.config is config and plan.matches(args):
-            self.bump_versions(args)
-            stats.count_hit()
-            return plan.run(args)
+        outputs = planned_outputs(self.hit_plan, config, args, self.bump_versions)
+        if outputs is not None:
+            return outputs
         swapped = weight_layouts.COPIES.apply(args, self.column_major) if self.column_major else args
         key = dispatch_signature(swapped, self.float_guarded)
         if self.key is None:
