@@ -17,8 +17,8 @@ give the same latents.
 ``--mid``: the mid size of the issue: hidden 1024 (8 heads of 128), 1024 image tokens and 256 text tokens, bf16,
 2 blocks of each repeated kind, through ``compile_repeated_blocks``. The estimated trn2 time of a warm forward (the
 simulator's cost reports summed) against the graph roofline ``max(FLOPs / TensorE peak, (parameters + inputs +
-outputs) bytes / DMA bandwidth)`` (FLOPs from ``torch.utils.flop_counter.FlopCounterMode``, trn2's numbers from
-``neuron_compile/hardware.py``), and the error against eager.
+outputs) bytes / DMA bandwidth)`` (FLOPs from ``torch.utils.flop_counter.FlopCounterMode``, attention counted too:
+bench/flops.py; trn2's numbers from ``neuron_compile/hardware.py``), and the error against eager.
 
     PYTHONPATH=. python bench/diffusers_scale_bench.py --compile-time
     PYTHONPATH=. python bench/diffusers_scale_bench.py --mid --models flux
@@ -171,12 +171,12 @@ def kernel_tables(launches) -> list[str]:
 def mid_child(name: str, top: str = "0", kernels: str = "0") -> dict:
     import neuron_compile
     from neuron_compile.hardware import get_target
-    from torch.utils.flop_counter import FlopCounterMode
+    from flops import flop_counter
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     model, kwargs = built(name, MID, torch.bfloat16)
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     with torch.no_grad(), counter:
         expected = sample(model(**kwargs))
     target = get_target("trn2")

@@ -6,7 +6,8 @@ over the nodes ``Scheduler.fuse_nodes`` returns, since ``metrics.num_bytes_acces
 generated + extern), our estimated device time (each launch's ``est_time_s`` summed, and its lower bound: the
 report's ``est_lower_bound_s``: the launch plus the busiest engine's time, perfect overlap) and the graph
 roofline ``max(FLOPs / TensorE peak, (parameters + inputs + outputs) bytes / DMA bandwidth)`` with FLOPs from
-``torch.utils.flop_counter.FlopCounterMode`` and trn2's numbers from ``neuron_compile/hardware.py``.
+``torch.utils.flop_counter.FlopCounterMode`` (attention counted too: bench/flops.py) and trn2's numbers from
+``neuron_compile/hardware.py``.
 
 Graphs (random weights, tiny configs built in code, nothing downloaded), at hidden 512 fp32 and hidden 2048
 bf16, seq 128 and 1024, batch 1: a Llama MLP (gate/up/down, SiLU), LayerNorm + Linear + GELU, causal attention
@@ -39,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from flops import flop_counter
 
 import neuron_compile
 from neuron_compile.hardware import get_target
@@ -235,7 +236,7 @@ class Roofline:
 def roofline(case: Case, dtype: torch.dtype) -> Roofline:
     target = get_target("trn2")
     case.reset()
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     with torch.no_grad(), counter:
         outputs = case.fn(*case.args)
     inputs = [arg for arg in case.args if isinstance(arg, torch.Tensor)]

@@ -11,8 +11,8 @@ gradients and AdamW state): the same AdamW steps on the same batches, eager and 
 - est trn2: the simulator cost model's estimated device time of one steady step (the sum of est_time_s over
   its kernel launches; eager nodes and the eager optimizer add nothing to it), against the step's roofline:
   max(FLOPs at TensorE peak, bytes over DMA bandwidth), FLOPs of forward + backward from
-  torch.utils.flop_counter.FlopCounterMode, bytes = parameters + gradients + AdamW state (read and written
-  once) + saved activations (written by the forward, read by the backward);
+  torch.utils.flop_counter.FlopCounterMode (attention counted too: bench/flops.py), bytes = parameters +
+  gradients + AdamW state (read and written once) + saved activations (written by the forward, read by the backward);
 - saved activations: the bytes the forward keeps for the backward (parameters excluded; the tensors autograd
   saves, seen through torch.autograd.graph.saved_tensors_hooks), compiled (what aot_autograd's min-cut
   partitioner chose to save) and eager;
@@ -43,7 +43,7 @@ import time
 import warnings
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from flops import flop_counter
 
 import neuron_compile
 from neuron_compile.hardware import get_target
@@ -205,7 +205,7 @@ def _roofline(model, tokens: torch.Tensor, dtype: torch.dtype) -> tuple[float, i
         return tensor
 
     parameter_ids = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     with counter:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             loss = model(tokens, labels=tokens).loss

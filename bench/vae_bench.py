@@ -3,7 +3,8 @@
 Per decoder and dtype: the largest difference from eager (relative to eager's largest value), ATen nodes in NKI
 kernels, kernels launched, the estimated trn2 time of a warm call (the simulator's cost reports summed) and the
 graph roofline ``max(FLOPs / TensorE peak, (parameters + input + output) bytes / DMA bandwidth)`` with FLOPs from
-``torch.utils.flop_counter.FlopCounterMode`` and trn2's numbers from ``neuron_compile/hardware.py``.
+``torch.utils.flop_counter.FlopCounterMode`` (attention counted too: bench/flops.py) and trn2's numbers from
+``neuron_compile/hardware.py``.
 
 Decoders (random weights, configs built in code, nothing downloaded), a size between the pipelines' tiny ones and
 the real models: Flux's two-level AutoencoderKL decoder with 128/256 channels decoding 16 x 16 x 16 latents into
@@ -22,7 +23,7 @@ import warnings
 
 import diffusers
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from flops import flop_counter
 
 import neuron_compile
 from neuron_compile.hardware import get_target
@@ -59,7 +60,7 @@ def tensor_bytes(tensors) -> int:
 
 def roofline_s(decoder: torch.nn.Module, latents: torch.Tensor, output: torch.Tensor) -> float:
     target = get_target("trn2")
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     with torch.no_grad(), counter:
         decoder(latents)
     peak = (target.tensor_bf16_tflops if latents.dtype == torch.bfloat16 else target.tensor_fp32_tflops) * 1e12
