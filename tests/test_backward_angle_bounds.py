@@ -1,9 +1,9 @@
 """A backward that recomputes cos and sin from the angles its forward saved (aot_autograd's partitioner saves a
 rotary embedding's angles, [seq, head_dim], and recomputes cos and sin from them): the angles' call-time float
-guard (passes/input_ranges.py, up to ``GUARDED_FLOAT_NUMEL`` elements) bounds them, so the backward takes the
-Cody-Waite reduction (lowering/trigonometry.py ``bounded_form``) up to its limit: gradients match eager with angles
-within the bound, at it (4096, ``CODY_WAITE_LIMIT``) and just past it (where the full reduction is kept), and with
-angles no guard bounds."""
+guard (passes/input_ranges.py, up to ``GUARDED_FLOAT_NUMEL`` elements) bounds them, so the backward takes a
+Cody-Waite reduction (lowering/trigonometry.py ``bounded_form``: piece by piece up to ``CODY_WAITE_LIMIT``, with a
+summed tail up to ``POSITION_LIMIT``): gradients match eager with angles within each limit, at it and just past the
+first, and with angles no guard bounds (where the full reduction is kept)."""
 
 from __future__ import annotations
 
@@ -43,15 +43,12 @@ def _backward_sources(top: int, seq: int = 128) -> list[str]:
     return sources
 
 
-@pytest.mark.parametrize("top", [127, int(trigonometry.CODY_WAITE_LIMIT)])
+@pytest.mark.parametrize("top", [127, int(trigonometry.CODY_WAITE_LIMIT), int(trigonometry.CODY_WAITE_LIMIT) + 1,
+                                 int(trigonometry.POSITION_LIMIT)])
 def test_saved_angles_within_the_limit_take_the_cheap_reduction(top):
+    # 4097 is in the guard's class 2**13, past CODY_WAITE_LIMIT = 2**12: the summed tail's; 2**20 its limit
     assert HEAD_DIM * 128 > 4096  # more than the integer guard's limit: the float guard's own limit applies
     assert not any(PAYNE_HANEK_SCALE in source for source in _backward_sources(top))
-
-
-def test_angles_just_past_the_limit_keep_the_full_reduction():
-    # 4097 is in the guard's class 2**13, past CODY_WAITE_LIMIT = 2**12
-    assert any(PAYNE_HANEK_SCALE in source for source in _backward_sources(int(trigonometry.CODY_WAITE_LIMIT) + 1))
 
 
 def test_unbounded_angles_keep_the_full_reduction():

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import neuron_compile
 from lowering_harness import TOLERANCES, check_against_eager, compile_and_run, random_tensor
+from neuron_compile import ir
 from neuron_compile.lowering import trigonometry
 from neuron_compile.runtime import simulator as nki
 
@@ -235,6 +236,34 @@ def test_cody_waite_form_within_its_limit_is_accurate_and_cheap(fn):
     assert _activation_count(region) * 8 < _activation_count(_bounded_region(fn, x[:, :8], INF)[0])
 
 
+def _hardest_below(limit: float, count: int) -> torch.Tensor:
+    """The ``count`` fp32 values of (0, limit] nearest a multiple of pi/2 (ranked in float64, whose error at these
+    magnitudes is ~1e-10), with their negatives."""
+    near = _near_multiples_of_half_pi(limit)
+    near = near[(near > 0) & (near <= limit)]
+    distance = (near.double() - torch.round(near.double() / (math.pi / 2)) * (math.pi / 2)).abs()
+    hardest = near[distance.argsort()[:count]]
+    return torch.cat([hardest, -hardest])
+
+
+@pytest.mark.parametrize("fn", [torch.sin, torch.cos])
+def test_summed_tail_form_up_to_the_positions_limit_is_accurate_and_cheap(fn):
+    # A decode step's rotary angles: positions up to the integer guard's 2**20 times frequencies up to 1. The 1500
+    # fp32 nearest a multiple of pi/2 up to the limit, rotary-like products, random values over every scale: within
+    # 2e-7 absolute of float64 (as the full reduction), from a tenth of its instructions.
+    limit = trigonometry.POSITION_LIMIT
+    positions = torch.randint(0, int(limit), (2048,), generator=torch.Generator().manual_seed(7)).float()
+    frequencies = torch.tensor([1.0, 0.1, 0.01, 1e-4]).repeat(512)
+    scales = [random_tensor((512,), seed=e + 400, low=-1.0, high=1.0) * 2.0**e for e in range(-30, 21, 3)]
+    x = torch.cat([_hardest_below(limit, 1500), positions * frequencies, *scales,
+                   torch.tensor([limit, -limit, 4096.0, -4096.0, 4095.9995, 0.0, -0.0, 1e-40])])
+    x = x[x.abs() <= limit].reshape(1, -1)
+    region, (got,) = _bounded_region(fn, x, limit)
+    assert (got.double() - fn(x.double())).abs().max() < 2e-7
+    assert torch.equal(got[x == 0].signbit(), fn(x[x == 0]).signbit())  # sin(-0.0) = -0.0
+    assert _activation_count(region) * 10 < _activation_count(_bounded_region(fn, x[:, :8], INF)[0])
+
+
 def test_sin_within_pi_goes_to_the_activation_directly():
     x = torch.cat([torch.linspace(-3.0, 3.0, 1001), torch.tensor([0.0, -0.0, 1e-30])]).reshape(1, -1)
     region, (got,) = _bounded_region(torch.sin, x, 3.0)
@@ -242,12 +271,18 @@ def test_sin_within_pi_goes_to_the_activation_directly():
     assert "nl.sin" in region.kernels[0].source and _activation_count(region) < 8
 
 
-@pytest.mark.parametrize("bound", [math.pi, 1.0, 100.0, trigonometry.CODY_WAITE_LIMIT])
+@pytest.mark.parametrize("bound", [math.pi, 1.0, 100.0, trigonometry.CODY_WAITE_LIMIT, trigonometry.POSITION_LIMIT])
 def test_bounded_forms_are_chosen_by_the_bound_only_within_their_limits(bound):
     aten = torch.ops.aten
     assert trigonometry.bounded_form(aten.cos.default, bound) is not None
     assert trigonometry.bounded_form(aten.tan.default, bound) is None  # its poles need the full form
-    assert trigonometry.bounded_form(aten.sin.default, trigonometry.CODY_WAITE_LIMIT * 1.001) is None
+    for target in (aten.sin.default, aten.cos.default):
+        assert trigonometry.bounded_form(target, trigonometry.POSITION_LIMIT * 1.001) is None
+    # past CODY_WAITE_LIMIT, the summed tail (cos keeps the piece-by-piece form below it)
+    x = ir.Load("x", ir.Layout((1,), (1,)), "float32")
+    past = trigonometry.CODY_WAITE_LIMIT * 1.001
+    assert trigonometry.bounded_form(aten.sin.default, past)(x) == trigonometry.summed_tail_sine(x, False)
+    assert trigonometry.bounded_form(aten.cos.default, past) is trigonometry.cosine_up_to_positions
     # the bare activation only where the bound, with its rounding slack, stays inside [-pi, pi]
     direct = trigonometry.bounded_form(aten.sin.default, 3.0)
     chosen = trigonometry.bounded_form(aten.sin.default, bound)
@@ -277,3 +312,23 @@ def test_pi_pieces_give_exact_products_and_the_error_bound_holds():
         assert abs(sum(mpmath.mpf(piece) for piece in pieces) - mpmath.pi) * most < 2.0**-30
         assert trigonometry.reduction_error(trigonometry.CODY_WAITE_LIMIT, shift) <= trigonometry.REDUCTION_ERROR_MAX
     assert trigonometry.reduction_error(2.0**20, True) > trigonometry.REDUCTION_ERROR_MAX  # why the limit is there
+
+
+def test_summed_tail_pieces_give_exact_products_and_the_error_bound_holds():
+    mpmath.mp.prec = 300
+    limit = trigonometry.POSITION_LIMIT
+    most = trigonometry.multiplier_max(limit)
+    q = torch.arange(0, 2 * math.ceil(most) + 1, dtype=torch.float64) / 2
+    for shift in (False, True):
+        pieces = trigonometry.pi_pieces(limit, shift)
+        for piece in pieces[:-1]:
+            assert torch.equal((q * piece).float().double(), q * piece)
+        assert abs(sum(mpmath.mpf(piece) for piece in pieces) - mpmath.pi) * most < 2.0**-30
+        lowest = trigonometry.SUMMED_TAIL_LOWEST[shift]
+        split = trigonometry.TAIL_SPLITS[shift]
+        assert split == trigonometry.best_tail_split(shift)
+        assert trigonometry.summed_tail_error(limit, shift, split, lowest) <= trigonometry.REDUCTION_ERROR_MAX
+        # piece by piece (no summed tail) the bound would not hold: what the tail is for
+        assert trigonometry.summed_tail_error(limit, shift, len(pieces) - 1, lowest) > trigonometry.REDUCTION_ERROR_MAX
+    # cos from CODY_WAITE_LIMIT on only: below it, q = +-1/2 and the steps round on x's fine grid
+    assert trigonometry.summed_tail_error(limit, True, trigonometry.TAIL_SPLITS[True], 2.0**-149) > 2.0**-23

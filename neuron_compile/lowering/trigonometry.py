@@ -39,7 +39,11 @@ pi split into pieces of few enough bits that every product (n - s/2) * piece is 
 are exact where it matters (``reduction_error`` bounds the error per binade of x and the import checks it
 against ``REDUCTION_ERROR_MAX``); then sin(x + s pi/2) = (-1)**n sin(r) with |r| <= pi/2 + 2e-3. About 20
 instructions instead of ~400; tan keeps the full reduction (its poles need the reduced argument's relative
-accuracy).
+accuracy). Up to ``POSITION_LIMIT`` (2**20: a decode step's positions come from an input, which the integer guard
+bounds by 2**20) the same reduction runs with pi in finer pieces, and the last few products, which would each round
+on r's fine grid, are summed first and taken off together (``summed_tail_sine``; ``summed_tail_error`` bounds it
+by the same rule, and the import checks it too); cos takes it from ``CODY_WAITE_LIMIT`` on only. About 50
+instructions.
 """
 
 from __future__ import annotations
@@ -206,6 +210,10 @@ PI_BITS = 0xC90FDAA22168C234C4C6628B80DC1CD129024E088A67CC74  # floor(pi * 2**19
 PI = Fraction(PI_BITS, 2**190)  # within 2**-190 of pi
 FP32_SIGNIFICAND_BITS = 24
 CODY_WAITE_LIMIT = 2.0**12  # |x| up to here: the reduction's error stays below REDUCTION_ERROR_MAX (checked)
+# |x| up to here: the summed-tail reduction's error stays below REDUCTION_ERROR_MAX (checked). Integer positions are
+# bounded by +-2**20 (passes/input_ranges.GUARD_BOUND) and a rotary embedding's frequencies by 1, so a decode step's
+# angles (positions from ``cache_position``, an input) reach sin and cos within it.
+POSITION_LIMIT = 2.0**20
 REDUCTION_ERROR_MAX = 2.0**-23  # absolute error of r besides its own rounding to fp32 (2**-24 relative)
 PIECE_TAIL_MAX = 2.0**-28  # the last piece's share of the error: (|q| * |pi - pieces| rounded to fp32)
 BOUND_SLACK = 1.0 + 2.0**-20  # value-range bounds ignore fp32 roundings (one part in 2**24 each)
@@ -279,6 +287,57 @@ def _binade_error(low: float, high: float, pieces: tuple[float, ...], half_turn_
     return error + _ulp(most * last) / 2 + most * abs(float(PI - partial - Fraction(last)))
 
 
+def _summed_tail_binade_error(low: float, high: float, pieces: tuple[float, ...], half_turn_shift: bool,
+                              split: int) -> float:
+    """As ``_binade_error`` for ``summed_tail_sine``: the first ``split`` steps as there, then the rest's products
+    summed smallest first (only the last product rounds; each addition rounds to its partial sum's spacing), and one
+    subtraction that rounds to the spacing of r. n's error is taken as it is: x / pi through fp32(1/pi), the
+    product and the shift's sum round by 2**-24 relative each, so |r| <= pi/2 + pi * most * 2**-22."""
+    most = high / math.pi * BOUND_SLACK + (1.0 if half_turn_shift else 0.5)
+    if not half_turn_shift and most < 1.0:
+        return 0.0  # n = 0: every product is 0, r = x exactly
+    unit = 0.5 if half_turn_shift else 1.0
+    grid_x, floor = _ulp(low), math.pi / 2 + math.pi * most * 2.0**-22
+    error, partial = 0.0, Fraction(0)
+    for piece in pieces[:split]:
+        partial += Fraction(piece)
+        bound = floor + error + most * abs(float(PI - partial))
+        if bound >= 2.0**FP32_SIGNIFICAND_BITS * min(grid_x, unit * _lowest_bit(piece)):
+            error += _ulp(bound) / 2
+    tail = pieces[split:]
+    error += _ulp(most * abs(tail[-1])) / 2
+    running = most * abs(tail[-1])
+    for piece in reversed(tail[:-1]):
+        running += most * abs(piece)
+        error += _ulp(running) / 2
+    error += _ulp(floor + error) / 2
+    return error + most * abs(float(PI - partial - sum(map(Fraction, tail))))
+
+
+def summed_tail_error(limit: float, half_turn_shift: bool, split: int, lowest: float) -> float:
+    """The worst absolute error of ``summed_tail_sine``'s r over every fp32 ``lowest`` <= |x| <= limit (with
+    ``BOUND_SLACK``), binade by binade, besides r's own final rounding."""
+    pieces, largest = pi_pieces(limit, half_turn_shift), limit * BOUND_SLACK
+    return max(_summed_tail_binade_error(2.0**e, min(2.0 ** (e + 1), largest), pieces, half_turn_shift, split)
+               for e in range(math.frexp(lowest)[1] - 1, math.floor(math.log2(largest)) + 1))
+
+
+# The lowest |x| each summed-tail form serves: sin from 0 on, cos from CODY_WAITE_LIMIT on (cosine_up_to_positions)
+SUMMED_TAIL_LOWEST = {False: 2.0**-149, True: CODY_WAITE_LIMIT}
+
+
+def best_tail_split(half_turn_shift: bool) -> int:
+    """How many of POSITION_LIMIT's pieces come off one by one: the split with the smallest error bound."""
+    count = len(pi_pieces(POSITION_LIMIT, half_turn_shift))
+    return min(range(1, count), key=lambda split: summed_tail_error(
+        POSITION_LIMIT, half_turn_shift, split, SUMMED_TAIL_LOWEST[half_turn_shift]))
+
+
+# best_tail_split's answers (tests/test_lowering_trigonometry.py checks them; working them out costs ~50 ms, and
+# every process imports this module)
+TAIL_SPLITS = {False: 5, True: 4}
+
+
 def reduction_error(limit: float, half_turn_shift: bool) -> float:
     """The worst absolute error of the reduced angle r over every fp32 |x| <= limit (with ``BOUND_SLACK``: the
     bound a value range proves may be off by its roundings), binade by binade, besides r's own final rounding."""
@@ -292,17 +351,46 @@ def check_reduction() -> None:
         error = reduction_error(CODY_WAITE_LIMIT, shift)
         if error > REDUCTION_ERROR_MAX:
             raise ArithmeticError(f"Cody-Waite reduction to {CODY_WAITE_LIMIT}: error {error} > {REDUCTION_ERROR_MAX}")
+        error = summed_tail_error(POSITION_LIMIT, shift, TAIL_SPLITS[shift], SUMMED_TAIL_LOWEST[shift])
+        if error > REDUCTION_ERROR_MAX:
+            raise ArithmeticError(f"summed-tail reduction to {POSITION_LIMIT}: error {error} > {REDUCTION_ERROR_MAX}")
+
+
+def _half_turns(x, half_turn_shift: bool):
+    """(n, q): n = round(x / pi + s/2) and q = n - s/2, the multiple of pi taken off x."""
+    turns = mul(x, _fp32(1 / math.pi))
+    n = round_magic(add(turns, 0.5) if half_turn_shift else turns, ROUND_MAGIC)
+    return n, (sub(n, 0.5) if half_turn_shift else n)
 
 
 def half_turn_sine(x, half_turn_shift: bool):
     """sin(x + s pi/2) for |x| <= CODY_WAITE_LIMIT (s = 1: cos x): (-1)**n sin(r), r = x - (n - s/2) pi."""
-    turns = mul(x, _fp32(1 / math.pi))
-    n = round_magic(add(turns, 0.5) if half_turn_shift else turns, ROUND_MAGIC)
-    q = sub(n, 0.5) if half_turn_shift else n
+    n, q = _half_turns(x, half_turn_shift)
     reduced = x
     for piece in pi_pieces(CODY_WAITE_LIMIT, half_turn_shift):
         reduced = sub(reduced, mul(q, piece))
     return _signed(_sin(reduced), _is_odd(n))
+
+
+def summed_tail_sine(x, half_turn_shift: bool):
+    """sin(x + s pi/2) for |x| <= POSITION_LIMIT, as ``half_turn_sine`` with pi in finer pieces: the first
+    ``TAIL_SPLITS[s]`` products come off x one by one (exact), the rest are summed first, smallest first, and come
+    off together (one rounding where one per piece would add up)."""
+    n, q = _half_turns(x, half_turn_shift)
+    pieces, split = pi_pieces(POSITION_LIMIT, half_turn_shift), TAIL_SPLITS[half_turn_shift]
+    reduced = x
+    for piece in pieces[:split]:
+        reduced = sub(reduced, mul(q, piece))
+    tail = mul(q, pieces[-1])
+    for piece in reversed(pieces[split:-1]):
+        tail = add(tail, mul(q, piece))
+    return _signed(_sin(sub(reduced, tail)), _is_odd(n))
+
+
+def cosine_up_to_positions(x):
+    """cos x for |x| <= POSITION_LIMIT: the summed-tail form's error bound holds from CODY_WAITE_LIMIT on (below,
+    q = +-1/2 and its steps round on x's fine grid), so smaller |x| take ``half_turn_sine``."""
+    return where(lt(absolute(x), CODY_WAITE_LIMIT), half_turn_sine(x, True), summed_tail_sine(x, True))
 
 
 def bounded_form(target, bound: float):
@@ -311,6 +399,10 @@ def bounded_form(target, bound: float):
         return _sin  # the activation's own range
     if target in (aten.sin.default, aten.cos.default) and bound <= CODY_WAITE_LIMIT:
         return lambda x: half_turn_sine(x, target is aten.cos.default)
+    if target is aten.sin.default and bound <= POSITION_LIMIT:
+        return lambda x: summed_tail_sine(x, False)
+    if target is aten.cos.default and bound <= POSITION_LIMIT:
+        return cosine_up_to_positions
     return None
 
 
