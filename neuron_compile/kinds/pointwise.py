@@ -21,7 +21,13 @@ import math
 from neuron_compile import ir
 from neuron_compile.codegen.dma_sums import DmaSums, read_on_chip, summed_operands, tile_time_ns
 from neuron_compile.codegen.engine_balance import EngineBalance
-from neuron_compile.codegen.expressions import BroadcastLoad, RepeatedColumnsLoad, TileAllocator, TileScope
+from neuron_compile.codegen.expressions import (
+    SPLIT_MIN_COLUMNS,
+    BroadcastLoad,
+    RepeatedColumnsLoad,
+    TileAllocator,
+    TileScope,
+)
 from neuron_compile.codegen.hoisted_columns import HoistedColumns
 from neuron_compile.codegen.psum_operands import psum_operands
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template, store_lines
@@ -182,6 +188,11 @@ def _transfer_bytes(stores: tuple[ir.Store, ...], plan: TilePlan, summed_bytes: 
     return [ir.ITEMSIZE.get(load.dtype, 4) for load in varying] + stored
 
 
+def narrowest_column_tile(free: LoopDim) -> int:
+    """The columns of a kernel's narrowest column tile (its ragged last one, if any)."""
+    return free.size % free.tile or free.tile
+
+
 def _tile_lines(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator,
                 interleaved: tuple[tuple[ir.Store, ...], ...], balance: EngineBalance,
                 hoisted: HoistedColumns | None = None, in_psum: frozenset = frozenset(),
@@ -219,6 +230,7 @@ def _tile_lines(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAll
     scope.balance = balance
     scope.hoisted = hoisted
     scope.psum_operands = in_psum
+    scope.split_columns = inner == 1 and narrowest_column_tile(plan.free[0]) >= SPLIT_MIN_COLUMNS
 
     def hbm(buffer: str, layout: ir.Layout):
         return patterns.hbm(buffer, layout, free, True)
