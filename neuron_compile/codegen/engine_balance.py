@@ -157,7 +157,7 @@ class EngineBalance:
         if on_psum:  # a PSUM operand streams beside the SBUF one: one pass (cost.py)
             passes = 1
         costs = {"vector": passes * (0.5 if tiles and all(ref.dtype == "bfloat16" for ref in tiles) else 1.0)}
-        if not on_psum and not any(ref.vector for ref in tiles):
+        if not on_psum and not psum_dst and not any(ref.vector for ref in tiles):
             costs["gpsimd"] = passes * GPSIMD_COST
         if (stages in SCALAR_STAGES or stages == COPY) and all(
                 ref.dtype in FLOAT_TILE_DTYPES for ref in tiles):

@@ -680,7 +680,8 @@ def _binary(entry: op_table.OpSpec, args, dst: str, scope: TileScope, dst_dtype:
         arg.dtype == "bfloat16" for arg in args if arg.tile is not None)
     if all(arg.tile in scope.allocator.psum_tiles for arg in args):  # at most one operand may be in PSUM
         a, b = args = [scope.memo.get((_PSUM_STAGING_KEY, a), a), b]
-    engine = scope.balance.pick(list(args), scope, passes=1 if one_pass else 2)
+    engine = scope.balance.pick(list(args), scope, passes=1 if one_pass else 2,
+                                psum_dst=written in scope.allocator.psum_tiles)
     return (f"nisa.tensor_tensor(dst={dst}, data1={scope.ref_text(a)}, data2={scope.ref_text(b)}, "
             f"op={entry.nl_op}{engine})")
 

@@ -137,8 +137,10 @@ def _planned_balance(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: Ti
                      interleaved: tuple[tuple[ir.Store, ...], ...],
                      hoisting: bool) -> tuple[EngineBalance, frozenset, DmaSums | None]:
     """The engine plan of a tile from a trial emission, the values it computes into PSUM and the stored sums the
-    DMA engines add (None: none). Each PSUM value, then the sums, is tried on top of what was kept before it and
-    kept when its trial's tile is the shorter (codegen/psum_operands.py, codegen/dma_sums.py)."""
+    DMA engines add (None: none). Each PSUM value is tried on top of those kept before it, with and without the
+    sums, and kept when the better of the two makes the tile shorter (its busiest engine or DMA, then its busiest
+    engine: codegen/psum_operands.py, codegen/dma_sums.py); a value a sum would read (the DMA cannot read PSUM)
+    competes with the sum that way."""
 
     def trial(in_psum: frozenset, dma_sums: DmaSums | None) -> EngineBalance:
         balance = EngineBalance()
@@ -147,36 +149,50 @@ def _planned_balance(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: Ti
         _tile_lines(stores, plan, scratch, interleaved, balance, trial_hoisted, in_psum, dma_sums)
         return balance.planned()
 
-    plain = trial(frozenset(), None)
     if not plan.target or interleaved:
-        return plain, frozenset(), None
+        return trial(frozenset(), None), frozenset(), None
     target, columns = get_target(plan.target), plan.free[0].tile * math.prod(dim.size for dim in plan.free[1:])
-    in_psum: frozenset = frozenset()
+    summing = any(summed_operands(store) for store in stores)
+
+    def timed(in_psum: frozenset) -> tuple[tuple[float, float], EngineBalance, DmaSums | None]:
+        """((tile ns, busiest engine's load), plan, sums) of the better of the trials without and with the sums."""
+        def rank(balance: EngineBalance, summed_bytes: dict[str, int]) -> tuple[float, float]:
+            transfers = _transfer_bytes(stores, plan, summed_bytes)
+            return (tile_time_ns(balance.expected, transfers, plan.partition.tile, columns, target),
+                    max(balance.expected.values()))
+
+        plain = trial(in_psum, None)
+        best = (rank(plain, {}), plain, None)
+        if summing:
+            summing_trial = DmaSums(read_on_chip(stores))
+            summed = trial(in_psum, summing_trial)
+            if summing_trial.read_bytes and rank(summed, summing_trial.read_bytes) < best[0]:
+                # a fresh DmaSums for the real emission (the trial's has recorded its own)
+                best = (rank(summed, summing_trial.read_bytes), summed, DmaSums(read_on_chip(stores)))
+        return best
+
+    best, in_psum = timed(frozenset()), frozenset()
     for value in _psum_candidates(stores, plan, target):  # one at a time: each moves its readers to VectorE
-        trying = in_psum | {value}
-        with_psum = trial(trying, None)
-        if max(with_psum.expected.values()) < max(plain.expected.values()):  # the same DMAs: the engines decide
-            plain, in_psum = with_psum, trying
-    if not any(summed_operands(store) for store in stores):
-        return plain, in_psum, None
-    read = read_on_chip(stores)
-    summing = DmaSums(read)
-    summed = trial(in_psum, summing)
-    if not summing.read_bytes:
-        return plain, in_psum, None
-    plain_ns = tile_time_ns(plain.expected, _transfer_bytes(stores, plan, {}), plan.partition.tile, columns, target)
-    summed_ns = tile_time_ns(summed.expected, _transfer_bytes(stores, plan, summing.read_bytes), plan.partition.tile,
-                             columns, target)
-    return (summed, in_psum, DmaSums(read)) if summed_ns < plain_ns else (plain, in_psum, None)
+        if len(in_psum) == _psum_budget(target):
+            break
+        with_value = timed(in_psum | {value})
+        if with_value[0] < best[0]:
+            best, in_psum = with_value, in_psum | {value}
+    return best[1], in_psum, best[2]
 
 
 def _psum_candidates(stores: tuple[ir.Store, ...], plan: TilePlan, target) -> tuple:
-    """The values a tile could compute into PSUM (codegen/psum_operands.py): one bank each per column tile in flight;
-    none in a widened tile (its broadcast operands take PSUM banks)."""
+    """The values a tile could compute into PSUM (codegen/psum_operands.py), all of them: the caller keeps at most
+    ``_psum_budget`` (a candidate the trials reject takes no bank); none in a widened tile (its broadcast operands
+    take PSUM banks)."""
     if len(plan.free) != 1:
         return ()
-    return psum_operands(stores, plan.free[0].tile, target.psum_bank_bytes // 4,
-                         target.psum_banks // PIPELINED_TILES - 1)
+    return psum_operands(stores, plan.free[0].tile, target.psum_bank_bytes // 4, math.inf)
+
+
+def _psum_budget(target) -> int:
+    """PSUM values a tile may keep: one bank each per column tile in flight, one bank per tile left over."""
+    return target.psum_banks // PIPELINED_TILES - 1
 
 
 def _transfer_bytes(stores: tuple[ir.Store, ...], plan: TilePlan, summed_bytes: dict[str, int]) -> list[int]:
