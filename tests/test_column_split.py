@@ -1,10 +1,13 @@
 """An instruction split by columns between two engines (codegen/engine_balance.py ``choose_split``,
-codegen/expressions.py ``column_parts``).
+codegen/expressions.py ``column_parts``), and column tiles sized by the SBUF a body's tiles take
+(kinds/pointwise.py ``measured_plan``).
 
 AdamW's update, split (its ALU reciprocal mostly on GpSimd, the rest of the columns on VectorE), equals eager's
 ``torch.optim.AdamW(foreach=True)`` (which the repository's tests take as the reference, fused=False) over sizes 1,
 127, 128, 129, 300 and ragged two-dimensional ones, fp32 and bf16 parameters, weight decay on and off, amsgrad, and
-the split form equals the unsplit one bit for bit; the planned split's arithmetic."""
+the split form equals the unsplit one bit for bit; the planned split's arithmetic. A long body of bf16 tiles gets
+wider column tiles than one fp32 tile per op allows, and AdamW's update, whose values in PSUM take a bank per
+tile, gets wider ones within a bank."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lowering_harness import TOLERANCES
+from lowering_harness import TOLERANCES, check_against_eager, compile_and_run, random_tensor
 
 import neuron_compile
 from neuron_compile.codegen.engine_balance import SPLIT_STEPS, EngineBalance
@@ -124,3 +127,41 @@ def test_column_parts_cut_every_operand_at_the_same_share():
                      ("vector", "out_1[0:rows, cols * 28 // 32:cols]", "x_2[0:rows, cols * 28 // 32:cols]")]
     assert column_parts(("vector", None, SPLIT_STEPS), "out_1[0:rows, 0:cols]") == [("vector",
                                                                                      "out_1[0:rows, 0:cols]")]
+
+
+def _column_tile(region) -> int:
+    plans = re.findall(r"Tile plan: pointwise: outer \[[^\]]*\] partition \S+ free \[(\d+)/(\d+)\]",
+                       "\n".join(kernel.source for kernel in region.kernels))
+    return max(int(tile) for _, tile in plans)
+
+
+def long_bf16_chain(x, y):
+    for step in range(12):
+        x = (x * y + step).to(torch.bfloat16)
+    return x
+
+
+@pytest.mark.parametrize("shape", [(128, 12000), (129, 9001), (3, 127, 5000)])
+def test_a_body_of_bf16_tiles_gets_the_column_tiles_its_sbuf_allows(shape, monkeypatch):
+    inputs = [random_tensor(shape, torch.bfloat16, seed=seed, low=0.5, high=1.0) for seed in range(2)]
+    region = check_against_eager(long_bf16_chain, *inputs)  # ragged last row and column tiles included
+    measured = _column_tile(region)
+    monkeypatch.setattr("neuron_compile.kinds.pointwise.measured_plan", lambda node, plan, target: plan)
+    counted_region, _ = compile_and_run(long_bf16_chain, *inputs)
+    assert measured > _column_tile(counted_region)
+
+
+def _update_column_tile(tmp_path) -> int:
+    with neuron_compile.config.patch(dump_dir=str(tmp_path)):
+        _check_against_eager((128, 4096), torch.bfloat16, False, 0.1, tmp_path)
+    sources = _dumped_sources(tmp_path)
+    update = max(re.findall(r"free \[4096/(\d+)\]", sources), key=int)
+    assert "buffer=nl.psum" in sources
+    return int(update)
+
+
+def test_adamw_update_gets_wider_column_tiles_within_a_psum_bank(tmp_path, monkeypatch):
+    measured = _update_column_tile(tmp_path / "measured")
+    monkeypatch.setattr("neuron_compile.kinds.pointwise.measured_plan", lambda node, plan, target: plan)
+    counted = _update_column_tile(tmp_path / "counted")
+    assert counted < measured <= 512

@@ -42,6 +42,7 @@ from neuron_compile.hardware import get_target
 from neuron_compile.kind_registry import loads, register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue, matching_index_reason, merge_as_epilogue
 from neuron_compile.tiles import (
+    FP32_BYTES,
     SHORT_ROW_BYTES,
     TilePlan,
     count_tiles,
@@ -86,6 +87,28 @@ def plan_pointwise(node: ir.Pointwise, target, tiles: int | None = None) -> Tile
     if not outer and len(free_dims) == 1 and row_bytes < SHORT_ROW_BYTES:
         partition, free_dims = rows_per_partition(partition, free, tiles, target)
     return TilePlan("pointwise", tuple(outer), partition, free_dims, tiles)
+
+
+def measured_plan(node: ir.Pointwise, plan: TilePlan, target) -> TilePlan:
+    """``plan`` with wider column tiles where the tiles its body allocates take less SBUF than ``count_tiles``
+    budgeted (one fp32 tile per load and op: bf16 tiles take half, values computed into PSUM none, and the DMA
+    engines' sums no tile), so that each DMA moves more bytes per fixed cost: the tiles are counted in a trial
+    emission of the body. A tile computing values into PSUM stays within one bank (``psum_operands``)."""
+    free = plan.free[0]
+    if len(plan.free) != 1 or free.tile >= free.size:
+        return plan
+    allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, ()))
+    balanced_body(node.stores, plan, allocator, hoisted=HoistedColumns(plan.partition.tile, allocator.reserved))
+    # one tile more per store: a sum the DMA engines add at this width may need its tile at a wider one
+    fp32_tiles = math.ceil(allocator.sbuf_bytes / free.tile / FP32_BYTES) + len(node.stores)
+    wider = plan_pointwise(node, target, fp32_tiles)
+    columns = wider.free[0].tile if len(wider.free) == 1 else 0
+    if allocator.psum_tiles:
+        columns = min(columns, target.psum_bank_bytes // FP32_BYTES)
+    if columns <= free.tile:
+        return plan
+    return dataclasses.replace(plan, free=(dataclasses.replace(free, tile=columns),),
+                               tiles_per_iteration=wider.tiles_per_iteration)
 
 
 def widest_rows_on_partitions(dims: list[LoopDim], partitions: int) -> list[LoopDim]:
@@ -289,7 +312,7 @@ class PointwiseKind(MatchingIndexEpilogue):
         return dataclasses.replace(merged, name=second.name, stores=kept + merged.stores[len(first.stores):])
 
     def plan(self, node, target):
-        return dataclasses.replace(plan_pointwise(node, target), target=target.name)
+        return measured_plan(node, dataclasses.replace(plan_pointwise(node, target), target=target.name), target)
 
     def render(self, node, plan, name, parameters):
         allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
