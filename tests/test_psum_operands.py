@@ -1,9 +1,10 @@
 """Values a pointwise tile computes into PSUM for the tensor_tensors that read them (codegen/psum_operands.py): the
 AdamW-like moments ``(g * c) * g + v * b`` and ``m + (g - m) * c`` equal eager (and, bit for bit, the SBUF form) over
 1, 127, 128, 129 and ragged shapes, fp32 and bf16, with their scaled gradient in PSUM; a kernel whose busiest engine
-the PSUM form does not relieve (GpSimd's rsqrts) keeps SBUF; the rules: no stored value, no value a sequence, a cast or a square reads,
-one PSUM operand per reader, a tile wider than a bank or past the banks' budget takes none; a product of two tiles
-goes there too (VectorE writes it), and AdamW's update keeps its DMA sum, whose operand could have gone to PSUM."""
+the PSUM form does not relieve (GpSimd's rsqrts) keeps SBUF; the rules: no stored value, no value a sequence, a cast
+or a square reads, one PSUM operand per reader, a tile wider than a bank or past the banks' budget takes none; a
+product of two tiles goes there too (VectorE writes it), and AdamW's update keeps its DMA sum, whose operand could
+have gone to PSUM."""
 
 from __future__ import annotations
 
