@@ -2,10 +2,11 @@
 
 Fusion: a pointwise consumer joins its producer's group when it reads the producer with its own index map over
 the same domain (a chain). Tiling: the output as [rows, cols] (rows on partitions in chunks of 128, cols in free
-chunks sized to the SBUF share); a long last dim is split by a divisor so rows fill the partitions. A short last
-dim (a 64-wide attention head, each head an outer loop) takes the innermost outer dim into the free axis as well
-(``widen_free``): a tile then holds [rows, heads x 64], its DMAs move a few KiB per partition instead of 128 B,
-and there are heads-times fewer of them (each DMA has a fixed cost). With no outer dim, rows shorter than 512 bytes
+chunks sized to the SBUF share, by the tiles a trial emission of the body allocates where there are several:
+``measured_plan``); a long last dim is split by a divisor so rows fill the partitions. A short last dim (a 64-wide
+attention head, each head an outer loop) takes the innermost outer dim into the free axis as well (``widen_free``):
+a tile then holds [rows, heads x 64], its DMAs move a few KiB per partition instead of 128 B, and there are
+heads-times fewer of them (each DMA has a fixed cost). With no outer dim, rows shorter than 512 bytes
 go several to a partition (tiles.py ``rows_per_partition``). Codegen: per tile one DMA per input through
 its access pattern (two free entries, flattened into the tile's columns, when widened), the expression body, one
 DMA per store (pointwise.py.j2). Row-vector work the same in every column tile (a scalar input, its reciprocal)
