@@ -190,9 +190,10 @@ def _planned_balance(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: Ti
         if summing:
             summing_trial = DmaSums(read_on_chip(stores))
             summed = trial(in_psum, summing_trial)
-            if summing_trial.read_bytes and rank(summed, summing_trial.read_bytes) < best[0]:
+            summed_rank = rank(summed, summing_trial.read_bytes) if summing_trial.read_bytes else None
+            if summed_rank is not None and summed_rank < best[0]:
                 # a fresh DmaSums for the real emission (the trial's has recorded its own)
-                best = (rank(summed, summing_trial.read_bytes), summed, DmaSums(read_on_chip(stores)))
+                best = (summed_rank, summed, DmaSums(read_on_chip(stores)))
         return best
 
     best, in_psum = timed(frozenset()), frozenset()
