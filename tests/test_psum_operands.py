@@ -1,8 +1,10 @@
 """Values a pointwise tile computes into PSUM for the tensor_tensors that read them (codegen/psum_operands.py): the
 AdamW-like moments ``(g * c) * g + v * b`` and ``m + (g - m) * c`` equal eager (and, bit for bit, the SBUF form) over
 1, 127, 128, 129 and ragged shapes, fp32 and bf16, with their scaled gradient in PSUM; a kernel whose busiest engine
-the PSUM form does not relieve keeps SBUF; the rules: no stored value, no value a sequence, a cast or a square reads,
-one PSUM operand per reader, a tile wider than a bank or past the banks' budget takes none."""
+the PSUM form does not relieve (GpSimd's rsqrts) keeps SBUF; the rules: no stored value, no value a sequence, a cast
+or a square reads, one PSUM operand per reader, a tile wider than a bank or past the banks' budget takes none; a
+product of two tiles goes there too (VectorE writes it), and AdamW's update keeps its DMA sum, whose operand could
+have gone to PSUM."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowering_harness import check_against_eager, compile_and_run, random_tensor
+import neuron_compile
 from neuron_compile import ir
 from neuron_compile.codegen.psum_operands import psum_operands
 from neuron_compile.kinds import pointwise
@@ -23,8 +26,9 @@ def moments(g, m, v):
     return (g * 0.001) * g + v * 0.999, m + (g - m) * 0.1
 
 
-def reciprocal_bound(x, y):
-    return x.reciprocal() + (x * 2.0) * y
+def rsqrt_bound(x, y):
+    # GpSimd's ALU rsqrts, which no other engine runs (a reciprocal is shared with VectorE by columns)
+    return torch.rsqrt(x) + torch.rsqrt(y) + (x * 2.0) * y
 
 
 def _sources(region) -> str:
@@ -61,7 +65,7 @@ def test_the_scaled_values_go_to_psum_and_their_readers_to_vectore():
 
 
 def test_a_kernel_the_psum_form_does_not_relieve_keeps_sbuf():
-    region = check_against_eager(reciprocal_bound, *_inputs((130, 300), torch.float32, 2))
+    region = check_against_eager(rsqrt_bound, *_inputs((130, 300), torch.float32, 2))
     assert "nl.psum" not in _sources(region)
 
 
@@ -93,3 +97,27 @@ def test_which_values_go_to_psum():
     assert len(_chosen(ir.op("mul", scaled, other))) == 1  # at most one PSUM operand per reader
     many = [ir.op("mul", ir.op("mul", _load(f"x{i}"), 2.0), g) for i in range(5)]
     assert len(_chosen(*many)) == 3 and len(_chosen(*many, banks=0)) == 0
+
+
+def test_a_product_of_two_tiles_goes_to_psum_too():
+    g, v = _load("g"), _load("v")
+    product = ir.op("mul", ir.op("mul", g, 0.001), g)
+    assert product in _chosen(ir.op("add", v, product))  # VectorE writes it, the add reads it at one pass
+    assert _chosen(ir.op("add", v, ir.Op("mul", (g, v), "bfloat16"))) == set()  # rounded to bf16: a cast
+
+
+def test_adamw_update_keeps_its_dma_sum_and_moves_its_second_moment_product_to_psum(tmp_path):
+    # the last product (m * 1 / denominator) could go to PSUM, but the DMA engines' sum reads it: the two are
+    # weighed together, and the sum wins
+    parameter = torch.nn.Parameter(random_tensor((130, 1100), torch.bfloat16, seed=0))
+    parameter.grad = random_tensor((130, 1100), torch.bfloat16, seed=1)
+    optimizer = torch.optim.AdamW([parameter], lr=1e-2, foreach=True)
+    torch._dynamo.reset()
+    with neuron_compile.config.patch(dump_dir=str(tmp_path), fallback="raise"):
+        torch.compile(optimizer.step, backend="neuron")()
+    source = "\n".join(path.read_text() for path in tmp_path.rglob("*.py"))
+    psum_tiles = [line.split(" = ")[0].strip() for line in source.splitlines() if "buffer=nl.psum)" in line]
+    written = [line for line in source.splitlines() if line.strip().startswith("nisa.tensor_tensor(")
+               and any(f"dst={tile}[" in line for tile in psum_tiles)]
+    assert written and not any("gpsimd" in line for line in written)  # GpSimd cannot reach PSUM
+    assert "nisa.dma_compute(" in source

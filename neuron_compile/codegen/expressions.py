@@ -27,6 +27,7 @@ from neuron_compile.codegen.engine_balance import (
     GPSIMD,
     GPSIMD_COST,
     SCALAR,
+    SPLIT_STEPS,
     EngineBalance,
 )
 
@@ -36,6 +37,10 @@ SIGN_BIT = -(2**31)  # 0x80000000 as an int32 operand
 MAGNITUDE_BITS = 2**31 - 1  # 0x7fffffff
 EXPONENT_BITS = 2139095040  # 0x7f800000
 ROW_VECTOR = "[0:rows, 0:1]"  # the slice of a (P, 1) row vector
+COLUMNS_WINDOW = "[0:rows, 0:cols]"  # a pointwise tile's window, the one an instruction may be split along
+# Columns of the narrowest column tile for an instruction to be split by columns: each part is then at least
+# SPLIT_MIN_COLUMNS / SPLIT_STEPS wide, and an instruction over fewer columns costs little more than MIN_II anyway.
+SPLIT_MIN_COLUMNS = 64
 PSUM_BANK_FP32 = 512  # fp32 elements per partition of one PSUM bank (2 KiB)
 _PSUM_STAGING_KEY = "broadcast operands in PSUM"  # memo key: (the scope's PSUM bank, elements used)
 
@@ -247,6 +252,9 @@ class TileScope:
         self.balance = EngineBalance()
         # values computed into PSUM tiles for their tensor_tensor readers (codegen/psum_operands.py)
         self.psum_operands: frozenset = frozenset()
+        # whether an instruction over whole ``COLUMNS_WINDOW`` tiles may be split by columns between two engines
+        # (``column_parts``): set by a kernel whose every column tile has at least ``SPLIT_MIN_COLUMNS`` columns
+        self.split_columns = False
 
     def tile(self, dtype: str = "float32", key=None, vector: bool = False, stem: str = "value") -> str:
         # One tile per (scope, expression): loop iterations overwrite it, the code stays straight-line.
@@ -672,7 +680,8 @@ def _binary(entry: op_table.OpSpec, args, dst: str, scope: TileScope, dst_dtype:
         arg.dtype == "bfloat16" for arg in args if arg.tile is not None)
     if all(arg.tile in scope.allocator.psum_tiles for arg in args):  # at most one operand may be in PSUM
         a, b = args = [scope.memo.get((_PSUM_STAGING_KEY, a), a), b]
-    engine = scope.balance.pick(list(args), scope, passes=1 if one_pass else 2)
+    engine = scope.balance.pick(list(args), scope, passes=1 if one_pass else 2,
+                                psum_dst=written in scope.allocator.psum_tiles)
     return (f"nisa.tensor_tensor(dst={dst}, data1={scope.ref_text(a)}, data2={scope.ref_text(b)}, "
             f"op={entry.nl_op}{engine})")
 
@@ -962,16 +971,43 @@ def _emit_copysign(args, dst, vector, scope, lines) -> None:
 
 def _emit_alu_reciprocal(args, dst, vector, scope, lines) -> None:
     """dst = 1 / x by the ALU's reciprocal, every fp32 input (IEEE special values): VectorE's nisa.reciprocal, or
-    GpSimd's tensor_scalar form where the engine balance puts it (full tiles only)."""
+    GpSimd's tensor_scalar form where the engine balance puts it (full tiles only), or both, each over a part of
+    the columns, where the balance splits it (``column_parts``)."""
     data = scope.ref_text(args[0])
     cost = CYCLES_PER_ELEMENT["nisa.reciprocal("]
     costs = {"vector": cost}
     if not vector and args[0].tile not in scope.allocator.psum_tiles:
         costs["gpsimd"] = cost * GPSIMD_COST
-    if not vector and scope.balance.choose(costs) == "gpsimd":
-        lines.append(_tensor_scalar(dst, data, (("nl.reciprocal", 0.0),), engine=GPSIMD))
+    if vector:
+        engines = [("vector", dst, data)]
+    elif splittable(scope, dst, data):
+        engines = column_parts(scope.balance.choose_split(costs), dst, data)
     else:
-        lines.append(f"nisa.reciprocal(dst={dst}, data={data})")
+        engines = [(scope.balance.choose(costs), dst, data)]
+    for engine, part_dst, part_data in engines:
+        if engine == "gpsimd":
+            lines.append(_tensor_scalar(part_dst, part_data, (("nl.reciprocal", 0.0),), engine=GPSIMD))
+        else:
+            lines.append(f"nisa.reciprocal(dst={part_dst}, data={part_data})")
+
+
+def splittable(scope: TileScope, *operands: str) -> bool:
+    """Whether an instruction over ``operands`` (slice texts) may be split by columns: the scope allows it (every
+    column tile at least ``SPLIT_MIN_COLUMNS`` wide) and each operand is a tile's whole window."""
+    return scope.split_columns and all(text.endswith(COLUMNS_WINDOW) for text in operands)
+
+
+def column_parts(split: tuple[str, str | None, int], *operands: str) -> list[tuple[str, ...]]:
+    """(engine, operand slices ...) of each part of an instruction the engine balance split by columns
+    (``choose_split``'s answer): the first engine's share of the columns first, then the rest; one part when
+    the balance did not split it."""
+    first, second, share = split
+    if second is None:
+        return [(first, *operands)]
+    cut = f"cols * {share} // {SPLIT_STEPS}"
+    tiles = [text[:-len(COLUMNS_WINDOW)] for text in operands]
+    return [(first, *(f"{tile}[0:rows, 0:{cut}]" for tile in tiles)),
+            (second, *(f"{tile}[0:rows, {cut}:cols]" for tile in tiles))]
 
 
 def _emit_gpsimd_rsqrt(args, dst, vector, scope, lines) -> None:

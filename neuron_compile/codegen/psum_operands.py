@@ -3,11 +3,15 @@ one operand from PSUM at the full rate.
 
 Input: a tile's stores (``ir.Store``), its free size and the PSUM banks it may take. Output: the set of expressions
 to compute into an fp32 PSUM tile: a multiply or an add of a tile by a number (a tensor_scalar, which ScalarE
-runs) whose every reader is a tensor_tensor of two tiles. A VectorE tensor_tensor with one operand in PSUM makes
-one pass over the elements where two fp32 SBUF operands take two (nki-spec §2, cost.py), so AdamW's ``g * (1 -
-beta2) * g`` and ``m + (1 - beta1) * (g - m)`` cost VectorE one cycle per element each instead of GpSimd 1.6.
+runs), or of two tiles (a tensor_tensor, which VectorE runs), whose every reader is a tensor_tensor of two tiles.
+A VectorE tensor_tensor with one operand in PSUM makes one pass over the elements where two fp32 SBUF operands
+take two (nki-spec §2, cost.py), so AdamW's ``g * (1 - beta2) * g`` and ``m + (1 - beta1) * (g - m)`` cost
+VectorE one cycle per element each instead of GpSimd 1.6, and with the product ``g * (1 - beta2) * g`` in PSUM
+too, the second moment's add one cycle instead of two. The caller tries them one at a time against its engine
+plan and keeps those that shorten the tile (kinds/pointwise.py), within the banks' budget.
 
-The rules: GpSimd cannot reach PSUM, so the readers run on VectorE and the writer on ScalarE or VectorE; the DMA
+The rules: GpSimd cannot reach PSUM, so the readers run on VectorE and the writer on ScalarE or VectorE (a
+tensor_tensor writer on VectorE, at the passes its operands take: a PSUM destination streams no faster); the DMA
 cannot read PSUM, so no stored value; at most one operand of a tensor_tensor may be in PSUM; each value takes one
 bank per column tile in flight (``PIPELINED_TILES``), so the tile's free size must fit a bank and the values the
 banks. The values are exactly those of the SBUF form: the engines compute in fp32 and PSUM holds fp32.
@@ -60,10 +64,11 @@ def _readers(stores: tuple[ir.Store, ...]) -> dict:
 
 
 def _writes_tile_by_number(expr: ir.Op) -> bool:
-    """``tile * number`` or ``tile + number``, computed in fp32 (no cast)."""
+    """``tile * number`` or ``tile + number``, or the product or sum of two tiles (VectorE writes it: AdamW's
+    ``(g * (1 - beta2)) * g``, read by the second moment's add), computed in fp32 (no cast)."""
     if expr.op not in PSUM_WRITERS or expr.dtype is not None or len(expr.args) != 2:
         return False
-    return sum(_constant(arg) for arg in expr.args) == 1
+    return sum(_constant(arg) for arg in expr.args) <= 1
 
 
 def _reads_with_a_tile(parent: ir.Op, value: ir.Op) -> bool:

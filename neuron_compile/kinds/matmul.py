@@ -296,19 +296,33 @@ def in_loops(lines: list[str], k: int, k_tile: int, loop: str | None) -> list[st
     return [loop] + ["    " + line for line in lines] if loop else lines
 
 
+def evacuated_dtype(node: ir.MatMul) -> str:
+    """The dtype the product leaves PSUM in: a bf16 / fp16 store's own when every store is the product as it is
+    (a backward's weight gradient): the PSUM -> SBUF copy then rounds it once, as the store's cast did after an
+    exact fp32 copy (the same bits), and the cast's pass over the tile is gone; else fp32, for the epilogue's math."""
+    dtypes = {store.buffer.dtype for store in node.stores}
+    if node.b2 is not None or len(dtypes) != 1 or not dtypes <= {"bfloat16", "float16"}:
+        return "float32"
+    dtype = next(iter(dtypes))
+    plain = (ir.Result(), ir.Op("cast", (ir.Result(),), dtype))
+    return dtype if all(store.expr in plain for store in node.stores) else "float32"
+
+
 def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
     allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
-    context = kernel_context(node, plan, name, parameters, **resident_context(node, plan, allocator))
+    context = kernel_context(node, plan, name, parameters,
+                             **resident_context(node, plan, allocator, product_dtype=evacuated_dtype(node)))
     return render_template("matmul_resident.py.j2", **context)
 
 
 def resident_context(node: ir.MatMul, plan: TilePlan, allocator: TileAllocator, loads_a: bool = True,
-                     more_epilogue=None) -> dict:
+                     more_epilogue=None, product_dtype: str = "float32") -> dict:
     """The resident form's template entries beside ``kernel_context``'s; the tiles are declared by ``allocator``
     (those it declared before belong to the caller). ``loads_a`` False: a^T is not loaded (the caller's
     ``row_prologue`` fills ``stationary[block]`` for each row block, kernels/matmul_row_norm.py).
     ``more_epilogue(scope, lines)`` appends the caller's lines after the stores' in each tile's epilogue scope
-    (kinds/matmul_norm_epilogue.py keeps a value of it on chip for its ``row_epilogue``)."""
+    (kinds/matmul_norm_epilogue.py keeps a value of it on chip for its ``row_epilogue``). ``product_dtype``: the
+    dtype the product leaves PSUM in (``evacuated_dtype``; the normed kinds keep fp32)."""
     patterns = Patterns(plan)
     first_allocation = len(allocator.lines)
     free = [(plan.free[0], "cols")]
@@ -316,10 +330,11 @@ def resident_context(node: ir.MatMul, plan: TilePlan, allocator: TileAllocator, 
     def load_pattern(load: ir.Load, tile: str):
         return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, True)
 
-    product = allocator.new("product", plan.free[0].tile)
+    product = allocator.new("product", plan.free[0].tile, product_dtype)
     second_product = allocator.new("second_product", plan.free[0].tile) if node.b2 is not None else None
     more_results = () if second_product is None else (Ref(tile=second_product),)
-    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=product),
+    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern,
+                      Ref(tile=product, dtype=product_dtype),
                       vector_pattern=column_pattern(plan, patterns), more_results=more_results)
     columns = ColumnOperands(plan, allocator)
     scope.shared_row = columns.tile_for
@@ -382,9 +397,10 @@ def render_transposing(node: ir.MatMul, plan: TilePlan, name: str, parameters: l
     def load_pattern(load: ir.Load, tile: str):
         return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, True)
 
-    product = allocator.new("product", plan.free[0].tile)
-    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern, Ref(tile=product),
-                      vector_pattern=column_pattern(plan, patterns))
+    product_dtype = evacuated_dtype(node)
+    product = allocator.new("product", plan.free[0].tile, product_dtype)
+    scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern,
+                      Ref(tile=product, dtype=product_dtype), vector_pattern=column_pattern(plan, patterns))
     epilogue: list[str] = []
     store_lines(node.stores, scope, patterns, free, True, epilogue)
     context = kernel_context(

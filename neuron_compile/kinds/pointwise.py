@@ -2,10 +2,11 @@
 
 Fusion: a pointwise consumer joins its producer's group when it reads the producer with its own index map over
 the same domain (a chain). Tiling: the output as [rows, cols] (rows on partitions in chunks of 128, cols in free
-chunks sized to the SBUF share); a long last dim is split by a divisor so rows fill the partitions. A short last
-dim (a 64-wide attention head, each head an outer loop) takes the innermost outer dim into the free axis as well
-(``widen_free``): a tile then holds [rows, heads x 64], its DMAs move a few KiB per partition instead of 128 B,
-and there are heads-times fewer of them (each DMA has a fixed cost). With no outer dim, rows shorter than 512 bytes
+chunks sized to the SBUF share, by the tiles a trial emission of the body allocates where there are several:
+``measured_plan``); a long last dim is split by a divisor so rows fill the partitions. A short last dim (a 64-wide
+attention head, each head an outer loop) takes the innermost outer dim into the free axis as well (``widen_free``):
+a tile then holds [rows, heads x 64], its DMAs move a few KiB per partition instead of 128 B, and there are
+heads-times fewer of them (each DMA has a fixed cost). With no outer dim, rows shorter than 512 bytes
 go several to a partition (tiles.py ``rows_per_partition``). Codegen: per tile one DMA per input through
 its access pattern (two free entries, flattened into the tile's columns, when widened), the expression body, one
 DMA per store (pointwise.py.j2). Row-vector work the same in every column tile (a scalar input, its reciprocal)
@@ -21,7 +22,13 @@ import math
 from neuron_compile import ir
 from neuron_compile.codegen.dma_sums import DmaSums, read_on_chip, summed_operands, tile_time_ns
 from neuron_compile.codegen.engine_balance import EngineBalance
-from neuron_compile.codegen.expressions import BroadcastLoad, RepeatedColumnsLoad, TileAllocator, TileScope
+from neuron_compile.codegen.expressions import (
+    SPLIT_MIN_COLUMNS,
+    BroadcastLoad,
+    RepeatedColumnsLoad,
+    TileAllocator,
+    TileScope,
+)
 from neuron_compile.codegen.hoisted_columns import HoistedColumns
 from neuron_compile.codegen.psum_operands import psum_operands
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template, store_lines
@@ -36,6 +43,7 @@ from neuron_compile.hardware import get_target
 from neuron_compile.kind_registry import loads, register_kind
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue, matching_index_reason, merge_as_epilogue
 from neuron_compile.tiles import (
+    FP32_BYTES,
     SHORT_ROW_BYTES,
     TilePlan,
     count_tiles,
@@ -80,6 +88,28 @@ def plan_pointwise(node: ir.Pointwise, target, tiles: int | None = None) -> Tile
     if not outer and len(free_dims) == 1 and row_bytes < SHORT_ROW_BYTES:
         partition, free_dims = rows_per_partition(partition, free, tiles, target)
     return TilePlan("pointwise", tuple(outer), partition, free_dims, tiles)
+
+
+def measured_plan(node: ir.Pointwise, plan: TilePlan, target) -> TilePlan:
+    """``plan`` with wider column tiles where the tiles its body allocates take less SBUF than ``count_tiles``
+    budgeted (one fp32 tile per load and op: bf16 tiles take half, values computed into PSUM none, and the DMA
+    engines' sums no tile), so that each DMA moves more bytes per fixed cost: the tiles are counted in a trial
+    emission of the body. A tile computing values into PSUM stays within one bank (``psum_operands``)."""
+    free = plan.free[0]
+    if len(plan.free) != 1 or free.tile >= free.size:
+        return plan
+    allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, ()))
+    balanced_body(node.stores, plan, allocator, hoisted=HoistedColumns(plan.partition.tile, allocator.reserved))
+    # one tile more per store: a sum the DMA engines add at this width may need its tile at a wider one
+    fp32_tiles = math.ceil(allocator.sbuf_bytes / free.tile / FP32_BYTES) + len(node.stores)
+    wider = plan_pointwise(node, target, fp32_tiles)
+    columns = wider.free[0].tile if len(wider.free) == 1 else 0
+    if allocator.psum_tiles:
+        columns = min(columns, target.psum_bank_bytes // FP32_BYTES)
+    if columns <= free.tile:
+        return plan
+    return dataclasses.replace(plan, free=(dataclasses.replace(free, tile=columns),),
+                               tiles_per_iteration=wider.tiles_per_iteration)
 
 
 def widest_rows_on_partitions(dims: list[LoopDim], partitions: int) -> list[LoopDim]:
@@ -131,8 +161,10 @@ def _planned_balance(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: Ti
                      interleaved: tuple[tuple[ir.Store, ...], ...],
                      hoisting: bool) -> tuple[EngineBalance, frozenset, DmaSums | None]:
     """The engine plan of a tile from a trial emission, the values it computes into PSUM and the stored sums the
-    DMA engines add (None: none). Each PSUM value, then the sums, is tried on top of what was kept before it and
-    kept when its trial's tile is the shorter (codegen/psum_operands.py, codegen/dma_sums.py)."""
+    DMA engines add (None: none). Each PSUM value is tried on top of those kept before it, with and without the
+    sums, and kept when the better of the two makes the tile shorter (its busiest engine or DMA, then its busiest
+    engine: codegen/psum_operands.py, codegen/dma_sums.py); a value a sum would read (the DMA cannot read PSUM)
+    competes with the sum that way."""
 
     def trial(in_psum: frozenset, dma_sums: DmaSums | None) -> EngineBalance:
         balance = EngineBalance()
@@ -141,36 +173,51 @@ def _planned_balance(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: Ti
         _tile_lines(stores, plan, scratch, interleaved, balance, trial_hoisted, in_psum, dma_sums)
         return balance.planned()
 
-    plain = trial(frozenset(), None)
     if not plan.target or interleaved:
-        return plain, frozenset(), None
+        return trial(frozenset(), None), frozenset(), None
     target, columns = get_target(plan.target), plan.free[0].tile * math.prod(dim.size for dim in plan.free[1:])
-    in_psum: frozenset = frozenset()
+    summing = any(summed_operands(store) for store in stores)
+
+    def timed(in_psum: frozenset) -> tuple[tuple[float, float], EngineBalance, DmaSums | None]:
+        """((tile ns, busiest engine's load), plan, sums) of the better of the trials without and with the sums."""
+        def rank(balance: EngineBalance, summed_bytes: dict[str, int]) -> tuple[float, float]:
+            transfers = _transfer_bytes(stores, plan, summed_bytes)
+            return (tile_time_ns(balance.expected, transfers, plan.partition.tile, columns, target),
+                    max(balance.expected.values()))
+
+        plain = trial(in_psum, None)
+        best = (rank(plain, {}), plain, None)
+        if summing:
+            summing_trial = DmaSums(read_on_chip(stores))
+            summed = trial(in_psum, summing_trial)
+            summed_rank = rank(summed, summing_trial.read_bytes) if summing_trial.read_bytes else None
+            if summed_rank is not None and summed_rank < best[0]:
+                # a fresh DmaSums for the real emission (the trial's has recorded its own)
+                best = (summed_rank, summed, DmaSums(read_on_chip(stores)))
+        return best
+
+    best, in_psum = timed(frozenset()), frozenset()
     for value in _psum_candidates(stores, plan, target):  # one at a time: each moves its readers to VectorE
-        trying = in_psum | {value}
-        with_psum = trial(trying, None)
-        if max(with_psum.expected.values()) < max(plain.expected.values()):  # the same DMAs: the engines decide
-            plain, in_psum = with_psum, trying
-    if not any(summed_operands(store) for store in stores):
-        return plain, in_psum, None
-    read = read_on_chip(stores)
-    summing = DmaSums(read)
-    summed = trial(in_psum, summing)
-    if not summing.read_bytes:
-        return plain, in_psum, None
-    plain_ns = tile_time_ns(plain.expected, _transfer_bytes(stores, plan, {}), plan.partition.tile, columns, target)
-    summed_ns = tile_time_ns(summed.expected, _transfer_bytes(stores, plan, summing.read_bytes), plan.partition.tile,
-                             columns, target)
-    return (summed, in_psum, DmaSums(read)) if summed_ns < plain_ns else (plain, in_psum, None)
+        if len(in_psum) == _psum_budget(target):
+            break
+        with_value = timed(in_psum | {value})
+        if with_value[0] < best[0]:
+            best, in_psum = with_value, in_psum | {value}
+    return best[1], in_psum, best[2]
 
 
 def _psum_candidates(stores: tuple[ir.Store, ...], plan: TilePlan, target) -> tuple:
-    """The values a tile could compute into PSUM (codegen/psum_operands.py): one bank each per column tile in flight;
-    none in a widened tile (its broadcast operands take PSUM banks)."""
+    """The values a tile could compute into PSUM (codegen/psum_operands.py), all of them: the caller keeps at most
+    ``_psum_budget`` (a candidate the trials reject takes no bank); none in a widened tile (its broadcast operands
+    take PSUM banks)."""
     if len(plan.free) != 1:
         return ()
-    return psum_operands(stores, plan.free[0].tile, target.psum_bank_bytes // 4,
-                         target.psum_banks // PIPELINED_TILES - 1)
+    return psum_operands(stores, plan.free[0].tile, target.psum_bank_bytes // 4, math.inf)
+
+
+def _psum_budget(target) -> int:
+    """PSUM values a tile may keep: one bank each per column tile in flight, one bank per tile left over."""
+    return target.psum_banks // PIPELINED_TILES - 1
 
 
 def _transfer_bytes(stores: tuple[ir.Store, ...], plan: TilePlan, summed_bytes: dict[str, int]) -> list[int]:
@@ -180,6 +227,11 @@ def _transfer_bytes(stores: tuple[ir.Store, ...], plan: TilePlan, summed_bytes: 
     varying = [load for load in loads if any(dim.stride(load.layout) != 0 for dim in plan.free)]
     stored = [max(summed_bytes.get(store.buffer.name, 0), ir.ITEMSIZE[store.buffer.dtype]) for store in stores]
     return [ir.ITEMSIZE.get(load.dtype, 4) for load in varying] + stored
+
+
+def narrowest_column_tile(free: LoopDim) -> int:
+    """The columns of a kernel's narrowest column tile (its ragged last one, if any)."""
+    return free.size % free.tile or free.tile
 
 
 def _tile_lines(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAllocator,
@@ -219,6 +271,7 @@ def _tile_lines(stores: tuple[ir.Store, ...], plan: TilePlan, allocator: TileAll
     scope.balance = balance
     scope.hoisted = hoisted
     scope.psum_operands = in_psum
+    scope.split_columns = inner == 1 and narrowest_column_tile(plan.free[0]) >= SPLIT_MIN_COLUMNS
 
     def hbm(buffer: str, layout: ir.Layout):
         return patterns.hbm(buffer, layout, free, True)
@@ -261,7 +314,7 @@ class PointwiseKind(MatchingIndexEpilogue):
         return dataclasses.replace(merged, name=second.name, stores=kept + merged.stores[len(first.stores):])
 
     def plan(self, node, target):
-        return dataclasses.replace(plan_pointwise(node, target), target=target.name)
+        return measured_plan(node, dataclasses.replace(plan_pointwise(node, target), target=target.name), target)
 
     def render(self, node, plan, name, parameters):
         allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
