@@ -12,7 +12,8 @@ roofline ``max(FLOPs / TensorE peak, (parameters + inputs + outputs) bytes / DMA
 Graphs (random weights, tiny configs built in code, nothing downloaded), at hidden 512 fp32 and hidden 2048
 bf16, seq 128 and 1024, batch 1: a Llama MLP (gate/up/down, SiLU), LayerNorm + Linear + GELU, causal attention
 written with matmuls and softmax, a VAE's GroupNorm (32 groups over ``hidden`` channels of ``seq`` x 16 pixels), a
-1-layer LlamaModel, a 2-layer LlamaForCausalLM, one decode step of that
+1-layer LlamaModel (``llama_layer``; ``llama_prefill``: the same called with its positions as an input, as
+generate() calls a prefill), a 2-layer LlamaForCausalLM, one decode step of that
 model with a static cache of ``seq`` positions (prefilled eagerly with ``seq - 1`` tokens), and a 1-layer model of
 other popular architectures sized as the Llama one (``qwen3_layer``, ``mistral_layer``, ``gemma3_layer``,
 ``phi3_layer``; not in the default run). Inductor only
@@ -130,6 +131,16 @@ def llama_layer(hidden: int, dtype: torch.dtype, seq: int) -> Case:
     return Case(lambda ids: model(ids).last_hidden_state, (tokens(seq),), [*model.parameters(), *model.buffers()])
 
 
+def llama_prefill(hidden: int, dtype: torch.dtype, seq: int) -> Case:
+    """``llama_layer`` called as generate() calls a prefill: the positions are an input (what the integer guard
+    bounds by 2**20), not computed inside the graph."""
+    from transformers import LlamaModel
+
+    model = LlamaModel(llama_config(hidden, 1, seq)).eval().to(dtype)
+    return Case(lambda ids, positions: model(ids, position_ids=positions).last_hidden_state,
+                (tokens(seq), torch.arange(seq)[None]), [*model.parameters(), *model.buffers()])
+
+
 def llama_2layer(hidden: int, dtype: torch.dtype, seq: int) -> Case:
     from transformers import LlamaForCausalLM
 
@@ -191,6 +202,7 @@ GRAPHS: dict[str, Callable[[int, torch.dtype, int], Case]] = {
         random((1, h // HEAD_DIM, s, HEAD_DIM), dt, seed) for seed in (1, 2, 3)), []),
     "group_norm": lambda h, dt, s: module_case(nn.GroupNorm(32, h), dt, random((1, h, s, 16), dt, 1)),
     "llama_layer": llama_layer,
+    "llama_prefill": llama_prefill,
     "llama_2layer": llama_2layer,
     "decode": decode_step,
 }
