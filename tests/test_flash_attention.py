@@ -4,6 +4,8 @@ resident and the streamed k/v forms, and its HBM traffic (q, k, v and the output
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 import neuron_compile
 from lowering_harness import check_against_eager, compile_and_run, compile_with_backend, random_tensor
 from neuron_compile import config
-from neuron_compile.runtime import compiled_graph
+from neuron_compile.runtime import compiled_graph, simulator
 
 # Two chained matmuls around an online softmax: fp32 sums in another order than eager's (1e-5 relative).
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
@@ -154,6 +156,40 @@ def test_scores_never_touch_hbm(causal):
     assert stats["hbm_bytes"] == operand_bytes
     want = SDPA(q, k, v, is_causal=causal, enable_gqa=True)
     torch.testing.assert_close(result, want, rtol=2e-2, atol=2e-2)
+
+
+@contextlib.contextmanager
+def kernel_runs():
+    """Every simulator launch inside the block, traced."""
+    runs = []
+    simulator.launch_hooks.append(runs.append)
+    try:
+        yield runs
+    finally:
+        simulator.launch_hooks.remove(runs.append)
+
+
+@settings(max_examples=12, deadline=None)
+@given(queries=st.sampled_from([1, 127, 128, 129, 300]), depth=st.sampled_from([64, 128]), causal=st.booleans(),
+       heads=st.sampled_from([(1, 1), (4, 1), (4, 2)]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_one_block_tiles_normalize_from_the_row_sums_in_psum(queries, depth, causal, heads, dtype):
+    """Keys within one block (up to 512): P @ [v | 1] leaves each row's output and sum in PSUM, and the
+    reciprocal reads the sum there (one ScalarE instruction), with no copy of it into SBUF and no GpSimd
+    reciprocal; one key/value head or grouped ones, causal or not."""
+    q, k, v = qkv(1, heads[0], queries, queries, depth, dtype, kv_heads=heads[1])
+    with kernel_runs() as runs:
+        region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=causal, enable_gqa=True), q, k, v,
+                                     tolerances=TOLERANCES)
+    if "Attention kernel" not in region.kernels[0].source:
+        return  # one query: the decode form (tests/test_attention_decode.py)
+    (trace,) = [run.trace for run in runs]
+    reciprocals = [record for record in trace if "reciprocal" in (record.name, str(record.attrs.get("op")))]
+    assert reciprocals and all(record.engine == "scalar" and record.srcs[0].buffer == "psum"
+                               for record in reciprocals)
+    # (in bf16 the only fp32 PSUM tile is P @ [v | 1]'s: nothing copies from it, the normalization reads it)
+    copies_out = [record for record in trace if record.name == "tensor_copy" and record.srcs[0].buffer == "psum"
+                  and record.srcs[0].dtype == "float32"]
+    assert dtype == torch.float32 or not copies_out
 
 
 def test_keys_too_many_to_keep_resident_stream_per_block():

@@ -451,10 +451,9 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
                     nisa.activation(dst=probabilities_t[0:kk, c, 0:rows], op=nl.copy, data=transposed_psum[0:kk, slot, 0:rows])
             nisa.nc_matmul(dst=block_output[0:rows, 0:cols + 1], stationary=probabilities_t[0:kk, c, 0:rows], accumulate=position > 0,
                            moving=values[0:kk, kv0 // 128 + c, 0:cols + 1])
-        if len(blocks) == 1:  # the only block: its output stays in PSUM for the normalization, its sums go to SBUF
+        if len(blocks) == 1:  # the only block: its output stays in PSUM for the normalization
             new_accumulator = block_output
-            running_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=running_sum[0:rows, 0:1], src=block_output[0:rows, cols:cols + 1])
+            running_sum = block_output[0:128, cols:cols + 1]  # and its sums: the reciprocal reads them there
         elif index == 0:  # the first of several: into SBUF, as the PSUM bank goes to a later block
             new_accumulator = nl.ndarray((128, 17), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=new_accumulator[0:rows, 0:cols + 1], op=nl.copy, data=block_output[0:rows, 0:cols + 1])
@@ -469,12 +468,18 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
             running_sum = new_accumulator[0:128, 16:17]
         tile["accumulator"], tile["running_sum"] = new_accumulator, running_sum
 
-    def store_tile(o0, o1, o2, p0, rows, negated_max, running_sum, accumulator):
+    def store_tile(tile):
         \"\"\"The normalization, the epilogue and the store.\"\"\"
+        o0, o1, o2, p0, rows = tile["params"]
+        negated_max, running_sum, accumulator = tile["negated_max"], tile["running_sum"], tile["accumulator"]
+        sums_in_psum = len(tile["blocks"]) == 1  # a single block's, read in PSUM (GpSimd cannot); others' in SBUF
+        inverse_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
         # Normalize: every row sees a key (its own, when causal), whose exp(0) = 1 makes the sum at least 1.
         safe_sum = running_sum
-        inverse_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.reciprocal(dst=inverse_sum[0:rows, 0:1], data=safe_sum[0:rows, 0:1], engine=nisa.engine.gpsimd)
+        if sums_in_psum:  # one ScalarE instruction, not a copy out of PSUM and GpSimd's reciprocal
+            nisa.activation(dst=inverse_sum[0:rows, 0:1], op=nl.reciprocal, data=safe_sum[0:rows, 0:1])
+        else:
+            nisa.reciprocal(dst=inverse_sum[0:rows, 0:1], data=safe_sum[0:rows, 0:1], engine=nisa.engine.gpsimd)
         if o2 == 0:  # the group's first head at this position: the output tile of its 2 heads
             group_outputs[:] = [nl.ndarray((128, 2, 16), dtype=nl.float32, buffer=nl.sbuf)]
         output_1 = group_outputs[0]
@@ -517,10 +522,10 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         attend_block(tile, index, block)
         block = None
         if finished is not None:
-            store_tile(*finished["params"], finished["negated_max"], finished["running_sum"], finished["accumulator"])
+            store_tile(finished)
         finished = tile if index + 1 == len(tile["blocks"]) else None
         position += 1
-    store_tile(*finished["params"], finished["negated_max"], finished["running_sum"], finished["accumulator"])
+    store_tile(finished)
 
     return attention_1
 """)
