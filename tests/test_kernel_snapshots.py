@@ -490,7 +490,7 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
 
 
     # Software pipelined over the stream of (query tile, key block) steps: each step issues the scores of the block
-    # 3 ahead, the softmax of the next one and its own P @ v, and stores the tile a block before, so that no
+    # 2 ahead, the softmax of the next one and its own P @ v, and stores the tile a block before, so that no
     # engine waits in program order behind one block's dependency chain (scores -> max -> exp -> P^T -> P @ v).
     tiles = [(o0, o1, o2, p0,) for p0 in range(0, 130, 128) for o0 in range(1) for o1 in range(1) for o2 in range(2)]
     steps = []  # (tile, block index, block) in issue order; a step's entry is dropped once done, freeing its tiles
@@ -508,7 +508,7 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         if cursor["index"] == len(tile["blocks"]):
             cursor["tile"], cursor["index"], cursor["open"] = cursor["tile"] + 1, 0, None
 
-    for _ in range(3 + 1):
+    for _ in range(2 + 1):
         issue_scores()
     block_softmax(*steps[0])
     finished = None

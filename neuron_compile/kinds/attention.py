@@ -77,10 +77,16 @@ DMA_TRANSPOSE_PERIOD = 2
 DMA_TRANSPOSE_MIN_BLOCKS = 4
 VECTOR_COPY_PERIOD_WITH_DMA = 0
 # The pipeline issues a block's scores this many steps ahead of its P @ v (its softmax one step ahead): PSUM then
-# holds 4 score banks, the P^T bank and a finished tile's output, 6 of 8. Measured (kernel alone, the goal point's
-# attention / seq 1024 D 64 bf16 non-causal / causal): 1 ahead 38.1 / 38.4 / 28.1 us, 2 ahead 38.6 / 38.3 / 27.3,
-# 3 ahead 34.4 / 38.0 / 27.0, 4 ahead 39.8 / 38.8 / 28.0; 5 ahead overflows PSUM.
-SCORES_AHEAD = 3
+# holds 5 score banks, the P^T bank and a finished tile's output, 7 of 8; 5 ahead overflows PSUM. Measured, the
+# kernel alone (2 heads, bf16 unless said; us), 3 / 4 ahead: seq 2048 D 64 non-causal 113.1 / 113.1, causal 74.5 /
+# 74.3, D 128 123.9 / 116.4, fp32 D 64 203.6 / 194.2; seq 4096 D 64 non-causal 413.4 / 389.7, causal 236.1 / 227.6
+# (stop 35; at stop 29, before one-block rows and sums read from PSUM, 3 ahead had measured best).
+SCORES_AHEAD = 4
+# Where every query tile is one block (all the keys fit one, as the goal point's 256), each tile holds its score bank
+# until its normalization (P @ v and the sums stay there), and a step ahead fewer measured better, with the sums read
+# from PSUM (the goal point's attention alone, 1 / 2 / 3 ahead: 38.7 / 35.7 / 36.7 us; seq 512 D 64 bf16 non-causal /
+# causal: 16.7 / 16.3 / 16.6 and 14.8 / 14.4 / 14.5 us; bench/RESULTS.md, stop 35).
+SINGLE_BLOCK_SCORES_AHEAD = 2
 # A query tile's keys up to this many (three PSUM banks of fp32 scores) form one block: one row max over them all,
 # one exponential, P @ [v | 1] accumulated across the row's chunks in PSUM, so no running max, no rescale of the
 # output and no add of block outputs (VectorE's per-block work beside the max). The score banks are released as
@@ -145,7 +151,7 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     # P^T by DMA transpose for every other block of the tiles with many blocks (measured; see DMA_TRANSPOSE_PERIOD)
     dma_period = DMA_TRANSPOSE_PERIOD if target.dma_transpose and node.keys >= DMA_TRANSPOSE_MIN_BLOCKS * key_block else 0
     copy_period = VECTOR_COPY_PERIOD_WITH_DMA if dma_period else VECTOR_COPY_PERIOD
-    scores_ahead = SCORES_AHEAD
+    scores_ahead = SINGLE_BLOCK_SCORES_AHEAD if node.keys <= key_block else SCORES_AHEAD
     if whole_row:
         copy_period, scores_ahead = WHOLE_ROW_VECTOR_COPY_PERIOD, WHOLE_ROW_SCORES_AHEAD
     bank_chunks = min(math.ceil(key_block / target.partitions),
