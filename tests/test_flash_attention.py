@@ -171,12 +171,13 @@ def kernel_runs():
 
 @settings(max_examples=12, deadline=None)
 @given(queries=st.sampled_from([1, 127, 128, 129, 300]), depth=st.sampled_from([64, 128]), causal=st.booleans(),
-       heads=st.sampled_from([(1, 1), (4, 1), (4, 2)]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+       heads=st.sampled_from([1, 3]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_one_block_tiles_normalize_from_the_row_sums_in_psum(queries, depth, causal, heads, dtype):
-    """Keys within one block (up to 512): P @ [v | 1] leaves each row's output and sum in PSUM, and the
-    reciprocal reads the sum there (one ScalarE instruction), with no copy of it into SBUF and no GpSimd
-    reciprocal; one key/value head or grouped ones, causal or not."""
-    q, k, v = qkv(1, heads[0], queries, queries, depth, dtype, kv_heads=heads[1])
+    """Keys within one block (up to 512), each head normalized alone: P @ [v | 1] leaves each row's output and
+    sum in PSUM, and the reciprocal reads the sum there (one ScalarE instruction), with no copy of it into SBUF
+    and no GpSimd reciprocal; causal or not. (A head group's heads are normalized together: see
+    test_a_head_groups_outputs_are_normalized_together_on_gpsimd.)"""
+    q, k, v = qkv(1, heads, queries, queries, depth, dtype)
     with kernel_runs() as runs:
         region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=causal, enable_gqa=True), q, k, v,
                                      tolerances=TOLERANCES)
@@ -460,6 +461,30 @@ def test_a_groups_query_heads_share_one_q_load_and_one_store_per_query_tile(quer
                                       k[:, kv:kv + 1], v[:, kv:kv + 1])
         assert torch.equal(grouped[..., head * 64:(head + 1) * 64], alone), head
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("keys,mask", [(129, None), (300, "float"), (700, None), (700, "float"), (1600, None),
+                                       (1600, "float")])
+def test_a_head_groups_outputs_are_normalized_together_on_gpsimd(keys, mask, dtype):
+    """A group's heads at a query tile position leave their outputs and row sums unscaled, and the group's last
+    head normalizes them all: one GpSimd reciprocal per group and position, none per head; one-block tiles (their
+    accumulator in PSUM), whole rows, tiles of several blocks (in SBUF), a mask with a fully masked row (sum 0,
+    output 0, as eager)."""
+    group, queries = 4, 129
+    q = random_tensor((1, queries, 2 * group, 64), dtype, seed=5).transpose(1, 2)
+    k, v = (random_tensor((1, keys, 2, 64), dtype, seed=seed).transpose(1, 2) for seed in (6, 7))
+    masked = random_tensor((queries, keys), dtype, seed=8)
+    masked[3] = float("-inf")
+    fn, inputs = (lambda q, k, v: SDPA(q, k, v, enable_gqa=True)), (q, k, v)
+    if mask:
+        fn, inputs = (lambda q, k, v, m: SDPA(q, k, v, attn_mask=m, enable_gqa=True)), (q, k, v, masked)
+    with kernel_runs() as runs:
+        region = check_against_eager(fn, *inputs, tolerances=TOLERANCES)
+    assert f"output of the {group} heads of a group in one DMA each" in region.kernels[0].source
+    (trace,) = [run.trace for run in runs]
+    reciprocals = [record for record in trace if "reciprocal" in (record.name, str(record.attrs.get("op")))]
+    assert [record.engine for record in reciprocals] == ["gpsimd"] * 2 * 2  # 2 key/value heads x 2 positions
 
 
 def test_a_head_group_keeps_one_key_value_head_resident_where_all_would_not_fit():

@@ -471,21 +471,26 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
     def store_tile(tile):
         \"\"\"The normalization, the epilogue and the store.\"\"\"
         o0, o1, o2, p0, rows = tile["params"]
-        negated_max, running_sum, accumulator = tile["negated_max"], tile["running_sum"], tile["accumulator"]
-        sums_in_psum = len(tile["blocks"]) == 1  # a single block's, read in PSUM (GpSimd cannot); others' in SBUF
-        inverse_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-        # Normalize: every row sees a key (its own, when causal), whose exp(0) = 1 makes the sum at least 1.
-        safe_sum = running_sum
-        if sums_in_psum:  # one ScalarE instruction, not a copy out of PSUM and GpSimd's reciprocal
-            nisa.activation(dst=inverse_sum[0:rows, 0:1], op=nl.reciprocal, data=safe_sum[0:rows, 0:1])
+        accumulator = tile["accumulator"]
+        # The group's heads are normalized together: each head's output and row sums leave its accumulator unscaled
+        # (fp32), and at the group's last head GpSimd takes their reciprocals in one instruction and scales each head's
+        # output, which spares VectorE and ScalarE (the busiest engines) a reciprocal and a scaling per head.
+        if o2 == 0:  # the group's first head at this position: the tiles of its 2 heads
+            group_outputs[:] = [nl.ndarray((128, 2, 17), dtype=nl.float32, buffer=nl.sbuf),
+                                nl.ndarray((128, 2, 16), dtype=nl.float32, buffer=nl.sbuf)]
+        unscaled, output_1 = group_outputs
+        if len(tile["blocks"]) == 1:  # a single block's accumulator is P @ [v | 1]'s PSUM tile, which GpSimd cannot read
+            nisa.activation(dst=unscaled[0:rows, o2, 0:cols + 1], op=nl.copy, data=accumulator[0:rows, 0:cols + 1])
         else:
-            nisa.reciprocal(dst=inverse_sum[0:rows, 0:1], data=safe_sum[0:rows, 0:1], engine=nisa.engine.gpsimd)
-        if o2 == 0:  # the group's first head at this position: the output tile of its 2 heads
-            group_outputs[:] = [nl.ndarray((128, 2, 16), dtype=nl.float32, buffer=nl.sbuf)]
-        output_1 = group_outputs[0]
-        nisa.tensor_scalar(dst=output_1[0:rows, o2, 0:cols], data=accumulator[0:rows, 0:cols], op0=nl.multiply,
-                           operand0=inverse_sum[0:rows, 0:1])
-        if o2 == 1:  # the group's last head: one store for all of them
+            nisa.tensor_copy(dst=unscaled[0:rows, o2, 0:cols + 1], src=accumulator[0:rows, 0:cols + 1],
+                             engine=nisa.engine.gpsimd)
+        if o2 == 1:  # the group's last head: normalize every head, one store for all
+            sums = unscaled[0:rows, 0:2, 16:17]
+            inverse_sums = nl.ndarray((128, 2, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.reciprocal(dst=inverse_sums[0:rows, 0:2, 0:1], data=sums, engine=nisa.engine.gpsimd)
+            for head in range(2):
+                nisa.tensor_scalar(dst=output_1[0:rows, head, 0:cols], data=unscaled[0:rows, head, 0:cols],
+                                   op0=nl.multiply, operand0=inverse_sums[0:rows, head, 0:1], engine=nisa.engine.gpsimd)
             nisa.dma_copy(dst=attention_1.ap([[16, rows], [2080, 2], [1, cols]], offset=o0 * 4160 + o1 * 4160 + p0 * 16), src=output_1[0:rows, 0:2, 0:cols])
 
 

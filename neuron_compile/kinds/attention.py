@@ -13,8 +13,9 @@ its last block) get the mask as a bias accumulated onto the scores on TensorE (i
 the scale is too small for the bias to dominate (then an affine_select in SBUF on a diagonal block of its own).
 With few queries per head, the query heads of a grouped-query group share each query tile (stacked on the
 partitions), where that at least halves the tiles; otherwise they take each query tile position in turn, with one q^T
-load and one output store for the group there, and, when every key/value head fits, the positions outermost. The
-training forward also writes each row's log-sum-exp.
+load and one output store for the group there (their outputs normalized together on GpSimd, but for the training
+forward's), and, when every key/value head fits, the positions outermost. The training forward also writes each row's
+log-sum-exp.
 Fusion: pointwise consumers over the output domain are epilogues on the normalized output tile.
 Codegen: attention.py.j2.
 """
@@ -240,12 +241,12 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
     output = allocator.new("output", value_dim, dtype=output_dtype)
     grouped = plan.head_group_dim >= 0
     epilogue: list[str] = []
+    group_store = None
     if grouped:  # the normalization writes each head's slice of the group's output tile, stored with the last head
         head = f"o{plan.head_group_dim}"
         last = plan.outer[plan.head_group_dim].size - 1
-        epilogue = [f"if {head} == {last}:  # the group's last head: one store for all of them",
-                    "    " + grouped_output_store(plan, patterns, node.stores[0],
-                                                  f"{output}[0:rows, 0:{last + 1}, 0:cols]")]
+        group_store = grouped_output_store(plan, patterns, node.stores[0], f"{output}[0:rows, 0:{last + 1}, 0:cols]")
+        epilogue = [f"if {head} == {last}:  # the group's last head: one store for all of them", "    " + group_store]
     else:
         scope = TileScope(allocator, value_dim, "[0:rows, 0:cols]", load_pattern, Ref(tile=output, dtype=output_dtype),
                           vector_pattern=column_pattern)
@@ -274,6 +275,7 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
         transposed_load(plan, patterns, node.q, f"queries_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {query_rows}]",
                         "p0", "lane_rows" if plan.lanes > 1 else "rows"),
         group_head=head if grouped else None, group_size=plan.outer[plan.head_group_dim].size if grouped else 1,
+        group_store=group_store, normalize_group=grouped and node.logsumexp is None,
         output_dtype=NL_DTYPES[output_dtype], tile_loops=tile_loops(plan, kv_dims, group_dims),
         partitions=partitions, query_rows=query_rows,
         query_columns=f"{plan.partition.tile}, {plan.lanes}" if plan.lanes > 1 else plan.partition.tile,
