@@ -464,20 +464,20 @@ def test_a_groups_query_heads_share_one_q_load_and_one_store_per_query_tile(quer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("keys,mask", [(129, None), (300, "float"), (700, None), (700, "float"), (1600, None),
-                                       (1600, "float")])
-def test_a_head_groups_outputs_are_normalized_together_on_gpsimd(keys, mask, dtype):
+@pytest.mark.parametrize("keys,mask,depth", [(129, "causal", 128), (300, "float", 64), (700, None, 128),
+                                             (700, "causal", 64), (1600, None, 64), (1600, "float", 128)])
+def test_a_head_groups_outputs_are_normalized_together_on_gpsimd(keys, mask, depth, dtype):
     """A group's heads at a query tile position leave their outputs and row sums unscaled, and the group's last
     head normalizes them all: one GpSimd reciprocal per group and position, none per head; one-block tiles (their
-    accumulator in PSUM), whole rows, tiles of several blocks (in SBUF), a mask with a fully masked row (sum 0,
-    output 0, as eager)."""
+    accumulator in PSUM), whole rows, tiles of several blocks (in SBUF); causal, or a mask with a fully masked row
+    (sum 0, output 0, as eager)."""
     group, queries = 4, 129
-    q = random_tensor((1, queries, 2 * group, 64), dtype, seed=5).transpose(1, 2)
-    k, v = (random_tensor((1, keys, 2, 64), dtype, seed=seed).transpose(1, 2) for seed in (6, 7))
+    q = random_tensor((1, queries, 2 * group, depth), dtype, seed=5).transpose(1, 2)
+    k, v = (random_tensor((1, keys, 2, depth), dtype, seed=seed).transpose(1, 2) for seed in (6, 7))
     masked = random_tensor((queries, keys), dtype, seed=8)
     masked[3] = float("-inf")
-    fn, inputs = (lambda q, k, v: SDPA(q, k, v, enable_gqa=True)), (q, k, v)
-    if mask:
+    fn, inputs = (lambda q, k, v: SDPA(q, k, v, is_causal=mask == "causal", enable_gqa=True)), (q, k, v)
+    if mask == "float":
         fn, inputs = (lambda q, k, v, m: SDPA(q, k, v, attn_mask=m, enable_gqa=True)), (q, k, v, masked)
     with kernel_runs() as runs:
         region = check_against_eager(fn, *inputs, tolerances=TOLERANCES)
