@@ -481,7 +481,9 @@ def test_a_head_groups_outputs_are_normalized_together_on_gpsimd(keys, mask, dep
         fn, inputs = (lambda q, k, v, m: SDPA(q, k, v, attn_mask=m, enable_gqa=True)), (q, k, v, masked)
     with kernel_runs() as runs:
         region = check_against_eager(fn, *inputs, tolerances=TOLERANCES)
-    assert f"output of the {group} heads of a group in one DMA each" in region.kernels[0].source
+    source = region.kernels[0].source
+    assert f"output of the {group} heads of a group in one DMA each" in source
+    assert "the group's outputs normalized together" in source
     (trace,) = [run.trace for run in runs]
     reciprocals = [record for record in trace if "reciprocal" in (record.name, str(record.attrs.get("op")))]
     assert [record.engine for record in reciprocals] == ["gpsimd"] * 2 * 2  # 2 key/value heads x 2 positions

@@ -299,7 +299,7 @@ Attention kernel_2 domain=[1, 1, 2, 130, 16] scale=0.25 causal=True
   v: load(arg2_1, ap(shape=[1, 1, 2, 130, 16], strides=[2080, 2080, 0, 16, 1], offset=0))
   attention_1 = result
 
-Tile plan: attention: outer [1/1, 1/1, 2/1] partition 130/128 free [16/16] D 1x16, key blocks of 130, k^T and v resident per head, q^T and output of the 2 heads of a group in one DMA each, query tile positions outermost (every head's k^T and v resident), causal mask on TensorE
+Tile plan: attention: outer [1/1, 1/1, 2/1] partition 130/128 free [16/16] D 1x16, key blocks of 130, k^T and v resident per head, q^T and output of the 2 heads of a group in one DMA each, query tile positions outermost (every head's k^T and v resident), the group's outputs normalized together, causal mask on TensorE
 \"\"\"
 
 import nki

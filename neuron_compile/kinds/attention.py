@@ -110,6 +110,10 @@ WHOLE_ROW_DMA_MIN_BANKS = 3
 # Measured in the forwards (ms), one copy in 3 / 4 / 5 / 6 on VectorE: Flux 3.329 / 3.319 / 3.325 / 3.325; Wan
 # 1.482 at 4, LTX-Video 1.446 at 4 (bench/RESULTS.md, issue 12, stop 31).
 WHOLE_ROW_VECTOR_COPY_PERIOD = 4
+# A head group normalized together leaves VectorE a normalization per head lighter: one copy in three there.
+# Measured (the kernel alone, 32 query heads of 64 over 4 key/value heads, bf16; us), one in 4 / 3: seq 1024 causal
+# 252.1 / 242.6, non-causal 408.3 / 390.2, seq 1280 causal 365.3 / 368.8, seq 768 D 128 causal 171.6 / 169.9 (stop 35).
+GROUPED_WHOLE_ROW_VECTOR_COPY_PERIOD = 3
 
 
 def plan_attention(node: ir.Attention, target) -> AttentionPlan:
@@ -164,6 +168,9 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     kv_heads = math.prod(size for dim, size in enumerate(batch)  # every batch index with k and v of its own
                          if node.k.layout.strides[dim] or node.v.layout.strides[dim])
     positions_outer = group_dim is not None and kv_heads * per_head + 2 * (per_query_tile + group_bytes) <= budget
+    group_normalized = group_dim is not None and node.logsumexp is None
+    if whole_row and group_normalized:
+        copy_period = GROUPED_WHOLE_ROW_VECTOR_COPY_PERIOD
     return AttentionPlan("attention", outer, partition, free, tiles, k_tile, k_tiles, key_block=key_block,
                          resident=resident, transpose_loads=transpose_loads, causal_bias=causal_bias,
                          lanes=lanes, lane_dim=-1 if lane_dim is None else lane_dim, mask_bias=mask_bias,
@@ -172,7 +179,7 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
                          dma_transpose_chunks=whole_row_dma_chunks(key_block, bank_keys, target) if whole_row
                          else 0,
                          transposed_bank_chunks=bank_chunks, head_group_dim=-1 if group_dim is None else group_dim,
-                         positions_outer=positions_outer)
+                         positions_outer=positions_outer, group_normalized=group_normalized)
 
 
 def shared_transfer_dim(node: ir.Attention, batch: list[int], lane_dim: int | None,
@@ -275,7 +282,7 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
         transposed_load(plan, patterns, node.q, f"queries_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {query_rows}]",
                         "p0", "lane_rows" if plan.lanes > 1 else "rows"),
         group_head=head if grouped else None, group_size=plan.outer[plan.head_group_dim].size if grouped else 1,
-        group_store=group_store, normalize_group=grouped and node.logsumexp is None,
+        group_store=group_store,
         output_dtype=NL_DTYPES[output_dtype], tile_loops=tile_loops(plan, kv_dims, group_dims),
         partitions=partitions, query_rows=query_rows,
         query_columns=f"{plan.partition.tile}, {plan.lanes}" if plan.lanes > 1 else plan.partition.tile,
