@@ -4,6 +4,8 @@ resident and the streamed k/v forms, and its HBM traffic (q, k, v and the output
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 import neuron_compile
 from lowering_harness import check_against_eager, compile_and_run, compile_with_backend, random_tensor
 from neuron_compile import config
-from neuron_compile.runtime import compiled_graph
+from neuron_compile.runtime import compiled_graph, simulator
 
 # Two chained matmuls around an online softmax: fp32 sums in another order than eager's (1e-5 relative).
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
@@ -154,6 +156,41 @@ def test_scores_never_touch_hbm(causal):
     assert stats["hbm_bytes"] == operand_bytes
     want = SDPA(q, k, v, is_causal=causal, enable_gqa=True)
     torch.testing.assert_close(result, want, rtol=2e-2, atol=2e-2)
+
+
+@contextlib.contextmanager
+def kernel_runs():
+    """Every simulator launch inside the block, traced."""
+    runs = []
+    simulator.launch_hooks.append(runs.append)
+    try:
+        yield runs
+    finally:
+        simulator.launch_hooks.remove(runs.append)
+
+
+@settings(max_examples=12, deadline=None)
+@given(queries=st.sampled_from([1, 127, 128, 129, 300]), depth=st.sampled_from([64, 128]), causal=st.booleans(),
+       heads=st.sampled_from([1, 3]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_one_block_tiles_normalize_from_the_row_sums_in_psum(queries, depth, causal, heads, dtype):
+    """Keys within one block (up to 512), each head normalized alone: P @ [v | 1] leaves each row's output and
+    sum in PSUM, and the reciprocal reads the sum there (one ScalarE instruction), with no copy of it into SBUF
+    and no GpSimd reciprocal; causal or not. (A head group's heads are normalized together: see
+    test_a_head_groups_outputs_are_normalized_together_on_gpsimd.)"""
+    q, k, v = qkv(1, heads, queries, queries, depth, dtype)
+    with kernel_runs() as runs:
+        region = check_against_eager(lambda q, k, v: SDPA(q, k, v, is_causal=causal, enable_gqa=True), q, k, v,
+                                     tolerances=TOLERANCES)
+    if "Attention kernel" not in region.kernels[0].source:
+        return  # one query: the decode form (tests/test_attention_decode.py)
+    (trace,) = [run.trace for run in runs]
+    reciprocals = [record for record in trace if "reciprocal" in (record.name, str(record.attrs.get("op")))]
+    assert reciprocals and all(record.engine == "scalar" and record.srcs[0].buffer == "psum"
+                               for record in reciprocals)
+    # (in bf16 the only fp32 PSUM tile is P @ [v | 1]'s: nothing copies from it, the normalization reads it)
+    copies_out = [record for record in trace if record.name == "tensor_copy" and record.srcs[0].buffer == "psum"
+                  and record.srcs[0].dtype == "float32"]
+    assert dtype == torch.float32 or not copies_out
 
 
 def test_keys_too_many_to_keep_resident_stream_per_block():
@@ -424,6 +461,32 @@ def test_a_groups_query_heads_share_one_q_load_and_one_store_per_query_tile(quer
                                       k[:, kv:kv + 1], v[:, kv:kv + 1])
         assert torch.equal(grouped[..., head * 64:(head + 1) * 64], alone), head
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("keys,mask,depth", [(129, "causal", 128), (300, "float", 64), (700, None, 128),
+                                             (700, "causal", 64), (1600, None, 64), (1600, "float", 128)])
+def test_a_head_groups_outputs_are_normalized_together_on_gpsimd(keys, mask, depth, dtype):
+    """A group's heads at a query tile position leave their outputs and row sums unscaled, and the group's last
+    head normalizes them all: one GpSimd reciprocal per group and position, none per head; one-block tiles (their
+    accumulator in PSUM), whole rows, tiles of several blocks (in SBUF); causal, or a mask with a fully masked row
+    (sum 0, output 0, as eager)."""
+    group, queries = 4, 129
+    q = random_tensor((1, queries, 2 * group, depth), dtype, seed=5).transpose(1, 2)
+    k, v = (random_tensor((1, keys, 2, depth), dtype, seed=seed).transpose(1, 2) for seed in (6, 7))
+    masked = random_tensor((queries, keys), dtype, seed=8)
+    masked[3] = float("-inf")
+    fn, inputs = (lambda q, k, v: SDPA(q, k, v, is_causal=mask == "causal", enable_gqa=True)), (q, k, v)
+    if mask == "float":
+        fn, inputs = (lambda q, k, v, m: SDPA(q, k, v, attn_mask=m, enable_gqa=True)), (q, k, v, masked)
+    with kernel_runs() as runs:
+        region = check_against_eager(fn, *inputs, tolerances=TOLERANCES)
+    source = region.kernels[0].source
+    assert f"output of the {group} heads of a group in one DMA each" in source
+    assert "the group's outputs normalized together" in source
+    (trace,) = [run.trace for run in runs]
+    reciprocals = [record for record in trace if "reciprocal" in (record.name, str(record.attrs.get("op")))]
+    assert [record.engine for record in reciprocals] == ["gpsimd"] * 2 * 2  # 2 key/value heads x 2 positions
 
 
 def test_a_head_group_keeps_one_key_value_head_resident_where_all_would_not_fit():

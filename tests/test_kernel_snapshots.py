@@ -299,7 +299,7 @@ Attention kernel_2 domain=[1, 1, 2, 130, 16] scale=0.25 causal=True
   v: load(arg2_1, ap(shape=[1, 1, 2, 130, 16], strides=[2080, 2080, 0, 16, 1], offset=0))
   attention_1 = result
 
-Tile plan: attention: outer [1/1, 1/1, 2/1] partition 130/128 free [16/16] D 1x16, key blocks of 130, k^T and v resident per head, q^T and output of the 2 heads of a group in one DMA each, query tile positions outermost (every head's k^T and v resident), causal mask on TensorE
+Tile plan: attention: outer [1/1, 1/1, 2/1] partition 130/128 free [16/16] D 1x16, key blocks of 130, k^T and v resident per head, q^T and output of the 2 heads of a group in one DMA each, query tile positions outermost (every head's k^T and v resident), the group's outputs normalized together, causal mask on TensorE
 \"\"\"
 
 import nki
@@ -451,10 +451,9 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
                     nisa.activation(dst=probabilities_t[0:kk, c, 0:rows], op=nl.copy, data=transposed_psum[0:kk, slot, 0:rows])
             nisa.nc_matmul(dst=block_output[0:rows, 0:cols + 1], stationary=probabilities_t[0:kk, c, 0:rows], accumulate=position > 0,
                            moving=values[0:kk, kv0 // 128 + c, 0:cols + 1])
-        if len(blocks) == 1:  # the only block: its output stays in PSUM for the normalization, its sums go to SBUF
+        if len(blocks) == 1:  # the only block: its output stays in PSUM for the normalization
             new_accumulator = block_output
-            running_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=running_sum[0:rows, 0:1], src=block_output[0:rows, cols:cols + 1])
+            running_sum = block_output[0:128, cols:cols + 1]  # and its sums: the reciprocal reads them there
         elif index == 0:  # the first of several: into SBUF, as the PSUM bank goes to a later block
             new_accumulator = nl.ndarray((128, 17), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=new_accumulator[0:rows, 0:cols + 1], op=nl.copy, data=block_output[0:rows, 0:cols + 1])
@@ -469,23 +468,34 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
             running_sum = new_accumulator[0:128, 16:17]
         tile["accumulator"], tile["running_sum"] = new_accumulator, running_sum
 
-    def store_tile(o0, o1, o2, p0, rows, negated_max, running_sum, accumulator):
+    def store_tile(tile):
         \"\"\"The normalization, the epilogue and the store.\"\"\"
-        # Normalize: every row sees a key (its own, when causal), whose exp(0) = 1 makes the sum at least 1.
-        safe_sum = running_sum
-        inverse_sum = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.reciprocal(dst=inverse_sum[0:rows, 0:1], data=safe_sum[0:rows, 0:1], engine=nisa.engine.gpsimd)
-        if o2 == 0:  # the group's first head at this position: the output tile of its 2 heads
-            group_outputs[:] = [nl.ndarray((128, 2, 16), dtype=nl.float32, buffer=nl.sbuf)]
-        output_1 = group_outputs[0]
-        nisa.tensor_scalar(dst=output_1[0:rows, o2, 0:cols], data=accumulator[0:rows, 0:cols], op0=nl.multiply,
-                           operand0=inverse_sum[0:rows, 0:1])
-        if o2 == 1:  # the group's last head: one store for all of them
+        o0, o1, o2, p0, rows = tile["params"]
+        accumulator = tile["accumulator"]
+        # The group's heads are normalized together: each head's output and row sums leave its accumulator unscaled
+        # (fp32), and at the group's last head GpSimd takes their reciprocals in one instruction and scales each head's
+        # output, which spares VectorE and ScalarE (the busiest engines) a reciprocal and a scaling per head.
+        if o2 == 0:  # the group's first head at this position: the tiles of its 2 heads
+            group_outputs[:] = [nl.ndarray((128, 2, 17), dtype=nl.float32, buffer=nl.sbuf),
+                                nl.ndarray((128, 2, 16), dtype=nl.float32, buffer=nl.sbuf)]
+        unscaled, output_1 = group_outputs
+        if len(tile["blocks"]) == 1:  # a single block's accumulator is P @ [v | 1]'s PSUM tile, which GpSimd cannot read
+            nisa.activation(dst=unscaled[0:rows, o2, 0:cols + 1], op=nl.copy, data=accumulator[0:rows, 0:cols + 1])
+        else:
+            nisa.tensor_copy(dst=unscaled[0:rows, o2, 0:cols + 1], src=accumulator[0:rows, 0:cols + 1],
+                             engine=nisa.engine.gpsimd)
+        if o2 == 1:  # the group's last head: normalize every head, one store for all
+            sums = unscaled[0:rows, 0:2, 16:17]
+            inverse_sums = nl.ndarray((128, 2, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.reciprocal(dst=inverse_sums[0:rows, 0:2, 0:1], data=sums, engine=nisa.engine.gpsimd)
+            for head in range(2):
+                nisa.tensor_scalar(dst=output_1[0:rows, head, 0:cols], data=unscaled[0:rows, head, 0:cols],
+                                   op0=nl.multiply, operand0=inverse_sums[0:rows, head, 0:1], engine=nisa.engine.gpsimd)
             nisa.dma_copy(dst=attention_1.ap([[16, rows], [2080, 2], [1, cols]], offset=o0 * 4160 + o1 * 4160 + p0 * 16), src=output_1[0:rows, 0:2, 0:cols])
 
 
     # Software pipelined over the stream of (query tile, key block) steps: each step issues the scores of the block
-    # 3 ahead, the softmax of the next one and its own P @ v, and stores the tile a block before, so that no
+    # 2 ahead, the softmax of the next one and its own P @ v, and stores the tile a block before, so that no
     # engine waits in program order behind one block's dependency chain (scores -> max -> exp -> P^T -> P @ v).
     tiles = [(o0, o1, o2, p0,) for p0 in range(0, 130, 128) for o0 in range(1) for o1 in range(1) for o2 in range(2)]
     steps = []  # (tile, block index, block) in issue order; a step's entry is dropped once done, freeing its tiles
@@ -503,7 +513,7 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         if cursor["index"] == len(tile["blocks"]):
             cursor["tile"], cursor["index"], cursor["open"] = cursor["tile"] + 1, 0, None
 
-    for _ in range(3 + 1):
+    for _ in range(2 + 1):
         issue_scores()
     block_softmax(*steps[0])
     finished = None
@@ -517,10 +527,10 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         attend_block(tile, index, block)
         block = None
         if finished is not None:
-            store_tile(*finished["params"], finished["negated_max"], finished["running_sum"], finished["accumulator"])
+            store_tile(finished)
         finished = tile if index + 1 == len(tile["blocks"]) else None
         position += 1
-    store_tile(*finished["params"], finished["negated_max"], finished["running_sum"], finished["accumulator"])
+    store_tile(finished)
 
     return attention_1
 """)

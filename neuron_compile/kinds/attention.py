@@ -13,8 +13,9 @@ its last block) get the mask as a bias accumulated onto the scores on TensorE (i
 the scale is too small for the bias to dominate (then an affine_select in SBUF on a diagonal block of its own).
 With few queries per head, the query heads of a grouped-query group share each query tile (stacked on the
 partitions), where that at least halves the tiles; otherwise they take each query tile position in turn, with one q^T
-load and one output store for the group there, and, when every key/value head fits, the positions outermost. The
-training forward also writes each row's log-sum-exp.
+load and one output store for the group there (their outputs normalized together on GpSimd, but for the training
+forward's), and, when every key/value head fits, the positions outermost. The training forward also writes each row's
+log-sum-exp.
 Fusion: pointwise consumers over the output domain are epilogues on the normalized output tile.
 Codegen: attention.py.j2.
 """
@@ -77,10 +78,16 @@ DMA_TRANSPOSE_PERIOD = 2
 DMA_TRANSPOSE_MIN_BLOCKS = 4
 VECTOR_COPY_PERIOD_WITH_DMA = 0
 # The pipeline issues a block's scores this many steps ahead of its P @ v (its softmax one step ahead): PSUM then
-# holds 4 score banks, the P^T bank and a finished tile's output, 6 of 8. Measured (kernel alone, the goal point's
-# attention / seq 1024 D 64 bf16 non-causal / causal): 1 ahead 38.1 / 38.4 / 28.1 us, 2 ahead 38.6 / 38.3 / 27.3,
-# 3 ahead 34.4 / 38.0 / 27.0, 4 ahead 39.8 / 38.8 / 28.0; 5 ahead overflows PSUM.
-SCORES_AHEAD = 3
+# holds 5 score banks, the P^T bank and a finished tile's output, 7 of 8; 5 ahead overflows PSUM. Measured, the
+# kernel alone (2 heads, bf16 unless said; us), 3 / 4 ahead: seq 2048 D 64 non-causal 113.1 / 113.1, causal 74.5 /
+# 74.3, D 128 123.9 / 116.4, fp32 D 64 203.6 / 194.2; seq 4096 D 64 non-causal 413.4 / 389.7, causal 236.1 / 227.6
+# (stop 35; at stop 29, before one-block rows and sums read from PSUM, 3 ahead had measured best).
+SCORES_AHEAD = 4
+# Where every query tile is one block (all the keys fit one, as the goal point's 256), each tile holds its score bank
+# until its normalization (P @ v and the sums stay there), and a step ahead fewer measured better, with the sums read
+# from PSUM (the goal point's attention alone, 1 / 2 / 3 ahead: 38.7 / 35.7 / 36.7 us; seq 512 D 64 bf16 non-causal /
+# causal: 16.7 / 16.3 / 16.6 and 14.8 / 14.4 / 14.5 us; bench/RESULTS.md, stop 35).
+SINGLE_BLOCK_SCORES_AHEAD = 2
 # A query tile's keys up to this many (three PSUM banks of fp32 scores) form one block: one row max over them all,
 # one exponential, P @ [v | 1] accumulated across the row's chunks in PSUM, so no running max, no rescale of the
 # output and no add of block outputs (VectorE's per-block work beside the max). The score banks are released as
@@ -103,6 +110,10 @@ WHOLE_ROW_DMA_MIN_BANKS = 3
 # Measured in the forwards (ms), one copy in 3 / 4 / 5 / 6 on VectorE: Flux 3.329 / 3.319 / 3.325 / 3.325; Wan
 # 1.482 at 4, LTX-Video 1.446 at 4 (bench/RESULTS.md, issue 12, stop 31).
 WHOLE_ROW_VECTOR_COPY_PERIOD = 4
+# A head group normalized together leaves VectorE a normalization per head lighter: one copy in three there.
+# Measured (the kernel alone, 32 query heads of 64 over 4 key/value heads, bf16; us), one in 4 / 3: seq 1024 causal
+# 252.1 / 242.6, non-causal 408.3 / 390.2, seq 1280 causal 365.3 / 368.8, seq 768 D 128 causal 171.6 / 169.9 (stop 35).
+GROUPED_WHOLE_ROW_VECTOR_COPY_PERIOD = 3
 
 
 def plan_attention(node: ir.Attention, target) -> AttentionPlan:
@@ -145,7 +156,7 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     # P^T by DMA transpose for every other block of the tiles with many blocks (measured; see DMA_TRANSPOSE_PERIOD)
     dma_period = DMA_TRANSPOSE_PERIOD if target.dma_transpose and node.keys >= DMA_TRANSPOSE_MIN_BLOCKS * key_block else 0
     copy_period = VECTOR_COPY_PERIOD_WITH_DMA if dma_period else VECTOR_COPY_PERIOD
-    scores_ahead = SCORES_AHEAD
+    scores_ahead = SINGLE_BLOCK_SCORES_AHEAD if node.keys <= key_block else SCORES_AHEAD
     if whole_row:
         copy_period, scores_ahead = WHOLE_ROW_VECTOR_COPY_PERIOD, WHOLE_ROW_SCORES_AHEAD
     bank_chunks = min(math.ceil(key_block / target.partitions),
@@ -157,6 +168,9 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     kv_heads = math.prod(size for dim, size in enumerate(batch)  # every batch index with k and v of its own
                          if node.k.layout.strides[dim] or node.v.layout.strides[dim])
     positions_outer = group_dim is not None and kv_heads * per_head + 2 * (per_query_tile + group_bytes) <= budget
+    group_normalized = group_dim is not None and node.logsumexp is None
+    if whole_row and group_normalized:
+        copy_period = GROUPED_WHOLE_ROW_VECTOR_COPY_PERIOD
     return AttentionPlan("attention", outer, partition, free, tiles, k_tile, k_tiles, key_block=key_block,
                          resident=resident, transpose_loads=transpose_loads, causal_bias=causal_bias,
                          lanes=lanes, lane_dim=-1 if lane_dim is None else lane_dim, mask_bias=mask_bias,
@@ -165,7 +179,7 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
                          dma_transpose_chunks=whole_row_dma_chunks(key_block, bank_keys, target) if whole_row
                          else 0,
                          transposed_bank_chunks=bank_chunks, head_group_dim=-1 if group_dim is None else group_dim,
-                         positions_outer=positions_outer)
+                         positions_outer=positions_outer, group_normalized=group_normalized)
 
 
 def shared_transfer_dim(node: ir.Attention, batch: list[int], lane_dim: int | None,
@@ -234,12 +248,12 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
     output = allocator.new("output", value_dim, dtype=output_dtype)
     grouped = plan.head_group_dim >= 0
     epilogue: list[str] = []
+    group_store = None
     if grouped:  # the normalization writes each head's slice of the group's output tile, stored with the last head
         head = f"o{plan.head_group_dim}"
         last = plan.outer[plan.head_group_dim].size - 1
-        epilogue = [f"if {head} == {last}:  # the group's last head: one store for all of them",
-                    "    " + grouped_output_store(plan, patterns, node.stores[0],
-                                                  f"{output}[0:rows, 0:{last + 1}, 0:cols]")]
+        group_store = grouped_output_store(plan, patterns, node.stores[0], f"{output}[0:rows, 0:{last + 1}, 0:cols]")
+        epilogue = [f"if {head} == {last}:  # the group's last head: one store for all of them", "    " + group_store]
     else:
         scope = TileScope(allocator, value_dim, "[0:rows, 0:cols]", load_pattern, Ref(tile=output, dtype=output_dtype),
                           vector_pattern=column_pattern)
@@ -268,6 +282,7 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
         transposed_load(plan, patterns, node.q, f"queries_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {query_rows}]",
                         "p0", "lane_rows" if plan.lanes > 1 else "rows"),
         group_head=head if grouped else None, group_size=plan.outer[plan.head_group_dim].size if grouped else 1,
+        group_store=group_store,
         output_dtype=NL_DTYPES[output_dtype], tile_loops=tile_loops(plan, kv_dims, group_dims),
         partitions=partitions, query_rows=query_rows,
         query_columns=f"{plan.partition.tile}, {plan.lanes}" if plan.lanes > 1 else plan.partition.tile,

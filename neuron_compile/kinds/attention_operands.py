@@ -42,7 +42,10 @@ class AttentionPlan(TilePlan):
     query tile position one after another and share one q^T load and one output store there (-1: each head
     loads and stores its own); ``positions_outer``: with a head group, k^T and v of every key/value head stay
     resident and the query tile positions are the outermost loop, so that the output's first rows (every head of
-    them) are done before its last: the output projection's first row block can start while attention runs."""
+    them) are done before its last: the output projection's first row block can start while attention runs;
+    ``group_normalized``: with a head group, its heads' outputs leave their accumulators unscaled and the group's last
+    head normalizes them all on GpSimd (one reciprocal for the group), not each head its own on ScalarE and VectorE
+    (not in the training forward, which writes each head's log-sum-exp)."""
 
     key_block: int = 0
     resident: bool = False
@@ -60,6 +63,7 @@ class AttentionPlan(TilePlan):
     transposed_bank_chunks: int = 4
     head_group_dim: int = -1
     positions_outer: bool = False
+    group_normalized: bool = False
 
     def describe(self) -> str:
         text = super().describe() + f" D {self.k_tiles}x{self.k_tile}, key blocks of {self.key_block}"
@@ -73,6 +77,7 @@ class AttentionPlan(TilePlan):
         if self.head_group_dim >= 0:
             text += f", q^T and output of the {self.outer[self.head_group_dim].size} heads of a group in one DMA each"
         text += ", query tile positions outermost (every head's k^T and v resident)" if self.positions_outer else ""
+        text += ", the group's outputs normalized together" if self.group_normalized else ""
         return text + (", causal mask on TensorE" if self.causal_bias else "")
 
 
