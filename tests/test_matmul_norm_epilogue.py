@@ -2,7 +2,8 @@
 kinds/norm_epilogue_rule.py, the driver passes/norm_epilogues.py): a decoder's final norm of ``h + down(...)`` runs
 on the rows the down projection keeps on chip; the rows still reach HBM when something else reads them, the norm's
 statistics too, and the results are eager's, and the unfused kernels' (the same instructions on the same values but
-for the fp32 sum of squares, added by N tile)."""
+for the fp32 sum of squares, added by N tile). Rows of two column chunks or more (1100: two whole chunks and a
+ragged one) are normed chunk by chunk after the last N tile, each block's rsqrt once before the chunks."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from lowering_harness import check_against_eager, compile_and_run, fused_kernels, projection_inputs, random_tensor
 from neuron_compile import ir, kinds
 from neuron_compile.hardware import get_target
-from neuron_compile.kinds.matmul_norm_epilogue import plan_norm_epilogue
+from neuron_compile.kinds.matmul_norm_epilogue import COLUMN_CHUNK, plan_norm_epilogue
 from neuron_compile.passes import fusion
 from neuron_compile.passes.norm_epilogues import fold_norm_epilogues
 from neuron_compile.tiles import TilingError
@@ -38,14 +39,15 @@ def _epilogues(decisions) -> list[str]:
 
 @settings(max_examples=8, deadline=None)
 @given(rows=st.sampled_from([1, 127, 128, 129, 300]), inner=st.sampled_from([64, 300]),
-       width=st.sampled_from([96, 200, 640, 1000]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+       width=st.sampled_from([96, 200, 640, 1000, 1100]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_a_norm_of_the_matmul_rows_matches_eager_inside_the_matmul(rows, inner, width, dtype):
     region = check_against_eager(down_then_norm, *projection_inputs(rows, inner, width, dtype))
     assert _epilogues(region.fusion_decisions) == [d for d in _epilogues(region.fusion_decisions)
                                                    if d.endswith(": fused")] != []
 
 
-@pytest.mark.parametrize("rows, width, dtype", [(129, 640, torch.bfloat16), (300, 200, torch.float32)])
+@pytest.mark.parametrize("rows, width, dtype", [(129, 640, torch.bfloat16), (300, 200, torch.float32),
+                                                (129, 1100, torch.bfloat16)])
 def test_the_fused_kernel_gives_the_unfused_pair(monkeypatch, rows, width, dtype):
     """Bit for bit here: the row sums added by N tile change no rstd enough to move an output."""
     inputs = projection_inputs(rows, 300, width, dtype)
@@ -55,6 +57,16 @@ def test_the_fused_kernel_gives_the_unfused_pair(monkeypatch, rows, width, dtype
     region, apart = compile_and_run(down_then_norm, *inputs)
     assert not _epilogues(region.fusion_decisions)
     assert torch.equal(fused[0], apart[0])
+
+
+@pytest.mark.parametrize("width, chunked", [(640, False), (1100, True)])
+def test_rows_of_two_chunks_or_more_are_normed_chunk_by_chunk(width, chunked):
+    region, _ = compile_and_run(down_then_norm, *projection_inputs(129, 64, width, torch.bfloat16))
+    (source,) = [kernel.source for kernel in region.kernels if kernel.name.startswith("matmul_norm_epilogue")]
+    row_epilogue = source.split("# every N tile has passed")[1]
+    loop = f"for f0 in range(0, {width}, {COLUMN_CHUNK}):"
+    assert (loop in row_epilogue) == chunked
+    assert not chunked or row_epilogue.index("op0=nl.rsqrt") < row_epilogue.index(loop)
 
 
 def test_the_norm_kernel_is_gone_and_only_the_normed_rows_reach_hbm():

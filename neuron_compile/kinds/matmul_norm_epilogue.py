@@ -40,6 +40,10 @@ from neuron_compile.tiles import TilePlan, TilingError
 
 KEPT_ROWS = "kept_rows"  # the stem of the list of a row group's [rows, N] tiles, one per 128-row block
 ROW_SUMS = "row_sums"  # and of their [rows, 1] sums of squares
+# Columns per chunk of the row epilogue after the last N tile, for rows of two chunks or more: each chunk's
+# multiplies, add and store pipeline across the engines and the DMA queues (Gemma3's down projection alone:
+# 110.8 -> 107.6 us at hidden 2048, by hand)
+COLUMN_CHUNK = 512
 
 
 def as_matmul(node: ir.MatMulNormEpilogue) -> ir.MatMul:
@@ -67,7 +71,8 @@ def row_body(node: ir.MatMulNormEpilogue, plan: TilePlan, allocator: TileAllocat
     """The reduction kind's lines for one row block after its last N tile, the rows read from ``kept[block]``,
     their sums of squares from ``sums[block]``."""
     return reduction_body(node.norm, plan, allocator, Patterns(plan),
-                          on_chip=tuple((load, f"{kept}[block]") for load in rows_loads(node)), summed=f"{sums}[block]")
+                          on_chip=tuple((load, f"{kept}[block]") for load in rows_loads(node)), summed=f"{sums}[block]",
+                          column_chunks=node.domain[-1] >= 2 * COLUMN_CHUNK)
 
 
 def keep_rows(node: ir.MatMulNormEpilogue, kept: str, sums: str, scope: TileScope, lines: list[str]) -> None:
@@ -119,6 +124,17 @@ def plan_norm_epilogue(node: ir.MatMulNormEpilogue, target) -> TilePlan:
                       "it does not have")
 
 
+def column_chunks(body: ReductionBody, n: int) -> list[str]:
+    """The row body's per-row values, then its loop over the column chunks of a row of ``n`` (none when the row
+    is one chunk)."""
+    if not body.column_loop:
+        return []
+    return body.hoisted + [
+        "# the rest by column chunks: a chunk's instructions follow each other on the engines while the next starts",
+        f"for f0 in range(0, {n}, {COLUMN_CHUNK}):", f"    cols = min({COLUMN_CHUNK}, {n} - f0)",
+        *("    " + line for line in body.column_loop)]
+
+
 def render_norm_epilogue(node: ir.MatMulNormEpilogue, plan: TilePlan, name: str, parameters: list[str]) -> str:
     allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
     kept, sums = allocator.take_name(KEPT_ROWS), allocator.take_name(ROW_SUMS)
@@ -127,6 +143,7 @@ def render_norm_epilogue(node: ir.MatMulNormEpilogue, plan: TilePlan, name: str,
     row_epilogue = list(allocator.lines) + [f"cols = {n}"]
     for walk, after in body.passes:
         row_epilogue += walk + after
+    row_epilogue += column_chunks(body, n)
     context = resident_context(as_matmul(node), plan, allocator,
                                more_epilogue=lambda scope, lines: keep_rows(node, kept, sums, scope, lines))
     tile = plan.partition.tile

@@ -43,6 +43,7 @@ from neuron_compile.codegen.kernel_text import (
 )
 from neuron_compile.codegen.engine_balance import EngineBalance
 from neuron_compile.codegen.grouped_rows import row_values
+from neuron_compile.codegen.hoisted_columns import HoistedColumns
 from neuron_compile.codegen.row_broadcast import RowBroadcast
 from neuron_compile.dims import LoopDim, reduced_dims_in_memory_order
 from neuron_compile.kind_registry import loads, register_kind
@@ -61,6 +62,7 @@ GROUPED_OPS = ("sum", "mean", "max", "min", "prod")
 # bf16): grouped rows take 0.3x the estimate at 64 elements, 0.5x at 128, 0.7x at 256, 0.8-1.0x at 512: the
 # (P, 1) instructions and the DMAs of each row block cost more than the VectorE tensor_reduce that grouping adds.
 SHORT_ROW_ELEMENTS = 512
+COLUMN_CHUNK = "[0:rows, f0:f0 + cols]"  # a row epilogue's slice of its whole-row tiles, walked in column chunks
 
 
 def plan_reduction(node: ir.Reduction, target) -> TilePlan:
@@ -230,17 +232,27 @@ class ReductionBody:
     row_free: int
     operands: tuple[str, ...] = ()  # the tiles holding them
     shared_bytes: int = 0  # SBUF bytes per partition of the tiles ``once`` fills
+    # with ``column_chunks``: the per-row values the row epilogue needs, computed once (their tiles declared first),
+    # and the row epilogue over one column chunk (``f0``, ``cols``) of the whole-row tiles
+    hoisted: list[str] = dataclasses.field(default_factory=list)
+    column_loop: list[str] = dataclasses.field(default_factory=list)
 
 
 def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator, patterns: Patterns,
                    operands: tuple[tuple[ir.Expr, str], ...] = (),
-                   on_chip: tuple[tuple[ir.Load, str], ...] = (), summed: str | None = None) -> ReductionBody:
+                   on_chip: tuple[tuple[ir.Load, str], ...] = (), summed: str | None = None,
+                   column_chunks: bool = False) -> ReductionBody:
     """The lines of one row block (``p0``, ``rows``) of ``node`` under ``plan``, its tiles declared by
     ``allocator``; ``operands`` are (row expression, dtype of its tile) pairs, the expressions reading
     ``Result()`` as the reduced value, computed after the row stores on the engines the row epilogue's balance
     plans for both; ``on_chip``: (load, tile) pairs of rows already in SBUF, read there instead of loaded;
-    ``summed``: a (P, 1) tile holding each row's sum of the prologue already (a sum or mean: no walk)."""
+    ``summed``: a (P, 1) tile holding each row's sum of the prologue already (a sum or mean: no walk);
+    ``column_chunks`` (with ``summed``): the row epilogue's instructions work on one column chunk of the whole-row
+    tiles (``column_loop``, the caller's loop over ``f0``), so that each chunk's multiplies, adds and store follow
+    each other on the engines while the next chunk starts, instead of each waiting for the whole row."""
     prologue, row_free, free, chunked = row_scopes(node, plan, allocator, patterns, columns=not plan.grouped_rows)
+    if column_chunks:
+        _in_column_chunks(prologue, patterns, free)
     for load, tile in on_chip:
         bind_load(prologue, load, Ref(tile=tile, dtype=load.dtype))
     shared = RowBroadcast(plan, allocator)
@@ -273,15 +285,29 @@ def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator,
     epilogue = epilogue_scope(allocator, patterns, Ref(tile=accumulator), results, more_results)
     store_lines(node.stores, epilogue, patterns, results, False, passes[-1][1])
     tiles: tuple[str, ...] = ()
+    hoisted, column_loop = [], []
     if node.row_stores or operands:
         # The row is still in SBUF: the fused consumers read it, with the reduced value as a (P, 1) operand.
         def row_scope(tiles: TileAllocator) -> TileScope:
-            return _row_scope(tiles, prologue, accumulator, shared, more_results)
+            scope = _row_scope(tiles, prologue, accumulator, shared, more_results)
+            scope.hoisted = HoistedColumns(tiles.partitions, tiles.reserved) if column_chunks else None
+            return scope
 
         row = row_scope(allocator)
         row.balance = _planned_row_balance(node, plan, prologue, epilogue, row_scope, patterns, free, operands)
-        tiles = _row_epilogue_lines(node, plan, row, epilogue, patterns, free, passes[-1][1], operands)
-    return ReductionBody(passes, shared.lines, chunked, row_free, tiles, shared.sbuf_bytes)
+        lines = column_loop if column_chunks else passes[-1][1]
+        tiles = _row_epilogue_lines(node, plan, row, epilogue, patterns, free, lines, operands)
+        hoisted = row.hoisted.allocations + row.hoisted.lines if column_chunks else []
+    return ReductionBody(passes, shared.lines, chunked, row_free, tiles, shared.sbuf_bytes, hoisted, column_loop)
+
+
+def _in_column_chunks(scope: TileScope, patterns: Patterns, free) -> None:
+    """``scope``'s instructions over the column chunk ``f0:f0 + cols`` of its whole-row tiles, its loads and (the
+    row scope's copy of it) stores over that chunk of the row."""
+    def load_pattern(load: ir.Load, tile: str):
+        return f"{tile}{COLUMN_CHUNK}", patterns.hbm(load.buffer, load.layout, free, True)
+
+    scope.slice_text, scope.load_pattern = COLUMN_CHUNK, load_pattern
 
 
 def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
@@ -343,7 +369,7 @@ def _row_epilogue_lines(node: ir.Reduction, plan: TilePlan, row: TileScope, epil
     if plan.grouped_rows:
         exprs = [store.expr for store in node.row_stores] + [expr for expr, _ in operands]
         row_values(exprs, node.reduce_dims, row, epilogue, plan.free[0].size, lines)
-    store_lines(node.row_stores, row, patterns, free, False, lines)
+    store_lines(node.row_stores, row, patterns, free, row.slice_text == COLUMN_CHUNK, lines)
     return tuple(stored_tile(dtype, emit(expr, row, lines), row, lines) for expr, dtype in operands)
 
 
