@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from lowering_harness import check_against_eager, compile_and_run, fused_kernels, projection_inputs, random_tensor
 from neuron_compile import ir, kinds
 from neuron_compile.hardware import get_target
-from neuron_compile.kinds.matmul_norm_epilogue import COLUMN_CHUNK, plan_norm_epilogue
+from neuron_compile.kinds.matmul_norm_epilogue import plan_norm_epilogue
+from neuron_compile.kinds.reduction import COLUMN_CHUNK_WIDTH
 from neuron_compile.passes import fusion
 from neuron_compile.passes.norm_epilogues import fold_norm_epilogues
 from neuron_compile.tiles import TilingError
@@ -64,7 +65,7 @@ def test_rows_of_two_chunks_or_more_are_normed_chunk_by_chunk(width, chunked):
     region, _ = compile_and_run(down_then_norm, *projection_inputs(129, 64, width, torch.bfloat16))
     (source,) = [kernel.source for kernel in region.kernels if kernel.name.startswith("matmul_norm_epilogue")]
     row_epilogue = source.split("# every N tile has passed")[1]
-    loop = f"for f0 in range(0, {width}, {COLUMN_CHUNK}):"
+    loop = f"for f0 in range(0, {width}, {COLUMN_CHUNK_WIDTH}):"
     assert (loop in row_epilogue) == chunked
     assert not chunked or row_epilogue.index("op0=nl.rsqrt") < row_epilogue.index(loop)
 

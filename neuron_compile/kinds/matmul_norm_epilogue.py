@@ -11,7 +11,9 @@ tile ([rows, N]) and adds the sum of its squares into the block's row sums (one 
 the reduction kind takes a row too wide for one walk); after the N loop (``row_epilogue``) the reduction kind's
 row body runs on each block from those sums, reading the kept tile where the unfused norm loads the row from HBM.
 The same instructions on the same values but for the fp32 sum of squares, added by N tile (the goal point's 1-layer
-Llama: 387.0 us, 388.7 with one ScalarE pass over each whole row after the last tile).
+Llama: 387.0 us, 388.7 with one ScalarE pass over each whole row after the last tile); a row of two column chunks or
+more is normed chunk by chunk (kinds/reduction.py ``column_chunks``), so that the multiplies, a residual add and the
+store of a chunk pipeline across the engines after the last matmul.
 """
 
 from __future__ import annotations
@@ -34,16 +36,12 @@ from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import KernelKind, kind_of, register_kind
 from neuron_compile.kinds.matmul import plan_streamed_moving, resident_context
-from neuron_compile.kinds.reduction import ReductionBody, reduction_body
+from neuron_compile.kinds.reduction import ReductionBody, column_loop_lines, in_column_chunks, reduction_body
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import TilePlan, TilingError
 
 KEPT_ROWS = "kept_rows"  # the stem of the list of a row group's [rows, N] tiles, one per 128-row block
 ROW_SUMS = "row_sums"  # and of their [rows, 1] sums of squares
-# Columns per chunk of the row epilogue after the last N tile, for rows of two chunks or more: each chunk's
-# multiplies, add and store pipeline across the engines and the DMA queues (Gemma3's down projection alone:
-# 110.8 -> 107.6 us at hidden 2048, by hand)
-COLUMN_CHUNK = 512
 
 
 def as_matmul(node: ir.MatMulNormEpilogue) -> ir.MatMul:
@@ -72,7 +70,7 @@ def row_body(node: ir.MatMulNormEpilogue, plan: TilePlan, allocator: TileAllocat
     their sums of squares from ``sums[block]``."""
     return reduction_body(node.norm, plan, allocator, Patterns(plan),
                           on_chip=tuple((load, f"{kept}[block]") for load in rows_loads(node)), summed=f"{sums}[block]",
-                          column_chunks=node.domain[-1] >= 2 * COLUMN_CHUNK)
+                          column_chunks=in_column_chunks(plan, node.norm))
 
 
 def keep_rows(node: ir.MatMulNormEpilogue, kept: str, sums: str, scope: TileScope, lines: list[str]) -> None:
@@ -124,17 +122,6 @@ def plan_norm_epilogue(node: ir.MatMulNormEpilogue, target) -> TilePlan:
                       "it does not have")
 
 
-def column_chunks(body: ReductionBody, n: int) -> list[str]:
-    """The row body's per-row values, then its loop over the column chunks of a row of ``n`` (none when the row
-    is one chunk)."""
-    if not body.column_loop:
-        return []
-    return body.hoisted + [
-        "# the rest by column chunks: a chunk's instructions follow each other on the engines while the next starts",
-        f"for f0 in range(0, {n}, {COLUMN_CHUNK}):", f"    cols = min({COLUMN_CHUNK}, {n} - f0)",
-        *("    " + line for line in body.column_loop)]
-
-
 def render_norm_epilogue(node: ir.MatMulNormEpilogue, plan: TilePlan, name: str, parameters: list[str]) -> str:
     allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
     kept, sums = allocator.take_name(KEPT_ROWS), allocator.take_name(ROW_SUMS)
@@ -143,7 +130,7 @@ def render_norm_epilogue(node: ir.MatMulNormEpilogue, plan: TilePlan, name: str,
     row_epilogue = list(allocator.lines) + [f"cols = {n}"]
     for walk, after in body.passes:
         row_epilogue += walk + after
-    row_epilogue += column_chunks(body, n)
+    row_epilogue += column_loop_lines(body, n)
     context = resident_context(as_matmul(node), plan, allocator,
                                more_epilogue=lambda scope, lines: keep_rows(node, kept, sums, scope, lines))
     tile = plan.partition.tile
