@@ -295,10 +295,10 @@ def bind_load(scope: TileScope, load: ir.Load, ref: Ref) -> None:
 def column_invariant(expr: ir.Expr, scope: TileScope, known: dict | None = None) -> bool:
     """Whether ``expr`` is a (P, 1) row vector the same in every column tile of ``scope``: a load the scope's
     ``vector_pattern`` takes as one element per partition, a row kernel's reduced value held as a (P, 1) column, or
-    an op over such values and numbers in which every
-    op reads at least one of them. Its instructions then touch only ``[0:rows, 0:1]`` slices and never the
-    column loop's variables. (An op over numbers alone may need a full tile, a memset: it is not one.) ``known``:
-    the answers so far (expressions are DAGs that share subexpressions thousands of times)."""
+    an op over such values and numbers in which every op reads at least one of them. Its instructions then touch
+    only ``[0:rows, 0:1]`` slices and never the column loop's variables. (An op over numbers alone may need a full
+    tile, a memset: it is not one.) ``known``: the answers so far (expressions are DAGs that share subexpressions
+    thousands of times)."""
     known = {} if known is None else known
     if expr not in known:
         if isinstance(expr, ir.Load):
