@@ -63,9 +63,9 @@ GROUPED_OPS = ("sum", "mean", "max", "min", "prod")
 # (P, 1) instructions and the DMAs of each row block cost more than the VectorE tensor_reduce that grouping adds.
 SHORT_ROW_ELEMENTS = 512
 COLUMN_CHUNK = "[0:rows, f0:f0 + cols]"  # a row epilogue's slice of its whole-row tiles, walked in column chunks
-# Columns per chunk of a row epilogue, for rows of two chunks or more: each chunk's multiplies, adds and store
-# pipeline across the engines and the DMA queues (Gemma3's down projection with its norm alone: 110.8 -> 107.6 us
-# at hidden 2048)
+# Columns per chunk of a norm epilogue's row epilogue, for rows of two chunks or more: each chunk's multiplies, adds
+# and store pipeline across the engines and the DMA queues (Gemma3's down projection with its norm alone: 110.8 ->
+# 107.6 us at hidden 2048; 108.7 with chunks of 1024)
 COLUMN_CHUNK_WIDTH = 512
 
 
@@ -317,8 +317,11 @@ def _in_column_chunks(scope: TileScope, patterns: Patterns, free) -> None:
 
 
 def in_column_chunks(plan: TilePlan, node: ir.Reduction) -> bool:
-    """Whether ``node``'s row epilogue runs by column chunks: a whole row (one dim, not grouped, not spread over
-    partitions) of two chunks or more."""
+    """Whether ``node``'s row epilogue may run by column chunks: a whole row (one dim, not grouped, not spread over
+    partitions) of two chunks or more. A matmul's norm epilogue takes them (kinds/matmul_norm_epilogue.py: its row
+    blocks' epilogues all wait for the last N tile); a norm kernel does not, its row blocks overlapping already
+    (Gemma3's final norm 13.9 -> 13.3 us, but Flux's mid size, whose norm kernels are 1024 columns wide, 2988.8 ->
+    2991.5 us)."""
     whole = len(plan.free) == 1 and plan.free[0].tile == plan.free[0].size
     return (bool(node.row_stores) and whole and not plan.grouped_rows and not plan.cross_partition
             and plan.free[0].size >= 2 * COLUMN_CHUNK_WIDTH)
@@ -338,8 +341,7 @@ def column_loop_lines(body: ReductionBody, row: int) -> list[str]:
 def render_reduction(node: ir.Reduction, plan: TilePlan, name: str, parameters: list[str]) -> str:
     patterns = Patterns(plan)
     allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
-    body = reduction_body(node, plan, allocator, patterns, column_chunks=in_column_chunks(plan, node))
-    body.passes[-1][1].extend(column_loop_lines(body, plan.free[0].size))
+    body = reduction_body(node, plan, allocator, patterns)
     chunked = body.chunked
     chunk_allocations, allocations = allocator.split_by_width(body.row_free) if chunked else ([], allocator.lines)
     context = kernel_context(node, plan, name, parameters, allocations=allocations, passes=body.passes,
