@@ -14,8 +14,11 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from neuron_compile import config
-from neuron_compile.pipeline import compile_region
+from neuron_compile.hardware import get_target
+from neuron_compile.lowering import lower_graph
 from neuron_compile.passes.decompose import decomposition_table
+from neuron_compile.passes.fusion import fuse
+from neuron_compile.pipeline import compile_region
 
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.bool: (0, 0)}
 
@@ -61,6 +64,19 @@ def random_tensor(shape, dtype=torch.float32, seed=0, low=-2.0, high=2.0):
     generator = torch.Generator().manual_seed(seed)
     values = torch.rand(shape, generator=generator) * (high - low) + low
     return values.to(dtype)
+
+
+def projection_inputs(rows, inner, width, dtype):
+    """A decoder layer's tail: the residual ``h`` [rows, width], a projection's input [rows, inner] and weight
+    [inner, width] (scaled to keep the products near 1), a norm's weight [width]."""
+    return [random_tensor((rows, width), dtype, seed=0), random_tensor((rows, inner), dtype, seed=1),
+            random_tensor((inner, width), dtype, seed=2) / inner ** 0.5, random_tensor((width,), dtype, seed=3)]
+
+
+def fused_kernels(fn, *inputs, target="trn2"):
+    """The fusion pass's result (kernels and decisions) for ``fn`` traced on ``inputs``, fitted to ``target``."""
+    lowered = lower_graph(trace(fn, *inputs))
+    return fuse(lowered.nodes, {value.buffer for value in lowered.outputs}, target=get_target(target))
 
 
 def compile_with_backend(fn, *inputs):

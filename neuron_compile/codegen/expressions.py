@@ -302,10 +302,11 @@ def bind_load(scope: TileScope, load: ir.Load, ref: Ref) -> None:
 
 def column_invariant(expr: ir.Expr, scope: TileScope, known: dict | None = None) -> bool:
     """Whether ``expr`` is a (P, 1) row vector the same in every column tile of ``scope``: a load the scope's
-    ``vector_pattern`` takes as one element per partition, or an op over such values and numbers in which every
-    op reads at least one of them. Its instructions then touch only ``[0:rows, 0:1]`` slices and never the
-    column loop's variables. (An op over numbers alone may need a full tile, a memset: it is not one.) ``known``:
-    the answers so far (expressions are DAGs that share subexpressions thousands of times)."""
+    ``vector_pattern`` takes as one element per partition, a row kernel's reduced value held as a (P, 1) column, or
+    an op over such values and numbers in which every op reads at least one of them. Its instructions then touch
+    only ``[0:rows, 0:1]`` slices and never the column loop's variables. (An op over numbers alone may need a full
+    tile, a memset: it is not one.) ``known``: the answers so far (expressions are DAGs that share subexpressions
+    thousands of times)."""
     known = {} if known is None else known
     if expr not in known:
         if isinstance(expr, ir.Load):
@@ -315,6 +316,9 @@ def column_invariant(expr: ir.Expr, scope: TileScope, known: dict | None = None)
             invariant = [column_invariant(arg, scope, known) for arg in expr.args]
             known[expr] = any(invariant) and all(
                 flag or isinstance(arg, ir.Scalar) for flag, arg in zip(invariant, expr.args))
+        elif isinstance(expr, ir.Result):  # a row kernel's reduced value, one per row: a (P, 1) column
+            result = scope.results[expr.operand] if expr.operand < len(scope.results) else None
+            known[expr] = result is not None and result.vector
         else:
             known[expr] = False
     return known[expr]

@@ -11,7 +11,9 @@ tile ([rows, N]) and adds the sum of its squares into the block's row sums (one 
 the reduction kind takes a row too wide for one walk); after the N loop (``row_epilogue``) the reduction kind's
 row body runs on each block from those sums, reading the kept tile where the unfused norm loads the row from HBM.
 The same instructions on the same values but for the fp32 sum of squares, added by N tile (the goal point's 1-layer
-Llama: 387.0 us, 388.7 with one ScalarE pass over each whole row after the last tile).
+Llama: 387.0 us, 388.7 with one ScalarE pass over each whole row after the last tile); a row of two column chunks or
+more is normed chunk by chunk (kinds/reduction.py ``column_chunks``), so that the multiplies, a residual add and the
+store of a chunk pipeline across the engines after the last matmul.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import KernelKind, kind_of, register_kind
 from neuron_compile.kinds.matmul import plan_streamed_moving, resident_context
-from neuron_compile.kinds.reduction import ReductionBody, reduction_body
+from neuron_compile.kinds.reduction import ReductionBody, column_loop_lines, in_column_chunks, reduction_body
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import TilePlan, TilingError
 
@@ -67,7 +69,8 @@ def row_body(node: ir.MatMulNormEpilogue, plan: TilePlan, allocator: TileAllocat
     """The reduction kind's lines for one row block after its last N tile, the rows read from ``kept[block]``,
     their sums of squares from ``sums[block]``."""
     return reduction_body(node.norm, plan, allocator, Patterns(plan),
-                          on_chip=tuple((load, f"{kept}[block]") for load in rows_loads(node)), summed=f"{sums}[block]")
+                          on_chip=tuple((load, f"{kept}[block]") for load in rows_loads(node)), summed=f"{sums}[block]",
+                          column_chunks=in_column_chunks(plan, node.norm))
 
 
 def keep_rows(node: ir.MatMulNormEpilogue, kept: str, sums: str, scope: TileScope, lines: list[str]) -> None:
@@ -127,6 +130,7 @@ def render_norm_epilogue(node: ir.MatMulNormEpilogue, plan: TilePlan, name: str,
     row_epilogue = list(allocator.lines) + [f"cols = {n}"]
     for walk, after in body.passes:
         row_epilogue += walk + after
+    row_epilogue += column_loop_lines(body, n)
     context = resident_context(as_matmul(node), plan, allocator,
                                more_epilogue=lambda scope, lines: keep_rows(node, kept, sums, scope, lines))
     tile = plan.partition.tile

@@ -51,7 +51,14 @@ class RowBudget:
     def whole_row(self) -> bool:
         return self.row <= self.budget
 
-    def too_wide(self, node, what: str, target) -> TilingError:
+    def too_wide(self, node, what: str, target, measured: int | None = None) -> TilingError:
+        """The error for a row that does not fit; ``measured``: the bytes per partition its tiles were found to
+        take, when they were counted as the body declares them."""
+        if measured is not None:
+            return TilingError(
+                f"{node.name}: a {what} row of {self.row} elements keeps {measured} B per partition on chip, over the "
+                f"SBUF budget of {int(target.sbuf_bytes_per_partition * SBUF_SHARE)} B per partition "
+                f"({SBUF_SHARE:.0%} of {target.sbuf_bytes_per_partition} B on {target.name})")
         return TilingError(
             f"{node.name}: a {what} row of {self.row} elements x {self.tiles} tiles x {FP32_BYTES} B "
             f"exceeds the SBUF budget of {self.budget} elements per partition "

@@ -3,12 +3,14 @@
 Input: the fused kernels in launch order (after ``fold_row_norms``, which puts a norm inside the matmuls that
 multiply its rows when it can), the region's outputs, the decisions so far and the target's fit check
 (passes/fusion.py calls it last). Output: the kernels with each row norm left on its own whose rows the latest
-kernel before it writes in a matmul epilogue folded into that matmul (the rule: kinds/norm_epilogue_rule.py; the
+matmul before it writes in a matmul epilogue folded into that matmul (the rule: kinds/norm_epilogue_rule.py; the
 kernel: kinds/matmul_norm_epilogue.py): a 1-layer decoder's final RMSNorm of ``h + down(...)`` runs on the rows
-the down projection keeps on chip, instead of a kernel that waits for them to reach HBM and loads them back. The
-merged kernel takes the matmul's place, so everything else the norm reads must be written before it; the rows
-still go to HBM when another kernel reads them or the region returns them. Each decision, with its reason, joins
-the fusion decisions.
+the down projection keeps on chip, instead of a kernel that waits for them to reach HBM and loads them back, and
+Gemma's post-norms (with the residual add in their row epilogue) on the o and down projections' rows. The merged
+kernel takes the matmul's place, so everything else the norm reads must be written before it: the kernels between
+them that write it (Gemma's ``1 + w``) move before the matmul when they do not depend on it. The rows still go to
+HBM when another kernel reads them or the region returns them. Each decision, with its reason, joins the fusion
+decisions.
 """
 
 from __future__ import annotations
@@ -34,26 +36,42 @@ def fold_norm_epilogues(kernels: list[ir.Node], region_outputs: set[str], decisi
 
 
 def _producer(norm: ir.Node, kernels: list[ir.Node]) -> ir.Node | None:
-    """The latest kernel before ``norm`` writing something it reads."""
+    """The latest kernel before ``norm`` writing something it reads that may take a norm epilogue."""
     before = kernels[:kernels.index(norm)]
-    return next((kernel for kernel in reversed(before) if _writers(kernel) & _reads(norm)), None)
+    return next((kernel for kernel in reversed(before)
+                 if _writers(kernel) & _reads(norm) and kinds.kind_of(kernel).takes_norm_epilogue), None)
 
 
-def _placement_reason(norm: ir.Node, producer: ir.Node, kernels: list[ir.Node]) -> str | None:
-    """None if every buffer ``norm`` reads is written by ``producer`` or before it (the merged kernel takes its
-    place)."""
-    between = kernels[kernels.index(producer) + 1:kernels.index(norm)]
-    late = sorted({name for kernel in between for name in _writers(kernel) & _reads(norm)})
-    return f"{norm.name} reads {', '.join(late)}, written after {producer.name}" if late else None
+def _hoisted(norm: ir.Node, producer: ir.Node, kernels: list[ir.Node]) -> tuple[list[ir.Node], str | None]:
+    """(``kernels`` with those between ``producer`` and ``norm`` that write what ``norm`` reads, and the kernels
+    between that they read, moved right before ``producer``, which the merged kernel replaces; the reason they
+    may not move: one of them reads what ``producer`` writes, or ``producer`` what one of them writes). Gemma's
+    weights as ``1 + w`` are kernels of their own, launched anywhere before their norm."""
+    first, last = kernels.index(producer), kernels.index(norm)
+    between = kernels[first + 1:last]
+    moved: list[ir.Node] = []
+    wanted = _reads(norm)
+    for kernel in reversed(between):  # each writer of a wanted buffer, then what it reads, latest first
+        if _writers(kernel) & wanted:
+            moved.insert(0, kernel)
+            wanted |= _reads(kernel)
+    late = sorted({name for kernel in moved for name in _reads(kernel) & _writers(producer)}
+                  | {name for kernel in moved for name in _writers(kernel) & _reads(producer)})
+    if late:
+        return kernels, f"{norm.name} reads what is computed from {producer.name}'s {', '.join(late)}"
+    rest = [kernel for kernel in between if kernel not in moved]
+    return kernels[:first] + moved + [producer] + rest + kernels[last:], None
 
 
 def _fold(norm: ir.Node, kernels: list[ir.Node], region_outputs: set[str], decisions: list[str],
           fits) -> list[ir.Node]:
     producer = _producer(norm, kernels)
-    if producer is None or not kinds.kind_of(producer).takes_norm_epilogue:
+    if producer is None:
         return kernels
     kind = kinds.kind_of(producer)
-    reason = kind.norm_epilogue_reason(producer, norm) or _placement_reason(norm, producer, kernels)
+    hoisted, reason = kernels, kind.norm_epilogue_reason(producer, norm)
+    if reason is None:
+        hoisted, reason = _hoisted(norm, producer, kernels)
     merged = None
     if reason is None:
         rows = _writers(producer) & _reads(norm)
@@ -65,4 +83,4 @@ def _fold(norm: ir.Node, kernels: list[ir.Node], region_outputs: set[str], decis
     decisions.append(f"{norm.name} in {producer.name}'s epilogue: " + ("fused" if reason is None else reason))
     if reason is not None:
         return kernels
-    return [merged if kernel is producer else kernel for kernel in kernels if kernel is not norm]
+    return [merged if kernel is producer else kernel for kernel in hoisted if kernel is not norm]
