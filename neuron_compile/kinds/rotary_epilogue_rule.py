@@ -1,0 +1,142 @@
+"""Kernel kinds: the fusion rule that gives a matmul a rotary epilogue (``ir.MatMul`` / ``ir.NormedMatMul`` ->
+``ir.MatMulRotary``).
+
+Input: a whole matmul kernel (a q or k projection) and a whole concat kernel after it that reads one of its stores
+(the rotary embedding ``x * cos + rotate_half(x) * sin``, rotate_half = cat(-x2, x1) over each head's halves).
+Output: a reason they may not fuse, or the matmul computing the rotary on its output tiles
+(kinds/matmul_rotary.py plans and renders it; passes/rotary_epilogues.py drives it).
+
+The rule: the matmul is plain or normed (no implicit GEMM), the concat is not assembled in place and reads
+exactly one of the matmul's stores (``source``); every part reads ``source`` along the matmul's rows, its heads
+(``head_dim`` columns apart) and the columns within one head, from a column offset that keeps the read inside
+the head, so that an N tile of whole heads holds everything a part reads; every other load of a part is the same
+for every head (cos and sin, per position and column within the head); no part computes an index or draws random
+numbers; and ``head_dim`` divides every N tile the matmul may take (128, 256, 512 columns, or all of N).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from neuron_compile import ir
+from neuron_compile.kind_registry import kind_of, loads
+
+# The N tiles a resident matmul takes (kinds/matmul.py ``plan_streamed_moving``): a head must divide each
+N_TILES = (128, 256, 512)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadAxes:
+    """Where a rotary part's dims lie in the matmul's output: the part dim along the rows (M), along the heads,
+    along the columns within a head (None: the matmul has one of them), and (part dim, matmul batch dim) pairs;
+    ``column`` is the first column within the head a read of ``source`` starts at."""
+
+    rows: int | None
+    heads: int | None
+    within: int | None
+    batch: tuple[tuple[int, int], ...]
+    column: int = 0
+
+
+def head_dim_of(matmul_domain: tuple[int, ...], source: ir.Store, load: ir.Load) -> int:
+    """The head width ``load`` (of ``source``'s buffer) implies: the column step of its dim that walks whole
+    heads across N, or all of N (one head)."""
+    n, column_stride = matmul_domain[-1], source.layout.strides[-1]
+    for size, stride in zip(load.layout.shape, load.layout.strides):
+        if size > 1 and column_stride and stride % column_stride == 0 and stride // column_stride > 1 \
+                and (stride // column_stride) * size == n:
+            return stride // column_stride
+    return n
+
+
+def head_axes(matmul_domain: tuple[int, ...], source: ir.Store, load: ir.Load, head_dim: int) -> HeadAxes | None:
+    """The axes of ``load``'s dims in the matmul's output (``HeadAxes``), or None when a dim walks anything else
+    or the read leaves its head."""
+    *batch, m, n = matmul_domain
+    strides = source.layout.strides
+    roles: dict[str, int] = {}
+    for dim, (size, stride) in enumerate(zip(load.layout.shape, load.layout.strides)):
+        if size == 1:
+            continue
+        role = next((name for name, want, extent in (
+            ("heads", strides[-1] * head_dim, n // head_dim), ("within", strides[-1], None), ("rows", strides[-2], m),
+            *((f"batch{i}", strides[i], batch[i]) for i in range(len(batch))))
+            if name not in roles and stride == want and (extent is None or size == extent)), None)
+        if role is None:
+            return None
+        roles[role] = dim
+    delta = load.layout.offset - source.layout.offset
+    width = load.layout.shape[roles["within"]] if "within" in roles else 1
+    if strides[-1] == 0 or delta % strides[-1] or not 0 <= delta // strides[-1] <= head_dim - width:
+        return None
+    covered = {"heads": n // head_dim, "rows": m, **{f"batch{i}": size for i, size in enumerate(batch)}}
+    if any(extent > 1 and name not in roles for name, extent in covered.items()):
+        return None  # a part covers every row, head and batch index: each N tile computes its heads' share
+    return HeadAxes(roles.get("rows"), roles.get("heads"), roles.get("within"),
+                    tuple((dim, int(name[5:])) for name, dim in roles.items() if name.startswith("batch")),
+                    delta // strides[-1])
+
+
+def source_store(matmul, rotary: ir.Concat) -> ir.Store | None:
+    """The one store of ``matmul`` the rotary reads, or None."""
+    read = {load.buffer for load in loads(rotary)}
+    written = [store for store in kind_of(matmul).stores(matmul) if store.buffer.name in read]
+    return written[0] if len(written) == 1 else None
+
+
+def _part_reason(part: ir.Pointwise, matmul, source: ir.Store, head_dim: int) -> str | None:
+    written = {store.buffer.name for store in kind_of(matmul).stores(matmul)}
+    axes = set()
+    for load in loads(part):
+        if load.buffer == source.buffer.name:
+            found = head_axes(matmul.domain, source, load, head_dim)
+            if found is None:
+                return (f"{part.name} reads {load.buffer} through {load.layout}, which is not the rows, heads of "
+                        f"{head_dim} and columns within one head of {matmul.name}'s output")
+            axes.add(dataclasses.replace(found, column=0))
+        elif load.buffer in written:
+            return f"{part.name} reads {load.buffer}, another output of {matmul.name}"
+    if len(axes) != 1:
+        return f"{part.name} reads {source.buffer.name} along different axes (or not at all)"
+    heads = next(iter(axes)).heads
+    for load in loads(part):
+        if load.buffer != source.buffer.name and heads is not None and load.layout.strides[heads] != 0:
+            return f"{part.name} reads {load.buffer} differently for each head (a rotary's cos and sin are not)"
+    for store in part.stores:  # an iota's layout is an access layout that no load reads through
+        iotas = set(ir.access_layouts(store.expr)) - {load.layout for load in ir.loads_of(store.expr)}
+        if iotas or ir.draws_random(store.expr):
+            return f"{part.name} computes an index (iota) or draws random numbers, which follow its own domain"
+    return None
+
+
+def rotary_epilogue_reason(matmul, rotary) -> str | None:
+    """None if the concat ``rotary``, a later kernel, may run in ``matmul``'s epilogue on its output tiles."""
+    if not isinstance(rotary, ir.Concat):
+        return f"a matmul's rotary epilogue is a concat, not a {type(rotary).__name__}"
+    if getattr(matmul, "shifts", ()):
+        return f"{matmul.name} is an implicit GEMM"
+    if rotary.in_place:
+        return f"{rotary.name} is assembled in place"
+    source = source_store(matmul, rotary)
+    if source is None or source not in matmul.stores:
+        return f"{rotary.name} does not read exactly one of {matmul.name}'s product stores"
+    first = next(load for part in rotary.parts for load in loads(part) if load.buffer == source.buffer.name)
+    head_dim = head_dim_of(matmul.domain, source, first)
+    n = matmul.domain[-1]
+    if n % head_dim or (n > min(N_TILES) and any(tile % head_dim for tile in N_TILES)):
+        return (f"head_dim {head_dim} does not divide {matmul.name}'s N tiles ({', '.join(map(str, N_TILES))} "
+                f"columns of N={n}), so a tile would cut a head")
+    for part in rotary.parts:
+        reason = _part_reason(part, matmul, source, head_dim)
+        if reason is not None:
+            return reason
+    return None
+
+
+def merge_rotary_epilogue(matmul, rotary: ir.Concat, store_source: bool) -> ir.MatMulRotary:
+    """``matmul`` computing ``rotary`` on its tiles; ``store_source``: the product still goes to HBM."""
+    source = source_store(matmul, rotary)
+    first = next(load for part in rotary.parts for load in loads(part) if load.buffer == source.buffer.name)
+    others = tuple(store for store in matmul.stores if store.buffer.name != source.buffer.name)
+    return ir.MatMulRotary(matmul.name, dataclasses.replace(matmul, stores=others), source, store_source, rotary,
+                           head_dim_of(matmul.domain, source, first))

@@ -1,0 +1,116 @@
+"""A q / k projection whose rotary embedding runs in its own epilogue (kinds/matmul_rotary.py, the rule in
+kinds/rotary_epilogue_rule.py, the driver passes/rotary_epilogues.py): ``x * cos + rotate_half(x) * sin`` computed on
+the projection's output tiles of whole heads, rotate_half a read of the same tile at +-head_dim/2, cos and sin per
+position and column within the head. Against eager, and bit for bit against the separate concat kernel it
+replaces; a layout the epilogue refuses keeps the concat kernel and says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
+from neuron_compile import ir
+from neuron_compile.hardware import get_target
+from neuron_compile.lowering import lower_graph
+from neuron_compile.passes import fusion
+from neuron_compile.passes.fusion import fuse
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def cos_sin(positions, inv_freq, dtype):
+    """Llama's rotary angles for ``positions`` ([batch, seq], whole numbers as floats: an int64 graph input has no
+    proved range), as transformers computes them."""
+    freqs = positions[:, :, None].float() * inv_freq[None, None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotated_projections(heads: int, kv_heads: int, head_dim: int):
+    """q and k projected from ``x`` ([batch, seq, hidden]), split into heads, rotated (Llama's attention up to the
+    scores)."""
+    def fn(x, wq, wk, positions, inv_freq):
+        batch, seq, _ = x.shape
+        q = (x @ wq).view(batch, seq, heads, head_dim).transpose(1, 2)
+        k = (x @ wk).view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+        cos, sin = cos_sin(positions, inv_freq, x.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    return fn
+
+
+def _inputs(seq, heads, kv_heads, head_dim, dtype, hidden=96, first_position=0):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    positions = (first_position + torch.randperm(seq, generator=torch.Generator().manual_seed(seq)))[None].float()
+    return [random_tensor((1, seq, hidden), dtype, seed=0),
+            random_tensor((hidden, heads * head_dim), dtype, seed=1) / hidden ** 0.5,
+            random_tensor((hidden, kv_heads * head_dim), dtype, seed=2) / hidden ** 0.5, positions, inv_freq]
+
+
+def _rotary_decisions(decisions) -> list[str]:
+    return [decision for decision in decisions if "(a rotary): " in decision and "concat, not" not in decision]
+
+
+def _fused(fn, *inputs):
+    lowered = lower_graph(trace(fn, *inputs))
+    return fuse(lowered.nodes, {value.buffer for value in lowered.outputs}, target=get_target("trn2"))
+
+
+@settings(max_examples=10, deadline=None)
+@given(seq=st.sampled_from([1, 127, 128, 129, 300]), head_dim=st.sampled_from([64, 128]),
+       heads=st.sampled_from([1, 3, 8, 12]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_the_rotary_in_the_projections_matches_eager(seq, head_dim, heads, dtype):
+    """Heads that fill an N tile (8 of 64) and do not (3, 12: a ragged last tile), positions not 0..n-1."""
+    inputs = _inputs(seq, heads, 1, head_dim, dtype, first_position=17)
+    region = check_against_eager(rotated_projections(heads, 1, head_dim), *inputs)
+    decisions = _rotary_decisions(region.fusion_decisions)
+    assert decisions and all(decision.endswith(": fused") for decision in decisions), decisions
+
+
+@pytest.mark.parametrize("seq, heads, kv_heads, head_dim, dtype", [
+    (129, 8, 2, 64, torch.bfloat16), (300, 4, 2, 128, torch.float32), (1, 32, 4, 64, torch.bfloat16)])
+def test_the_fused_kernels_give_the_separate_rotary(monkeypatch, seq, heads, kv_heads, head_dim, dtype):
+    """Bit for bit: the same instructions on the same values as the concat kernels."""
+    fn, inputs = rotated_projections(heads, kv_heads, head_dim), _inputs(seq, heads, kv_heads, head_dim, dtype)
+    region, fused = compile_and_run(fn, *inputs)
+    assert [decision.endswith(": fused") for decision in _rotary_decisions(region.fusion_decisions)] == [True, True]
+    monkeypatch.setattr(fusion, "fold_rotary_epilogues", lambda kernels, *args: kernels)
+    region, apart = compile_and_run(fn, *inputs)
+    assert not _rotary_decisions(region.fusion_decisions)
+    assert all(torch.equal(one, other) for one, other in zip(fused, apart, strict=True))
+
+
+def test_the_projections_store_only_the_rotated_heads():
+    fn = rotated_projections(32, 4, 64)
+    result = _fused(fn, *_inputs(256, 32, 4, 64, torch.bfloat16, hidden=256))
+    rotated = [kernel for kernel in result.kernels if isinstance(kernel, ir.MatMulRotary)]
+    assert len(rotated) == 2 and not any(kernel.store_source for kernel in rotated)
+    assert not any(isinstance(kernel, ir.MatMul) for kernel in result.kernels)
+
+
+def test_a_projection_read_elsewhere_is_still_stored():
+    """k also returned unrotated (a cache of keys before the rotary): the projection stores it beside the rotary."""
+    rotate = rotated_projections(4, 2, 64)
+
+    def fn(x, wq, wk, positions, inv_freq):
+        q, k = rotate(x, wq, wk, positions, inv_freq)
+        return q, k, x @ wk
+
+    region = check_against_eager(fn, *_inputs(129, 4, 2, 64, torch.float32))
+    assert [d.endswith(": fused") for d in _rotary_decisions(region.fusion_decisions)] == [True, True]
+
+
+def test_heads_a_tile_would_cut_keep_the_concat_and_say_why():
+    """Heads of 96 columns: 512-, 256- and 128-column N tiles would cut one; the rotary stays its own kernel."""
+    fn, inputs = rotated_projections(8, 2, 96), _inputs(129, 8, 2, 96, torch.float32)
+    region = check_against_eager(fn, *inputs)
+    decisions = _rotary_decisions(region.fusion_decisions)
+    assert decisions and all("head_dim 96 does not divide" in decision for decision in decisions), decisions
+    assert sum(isinstance(kernel, ir.Concat) for kernel in _fused(fn, *inputs).kernels) >= 2
