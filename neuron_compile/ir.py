@@ -441,7 +441,9 @@ class MatMulRotary:
     them), computed in each N tile's epilogue and kept on chip; ``rotary`` (a ``Concat`` of the halves
     ``x * cos + rotate_half(x) * sin`` over each head of ``head_dim`` columns, its loads of ``source.buffer``
     standing for that tile) runs on the tile's whole heads. ``store_source``: ``source`` also goes to HBM
-    (something else reads it). ``matmul`` keeps its other stores."""
+    (something else reads it). ``matmul`` keeps its other stores. ``norm``: a per-head RMSNorm of ``source``
+    (Qwen3's, Gemma3's; a ``Reduction`` over [*batch, M, heads, head_dim] along the last dim) computed on the
+    tile first; the rotary reads its one row store, the normed heads, which never go to HBM."""
 
     name: str
     matmul: MatMul | NormedMatMul
@@ -449,6 +451,7 @@ class MatMulRotary:
     store_source: bool
     rotary: Concat
     head_dim: int
+    norm: Reduction | None = None
 
     @property
     def domain(self) -> tuple[int, ...]:

@@ -112,13 +112,15 @@ class KernelKind:
         """``producer`` norming its rows as ``consumer`` does; ``store_rows``: they still go to HBM."""
         raise NotImplementedError(f"{self.name} takes no norm epilogue")
 
-    def rotary_epilogue_reason(self, producer, consumer) -> str | None:
+    def rotary_epilogue_reason(self, producer, consumer, norm=None) -> str | None:
         """None if the whole kernel ``consumer``, a rotary embedding of heads the whole kernel ``producer`` (of this
-        kind) writes, may run in ``producer``'s epilogue on its output tiles (passes/rotary_epilogues.py)."""
+        kind) writes, may run in ``producer``'s epilogue on its output tiles, after ``norm`` (a whole kernel
+        norming each head between them) when given (passes/rotary_epilogues.py)."""
         return f"{self.name} kernels take no rotary epilogue"
 
-    def merge_rotary_epilogue(self, producer, consumer, store_source: bool):
-        """``producer`` rotating its output as ``consumer`` does; ``store_source``: the output still goes to HBM."""
+    def merge_rotary_epilogue(self, producer, consumer, store_source: bool, norm=None):
+        """``producer`` rotating its output (normed by ``norm``) as ``consumer`` does; ``store_source``: the output
+        still goes to HBM."""
         raise NotImplementedError(f"{self.name} takes no rotary epilogue")
 
     def sibling_reason(self, first, second, outside: set[str]) -> str | None:

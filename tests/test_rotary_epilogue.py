@@ -46,6 +46,26 @@ def rotated_projections(heads: int, kv_heads: int, head_dim: int):
     return fn
 
 
+def rms_norm(x, weight):
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(variance + 1e-6)).to(x.dtype)
+
+
+def normed_rotated_projections(heads: int, kv_heads: int, head_dim: int, normed_k_too: bool = False):
+    """Qwen3's attention up to the scores: q and k normed per head (an RMSNorm over head_dim) before the rotary;
+    ``normed_k_too``: the normed k is returned as well."""
+    def fn(x, wq, wk, positions, inv_freq, q_weight, k_weight):
+        batch, seq, _ = x.shape
+        q = rms_norm((x @ wq).view(batch, seq, heads, head_dim), q_weight).transpose(1, 2)
+        k = rms_norm((x @ wk).view(batch, seq, kv_heads, head_dim), k_weight).transpose(1, 2)
+        cos, sin = cos_sin(positions, inv_freq, x.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rotated = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return (*rotated, k) if normed_k_too else rotated
+
+    return fn
+
+
 def _inputs(seq, heads, kv_heads, head_dim, dtype, hidden=96, first_position=0):
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     positions = (first_position + torch.randperm(seq, generator=torch.Generator().manual_seed(seq)))[None].float()
@@ -114,3 +134,36 @@ def test_heads_a_tile_would_cut_keep_the_concat_and_say_why():
     decisions = _rotary_decisions(region.fusion_decisions)
     assert decisions and all("head_dim 96 does not divide" in decision for decision in decisions), decisions
     assert sum(isinstance(kernel, ir.Concat) for kernel in _fused(fn, *inputs).kernels) >= 2
+
+
+def _norm_weights(head_dim, dtype):
+    return [random_tensor((head_dim,), dtype, seed=5), random_tensor((head_dim,), dtype, seed=6)]
+
+
+@settings(max_examples=6, deadline=None)
+@given(seq=st.sampled_from([1, 127, 128, 129, 300]), head_dim=st.sampled_from([64, 128]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_a_per_head_norm_and_the_rotary_in_the_projections_match_eager(seq, head_dim, dtype):
+    """Qwen3's q / k norms: each head's RMSNorm on the tile's heads, then the rotary, the normed heads on chip."""
+    inputs = _inputs(seq, 8, 2, head_dim, dtype, first_position=5) + _norm_weights(head_dim, dtype)
+    region = check_against_eager(normed_rotated_projections(8, 2, head_dim), *inputs)
+    decisions = _rotary_decisions(region.fusion_decisions)
+    assert [decision.endswith(": fused") and " through " in decision for decision in decisions] == [True, True]
+
+
+def test_the_per_head_norm_in_the_projection_gives_the_separate_kernels(monkeypatch):
+    fn = normed_rotated_projections(8, 2, 64)
+    inputs = _inputs(129, 8, 2, 64, torch.bfloat16) + _norm_weights(64, torch.bfloat16)
+    _, fused = compile_and_run(fn, *inputs)
+    monkeypatch.setattr(fusion, "fold_rotary_epilogues", lambda kernels, *args: kernels)
+    _, apart = compile_and_run(fn, *inputs)
+    assert all(torch.equal(one, other) for one, other in zip(fused, apart, strict=True))
+
+
+def test_normed_heads_read_elsewhere_keep_the_norm_and_say_why():
+    """The normed k also returned (before its rotary): the norm stays its kernel, the rotary its own."""
+    fn = normed_rotated_projections(4, 2, 64, normed_k_too=True)
+    inputs = _inputs(129, 4, 2, 64, torch.float32) + _norm_weights(64, torch.float32)
+    region = check_against_eager(fn, *inputs)
+    decisions = _rotary_decisions(region.fusion_decisions)
+    assert any("normed heads are read outside" in decision for decision in decisions), decisions

@@ -474,11 +474,11 @@ class MatMulKind(MatchingIndexEpilogue):
     def merge_norm_epilogue(self, producer, consumer, store_rows):
         return norm_epilogue_rule.merge_norm_epilogue(producer, consumer, store_rows)
 
-    def rotary_epilogue_reason(self, producer, consumer):
-        return rotary_epilogue_rule.rotary_epilogue_reason(producer, consumer)
+    def rotary_epilogue_reason(self, producer, consumer, norm=None):
+        return rotary_epilogue_rule.rotary_epilogue_reason(producer, consumer, norm)
 
-    def merge_rotary_epilogue(self, producer, consumer, store_source):
-        return rotary_epilogue_rule.merge_rotary_epilogue(producer, consumer, store_source)
+    def merge_rotary_epilogue(self, producer, consumer, store_source, norm=None):
+        return rotary_epilogue_rule.merge_rotary_epilogue(producer, consumer, store_source, norm)
 
     def epilogue_context(self, node, plan, allocator, more_epilogue):
         """The resident form's template entries with ``more_epilogue`` in each tile's epilogue

@@ -32,7 +32,9 @@ from neuron_compile.codegen.expressions import (
 )
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, offset_text, render_template
 from neuron_compile.kind_registry import KernelKind, describe, kind_of, loads, register_kind
-from neuron_compile.kinds.rotary_epilogue_rule import HeadAxes, head_axes
+from neuron_compile.dims import LoopDim
+from neuron_compile.kinds.reduction import reduction_body
+from neuron_compile.kinds.rotary_epilogue_rule import HeadAxes, head_axes, normed_heads
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import TilePlan, TilingError
 
@@ -43,10 +45,15 @@ def as_matmul(node: ir.MatMulRotary):
     return dataclasses.replace(node.matmul, stores=stores)
 
 
+def rotated(node: ir.MatMulRotary) -> ir.Store:
+    """The store the rotary reads: the product's, or the per-head norm's normed heads (over the product's domain)."""
+    return node.source if node.norm is None else normed_heads(node.domain, node.norm)
+
+
 def part_axes(node: ir.MatMulRotary, part: ir.Pointwise) -> HeadAxes:
     """Where ``part``'s dims lie in the projection's output (the rule checked that they do)."""
-    load = next(load for load in loads(part) if load.buffer == node.source.buffer.name)
-    return head_axes(node.domain, node.source, load, node.head_dim)
+    load = next(load for load in loads(part) if load.buffer == rotated(node).buffer.name)
+    return head_axes(node.domain, rotated(node), load, node.head_dim)
 
 
 def head_pattern(buffer: str, layout: ir.Layout, axes: HeadAxes, width: int, heads: bool = True) -> AccessPattern:
@@ -76,6 +83,7 @@ class RowOperands:
     first: str
     tiles: dict[str, str] = dataclasses.field(default_factory=dict)  # HBM pattern -> the list of tiles' name
     group_tiles: list[str] = dataclasses.field(default_factory=list)
+    once: list[str] = dataclasses.field(default_factory=list)  # lines before the loops (a per-head norm's weight)
 
     def ref(self, load: ir.Load, source: AccessPattern, width: int, lines: list[str]) -> Ref:
         """The view ``load`` is read through; the DMA filling its tile appended to ``lines`` the first time."""
@@ -127,10 +135,10 @@ def part_lines(node: ir.MatMulRotary, part: ir.Pointwise, value: str, n_tile: in
                       unexpected)
     first_loads: list[str] = []
     for load in loads(part):
-        if load.buffer == node.source.buffer.name:
-            column = head_axes(node.domain, node.source, load, node.head_dim).column
+        if load.buffer == rotated(node).buffer.name:
+            column = head_axes(node.domain, rotated(node), load, node.head_dim).column
             view = heads_view(value, n_tile, node.head_dim, width, column)
-            bind_load(scope, load, Ref(tile=value, dtype=node.source.buffer.dtype, view=view))
+            bind_load(scope, load, Ref(tile=value, dtype=load.dtype, view=view))
         else:
             pattern = head_pattern(load.buffer, load.layout, axes, width, heads=False)
             bind_load(scope, load, operands.ref(load, pattern, width, first_loads))
@@ -151,16 +159,49 @@ def part_lines(node: ir.MatMulRotary, part: ir.Pointwise, value: str, n_tile: in
                          f"src={tile})")
 
 
+def head_norm_plan(node: ir.MatMulRotary, plan: TilePlan) -> TilePlan:
+    """The per-head norm's plan for one N tile of one row block: the projection's loops and row tiles, the tile's
+    heads as rows beside each other on a partition (``grouped_rows``), each head's columns the reduced row."""
+    heads, rank = plan.free[0].tile // node.head_dim, len(node.norm.domain)
+    free = (LoopDim(heads, rank - 2, 1, heads), LoopDim(node.head_dim, rank - 1, 1, node.head_dim))
+    return TilePlan("reduction", plan.outer, plan.partition, free, 0, grouped_rows=True)
+
+
+def head_norm_lines(node: ir.MatMulRotary, plan: TilePlan, value: str, operands: RowOperands, lines: list[str],
+                    allocator: TileAllocator) -> str:
+    """The per-head norm of this N tile's heads (the reduction kind's row body, reading ``value``, the rounded
+    product, where the norm kernel loads it), its normed heads computed into a tile, whose name it returns. The
+    norm's loads count heads in ``cols``, which the tile's columns get back after it (the rule asks for whole
+    tiles of heads)."""
+    norm = dataclasses.replace(node.norm, row_stores=())
+    on_chip = tuple((load, value) for expr in kind_of(norm).exprs(norm) for load in ir.loads_of(expr)
+                    if load.buffer == node.source.buffer.name)
+    normed = node.norm.row_stores[0]
+    norm_plan = head_norm_plan(node, plan)
+    body = reduction_body(norm, norm_plan, allocator, Patterns(norm_plan),
+                          operands=((normed.expr, normed.buffer.dtype),), on_chip=tuple(dict.fromkeys(on_chip)))
+    operands.once += body.once
+    lines += [f"# {node.norm.name}: each head's RMSNorm, the heads {norm_plan.free[0].size} rows per partition",
+              f"cols = {norm_plan.free[0].size}"]
+    for walk, after in body.passes:
+        lines += walk + after
+    lines.append(f"cols = {plan.free[0].tile}")
+    return body.operands[0]
+
+
 def rotary_epilogue(node: ir.MatMulRotary, plan: TilePlan, operands: RowOperands, scope: TileScope,
                     lines: list[str]) -> None:
     """An N tile's epilogue lines after the projection's other stores: the product rounded as it is stored (and
-    stored, when something else reads it), then every part of the rotary on the tile's heads, each part's values
-    copied (on ScalarE, which only evacuates PSUM here) into the tile of their buffer's whole heads."""
+    stored, when something else reads it), its heads normed (``norm``), then every part of the rotary on the
+    tile's heads, each part's values copied (on ScalarE, which only evacuates PSUM here) into the tile of their
+    buffer's whole heads."""
     value = stored_tile(node.source.buffer.dtype, emit(node.source.expr, scope, lines), scope, lines)
     free = [(plan.free[0], "cols")]
     if node.store_source:
         destination = Patterns(plan).hbm(node.source.buffer.name, node.source.layout, free, True)
         lines.append(f"nisa.dma_copy(dst={destination}, src={value}{scope.slice_text})")
+    if node.norm is not None:
+        value = head_norm_lines(node, plan, value, operands, lines, scope.allocator)
     lines += [f"# the rotary on this tile's heads of {node.head_dim}: rotate_half reads the same tile",
               f"h0 = f0 // {node.head_dim}", f"heads = cols // {node.head_dim}"]
     whole = whole_heads(node)
@@ -187,10 +228,15 @@ def rotary_bytes(node: ir.MatMulRotary, n_tile: int, partitions: int) -> int:
     tiles, emitted into a scratch allocator (cos and sin: a few hundred bytes per row block, not counted)."""
     scratch = TileAllocator(partitions)
     operands = RowOperands(scratch, "0")
+    value = "value"
+    if node.norm is not None:
+        plan = TilePlan("matmul", (), LoopDim(partitions, len(node.domain) - 2, 1, partitions),
+                        (LoopDim(n_tile, len(node.domain) - 1, 1, n_tile),), 0)
+        value = head_norm_lines(node, plan, value, operands, [], scratch)
     assembled = {buffer: (scratch.new(f"{buffer}_heads", n_tile, stored_dtype(node, buffer)), layout.offset)
                  for buffer, layout in whole_heads(node).items()}
     for part in node.rotary.parts:
-        part_lines(node, part, "value", n_tile, operands, assembled, [])
+        part_lines(node, part, value, n_tile, operands, assembled, [])
     return scratch.sbuf_bytes + n_tile * ir.ITEMSIZE[node.source.buffer.dtype]
 
 
@@ -208,6 +254,9 @@ def plan_matmul_rotary(node: ir.MatMulRotary, target) -> TilePlan:
                           f"beside its tiles ({reserved} B per partition) on {target.name}")
     if plan.free[0].tile % node.head_dim:
         raise TilingError(f"{node.name}: N tiles of {plan.free[0].tile} columns cut heads of {node.head_dim}")
+    if node.norm is not None and node.domain[-1] % plan.free[0].tile:
+        raise TilingError(f"{node.name}: N={node.domain[-1]} is not a whole number of {plan.free[0].tile}-column "
+                          f"tiles, which the per-head norm's rows per partition need")
     return plan
 
 
@@ -217,7 +266,7 @@ def render_matmul_rotary(node: ir.MatMulRotary, plan: TilePlan, name: str, param
     inner = node.matmul  # the product the rotary reads is stored by its epilogue
     context = kind_of(inner).epilogue_context(
         inner, plan, allocator, lambda scope, lines: rotary_epilogue(node, plan, operands, scope, lines))
-    context.update(group_tiles=context["group_tiles"] + operands.group_tiles)
+    context.update(group_tiles=context["group_tiles"] + operands.group_tiles, once=context["once"] + operands.once)
     return render_template("matmul_resident.py.j2", **kernel_context(node, plan, name, parameters, **context))
 
 
@@ -234,7 +283,8 @@ class MatMulRotaryKind(KernelKind):
         def on_chip(leaf):
             return node.source.expr if isinstance(leaf, ir.Load) and leaf.buffer == node.source.buffer.name else leaf
 
-        rotary = [ir.map_leaves(expr, on_chip) for expr in kind_of(node.rotary).exprs(node.rotary)]
+        norm = [] if node.norm is None else kind_of(node.norm).exprs(node.norm)
+        rotary = [ir.map_leaves(expr, on_chip) for expr in kind_of(node.rotary).exprs(node.rotary) + norm]
         return kind_of(node.matmul).exprs(node.matmul) + [node.source.expr] + rotary
 
     def operand_loads(self, node):
@@ -243,15 +293,18 @@ class MatMulRotaryKind(KernelKind):
     def map_exprs(self, node, fn):
         return dataclasses.replace(node, matmul=kind_of(node.matmul).map_exprs(node.matmul, fn),
                                    source=dataclasses.replace(node.source, expr=fn(node.source.expr)),
-                                   rotary=kind_of(node.rotary).map_exprs(node.rotary, fn))
+                                   rotary=kind_of(node.rotary).map_exprs(node.rotary, fn),
+                                   norm=None if node.norm is None else kind_of(node.norm).map_exprs(node.norm, fn))
 
     def describe(self, node):
         matmul = describe(as_matmul(node)).split("\n")
         stored = " (also stored)" if node.store_source else ""
         rotary = ["  " + line for line in describe(node.rotary).split("\n")]
+        norm = [] if node.norm is None else ["  each head normed first:"] + [
+            "  " + line for line in describe(node.norm).split("\n")]
         return "\n".join([f"{matmul[0]} with a rotary epilogue", *matmul[1:],
                           f"  {node.source.buffer.name} = {node.source.expr} kept on chip{stored}, heads of "
-                          f"{node.head_dim}, then rotated:", *rotary])
+                          f"{node.head_dim}", *norm, "  then rotated:", *rotary])
 
     def prune(self, node, needed):
         matmul = kind_of(node.matmul).prune(node.matmul, needed)

@@ -145,11 +145,11 @@ class NormedMatMulKind(KernelKind):
         stores = tuple(store for store in node.stores if store.buffer.name in needed)
         return dataclasses.replace(node, stores=stores, norm=norm)
 
-    def rotary_epilogue_reason(self, producer, consumer):
-        return rotary_epilogue_rule.rotary_epilogue_reason(producer, consumer)
+    def rotary_epilogue_reason(self, producer, consumer, norm=None):
+        return rotary_epilogue_rule.rotary_epilogue_reason(producer, consumer, norm)
 
-    def merge_rotary_epilogue(self, producer, consumer, store_source):
-        return rotary_epilogue_rule.merge_rotary_epilogue(producer, consumer, store_source)
+    def merge_rotary_epilogue(self, producer, consumer, store_source, norm=None):
+        return rotary_epilogue_rule.merge_rotary_epilogue(producer, consumer, store_source, norm)
 
     def epilogue_context(self, node, plan, allocator, more_epilogue):
         """The template entries with ``more_epilogue`` in each tile's epilogue (kinds/matmul_rotary.py)."""

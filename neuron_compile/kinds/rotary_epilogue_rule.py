@@ -20,6 +20,7 @@ import dataclasses
 
 from neuron_compile import ir
 from neuron_compile.kind_registry import kind_of, loads
+from neuron_compile.kinds.matmul_row_norm import NORM_OPS
 
 # The N tiles a resident matmul takes (kinds/matmul.py ``plan_streamed_moving``): a head must divide each
 N_TILES = (128, 256, 512)
@@ -84,23 +85,23 @@ def source_store(matmul, rotary: ir.Concat) -> ir.Store | None:
     return written[0] if len(written) == 1 else None
 
 
-def _part_reason(part: ir.Pointwise, matmul, source: ir.Store, head_dim: int) -> str | None:
-    written = {store.buffer.name for store in kind_of(matmul).stores(matmul)}
+def _part_reason(part: ir.Pointwise, domain: tuple[int, ...], rotated: ir.Store, written: set[str], owner: str,
+                 head_dim: int) -> str | None:
     axes = set()
     for load in loads(part):
-        if load.buffer == source.buffer.name:
-            found = head_axes(matmul.domain, source, load, head_dim)
+        if load.buffer == rotated.buffer.name:
+            found = head_axes(domain, rotated, load, head_dim)
             if found is None:
                 return (f"{part.name} reads {load.buffer} through {load.layout}, which is not the rows, heads of "
-                        f"{head_dim} and columns within one head of {matmul.name}'s output")
+                        f"{head_dim} and columns within one head of {owner}'s output")
             axes.add(dataclasses.replace(found, column=0))
         elif load.buffer in written:
-            return f"{part.name} reads {load.buffer}, another output of {matmul.name}"
+            return f"{part.name} reads {load.buffer}, another output of {owner}"
     if len(axes) != 1:
-        return f"{part.name} reads {source.buffer.name} along different axes (or not at all)"
+        return f"{part.name} reads {rotated.buffer.name} along different axes (or not at all)"
     heads = next(iter(axes)).heads
     for load in loads(part):
-        if load.buffer != source.buffer.name and heads is not None and load.layout.strides[heads] != 0:
+        if load.buffer != rotated.buffer.name and heads is not None and load.layout.strides[heads] != 0:
             return f"{part.name} reads {load.buffer} differently for each head (a rotary's cos and sin are not)"
     for store in part.stores:  # an iota's layout is an access layout that no load reads through
         iotas = set(ir.access_layouts(store.expr)) - {load.layout for load in ir.loads_of(store.expr)}
@@ -109,34 +110,88 @@ def _part_reason(part: ir.Pointwise, matmul, source: ir.Store, head_dim: int) ->
     return None
 
 
-def rotary_epilogue_reason(matmul, rotary) -> str | None:
-    """None if the concat ``rotary``, a later kernel, may run in ``matmul``'s epilogue on its output tiles."""
+def rotated_head_dim(domain: tuple[int, ...], rotated: ir.Store, rotary: ir.Concat) -> int:
+    """The head width the rotary's first read of ``rotated`` implies."""
+    first = next(load for part in rotary.parts for load in loads(part) if load.buffer == rotated.buffer.name)
+    return head_dim_of(domain, rotated, first)
+
+
+def normed_heads(domain: tuple[int, ...], norm: ir.Reduction) -> ir.Store | None:
+    """The per-head norm's one row store (the normed heads, over [*batch, M, heads, head_dim]) restated over the
+    matmul's [*batch, M, N], or None when its heads are not laid out one after the other."""
+    if len(norm.row_stores) != 1:
+        return None
+    store = norm.row_stores[0]
+    *outer, heads_stride, within = store.layout.strides
+    if heads_stride != within * norm.domain[-1] and norm.domain[-2] > 1:
+        return None
+    return dataclasses.replace(store, layout=ir.Layout(tuple(domain), (*outer, within), store.layout.offset))
+
+
+def head_norm_reason(matmul, source: ir.Store, norm) -> str | None:
+    """None if ``norm`` is an RMSNorm over each head of ``source`` (Qwen3's and Gemma3's q / k norms) whose normed
+    heads only the rotary reads: the rotary's epilogue computes it first, on the tile's heads."""
+    if not isinstance(norm, ir.Reduction):
+        return f"{norm.name} is a {type(norm).__name__}, not a per-head norm"
+    *rows, n = matmul.domain
+    if norm.op not in NORM_OPS or not ir.is_square(norm.prologue):
+        return f"{norm.name} is a {norm.op} of other values than squares, not an RMSNorm's"
+    head_dim = norm.domain[-1]
+    if norm.domain != (*rows, n // head_dim, head_dim) or n % head_dim or norm.reduce_dims != (len(rows) + 1,):
+        return f"{norm.name} (domain {list(norm.domain)} over {list(norm.reduce_dims)}) is not a norm of each head"
+    restated = ir.refine_layout(source.layout, norm.domain)
+    reads = [load for expr in kind_of(norm).exprs(norm) for load in ir.loads_of(expr)
+             if load.buffer == source.buffer.name]
+    if restated is None or any(not ir.same_index_map(load.layout, restated) for load in reads):
+        return f"{norm.name} reads {source.buffer.name} through a view that changes the index map"
+    if norm.stores or normed_heads(matmul.domain, norm) is None:
+        return f"{norm.name} stores its statistics, or its normed heads are not laid out as the product"
+    if n > max(N_TILES) and n % max(N_TILES):
+        return f"{norm.name}'s heads: N={n} is not a whole number of {max(N_TILES)}-column tiles"
+    if any(ir.draws_random(expr) for expr in kind_of(norm).exprs(norm)):
+        return f"{norm.name} draws random numbers"
+    return None
+
+
+def rotary_epilogue_reason(matmul, rotary, norm=None) -> str | None:
+    """None if the concat ``rotary``, a later kernel, may run in ``matmul``'s epilogue on its output tiles (after
+    ``norm``, a per-head norm between them, when given)."""
     if not isinstance(rotary, ir.Concat):
         return f"a matmul's rotary epilogue is a concat, not a {type(rotary).__name__}"
     if getattr(matmul, "shifts", ()):
         return f"{matmul.name} is an implicit GEMM"
     if rotary.in_place:
         return f"{rotary.name} is assembled in place"
-    source = source_store(matmul, rotary)
+    source = source_store(matmul, rotary if norm is None else norm)
     if source is None or source not in matmul.stores:
-        return f"{rotary.name} does not read exactly one of {matmul.name}'s product stores"
-    first = next(load for part in rotary.parts for load in loads(part) if load.buffer == source.buffer.name)
-    head_dim = head_dim_of(matmul.domain, source, first)
+        return f"{(rotary if norm is None else norm).name} does not read exactly one of {matmul.name}'s product stores"
+    written = {store.buffer.name for store in kind_of(matmul).stores(matmul)}
+    rotated = source
+    if norm is not None:
+        reason = head_norm_reason(matmul, source, norm)
+        if reason is not None:
+            return reason
+        rotated = normed_heads(matmul.domain, norm)
+        written |= {store.buffer.name for store in kind_of(norm).stores(norm)}
+    head_dim = rotated_head_dim(matmul.domain, rotated, rotary)
     n = matmul.domain[-1]
     if n % head_dim or (n > min(N_TILES) and any(tile % head_dim for tile in N_TILES)):
         return (f"head_dim {head_dim} does not divide {matmul.name}'s N tiles ({', '.join(map(str, N_TILES))} "
                 f"columns of N={n}), so a tile would cut a head")
+    if norm is not None and head_dim != norm.domain[-1]:
+        return f"{rotary.name}'s heads of {head_dim} are not {norm.name}'s of {norm.domain[-1]}"
     for part in rotary.parts:
-        reason = _part_reason(part, matmul, source, head_dim)
+        reason = _part_reason(part, matmul.domain, rotated, written - {rotated.buffer.name}, matmul.name, head_dim)
         if reason is not None:
             return reason
     return None
 
 
-def merge_rotary_epilogue(matmul, rotary: ir.Concat, store_source: bool) -> ir.MatMulRotary:
-    """``matmul`` computing ``rotary`` on its tiles; ``store_source``: the product still goes to HBM."""
-    source = source_store(matmul, rotary)
-    first = next(load for part in rotary.parts for load in loads(part) if load.buffer == source.buffer.name)
+def merge_rotary_epilogue(matmul, rotary: ir.Concat, store_source: bool, norm=None) -> ir.MatMulRotary:
+    """``matmul`` computing ``rotary`` (after ``norm``) on its tiles; ``store_source``: the product still goes to
+    HBM."""
+    source = source_store(matmul, rotary if norm is None else norm)
+    rotated = source if norm is None else normed_heads(matmul.domain, norm)
     others = tuple(store for store in matmul.stores if store.buffer.name != source.buffer.name)
     return ir.MatMulRotary(matmul.name, dataclasses.replace(matmul, stores=others), source, store_source, rotary,
-                           head_dim_of(matmul.domain, source, first))
+                           rotated_head_dim(matmul.domain, rotated, rotary), norm)

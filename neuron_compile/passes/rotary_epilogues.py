@@ -32,38 +32,65 @@ def fold_rotary_epilogues(kernels: list[ir.Node], region_outputs: set[str], deci
     return kernels
 
 
-def _projection(rotary: ir.Node, kernels: list[ir.Node]) -> ir.Node | None:
-    """The latest kernel before ``rotary`` that writes something it reads and takes rotary epilogues."""
-    before = kernels[:kernels.index(rotary)]
-    return next((kernel for kernel in reversed(before) if _writers(kernel) & _reads(rotary)
+def _latest_projection(reader: ir.Node, kernels: list[ir.Node]) -> ir.Node | None:
+    """The latest kernel before ``reader`` that writes something it reads and takes rotary epilogues."""
+    before = kernels[:kernels.index(reader)]
+    return next((kernel for kernel in reversed(before) if _writers(kernel) & _reads(reader)
                  and kinds.kind_of(kernel).takes_rotary_epilogue), None)
 
 
-def _placement_reason(rotary: ir.Node, projection: ir.Node, kernels: list[ir.Node]) -> str | None:
-    """None if no kernel between ``projection`` and ``rotary`` reads what the projection writes (the merged kernel
-    takes the rotary's place)."""
-    between = kernels[kernels.index(projection) + 1:kernels.index(rotary)]
+def _projection(rotary: ir.Node, kernels: list[ir.Node]) -> tuple[ir.Node | None, ir.Node | None]:
+    """(the projection whose output ``rotary`` rotates, the kernel between them norming each head or None): the
+    latest kernel before it taking rotary epilogues that writes what it reads, else the latest that writes what a
+    writer of its reads reads (Qwen3's q norm between q's projection and its rotary)."""
+    projection = _latest_projection(rotary, kernels)
+    if projection is not None:
+        return projection, None
+    before = kernels[:kernels.index(rotary)]
+    for norm in reversed(before):
+        if _writers(norm) & _reads(rotary) and not kinds.kind_of(norm).takes_rotary_epilogue:
+            projection = _latest_projection(norm, kernels)
+            if projection is not None:
+                return projection, norm
+    return None, None
+
+
+def _placement_reason(rotary: ir.Node, projection: ir.Node, norm: ir.Node | None, kernels: list[ir.Node],
+                      region_outputs: set[str]) -> str | None:
+    """None if no kernel between ``projection`` and ``rotary`` (but ``norm``) reads what the projection writes (the
+    merged kernel takes the rotary's place), and nothing but the rotary reads the normed heads."""
+    between = [kernel for kernel in kernels[kernels.index(projection) + 1:kernels.index(rotary)] if kernel is not norm]
     early = [kernel.name for kernel in between if _writers(projection) & _reads(kernel)]
-    return f"{', '.join(early)} read {projection.name}'s outputs before {rotary.name}" if early else None
+    if early:
+        return f"{', '.join(early)} read {projection.name}'s outputs before {rotary.name}"
+    if norm is None:
+        return None
+    normed = _writers(norm)
+    elsewhere = [kernel.name for kernel in kernels if kernel is not rotary and normed & _reads(kernel)]
+    if elsewhere or normed & region_outputs:
+        return f"{norm.name}'s normed heads are read outside {rotary.name}"
+    return None
 
 
 def _fold(rotary: ir.Node, kernels: list[ir.Node], region_outputs: set[str], decisions: list[str],
           fits) -> list[ir.Node]:
-    projection = _projection(rotary, kernels)
+    projection, norm = _projection(rotary, kernels)
     if projection is None:
         return kernels
     kind = kinds.kind_of(projection)
-    reason = kind.rotary_epilogue_reason(projection, rotary) or _placement_reason(rotary, projection, kernels)
+    reason = kind.rotary_epilogue_reason(projection, rotary, norm) or _placement_reason(
+        rotary, projection, norm, kernels, region_outputs)
     merged = None
     if reason is None:
-        rotated = _writers(projection) & _reads(rotary)
-        others = [kernel for kernel in kernels if kernel is not projection and kernel is not rotary]
+        rotated = _writers(projection) & _reads(norm or rotary)
+        others = [kernel for kernel in kernels if kernel not in (projection, norm, rotary)]
         store_source = bool(rotated & region_outputs) or any(rotated & _reads(other) for other in others)
-        merged = kind.merge_rotary_epilogue(projection, rotary, store_source)
+        merged = kind.merge_rotary_epilogue(projection, rotary, store_source, norm)
         if fits is not None and not fits(merged):
             reason = "the projection rotating its heads would not fit the target's SBUF"
-    decisions.append(f"{rotary.name} in {projection.name}'s epilogue (a rotary): "
+    through = "" if norm is None else f" through {norm.name}"
+    decisions.append(f"{rotary.name} in {projection.name}'s epilogue{through} (a rotary): "
                      + ("fused" if reason is None else reason))
     if reason is not None:
         return kernels
-    return [merged if kernel is rotary else kernel for kernel in kernels if kernel is not projection]
+    return [merged if kernel is rotary else kernel for kernel in kernels if kernel not in (projection, norm)]
