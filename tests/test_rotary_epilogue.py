@@ -51,13 +51,18 @@ def rms_norm(x, weight):
     return weight * (x.float() * torch.rsqrt(variance + 1e-6)).to(x.dtype)
 
 
-def normed_rotated_projections(heads: int, kv_heads: int, head_dim: int, normed_k_too: bool = False):
+def normed_rotated_projections(heads: int, kv_heads: int, head_dim: int, normed_k_too: bool = False,
+                               transposed: bool = False):
     """Qwen3's attention up to the scores: q and k normed per head (an RMSNorm over head_dim) before the rotary;
-    ``normed_k_too``: the normed k is returned as well."""
+    ``normed_k_too``: the normed k is returned as well; ``transposed``: normed after the heads' transpose, over
+    [batch, heads, seq, head_dim], with a (1 + weight) (Gemma3's)."""
+    def norm(x, weight):
+        return rms_norm(x.transpose(1, 2), 1 + weight) if transposed else rms_norm(x, weight).transpose(1, 2)
+
     def fn(x, wq, wk, positions, inv_freq, q_weight, k_weight):
         batch, seq, _ = x.shape
-        q = rms_norm((x @ wq).view(batch, seq, heads, head_dim), q_weight).transpose(1, 2)
-        k = rms_norm((x @ wk).view(batch, seq, kv_heads, head_dim), k_weight).transpose(1, 2)
+        q = norm((x @ wq).view(batch, seq, heads, head_dim), q_weight)
+        k = norm((x @ wk).view(batch, seq, kv_heads, head_dim), k_weight)
         cos, sin = cos_sin(positions, inv_freq, x.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         rotated = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -142,17 +147,19 @@ def _norm_weights(head_dim, dtype):
 
 @settings(max_examples=6, deadline=None)
 @given(seq=st.sampled_from([1, 127, 128, 129, 300]), head_dim=st.sampled_from([64, 128]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_a_per_head_norm_and_the_rotary_in_the_projections_match_eager(seq, head_dim, dtype):
-    """Qwen3's q / k norms: each head's RMSNorm on the tile's heads, then the rotary, the normed heads on chip."""
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), transposed=st.booleans())
+def test_a_per_head_norm_and_the_rotary_in_the_projections_match_eager(seq, head_dim, dtype, transposed):
+    """Qwen3's and Gemma3's q / k norms: each head's RMSNorm on the tile's heads, then the rotary, the normed heads
+    on chip."""
     inputs = _inputs(seq, 8, 2, head_dim, dtype, first_position=5) + _norm_weights(head_dim, dtype)
-    region = check_against_eager(normed_rotated_projections(8, 2, head_dim), *inputs)
+    region = check_against_eager(normed_rotated_projections(8, 2, head_dim, transposed=transposed), *inputs)
     decisions = _rotary_decisions(region.fusion_decisions)
     assert [decision.endswith(": fused") and " through " in decision for decision in decisions] == [True, True]
 
 
-def test_the_per_head_norm_in_the_projection_gives_the_separate_kernels(monkeypatch):
-    fn = normed_rotated_projections(8, 2, 64)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_per_head_norm_in_the_projection_gives_the_separate_kernels(monkeypatch, transposed):
+    fn = normed_rotated_projections(8, 2, 64, transposed=transposed)
     inputs = _inputs(129, 8, 2, 64, torch.bfloat16) + _norm_weights(64, torch.bfloat16)
     _, fused = compile_and_run(fn, *inputs)
     monkeypatch.setattr(fusion, "fold_rotary_epilogues", lambda kernels, *args: kernels)

@@ -34,7 +34,7 @@ from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_
 from neuron_compile.kind_registry import KernelKind, describe, kind_of, loads, register_kind
 from neuron_compile.dims import LoopDim
 from neuron_compile.kinds.reduction import reduction_body
-from neuron_compile.kinds.rotary_epilogue_rule import HeadAxes, head_axes, normed_heads
+from neuron_compile.kinds.rotary_epilogue_rule import HeadAxes, head_axes, norm_axes, normed_heads
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import TilePlan, TilingError
 
@@ -47,7 +47,7 @@ def as_matmul(node: ir.MatMulRotary):
 
 def rotated(node: ir.MatMulRotary) -> ir.Store:
     """The store the rotary reads: the product's, or the per-head norm's normed heads (over the product's domain)."""
-    return node.source if node.norm is None else normed_heads(node.domain, node.norm)
+    return node.source if node.norm is None else normed_heads(node.domain, node.source, node.norm)
 
 
 def part_axes(node: ir.MatMulRotary, part: ir.Pointwise) -> HeadAxes:
@@ -162,9 +162,12 @@ def part_lines(node: ir.MatMulRotary, part: ir.Pointwise, value: str, n_tile: in
 def head_norm_plan(node: ir.MatMulRotary, plan: TilePlan) -> TilePlan:
     """The per-head norm's plan for one N tile of one row block: the projection's loops and row tiles, the tile's
     heads as rows beside each other on a partition (``grouped_rows``), each head's columns the reduced row."""
-    heads, rank = plan.free[0].tile // node.head_dim, len(node.norm.domain)
-    free = (LoopDim(heads, rank - 2, 1, heads), LoopDim(node.head_dim, rank - 1, 1, node.head_dim))
-    return TilePlan("reduction", plan.outer, plan.partition, free, 0, grouped_rows=True)
+    heads, axes = plan.free[0].tile // node.head_dim, norm_axes(node.domain, node.source, node.norm)
+    batch = {matmul_dim: dim for dim, matmul_dim in axes.batch}
+    outer = tuple(LoopDim(dim.size, batch.get(index), 1, 1) for index, dim in enumerate(plan.outer))
+    partition = LoopDim(plan.partition.size, axes.rows, 1, plan.partition.tile)
+    free = (LoopDim(heads, axes.heads, 1, heads), LoopDim(node.head_dim, axes.within, 1, node.head_dim))
+    return TilePlan("reduction", outer, partition, free, 0, grouped_rows=True)
 
 
 def head_norm_lines(node: ir.MatMulRotary, plan: TilePlan, value: str, operands: RowOperands, lines: list[str],

@@ -116,16 +116,35 @@ def rotated_head_dim(domain: tuple[int, ...], rotated: ir.Store, rotary: ir.Conc
     return head_dim_of(domain, rotated, first)
 
 
-def normed_heads(domain: tuple[int, ...], norm: ir.Reduction) -> ir.Store | None:
-    """The per-head norm's one row store (the normed heads, over [*batch, M, heads, head_dim]) restated over the
-    matmul's [*batch, M, N], or None when its heads are not laid out one after the other."""
-    if len(norm.row_stores) != 1:
+def norm_axes(domain: tuple[int, ...], source: ir.Store, norm: ir.Reduction) -> HeadAxes | None:
+    """Where a per-head norm's dims lie in the product (``HeadAxes``, the same for each of its reads of ``source``),
+    its reduced last dim a whole head's columns; None otherwise. Qwen3 norms [batch, seq, heads, head_dim], Gemma3
+    the transposed [batch, heads, seq, head_dim]."""
+    reads = {load for expr in kind_of(norm).exprs(norm) for load in ir.loads_of(expr)
+             if load.buffer == source.buffer.name}
+    found = {head_axes(domain, source, load, norm.domain[-1]) for load in reads}
+    axes = found.pop() if len(found) == 1 else None
+    if axes is None or axes.column != 0 or (norm.domain[-1] > 1 and axes.within != len(norm.domain) - 1):
+        return None
+    return axes
+
+
+def normed_heads(domain: tuple[int, ...], source: ir.Store, norm: ir.Reduction) -> ir.Store | None:
+    """The per-head norm's one row store (the normed heads) restated over the matmul's [*batch, M, N], or None when
+    its heads are not laid out one after the other."""
+    axes = norm_axes(domain, source, norm)
+    if axes is None or len(norm.row_stores) != 1:
         return None
     store = norm.row_stores[0]
-    *outer, heads_stride, within = store.layout.strides
-    if heads_stride != within * norm.domain[-1] and norm.domain[-2] > 1:
+
+    def stride(dim: int | None) -> int:
+        return 0 if dim is None else store.layout.strides[dim]
+
+    if axes.heads is not None and stride(axes.heads) != stride(axes.within) * norm.domain[-1]:
         return None
-    return dataclasses.replace(store, layout=ir.Layout(tuple(domain), (*outer, within), store.layout.offset))
+    batch = {matmul_dim: dim for dim, matmul_dim in axes.batch}
+    strides = (*(stride(batch.get(i)) for i in range(len(domain) - 2)), stride(axes.rows), stride(axes.within))
+    return dataclasses.replace(store, layout=ir.Layout(tuple(domain), strides, store.layout.offset))
 
 
 def head_norm_reason(matmul, source: ir.Store, norm) -> str | None:
@@ -133,18 +152,14 @@ def head_norm_reason(matmul, source: ir.Store, norm) -> str | None:
     heads only the rotary reads: the rotary's epilogue computes it first, on the tile's heads."""
     if not isinstance(norm, ir.Reduction):
         return f"{norm.name} is a {type(norm).__name__}, not a per-head norm"
-    *rows, n = matmul.domain
+    n = matmul.domain[-1]
     if norm.op not in NORM_OPS or not ir.is_square(norm.prologue):
         return f"{norm.name} is a {norm.op} of other values than squares, not an RMSNorm's"
-    head_dim = norm.domain[-1]
-    if norm.domain != (*rows, n // head_dim, head_dim) or n % head_dim or norm.reduce_dims != (len(rows) + 1,):
-        return f"{norm.name} (domain {list(norm.domain)} over {list(norm.reduce_dims)}) is not a norm of each head"
-    restated = ir.refine_layout(source.layout, norm.domain)
-    reads = [load for expr in kind_of(norm).exprs(norm) for load in ir.loads_of(expr)
-             if load.buffer == source.buffer.name]
-    if restated is None or any(not ir.same_index_map(load.layout, restated) for load in reads):
-        return f"{norm.name} reads {source.buffer.name} through a view that changes the index map"
-    if norm.stores or normed_heads(matmul.domain, norm) is None:
+    if norm.reduce_dims != (len(norm.domain) - 1,) or n % norm.domain[-1] or norm_axes(
+            matmul.domain, source, norm) is None:
+        return (f"{norm.name} (domain {list(norm.domain)} over {list(norm.reduce_dims)}) is not a norm of each "
+                f"head of {source.buffer.name}")
+    if norm.stores or normed_heads(matmul.domain, source, norm) is None:
         return f"{norm.name} stores its statistics, or its normed heads are not laid out as the product"
     if n > max(N_TILES) and n % max(N_TILES):
         return f"{norm.name}'s heads: N={n} is not a whole number of {max(N_TILES)}-column tiles"
@@ -171,7 +186,7 @@ def rotary_epilogue_reason(matmul, rotary, norm=None) -> str | None:
         reason = head_norm_reason(matmul, source, norm)
         if reason is not None:
             return reason
-        rotated = normed_heads(matmul.domain, norm)
+        rotated = normed_heads(matmul.domain, source, norm)
         written |= {store.buffer.name for store in kind_of(norm).stores(norm)}
     head_dim = rotated_head_dim(matmul.domain, rotated, rotary)
     n = matmul.domain[-1]
@@ -191,7 +206,7 @@ def merge_rotary_epilogue(matmul, rotary: ir.Concat, store_source: bool, norm=No
     """``matmul`` computing ``rotary`` (after ``norm``) on its tiles; ``store_source``: the product still goes to
     HBM."""
     source = source_store(matmul, rotary if norm is None else norm)
-    rotated = source if norm is None else normed_heads(matmul.domain, norm)
+    rotated = source if norm is None else normed_heads(matmul.domain, source, norm)
     others = tuple(store for store in matmul.stores if store.buffer.name != source.buffer.name)
     return ir.MatMulRotary(matmul.name, dataclasses.replace(matmul, stores=others), source, store_source, rotary,
                            rotated_head_dim(matmul.domain, rotated, rotary), norm)
