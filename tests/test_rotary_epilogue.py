@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from lowering_harness import check_against_eager, compile_and_run, random_tensor, trace
 from neuron_compile import ir
 from neuron_compile.hardware import get_target
+from neuron_compile.kinds.matmul_rotary import whole_heads
 from neuron_compile.lowering import lower_graph
 from neuron_compile.passes import fusion
 from neuron_compile.passes.fusion import fuse
@@ -88,6 +89,7 @@ def _fused(fn, *inputs):
     return fuse(lowered.nodes, {value.buffer for value in lowered.outputs}, target=get_target("trn2"))
 
 
+@pytest.mark.slow  # ~10 s an example; the fused / separate and layout tests below are the fast smoke tests
 @settings(max_examples=10, deadline=None)
 @given(seq=st.sampled_from([1, 127, 128, 129, 300]), head_dim=st.sampled_from([64, 128]),
        heads=st.sampled_from([1, 3, 8, 12]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
@@ -132,6 +134,21 @@ def test_a_projection_read_elsewhere_is_still_stored():
     assert [d.endswith(": fused") for d in _rotary_decisions(region.fusion_decisions)] == [True, True]
 
 
+def test_heads_stored_in_another_layout_are_stored_part_by_part():
+    """q and k made contiguous over [batch, heads, seq, head_dim]: the rotated heads are not laid out as the product,
+    so each part goes to HBM through its own access pattern."""
+    rotate = rotated_projections(4, 2, 64)
+
+    def fn(x, wq, wk, positions, inv_freq):
+        return tuple(rotated.contiguous() for rotated in rotate(x, wq, wk, positions, inv_freq))
+
+    inputs = _inputs(129, 4, 2, 64, torch.float32)
+    region = check_against_eager(fn, *inputs)
+    assert [d.endswith(": fused") for d in _rotary_decisions(region.fusion_decisions)] == [True, True]
+    rotated = [kernel for kernel in _fused(fn, *inputs).kernels if isinstance(kernel, ir.MatMulRotary)]
+    assert len(rotated) == 2 and not any(whole_heads(kernel) for kernel in rotated)
+
+
 def test_heads_a_tile_would_cut_keep_the_concat_and_say_why():
     """Heads of 96 columns: 512-, 256- and 128-column N tiles would cut one; the rotary stays its own kernel."""
     fn, inputs = rotated_projections(8, 2, 96), _inputs(129, 8, 2, 96, torch.float32)
@@ -145,6 +162,7 @@ def _norm_weights(head_dim, dtype):
     return [random_tensor((head_dim,), dtype, seed=5), random_tensor((head_dim,), dtype, seed=6)]
 
 
+@pytest.mark.slow  # ~5 s an example; test_the_per_head_norm_in_the_projection_gives_the_separate_kernels is fast
 @settings(max_examples=6, deadline=None)
 @given(seq=st.sampled_from([1, 127, 128, 129, 300]), head_dim=st.sampled_from([64, 128]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), transposed=st.booleans())

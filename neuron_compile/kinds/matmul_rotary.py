@@ -8,9 +8,11 @@ in the SBUF left beside the rotary's tiles; every N tile holds whole heads (the 
 each N tile). Codegen: matmul_resident.py.j2; each N tile's epilogue, after the projection's own stores, rounds the
 product as the projection stores it and computes every concat part on the tile's heads: a part's reads of the
 product are views of that tile ([rows, heads, width] from its column within the head: rotate_half's other half is
-the same tile at +-head_dim/2), cos and sin one [rows, width] DMA each, read through a view repeating them for
-every head, and the part's value goes to HBM through its own access pattern. The same instructions on the same
-values as the concat kernel it replaces.
+the same tile at +-head_dim/2), cos and sin one [rows, width] DMA each per row block, read through a view
+repeating them for every head, and the parts' values are assembled into one tile of whole heads stored by one DMA
+(or stored part by part when their layout is not the product's). A per-head norm first (``norm``) is the reduction kind's row body on
+the tile's heads, read from the rounded product on chip. The same instructions on the same values as the kernels it
+replaces.
 """
 
 from __future__ import annotations
@@ -184,8 +186,8 @@ def head_norm_lines(node: ir.MatMulRotary, plan: TilePlan, value: str, operands:
     body = reduction_body(norm, norm_plan, allocator, Patterns(norm_plan),
                           operands=((normed.expr, normed.buffer.dtype),), on_chip=tuple(dict.fromkeys(on_chip)))
     operands.once += body.once
-    lines += [f"# {node.norm.name}: each head's RMSNorm, the heads {norm_plan.free[0].size} rows per partition",
-              f"cols = {norm_plan.free[0].size}"]
+    lines += [f"# {node.norm.name}: each head's RMSNorm, the tile's {norm_plan.free[0].size} heads as rows beside "
+              "each other on a partition (cols counts heads here)", f"cols = {norm_plan.free[0].size}"]
     for walk, after in body.passes:
         lines += walk + after
     lines.append(f"cols = {plan.free[0].tile}")

@@ -11,7 +11,10 @@ exactly one of the matmul's stores (``source``); every part reads ``source`` alo
 (``head_dim`` columns apart) and the columns within one head, from a column offset that keeps the read inside
 the head, so that an N tile of whole heads holds everything a part reads; every other load of a part is the same
 for every head (cos and sin, per position and column within the head); no part computes an index or draws random
-numbers; and ``head_dim`` divides every N tile the matmul may take (128, 256, 512 columns, or all of N).
+numbers; and ``head_dim`` divides every N tile the matmul may take (128, 256, 512 columns, or all of N). With a
+per-head norm between them (``head_norm_reason``), the norm must be a mean of squares over each head of ``source``,
+store no statistics, and N a whole number of N tiles (its heads lie several to a partition, as many per tile); the
+rotary then reads the normed heads as it would read ``source``.
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ far and the target's fit check (passes/fusion.py calls it). Output: the kernels 
 (``x * cos + rotate_half(x) * sin``, a kernel of its own since a concat takes no matmul prologue) folded into the
 latest matmul before it that writes what it rotates, when the rule allows (kinds/rotary_epilogue_rule.py; the
 kernel: kinds/matmul_rotary.py): q and k are then rotated on the projection's output tiles instead of stored and
-loaded back. The merged kernel takes the concat's place (cos and sin are written before it), so no kernel between
-the two may read what the projection writes; the projection's output still goes to HBM when another kernel reads it
-or the region returns it. Each decision, with its reason, joins the fusion decisions.
+loaded back. A per-head norm between them (Qwen3's and Gemma3's q / k RMSNorm over head_dim) goes into the same
+epilogue when the rule allows it too, and nothing else reads the normed heads. The merged kernel takes the concat's
+place (cos and sin are written before it), so no kernel between the two (but the norm) may read what the projection
+writes; the projection's output still goes to HBM when another kernel reads it or the region returns it. Each
+decision, with its reason, joins the fusion decisions.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def _fold(rotary: ir.Node, kernels: list[ir.Node], region_outputs: set[str], dec
     merged = None
     if reason is None:
         rotated = _writers(projection) & _reads(norm or rotary)
-        others = [kernel for kernel in kernels if kernel not in (projection, norm, rotary)]
+        others = [kernel for kernel in kernels if all(kernel is not taken for taken in (projection, norm, rotary))]
         store_source = bool(rotated & region_outputs) or any(rotated & _reads(other) for other in others)
         merged = kind.merge_rotary_epilogue(projection, rotary, store_source, norm)
         if fits is not None and not fits(merged):
@@ -93,4 +95,5 @@ def _fold(rotary: ir.Node, kernels: list[ir.Node], region_outputs: set[str], dec
                      + ("fused" if reason is None else reason))
     if reason is not None:
         return kernels
-    return [merged if kernel is rotary else kernel for kernel in kernels if kernel not in (projection, norm)]
+    return [merged if kernel is rotary else kernel for kernel in kernels
+            if kernel is not projection and kernel is not norm]
