@@ -149,6 +149,22 @@ def test_heads_stored_in_another_layout_are_stored_part_by_part():
     assert len(rotated) == 2 and not any(whole_heads(kernel) for kernel in rotated)
 
 
+@pytest.mark.parametrize("shared_positions", [False, True])
+def test_a_batch_of_sequences(shared_positions):
+    """Two sequences through a linear: M is batch x sequence. Positions per sequence (cos and sin [2, seq, d]) walk
+    the rows as M does: fused. Positions shared by the batch (cos and sin repeat every sequence) do not: the concat
+    stays, and the decisions say why."""
+    inputs = _inputs(24, 4, 2, 64, torch.float32)
+    inputs[0] = random_tensor((2, 24, 96), torch.float32, seed=7)
+    inputs[3] = inputs[3] if shared_positions else torch.cat([inputs[3], inputs[3] + 24])
+    region = check_against_eager(rotated_projections(4, 2, 64), *inputs)
+    decisions = _rotary_decisions(region.fusion_decisions)
+    if shared_positions:
+        assert decisions and all("do not walk its rows" in decision for decision in decisions), decisions
+    else:
+        assert [decision.endswith(": fused") for decision in decisions] == [True, True], decisions
+
+
 def test_heads_a_tile_would_cut_keep_the_concat_and_say_why():
     """Heads of 96 columns: 512-, 256- and 128-column N tiles would cut one; the rotary stays its own kernel."""
     fn, inputs = rotated_projections(8, 2, 96), _inputs(129, 8, 2, 96, torch.float32)

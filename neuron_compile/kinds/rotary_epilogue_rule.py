@@ -20,6 +20,7 @@ rotary then reads the normed heads as it would read ``source``.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from neuron_compile import ir
 from neuron_compile.kind_registry import kind_of, loads
@@ -33,13 +34,37 @@ N_TILES = (128, 256, 512)
 class HeadAxes:
     """Where a rotary part's dims lie in the matmul's output: the part dim along the rows (M), along the heads,
     along the columns within a head (None: the matmul has one of them), and (part dim, matmul batch dim) pairs;
-    ``column`` is the first column within the head a read of ``source`` starts at."""
+    ``column`` is the first column within the head a read of ``source`` starts at. ``outer_rows``: the part dims
+    that M also spans, outermost first (a linear flattens batch and sequence into M: the part's batch dim walks
+    whole sequences of rows), each one the next one's stride times its size in every layout the part uses."""
 
     rows: int | None
     heads: int | None
     within: int | None
     batch: tuple[tuple[int, int], ...]
     column: int = 0
+    outer_rows: tuple[int, ...] = ()
+
+
+def rows_dims(shape: tuple[int, ...], strides: tuple[int, ...], dims: list[int], row_stride: int,
+              m: int) -> tuple[int, ...] | None:
+    """``dims`` (of a read through ``shape`` and ``strides``) ordered as they split the matmul's M rows, outermost
+    first, when their strides chain from ``row_stride`` and their sizes multiply to ``m``; None otherwise."""
+    ordered = sorted(dims, key=lambda dim: strides[dim])
+    step = row_stride
+    for dim in ordered:
+        if strides[dim] != step:
+            return None
+        step *= shape[dim]
+    return tuple(reversed(ordered)) if math.prod(shape[dim] for dim in dims) == m else None
+
+
+def rows_merge(layout: ir.Layout, axes: HeadAxes) -> bool:
+    """Whether ``layout`` walks the part's row dims as one (each outer one's stride the next one's times its size),
+    so that a tile's partitions from ``p0`` on are equally spaced in it."""
+    dims = (*axes.outer_rows, axes.rows) if axes.rows is not None else ()
+    return all(layout.strides[outer] == layout.strides[inner] * layout.shape[inner]
+               for outer, inner in zip(dims, dims[1:]))
 
 
 def head_dim_of(matmul_domain: tuple[int, ...], source: ir.Store, load: ir.Load) -> int:
@@ -59,16 +84,25 @@ def head_axes(matmul_domain: tuple[int, ...], source: ir.Store, load: ir.Load, h
     *batch, m, n = matmul_domain
     strides = source.layout.strides
     roles: dict[str, int] = {}
+    row_candidates = []
     for dim, (size, stride) in enumerate(zip(load.layout.shape, load.layout.strides)):
         if size == 1:
             continue
         role = next((name for name, want, extent in (
-            ("heads", strides[-1] * head_dim, n // head_dim), ("within", strides[-1], None), ("rows", strides[-2], m),
+            ("heads", strides[-1] * head_dim, n // head_dim), ("within", strides[-1], None),
             *((f"batch{i}", strides[i], batch[i]) for i in range(len(batch))))
             if name not in roles and stride == want and (extent is None or size == extent)), None)
-        if role is None:
+        if role is not None:
+            roles[role] = dim
+        elif strides[-2] and stride % strides[-2] == 0 and stride > 0:
+            row_candidates.append(dim)
+        else:
             return None
-        roles[role] = dim
+    rows = rows_dims(load.layout.shape, load.layout.strides, row_candidates, strides[-2], m) if row_candidates else ()
+    if rows is None:
+        return None
+    if rows:
+        roles["rows"] = rows[-1]
     delta = load.layout.offset - source.layout.offset
     width = load.layout.shape[roles["within"]] if "within" in roles else 1
     if strides[-1] == 0 or delta % strides[-1] or not 0 <= delta // strides[-1] <= head_dim - width:
@@ -78,7 +112,7 @@ def head_axes(matmul_domain: tuple[int, ...], source: ir.Store, load: ir.Load, h
         return None  # a part covers every row, head and batch index: each N tile computes its heads' share
     return HeadAxes(roles.get("rows"), roles.get("heads"), roles.get("within"),
                     tuple((dim, int(name[5:])) for name, dim in roles.items() if name.startswith("batch")),
-                    delta // strides[-1])
+                    column=delta // strides[-1], outer_rows=rows[:-1])
 
 
 def source_store(matmul, rotary: ir.Concat) -> ir.Store | None:
@@ -102,10 +136,13 @@ def _part_reason(part: ir.Pointwise, domain: tuple[int, ...], rotated: ir.Store,
             return f"{part.name} reads {load.buffer}, another output of {owner}"
     if len(axes) != 1:
         return f"{part.name} reads {rotated.buffer.name} along different axes (or not at all)"
-    heads = next(iter(axes)).heads
+    found = next(iter(axes))
     for load in loads(part):
-        if load.buffer != rotated.buffer.name and heads is not None and load.layout.strides[heads] != 0:
+        if load.buffer != rotated.buffer.name and found.heads is not None and load.layout.strides[found.heads] != 0:
             return f"{part.name} reads {load.buffer} differently for each head (a rotary's cos and sin are not)"
+    if not all(rows_merge(layout, found) for layout in [load.layout for load in loads(part)]
+               + [store.layout for store in part.stores]):
+        return f"{part.name}'s layouts do not walk its rows as {owner}'s rows (a batch of sequences) are walked"
     for store in part.stores:  # an iota's layout is an access layout that no load reads through
         iotas = set(ir.access_layouts(store.expr)) - {load.layout for load in ir.loads_of(store.expr)}
         if iotas or ir.draws_random(store.expr):
@@ -162,6 +199,10 @@ def head_norm_reason(matmul, source: ir.Store, norm) -> str | None:
             matmul.domain, source, norm) is None:
         return (f"{norm.name} (domain {list(norm.domain)} over {list(norm.reduce_dims)}) is not a norm of each "
                 f"head of {source.buffer.name}")
+    axes = norm_axes(matmul.domain, source, norm)
+    layouts = [load.layout for expr in kind_of(norm).exprs(norm) for load in ir.loads_of(expr)]
+    if not all(rows_merge(layout, axes) for layout in layouts + [store.layout for store in norm.row_stores]):
+        return f"{norm.name}'s layouts do not walk its rows as {matmul.name}'s rows are walked"
     if norm.stores or normed_heads(matmul.domain, source, norm) is None:
         return f"{norm.name} stores its statistics, or its normed heads are not laid out as the product"
     if n > max(N_TILES) and n % max(N_TILES):
