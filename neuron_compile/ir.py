@@ -434,6 +434,30 @@ class MatMulNormEpilogue:
 
 
 @dataclass(frozen=True)
+class MatMulRotary:
+    """A matmul kernel (``MatMul`` or ``NormedMatMul``) whose product a rotary embedding then reads in the same
+    kernel (a rotary epilogue): ``source`` is the matmul's store the rotary reads (q or k as the projection rounds
+    them), computed in each N tile's epilogue and kept on chip; ``rotary`` (a ``Concat`` of the halves
+    ``x * cos + rotate_half(x) * sin`` over each head of ``head_dim`` columns, its loads of ``source.buffer``
+    standing for that tile) runs on the tile's whole heads. ``store_source``: ``source`` also goes to HBM
+    (something else reads it). ``matmul`` keeps its other stores. ``norm``: a per-head RMSNorm of ``source``
+    (Qwen3's, Gemma3's; a ``Reduction`` over [*batch, M, heads, head_dim] along the last dim) computed on the
+    tile first; the rotary reads its one row store, the normed heads, which never go to HBM."""
+
+    name: str
+    matmul: MatMul | NormedMatMul
+    source: Store
+    store_source: bool
+    rotary: Concat
+    head_dim: int
+    norm: Reduction | None = None
+
+    @property
+    def domain(self) -> tuple[int, ...]:
+        return self.matmul.domain
+
+
+@dataclass(frozen=True)
 class Attention:
     """``softmax(q @ k^T * scale + mask) @ v`` over domain (*batch, Sq, Dv), the scores never leaving the chip.
 
@@ -612,5 +636,5 @@ class Collective:
     reduce: str = "add"
 
 
-Node = (Pointwise | Reduction | RowNormalize | Scan | MatMul | NormedMatMul | MatMulNormEpilogue | Attention
-        | AttentionBackward | Concat | Gather | Scatter | Collective)
+Node = (Pointwise | Reduction | RowNormalize | Scan | MatMul | NormedMatMul | MatMulNormEpilogue | MatMulRotary
+        | Attention | AttentionBackward | Concat | Gather | Scatter | Collective)

@@ -35,6 +35,7 @@ class KernelKind:
     # a group of this kind may take prologues from several producer groups (each merge keeps the earlier ones')
     takes_several_prologues = False
     takes_norm_epilogue = False  # a later row norm of its output rows may join it (``norm_epilogue_reason``)
+    takes_rotary_epilogue = False  # a later rotary of its output's heads may join it (``rotary_epilogue_reason``)
     refusal: str | None = None  # why a group of this kind takes no fused consumer at all
     # the kind evaluates each expression once per element of its stores' tiles, so a random draw (ir.RandomKeep)
     # may live in it; kinds that recompute their math (row passes, chunked rows) or walk other tiles may not
@@ -110,6 +111,17 @@ class KernelKind:
     def merge_norm_epilogue(self, producer, consumer, store_rows: bool):
         """``producer`` norming its rows as ``consumer`` does; ``store_rows``: they still go to HBM."""
         raise NotImplementedError(f"{self.name} takes no norm epilogue")
+
+    def rotary_epilogue_reason(self, producer, consumer, norm=None) -> str | None:
+        """None if the whole kernel ``consumer``, a rotary embedding of heads the whole kernel ``producer`` (of this
+        kind) writes, may run in ``producer``'s epilogue on its output tiles, after ``norm`` (a whole kernel
+        norming each head between them) when given (passes/rotary_epilogues.py)."""
+        return f"{self.name} kernels take no rotary epilogue"
+
+    def merge_rotary_epilogue(self, producer, consumer, store_source: bool, norm=None):
+        """``producer`` rotating its output (normed by ``norm``) as ``consumer`` does; ``store_source``: the output
+        still goes to HBM."""
+        raise NotImplementedError(f"{self.name} takes no rotary epilogue")
 
     def sibling_reason(self, first, second, outside: set[str]) -> str | None:
         """None if ``first``, whose outputs only the later ``second`` reads (both whole kernels of this kind), may

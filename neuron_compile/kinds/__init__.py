@@ -26,6 +26,7 @@ from neuron_compile.kinds import (
     gather,
     matmul,
     matmul_norm_epilogue,
+    matmul_rotary,
     normed_matmul,
     pointwise,
     reduction,
@@ -34,8 +35,8 @@ from neuron_compile.kinds import (
     scatter,
 )
 
-KINDS = (pointwise, reduction, row_normalize, scan, matmul, normed_matmul, matmul_norm_epilogue, attention,
-         attention_backward, concat, gather, scatter, collective)
+KINDS = (pointwise, reduction, row_normalize, scan, matmul, normed_matmul, matmul_norm_epilogue, matmul_rotary,
+         attention, attention_backward, concat, gather, scatter, collective)
 
 __all__ = ["KINDS", "KernelKind", "UnknownKernelKind", "describe", "kind_of", "loads", "map_exprs", "map_loads",
            "random_reason", "registered_kinds", "registered_node_types", "stores"]

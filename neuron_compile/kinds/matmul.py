@@ -25,7 +25,7 @@ from neuron_compile.codegen.kernel_text import (
 )
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import loads, register_kind
-from neuron_compile.kinds import matmul_row_norm, norm_epilogue_rule
+from neuron_compile.kinds import matmul_row_norm, norm_epilogue_rule, rotary_epilogue_rule
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue, matching_index_reason
 from neuron_compile.kinds.matmul_columns import ColumnOperands
 from neuron_compile.kinds.matmul_windows import TermColumns, Window, moving_windows
@@ -463,6 +463,7 @@ class MatMulKind(MatchingIndexEpilogue):
     node_type = ir.MatMul
     name = "matmul"
     takes_norm_epilogue = True
+    takes_rotary_epilogue = True
 
     def operand_loads(self, node):
         return [node.a, node.b] + ([node.b2] if node.b2 is not None else [])
@@ -488,6 +489,19 @@ class MatMulKind(MatchingIndexEpilogue):
 
     def merge_norm_epilogue(self, producer, consumer, store_rows):
         return norm_epilogue_rule.merge_norm_epilogue(producer, consumer, store_rows)
+
+    def rotary_epilogue_reason(self, producer, consumer, norm=None):
+        return rotary_epilogue_rule.rotary_epilogue_reason(producer, consumer, norm)
+
+    def merge_rotary_epilogue(self, producer, consumer, store_source, norm=None):
+        return rotary_epilogue_rule.merge_rotary_epilogue(producer, consumer, store_source, norm)
+
+    def epilogue_context(self, node, plan, allocator, more_epilogue):
+        """The resident form's template entries with ``more_epilogue`` in each tile's epilogue
+        (kinds/matmul_rotary.py)."""
+        if not plan.row_group:
+            raise TilingError(f"{node.name}: an added epilogue needs the resident form")
+        return resident_context(node, plan, allocator, more_epilogue=more_epilogue)
 
     def sibling_reason(self, first, second, outside):
         return sibling_reason(self, first, second, outside)

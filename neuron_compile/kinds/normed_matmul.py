@@ -19,6 +19,7 @@ from neuron_compile.codegen.expressions import NL_DTYPES, TileAllocator
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import KernelKind, kind_of, register_kind
+from neuron_compile.kinds import rotary_epilogue_rule
 from neuron_compile.kinds.matmul import plan_streamed_moving, resident_context
 from neuron_compile.kinds.reduction import ReductionBody, reduction_body
 from neuron_compile.limits import SBUF_SHARE
@@ -94,15 +95,22 @@ def transpose_lines(node: ir.NormedMatMul, plan: TilePlan, source: str, allocato
     return lines
 
 
-def render_normed_matmul(node: ir.NormedMatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
-    allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
+def normed_context(node: ir.NormedMatMul, plan: TilePlan, allocator: TileAllocator, more_epilogue=None) -> dict:
+    """The resident form's template entries with the norm's row prologue; ``more_epilogue`` as
+    ``resident_context`` takes it."""
     body = row_body(node, row_plan(node, plan.outer, plan.partition), allocator)
     transposes = transpose_lines(node, plan, body.operands[0], allocator)
     row_prologue = list(allocator.lines) + [f"cols = {node.k}"]
     for walk, after in body.passes:
         row_prologue += walk + after
-    context = resident_context(as_matmul(node), plan, allocator, loads_a=False)
+    context = resident_context(as_matmul(node), plan, allocator, loads_a=False, more_epilogue=more_epilogue)
     context.update(row_prologue=row_prologue + transposes, once=body.once)
+    return context
+
+
+def render_normed_matmul(node: ir.NormedMatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
+    allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
+    context = normed_context(node, plan, allocator)
     return render_template("matmul_resident.py.j2", **kernel_context(node, plan, name, parameters, **context))
 
 
@@ -110,6 +118,7 @@ class NormedMatMulKind(KernelKind):
     node_type = ir.NormedMatMul
     name = "normed_matmul"
     refusal = "a normed matmul is made after grouping and takes no fused consumer"
+    takes_rotary_epilogue = True
 
     def stores(self, node):
         return tuple(node.stores) + kind_of(node.norm).stores(node.norm)
@@ -135,6 +144,16 @@ class NormedMatMulKind(KernelKind):
         norm = kind_of(node.norm).prune(node.norm, needed)
         stores = tuple(store for store in node.stores if store.buffer.name in needed)
         return dataclasses.replace(node, stores=stores, norm=norm)
+
+    def rotary_epilogue_reason(self, producer, consumer, norm=None):
+        return rotary_epilogue_rule.rotary_epilogue_reason(producer, consumer, norm)
+
+    def merge_rotary_epilogue(self, producer, consumer, store_source, norm=None):
+        return rotary_epilogue_rule.merge_rotary_epilogue(producer, consumer, store_source, norm)
+
+    def epilogue_context(self, node, plan, allocator, more_epilogue):
+        """The template entries with ``more_epilogue`` in each tile's epilogue (kinds/matmul_rotary.py)."""
+        return normed_context(node, plan, allocator, more_epilogue)
 
     def plan(self, node, target):
         return plan_normed_matmul(node, target)

@@ -25,8 +25,9 @@ gate read by the up projection's epilogue; attention's k and v projections, both
 giving a variance and the mean of the same rows (a layer norm, kinds/reduction_siblings.py). Last, a row norm whose
 normed rows matmuls multiply is computed inside each of them (``fold_row_norms``, passes/row_norm_operands.py), and a
 row norm left on its own runs in the epilogue of the matmul writing its rows (``fold_norm_epilogues``,
-passes/norm_epilogues.py). With ``in_place`` (a region launched as one kernel), a concat of whole buffers that
-kernels write is assembled in place: marked before grouping, its inputs' writers store into its output after it
+passes/norm_epilogues.py), and a rotary embedding in the epilogue of the q / k projection whose heads it rotates
+(``fold_rotary_epilogues``, passes/rotary_epilogues.py). With ``in_place`` (a region launched as one kernel), a
+concat of whole buffers that kernels write is assembled in place: marked before grouping, its inputs' writers store into its output after it
 (passes/concat_in_place.py). Last, what an attention kernel's keys and values need is launched before the rest
 (passes/launch_order.py).
 
@@ -52,6 +53,7 @@ from neuron_compile.passes.concat_in_place import assemble_in_place, mark_in_pla
 from neuron_compile.passes.copy_views import read_copies_as_views
 from neuron_compile.passes.launch_order import keys_and_values_first
 from neuron_compile.passes.norm_epilogues import fold_norm_epilogues
+from neuron_compile.passes.rotary_epilogues import fold_rotary_epilogues
 from neuron_compile.passes.row_norm_operands import fold_row_norms
 from neuron_compile.passes.tiling import TilingError, plan_kernel
 
@@ -368,6 +370,7 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
         kernels = fuse_siblings(kernels, region_outputs, decisions, fits)
         kernels = fold_row_norms(kernels, region_outputs, decisions, fits)
         kernels = fold_norm_epilogues(kernels, region_outputs, decisions, fits)
+        kernels = fold_rotary_epilogues(kernels, region_outputs, decisions, fits)
     assembled = frozenset()
     if in_place:
         kernels, assembled = assemble_in_place(kernels, decisions, fits)

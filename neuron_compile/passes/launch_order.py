@@ -40,7 +40,7 @@ def _needed_by(buffers: list[str], kernels: list[ir.Node], writers: dict[str, li
     return needed
 
 
-PROJECTIONS = (ir.MatMul, ir.NormedMatMul)
+PROJECTIONS = (ir.MatMul, ir.NormedMatMul, ir.MatMulRotary)
 
 
 def keys_and_values_first(kernels: list[ir.Node]) -> list[ir.Node]:
