@@ -184,6 +184,16 @@ def stores(node) -> tuple[ir.Store, ...]:
     return kind_of(node).stores(node)
 
 
+def written_buffers(node) -> set[str]:
+    """The names of the buffers ``node`` writes."""
+    return {store.buffer.name for store in stores(node)}
+
+
+def read_buffers(node) -> set[str]:
+    """The names of the buffers ``node`` reads."""
+    return {load.buffer for load in loads(node)}
+
+
 def describe(node) -> str:
     """A readable multi-line dump of one node (kernel docstrings and the per-pass dumps show it)."""
     return kind_of(node).describe(node)

@@ -14,9 +14,11 @@ from neuron_compile.kind_registry import (
     map_exprs,
     map_loads,
     random_reason,
+    read_buffers,
     registered_kinds,
     registered_node_types,
     stores,
+    written_buffers,
 )
 from neuron_compile.kinds import (
     attention,
@@ -39,4 +41,4 @@ KINDS = (pointwise, reduction, row_normalize, scan, matmul, normed_matmul, matmu
          attention, attention_backward, concat, gather, scatter, collective)
 
 __all__ = ["KINDS", "KernelKind", "UnknownKernelKind", "describe", "kind_of", "loads", "map_exprs", "map_loads",
-           "random_reason", "registered_kinds", "registered_node_types", "stores"]
+           "random_reason", "read_buffers", "registered_kinds", "registered_node_types", "stores", "written_buffers"]

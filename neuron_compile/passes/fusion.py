@@ -27,8 +27,8 @@ normed rows matmuls multiply is computed inside each of them (``fold_row_norms``
 row norm left on its own runs in the epilogue of the matmul writing its rows (``fold_norm_epilogues``,
 passes/norm_epilogues.py), and a rotary embedding in the epilogue of the q / k projection whose heads it rotates
 (``fold_rotary_epilogues``, passes/rotary_epilogues.py). With ``in_place`` (a region launched as one kernel), a
-concat of whole buffers that kernels write is assembled in place: marked before grouping, its inputs' writers store into its output after it
-(passes/concat_in_place.py). Last, what an attention kernel's keys and values need is launched before the rest
+concat of whole buffers that kernels write is assembled in place: marked before grouping, its inputs' writers store
+into its output after it (passes/concat_in_place.py). Last, what an attention kernel's keys and values need is launched before the rest
 (passes/launch_order.py).
 
 Before grouping, a pure copy (one load stored in another layout, as a write into an empty cache makes) whose every
@@ -63,14 +63,6 @@ class FusionResult:
     kernels: list[ir.Node]
     decisions: list[str]
     assembled: frozenset = frozenset()  # buffers several kernels write, disjoint slices each (concats in place)
-
-
-def _writers(node: ir.Node) -> set[str]:
-    return {store.buffer.name for store in kinds.stores(node)}
-
-
-def _reads(node: ir.Node) -> set[str]:
-    return {load.buffer for load in kinds.loads(node)}
 
 
 def can_fuse(group: ir.Node, consumer: ir.Node, outside_readers: set[str]) -> str | None:
@@ -139,7 +131,7 @@ def _reader_counts(nodes: list[ir.Node]) -> dict[str, int]:
     """How many nodes read each buffer."""
     counts: dict[str, int] = {}
     for node in nodes:
-        for buffer in _reads(node):
+        for buffer in kinds.read_buffers(node):
             counts[buffer] = counts.get(buffer, 0) + 1
     return counts
 
@@ -160,7 +152,8 @@ def _inlinable(nodes: list[ir.Node], region_outputs: set[str]) -> dict[str, ir.S
     (a matmul or gather operand cannot take an expression), that are not region outputs, and that do not cast down
     a pointwise node's result."""
     readers = _reader_counts(nodes)
-    pointwise_outputs = {name for node in nodes if kinds.kind_of(node).elementwise for name in _writers(node)}
+    pointwise_outputs = {name for node in nodes if kinds.kind_of(node).elementwise
+                         for name in kinds.written_buffers(node)}
     cheap = {store.buffer.name: store for store in (_cheap_store(node, readers) for node in nodes)
              if store is not None and store.buffer.name not in region_outputs
              and not _narrows_a_pointwise_result(store, pointwise_outputs)}
@@ -185,14 +178,15 @@ def inline_cheap(nodes: list[ir.Node], region_outputs: set[str], fits=None) -> l
             return ir.map_leaves(expr, lambda leaf: inline(cheap[leaf.buffer].expr)
                                  if isinstance(leaf, ir.Load) and leaf.buffer in cheap else leaf)
 
-        kept = [node for node in nodes if not (_writers(node) and _writers(node) <= set(cheap))]
+        kept = [node for node in nodes
+                if not (kinds.written_buffers(node) and kinds.written_buffers(node) <= set(cheap))]
         inlined = [kinds.map_exprs(node, inline) for node in kept]
         misfits = [node for node, new in zip(kept, inlined, strict=True)
-                   if fits is not None and _reads(node) & set(cheap) and not fits(new)]
+                   if fits is not None and kinds.read_buffers(node) & set(cheap) and not fits(new)]
         if not misfits:
             return inlined
         for node in misfits:  # leave these readers' loads alone, and with them the nodes they read
-            for buffer in _reads(node):  # each pass drops at least one cheap node, so the loop ends
+            for buffer in kinds.read_buffers(node):  # each pass drops at least one cheap node, so the loop ends
                 cheap.pop(buffer, None)
     return nodes
 
@@ -203,7 +197,8 @@ def _misfit_reason(group: ir.Node, node: ir.Node, inside: set[str], readers: dic
     outside it reads pruned, would not tile within the target's SBUF (a row kernel keeps whole rows of every value
     it computes on chip; each fused epilogue adds rows). None when it fits."""
     merged = merge(group, node)
-    needed = {name for name in _writers(merged) if name in region_outputs or readers.get(name, set()) - inside}
+    needed = {name for name in kinds.written_buffers(merged)
+              if name in region_outputs or readers.get(name, set()) - inside}
     pruned = kinds.kind_of(merged).prune(merged, needed)
     if pruned is None or not kinds.stores(pruned) or fits(pruned):
         return None
@@ -234,7 +229,7 @@ def absorb_other_producers(state: FusionState, joined: int, others: list[int], f
     for other in others:
         group, producer = state.groups[joined], state.groups[other]
         inside = {member.name for member in state.members[joined] + state.members[other]}
-        outside = {name for name in _writers(producer)
+        outside = {name for name in kinds.written_buffers(producer)
                    if name in state.region_outputs or state.readers.get(name, set()) - inside}
         reason = can_fuse(producer, group, outside)
         if reason is None and any(nx.has_path(state.dag, other, rest) for rest in others + [joined]
@@ -250,7 +245,7 @@ def absorb_other_producers(state: FusionState, joined: int, others: list[int], f
             continue
         state.groups[joined] = merge(producer, group)
         state.members[joined] += state.members.pop(other)
-        for buffer in _writers(producer):
+        for buffer in kinds.written_buffers(producer):
             state.group_of[buffer] = joined
         for before in list(state.dag.predecessors(other)):
             state.dag.add_edge(before, joined)
@@ -277,10 +272,10 @@ def detach_epilogues(state: FusionState, joined: int, other: int, fits) -> None:
                                + ("fused" if reason is None else reason))
         if reason is not None:
             continue
-        written = _writers(member)
+        written = kinds.written_buffers(member)
         state.groups[joined] = merge(member, group)
         state.groups[other] = kinds.kind_of(state.groups[other]).prune(
-            state.groups[other], _writers(state.groups[other]) - written)
+            state.groups[other], kinds.written_buffers(state.groups[other]) - written)
         state.members[other].remove(member)
         state.members[joined].append(member)
         for buffer in written:
@@ -290,17 +285,17 @@ def detach_epilogues(state: FusionState, joined: int, other: int, fits) -> None:
 def _detachable(state: FusionState, member: ir.Node, other: int, joined: int) -> bool:
     """Whether ``member`` of group ``other`` is a pointwise node whose outputs only group ``joined`` reads and whose
     reads of ``other`` are of buffers stored for other readers anyway (``detach_epilogues``)."""
-    written = _writers(member)
+    written = kinds.written_buffers(member)
     joined_names = {node.name for node in state.members[joined]}
-    if not kinds.kind_of(member).elementwise or not written & _reads(state.groups[joined]):
+    if not kinds.kind_of(member).elementwise or not written & kinds.read_buffers(state.groups[joined]):
         return False
     if written & state.region_outputs or any(state.readers.get(name, set()) - joined_names for name in written):
         return False
     staying = {node.name for node in state.members[other]} - {member.name}
-    stored_anyway = {name for node in state.members[other] if node is not member for name in _writers(node)
+    stored_anyway = {name for node in state.members[other] if node is not member for name in kinds.written_buffers(node)
                      if name in state.region_outputs or state.readers.get(name, set()) - staying - {member.name}}
-    produced_here = _writers(state.groups[other]) - written
-    return all(name in stored_anyway for name in _reads(member) & produced_here)
+    produced_here = kinds.written_buffers(state.groups[other]) - written
+    return all(name in stored_anyway for name in kinds.read_buffers(member) & produced_here)
 
 
 def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, target=None,
@@ -322,17 +317,16 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
     decisions: list[str] = []
     readers: dict[str, set[str]] = {}
     for node in nodes:
-        for buffer in _reads(node):
+        for buffer in kinds.read_buffers(node):
             readers.setdefault(buffer, set()).add(node.name)
     for node in nodes:
-        producers = sorted({group_of[b] for b in _reads(node) if b in group_of})
+        producers = sorted({group_of[b] for b in kinds.read_buffers(node) if b in group_of})
         joined = None
         for candidate in producers:
             group = groups[candidate]
             inside = {member.name for member in members[candidate]} | {node.name}
-            outside = {
-                name for name in _writers(group) if name in region_outputs or readers.get(name, set()) - inside
-            }
+            outside = {name for name in kinds.written_buffers(group)
+                       if name in region_outputs or readers.get(name, set()) - inside}
             reason = can_fuse(group, node, outside) if enabled else FUSION_OFF
             others = [p for p in producers if p != candidate]
             if reason is None and any(nx.has_path(dag, candidate, other) for other in others):
@@ -353,7 +347,7 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
             members[joined].append(node)
             state = FusionState(groups, group_of, members, dag, readers, region_outputs, decisions)
             producers = absorb_other_producers(state, joined, [p for p in producers if p != joined], fits)
-        for buffer in _writers(node):
+        for buffer in kinds.written_buffers(node):
             group_of[buffer] = joined
         for producer in producers:
             if producer != joined:
@@ -361,7 +355,7 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
     # A buffer must reach HBM if it is a region output or still read by another group.
     needed = set(region_outputs)
     for group_id, group in groups.items():
-        for buffer in _reads(group):
+        for buffer in kinds.read_buffers(group):
             if group_of.get(buffer) is not None:
                 needed.add(buffer)
     kernels = [kinds.kind_of(groups[group_id]).prune(groups[group_id], needed) for group_id in nx.topological_sort(dag)]
@@ -386,12 +380,12 @@ def fuse_siblings(kernels: list[ir.Node], region_outputs: set[str], decisions: l
     later kernel's place, so everything either one reads is ready; a kernel that reads the earlier one's outputs
     before that place keeps them apart."""
     kernels = list(kernels)
-    reads = {kernel.name: _reads(kernel) for kernel in kernels}
+    reads = {kernel.name: kinds.read_buffers(kernel) for kernel in kernels}
     index = 0
     while index < len(kernels):
         second = kernels[index]
         for position, first in enumerate(kernels[:index]):
-            written = _writers(first)
+            written = kinds.written_buffers(first)
             related = written & reads[second.name] or reads[first.name] & reads[second.name]
             if type(first) is not type(second) or not related:
                 continue  # only kernels that share an input, or read one another, can be siblings
@@ -408,7 +402,7 @@ def fuse_siblings(kernels: list[ir.Node], region_outputs: set[str], decisions: l
             decisions.append(f"{first.name} inside {second.name}: " + ("fused" if reason is None else reason))
             if reason is None:
                 kernels[index] = merged
-                reads[merged.name] = _reads(merged)
+                reads[merged.name] = kinds.read_buffers(merged)
                 kernels.remove(first)
                 index -= 1
                 break

@@ -18,14 +18,6 @@ from __future__ import annotations
 from neuron_compile import ir, kinds
 
 
-def _writers(node: ir.Node) -> set[str]:
-    return {store.buffer.name for store in kinds.stores(node)}
-
-
-def _reads(node: ir.Node) -> set[str]:
-    return {load.buffer for load in kinds.loads(node)}
-
-
 def fold_norm_epilogues(kernels: list[ir.Node], region_outputs: set[str], decisions: list[str],
                         fits=None) -> list[ir.Node]:
     """``kernels`` with every norm that may run in its producer matmul's epilogue folded into it (module
@@ -39,7 +31,8 @@ def _producer(norm: ir.Node, kernels: list[ir.Node]) -> ir.Node | None:
     """The latest kernel before ``norm`` writing something it reads that may take a norm epilogue."""
     before = kernels[:kernels.index(norm)]
     return next((kernel for kernel in reversed(before)
-                 if _writers(kernel) & _reads(norm) and kinds.kind_of(kernel).takes_norm_epilogue), None)
+                 if kinds.written_buffers(kernel) & kinds.read_buffers(norm)
+                 and kinds.kind_of(kernel).takes_norm_epilogue), None)
 
 
 def _hoisted(norm: ir.Node, producer: ir.Node, kernels: list[ir.Node]) -> tuple[list[ir.Node], str | None]:
@@ -50,13 +43,13 @@ def _hoisted(norm: ir.Node, producer: ir.Node, kernels: list[ir.Node]) -> tuple[
     first, last = kernels.index(producer), kernels.index(norm)
     between = kernels[first + 1:last]
     moved: list[ir.Node] = []
-    wanted = _reads(norm)
+    wanted = kinds.read_buffers(norm)
     for kernel in reversed(between):  # each writer of a wanted buffer, then what it reads, latest first
-        if _writers(kernel) & wanted:
+        if kinds.written_buffers(kernel) & wanted:
             moved.insert(0, kernel)
-            wanted |= _reads(kernel)
-    late = sorted({name for kernel in moved for name in _reads(kernel) & _writers(producer)}
-                  | {name for kernel in moved for name in _writers(kernel) & _reads(producer)})
+            wanted |= kinds.read_buffers(kernel)
+    late = sorted({name for kernel in moved for name in kinds.read_buffers(kernel) & kinds.written_buffers(producer)}
+                  | {name for kernel in moved for name in kinds.written_buffers(kernel) & kinds.read_buffers(producer)})
     if late:
         return kernels, f"{norm.name} reads what is computed from {producer.name}'s {', '.join(late)}"
     rest = [kernel for kernel in between if kernel not in moved]
@@ -74,9 +67,9 @@ def _fold(norm: ir.Node, kernels: list[ir.Node], region_outputs: set[str], decis
         hoisted, reason = _hoisted(norm, producer, kernels)
     merged = None
     if reason is None:
-        rows = _writers(producer) & _reads(norm)
+        rows = kinds.written_buffers(producer) & kinds.read_buffers(norm)
         others = [kernel for kernel in kernels if kernel is not producer and kernel is not norm]
-        store_rows = bool(rows & region_outputs) or any(rows & _reads(other) for other in others)
+        store_rows = bool(rows & region_outputs) or any(rows & kinds.read_buffers(other) for other in others)
         merged = kind.merge_norm_epilogue(producer, norm, store_rows)
         if fits is not None and not fits(merged):
             reason = "the matmul norming its rows would not fit the target's SBUF"

@@ -18,14 +18,6 @@ from __future__ import annotations
 from neuron_compile import ir, kinds
 
 
-def _writers(node: ir.Node) -> set[str]:
-    return {store.buffer.name for store in kinds.stores(node)}
-
-
-def _reads(node: ir.Node) -> set[str]:
-    return {load.buffer for load in kinds.loads(node)}
-
-
 def fold_rotary_epilogues(kernels: list[ir.Node], region_outputs: set[str], decisions: list[str],
                           fits=None) -> list[ir.Node]:
     """``kernels`` with every rotary that may run in its projection's epilogue folded into it (module docstring)."""
@@ -37,7 +29,7 @@ def fold_rotary_epilogues(kernels: list[ir.Node], region_outputs: set[str], deci
 def _latest_projection(reader: ir.Node, kernels: list[ir.Node]) -> ir.Node | None:
     """The latest kernel before ``reader`` that writes something it reads and takes rotary epilogues."""
     before = kernels[:kernels.index(reader)]
-    return next((kernel for kernel in reversed(before) if _writers(kernel) & _reads(reader)
+    return next((kernel for kernel in reversed(before) if kinds.written_buffers(kernel) & kinds.read_buffers(reader)
                  and kinds.kind_of(kernel).takes_rotary_epilogue), None)
 
 
@@ -50,7 +42,7 @@ def _projection(rotary: ir.Node, kernels: list[ir.Node]) -> tuple[ir.Node | None
         return projection, None
     before = kernels[:kernels.index(rotary)]
     for norm in reversed(before):
-        if _writers(norm) & _reads(rotary) and not kinds.kind_of(norm).takes_rotary_epilogue:
+        if kinds.written_buffers(norm) & kinds.read_buffers(rotary) and not kinds.kind_of(norm).takes_rotary_epilogue:
             projection = _latest_projection(norm, kernels)
             if projection is not None:
                 return projection, norm
@@ -62,13 +54,13 @@ def _placement_reason(rotary: ir.Node, projection: ir.Node, norm: ir.Node | None
     """None if no kernel between ``projection`` and ``rotary`` (but ``norm``) reads what the projection writes (the
     merged kernel takes the rotary's place), and nothing but the rotary reads the normed heads."""
     between = [kernel for kernel in kernels[kernels.index(projection) + 1:kernels.index(rotary)] if kernel is not norm]
-    early = [kernel.name for kernel in between if _writers(projection) & _reads(kernel)]
+    early = [kernel.name for kernel in between if kinds.written_buffers(projection) & kinds.read_buffers(kernel)]
     if early:
         return f"{', '.join(early)} read {projection.name}'s outputs before {rotary.name}"
     if norm is None:
         return None
-    normed = _writers(norm)
-    elsewhere = [kernel.name for kernel in kernels if kernel is not rotary and normed & _reads(kernel)]
+    normed = kinds.written_buffers(norm)
+    elsewhere = [kernel.name for kernel in kernels if kernel is not rotary and normed & kinds.read_buffers(kernel)]
     if elsewhere or normed & region_outputs:
         return f"{norm.name}'s normed heads are read outside {rotary.name}"
     return None
@@ -84,9 +76,9 @@ def _fold(rotary: ir.Node, kernels: list[ir.Node], region_outputs: set[str], dec
         rotary, projection, norm, kernels, region_outputs)
     merged = None
     if reason is None:
-        rotated = _writers(projection) & _reads(norm or rotary)
+        rotated = kinds.written_buffers(projection) & kinds.read_buffers(norm or rotary)
         others = [kernel for kernel in kernels if all(kernel is not taken for taken in (projection, norm, rotary))]
-        store_source = bool(rotated & region_outputs) or any(rotated & _reads(other) for other in others)
+        store_source = bool(rotated & region_outputs) or any(rotated & kinds.read_buffers(other) for other in others)
         merged = kind.merge_rotary_epilogue(projection, rotary, store_source, norm)
         if fits is not None and not fits(merged):
             reason = "the projection rotating its heads would not fit the target's SBUF"

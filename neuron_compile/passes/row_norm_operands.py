@@ -16,14 +16,6 @@ from __future__ import annotations
 from neuron_compile import ir, kinds
 
 
-def _writers(node: ir.Node) -> set[str]:
-    return {store.buffer.name for store in kinds.stores(node)}
-
-
-def _reads(node: ir.Node) -> set[str]:
-    return {load.buffer for load in kinds.loads(node)}
-
-
 def fold_row_norms(kernels: list[ir.Node], region_outputs: set[str], decisions: list[str], fits=None) -> list[ir.Node]:
     """``kernels`` with every row norm that matmuls may compute themselves folded into them (module docstring)."""
     for norm in list(kernels):
@@ -50,7 +42,8 @@ def _kept_reason(kept: set[str], first: ir.Node, merged: ir.Node, others: list[i
                  fits) -> str | None:
     """None if ``first``, the first matmul taking the norm (``merged`` once it does), may store the norm's outputs
     ``kept`` for their other readers."""
-    early = [other.name for other in others if kept & _reads(other) and kernels.index(other) < kernels.index(first)]
+    early = [other.name for other in others
+             if kept & kinds.read_buffers(other) and kernels.index(other) < kernels.index(first)]
     if early:
         return f"{', '.join(early)} read {sorted(kept)} before {first.name}, the first matmul computing them"
     if fits is not None and not fits(merged):
@@ -62,8 +55,8 @@ def _fold(norm: ir.Node, kernels: list[ir.Node], region_outputs: set[str], decis
           fits) -> list[ir.Node]:
     if norm not in kernels:
         return kernels
-    written = _writers(norm)
-    readers = [kernel for kernel in kernels[kernels.index(norm) + 1:] if written & _reads(kernel)]
+    written = kinds.written_buffers(norm)
+    readers = [kernel for kernel in kernels[kernels.index(norm) + 1:] if written & kinds.read_buffers(kernel)]
     # asked (and their answers recorded) only of the readers taking one of the outputs as an operand
     operand_readers = [reader for reader in readers
                        if written & {load.buffer for load in kinds.kind_of(reader).operand_loads(reader)}]
@@ -71,7 +64,8 @@ def _fold(norm: ir.Node, kernels: list[ir.Node], region_outputs: set[str], decis
     if not takers:
         return kernels
     others = [reader for reader in readers if reader not in takers]
-    kept = {name for name in written if name in region_outputs or any(name in _reads(other) for other in others)}
+    kept = {name for name in written
+            if name in region_outputs or any(name in kinds.read_buffers(other) for other in others)}
     merged = {taker.name: kinds.kind_of(taker).merge_row_operand(norm, taker, kept if taker is takers[0] else set())
               for taker in takers}
     reason = _kept_reason(kept, takers[0], merged[takers[0].name], others, kernels, fits) if kept else None
