@@ -161,6 +161,14 @@ def residual_then_rms_norm(h, a, w, g):
     return g * (out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
+def rotated_heads(x, w, positions, inv_freq):
+    """q projected, split into two heads of 64 and rotated (Llama's rotary)."""
+    q = (x @ w).view(1, x.shape[1], 2, 64).transpose(1, 2)
+    freqs = positions[:, :, None] * inv_freq[None, None, :]
+    angles = torch.cat((freqs, freqs), -1)
+    return q * angles.cos()[:, None] + torch.cat((-q[..., 32:], q[..., :32]), -1) * angles.sin()[:, None]
+
+
 def sample_models():
     """The demo model, and graphs that between them produce every kernel kind but collectives (those need a
     process group: tests/test_distributed.py loads them, through the same check)."""
@@ -184,6 +192,9 @@ def sample_models():
          (randn(130, 64), randn(64), randn(32, 64))),
         # matmul with a norm epilogue: the RMSNorm of a residual plus the linear, in the linear's kernel
         (residual_then_rms_norm, (randn(130, 64), randn(130, 48), randn(64, 48), randn(64))),
+        # matmul with a rotary epilogue: the heads rotated on the projection's output tiles
+        (rotated_heads, (randn(1, 130, 96), randn(96, 128), torch.arange(130.0)[None],
+                         1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))),
     ]
 
 
