@@ -236,14 +236,14 @@ def nodes_of(expr: Expr) -> Iterator[Expr]:
     """Every node of ``expr`` (the root, its subexpressions and leaves), depth first, arguments left to right, each
     Op once: an expression is a DAG whose shared subexpressions a tree walk would visit once per path, which is
     exponential in the sharing depth (a Payne-Hanek reduction reuses its pieces many levels deep)."""
-    seen: set[int] = set()  # ids: the walk holds ``expr``, so no node of it is freed and its id reused meanwhile
+    seen: set[Op] = set()  # by value (each Op's hash is computed once): equal copies of a subexpression count once
     pending = [expr]
     while pending:
         node = pending.pop()
         if isinstance(node, Op):
-            if id(node) in seen:
+            if node in seen:
                 continue
-            seen.add(id(node))
+            seen.add(node)
             pending.extend(reversed(node.args))
         yield node
 
@@ -267,16 +267,16 @@ def access_layouts(expr: Expr) -> list[Layout]:
 def map_leaves(expr: Expr, fn) -> Expr:
     """Rebuild ``expr`` with ``fn`` applied to every Load and Result leaf; a shared subexpression is rebuilt once
     and stays shared."""
-    rebuilt: dict[int, Expr] = {}  # by id, as nodes_of: ``expr`` is held for the whole rebuild
+    rebuilt: dict[Op, Expr] = {}  # by value, as nodes_of
 
     def rebuild(node: Expr) -> Expr:
         if isinstance(node, (Load, Result)):
             return fn(node)
         if not isinstance(node, Op):
             return node
-        if id(node) not in rebuilt:
-            rebuilt[id(node)] = replace(node, args=tuple(rebuild(arg) for arg in node.args))
-        return rebuilt[id(node)]
+        if node not in rebuilt:
+            rebuilt[node] = replace(node, args=tuple(rebuild(arg) for arg in node.args))
+        return rebuilt[node]
 
     return rebuild(expr)
 

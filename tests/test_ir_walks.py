@@ -57,3 +57,13 @@ def test_leaf_queries_see_leaves_below_shared_nodes():
     assert not ir.uses_result(load("x")) and not ir.draws_random(shared)
     assert ir.access_layouts(expr) == [iota.layout, LAYOUT]
     assert ir.loads_of(expr) == [load("seed")]
+
+
+def test_equal_copies_of_a_subexpression_count_once():
+    # each level adds a node to a distinct copy of itself (equal, not the same object): by identity a walk would
+    # still meet 2**200 paths; equal nodes are one
+    expr = ir.op("exp", load("x"))
+    for _ in range(200):
+        expr = ir.op("add", expr, ir.Op(expr.op, expr.args, expr.dtype))
+    assert sum(isinstance(node, ir.Op) for node in ir.nodes_of(expr)) == 201
+    assert ir.loads_of(expr) == [load("x")]
