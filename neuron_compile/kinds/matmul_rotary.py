@@ -10,9 +10,9 @@ product as the projection stores it and computes every concat part on the tile's
 product are views of that tile ([rows, heads, width] from its column within the head: rotate_half's other half is
 the same tile at +-head_dim/2), cos and sin one [rows, width] DMA each per row block, read through a view
 repeating them for every head, and the parts' values are assembled into one tile of whole heads stored by one DMA
-(or stored part by part when their layout is not the product's). A per-head norm first (``norm``) is the reduction kind's row body on
-the tile's heads, read from the rounded product on chip. The same instructions on the same values as the kernels it
-replaces.
+(or stored part by part when their layout is not the product's). A per-head norm first (``norm``) is the reduction
+kind's row body on the tile's heads, read from the rounded product on chip. The same instructions on the same values
+as the kernels it replaces.
 """
 
 from __future__ import annotations

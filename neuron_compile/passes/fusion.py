@@ -28,8 +28,8 @@ row norm left on its own runs in the epilogue of the matmul writing its rows (``
 passes/norm_epilogues.py), and a rotary embedding in the epilogue of the q / k projection whose heads it rotates
 (``fold_rotary_epilogues``, passes/rotary_epilogues.py). With ``in_place`` (a region launched as one kernel), a
 concat of whole buffers that kernels write is assembled in place: marked before grouping, its inputs' writers store
-into its output after it (passes/concat_in_place.py). Last, what an attention kernel's keys and values need is launched before the rest
-(passes/launch_order.py).
+into its output after it (passes/concat_in_place.py). Last, what an attention kernel's keys and values need is
+launched before the rest (passes/launch_order.py).
 
 Before grouping, a pure copy (one load stored in another layout, as a write into an empty cache makes) whose every
 reader can read its source through a strided view is dropped and its readers read the source
