@@ -281,6 +281,13 @@ def map_leaves(expr: Expr, fn) -> Expr:
     return rebuild(expr)
 
 
+def with_stored_value(expr: Expr, store: Store) -> Expr:
+    """``expr`` with ``store``'s value wherever it loads ``store``'s buffer: an epilogue reading a value its kernel
+    keeps on chip instead of loading it back from HBM."""
+    name = store.buffer.name
+    return map_leaves(expr, lambda leaf: store.expr if isinstance(leaf, Load) and leaf.buffer == name else leaf)
+
+
 def draws_random(expr: Expr) -> bool:
     """Whether ``expr`` draws random numbers (has a RandomKeep leaf); each shared subexpression is visited once."""
     return any(isinstance(node, RandomKeep) for node in nodes_of(expr))

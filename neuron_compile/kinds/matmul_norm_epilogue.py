@@ -150,10 +150,7 @@ class MatMulNormEpilogueKind(KernelKind):
 
     def exprs(self, node):
         """The norm's expressions with the rows' value where they load it: the rows are never read from HBM."""
-        def on_chip(leaf):
-            return node.rows.expr if isinstance(leaf, ir.Load) and leaf.buffer == node.rows.buffer.name else leaf
-
-        norm = [ir.map_leaves(expr, on_chip) for expr in kind_of(node.norm).exprs(node.norm)]
+        norm = [ir.with_stored_value(expr, node.rows) for expr in kind_of(node.norm).exprs(node.norm)]
         return [store.expr for store in node.stores] + [node.rows.expr] + norm
 
     def operand_loads(self, node):

@@ -285,11 +285,8 @@ class MatMulRotaryKind(KernelKind):
 
     def exprs(self, node):
         """The rotary's expressions with the product's value where they load it: it is never read from HBM."""
-        def on_chip(leaf):
-            return node.source.expr if isinstance(leaf, ir.Load) and leaf.buffer == node.source.buffer.name else leaf
-
         norm = [] if node.norm is None else kind_of(node.norm).exprs(node.norm)
-        rotary = [ir.map_leaves(expr, on_chip) for expr in kind_of(node.rotary).exprs(node.rotary) + norm]
+        rotary = [ir.with_stored_value(expr, node.source) for expr in kind_of(node.rotary).exprs(node.rotary) + norm]
         return kind_of(node.matmul).exprs(node.matmul) + [node.source.expr] + rotary
 
     def operand_loads(self, node):
