@@ -222,10 +222,10 @@ def _psum_budget(target) -> int:
 
 def _transfer_bytes(stores: tuple[ir.Store, ...], plan: TilePlan, summed_bytes: dict[str, int]) -> list[int]:
     """Bytes per element of each DMA of a tile: its loads that vary along the free dims, and its stores (a store
-    the DMA engines sum moves its operands' ``summed_bytes``, or its own where more). A dropout mask's seed is one
-    int32 per tile, read through a layout of its own, not the domain's: no per-element transfer."""
-    seeds = {node.seed for store in stores for node in ir.nodes_of(store.expr) if isinstance(node, ir.RandomKeep)}
-    loads = dict.fromkeys(load for store in stores for load in ir.loads_of(store.expr) if load not in seeds)
+    the DMA engines sum moves its operands' ``summed_bytes``, or its own where more). The loads are the expressions'
+    Load leaves, not ``ir.loads_of``'s, which adds a dropout mask's seed: one int32 per tile, read through a layout
+    of its own, not the domain's."""
+    loads = dict.fromkeys(node for store in stores for node in ir.nodes_of(store.expr) if isinstance(node, ir.Load))
     varying = [load for load in loads if any(dim.stride(load.layout) != 0 for dim in plan.free)]
     stored = [max(summed_bytes.get(store.buffer.name, 0), ir.ITEMSIZE[store.buffer.dtype]) for store in stores]
     return [ir.ITEMSIZE.get(load.dtype, 4) for load in varying] + stored
