@@ -210,6 +210,39 @@ DEFAULT_GRAPHS = list(GRAPHS)  # the other architectures' layers run with --only
 GRAPHS.update({f"{name}_layer": decoder_layer(model_type) for name, model_type in (
     ("qwen3", "qwen3"), ("mistral", "mistral"), ("gemma3", "gemma3_text"), ("phi3", "phi3"))})
 
+# Decoder layers at the sizes of published checkpoints (their configs' numbers, random weights, one layer): what
+# users run, where head_dim, the key/value groups and the row width differ from the goal point's. --size gives
+# their seq; its hidden is ignored (the table shows the model's).
+REAL_SIZES: dict[str, tuple[str, dict]] = {
+    "llama3_3b_layer": ("llama", dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=24,
+                                      num_key_value_heads=8, head_dim=128)),
+    "phi3_mini_layer": ("phi3", dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=32,
+                                     num_key_value_heads=32)),
+    "qwen3_4b_layer": ("qwen3", dict(hidden_size=2560, intermediate_size=9728, num_attention_heads=32,
+                                     num_key_value_heads=8, head_dim=128)),
+    "gemma3_4b_layer": ("gemma3_text", dict(hidden_size=2560, intermediate_size=10240, num_attention_heads=8,
+                                            num_key_value_heads=4, head_dim=256)),
+}
+
+
+def real_size_layer(model_type: str, sizes: dict) -> Callable[[int, torch.dtype, int], Case]:
+    """One decoder layer of ``model_type`` at a published checkpoint's ``sizes`` (``hidden`` is ignored)."""
+
+    def case(hidden: int, dtype: torch.dtype, seq: int) -> Case:
+        from transformers import AutoConfig, AutoModel
+
+        config = AutoConfig.for_model(model_type, vocab_size=VOCAB, num_hidden_layers=1,
+                                      max_position_embeddings=max(seq, 128), tie_word_embeddings=False,
+                                      pad_token_id=0, eos_token_id=1, **sizes)
+        model = AutoModel.from_config(config).eval().to(dtype)
+        return Case(lambda ids: model(ids).last_hidden_state, (tokens(seq),),
+                    [*model.parameters(), *model.buffers()])
+
+    return case
+
+
+GRAPHS.update({name: real_size_layer(model_type, sizes) for name, (model_type, sizes) in REAL_SIZES.items()})
+
 
 # ---------------------------------------------------------------- measurements
 
@@ -470,6 +503,8 @@ def format_details(rows: list[Row]) -> str:
 
 def measure(graph: str, hidden: int, dtype: torch.dtype, seq: int) -> Row:
     started = time.time()
+    if graph in REAL_SIZES:
+        hidden = REAL_SIZES[graph][1]["hidden_size"]
     torch.manual_seed(0)
     case = GRAPHS[graph](hidden, dtype, seq)
     roof = roofline(case, dtype)
