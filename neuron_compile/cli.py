@@ -183,9 +183,13 @@ def _entry_summary(entry: dict) -> str:
     """One line about an entry: a region's target, kernels and ops, or whose first-launch cost report it is."""
     from neuron_compile.runtime import report_cache
 
+    from neuron_compile.runtime import signed_code
+
     payload, parts = entry["payload"], entry["parts"]
     if parts.get("what") == report_cache.WHAT:
         return f"{parts.get('target', '?'):5} cost report of {parts.get('kernel')} ({', '.join(parts['arguments'])})"
+    if parts.get("what") == signed_code.WHAT:
+        return f"{'':5} compiled code of {parts.get('filename')}, signed by {parts.get('signer')}"
     ops = payload.get("ops", [])
     return (f"{parts.get('target', '?'):5} {len(payload.get('kernels', [])):3d} kernels  "
             + ", ".join(op.removeprefix("aten.") for op in ops[:6]) + (" ..." if len(ops) > 6 else ""))
@@ -219,6 +223,9 @@ def _cache_show(cache, prefix: str) -> int:
         return 1
     payload = entry["payload"]
     print(disk_cache.key_record_text(keys[0], entry["parts"]), end="")
+    if "tag" in payload:  # a kernel text's compiled code (runtime/signed_code.py)
+        print(f"compiled code: {len(payload['code'])} base64 characters, tag {payload['tag']}")
+        return 0
     if "report" in payload:  # a kernel's first-launch cost report (runtime/report_cache.py)
         from neuron_compile.runtime.simulator.report import report_from_data
 
@@ -231,17 +238,20 @@ def _cache_show(cache, prefix: str) -> int:
     return 0
 
 
-def _check_cached_region(entry: dict) -> None:
-    """A region entry's payload must decode and its kernel texts stay inside what the launcher executes."""
+def _check_cached_entry(entry: dict) -> None:
+    """A region entry's payload must decode and its kernel texts stay inside what the launcher executes; a compiled
+    code entry this user's key signed must carry a tag the key made."""
     from neuron_compile import rendered_region
-    from neuron_compile.runtime import disk_cache
+    from neuron_compile.runtime import disk_cache, signed_code
 
     if entry["parts"].get("what") == disk_cache.REGION_WHAT:
         rendered_region.check_stored(entry["payload"])
+    elif entry["parts"].get("what") == signed_code.WHAT:
+        signed_code.check_stored(entry["parts"], entry["payload"])
 
 
 def _cache_verify(cache, delete: bool) -> int:
-    problems = cache.verify(_check_cached_region)
+    problems = cache.verify(_check_cached_entry)
     for key, problem in problems:
         print(f"{key}: {problem}" + (" (deleted)" if delete else ""))
         if delete:

@@ -263,25 +263,28 @@ def test_cache_cli(tmp_path, capsys):
     x = torch.randn(130, 70)
     compile_region(trace(lambda t: torch.softmax(t * 2.0, dim=-1), x), [x], Config(cache_dir=str(tmp_path)))
     cache = DiskCache(tmp_path)
-    (key,) = [info.key for info in cache.entries()]
+    whats = {info.key: cache.read(info.key)["parts"]["what"] for info in cache.entries()}
+    assert sorted(whats.values()) == ["kernel code", "nki region"]  # the region, and its kernel's signed code
+    (key,) = [key for key, what in whats.items() if what == "nki region"]
     capsys.readouterr()
     assert cli.main(["cache", "--dir", str(tmp_path), "ls"]) == 0
     listing = capsys.readouterr().out
-    assert listing.startswith(key[:16]) and "trn2" in listing and "_softmax" in listing and "1 entries" in listing
+    assert key[:16] in listing and "trn2" in listing and "_softmax" in listing and "2 entries" in listing
+    assert "compiled code of <nki-kernel" in listing and "signed by" in listing
     assert cli.main(["cache", "--dir", str(tmp_path), "show", key[:6]]) == 0
     shown = capsys.readouterr().out
     assert f"key: {key}" in shown and "aten._softmax.default" in shown and "@nki.jit" in shown and "== kernel" in shown
     assert cli.main(["cache", "--dir", str(tmp_path), "show", "zz"]) == 2
     assert "no entry with a key starting 'zz'" in capsys.readouterr().err
     assert cli.main(["cache", "--dir", str(tmp_path), "verify"]) == 0
-    assert "1 entries checked, 0 unusable" in capsys.readouterr().out
+    assert "2 entries checked, 0 unusable" in capsys.readouterr().out
     cache.entry_path(key).write_text("{truncated")
     assert cli.main(["cache", "--dir", str(tmp_path), "verify", "--delete"]) == 1
-    assert f"{key}: not JSON" in capsys.readouterr().out and cache.entries() == []
+    assert f"{key}: not JSON" in capsys.readouterr().out and len(cache.entries()) == 1
     cache.get_or_create(PARTS, lambda: {"value": 1})
     assert cli.main(["cache", "--dir", str(tmp_path), "stats"]) == 0
-    assert "entries: 1" in capsys.readouterr().out
+    assert "entries: 2" in capsys.readouterr().out
     assert cli.main(["cache", "--dir", str(tmp_path), "clear"]) == 0
-    assert "deleted 1 entries" in capsys.readouterr().out and cache.entries() == []
+    assert "deleted 2 entries" in capsys.readouterr().out and cache.entries() == []
     assert cli.main(["cache", "ls"]) == 2  # the test run has NEURON_COMPILE_CACHE=off (conftest.py)
     assert "the cache is off" in capsys.readouterr().err

@@ -147,7 +147,8 @@ def test_cache_cli_lists_and_shows_report_entries(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["cache", "--dir", str(tmp_path), "ls"]) == 0
     listing = capsys.readouterr().out
-    assert f"cost report of {entry['parts']['kernel']} (" in listing and "2 entries" in listing
+    # the region, its region kernel's signed code (runtime/signed_code.py) and the launch's report
+    assert f"cost report of {entry['parts']['kernel']} (" in listing and "3 entries" in listing
     assert cli.main(["cache", "--dir", str(tmp_path), "show", entry["key"][:12]]) == 0
     shown = capsys.readouterr().out
     assert "what: cost report" in shown and "cost report (trn2): " in shown and "2 kernels in this launch" in shown

@@ -67,6 +67,7 @@ from neuron_compile.codegen.render import KernelSource
 from neuron_compile.hardware import Target, get_target
 from neuron_compile.runtime import simulator
 from neuron_compile.runtime.report_cache import ReportCache, open_report_cache
+from neuron_compile.runtime.signed_code import SignedCodeCache, open_signed_code_cache
 from neuron_compile.runtime.simulator.cost import CostReport
 
 # Torch dtype of each kernel buffer dtype (ir.Buffer.dtype); NKI has no int64 and stores bool as a byte.
@@ -117,12 +118,19 @@ class Launcher(abc.ABC):
         return f"{type(self).__name__}()"
 
 
-def checked_code(source: KernelSource) -> types.CodeType:
+def checked_code(source: KernelSource, signed: SignedCodeCache | None = None) -> types.CodeType:
     """The kernel text compiled from its syntax tree once codegen/kernel_check.py admits it (``KernelTextError``
     names the rule and the line it breaks otherwise): a text read back from a shared cache folder is executed only
-    when it is what our templates emit."""
-    tree = check_kernel_text(source.source, source.name)
-    return compile(tree, simulator.kernel_filename(source.name), "exec", dont_inherit=True)
+    when it is what our templates emit. With ``signed``, code this user's process checked and compiled before is
+    taken from there (runtime/signed_code.py: only under a tag the user's own key made), and new code is kept."""
+    filename = simulator.kernel_filename(source.name)
+    code = signed.lookup(source.source, filename) if signed is not None else None
+    if code is None:
+        tree = check_kernel_text(source.source, source.name)
+        code = compile(tree, filename, "exec", dont_inherit=True)
+        if signed is not None:
+            signed.store(source.source, filename, code)
+    return code
 
 
 # ------------------------------------------------------------------------------------------------ simulator
@@ -166,13 +174,14 @@ class SimulatorLauncher(Launcher):
     name = "simulator"
 
     def __init__(self, target: Target | str | None = None, stored_reports: ReportCache | None = None,
-                 replay: bool = True):
+                 replay: bool = True, signed_code: SignedCodeCache | None = None):
         self.target = target if isinstance(target, Target) else get_target(target)
         self.stored_reports = stored_reports  # first-launch reports on disk (runtime/report_cache.py), or None
         self.replay = replay  # launches after a signature's first replay its recorded plan
+        self.signed_code = signed_code  # checked kernel code on disk (runtime/signed_code.py), or None
 
     def load(self, source: KernelSource) -> LoadedKernel:
-        module = simulator.load_module(source.source, source.name, code=checked_code(source),
+        module = simulator.load_module(source.source, source.name, code=checked_code(source, self.signed_code),
                                        builtins_for=kernel_builtins)
         return LoadedKernel(source, getattr(module, source.name))
 
@@ -336,4 +345,4 @@ def select_launcher(config: config_module.Config | None = None, target: Target |
     if name == "device":
         return DeviceLauncher()
     return SimulatorLauncher(target if target is not None else config.target, open_report_cache(config),
-                             replay=config.replay)
+                             replay=config.replay, signed_code=open_signed_code_cache(config))
