@@ -106,10 +106,12 @@ WHOLE_ROW_SCORES_AHEAD = 2
 # row has three banks, none under (three chunks with one copy in four: Flux 3.339 against 3.319 ms).
 WHOLE_ROW_DMA_CHUNKS = 2
 WHOLE_ROW_DMA_MIN_BANKS = 3
-# With the normalization on ScalarE the kernel is ScalarE-bound: one P^T copy in four on VectorE, not one in six.
-# Measured in the forwards (ms), one copy in 3 / 4 / 5 / 6 on VectorE: Flux 3.329 / 3.319 / 3.325 / 3.325; Wan
-# 1.482 at 4, LTX-Video 1.446 at 4 (bench/RESULTS.md, issue 12, stop 31).
-WHOLE_ROW_VECTOR_COPY_PERIOD = 4
+# One P^T copy in five leaves PSUM through VectorE. With the normalization on ScalarE (stop 31) the kernel was
+# ScalarE-bound and one in four measured best; with the normalization on GpSimd (VectorE copying P @ [v | 1] out of
+# PSUM for it), one in 4 / 5 / 6 / 8: the kernel alone at 1280 keys 160.8 / 160.2 / 160.8 / 160.5 us, at 1024 keys
+# 116.3 / 112.0 / 113.2 / 117.5 us; the mid-size forwards (ms), one in 4 / 5: Flux 2.97774 / 2.97849, Wan 1.43538 /
+# 1.42822, LTX-Video 1.43655 / 1.42794 (bench/RESULTS.md, stop 36).
+WHOLE_ROW_VECTOR_COPY_PERIOD = 5
 # A head group normalized together leaves VectorE a normalization per head lighter: one copy in three there.
 # Measured (the kernel alone, 32 query heads of 64 over 4 key/value heads, bf16; us), one in 4 / 3: seq 1024 causal
 # 252.1 / 242.6, non-causal 408.3 / 390.2, seq 1280 causal 365.3 / 368.8, seq 768 D 128 causal 171.6 / 169.9 (stop 35).

@@ -36,8 +36,9 @@ class AttentionPlan(TilePlan):
     through VectorE, the others through ScalarE (0: none through VectorE); ``whole_row``: a query tile's visible keys
     are one block whose scores span several PSUM banks, so one row max and one exponential serve the whole row (no
     online rescale), P @ [v | 1] accumulates in a PSUM bank of its own, the last ``dma_transpose_chunks`` whole
-    chunks of P^T come through a DMA transpose and ScalarE normalizes; ``scores_ahead``: how many steps ahead of its
-    P @ v a block's scores are issued; ``transposed_bank_chunks``: P^T chunks of 128 keys per PSUM bank;
+    chunks of P^T come through a DMA transpose and GpSimd normalizes (from the copy of P @ [v | 1] VectorE makes out
+    of PSUM); ``scores_ahead``: how many steps ahead of its P @ v a block's scores are issued;
+    ``transposed_bank_chunks``: P^T chunks of 128 keys per PSUM bank;
     ``head_group_dim``: the outer dim that picks a query head of a key/value group, when the group's heads take each
     query tile position one after another and share one q^T load and one output store there (-1: each head
     loads and stores its own); ``positions_outer``: with a head group, k^T and v of every key/value head stay
