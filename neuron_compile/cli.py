@@ -181,9 +181,7 @@ def _time_text(seconds: float) -> str:
 
 def _entry_summary(entry: dict) -> str:
     """One line about an entry: a region's target, kernels and ops, or whose first-launch cost report it is."""
-    from neuron_compile.runtime import report_cache
-
-    from neuron_compile.runtime import signed_code
+    from neuron_compile.runtime import report_cache, signed_code
 
     payload, parts = entry["payload"], entry["parts"]
     if parts.get("what") == report_cache.WHAT:
