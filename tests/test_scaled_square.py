@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from adamw_harness import adamw_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lowering_harness import TOLERANCES, check_against_eager, compile_and_run, random_tensor
@@ -86,33 +87,14 @@ def test_the_pattern_matcher():
     assert ir.scaled_square(ir.Op("mul", (rounded, tile))) is None
 
 
-def _adamw_step(shape, dtype, amsgrad: bool, weight_decay: float, compiled: bool):
-    generator = torch.Generator().manual_seed(0)
-    parameter = torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype))
-    parameter.grad = torch.randn(shape, generator=generator).to(dtype)
-    optimizer = torch.optim.AdamW([parameter], lr=1e-2, foreach=True, amsgrad=amsgrad, weight_decay=weight_decay)
-    state = {"step": torch.tensor(10.0), "exp_avg": (torch.randn(shape, generator=generator) * 0.1).to(dtype),
-             "exp_avg_sq": (torch.rand(shape, generator=generator) * 0.01).to(dtype)}
-    if amsgrad:
-        state["max_exp_avg_sq"] = (state["exp_avg_sq"].float() * 0.5).to(dtype)
-    optimizer.state[parameter] = state
-    if compiled:
-        torch._dynamo.reset()
-        with neuron_compile.config.patch(fallback="raise"):
-            torch.compile(optimizer.step, backend="neuron")()
-    else:
-        optimizer.step()
-    return [parameter.detach()] + [state[name] for name in state if name != "step"]
-
-
 @settings(max_examples=8, deadline=None)
 @given(shape=st.sampled_from(SHAPES), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        options=st.sampled_from([(False, 0.0), (False, 0.1), (True, 0.1), (True, 0.0)]))
 def test_adamw_with_its_scaled_square_equals_eager(shape, dtype, options, tmp_path_factory):
     dump = tmp_path_factory.mktemp("dump")
     with neuron_compile.config.patch(dump_dir=str(dump)):
-        got = _adamw_step(shape, dtype, *options, compiled=True)
-    want = _adamw_step(shape, dtype, *options, compiled=False)
+        got = adamw_step(shape, dtype, *options, compiled=True)
+    want = adamw_step(shape, dtype, *options, compiled=False)
     rtol, atol = TOLERANCES[dtype]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
