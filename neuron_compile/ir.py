@@ -306,6 +306,23 @@ def is_square(expr: Expr) -> bool:
         expr.op == "mul" and expr.args[0] == expr.args[1])
 
 
+def scaled_square(expr: Expr) -> tuple[Expr, float] | None:
+    """``(x, c)`` when ``expr`` is ``(x * c) * x`` or ``x * (x * c)`` (either product's operands in either order)
+    computed in fp32 with ``0 < c <= 1`` (AdamW's ``(1 - beta2) * g * g``), else None. With ``c <= 1`` the
+    product ``x * c`` cannot overflow where ``c * x * x`` does not (so ``(x * sqrt(c)) ** 2`` overflows where
+    it does, to the rounding)."""
+    if not (isinstance(expr, Op) and expr.op == "mul" and expr.dtype is None and len(expr.args) == 2):
+        return None
+    for scaled, x in (expr.args, expr.args[::-1]):
+        if isinstance(x, Scalar) or not (isinstance(scaled, Op) and scaled.op == "mul" and scaled.dtype is None):
+            continue
+        if x in scaled.args and len(scaled.args) == 2:
+            number = scaled.args[1] if scaled.args[0] == x else scaled.args[0]
+            if isinstance(number, Scalar) and 0.0 < float(number.value) <= 1.0:
+                return x, float(number.value)
+    return None
+
+
 # ---------------------------------------------------------------- nodes
 
 

@@ -15,6 +15,7 @@ import re
 
 import pytest
 import torch
+from adamw_harness import adamw_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lowering_harness import TOLERANCES, check_against_eager, compile_and_run, random_tensor
@@ -26,35 +27,14 @@ from neuron_compile.codegen.expressions import column_parts
 SPLIT_RECIPROCAL = re.compile(r"reciprocal\(dst=\w+\[0:rows, cols \* (\d+) // 32:cols\]")
 
 
-def _adamw_step(shape, dtype, amsgrad: bool, weight_decay: float, compiled: bool, seed: int = 0):
-    """The parameter and state after one AdamW step from a random state (step 10: both bias corrections away
-    from 1), compiled with the backend or eager."""
-    generator = torch.Generator().manual_seed(seed)
-    parameter = torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype))
-    parameter.grad = torch.randn(shape, generator=generator).to(dtype)
-    optimizer = torch.optim.AdamW([parameter], lr=1e-2, foreach=True, amsgrad=amsgrad, weight_decay=weight_decay)
-    state = {"step": torch.tensor(10.0), "exp_avg": (torch.randn(shape, generator=generator) * 0.1).to(dtype),
-             "exp_avg_sq": (torch.rand(shape, generator=generator) * 0.01).to(dtype)}
-    if amsgrad:
-        state["max_exp_avg_sq"] = (state["exp_avg_sq"].float() * 0.5).to(dtype)
-    optimizer.state[parameter] = state
-    if compiled:
-        torch._dynamo.reset()
-        with neuron_compile.config.patch(fallback="raise"):
-            torch.compile(optimizer.step, backend="neuron")()
-    else:
-        optimizer.step()
-    return [parameter.detach()] + [state[name] for name in state if name != "step"]
-
-
 def _dumped_sources(tmp_path) -> str:
     return "\n".join(path.read_text() for path in tmp_path.rglob("*.py"))
 
 
 def _check_against_eager(shape, dtype, amsgrad, weight_decay, tmp_path):
     with neuron_compile.config.patch(dump_dir=str(tmp_path)):
-        got = _adamw_step(shape, dtype, amsgrad, weight_decay, compiled=True)
-    want = _adamw_step(shape, dtype, amsgrad, weight_decay, compiled=False)
+        got = adamw_step(shape, dtype, amsgrad, weight_decay, compiled=True)
+    want = adamw_step(shape, dtype, amsgrad, weight_decay, compiled=False)
     rtol, atol = TOLERANCES[dtype]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
@@ -75,10 +55,10 @@ def test_the_split_reciprocal_is_emitted_and_equals_the_unsplit_form_bit_for_bit
     sources = _check_against_eager((130, 1100), dtype, False, 0.1, tmp_path / "split")
     shares = SPLIT_RECIPROCAL.findall(sources)
     assert shares and all(0 < int(share) < SPLIT_STEPS for share in shares)
-    split = _adamw_step((130, 1100), dtype, False, 0.1, compiled=True)
+    split = adamw_step((130, 1100), dtype, False, 0.1, compiled=True)
     monkeypatch.setattr(EngineBalance, "_splits", lambda self, plan, loads: {})
     with neuron_compile.config.patch(dump_dir=str(tmp_path / "whole")):
-        whole = _adamw_step((130, 1100), dtype, False, 0.1, compiled=True)
+        whole = adamw_step((130, 1100), dtype, False, 0.1, compiled=True)
     assert not SPLIT_RECIPROCAL.findall(_dumped_sources(tmp_path / "whole"))
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     for a, b in zip(split, whole):

@@ -87,12 +87,13 @@ def _chosen(*exprs, free=383, banks=3):
 def test_which_values_go_to_psum():
     g, m = _load("g"), _load("m")
     scaled = ir.op("mul", g, 0.001)
-    assert _chosen(ir.op("mul", scaled, g)) == {scaled}
-    assert _chosen(ir.op("mul", scaled, g), scaled) == set()  # stored: the DMA cannot read PSUM
+    assert _chosen(ir.op("mul", scaled, m)) == {scaled}
+    assert _chosen(ir.op("mul", scaled, m), scaled) == set()  # stored: the DMA cannot read PSUM
     assert _chosen(ir.op("mul", scaled, scaled)) == set()  # a square: ScalarE's activation
+    assert scaled not in _chosen(ir.op("mul", scaled, g))  # (g * c) * g: ScalarE's square with a scale
     assert _chosen(ir.op("add", ir.op("reciprocal_alu", scaled), m)) == set()  # a sequence reads it
     assert _chosen(ir.op("add", ir.Op("cast", (scaled,), "bfloat16"), m)) == set()  # a cast reads it
-    assert _chosen(ir.op("mul", scaled, g), free=513) == set()  # wider than a bank
+    assert _chosen(ir.op("mul", scaled, m), free=513) == set()  # wider than a bank
     other = ir.op("add", m, 2.0)
     assert len(_chosen(ir.op("mul", scaled, other))) == 1  # at most one PSUM operand per reader
     many = [ir.op("mul", ir.op("mul", _load(f"x{i}"), 2.0), g) for i in range(5)]
@@ -117,7 +118,10 @@ def test_adamw_update_keeps_its_dma_sum_and_moves_its_second_moment_product_to_p
         torch.compile(optimizer.step, backend="neuron")()
     source = "\n".join(path.read_text() for path in tmp_path.rglob("*.py"))
     psum_tiles = [line.split(" = ")[0].strip() for line in source.splitlines() if "buffer=nl.psum)" in line]
-    written = [line for line in source.splitlines() if line.strip().startswith("nisa.tensor_tensor(")
+    written = [line for line in source.splitlines() if line.strip().startswith(("nisa.tensor_tensor(",
+                                                                                "nisa.activation("))
                and any(f"dst={tile}[" in line for tile in psum_tiles)]
     assert written and not any("gpsimd" in line for line in written)  # GpSimd cannot reach PSUM
+    # the second moment's product, (1 - beta2) * g * g, is ScalarE's scaled square, written into PSUM
+    assert any("op=nl.square" in line for line in written)
     assert "nisa.dma_compute(" in source

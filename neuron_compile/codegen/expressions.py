@@ -347,10 +347,35 @@ def _emit_uncached(expr, scope, lines) -> Ref:
         return _emit_random_keep(expr, scope, lines)
     if isinstance(expr, ir.Load):
         return _emit_load(expr, scope, lines)
-    rounded = _emit_rounded_op(expr, scope, lines)
+    rounded = _emit_rounded_op(expr, scope, lines) or _emit_scaled_square(expr, scope, lines)
     if rounded is not None:
         return rounded
     return _emit_op(expr, _operands(expr, scope, lines), scope, lines)
+
+
+def _emit_scaled_square(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref | None:
+    """``(x * c) * x`` (``ir.scaled_square``) of a full tile as one ScalarE ``activation(square, x, scale=s)``,
+    ``s`` the fp32 ``sqrt(c)``: ``c * x * x`` rounded three times (``s``, ``x * s``, the square) where the two
+    products rounded it twice, a few fp32 ulps apart, with the same special values (-0, inf and nan give what the
+    products give). The products took ScalarE's multiply, then a tensor_tensor of two tiles on VectorE or GpSimd
+    (two passes over fp32 operands). None when the pattern does not apply or x is a number or a row vector (the
+    operand's lines, if any, are harmless: the plain path reuses them)."""
+    matched = ir.scaled_square(expr)
+    if matched is None or expr in scope.memo:
+        return None
+    x, factor = matched
+    operand = _widened_source(x, scope, lines) or emit(x, scope, lines)
+    if operand.tile is None or operand.vector:
+        return None
+    if expr in scope.psum_operands:  # ScalarE writes PSUM: the reader streams one operand from there
+        out = Ref(tile=scope.allocator.new_psum_tile("square", scope.free))
+    else:
+        out = Ref(tile=scope.tile(stem="square"))
+    scale = _rounded(math.sqrt(_rounded(factor, "float32")), "float32")
+    scope.balance.note("scalar")
+    lines.append(f"nisa.activation(dst={scope.ref_text(out)}, op=nl.square, data={scope.ref_text(operand)}, "
+                 f"scale={number(scale)})")
+    return out
 
 
 # Sequences whose instructions read a bf16 / fp16 tile as they read an fp32 one (the ALU's reciprocal and rsqrt; pow's

@@ -93,12 +93,14 @@ class Patterns:
     def outer_terms(self, layout: ir.Layout) -> list[tuple[str, int]]:
         return [(f"o{i}", dim.stride(layout)) for i, dim in enumerate(self.plan.outer)]
 
-    def hbm(self, tensor: str, layout: ir.Layout, free: list[tuple[LoopDim, str]], chunked_free: bool) -> AccessPattern:
-        """``tensor.ap(...)`` for a [rows, free...] tile; ``chunked_free`` adds ``f0`` for the first free dim."""
+    def hbm(self, tensor: str, layout: ir.Layout, free: list[tuple[LoopDim, str]], chunked_free: bool,
+            free_start: str = "f0") -> AccessPattern:
+        """``tensor.ap(...)`` for a [rows, free...] tile; ``chunked_free`` adds ``free_start`` (the loop variable
+        where the tile's first free dim starts) for the first free dim."""
         partition = self.plan.partition
         terms = self.outer_terms(layout) + [("p0", partition.stride(layout))]
         if chunked_free and free:
-            terms.append(("f0", free[0][0].stride(layout)))
+            terms.append((free_start, free[0][0].stride(layout)))
         entries = [(partition.stride(layout), "rows")] + [(dim.stride(layout), count) for dim, count in free]
         return AccessPattern(tensor, tuple(entries), offset_text(layout.offset, terms))
 

@@ -75,6 +75,8 @@ def _reads_with_a_tile(parent: ir.Op, value: ir.Op) -> bool:
     """``parent`` is a tensor_tensor of ``value`` and another tile (not ``value`` itself: a square is ScalarE's)."""
     if parent.op not in PSUM_READERS or parent.dtype is not None or len(parent.args) != 2:
         return False
+    if ir.scaled_square(parent) is not None:
+        return False  # ScalarE's activation(square, scale=...): no tensor_tensor reads the scaled value
     other = parent.args[1] if parent.args[0] == value else parent.args[0]
     return not _constant(other) and other != value
 

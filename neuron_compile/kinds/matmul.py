@@ -28,6 +28,7 @@ from neuron_compile.kind_registry import loads, register_kind
 from neuron_compile.kinds import matmul_row_norm, norm_epilogue_rule, rotary_epilogue_rule
 from neuron_compile.kinds.fusion_rules import MatchingIndexEpilogue, matching_index_reason
 from neuron_compile.kinds.matmul_columns import ColumnOperands
+from neuron_compile.kinds.matmul_row_stores import beside_row_buffers, row_store_entries, stores_rows
 from neuron_compile.kinds.matmul_windows import TermColumns, Window, moving_windows
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import TRANSPOSE_BLOCK, TilePlan, TilingError, count_tiles, needs_transpose
@@ -59,7 +60,12 @@ def plan_resident(node: ir.MatMul, target) -> TilePlan | None:
     fewer HBM bytes (a long K: a^T of every row does not fit, so b would be read once per row group). None when
     the target has no DMA transpose or not even one row block fits."""
     streamed = plan_streamed_moving(node, target)
-    kept = plan_kept_moving(node, target) if streamed is not None else None
+    if streamed is None:
+        return None
+    if stores_rows(node):  # kept b tiles, a's row blocks stored whole (kinds/matmul_row_stores.py) at no more traffic
+        kept = plan_kept_moving(node, beside_row_buffers(node, target, blocks_per_moving_tile(node, target)))
+        return kept if kept is not None and operand_traffic(node, kept) <= operand_traffic(node, streamed) else streamed
+    kept = plan_kept_moving(node, target)
     if kept is not None and operand_traffic(node, kept) < operand_traffic(node, streamed):
         return kept
     return streamed
@@ -310,9 +316,10 @@ def evacuated_dtype(node: ir.MatMul) -> str:
 
 def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list[str]) -> str:
     allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
-    context = kernel_context(node, plan, name, parameters,
-                             **resident_context(node, plan, allocator, product_dtype=evacuated_dtype(node)))
-    return render_template("matmul_resident.py.j2", **context)
+    entries = resident_context(node, plan, allocator, product_dtype=evacuated_dtype(node))
+    if plan.column_group and stores_rows(node):  # planned with room for the row buffers (plan_resident)
+        entries.update(row_store_entries(node, plan, Patterns(plan)))
+    return render_template("matmul_resident.py.j2", **kernel_context(node, plan, name, parameters, **entries))
 
 
 def resident_context(node: ir.MatMul, plan: TilePlan, allocator: TileAllocator, loads_a: bool = True,
@@ -358,6 +365,10 @@ def resident_context(node: ir.MatMul, plan: TilePlan, allocator: TileAllocator, 
         span=max(window.span for window in windows),
         term_columns=tuple((place.window, place.column) for place in term_columns) if node.shifts else None,
         row_prologue=[], once=[], group_tiles=[], row_epilogue=[],
+        group_note="each block's rows of the product's epilogue value, filled one N tile at a time, normed after "
+                   "the last",
+        row_note="every N tile has passed: each block's whole rows are on chip, normed here (the docstring's norm) "
+                 "and stored",
     )
 
 
