@@ -21,7 +21,7 @@ decisions.
 from __future__ import annotations
 
 from neuron_compile import ir, kinds
-from neuron_compile.passes.rotary_rows import joint_row_slices
+from neuron_compile.passes.rotary_rows import extent, joint_row_slices
 
 
 def fold_rotary_epilogues(kernels: list[ir.Node], region_outputs: set[str], decisions: list[str], fits=None,
@@ -29,7 +29,9 @@ def fold_rotary_epilogues(kernels: list[ir.Node], region_outputs: set[str], deci
     """``kernels`` with every rotary that may run in its projection's epilogue folded into it (module docstring),
     and ``assembled`` with the outputs of rotaries split by their joint rows (several kernels write them now)."""
     for rotary in list(kernels):
-        slices, why = joint_row_slices(rotary, kernels, assembled)
+        slices, why_not = joint_row_slices(rotary, kernels, assembled)
+        if why_not is not None:
+            decisions.append(f"{rotary.name} split by its joint rows: no, {why_not}")
         folded = None if slices is None else _fold_slices(rotary, slices, kernels, region_outputs, decisions, fits)
         if folded is not None:
             kernels, assembled = folded, assembled | kinds.written_buffers(rotary)
@@ -54,13 +56,13 @@ def _fold_slices(rotary: ir.Node, slices: list[ir.Node], kernels: list[ir.Node],
 
 
 def _overlaps(writer: ir.Node, reader: ir.Node) -> bool:
-    """Whether ``writer`` stores elements ``reader`` loads (of a buffer several kernels write in row slices, only
+    """Whether ``writer`` may store elements ``reader`` loads (of a buffer several kernels write in row slices, only
     the writer of the rows read counts)."""
-    spans = {}
+    extents: dict[str, list[tuple[int, int]]] = {}
     for store in kinds.stores(writer):
-        spans.setdefault(store.buffer.name, []).append((store.layout.offset, store.layout.span()))
-    return any(first < load.layout.span() and load.layout.offset < end for load in kinds.loads(reader)
-               for first, end in spans.get(load.buffer, ()))
+        extents.setdefault(store.buffer.name, []).append(extent(store.layout))
+    return any(first < end and start < last for load in kinds.loads(reader)
+               for start, end in [extent(load.layout)] for first, last in extents.get(load.buffer, ()))
 
 
 def _products(kernel: ir.Node) -> set[str]:

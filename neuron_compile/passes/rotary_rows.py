@@ -24,6 +24,13 @@ def _outer_rows(buffer: ir.Buffer) -> tuple[int, int] | None:
     return next(((size, stride) for size, stride in zip(buffer.layout.shape, buffer.layout.strides) if size > 1), None)
 
 
+def extent(layout: ir.Layout) -> tuple[int, int]:
+    """The first and one past the last element ``layout`` may touch (negative strides too)."""
+    reach = [(size - 1) * stride for size, stride in zip(layout.shape, layout.strides) if size > 0]
+    return (layout.offset + sum(min(0, step) for step in reach),
+            layout.offset + sum(max(0, step) for step in reach) + 1)
+
+
 def _writers_rows(joint: ir.Buffer, kernels: list[ir.Node]) -> list[tuple[int, int]] | None:
     """The [first, end) rows of ``joint`` each kernel writing it stores, in order, when each stores whole rows
     and together they store every row once; else None."""
@@ -33,7 +40,7 @@ def _writers_rows(joint: ir.Buffer, kernels: list[ir.Node]) -> list[tuple[int, i
         layouts = [store.layout for store in kinds.stores(kernel) if store.buffer.name == joint.name]
         if not layouts:
             continue
-        first, end = min(layout.offset for layout in layouts), max(layout.span() for layout in layouts)
+        first, end = min(extent(layout)[0] for layout in layouts), max(extent(layout)[1] for layout in layouts)
         if stride <= 0 or first % stride or end % stride:
             return None
         ranges.append((first // stride, end // stride))
@@ -47,8 +54,8 @@ def _split_dim(rotary: ir.Concat, joint: ir.Buffer) -> int | None:
     inside one row; None if there is none."""
     size, stride = _outer_rows(joint) or (0, 0)
     reads = [load.layout for part in rotary.parts for load in kinds.loads(part) if load.buffer == joint.name]
-    for dim, extent in enumerate(rotary.domain):
-        if extent != size or any(starts[dim] for starts in rotary.starts):
+    for dim, rows in enumerate(rotary.domain):
+        if rows != size or any(starts[dim] for starts in rotary.starts):
             continue
         inside = all(layout.strides[dim] == stride and layout.offset + sum(
             (count - 1) * step for index, (count, step) in enumerate(zip(layout.shape, layout.strides))
@@ -85,15 +92,15 @@ def _sliced(rotary: ir.Concat, dim: int, first: int, count: int) -> ir.Concat:
 
 
 def joint_row_slices(rotary: ir.Node, kernels: list[ir.Node],
-                     assembled: frozenset) -> tuple[list[ir.Concat] | None, str]:
-    """``rotary``'s slices, one per kernel writing the joint rows it reads (module docstring), or None and why
-    not."""
+                     assembled: frozenset) -> tuple[list[ir.Concat] | None, str | None]:
+    """``rotary``'s slices, one per kernel writing the joint rows it reads (module docstring); or None and why not,
+    the reason None when ``rotary`` is no concat reading one buffer assembled in place (nothing to split)."""
     if not isinstance(rotary, ir.Concat) or rotary.in_place:
-        return None, "not a rotary concat"
+        return None, None
     joints = [buffer for buffer in {store.buffer for kernel in kernels for store in kinds.stores(kernel)}
               if buffer.name in assembled and buffer.name in kinds.read_buffers(rotary)]
     if len(joints) != 1:
-        return None, "it reads no one buffer assembled in place"
+        return None, None
     joint = joints[0]
     rows = _writers_rows(joint, [kernel for kernel in kernels if kernel is not rotary])
     if rows is None:
@@ -101,4 +108,4 @@ def joint_row_slices(rotary: ir.Node, kernels: list[ir.Node],
     dim = _split_dim(rotary, joint)
     if dim is None:
         return None, f"no dim of {rotary.name} walks {joint.name}'s rows alone"
-    return [_sliced(rotary, dim, first, end - first) for first, end in rows], f"by the rows of {joint.name}"
+    return [_sliced(rotary, dim, first, end - first) for first, end in rows], None
