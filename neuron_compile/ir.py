@@ -458,23 +458,31 @@ class MatMulNormEpilogue:
 
 
 @dataclass(frozen=True)
-class MatMulRotary:
-    """A matmul kernel (``MatMul`` or ``NormedMatMul``) whose product a rotary embedding then reads in the same
-    kernel (a rotary epilogue): ``source`` is the matmul's store the rotary reads (q or k as the projection rounds
-    them), computed in each N tile's epilogue and kept on chip; ``rotary`` (a ``Concat`` of the halves
-    ``x * cos + rotate_half(x) * sin`` over each head of ``head_dim`` columns, its loads of ``source.buffer``
-    standing for that tile) runs on the tile's whole heads. ``store_source``: ``source`` also goes to HBM
-    (something else reads it). ``matmul`` keeps its other stores. ``norm``: a per-head RMSNorm of ``source``
-    (Qwen3's, Gemma3's; a ``Reduction`` over [*batch, M, heads, head_dim] along the last dim) computed on the
-    tile first; the rotary reads its one row store, the normed heads, which never go to HBM."""
+class HeadRotary:
+    """One rotary embedding a ``MatMulRotary`` computes on its tiles: ``source`` is the matmul's store it reads (q or
+    k as the projection rounds them), computed in each N tile's epilogue and kept on chip; ``rotary`` (a ``Concat``
+    of ``x * cos + rotate(x) * sin`` over each head of ``head_dim`` columns: rotate_half's halves, or an interleaved
+    rotary's pairs; its loads of ``source.buffer`` standing for that tile) runs on the tile's whole heads.
+    ``store_source``: ``source`` also goes to HBM (something else reads it). ``norm``: a per-head RMSNorm of
+    ``source`` (Qwen3's, Gemma3's, Flux's; a ``Reduction`` over [*batch, M, heads, head_dim] along the last dim)
+    computed on the tile first; the rotary reads its one row store, the normed heads, which never go to HBM."""
 
-    name: str
-    matmul: MatMul | NormedMatMul
     source: Store
     store_source: bool
     rotary: Concat
     head_dim: int
     norm: Reduction | None = None
+
+
+@dataclass(frozen=True)
+class MatMulRotary:
+    """A matmul kernel (``MatMul`` or ``NormedMatMul``) whose products rotary embeddings then read in the same kernel
+    (rotary epilogues, ``rotaries``: one per product rotated, q's and k's of a paired projection). ``matmul`` keeps
+    its other stores."""
+
+    name: str
+    matmul: MatMul | NormedMatMul
+    rotaries: tuple[HeadRotary, ...]
 
     @property
     def domain(self) -> tuple[int, ...]:

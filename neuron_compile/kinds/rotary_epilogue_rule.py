@@ -1,20 +1,21 @@
 """Kernel kinds: the fusion rule that gives a matmul a rotary epilogue (``ir.MatMul`` / ``ir.NormedMatMul`` ->
 ``ir.MatMulRotary``).
 
-Input: a whole matmul kernel (a q or k projection) and a whole concat kernel after it that reads one of its stores
-(the rotary embedding ``x * cos + rotate_half(x) * sin``, rotate_half = cat(-x2, x1) over each head's halves).
-Output: a reason they may not fuse, or the matmul computing the rotary on its output tiles
-(kinds/matmul_rotary.py plans and renders it; passes/rotary_epilogues.py drives it).
+Input: a whole matmul kernel (a q or k projection, or a ``MatMulRotary`` already rotating the other product of a
+paired q / k projection) and a whole concat kernel after it that reads one of its stores (the rotary embedding
+``x * cos + rotate(x) * sin``: rotate_half = cat(-x2, x1) over each head's halves, or an interleaved rotary's
+stack(-x[2i+1], x[2i]) over each head's pairs, Flux's). Output: a reason they may not fuse, or the matmul computing
+the rotary on its output tiles (kinds/matmul_rotary.py plans and renders it; passes/rotary_epilogues.py drives it).
 
-The rule: the matmul is plain or normed (no implicit GEMM), the concat is not assembled in place and reads
-exactly one of the matmul's stores (``source``); every part reads ``source`` along the matmul's rows, its heads
-(``head_dim`` columns apart) and the columns within one head, from a column offset that keeps the read inside
-the head, so that an N tile of whole heads holds everything a part reads; every other load of a part is the same
-for every head (cos and sin, per position and column within the head); no part computes an index or draws random
-numbers; and ``head_dim`` divides every N tile the matmul may take (128, 256, 512 columns, or all of N). With a
-per-head norm between them (``head_norm_reason``), the norm must be a mean of squares over each head of ``source``,
-store no statistics, and N a whole number of N tiles (its heads lie several to a partition, as many per tile); the
-rotary then reads the normed heads as it would read ``source``.
+The rule: the matmul is plain or normed (no implicit GEMM), the concat is not assembled in place and reads exactly
+one of the matmul's stores (``source``); every part reads ``source`` along the matmul's rows, its heads
+(``head_dim`` columns apart) and the columns within one head (every one, or every second: ``HeadAxes.step``), from a
+column offset that keeps the read inside the head, so that an N tile of whole heads holds everything a part reads;
+every other load of a part is the same for every head (cos and sin, per position and column within the head); no
+part computes an index or draws random numbers; and ``head_dim`` divides every N tile the matmul may take (128, 256,
+512 columns, or all of N). With a per-head norm between them (``head_norm_reason``), the norm must be a mean of
+squares over each head of ``source``, store no statistics, and N a whole number of N tiles (its heads lie several to
+a partition, as many per tile); the rotary then reads the normed heads as it would read ``source``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class HeadAxes:
     along the columns within a head (None: the matmul has one of them), and (part dim, matmul batch dim) pairs;
     ``column`` is the first column within the head a read of ``source`` starts at. ``outer_rows``: the part dims
     that M also spans, outermost first (a linear flattens batch and sequence into M: the part's batch dim walks
-    whole sequences of rows), each one the next one's stride times its size in every layout the part uses."""
+    whole sequences of rows), each one the next one's stride times its size in every layout the part uses.
+    ``step``: the columns one index of ``within`` advances (1; 2 for an interleaved rotary's pairs: Flux's, GPT-J's)."""
 
     rows: int | None
     heads: int | None
@@ -44,6 +46,7 @@ class HeadAxes:
     batch: tuple[tuple[int, int], ...]
     column: int = 0
     outer_rows: tuple[int, ...] = ()
+    step: int = 1
 
 
 def rows_dims(shape: tuple[int, ...], strides: tuple[int, ...], dims: list[int], row_stride: int,
@@ -67,13 +70,15 @@ def rows_merge(layout: ir.Layout, axes: HeadAxes) -> bool:
                for outer, inner in zip(dims, dims[1:]))
 
 
-def head_dim_of(matmul_domain: tuple[int, ...], source: ir.Store, load: ir.Load) -> int:
+def head_dim_of(matmul_domain: tuple[int, ...], source: ir.Store, load: ir.Load,
+                shared: tuple[ir.Load, ...] = ()) -> int:
     """The head width ``load`` (of ``source``'s buffer) implies: the column step of its dim that walks whole
-    heads across N, or all of N (one head)."""
+    heads across N, or all of N (one head). ``shared``: the part's other loads (cos and sin), the same for every
+    head: a dim they walk walks columns within a head (an interleaved rotary's pairs of one head of N columns)."""
     n, column_stride = matmul_domain[-1], source.layout.strides[-1]
-    for size, stride in zip(load.layout.shape, load.layout.strides):
+    for dim, (size, stride) in enumerate(zip(load.layout.shape, load.layout.strides)):
         if size > 1 and column_stride and stride % column_stride == 0 and stride // column_stride > 1 \
-                and (stride // column_stride) * size == n:
+                and (stride // column_stride) * size == n and not any(other.layout.strides[dim] for other in shared):
             return stride // column_stride
     return n
 
@@ -89,9 +94,11 @@ def head_axes(matmul_domain: tuple[int, ...], source: ir.Store, load: ir.Load, h
         if size == 1:
             continue
         role = next((name for name, want, extent in (
-            ("heads", strides[-1] * head_dim, n // head_dim), ("within", strides[-1], None),
+            ("heads", strides[-1] * head_dim, n // head_dim),
             *((f"batch{i}", strides[i], batch[i]) for i in range(len(batch))))
-            if name not in roles and stride == want and (extent is None or size == extent)), None)
+            if name not in roles and stride == want and size == extent), None)
+        if role is None and "within" not in roles and within_step(stride, size, strides[-1], head_dim):
+            role = "within"
         if role is not None:
             roles[role] = dim
         elif strides[-2] and stride % strides[-2] == 0 and stride > 0:
@@ -104,15 +111,25 @@ def head_axes(matmul_domain: tuple[int, ...], source: ir.Store, load: ir.Load, h
     if rows:
         roles["rows"] = rows[-1]
     delta = load.layout.offset - source.layout.offset
-    width = load.layout.shape[roles["within"]] if "within" in roles else 1
-    if strides[-1] == 0 or delta % strides[-1] or not 0 <= delta // strides[-1] <= head_dim - width:
+    within = roles.get("within")
+    width, step = (1, 1) if within is None else (load.layout.shape[within], load.layout.strides[within] // strides[-1])
+    if strides[-1] == 0 or delta % strides[-1] or not 0 <= delta // strides[-1] <= head_dim - 1 - step * (width - 1):
         return None
     covered = {"heads": n // head_dim, "rows": m, **{f"batch{i}": size for i, size in enumerate(batch)}}
     if any(extent > 1 and name not in roles for name, extent in covered.items()):
         return None  # a part covers every row, head and batch index: each N tile computes its heads' share
     return HeadAxes(roles.get("rows"), roles.get("heads"), roles.get("within"),
                     tuple((dim, int(name[5:])) for name, dim in roles.items() if name.startswith("batch")),
-                    column=delta // strides[-1], outer_rows=rows[:-1])
+                    column=delta // strides[-1], outer_rows=rows[:-1], step=step)
+
+
+def within_step(stride: int, size: int, column_stride: int, head_dim: int) -> bool:
+    """Whether a dim of ``size`` indices ``stride`` elements apart walks columns within one head: a step of 1 column
+    (rotate_half's halves), or of a few (the pairs of an interleaved rotary, every second column)."""
+    if column_stride <= 0 or stride <= 0 or stride % column_stride:
+        return False
+    step = stride // column_stride
+    return step == 1 or (step * (size - 1) < head_dim and step * size <= head_dim)
 
 
 def source_store(matmul, rotary: ir.Concat) -> ir.Store | None:
@@ -152,8 +169,10 @@ def _part_reason(part: ir.Pointwise, domain: tuple[int, ...], rotated: ir.Store,
 
 def rotated_head_dim(domain: tuple[int, ...], rotated: ir.Store, rotary: ir.Concat) -> int:
     """The head width the rotary's first read of ``rotated`` implies."""
-    first = next(load for part in rotary.parts for load in loads(part) if load.buffer == rotated.buffer.name)
-    return head_dim_of(domain, rotated, first)
+    part, first = next((part, load) for part in rotary.parts for load in loads(part)
+                       if load.buffer == rotated.buffer.name)
+    shared = tuple(load for load in loads(part) if load.buffer != rotated.buffer.name)
+    return head_dim_of(domain, rotated, first, shared)
 
 
 def norm_axes(domain: tuple[int, ...], source: ir.Store, norm: ir.Reduction) -> HeadAxes | None:
@@ -164,7 +183,8 @@ def norm_axes(domain: tuple[int, ...], source: ir.Store, norm: ir.Reduction) -> 
              if load.buffer == source.buffer.name}
     found = {head_axes(domain, source, load, norm.domain[-1]) for load in reads}
     axes = found.pop() if len(found) == 1 else None
-    if axes is None or axes.column != 0 or (norm.domain[-1] > 1 and axes.within != len(norm.domain) - 1):
+    if axes is None or axes.column != 0 or axes.step != 1 or (
+            norm.domain[-1] > 1 and axes.within != len(norm.domain) - 1):
         return None
     return axes
 
@@ -217,6 +237,12 @@ def rotary_epilogue_reason(matmul, rotary, norm=None) -> str | None:
     ``norm``, a per-head norm between them, when given)."""
     if not isinstance(rotary, ir.Concat):
         return f"a matmul's rotary epilogue is a concat, not a {type(rotary).__name__}"
+    if isinstance(matmul, ir.MatMulRotary):  # a second product of a paired projection, its first one rotated
+        rotated = {store.buffer.name for store in kind_of(matmul).stores(matmul)} - {
+            store.buffer.name for store in matmul.matmul.stores}
+        if rotated & {load.buffer for load in loads(rotary if norm is None else norm)}:
+            return f"{(rotary if norm is None else norm).name} reads what {matmul.name}'s other rotary computes"
+        matmul = matmul.matmul
     if getattr(matmul, "shifts", ()):
         return f"{matmul.name} is an implicit GEMM"
     if rotary.in_place:
@@ -247,10 +273,12 @@ def rotary_epilogue_reason(matmul, rotary, norm=None) -> str | None:
 
 
 def merge_rotary_epilogue(matmul, rotary: ir.Concat, store_source: bool, norm=None) -> ir.MatMulRotary:
-    """``matmul`` computing ``rotary`` (after ``norm``) on its tiles; ``store_source``: the product still goes to
-    HBM."""
+    """``matmul`` computing ``rotary`` (after ``norm``) on its tiles, after the rotaries it computes already (a
+    ``MatMulRotary``: the other product of a paired projection); ``store_source``: the product still goes to HBM."""
+    earlier = matmul.rotaries if isinstance(matmul, ir.MatMulRotary) else ()
+    matmul = matmul.matmul if isinstance(matmul, ir.MatMulRotary) else matmul
     source = source_store(matmul, rotary if norm is None else norm)
     rotated = source if norm is None else normed_heads(matmul.domain, source, norm)
     others = tuple(store for store in matmul.stores if store.buffer.name != source.buffer.name)
-    return ir.MatMulRotary(matmul.name, dataclasses.replace(matmul, stores=others), source, store_source, rotary,
-                           rotated_head_dim(matmul.domain, rotated, rotary), norm)
+    entry = ir.HeadRotary(source, store_source, rotary, rotated_head_dim(matmul.domain, rotated, rotary), norm)
+    return ir.MatMulRotary(matmul.name, dataclasses.replace(matmul, stores=others), (*earlier, entry))

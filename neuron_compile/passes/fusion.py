@@ -25,10 +25,11 @@ gate read by the up projection's epilogue; attention's k and v projections, both
 giving a variance and the mean of the same rows (a layer norm, kinds/reduction_siblings.py). Last, a row norm whose
 normed rows matmuls multiply is computed inside each of them (``fold_row_norms``, passes/row_norm_operands.py), and a
 row norm left on its own runs in the epilogue of the matmul writing its rows (``fold_norm_epilogues``,
-passes/norm_epilogues.py), and a rotary embedding in the epilogue of the q / k projection whose heads it rotates
-(``fold_rotary_epilogues``, passes/rotary_epilogues.py). With ``in_place`` (a region launched as one kernel), a
-concat of whole buffers that kernels write is assembled in place: marked before grouping, its inputs' writers store
-into its output after it (passes/concat_in_place.py). Last, what an attention kernel's keys and values need is
+passes/norm_epilogues.py). With ``in_place`` (a region launched as one kernel), a concat of whole buffers that
+kernels write is assembled in place: marked before grouping, its inputs' writers store into its output after it
+(passes/concat_in_place.py). Then a rotary embedding runs in the epilogue of the q / k projection whose heads it
+rotates (``fold_rotary_epilogues``, passes/rotary_epilogues.py; a rotary of joint rows assembled in place, one
+slice per projection). Last, what an attention kernel's keys and values need is
 launched before the rest (passes/launch_order.py).
 
 Before grouping, a pure copy (one load stored in another layout, as a write into an empty cache makes) whose every
@@ -364,11 +365,11 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
         kernels = fuse_siblings(kernels, region_outputs, decisions, fits)
         kernels = fold_row_norms(kernels, region_outputs, decisions, fits)
         kernels = fold_norm_epilogues(kernels, region_outputs, decisions, fits)
-        kernels = fold_rotary_epilogues(kernels, region_outputs, decisions, fits)
     assembled = frozenset()
     if in_place:
         kernels, assembled = assemble_in_place(kernels, decisions, fits)
     if enabled:
+        kernels, assembled = fold_rotary_epilogues(kernels, region_outputs, decisions, fits, assembled)
         kernels = keys_and_values_first(kernels)
     return FusionResult(kernels, decisions, assembled)
 
