@@ -57,9 +57,14 @@ class KernelKind:
         return []
 
     def operand_bytes(self, node, plan: TilePlan) -> int:
-        """HBM bytes of the operand loads as ``plan`` reads them (passes/fold_traffic.py weighs folds by them):
-        each once unless the kind's plan loads one again (a matmul's b, once per row group)."""
+        """HBM bytes of the operand loads as ``plan`` reads them (passes/fold_traffic.py weighs folds by them and
+        ``tensor_seconds``): each once unless the kind's plan loads one again (a matmul's b, once per row group)."""
         return sum(load_bytes(load) for load in self.operand_loads(node))
+
+    def tensor_seconds(self, node, target) -> float:
+        """TensorE time of the node's products at the target's peak (passes/fold_traffic.py weighs folds by it
+        beside the bytes): none but a matmul's."""
+        return 0.0
 
     def map_exprs(self, node, fn: Callable[[ir.Expr], ir.Expr]):
         """``node`` with ``fn`` applied to every expression (the range-guard pass rewrites through this)."""

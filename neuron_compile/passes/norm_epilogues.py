@@ -9,9 +9,9 @@ the down projection keeps on chip, instead of a kernel that waits for them to re
 Gemma's post-norms (with the residual add in their row epilogue) on the o and down projections' rows. The merged
 kernel takes the matmul's place, so everything else the norm reads must be written before it: the kernels between
 them that write it (Gemma's ``1 + w``) move before the matmul when they do not depend on it. The rows still go to
-HBM when another kernel reads them or the region returns them. The fold is refused where the merged kernel's plan
-moves more HBM bytes than the two kernels apart (passes/fold_traffic.py: the kept rows and the norm's tiles leave
-room for fewer rows of a^T, and b streams past more row groups than the rows' round trip saves). Each decision,
+HBM when another kernel reads them or the region returns them. The fold is refused where the merged kernel's planned
+roofline is longer than the two kernels' apart (passes/fold_traffic.py: the kept rows and the norm's tiles leave
+room for fewer rows of a^T, and b's extra passes outlast the rows' round trip saved). Each decision,
 with its reason, joins the fusion decisions.
 """
 

@@ -8,7 +8,7 @@ cross HBM: a Llama layer's input norm goes into its q projection and into its pa
 twice instead of writing and reading back the normed rows. The norm's outputs something else reads (a training
 forward's saved statistics, or the normed rows where a kernel other than a matmul reads them) are stored by the
 first of those matmuls, which must then come before their other readers; otherwise, when no normed matmul fits
-the target, or when the normed matmuls' plans move more HBM bytes than the norm kernel and the plain matmuls
+the target, or when the normed matmuls' planned rooflines are longer than the norm kernel's and the plain matmuls'
 (passes/fold_traffic.py: b streamed past more row groups than the normed rows' round trip saves), the norm stays
 its own kernel. Each decision, with its reason, joins the fusion decisions.
 """
