@@ -21,7 +21,8 @@ from test_residual_after_norm import NORMS, llama_norm, post_norm
 
 from neuron_compile import hardware, ir
 from neuron_compile.hardware import get_target
-from neuron_compile.passes.fold_traffic import planned_bytes, planned_seconds
+from neuron_compile.passes.fold_traffic import planned_bytes, planned_seconds, traffic_reason
+from neuron_compile.tiles import TilingError
 
 WIDTHS = [2048, 2560, 2600, 3072]
 
@@ -103,3 +104,14 @@ def test_a_fold_whose_b_passes_outweigh_the_round_trip_is_refused_and_says_why(m
     assert [kernel.name.rsplit("_kernel_", 1)[0] for kernel in region.kernels] == ["matmul", "reduction"]
     (decision,) = [decision for decision in region.fusion_decisions if "'s epilogue:" in decision]
     assert "would take 27.1 us fused at its planned roofline (9.96 MB through HBM), 18.5 us apart (6.82 MB)" in decision
+
+
+def test_a_replaced_kernel_that_does_not_tile_never_refuses_the_fold():
+    """A kernel apart that the target cannot tile (a 3072-wide norm on 8 KiB per partition) loses to any fold:
+    ``traffic_reason`` gives no reason, where planning it raises."""
+    (norm,) = fused_kernels(llama_norm, random_tensor((256, 3072), torch.bfloat16),
+                            random_tensor((3072,), torch.bfloat16, seed=1)).kernels
+    tiny = dataclasses.replace(get_target("trn2"), sbuf_bytes_per_partition=8 * 1024)
+    with pytest.raises(TilingError):
+        planned_seconds(norm, tiny)
+    assert traffic_reason([norm], [norm], tiny) is None

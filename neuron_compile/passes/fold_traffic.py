@@ -23,7 +23,7 @@ import math
 
 from neuron_compile import ir, kinds
 from neuron_compile.kind_registry import load_bytes
-from neuron_compile.passes.tiling import plan_kernel
+from neuron_compile.passes.tiling import TilingError, plan_kernel
 
 MB = 1e6
 
@@ -43,8 +43,12 @@ def planned_seconds(node: ir.Node, target) -> float:
 
 def traffic_reason(replaced: list[ir.Node], merged: list[ir.Node], target) -> str | None:
     """None if the kernels ``merged`` take no longer at their planned rooflines than the kernels ``replaced`` they
-    stand for, else both figures."""
-    before = sum(planned_seconds(node, target) for node in replaced)
+    stand for, else both figures. The merged kernels fit the target (the folds ask that first); a replaced kernel
+    that does not tile there (nothing checked it) cannot win against them."""
+    try:
+        before = sum(planned_seconds(node, target) for node in replaced)
+    except TilingError:
+        return None
     after = sum(planned_seconds(node, target) for node in merged)
     if after <= before:
         return None
