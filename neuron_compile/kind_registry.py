@@ -14,6 +14,7 @@ types; a node whose type no kind claims is an error (``UnknownKernelKind``), nev
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from neuron_compile import ir
@@ -54,6 +55,16 @@ class KernelKind:
     def operand_loads(self, node) -> list[ir.Load]:
         """Reads that are not leaves of an expression (matmul operands, gather sources and indices)."""
         return []
+
+    def operand_bytes(self, node, plan: TilePlan) -> int:
+        """HBM bytes of the operand loads as ``plan`` reads them (passes/fold_traffic.py weighs folds by them and
+        ``tensor_seconds``): each once unless the kind's plan loads one again (a matmul's b, once per row group)."""
+        return sum(load_bytes(load) for load in self.operand_loads(node))
+
+    def tensor_seconds(self, node, target) -> float:
+        """TensorE time of the node's products at the target's peak (passes/fold_traffic.py weighs folds by it
+        beside the bytes): none but a matmul's."""
+        return 0.0
 
     def map_exprs(self, node, fn: Callable[[ir.Expr], ir.Expr]):
         """``node`` with ``fn`` applied to every expression (the range-guard pass rewrites through this)."""
@@ -178,6 +189,12 @@ def loads(node) -> list[ir.Load]:
     kind = kind_of(node)
     found = [load for expr in kind.exprs(node) for load in ir.loads_of(expr)] + kind.operand_loads(node)
     return list(dict.fromkeys(found))
+
+
+def load_bytes(load: ir.Load) -> int:
+    """HBM bytes of the distinct elements ``load`` reads (a broadcast dim, stride 0, reads its elements once)."""
+    elements = math.prod(size for size, stride in zip(load.layout.shape, load.layout.strides) if stride != 0)
+    return elements * ir.ITEMSIZE.get(load.dtype, 4)
 
 
 def stores(node) -> tuple[ir.Store, ...]:

@@ -136,7 +136,7 @@ def test_a_row_too_wide_keeps_the_norm_kernel_and_says_why(monkeypatch):
     with pytest.raises(TilingError, match="over half the SBUF budget"):
         plan_norm_epilogue(fused, small)
 
-    def nothing_fits(kernels, outputs, decisions, fits=None):
+    def nothing_fits(kernels, outputs, decisions, fits=None, weigh=None):
         def fits_unless_fused(node):
             return not isinstance(node, ir.MatMulNormEpilogue)
 

@@ -108,7 +108,7 @@ def test_a_normed_matmul_that_does_not_fit_keeps_the_norm_kernel_and_says_why(mo
     with pytest.raises(TilingError, match="over half the SBUF budget"):
         plan_normed_matmul(normed[0], small)
 
-    def no_normed_matmul_fits(kernels, outputs, decisions, fits=None):
+    def no_normed_matmul_fits(kernels, outputs, decisions, fits=None, weigh=None):
         return fold_row_norms(kernels, outputs, decisions, lambda node: not isinstance(node, ir.NormedMatMul))
 
     monkeypatch.setattr(fusion, "fold_row_norms", no_normed_matmul_fits)

@@ -71,11 +71,14 @@ def plan_resident(node: ir.MatMul, target) -> TilePlan | None:
     return streamed
 
 
-def plan_streamed_moving(node: ir.MatMul, target) -> TilePlan | None:
+def plan_streamed_moving(node: ir.MatMul, target, quickest: bool = False) -> TilePlan | None:
     """a^T resident for as many 128-row blocks as fit (``row_group``), b streamed once per group, N tiles of
     512 (256, 128 if K is large). SBUF per partition: the group's a^T chunks, two N tiles' b chunks (this one's
     and the next one's, loaded while this one multiplies) and two sets of epilogue tiles. A paired matmul keeps
-    two of each b and PSUM tile."""
+    two of each b and PSUM tile. ``quickest``: of the N tiles holding one block, the one whose plan is quickest at
+    its roofline (TensorE's work, or a and b's traffic with b once per row group), the widest of those; for the
+    kernels that keep a norm's rows beside a^T, where a narrower N tile leaves room for a second block (b streamed
+    once, not twice) that matters when the DMAs outlast TensorE. Else the widest N tile holding one block."""
     if not target.dma_transpose and (not node.shifts or transposes_an_operand(node)):
         return None
     *batch, m, n = node.domain
@@ -86,14 +89,19 @@ def plan_streamed_moving(node: ir.MatMul, target) -> TilePlan | None:
     tiles = count_tiles([store.expr for store in node.stores])
     budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE)
     block_bytes = max(1, len(node.shifts)) * k_tiles * target.gemm_stationary_fmax * itemsize
+    plans: list[TilePlan] = []
     for n_tile in sorted({min(n, size) for size in (target.gemm_moving_fmax, 256, 128)}, reverse=True):
         windows, _ = moving_layout(node, n_tile)
         window_columns = len(windows) * (n_tile + max(window.span for window in windows))
         room = budget - 2 * operands * k_tiles * window_columns * itemsize - 2 * tiles * n_tile * 4
         blocks = min(math.ceil(m / target.gemm_stationary_fmax), room // block_bytes)
         if blocks >= 1:
-            return resident_plan(node, target, k_tile, n_tile, tiles, blocks * target.gemm_stationary_fmax)
-    return None
+            plans.append(resident_plan(node, target, k_tile, n_tile, tiles, blocks * target.gemm_stationary_fmax))
+            if not quickest:
+                break
+    tensor_s = tensor_seconds(node, target)
+    return min(plans, default=None,  # widest first: min keeps the first of equals
+               key=lambda plan: max(tensor_s, operand_traffic(node, plan) / target.dma_bytes_per_s))
 
 
 def plan_kept_moving(node: ir.MatMul, target) -> TilePlan | None:
@@ -131,15 +139,24 @@ def blocks_per_moving_tile(node: ir.MatMul, target) -> int:
     return max(1, math.ceil(load_s / multiply_s))
 
 
-def operand_traffic(node: ir.MatMul, plan: TilePlan) -> int:
-    """HBM bytes of a and b a resident plan loads: each once, b again for every row group when it is not kept,
-    a again for every column group when b is."""
+def operand_traffic(node: ir.MatMul, plan: TilePlan, loads_a: bool = True) -> int:
+    """HBM bytes of a and b a plan loads: each once, b again for every row group when it is not kept (for every
+    row block in the TensorE-transposing form), a again for every column group when b is. ``loads_a`` False: a
+    is computed on chip (a normed matmul's operand), only b counts."""
     *batch, m, n = node.domain
-    a_bytes = math.prod(batch) * m * node.k * operand_itemsize(node)
+    a_bytes = math.prod(batch) * m * node.k * operand_itemsize(node) if loads_a else 0
     b_bytes = math.prod(batch) * node.k * n * operand_itemsize(node) * (1 if node.b2 is None else 2)
     if plan.column_group:
         return b_bytes + math.ceil(n / plan.column_group) * a_bytes
-    return a_bytes + math.ceil(m / plan.row_group) * b_bytes
+    return a_bytes + math.ceil(m / (plan.row_group or plan.partition.tile)) * b_bytes
+
+
+def tensor_seconds(node: ir.MatMul, target) -> float:
+    """2 x M x N x K per batch index for each product (a paired matmul has two), at TensorE's peak for the
+    operands' dtype."""
+    flops = 2 * math.prod(node.domain) * node.k * (1 if node.b2 is None else 2)
+    peak = target.tensor_bf16_tflops if operand_itemsize(node) == 2 else target.tensor_fp32_tflops
+    return flops / (peak * 1e12)
 
 
 def resident_plan(node: ir.MatMul, target, k_tile: int, n_tile: int, tiles: int, row_group: int) -> TilePlan:
@@ -478,6 +495,12 @@ class MatMulKind(MatchingIndexEpilogue):
 
     def operand_loads(self, node):
         return [node.a, node.b] + ([node.b2] if node.b2 is not None else [])
+
+    def operand_bytes(self, node, plan):
+        return operand_traffic(node, plan)
+
+    def tensor_seconds(self, node, target):
+        return tensor_seconds(node, target)
 
     def describe_head(self, node):
         second = f"\n  b2: {node.b2} (result1)" if node.b2 is not None else ""

@@ -1,19 +1,19 @@
 """Kernel kind ``matmul_norm_epilogue``: a matmul whose output rows a row norm reduces in the same kernel
 (``ir.MatMulNormEpilogue``).
 
-Fusion: made after grouping by passes/norm_epilogues.py under the rule in kinds/norm_epilogue_rule.py (an RMSNorm
-of whole rows of the matmul's output: a decoder's final norm of ``h + down(...)``, which then never crosses HBM
-but once, normed); it takes no further fusion. Tiling: the matmul's resident form with b streamed past a row group
-(``plan_streamed_moving``: a group's N tiles all pass before the next group starts), planned in the SBUF left
-beside the group's kept rows and the norm's tiles; a row too wide for that raises ``TilingError`` and the kernels
-stay apart. Codegen: matmul_resident.py.j2; each N tile's epilogue copies the rows' value into its block's row
-tile ([rows, N]) and adds the sum of its squares into the block's row sums (one ScalarE activation per tile, as
-the reduction kind takes a row too wide for one walk); after the N loop (``row_epilogue``) the reduction kind's
-row body runs on each block from those sums, reading the kept tile where the unfused norm loads the row from HBM.
-The same instructions on the same values but for the fp32 sum of squares, added by N tile (the goal point's 1-layer
-Llama: 387.0 us, 388.7 with one ScalarE pass over each whole row after the last tile); a row of two column chunks or
-more is normed chunk by chunk (kinds/reduction.py ``column_chunks``), so that the multiplies, a residual add and the
-store of a chunk pipeline across the engines after the last matmul.
+Fusion: made after grouping by passes/norm_epilogues.py under the rule in kinds/norm_epilogue_rule.py (an RMSNorm of
+whole rows of the matmul's output: a decoder's final norm of ``h + down(...)``, which then never crosses HBM but
+once, normed); it takes no further fusion. Tiling: the matmul's resident form with b streamed past a row group
+(``plan_streamed_moving``: a group's N tiles all pass before the next group starts), planned in the SBUF left beside
+the group's kept rows and the norm's tiles, with the N tile quickest at its roofline; a row too wide for that
+raises ``TilingError`` and the kernels stay apart. Codegen: matmul_resident.py.j2; each N tile's epilogue copies the
+rows' value into its block's row tile ([rows, N]) and adds the sum of its squares into the block's row sums (one
+ScalarE activation per tile, as the reduction kind takes a row too wide for one walk); after the N loop
+(``row_epilogue``) the reduction kind's row body runs on each block from those sums, reading the kept tile where the
+unfused norm loads the row from HBM. The same instructions on the same values but for the fp32 sum of squares, added
+by N tile (the goal point's 1-layer Llama: 387.0 us, 388.7 with one ScalarE pass over each whole row after the last
+tile); a row of two column chunks or more is normed chunk by chunk (kinds/reduction.py ``column_chunks``), so that
+the multiplies, a residual add and the store of a chunk pipeline across the engines after the last matmul.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from neuron_compile.codegen.expressions import (
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, render_template
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import KernelKind, kind_of, register_kind
-from neuron_compile.kinds.matmul import plan_streamed_moving, resident_context
+from neuron_compile.kinds.matmul import operand_traffic, plan_streamed_moving, resident_context, tensor_seconds
 from neuron_compile.kinds.reduction import ReductionBody, column_loop_lines, in_column_chunks, reduction_body
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import TilePlan, TilingError
@@ -114,7 +114,7 @@ def plan_norm_epilogue(node: ir.MatMulNormEpilogue, target) -> TilePlan:
         kept = norm + cap * row
         beside = dataclasses.replace(target, sbuf_bytes_per_partition=target.sbuf_bytes_per_partition
                                      - math.ceil(kept / SBUF_SHARE))
-        plan = plan_streamed_moving(as_matmul(node), beside)
+        plan = plan_streamed_moving(as_matmul(node), beside, quickest=True)
         if plan is not None:
             return dataclasses.replace(plan, row_group=min(plan.row_group, cap * target.gemm_stationary_fmax))
     raise TilingError(f"{node.name}: a^T of one row block and b's tiles do not fit beside one block's kept rows and "
@@ -155,6 +155,12 @@ class MatMulNormEpilogueKind(KernelKind):
 
     def operand_loads(self, node):
         return [node.a, node.b]
+
+    def operand_bytes(self, node, plan):
+        return operand_traffic(as_matmul(node), plan)
+
+    def tensor_seconds(self, node, target):
+        return tensor_seconds(as_matmul(node), target)
 
     def map_exprs(self, node, fn):
         stores = tuple(dataclasses.replace(store, expr=fn(store.expr)) for store in node.stores)

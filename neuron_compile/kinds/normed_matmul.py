@@ -3,10 +3,11 @@
 Fusion: made after grouping by passes/row_norm_operands.py under the rule in kinds/matmul_row_norm.py (an RMSNorm's
 normed rows, which every projection reading them recomputes, so that they never cross HBM); it takes no further
 fusion. Tiling: the matmul's resident form (a^T of a row group kept, b streamed past it once per group), planned in
-the SBUF left beside the norm's whole-row tiles; a norm row too wide for that raises ``TilingError`` and the
-kernels stay apart. Codegen: matmul_resident.py.j2 with a row prologue: per 128-row block, the reduction kind's
-row body (load the rows, reduce, the row epilogue computing the operand, and the norm's stores something outside
-reads), then TensorE transposes of the operand's K chunks, a PSUM bank of them at a time, into a^T.
+the SBUF left beside the norm's whole-row tiles, with the N tile quickest at its roofline; a norm row too
+wide for that raises ``TilingError`` and the kernels stay apart. Codegen: matmul_resident.py.j2 with a row prologue:
+per 128-row block, the reduction kind's row body (load the rows, reduce, the row epilogue computing the operand, and
+the norm's stores something outside reads), then TensorE transposes of the operand's K chunks, a PSUM bank of them
+at a time, into a^T.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import KernelKind, kind_of, register_kind
 from neuron_compile.kinds import rotary_epilogue_rule
-from neuron_compile.kinds.matmul import plan_streamed_moving, resident_context
+from neuron_compile.kinds.matmul import operand_traffic, plan_streamed_moving, resident_context, tensor_seconds
 from neuron_compile.kinds.reduction import ReductionBody, reduction_body
 from neuron_compile.limits import SBUF_SHARE
 from neuron_compile.tiles import TilePlan, TilingError
@@ -62,7 +63,7 @@ def plan_normed_matmul(node: ir.NormedMatMul, target) -> TilePlan:
                           f"over half the SBUF budget ({budget} B per partition on {target.name})")
     beside = dataclasses.replace(target, sbuf_bytes_per_partition=target.sbuf_bytes_per_partition
                                  - math.ceil(rows / SBUF_SHARE))
-    plan = plan_streamed_moving(as_matmul(node), beside)
+    plan = plan_streamed_moving(as_matmul(node), beside, quickest=True)
     if plan is None:
         raise TilingError(f"{node.name}: a^T of one row block and b's tiles do not fit beside the norm's rows "
                           f"({rows} B per partition) on {target.name}, or b needs a DMA transpose it does not have")
@@ -128,6 +129,13 @@ class NormedMatMulKind(KernelKind):
 
     def operand_loads(self, node):
         return [node.b] + ([node.b2] if node.b2 is not None else [])
+
+    def operand_bytes(self, node, plan):
+        """b as often as the plan streams it; the rows the operand is computed from are the norm's loads."""
+        return operand_traffic(as_matmul(node), plan, loads_a=False)
+
+    def tensor_seconds(self, node, target):
+        return tensor_seconds(as_matmul(node), target)
 
     def map_exprs(self, node, fn):
         stores = tuple(dataclasses.replace(store, expr=fn(store.expr)) for store in node.stores)

@@ -55,7 +55,6 @@ from neuron_compile.tiles import TilePlan, largest_divisor_at_most, rows_per_par
 
 REDUCE_OPS = {"sum": "nl.add", "mean": "nl.add", "var": "nl.add", "max": "nl.maximum", "min": "nl.minimum",
               "prod": "nl.multiply"}
-ROW_FUSION_MAX_ROW = 2048  # elements of a reduced row a row epilogue may keep in SBUF (well inside the budget)
 # reductions that may take several short rows per partition: one tensor_reduce over the rows' innermost axis
 GROUPED_OPS = ("sum", "mean", "max", "min", "prod")
 # Rows shorter than this go several to a partition. Measured on 1.3M-element sums and RMS statistics (fp32 and
@@ -473,10 +472,9 @@ def _reduced_output_reason(group: ir.Reduction, consumer) -> str:
 
 
 def _row_fusion_reason(group: ir.Reduction, consumer: ir.Pointwise) -> str | None:
-    """None if ``consumer`` (over the reduction's whole domain) may become a row epilogue of ``group``."""
-    row = math.prod(group.domain[dim] for dim in group.reduce_dims)
-    if row > ROW_FUSION_MAX_ROW:
-        return f"a row epilogue would keep a {row}-element row in SBUF (limit {ROW_FUSION_MAX_ROW})"
+    """None if ``consumer`` (over the reduction's whole domain) may become a row epilogue of ``group``. Whether the
+    row's tiles fit SBUF is the fusion driver's check (the planner sizes the body's declared tiles); whether a
+    matmul then computes the norm, or norms the rows it writes, is weighed by bytes (passes/fold_traffic.py)."""
     stores = stored_exprs(group.stores + group.row_stores)
     varying = False
     for load in loads(consumer):

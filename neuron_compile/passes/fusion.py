@@ -45,6 +45,7 @@ matmul epilogue and read back by the norm, which now reads ``x`` itself).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import networkx as nx
@@ -52,6 +53,7 @@ import networkx as nx
 from neuron_compile import ir, kinds
 from neuron_compile.passes.concat_in_place import assemble_in_place, mark_in_place
 from neuron_compile.passes.copy_views import read_copies_as_views
+from neuron_compile.passes.fold_traffic import traffic_reason
 from neuron_compile.passes.launch_order import keys_and_values_first
 from neuron_compile.passes.norm_epilogues import fold_norm_epilogues
 from neuron_compile.passes.rotary_epilogues import fold_rotary_epilogues
@@ -363,8 +365,9 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
     kernels = [kernel for kernel in kernels if kernel is not None and kinds.stores(kernel)]
     if enabled:
         kernels = fuse_siblings(kernels, region_outputs, decisions, fits)
-        kernels = fold_row_norms(kernels, region_outputs, decisions, fits)
-        kernels = fold_norm_epilogues(kernels, region_outputs, decisions, fits)
+        weigh = None if target is None else functools.partial(traffic_reason, target=target)
+        kernels = fold_row_norms(kernels, region_outputs, decisions, fits, weigh)
+        kernels = fold_norm_epilogues(kernels, region_outputs, decisions, fits, weigh)
     assembled = frozenset()
     if in_place:
         kernels, assembled = assemble_in_place(kernels, decisions, fits)

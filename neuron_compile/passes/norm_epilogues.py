@@ -9,8 +9,10 @@ the down projection keeps on chip, instead of a kernel that waits for them to re
 Gemma's post-norms (with the residual add in their row epilogue) on the o and down projections' rows. The merged
 kernel takes the matmul's place, so everything else the norm reads must be written before it: the kernels between
 them that write it (Gemma's ``1 + w``) move before the matmul when they do not depend on it. The rows still go to
-HBM when another kernel reads them or the region returns them. Each decision, with its reason, joins the fusion
-decisions.
+HBM when another kernel reads them or the region returns them. The fold is refused where the merged kernel's planned
+roofline is longer than the two kernels' apart (passes/fold_traffic.py: the kept rows and the norm's tiles leave
+room for fewer rows of a^T, and b's extra passes outlast the rows' round trip saved). Each decision,
+with its reason, joins the fusion decisions.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from neuron_compile import ir, kinds
 
 
 def fold_norm_epilogues(kernels: list[ir.Node], region_outputs: set[str], decisions: list[str],
-                        fits=None) -> list[ir.Node]:
+                        fits=None, weigh=None) -> list[ir.Node]:
     """``kernels`` with every norm that may run in its producer matmul's epilogue folded into it (module
-    docstring)."""
+    docstring); ``weigh(replaced, merged)``: why the merged kernel costs more than the two it replaces, or None."""
     for norm in list(kernels):
-        kernels = _fold(norm, kernels, region_outputs, decisions, fits)
+        kernels = _fold(norm, kernels, region_outputs, decisions, fits, weigh)
     return kernels
 
 
@@ -57,7 +59,7 @@ def _hoisted(norm: ir.Node, producer: ir.Node, kernels: list[ir.Node]) -> tuple[
 
 
 def _fold(norm: ir.Node, kernels: list[ir.Node], region_outputs: set[str], decisions: list[str],
-          fits) -> list[ir.Node]:
+          fits, weigh) -> list[ir.Node]:
     producer = _producer(norm, kernels)
     if producer is None:
         return kernels
@@ -73,6 +75,8 @@ def _fold(norm: ir.Node, kernels: list[ir.Node], region_outputs: set[str], decis
         merged = kind.merge_norm_epilogue(producer, norm, store_rows)
         if fits is not None and not fits(merged):
             reason = "the matmul norming its rows would not fit the target's SBUF"
+        elif weigh is not None:
+            reason = weigh([producer, norm], [merged])
     decisions.append(f"{norm.name} in {producer.name}'s epilogue: " + ("fused" if reason is None else reason))
     if reason is not None:
         return kernels

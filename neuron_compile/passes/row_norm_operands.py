@@ -7,8 +7,10 @@ kinds/normed_matmul.py). Every matmul reading the rows recomputes them from the 
 cross HBM: a Llama layer's input norm goes into its q projection and into its paired k / v projections, reading x
 twice instead of writing and reading back the normed rows. The norm's outputs something else reads (a training
 forward's saved statistics, or the normed rows where a kernel other than a matmul reads them) are stored by the
-first of those matmuls, which must then come before their other readers; otherwise, or when no normed matmul fits
-the target, the norm stays its own kernel. Each decision, with its reason, joins the fusion decisions.
+first of those matmuls, which must then come before their other readers; otherwise, when no normed matmul fits
+the target, or when the normed matmuls' planned rooflines are longer than the norm kernel's and the plain matmuls'
+(passes/fold_traffic.py: b streamed past more row groups than the normed rows' round trip saves), the norm stays
+its own kernel. Each decision, with its reason, joins the fusion decisions.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from __future__ import annotations
 from neuron_compile import ir, kinds
 
 
-def fold_row_norms(kernels: list[ir.Node], region_outputs: set[str], decisions: list[str], fits=None) -> list[ir.Node]:
-    """``kernels`` with every row norm that matmuls may compute themselves folded into them (module docstring)."""
+def fold_row_norms(kernels: list[ir.Node], region_outputs: set[str], decisions: list[str], fits=None,
+                   weigh=None) -> list[ir.Node]:
+    """``kernels`` with every row norm that matmuls may compute themselves folded into them (module docstring);
+    ``weigh(replaced, merged)``: why the merged kernels cost more than the ones they replace, or None."""
     for norm in list(kernels):
-        kernels = _fold(norm, kernels, region_outputs, decisions, fits)
+        kernels = _fold(norm, kernels, region_outputs, decisions, fits, weigh)
     return kernels
 
 
@@ -52,7 +56,7 @@ def _kept_reason(kept: set[str], first: ir.Node, merged: ir.Node, others: list[i
 
 
 def _fold(norm: ir.Node, kernels: list[ir.Node], region_outputs: set[str], decisions: list[str],
-          fits) -> list[ir.Node]:
+          fits, weigh) -> list[ir.Node]:
     if norm not in kernels:
         return kernels
     written = kinds.written_buffers(norm)
@@ -69,6 +73,8 @@ def _fold(norm: ir.Node, kernels: list[ir.Node], region_outputs: set[str], decis
     merged = {taker.name: kinds.kind_of(taker).merge_row_operand(norm, taker, kept if taker is takers[0] else set())
               for taker in takers}
     reason = _kept_reason(kept, takers[0], merged[takers[0].name], others, kernels, fits) if kept else None
+    if reason is None and weigh is not None:
+        reason = weigh([norm, *takers], list(merged.values()))
     for taker in takers:
         outcome = "fused" if reason is None else f"{norm.name} stays its own kernel: {reason}"
         decisions.append(f"{norm.name} computed inside {taker.name}: {outcome}")
