@@ -208,7 +208,7 @@ def render_attention_backward(node: ir.AttentionBackward, plan: AttentionBackwar
         grouped=bool(plan.group_dims), resident_from=plan.resident_from, query_tiles=plan.partition.count,
         causal=node.causal,
         queries=queries, keys=keys, depth=depth, value_dim=value_dim, key_tiles=math.ceil(keys / 128),
-        key_block=plan.key_block, key_chunks=plan.key_block // 128,
+        key_block=plan.key_block, key_chunks=plan.key_block // 128, single_block=keys <= plan.key_block,
         scale=float(node.scale), operand_dtype=NL_DTYPES[node.q.dtype],
         query_dtype=NL_DTYPES[node.grad_query.buffer.dtype], key_dtype=NL_DTYPES[node.grad_key.buffer.dtype],
         value_dtype=NL_DTYPES[node.grad_value.buffer.dtype],
