@@ -42,6 +42,8 @@ from neuron_compile.tiles import (
 # P and dS one ScalarE / VectorE instruction each, and dq's share sums the block's four chunks in PSUM before its one
 # add into SBUF (measured, seq 1024 D 128 bf16: blocks of 128 keys spend 21 us of VectorE on those adds).
 KEY_BLOCK = 512
+# Steps in flight: a step's P and dS are issued this many steps before its gradients (across query heads).
+PIPELINE_DEPTH = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +211,7 @@ def render_attention_backward(node: ir.AttentionBackward, plan: AttentionBackwar
         causal=node.causal,
         queries=queries, keys=keys, depth=depth, value_dim=value_dim, key_tiles=math.ceil(keys / 128),
         key_block=plan.key_block, key_chunks=plan.key_block // 128, single_block=keys <= plan.key_block,
+        pipeline_depth=PIPELINE_DEPTH,
         scale=float(node.scale), operand_dtype=NL_DTYPES[node.q.dtype],
         query_dtype=NL_DTYPES[node.grad_query.buffer.dtype], key_dtype=NL_DTYPES[node.grad_key.buffer.dtype],
         value_dtype=NL_DTYPES[node.grad_value.buffer.dtype],
