@@ -51,8 +51,9 @@ KEY_BLOCK = 512
 # kernel alone, us): 1 / 2 / 3 / 4 steps 63.9 / 67.0 / 72.1 / 76.8 before dS took one instruction, 60.8 / 59.7
 # after; 1 keeps the fewest working tiles live.
 PIPELINE_DEPTH = 1
-# One dS^T copy in this many leaves PSUM through VectorE, the others through ScalarE. Measured at the same point
-# (us): one in 2 / 3 / 4 / 5 / 8: 63.2 / 62.4 / 61.8 / 60.8 / 62.2.
+# One dS^T copy in this many leaves PSUM through VectorE (and dO^T does), the others through ScalarE, where dS is
+# one product (row_term_context). Measured at the same point (us): one in 2 / 3 / 4 / 5 / 8: 63.2 / 62.4 / 61.8 /
+# 60.8 / 62.2.
 VECTOR_COPY_PERIOD = 5
 
 
@@ -221,7 +222,7 @@ def render_attention_backward(node: ir.AttentionBackward, plan: AttentionBackwar
         causal=node.causal,
         queries=queries, keys=keys, depth=depth, value_dim=value_dim, key_tiles=math.ceil(keys / 128),
         key_block=plan.key_block, key_chunks=plan.key_block // 128, single_block=keys <= plan.key_block,
-        pipeline_depth=PIPELINE_DEPTH, vector_copy_period=VECTOR_COPY_PERIOD, **row_term_context(node),
+        pipeline_depth=PIPELINE_DEPTH, **row_term_context(node),
         scale=float(node.scale), operand_dtype=NL_DTYPES[node.q.dtype],
         query_dtype=NL_DTYPES[node.grad_query.buffer.dtype], key_dtype=NL_DTYPES[node.grad_key.buffer.dtype],
         value_dtype=NL_DTYPES[node.grad_value.buffer.dtype],
@@ -248,8 +249,11 @@ def row_term_context(node: ir.AttentionBackward) -> dict:
     columns with it; else it stays an fp32 column that dS's instruction subtracts."""
     row_columns = 1 if node.q.dtype == "float32" else 2
     augmented = node.value_dim + row_columns <= 128  # dO^T's partitions
+    # with dS a subtract and a product (no room for the row term) VectorE is the busier engine: every PSUM
+    # evacuation stays on ScalarE (seq 1024 D 128 bf16, 32 heads over 4: 907.6 us with one in 5 on VectorE)
     return dict(augmented=augmented, row_columns=row_columns,
-                grad_width=node.value_dim + (row_columns if augmented else 0))
+                grad_width=node.value_dim + (row_columns if augmented else 0),
+                vector_copy_period=VECTOR_COPY_PERIOD if augmented else 0)
 
 
 def group_load_context(node: ir.AttentionBackward, loads: Loads) -> dict:
