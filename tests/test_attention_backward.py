@@ -249,3 +249,41 @@ def test_a_group_over_the_sbuf_budget_loads_per_head(monkeypatch):
     monkeypatch.setattr(backward_kind, "SBUF_SHARE", (always + 3.5 * query_side) / trn2.sbuf_bytes_per_partition)
     region = check_against_eager(backward_fn(False), *grouped_inputs(300, 300, 32, 8, 2), tolerances=FP32)
     assert "the group's heads loaded together" not in region.kernels[0].source
+
+
+@settings(max_examples=12, deadline=None)
+@given(seq=st.sampled_from([1, 127, 128, 129, 300]), depth=st.sampled_from([64, 126, 128]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), causal=st.booleans(), kv_heads=st.sampled_from([1, 4]))
+def test_the_row_term_rides_in_dp_where_dO_T_has_room(seq, depth, dtype, causal, kv_heads):
+    """-rowsum(dO * O) as dO^T's extra rows (a high and a low bf16 part, one fp32 row) against v^T's ones: dP's
+    matmul subtracts it and dS is one product with P; without room (head dim + rows over 128) dS's instruction
+    subtracts an fp32 column. The gradients match eager either way (grouped heads, causal or not)."""
+    inputs = grouped_inputs(seq, seq, depth, 4, kv_heads, dtype, causal=causal)
+    if dtype == torch.float32:
+        region = check_against_eager(backward_fn(causal), *inputs, tolerances=FP32)
+    else:
+        region = check_bf16_against_fp32(causal, inputs)
+    (kernel,) = region.kernels
+    rows = 1 if dtype == torch.float32 else 2
+    if depth + rows <= 128:
+        assert f"stationary=side[\"grad_t\"][0:{depth + rows}, 0:rows]" in kernel.source
+        assert "nisa.scalar_tensor_tensor(dst=grad_scores" not in kernel.source
+    else:
+        assert f"stationary=side[\"grad_t\"][0:{depth}, 0:rows]" in kernel.source
+        assert "nisa.scalar_tensor_tensor(dst=grad_scores" in kernel.source
+
+
+def matmul_flops(causal: bool, seq: int) -> int:
+    """TensorE FLOPs of one head's fused backward at ``seq`` queries and keys, D 32 (one key block)."""
+    inputs = backward_inputs(seq, seq, 32, heads=1, causal=causal)
+    region = check_against_eager(backward_fn(causal), *inputs, tolerances=FP32)
+    with neuron_compile.record_launches() as launches:
+        region(*inputs)
+    return launches[0].report.flops
+
+
+def test_a_causal_step_computes_only_the_chunks_up_to_its_last_query():
+    """Seq 512, one key block of four chunks: query tile t sees chunks 0..t, 10 of 16. S and dP used to be computed
+    over all 16 (then masked and skipped); now every product of the step is over the 10 (plus the transposes), so
+    the FLOPs are under 0.7 of the non-causal kernel's (0.63; 0.78 before)."""
+    assert matmul_flops(True, 512) < 0.7 * matmul_flops(False, 512)

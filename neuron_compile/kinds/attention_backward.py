@@ -1,18 +1,22 @@
 """Kernel kind ``attention_backward``: flash attention's backward (dq, dk, dv) in one kernel (``ir.AttentionBackward``).
 
 Tiling: per query head, key blocks of 512 keys in the outer loop, query tiles of 128 rows in the inner one. Each
-(query tile, key block) step recomputes the scores and the probabilities from q, k and the forward's log-sum-exp,
-dP = dO v^T and dS = P * (dP - rowsum(dO * O)) on chip (one matmul and one instruction each over the block); per
-chunk of 128 keys (on partitions) dv and dk accumulate in PSUM over every query tile that sees the chunk, and
-dS^T (TensorE transpose) times k adds the chunk's share of dq in PSUM, added to the query tile's fp32 accumulator in
-SBUF once per block. The steps are software pipelined (a step's P and dS before the previous step's gradients).
+(query tile, key block) step recomputes the scores and the probabilities from q, k and the forward's log-sum-exp
+(one ScalarE exp with the scale and -lse as bias), dP = dO v^T and dS = P * (dP - rowsum(dO * O)) on chip (one
+matmul and one instruction each over the block; where dO^T has spare partitions, -rowsum(dO * O) rides in it as
+extra rows against rows of ones in v^T, so dP's matmul subtracts it and dS is a plain product); per chunk of 128
+keys (on partitions) dv and dk accumulate in PSUM over every query tile that sees the chunk, and dS^T (TensorE
+transpose) times k adds the chunk's share of dq in PSUM, which starts the query tile's fp32 accumulator in SBUF or
+is added to it once per block (with one key block it is dq, scaled). The steps are software pipelined across query
+heads (a step's P and dS before the previous step's gradients); the PSUM evacuations are split between ScalarE and
+VectorE by measured balance (``VECTOR_COPY_PERIOD``), rowsum(dO * O) is a GpSimd product summed by a ScalarE copy.
 A query tile's query side (q^T, q, dO^T, dO) stays resident in SBUF for as many query tiles as fit (the last ones:
 causal masking shows them the most key blocks); the others load it per step. q, dO and k are read from HBM as they
 are stored (queries or keys on partitions) and transposed on TensorE where the head dim must be on partitions (v^T,
 needed only so, comes in through a DMA transpose). Causal: a key block skips the query tiles whose queries all come
-before its keys, and a tile's chunks after its last query; the diagonal steps zero the probabilities above the
-diagonal (affine_select). Grouped-query attention: a key/value head's dk and dv are summed over its query heads in
-fp32 SBUF tiles, stored once; where SBUF holds them, the group's query heads load q, dO, out and the log-sum-exp of
+before its keys, and a step computes only the chunks up to its tile's last query; the diagonal steps zero the
+probabilities above the diagonal (affine_select, over the columns after the tile's first query only).
+Grouped-query attention: a key/value head's dk and dv are summed over its query heads in fp32 SBUF tiles, stored once; where SBUF holds them, the group's query heads load q, dO, out and the log-sum-exp of
 a query tile in one DMA each ([rows, heads, D]: one head's rows are D elements per partition, a transfer the DMA's
 fixed cost dominates), store their dq in one and share one load of k, k^T and v^T.
 No fusion: the kernel takes no epilogue or prologue (its stores read ``Result()``).
@@ -42,6 +46,15 @@ from neuron_compile.tiles import (
 # P and dS one ScalarE / VectorE instruction each, and dq's share sums the block's four chunks in PSUM before its one
 # add into SBUF (measured, seq 1024 D 128 bf16: blocks of 128 keys spend 21 us of VectorE on those adds).
 KEY_BLOCK = 512
+# Steps in flight: a step's P and dS are issued this many steps before its gradients (across query heads).
+# Measured at the 1-layer Llama goal point (32 query heads of 64 over 4 key/value heads, seq 256, causal, bf16; the
+# kernel alone, us): 1 / 2 / 3 / 4 steps 63.9 / 67.0 / 72.1 / 76.8 before dS took one instruction, 60.8 / 59.7
+# after; 1 keeps the fewest working tiles live.
+PIPELINE_DEPTH = 1
+# One dS^T copy in this many leaves PSUM through VectorE (and dO^T does), the others through ScalarE, where dS is
+# one product (row_term_context). Measured at the same point (us): one in 2 / 3 / 4 / 5 / 8: 63.2 / 62.4 / 61.8 /
+# 60.8 / 62.2.
+VECTOR_COPY_PERIOD = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +221,8 @@ def render_attention_backward(node: ir.AttentionBackward, plan: AttentionBackwar
         grouped=bool(plan.group_dims), resident_from=plan.resident_from, query_tiles=plan.partition.count,
         causal=node.causal,
         queries=queries, keys=keys, depth=depth, value_dim=value_dim, key_tiles=math.ceil(keys / 128),
-        key_block=plan.key_block, key_chunks=plan.key_block // 128,
+        key_block=plan.key_block, key_chunks=plan.key_block // 128, single_block=keys <= plan.key_block,
+        pipeline_depth=PIPELINE_DEPTH, **row_term_context(node),
         scale=float(node.scale), operand_dtype=NL_DTYPES[node.q.dtype],
         query_dtype=NL_DTYPES[node.grad_query.buffer.dtype], key_dtype=NL_DTYPES[node.grad_key.buffer.dtype],
         value_dtype=NL_DTYPES[node.grad_value.buffer.dtype],
@@ -226,6 +240,20 @@ def render_attention_backward(node: ir.AttentionBackward, plan: AttentionBackwar
         group_loads=plan.group_loads, **(group_load_context(node, loads) if plan.group_loads else {}),
     )
     return render_template("attention_backward.py.j2", **context)
+
+
+def row_term_context(node: ir.AttentionBackward) -> dict:
+    """The template's names for the softmax backward's row term -rowsum(dO * O): ``augmented`` when dO^T has room
+    for it as ``row_columns`` more rows (dP's matmul subtracts it against v^T's rows of ones; in a 2-byte operand
+    dtype as a high and a low part, whose sum keeps the fp32 value's precision), ``grad_width`` the dO tiles'
+    columns with it; else it stays an fp32 column that dS's instruction subtracts."""
+    row_columns = 1 if node.q.dtype == "float32" else 2
+    augmented = node.value_dim + row_columns <= 128  # dO^T's partitions
+    # with dS a subtract and a product (no room for the row term) VectorE is the busier engine: every PSUM
+    # evacuation stays on ScalarE (seq 1024 D 128 bf16, 32 heads over 4: 907.6 us with one in 5 on VectorE)
+    return dict(augmented=augmented, row_columns=row_columns,
+                grad_width=node.value_dim + (row_columns if augmented else 0),
+                vector_copy_period=VECTOR_COPY_PERIOD if augmented else 0)
 
 
 def group_load_context(node: ir.AttentionBackward, loads: Loads) -> dict:
