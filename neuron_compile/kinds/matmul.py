@@ -340,13 +340,15 @@ def render_resident(node: ir.MatMul, plan: TilePlan, name: str, parameters: list
 
 
 def resident_context(node: ir.MatMul, plan: TilePlan, allocator: TileAllocator, loads_a: bool = True,
-                     more_epilogue=None, product_dtype: str = "float32") -> dict:
+                     more_epilogue=None, product_dtype: str = "float32", results_in_psum: bool = False) -> dict:
     """The resident form's template entries beside ``kernel_context``'s; the tiles are declared by ``allocator``
     (those it declared before belong to the caller). ``loads_a`` False: a^T is not loaded (the caller's
     ``row_prologue`` fills ``stationary[block]`` for each row block, kernels/matmul_row_norm.py).
     ``more_epilogue(scope, lines)`` appends the caller's lines after the stores' in each tile's epilogue scope
     (kinds/matmul_norm_epilogue.py keeps a value of it on chip for its ``row_epilogue``). ``product_dtype``: the
-    dtype the product leaves PSUM in (``evacuated_dtype``; the normed kinds keep fp32)."""
+    dtype the product leaves PSUM in (``evacuated_dtype``; the normed kinds keep fp32). ``results_in_psum``: the
+    epilogue reads the products from their PSUM accumulators, not evacuated (the caller checked that each is read
+    once, by an instruction with its other operand in SBUF: kinds/matmul_rotary.py)."""
     patterns = Patterns(plan)
     first_allocation = len(allocator.lines)
     free = [(plan.free[0], "cols")]
@@ -354,8 +356,12 @@ def resident_context(node: ir.MatMul, plan: TilePlan, allocator: TileAllocator, 
     def load_pattern(load: ir.Load, tile: str):
         return f"{tile}[0:rows, 0:cols]", patterns.hbm(load.buffer, load.layout, free, True)
 
-    product = allocator.new("product", plan.free[0].tile, product_dtype)
-    second_product = allocator.new("second_product", plan.free[0].tile) if node.b2 is not None else None
+    if results_in_psum:
+        product, second_product = "accumulator", "second_accumulator" if node.b2 is not None else None
+        allocator.psum_tiles.update(tile for tile in (product, second_product) if tile)  # kept off GpSimd
+    else:
+        product = allocator.new("product", plan.free[0].tile, product_dtype)
+        second_product = allocator.new("second_product", plan.free[0].tile) if node.b2 is not None else None
     more_results = () if second_product is None else (Ref(tile=second_product),)
     scope = TileScope(allocator, plan.free[0].tile, "[0:rows, 0:cols]", load_pattern,
                       Ref(tile=product, dtype=product_dtype),
@@ -371,7 +377,8 @@ def resident_context(node: ir.MatMul, plan: TilePlan, allocator: TileAllocator, 
     windows, term_columns = moving_layout(node, plan.free[0].tile)
     # PSUM -> SBUF on ScalarE: VectorE has the epilogue's work
     evacuate = [f"nisa.activation(dst={tile}[0:rows, 0:cols], op=nl.copy, data={psum}[0:rows, 0:cols])"
-                for tile, psum in ((product, "accumulator"), (second_product, "second_accumulator")) if tile]
+                for tile, psum in ((product, "accumulator"), (second_product, "second_accumulator"))
+                if tile and not results_in_psum]
     return dict(
         allocations=allocator.lines[first_allocation:], epilogue=epilogue, evacuate=evacuate,
         column_loads=columns.lines, load_stationary=load_stationary if loads_a else [], load_moving=load_moving,
@@ -530,12 +537,12 @@ class MatMulKind(MatchingIndexEpilogue):
     def merge_rotary_epilogue(self, producer, consumer, store_source, norm=None):
         return rotary_epilogue_rule.merge_rotary_epilogue(producer, consumer, store_source, norm)
 
-    def epilogue_context(self, node, plan, allocator, more_epilogue):
+    def epilogue_context(self, node, plan, allocator, more_epilogue, results_in_psum=False):
         """The resident form's template entries with ``more_epilogue`` in each tile's epilogue
-        (kinds/matmul_rotary.py)."""
+        (kinds/matmul_rotary.py), the products read from PSUM when ``results_in_psum``."""
         if not plan.row_group:
             raise TilingError(f"{node.name}: an added epilogue needs the resident form")
-        return resident_context(node, plan, allocator, more_epilogue=more_epilogue)
+        return resident_context(node, plan, allocator, more_epilogue=more_epilogue, results_in_psum=results_in_psum)
 
     def sibling_reason(self, first, second, outside):
         return sibling_reason(self, first, second, outside)

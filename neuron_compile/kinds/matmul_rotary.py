@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from neuron_compile import ir
+from neuron_compile import ir, op_table
 from neuron_compile.codegen.engine_balance import SCALAR, EngineBalance
 from neuron_compile.codegen.expressions import (
     NL_DTYPES,
@@ -280,7 +280,7 @@ def rotary_epilogue(node: ir.MatMulRotary, plan: TilePlan, operands: RowOperands
     operands.staged.clear()  # cos and sin are copied into PSUM once per N tile, for every rotary
     operands.balance = scope.balance  # the parts' engines are chosen knowing the projection's own epilogue
     for entry in node.rotaries:
-        value = stored_tile(entry.source.buffer.dtype, emit(entry.source.expr, scope, lines), scope, lines)
+        value = stored_tile(entry.source.buffer.dtype, emit(rounded_source(entry), scope, lines), scope, lines)
         if entry.store_source:
             destination = Patterns(plan).hbm(entry.source.buffer.name, entry.source.layout, [(plan.free[0], "cols")],
                                              True)
@@ -288,6 +288,17 @@ def rotary_epilogue(node: ir.MatMulRotary, plan: TilePlan, operands: RowOperands
         if entry.norm is not None:
             value = head_norm_lines(node, entry, plan, value, operands, lines, scope.allocator)
         rotated_lines(node, entry, plan, value, operands, scope, lines)
+
+
+def rounded_source(entry: ir.HeadRotary) -> ir.Expr:
+    """The product's value rounded to the dtype it is stored in, as one expression when it is an op's (a bias add):
+    that instruction then writes the rounded tile itself, the same bits as an fp32 result and a rounding copy, one
+    VectorE pass fewer per product and N tile (Flux's epilogue was VectorE-bound). The product itself (no op) keeps
+    its rounding copy, which the balance would otherwise move (Llama's measured slower)."""
+    expr, dtype = entry.source.expr, entry.source.buffer.dtype
+    if dtype == "float32" or not isinstance(expr, ir.Op) or (expr.op == "cast" and expr.dtype == dtype):
+        return expr
+    return ir.Op("cast", (expr,), dtype)
 
 
 def rotated_lines(node: ir.MatMulRotary, entry: ir.HeadRotary, plan: TilePlan, value: str, operands: RowOperands,
@@ -356,12 +367,33 @@ def plan_matmul_rotary(node: ir.MatMulRotary, target) -> TilePlan:
     return plan
 
 
+def reads_results_once(node: ir.MatMulRotary) -> bool:
+    """Whether the epilogue may read the products straight from their PSUM accumulators: the projection stores
+    nothing of its own and each product is read once, by its rotary's source, a two-operand ALU instruction whose
+    other operand is a load (Flux's bias add). That instruction then streams its PSUM operand at full rate on
+    VectorE, and neither ScalarE's copy out of PSUM nor a half-rate add of two SBUF operands is left. A plain
+    matmul only (a normed one's products are normed before its epilogue reads them)."""
+    if kind_of(node.matmul).name != "matmul" or as_matmul(node).stores:
+        return False
+    results = []
+    for entry in node.rotaries:
+        expr = entry.source.expr
+        if not (isinstance(expr, ir.Op) and op_table.spec(expr.op).form == "binary" and len(expr.args) == 2):
+            return False
+        read = [arg for arg in expr.args if isinstance(arg, ir.Result)]
+        if len(read) != 1 or not any(isinstance(arg, ir.Load) for arg in expr.args):
+            return False
+        results += read
+    return len(set(results)) == len(results)
+
+
 def render_matmul_rotary(node: ir.MatMulRotary, plan: TilePlan, name: str, parameters: list[str]) -> str:
     allocator = TileAllocator(plan.partition.tile, reserved=kernel_names(node, parameters))
     operands = RowOperands(allocator, "c0" if plan.column_group else "0")
     inner = node.matmul  # the products the rotaries read are stored by their epilogue
+    in_psum = dict(results_in_psum=True) if reads_results_once(node) else {}  # a plain matmul's option only
     context = kind_of(inner).epilogue_context(
-        inner, plan, allocator, lambda scope, lines: rotary_epilogue(node, plan, operands, scope, lines))
+        inner, plan, allocator, lambda scope, lines: rotary_epilogue(node, plan, operands, scope, lines), **in_psum)
     context.update(group_tiles=context["group_tiles"] + operands.group_tiles, once=context["once"] + operands.once)
     return render_template("matmul_resident.py.j2", **kernel_context(node, plan, name, parameters, **context))
 
