@@ -15,6 +15,7 @@ from lowering_harness import check_against_eager, random_tensor, trace
 from neuron_compile import ir
 from neuron_compile.hardware import get_target
 from neuron_compile.lowering import lower_graph
+from neuron_compile.passes.concat_in_place import MIN_RUN_BYTES
 from neuron_compile.passes.fusion import fuse
 
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
@@ -132,6 +133,11 @@ def check_double_block(rows, head_dim, dtype):
               *(_weights(hidden, width, dtype, seed) for seed in (2, 3, 4, 5)),
               random_tensor((head_dim,), dtype, seed=6), random_tensor((head_dim,), dtype, seed=7), cos, sin]
     region = check_against_eager(double_block(head_dim), *inputs, tolerances=TOLERANCES)
+    if min(rows) * width * dtype.itemsize < MIN_RUN_BYTES:
+        # a side whose rows are one run under MIN_RUN_BYTES keeps the joint rows a concat kernel (stop 34's rule):
+        # nothing is assembled in place, so nothing is split; the result is eager's all the same
+        assert not _split_decisions(region) and any(name.startswith("concat") for name in _kernel_names(region))
+        return
     assert len(_split_decisions(region)) == 2 and all(": yes" in decision for decision in _split_decisions(region))
     decisions = _rotary_decisions(region)
     assert len(decisions) == 4 and all(decision.endswith(": fused") for decision in decisions), decisions
@@ -148,6 +154,11 @@ def test_the_double_blocks_joint_rotaries_in_both_projections_match_eager(rows, 
 
 def test_the_double_blocks_joint_rotaries_smoke():
     check_double_block((3, 130), 64, torch.float32)
+
+
+def test_a_single_bf16_text_row_keeps_the_joint_rows_a_concat():
+    """One text row of 128 bf16 columns is a 256-byte run: the joint rows stay a concat kernel, not split."""
+    check_double_block((1, 128), 64, torch.bfloat16)
 
 
 def test_heads_of_96_keep_their_norm_and_rotary_kernels_and_say_why():
