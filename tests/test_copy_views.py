@@ -1,6 +1,8 @@
 """passes/copy_views.py: a pure copy's readers read its source as a view. The layout composition against numpy
 indexing (random permuted copies, random views of their output, broadcasts), the copies kept where a view cannot
-say it, and end to end: transformers' write of v into an empty cache read by the flash kernel, against eager."""
+say it, and end to end: transformers' write of v into an empty cache read by the flash kernel, against eager; and
+the other way round, a flash attention writing straight into the layout of the copy that only reads its output
+(Phi-3's [heads, tokens, 96] output made [tokens, heads x 96] rows for the o projection)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,12 @@ from hypothesis import strategies as st
 import neuron_compile
 from lowering_harness import check_against_eager, random_tensor
 from neuron_compile import ir
-from neuron_compile.passes.copy_views import dense_dims, read_copies_as_views, view_through_copy
+from neuron_compile.passes.copy_views import (
+    dense_dims,
+    read_copies_as_views,
+    view_through_copy,
+    write_copies_in_writers,
+)
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 
@@ -118,3 +125,58 @@ def test_values_written_into_an_empty_cache_are_read_where_the_projection_wrote_
     assert [kernel.name for kernel in region.kernels] == ["attention_kernel_0"]
     moved = sum(t.numel() * t.element_size() for t in (q, k, v)) + q.numel() * q.element_size()
     assert neuron_compile.stats()["hbm_bytes"] == moved
+
+
+def _attention_and_copy(extra_reader: bool = False, region_outputs=()) -> list[ir.Node]:
+    """A flash attention over [2 heads, 5 queries, 3] writing ``out`` heads-first, and its copy into [5, 2, 3] rows
+    (``rows``); with ``extra_reader``, a pointwise node reading ``out`` too."""
+    domain = (2, 5, 3)
+    out = ir.Buffer("out", "float32", ir.Layout(domain, (15, 3, 1)))
+    qkv = ir.Load("q", ir.Layout(domain, (15, 3, 1)), "float32")
+    attention = ir.Attention("attention", domain, qkv, qkv, qkv, None, 1.0, False,
+                             (ir.Store(out, ir.Result(), out.layout),))
+    rows = ir.Buffer("rows", "float32", ir.Layout((5, 2, 3), (6, 3, 1)))
+    copy = ir.Pointwise("copy", rows.layout.shape, (
+        ir.Store(rows, ir.Load("out", ir.Layout((5, 2, 3), (3, 15, 1)), "float32"), rows.layout),))
+    nodes = [attention, copy]
+    if extra_reader:
+        other = ir.Buffer("other", "float32", out.layout)
+        nodes.append(ir.Pointwise("other", domain, (ir.Store(other, ir.Load("out", out.layout, "float32"),
+                                                             other.layout),)))
+    return write_copies_in_writers(nodes, set(region_outputs))
+
+
+def test_an_attention_writes_the_layout_of_the_copy_that_alone_reads_its_output():
+    nodes = _attention_and_copy()
+    assert [node.name for node in nodes] == ["attention"]
+    (store,) = nodes[0].stores
+    assert store.buffer.name == "rows" and store.layout == ir.Layout((2, 5, 3), (3, 6, 1))
+    assert len(_attention_and_copy(extra_reader=True)) == 3  # another reader needs the heads-first output
+    assert len(_attention_and_copy(region_outputs={"out"})) == 2  # torch gets the heads-first output
+    assert len(_attention_and_copy(region_outputs={"rows"})) == 2  # (not a pure copy: the copy is an output)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seq=st.sampled_from([1, 127, 128, 129, 300]), depth=st.sampled_from([80, 96]), causal=st.booleans(),
+       group=st.sampled_from([1, 2]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_attention_output_made_contiguous_for_the_o_projection_is_written_in_place(seq, depth, causal, group, dtype):
+    """Phi-3's ``attn_output.transpose(1, 2).contiguous()`` (head dim 96, and 80): with heads-first q, eager's flash
+    output is heads-first, and the o projection walks heads and head dim as one K, so no view of it reads the copy's
+    source; the attention kernel writes the [tokens, heads, D] rows itself, no copy kernel between. Grouped, the
+    kernel's store splits the heads in (key/value head, group), which no single dim of the copy's load walks: the
+    copy stays (a kernel more, the same values)."""
+    heads = 4
+    q = random_tensor((1, heads, seq, depth), dtype, seed=1)  # heads-first, as Phi-3's rotary (a cat) writes them
+    k = random_tensor((1, heads // group, seq, depth), dtype, seed=2)
+    v = random_tensor((1, heads // group, seq, depth), dtype, seed=3)
+    weight = random_tensor((heads * depth, 64), dtype, seed=4) / (heads * depth) ** 0.5  # outputs of about 1
+
+    def attention(q, k, v, weight):
+        out = SDPA(q, k, v, is_causal=causal, enable_gqa=group > 1)
+        return out.transpose(1, 2).contiguous().reshape(1, seq, heads * depth) @ weight
+
+    region = check_against_eager(attention, q, k, v, weight, tolerances={torch.float32: (1e-4, 1e-4),
+                                                                         torch.bfloat16: (3e-2, 3e-2)})
+    copies = ["pointwise_kernel"] if group > 1 else []
+    assert [kernel.name.rsplit("_", 1)[0] for kernel in region.kernels] == ["attention_kernel", *copies,
+                                                                              "matmul_kernel"]

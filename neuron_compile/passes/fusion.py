@@ -33,7 +33,8 @@ slice per projection). Last, what an attention kernel's keys and values need is
 launched before the rest (passes/launch_order.py).
 
 Before grouping, a pure copy (one load stored in another layout, as a write into an empty cache makes) whose every
-reader can read its source through a strided view is dropped and its readers read the source
+reader can read its source through a strided view is dropped and its readers read the source, or else whose
+source is a flash attention's output only it reads is dropped and the attention writes its layout
 (``passes/copy_views.py``); then a cheap pointwise node (one store, one input or one reader, at most
 ``INLINE_MAX_OPS`` operations: a cast, a square, a negation, a rotary embedding's ``q * cos``) is inlined into its
 readers (``inline_cheap``) when every reader reads it with its own index map (a constant, with any): recomputing it
@@ -52,7 +53,7 @@ import networkx as nx
 
 from neuron_compile import ir, kinds
 from neuron_compile.passes.concat_in_place import assemble_in_place, mark_in_place
-from neuron_compile.passes.copy_views import read_copies_as_views
+from neuron_compile.passes.copy_views import read_copies_as_views, write_copies_in_writers
 from neuron_compile.passes.fold_traffic import traffic_reason
 from neuron_compile.passes.launch_order import keys_and_values_first
 from neuron_compile.passes.norm_epilogues import fold_norm_epilogues
@@ -311,7 +312,8 @@ def fuse(nodes: list[ir.Node], region_outputs: set[str], enabled: bool = True, t
     if in_place:
         nodes = mark_in_place(nodes, region_outputs)
     if enabled:
-        nodes = inline_cheap(read_copies_as_views(nodes, region_outputs), region_outputs, fits=fits)
+        nodes = write_copies_in_writers(read_copies_as_views(nodes, region_outputs), region_outputs)
+        nodes = inline_cheap(nodes, region_outputs, fits=fits)
     groups: dict[int, ir.Node] = {}
     fresh_ids = itertools.count(1)  # a group absorbed into another leaves a gap: ids are never reused
     group_of: dict[str, int] = {}  # buffer -> id of the group writing it
