@@ -166,12 +166,14 @@ def test_a_batch_of_sequences(shared_positions):
 
 
 def test_heads_a_tile_would_cut_keep_the_concat_and_say_why():
-    """Heads of 96 columns: 512-, 256- and 128-column N tiles would cut one; the rotary stays its own kernel."""
+    """Heads of 96 columns: q's 768 columns take 512-column N tiles, which would cut one, so q's rotary stays its
+    own kernel; k's 192 columns are one N tile of two whole heads, rotated in its projection."""
     fn, inputs = rotated_projections(8, 2, 96), _inputs(129, 8, 2, 96, torch.float32)
     region = check_against_eager(fn, *inputs)
-    decisions = _rotary_decisions(region.fusion_decisions)
-    assert decisions and all("head_dim 96 does not divide" in decision for decision in decisions), decisions
-    assert sum(isinstance(kernel, ir.Concat) for kernel in _fused(fn, *inputs).kernels) >= 2
+    q, k = _rotary_decisions(region.fusion_decisions)
+    assert "head_dim 96 does not divide" in q and "N=768 and its widest N tile (512 columns)" in q, q
+    assert k.endswith(": fused"), k
+    assert sum(isinstance(kernel, ir.Concat) for kernel in _fused(fn, *inputs).kernels) == 2  # q's, the angles'
 
 
 def _norm_weights(head_dim, dtype):
@@ -208,3 +210,19 @@ def test_normed_heads_read_elsewhere_keep_the_norm_and_say_why():
     region = check_against_eager(fn, *inputs)
     decisions = _rotary_decisions(region.fusion_decisions)
     assert any("normed heads are read outside" in decision for decision in decisions), decisions
+
+
+@settings(max_examples=4, deadline=None)
+@given(seq=st.sampled_from([1, 127, 128, 129, 300]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       normed=st.booleans())
+def test_heads_of_256_rotate_in_the_projections_and_match_eager(seq, dtype, normed):
+    """Gemma3-4B's heads of 256 columns, two to a 512-column N tile (q's two tiles, k's one), with and without the
+    per-head norm before the rotary."""
+    inputs = _inputs(seq, 4, 2, 256, dtype, first_position=3)
+    fn = rotated_projections(4, 2, 256)
+    if normed:
+        fn, inputs = normed_rotated_projections(4, 2, 256), inputs + _norm_weights(256, dtype)
+    region = check_against_eager(fn, *inputs)
+    decisions = _rotary_decisions(region.fusion_decisions)
+    assert decisions and all(decision.endswith(": fused") for decision in decisions), decisions
+    assert all((" through " in decision) == normed for decision in decisions), decisions

@@ -5,7 +5,7 @@ Fusion: made after grouping by passes/rotary_epilogues.py under the rule in kind
 of ``x * cos + rotate(x) * sin`` over the projection's heads, rotate_half's halves or an interleaved rotary's pairs,
 which then never reads q or k back from HBM); it takes a second product's rotary, nothing else. Tiling: the
 projection's own plan (a plain or a normed matmul, resident form), in the SBUF left beside the rotary's tiles; every
-N tile holds whole heads (the rule asks ``head_dim`` to divide each N tile). Codegen: matmul_resident.py.j2; each N
+N tile holds whole heads (the rule and the plan ask ``head_dim`` to divide it). Codegen: matmul_resident.py.j2; each N
 tile's epilogue, after the projection's own stores, rounds the product as the projection stores it and computes
 every concat part on the tile's heads: a part's reads of the product are views of that tile ([rows, heads, width]
 from its column within the head: rotate_half's other half is the same tile at +-head_dim/2, an interleaved pair's

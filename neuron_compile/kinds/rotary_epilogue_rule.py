@@ -12,10 +12,12 @@ one of the matmul's stores (``source``); every part reads ``source`` along the m
 (``head_dim`` columns apart) and the columns within one head (every one, or every second: ``HeadAxes.step``), from a
 column offset that keeps the read inside the head, so that an N tile of whole heads holds everything a part reads;
 every other load of a part is the same for every head (cos and sin, per position and column within the head); no
-part computes an index or draws random numbers; and ``head_dim`` divides every N tile the matmul may take (128, 256,
-512 columns, or all of N). With a per-head norm between them (``head_norm_reason``), the norm must be a mean of
-squares over each head of ``source``, store no statistics, and N a whole number of N tiles (its heads lie several to
-a partition, as many per tile); the rotary then reads the normed heads as it would read ``source``.
+part computes an index or draws random numbers; and ``head_dim`` divides N and the widest N tile the matmul takes
+(512 columns, or all of N): Gemma3's heads of 256 then lie two to a tile. A narrower tile its planner picks (256 or
+128 columns, when K leaves no room for 512) may cut a head: the plan refuses it (kinds/matmul_rotary.py), and the
+fusion with it, by the target's fit check. With a per-head norm between them (``head_norm_reason``), the norm must
+be a mean of squares over each head of ``source``, store no statistics, and N a whole number of N tiles (its heads lie
+several to a partition, as many per tile); the rotary then reads the normed heads as it would read ``source``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from neuron_compile import ir
 from neuron_compile.kind_registry import kind_of, loads
 from neuron_compile.kinds.matmul_row_norm import NORM_OPS
 
-# The N tiles a resident matmul takes (kinds/matmul.py ``plan_streamed_moving``): a head must divide each
+# The N tiles a resident matmul takes (kinds/matmul.py ``plan_streamed_moving``): a head must divide the widest
 N_TILES = (128, 256, 512)
 
 
@@ -260,9 +262,10 @@ def rotary_epilogue_reason(matmul, rotary, norm=None) -> str | None:
         written |= {store.buffer.name for store in kind_of(norm).stores(norm)}
     head_dim = rotated_head_dim(matmul.domain, rotated, rotary)
     n = matmul.domain[-1]
-    if n % head_dim or (n > min(N_TILES) and any(tile % head_dim for tile in N_TILES)):
-        return (f"head_dim {head_dim} does not divide {matmul.name}'s N tiles ({', '.join(map(str, N_TILES))} "
-                f"columns of N={n}), so a tile would cut a head")
+    widest = min(n, max(N_TILES))
+    if n % head_dim or widest % head_dim:
+        return (f"head_dim {head_dim} does not divide {matmul.name}'s N={n} and its widest N tile ({widest} "
+                f"columns), so a tile would cut a head")
     if norm is not None and head_dim != norm.domain[-1]:
         return f"{rotary.name}'s heads of {head_dim} are not {norm.name}'s of {norm.domain[-1]}"
     for part in rotary.parts:
