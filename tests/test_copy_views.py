@@ -177,6 +177,8 @@ def test_attention_output_made_contiguous_for_the_o_projection_is_written_in_pla
 
     region = check_against_eager(attention, q, k, v, weight, tolerances={torch.float32: (1e-4, 1e-4),
                                                                          torch.bfloat16: (3e-2, 3e-2)})
-    copies = ["pointwise_kernel"] if group > 1 else []
+    # (one query, grouped: the attention's domain puts the group where the queries were, [batch, key/value head, 1,
+    # group, D], and the copy goes there too)
+    copies = ["pointwise_kernel"] if group > 1 and seq > 1 else []
     assert [kernel.name.rsplit("_", 1)[0] for kernel in region.kernels] == ["attention_kernel", *copies,
                                                                               "matmul_kernel"]

@@ -556,3 +556,34 @@ def test_one_key_value_head_written_into_an_empty_cache_needs_no_head_loop(kv_he
         region = check_against_eager(layer, x, weight, tolerances=TOLERANCES)
     (attention,) = [kernel.source for kernel in region.kernels if kernel.name.startswith("attention_kernel")]
     assert ("heads[()]" in attention) == (kv_heads == 1)
+
+
+@settings(max_examples=12, deadline=None)
+@given(queries=st.sampled_from([1, 127, 128, 129, 300]), heads=st.sampled_from([1, 2, 4, 8]),
+       depth=st.sampled_from([64, 96, 128]), causal=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_heads_with_their_own_key_value_heads_share_their_loads_and_stores(queries, heads, depth, causal, dtype):
+    """Heads without grouped-query sharing (Phi-3-mini's), viewed from [seq, heads, depth] projections: the heads
+    adjacent in the rows form a group, whose q^T, k^T and v come in one DMA each and whose outputs leave in one
+    store, however many heads: per query tile position a q^T transpose and a store, per key block (one, up to 512
+    keys) a k^T transpose and v in whole chunks of 128 keys and a ragged one; the result matches eager."""
+    q, k, v = (random_tensor((1, queries, heads, depth), dtype, seed=seed).transpose(1, 2) for seed in (5, 6, 7))
+    with kernel_runs() as runs:
+        region = check_against_eager(lambda q, k, v: attention_rows(q, k, v, causal), q, k, v, tolerances=TOLERANCES)
+    sources = [kernel.source for kernel in region.kernels if kernel.name.startswith("attention_kernel")]
+    if queries >= 127 and heads > 1:  # (a single query: the decode form; a single head: nothing to group)
+        assert len(sources) == 1 and f"q^T, k^T, v and output of the {heads} heads of a group in one DMA each" \
+            in sources[0]
+        (trace,) = [run.trace for run in runs]
+        value_loads = (queries >= 128) + (queries % 128 > 0)
+        positions = -(-queries // 128)
+        assert len([record for record in trace if "dma" in record.name]) == 2 * positions + 1 + value_loads
+
+
+def test_heads_with_their_own_key_value_heads_that_do_not_all_fit_load_one_by_one():
+    """8192 keys of D 128 per head (32 KiB per partition each): three heads' k^T and v do not fit beside the query
+    tiles twice, so each head loads and stores its own, resident in turn."""
+    q = random_tensor((1, 130, 3, 128), torch.bfloat16, seed=5).transpose(1, 2)
+    k, v = (random_tensor((1, 8192, 3, 128), torch.bfloat16, seed=seed).transpose(1, 2) for seed in (6, 7))
+    region = check_against_eager(lambda q, k, v: attention_rows(q, k, v, False), q, k, v, tolerances=TOLERANCES)
+    (kernel,) = region.kernels
+    assert "k^T and v resident per head" in kernel.source and "heads of a group in one DMA each" not in kernel.source

@@ -14,8 +14,9 @@ the scale is too small for the bias to dominate (then an affine_select in SBUF o
 With few queries per head, the query heads of a grouped-query group share each query tile (stacked on the
 partitions), where that at least halves the tiles; otherwise they take each query tile position in turn, with one q^T
 load and one output store for the group there (their outputs normalized together on GpSimd, but for the training
-forward's), and, when every key/value head fits, the positions outermost. The training forward also writes each row's
-log-sum-exp.
+forward's), and, when every key/value head fits, the positions outermost. Heads with a key/value head each, adjacent
+in the output's rows, form such a group too, their k^T and v also loaded for the whole group in one DMA each. The
+training forward also writes each row's log-sum-exp.
 Fusion: pointwise consumers over the output domain are epilogues on the normalized output tile.
 Codegen: attention.py.j2.
 """
@@ -42,7 +43,7 @@ from neuron_compile.kinds.attention_operands import (
     AttentionPlan,
     LanePatterns,
     grouped_output_store,
-    grouped_query_load,
+    grouped_transposed_load,
     head_loops,
     logsumexp_store,
     mask_load,
@@ -164,9 +165,14 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     bank_chunks = min(math.ceil(key_block / target.partitions),
                       target.psum_bank_bytes // (target.partitions * itemsize))  # P^T chunks per PSUM bank
     group_dim = shared_transfer_dim(node, batch, lane_dim, transpose_loads)
-    group_bytes = 0 if group_dim is None else batch[group_dim] * (k_tiles * target.partitions + value_dim) * itemsize
-    if group_dim is not None and (not resident or 2 * (per_head + per_query_tile + group_bytes) > budget):
-        group_dim = None
+    # per head of a group: its q^T and output tile, and, normalized together, its unscaled fp32 output and sums
+    unscaled = (value_dim + 1) * 4 if node.logsumexp is None else 0
+    group_bytes = 0 if group_dim is None else batch[group_dim] * (
+        (k_tiles * target.partitions + value_dim) * itemsize + unscaled)
+    owns_kv = group_dim is not None and bool(node.k.layout.strides[group_dim])
+    group_heads = batch[group_dim] if owns_kv else 1  # the key/value heads resident together
+    if group_dim is not None and (not resident or 2 * (group_heads * per_head + per_query_tile + group_bytes) > budget):
+        group_dim, owns_kv = None, False
     kv_heads = math.prod(size for dim, size in enumerate(batch)  # every batch index with k and v of its own
                          if node.k.layout.strides[dim] or node.v.layout.strides[dim])
     positions_outer = group_dim is not None and kv_heads * per_head + 2 * (per_query_tile + group_bytes) <= budget
@@ -181,7 +187,7 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
                          dma_transpose_chunks=whole_row_dma_chunks(key_block, bank_keys, target) if whole_row
                          else 0,
                          transposed_bank_chunks=bank_chunks, head_group_dim=-1 if group_dim is None else group_dim,
-                         positions_outer=positions_outer, group_normalized=group_normalized)
+                         positions_outer=positions_outer, group_owns_kv=owns_kv, group_normalized=group_normalized)
 
 
 def shared_transfer_dim(node: ir.Attention, batch: list[int], lane_dim: int | None,
@@ -191,14 +197,21 @@ def shared_transfer_dim(node: ir.Attention, batch: list[int], lane_dim: int | No
     store: a DMA's fixed cost (~1.3 us, overhead-bound below 256 B per partition) is then paid once per group, not
     once per head (the goal point's 8 heads of D 64: 64 q^T loads and 64 stores of 16 KB -> 8 and 8, 23.3 -> 9.7 us
     of DMA). Only where q comes through a DMA transpose, the output is stored as computed (no epilogue), and the
-    heads do not share a query tile (lanes)."""
+    heads do not share a query tile (lanes). Heads without grouped-query sharing (each its own k and v) form a group
+    too where they are adjacent in the output's rows (as models store them for the output projection): k^T and v
+    of the group then also come in one DMA each (Phi-3-mini's 32 heads of D 96: 192 transfers of 24-48 KB, ~1.3 us
+    of fixed cost each, became 6)."""
     if lane_dim is not None or not transpose_loads:
         return None
     if len(node.stores) != 1 or not isinstance(node.stores[0].expr, ir.Result):
         return None
     shared = [dim for dim, size in enumerate(batch)
               if size > 1 and node.k.layout.strides[dim] == 0 and node.v.layout.strides[dim] == 0]
-    return shared[0] if len(shared) == 1 else None
+    if shared:
+        return shared[0] if len(shared) == 1 else None
+    output = node.stores[0].layout
+    own = [dim for dim, size in enumerate(batch) if size > 1 and 0 < output.strides[dim] < output.strides[len(batch)]]
+    return min(own, key=lambda dim: output.strides[dim]) if own else None
 
 
 def whole_row_dma_chunks(key_block: int, bank_keys: int, target) -> int:
@@ -265,8 +278,13 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
     # first block while the others arrive) or into the block's own tiles
     start, count = ("load_start", "load_cols") if plan.resident else ("kv0", "block_cols")  # (load_head's names)
     key_columns = f"{start}:{start} + {count}" if plan.resident else f"0:{count}"
-    key_load = transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {key_columns}]",
-                               start, count)
+    if plan.group_owns_kv:  # k^T of every head of the group: [D chunk, chunk, head, keys]
+        group_size = plan.outer[plan.head_group_dim].size
+        key_load = grouped_transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, "
+                                           f"0:{group_size}, {key_columns}]", start, count)
+    else:
+        key_load = transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {key_columns}]",
+                                   start, count)
     # q^T: [D chunk, chunk, rows], or with lanes [D chunk, chunk, queries, heads] (row r = query r // lanes)
     query_rows = f"0:lane_rows, 0:{plan.lanes}" if plan.lanes > 1 else "0:rows"
     if grouped:
@@ -279,12 +297,13 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
         tile_params="".join(f"o{i}, " for i in kv_dims + group_dims),
         group_first="".join(f"o{j} == 0 and " for j in group_dims), operand_dtype=NL_DTYPES[node.q.dtype], value_dim=value_dim,
         keys=node.keys, key_chunks=math.ceil(node.keys / 128), scale=float(node.scale), causal=node.causal,
-        query_load=grouped_query_load(plan, patterns, node.q, f"queries_t[0:{plan.k_tile}, 0:{plan.k_tiles}, "
+        query_load=grouped_transposed_load(plan, patterns, node.q, f"queries_t[0:{plan.k_tile}, 0:{plan.k_tiles}, "
                                       f"0:{plan.outer[plan.head_group_dim].size}, 0:rows]") if grouped else
         transposed_load(plan, patterns, node.q, f"queries_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {query_rows}]",
                         "p0", "lane_rows" if plan.lanes > 1 else "rows"),
         group_head=head if grouped else None, group_size=plan.outer[plan.head_group_dim].size if grouped else 1,
-        group_store=group_store,
+        group_store=group_store, kv_head=f"{head}, " if plan.group_owns_kv else "",
+        kv_heads=f"{plan.outer[plan.head_group_dim].size}, " if plan.group_owns_kv else "",
         output_dtype=NL_DTYPES[output_dtype], tile_loops=tile_loops(plan, kv_dims, group_dims),
         partitions=partitions, query_rows=query_rows,
         query_columns=f"{plan.partition.tile}, {plan.lanes}" if plan.lanes > 1 else plan.partition.tile,

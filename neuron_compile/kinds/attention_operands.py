@@ -44,6 +44,8 @@ class AttentionPlan(TilePlan):
     loads and stores its own); ``positions_outer``: with a head group, k^T and v of every key/value head stay
     resident and the query tile positions are the outermost loop, so that the output's first rows (every head of
     them) are done before its last: the output projection's first row block can start while attention runs;
+    ``group_owns_kv``: the head group's heads each have a key/value head of their own (no grouped-query sharing):
+    k^T and v of the whole group come in one DMA each too, resident side by side, indexed by the head;
     ``group_normalized``: with a head group, its heads' outputs leave their accumulators unscaled and the group's last
     head normalizes them all on GpSimd (one reciprocal for the group), not each head its own on ScalarE and VectorE
     (not in the training forward, which writes each head's log-sum-exp)."""
@@ -64,6 +66,7 @@ class AttentionPlan(TilePlan):
     transposed_bank_chunks: int = 4
     head_group_dim: int = -1
     positions_outer: bool = False
+    group_owns_kv: bool = False
     group_normalized: bool = False
 
     def describe(self) -> str:
@@ -76,7 +79,8 @@ class AttentionPlan(TilePlan):
         if self.whole_row:
             text += f", each row's keys in one block ({self.dma_transpose_chunks} chunks of P^T by DMA transpose)"
         if self.head_group_dim >= 0:
-            text += f", q^T and output of the {self.outer[self.head_group_dim].size} heads of a group in one DMA each"
+            loaded = "q^T, k^T, v" if self.group_owns_kv else "q^T"
+            text += f", {loaded} and output of the {self.outer[self.head_group_dim].size} heads of a group in one DMA each"
         text += ", query tile positions outermost (every head's k^T and v resident)" if self.positions_outer else ""
         text += ", the group's outputs normalized together" if self.group_normalized else ""
         return text + (", causal mask on TensorE" if self.causal_bias else "")
@@ -117,17 +121,20 @@ def transposed_load(plan: AttentionPlan, patterns: Patterns, load: ir.Load, dst:
     return f"nisa.dma_copy(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, offset={offset}))"
 
 
-def grouped_query_load(plan: AttentionPlan, patterns: Patterns, load: ir.Load, dst: str) -> str:
-    """The DMA transpose that brings q^T of every query head of a group (``plan.head_group_dim``) for the query
-    tile at ``p0`` into ``dst`` as [D chunk on partitions, chunk, head, rows]."""
+def grouped_transposed_load(plan: AttentionPlan, patterns: Patterns, load: ir.Load, dst: str, start: str = "p0",
+                            count: str = "rows") -> str:
+    """The DMA transpose that brings rows ``start`` .. ``start + count`` of q (or, where the group's heads own
+    their key/value heads, of k) of every head of a group (``plan.head_group_dim``) into ``dst`` as
+    [D chunk on partitions, chunk, head, rows]."""
     rank = len(plan.outer)
     seq_stride, depth_stride = load.layout.strides[rank], load.layout.strides[rank + 1]
     group = plan.outer[plan.head_group_dim]
     terms = [term for dim, term in enumerate(patterns.outer_terms(load.layout)) if dim != plan.head_group_dim]
-    entries = [[group.stride(load.layout), group.size], [seq_stride, "rows"],
+    entries = [[group.stride(load.layout), group.size], [seq_stride, count],
                [depth_stride * plan.k_tile, plan.k_tiles], [depth_stride, plan.k_tile]]
+    terms += [(start, seq_stride)] if start != "0" else []
     return (f"nisa.dma_transpose(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, "
-            f"offset={offset_text(load.layout.offset, terms + [('p0', seq_stride)])}), axes=(3, 2, 0, 1))")
+            f"offset={offset_text(load.layout.offset, terms)}), axes=(3, 2, 0, 1))")
 
 
 def grouped_output_store(plan: AttentionPlan, patterns: Patterns, store: ir.Store, src: str) -> str:
@@ -144,21 +151,28 @@ def grouped_output_store(plan: AttentionPlan, patterns: Patterns, store: ir.Stor
 def value_loads(plan: AttentionPlan, patterns: Patterns, node: ir.Attention, first_chunk: str, start: str,
                 count: str) -> list[str]:
     """Instructions that bring the ``count`` rows of v from row ``start`` into ``values`` [128 keys, chunk, Dv]
-    from chunk ``first_chunk`` on: the whole chunks of 128 rows in one DMA, a ragged last chunk in another."""
+    from chunk ``first_chunk`` on: the whole chunks of 128 rows in one DMA, a ragged last chunk in another. Where
+    the head group's heads own their key/value heads (``plan.group_owns_kv``), every head of the group in the same
+    DMAs, into ``values`` [128 keys, head, chunk, Dv]."""
     rank = len(plan.outer)
     seq_stride, depth_stride = node.v.layout.strides[rank], node.v.layout.strides[rank + 1]
     value_dim = node.domain[-1]
     base = patterns.outer_terms(node.v.layout)
-    whole_entries = [[seq_stride, 128], [seq_stride * 128, "whole"], [depth_stride, value_dim]]
-    tail_entries = [[seq_stride, f"{count} % 128"], [depth_stride, value_dim]]
+    heads, head_entries = "", []
+    if plan.group_owns_kv:
+        group = plan.outer[plan.head_group_dim]
+        base = [term for dim, term in enumerate(base) if dim != plan.head_group_dim]
+        heads, head_entries = f"0:{group.size}, ", [[group.stride(node.v.layout), group.size]]
+    whole_entries = [[seq_stride, 128], *head_entries, [seq_stride * 128, "whole"], [depth_stride, value_dim]]
+    tail_entries = [[seq_stride, f"{count} % 128"], *head_entries, [depth_stride, value_dim]]
     chunk = f"{first_chunk} + whole" if first_chunk != "0" else "whole"
     return [
         f"whole = {count} // 128",
         "if whole:",
-        f"    nisa.dma_copy(dst=values[0:128, {first_chunk}:{chunk}, 0:{value_dim}], src={node.v.buffer}.ap("
+        f"    nisa.dma_copy(dst=values[0:128, {heads}{first_chunk}:{chunk}, 0:{value_dim}], src={node.v.buffer}.ap("
         f"{entries_text(whole_entries)}, offset={offset_text(node.v.layout.offset, base + [(start, seq_stride)])}))",
         f"if {count} % 128:",
-        f"    nisa.dma_copy(dst=values[0:{count} % 128, {chunk}, 0:{value_dim}], src={node.v.buffer}.ap("
+        f"    nisa.dma_copy(dst=values[0:{count} % 128, {heads}{chunk}, 0:{value_dim}], src={node.v.buffer}.ap("
         f"{entries_text(tail_entries)}, offset="
         f"{offset_text(node.v.layout.offset, base + [(start, seq_stride), ('whole', seq_stride * 128)])}))",
     ]
@@ -189,8 +203,10 @@ def mask_row_load(plan: AttentionPlan, patterns: Patterns, mask: ir.Load, dst: s
 
 def head_loops(node: ir.Attention, plan: AttentionPlan) -> tuple[list[int], list[int]]:
     """The outer dims split into those that choose a key/value head and those that only choose a query head of
-    its group (stride 0 in k and v): k^T and v load once per key/value head, outside the group's loops."""
+    its group (stride 0 in k and v): k^T and v load once per key/value head, outside the group's loops. A head
+    group whose heads own their key/value heads counts as the latter: its k^T and v load once for the group."""
     shared = [i for i, dim in enumerate(plan.outer)
-              if dim.stride(node.k.layout) == 0 and dim.stride(node.v.layout) == 0 and i != plan.lane_dim]
+              if dim.stride(node.k.layout) == 0 and dim.stride(node.v.layout) == 0 and i != plan.lane_dim
+              or plan.group_owns_kv and i == plan.head_group_dim]
     return [i for i in range(len(plan.outer)) if i not in shared and i != plan.lane_dim], shared
 
