@@ -45,6 +45,12 @@ class Layout:
             return self.offset
         return self.offset + 1 + sum((size - 1) * abs(stride) for size, stride in zip(self.shape, self.strides))
 
+    def extent(self) -> tuple[int, int]:
+        """The first and one past the last element this layout may touch (negative strides too)."""
+        reach = [(size - 1) * stride for size, stride in zip(self.shape, self.strides) if size > 0]
+        return (self.offset + sum(min(0, step) for step in reach),
+                self.offset + sum(max(0, step) for step in reach) + 1)
+
     def __str__(self) -> str:
         return f"ap(shape={list(self.shape)}, strides={list(self.strides)}, offset={self.offset})"
 

@@ -212,14 +212,12 @@ def test_launched_kernel_by_kernel_the_joint_rotary_stays(dtype):
 @settings(max_examples=15, deadline=None)
 @given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=3), data=st.data())
 def test_a_layouts_extent_holds_every_element_it_touches(shape, data):
-    """``extent`` (the element range a store or load may touch, which decides whose rows a kernel reads) against
-    every address, negative strides included."""
+    """``Layout.extent`` (the element range a store or load may touch, which decides whose rows a kernel reads)
+    against every address, negative strides included."""
     import itertools
-
-    from neuron_compile.passes.rotary_rows import extent
 
     strides = [data.draw(st.integers(-6, 6)) for _ in shape]
     offset = data.draw(st.integers(30, 40))
     addresses = [offset + sum(i * s for i, s in zip(index, strides))
                  for index in itertools.product(*(range(size) for size in shape))]
-    assert extent(ir.Layout(tuple(shape), tuple(strides), offset)) == (min(addresses), max(addresses) + 1)
+    assert ir.Layout(tuple(shape), tuple(strides), offset).extent() == (min(addresses), max(addresses) + 1)

@@ -21,7 +21,7 @@ decisions.
 from __future__ import annotations
 
 from neuron_compile import ir, kinds
-from neuron_compile.passes.rotary_rows import extent, joint_row_slices
+from neuron_compile.passes.rotary_rows import joint_row_slices
 
 
 def fold_rotary_epilogues(kernels: list[ir.Node], region_outputs: set[str], decisions: list[str], fits=None,
@@ -60,9 +60,9 @@ def _overlaps(writer: ir.Node, reader: ir.Node) -> bool:
     the writer of the rows read counts)."""
     extents: dict[str, list[tuple[int, int]]] = {}
     for store in kinds.stores(writer):
-        extents.setdefault(store.buffer.name, []).append(extent(store.layout))
+        extents.setdefault(store.buffer.name, []).append(store.layout.extent())
     return any(first < end and start < last for load in kinds.loads(reader)
-               for start, end in [extent(load.layout)] for first, last in extents.get(load.buffer, ()))
+               for start, end in [load.layout.extent()] for first, last in extents.get(load.buffer, ()))
 
 
 def _products(kernel: ir.Node) -> set[str]:

@@ -24,13 +24,6 @@ def _outer_rows(buffer: ir.Buffer) -> tuple[int, int] | None:
     return next(((size, stride) for size, stride in zip(buffer.layout.shape, buffer.layout.strides) if size > 1), None)
 
 
-def extent(layout: ir.Layout) -> tuple[int, int]:
-    """The first and one past the last element ``layout`` may touch (negative strides too)."""
-    reach = [(size - 1) * stride for size, stride in zip(layout.shape, layout.strides) if size > 0]
-    return (layout.offset + sum(min(0, step) for step in reach),
-            layout.offset + sum(max(0, step) for step in reach) + 1)
-
-
 def _writers_rows(joint: ir.Buffer, kernels: list[ir.Node]) -> list[tuple[int, int]] | None:
     """The [first, end) rows of ``joint`` each kernel writing it stores, in order, when each stores whole rows
     and together they store every row once; else None."""
@@ -40,7 +33,7 @@ def _writers_rows(joint: ir.Buffer, kernels: list[ir.Node]) -> list[tuple[int, i
         layouts = [store.layout for store in kinds.stores(kernel) if store.buffer.name == joint.name]
         if not layouts:
             continue
-        first, end = min(extent(layout)[0] for layout in layouts), max(extent(layout)[1] for layout in layouts)
+        first, end = min(layout.extent()[0] for layout in layouts), max(layout.extent()[1] for layout in layouts)
         if stride <= 0 or first % stride or end % stride:
             return None
         ranges.append((first // stride, end // stride))
