@@ -124,12 +124,13 @@ def checked_code(source: KernelSource, signed: SignedCodeCache | None = None) ->
     when it is what our templates emit. With ``signed``, code this user's process checked and compiled before is
     taken from there (runtime/signed_code.py: only under a tag the user's own key made), and new code is kept."""
     filename = simulator.kernel_filename(source.name)
-    code = signed.lookup(source.source, filename) if signed is not None else None
+    parts = signed.key_parts(source.source, filename) if signed is not None else None
+    code = signed.lookup(parts) if signed is not None else None
     if code is None:
         tree = check_kernel_text(source.source, source.name)
         code = compile(tree, filename, "exec", dont_inherit=True)
         if signed is not None:
-            signed.store(source.source, filename, code)
+            signed.store(parts, code)
     return code
 
 

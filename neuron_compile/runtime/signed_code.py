@@ -157,13 +157,15 @@ class SignedCodeCache:
         self.key = key
         self.signer = key_fingerprint(key)
 
-    def lookup(self, source_text: str, filename: str) -> types.CodeType | None:
-        """The code stored for this text under a tag this user's key made, or None (absent, unsigned, forged)."""
-        parts = code_key_parts(source_text, filename, self.signer)
+    def key_parts(self, source_text: str, filename: str) -> dict:
+        """The key parts of this text's code entry (``code_key_parts`` under this cache's signer)."""
+        return code_key_parts(source_text, filename, self.signer)
+
+    def lookup(self, parts: dict) -> types.CodeType | None:
+        """The code stored under ``parts`` with a tag this user's key made, or None (absent, unsigned, forged)."""
         return self.cache.lookup(disk_cache.key_of(parts), lambda payload: verified_code(self.key, parts, payload))
 
-    def store(self, source_text: str, filename: str, code: types.CodeType) -> None:
-        parts = code_key_parts(source_text, filename, self.signer)
+    def store(self, parts: dict, code: types.CodeType) -> None:
         code_bytes = marshal.dumps(code)
         payload = {"code": base64.b64encode(code_bytes).decode("ascii"), "tag": code_tag(self.key, parts, code_bytes)}
         self.cache.store(disk_cache.key_of(parts), parts, payload)
