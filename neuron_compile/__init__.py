@@ -43,7 +43,7 @@ from neuron_compile.backend import register as _register
 from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
 from neuron_compile.nki_op import NkiOp, NkiOpSpecError, nki_op
 from neuron_compile.runtime import stats as _stats
-from neuron_compile.runtime.compiled_graph import compiled_records, last_compiled
+from neuron_compile.runtime.graph_records import compiled_records, last_compiled
 from neuron_compile.runtime.stats import record_launches
 from neuron_compile.version import __version__
 

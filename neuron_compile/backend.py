@@ -4,7 +4,8 @@ Input: a torch-level FX graph from Dynamo and its (fake) example inputs, plus ``
 ``options``. Output: a callable that runs the graph. aot_autograd turns the graph into ATen forward / backward
 (min-cut partitioned, for training) or inference graphs with our decomposition table, keeping input mutations
 in the graph; each ATen graph goes to ``compile_aten_graph`` (runtime/compiled_graph.py), which specializes,
-partitions and compiles it per call signature. A graph with a warm-start key (runtime/warm_key.py) whose record is in
+partitions and compiles it per call signature (trace_compile.py, imported at the first graph that compiles: a warm
+start imports none of the compiler). A graph with a warm-start key (runtime/warm_key.py) whose record is in
 the on-disk cache skips aot_autograd: it runs from the record (runtime/warm_start.py); without a record, the first
 call writes one when aot_autograd's facts and the compile allow it (runtime/warm_record.py).
 
@@ -18,22 +19,14 @@ work without importing this package; importing it also registers them, unless an
 
 from __future__ import annotations
 
-import functools
 import logging
-import warnings
 
 import torch
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from neuron_compile import config, logs, untraced_fsdp
-from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
-from neuron_compile.passes.decompose import decomposition_table
-from neuron_compile.passes.partition import op_name
-from neuron_compile.runtime import compile_events, dump, stats
-from neuron_compile.runtime.compiled_graph import compile_aten_graph, refresh_dump_index
+from neuron_compile.runtime import compile_events, dump
+from neuron_compile.runtime.graph_records import refresh_dump_index
 from neuron_compile.runtime.warm_key import Refusal, warm_key_parts
-from neuron_compile.runtime.warm_record import WarmCandidate
 from neuron_compile.runtime.warm_start import load_warm_graph
 
 log = logging.getLogger(__name__)
@@ -62,7 +55,7 @@ def neuron_backend(
     parts = warm_key_parts(gm, example_inputs, effective)
     if isinstance(parts, Refusal):
         log.debug("Dynamo graph %d takes no warm-start fast path: %s", event.index, parts)
-        candidate = None
+        parts = None
     else:
         def compile_slowly(args: list):  # the call's own arguments: holding ``example_inputs`` would hold the model
             return _trace_and_compile(gm, args, effective, options, event.index)
@@ -71,54 +64,17 @@ def neuron_backend(
         if warm is not None:
             log.debug("Dynamo graph %d: a warm start from its record, aot_autograd skipped", event.index)
             return warm
-        candidate = WarmCandidate(parts, len(example_inputs))
-    return _trace_and_compile(gm, example_inputs, effective, options, event.index, candidate)
+    return _trace_and_compile(gm, example_inputs, effective, options, event.index, parts)
 
 
 def _trace_and_compile(gm: torch.fx.GraphModule, example_inputs: list, effective: config.Config, options: dict,
-                       dynamo_graph: int, candidate: WarmCandidate | None = None):
-    """aot_autograd with our compilers on Dynamo graph ``gm``; ``candidate`` (a graph with a warm-start key) learns
-    aot_autograd's facts and writes the graph's record after its first call (runtime/warm_record.py)."""
-    compilers = {
-        kind: functools.partial(compile_aten_graph, kind=kind, options=options, dynamo_graph=dynamo_graph)
-        for kind in ("forward", "backward", "inference")
-    }
-    inference_compiler = candidate.wrap(compilers["inference"]) if candidate is not None else compilers["inference"]
-    aot_backend = aot_autograd(
-        fw_compiler=compilers["forward"],
-        bw_compiler=compilers["backward"],
-        inference_compiler=inference_compiler,
-        partition_fn=min_cut_rematerialization_partition,
-        decompositions=decomposition_table(),
-        keep_inference_input_mutations=True,
-    )
-    try:
-        return aot_backend(gm, example_inputs)
-    except NeuronCompileError:  # a region failed under fallback=raise: already explained
-        raise
-    except torch._dynamo.exc.RestartAnalysis:
-        # Dynamo's control flow, not a failure: aot_autograd's pass that turns float inputs into tensors asks
-        # Dynamo to trace the frame again with those floats specialized; the retraced graph compiles normally.
-        raise
-    except Exception as error:  # noqa: BLE001 -- tracing to ATen failed (data-dependent ops): run the graph eagerly
-        return _run_eagerly(gm, effective, error)
+                       dynamo_graph: int, warm_parts: dict | None = None):
+    """aot_autograd and the compiler on ``gm`` (trace_compile.py); ``warm_parts``: the graph's warm-start key, whose
+    record its first call writes when it can. Imported at the first graph that needs them: a warm start runs stored
+    kernels only and never imports the compiler (lowering, fusion, tiling, codegen) or aot_autograd."""
+    from neuron_compile.trace_compile import trace_and_compile
 
-
-def _run_eagerly(gm: torch.fx.GraphModule, effective: config.Config, error: Exception):
-    """aot_autograd could not trace ``gm`` (e.g. ``.item()`` feeding a shape): Config.fallback decides, and every
-    call of the Dynamo graph runs eagerly; its nodes are counted once as fallbacks, with the reason."""
-    first_line = (str(error).strip().splitlines() or [""])[0][:200]
-    message = f"aot_autograd could not trace the graph: {type(error).__name__}: {first_line}"
-    if effective.fallback == "raise":
-        raise NeuronCompileError(f"{message} (NEURON_COMPILE_FALLBACK=raise)") from error
-    if effective.fallback == "warn":
-        warnings.warn(f"{message}; running it eagerly", NeuronCompileWarning, stacklevel=2)
-    log.debug("%s", message)
-    reason = f"its graph could not be traced to ATen ({type(error).__name__})"
-    for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module"):
-            stats.add_fallback(op_name(node) if node.op == "call_function" else str(node.target), reason)
-    return gm.forward
+    return trace_and_compile(gm, example_inputs, effective, options, dynamo_graph, warm_parts)
 
 
 def _owner_of(name: str) -> str | None:

@@ -157,7 +157,7 @@ def run_dump(args: argparse.Namespace) -> int:
     if problem:
         return usage_error("dump", problem)
     from neuron_compile.observation import observe
-    from neuron_compile.runtime.compiled_graph import refresh_dump_index
+    from neuron_compile.runtime.graph_records import refresh_dump_index
 
     folder = os.path.abspath(args.out)
     with observe() as observation, script_runner.script_environment(

@@ -676,3 +676,12 @@ class Collective:
 
 Node = (Pointwise | Reduction | RowNormalize | Scan | MatMul | NormedMatMul | MatMulNormEpilogue | MatMulRotary
         | Attention | AttentionBackward | Concat | Gather | Scatter | Collective)
+
+
+@dataclass(frozen=True)
+class TensorValue:
+    """What an FX node evaluates to: a buffer read through a layout (views only change the layout)."""
+
+    buffer: str
+    layout: Layout
+    dtype: str

@@ -25,13 +25,14 @@ ROOT = "neuron_compile"
 # Topic -> the module loggers it covers.
 TOPICS: dict[str, tuple[str, ...]] = {
     "all": (ROOT,),
-    "backend": ("neuron_compile.backend",),  # Dynamo graphs handed to us, aot_autograd fallbacks
-    "dispatch": ("neuron_compile.runtime.compiled_graph",),  # signature misses, recompiles, region fallbacks
+    "backend": ("neuron_compile.backend", "neuron_compile.trace_compile"),  # Dynamo graphs handed to us, aot_autograd fallbacks
+    # signature misses, recompiles, region fallbacks
+    "dispatch": ("neuron_compile.runtime.compiled_graph", "neuron_compile.runtime.region_module"),
     "partition": ("neuron_compile.passes.partition",),  # NKI regions vs eager nodes
     # on-disk cache hits, misses, damaged entries (kernels and first-launch cost reports)
     # and warm starts from warm-start records (written, used, refused)
     "cache": ("neuron_compile.runtime.disk_cache", "neuron_compile.runtime.report_cache",
-              "neuron_compile.runtime.warm_record", "neuron_compile.runtime.warm_start"),
+              "neuron_compile.runtime.warm_candidate", "neuron_compile.runtime.warm_start"),
     "bucket": ("neuron_compile.passes.bucket",),  # shape bucketing: dims padded, graphs declined and why
 }
 LEVELS = {"+": logging.DEBUG, "-": logging.ERROR}

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from neuron_compile.runtime import compile_events, stats
-from neuron_compile.runtime.compiled_graph import clear_records, compiled_records, forget_dumped
+from neuron_compile.runtime.graph_records import clear_records, compiled_records, forget_dumped
 
 TRACES_KEPT = 2000  # simulator runs whose instruction traces a profile keeps (the first launches: one per kernel)
 
@@ -29,7 +29,7 @@ class Observation:
     graph_breaks: list = dataclasses.field(default_factory=list)  # compile_events.GraphBreak
     recompiles: list = dataclasses.field(default_factory=list)  # compile_events.Recompile
     frame_names: dict = dataclasses.field(default_factory=dict)  # Dynamo compile id -> function name
-    records: list = dataclasses.field(default_factory=list)  # compiled_graph.CompiledGraphRecord
+    records: list = dataclasses.field(default_factory=list)  # graph_records.CompiledGraphRecord
     fallback_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     launches: list = dataclasses.field(default_factory=list)  # stats.Launch
     runs: list = dataclasses.field(default_factory=list)  # simulator KernelRun (with keep_traces), the first ones

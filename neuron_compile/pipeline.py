@@ -28,8 +28,8 @@ import torch
 
 from neuron_compile import ir, kinds
 from neuron_compile.codegen.region_text import PlannedKernelText, render_region_kernel
-from neuron_compile.codegen.render import KernelSource, render_kernel
-from neuron_compile.hardware import get_target
+from neuron_compile.codegen.kernel_source import KernelSource
+from neuron_compile.codegen.render import render_kernel
 from neuron_compile.lowering import LoweredRegion, LoweringError, lower_graph
 from neuron_compile.passes.activation_ranges import guard_activation_ranges
 from neuron_compile.passes.attention_pattern import fuse_attention
@@ -45,6 +45,7 @@ from neuron_compile.rendered_region import RenderedRegion
 from neuron_compile.runtime import disk_cache, stats
 from neuron_compile.runtime.launcher import select_launcher
 from neuron_compile.runtime.region import CompiledRegion
+from neuron_compile.runtime.region_load import configured_target, load_region
 from neuron_compile.runtime.user_region import UserKernelRegion, user_kernel_node
 from neuron_compile.tiles import TilePlan
 
@@ -228,13 +229,7 @@ def _region_launch(planned: PlannedRegion, sources: list[KernelSource], context:
 
 
 def _load(rendered: RenderedRegion, context: PassContext) -> CompiledRegion:
-    launcher = select_launcher(context.config, context.target)
-    launched = [rendered.launch] if rendered.launch is not None else list(rendered.sources)
-    return CompiledRegion(
-        list(rendered.inputs), list(rendered.sources), list(rendered.outputs), rendered.aten_nodes, context.target,
-        list(rendered.decisions), dict(rendered.buffers), list(rendered.mutations), list(rendered.output_dtypes),
-        launcher=launcher, launched=[launcher.load(source) for source in launched],
-    )
+    return load_region(rendered, context.config, context.target)
 
 
 # ---------------------------------------------------------------- descriptions
@@ -298,11 +293,6 @@ def run_passes(level: str, value, context: PassContext, on_pass: OnPass | None =
     return value
 
 
-def configured_target(config):
-    """The hardware target a Config names (None: the default target)."""
-    return get_target(getattr(config, "target", None) if config is not None else None)
-
-
 CACHED_THROUGH = "render"  # the on-disk cache keeps this pass's output, keyed by the first region pass's input
 
 
@@ -342,12 +332,3 @@ def compile_region(gm: torch.fx.GraphModule, example_inputs, config=None, on_pas
     stats.add(**{"disk_cache_misses" if created else "disk_cache_hits": 1})
     region.disk_key = disk_cache.key_of(parts)  # a warm-start record names its region's entry (runtime/warm_start.py)
     return region
-
-
-def load_stored_region(payload: dict, config) -> CompiledRegion:
-    """The load pass alone on a region's stored payload (a ``RenderedRegion``'s data, from the on-disk cache): what a
-    disk hit in ``compile_region`` does. Raises ``ValueError`` on a payload ``from_data`` refuses or a kernel text the
-    launcher does not execute (codegen/kernel_check.py)."""
-    rendered = RenderedRegion.from_data(payload)
-    context = PassContext(config, configured_target(config), [], list(rendered.ops))
-    return run_passes("region", rendered, context, after=CACHED_THROUGH)

@@ -19,8 +19,8 @@ import torch
 
 from neuron_compile import ir
 from neuron_compile.codegen.kernel_check import check_kernel_text
-from neuron_compile.codegen.kernel_text import KernelSource
-from neuron_compile.lowering import TensorValue
+from neuron_compile.codegen.kernel_source import KernelSource
+from neuron_compile.ir import TensorValue
 
 
 @dataclasses.dataclass(frozen=True)

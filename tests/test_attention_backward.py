@@ -18,7 +18,7 @@ from lowering_harness import check_against_eager, compile_and_run, random_tensor
 from neuron_compile import config, ir
 from neuron_compile.hardware import get_target
 from neuron_compile.kinds import attention_backward as backward_kind
-from neuron_compile.runtime import compiled_graph
+from neuron_compile.runtime import graph_records
 from neuron_compile.tiles import TilingError, attention_backward_bytes, attention_backward_reason
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -77,7 +77,7 @@ def grads_through_backend(attention, base, dtype):
 
     torch._dynamo.reset()
     neuron_compile.reset_stats()
-    compiled_graph.clear_records()  # only the compiles below
+    graph_records.clear_records()  # only the compiles below
     with config.patch(fallback="raise"):
         ours = grads(torch.compile(attention, backend="neuron"))
     assert neuron_compile.stats()["fallback_nodes"] == 0, neuron_compile.stats()["fallback_reasons"]

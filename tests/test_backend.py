@@ -25,7 +25,7 @@ from torch import nn
 import neuron_compile
 from neuron_compile import pipeline
 from neuron_compile.passes import partition
-from neuron_compile.runtime import compiled_graph
+from neuron_compile.runtime import compiled_graph, graph_records, region_module
 
 aten = torch.ops.aten
 FAKE_SUPPORTED = {
@@ -47,7 +47,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     neuron_compile.reset_stats()
-    compiled_graph.clear_records()
+    graph_records.clear_records()
     yield
     torch._dynamo.reset()
 
@@ -524,7 +524,7 @@ def test_tiny_llama_training_step(placement, request):
 
 def test_long_regions_are_named_by_their_first_ops():
     ops = [f"aten.op{index}.default" for index in range(10)]
-    assert compiled_graph.describe_region("nki_region_3", ops) == (
+    assert region_module.describe_region("nki_region_3", ops) == (
         "NKI region nki_region_3 (" + ", ".join(ops[:8]) + " and 2 more)"
     )
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import neuron_compile
 from lowering_harness import TOLERANCES, compile_with_backend, random_tensor
-from neuron_compile.runtime import compiled_graph
+from neuron_compile.runtime import graph_records
 
 BATCH, LENGTH, EMBED, HEADS = 2, 37, 32, 4
 
@@ -51,7 +51,7 @@ def _tensors(value):
 
 def aten_graph_text(fn, *inputs, **kwargs) -> str:
     """``fn``'s ATen graphs as the backend compiled them (after decompositions), as FX text."""
-    compiled_graph.clear_records()  # only the compiles below
+    graph_records.clear_records()  # only the compiles below
     check_eval(fn, *inputs, **kwargs)
     return "\n".join(record.aten_graph for record in neuron_compile.compiled_records())
 

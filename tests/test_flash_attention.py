@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import neuron_compile
 from lowering_harness import check_against_eager, compile_and_run, compile_with_backend, random_tensor
 from neuron_compile import config
-from neuron_compile.runtime import compiled_graph, simulator
+from neuron_compile.runtime import graph_records, simulator
 
 # Two chained matmuls around an online softmax: fp32 sums in another order than eager's (1e-5 relative).
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
@@ -135,7 +135,7 @@ def test_a_one_query_training_step_with_a_query_group_as_one_tile():
 
     torch._dynamo.reset()
     neuron_compile.reset_stats()
-    compiled_graph.clear_records()  # only this test's compiles below
+    graph_records.clear_records()  # only this test's compiles below
     with config.patch(fallback="raise"):
         got = attention_grads(torch.compile(attention, backend="neuron"), base, torch.float32)
     assert neuron_compile.stats()["fallback_nodes"] == 0

@@ -16,7 +16,7 @@ import neuron_compile
 from neuron_compile import ir, kinds, op_table, rendered_region
 from neuron_compile.codegen import kernel_check
 from neuron_compile.codegen.kernel_check import KernelTextError, check_kernel_text, kernel_builtins
-from neuron_compile.codegen.render import KernelSource
+from neuron_compile.codegen.kernel_source import KernelSource
 from neuron_compile.demo import TinyTransformer
 from neuron_compile.runtime import disk_cache, simulator
 from neuron_compile.runtime.disk_cache import DiskCache

@@ -34,9 +34,10 @@ def captured(caplog, name: str):
 
 def test_parse_maps_topics_to_module_loggers_and_levels():
     assert logs.parse("+dispatch, cache,-backend") == {
-        DISPATCH_LOGGER: logging.DEBUG, "neuron_compile.runtime.disk_cache": logging.INFO,
-        "neuron_compile.runtime.report_cache": logging.INFO, "neuron_compile.runtime.warm_record": logging.INFO,
-        "neuron_compile.runtime.warm_start": logging.INFO, "neuron_compile.backend": logging.ERROR,
+        DISPATCH_LOGGER: logging.DEBUG, "neuron_compile.runtime.region_module": logging.DEBUG,
+        "neuron_compile.runtime.disk_cache": logging.INFO, "neuron_compile.runtime.report_cache": logging.INFO,
+        "neuron_compile.runtime.warm_candidate": logging.INFO, "neuron_compile.runtime.warm_start": logging.INFO,
+        "neuron_compile.backend": logging.ERROR, "neuron_compile.trace_compile": logging.ERROR,
     }
     assert logs.parse("") == {}
     assert logs.parse("+all") == {"neuron_compile": logging.DEBUG}

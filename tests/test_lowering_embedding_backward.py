@@ -5,14 +5,14 @@ import pytest
 import torch
 
 import neuron_compile
-from neuron_compile.runtime import compiled_graph
+from neuron_compile.runtime import graph_records
 
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
     neuron_compile.reset_stats()
-    compiled_graph.clear_records()
+    graph_records.clear_records()
     yield
     torch._dynamo.reset()
 

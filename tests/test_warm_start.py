@@ -26,7 +26,7 @@ import torch
 from neuron_compile.config import Config
 from neuron_compile.runtime import disk_cache
 from neuron_compile.runtime.warm_key import WARM_WHAT, Refusal, refusal_of_inputs, warm_key_parts
-from neuron_compile.runtime.warm_record import aot_refusal
+from neuron_compile.runtime.warm_candidate import aot_refusal
 
 CHILD = Path(__file__).with_name("warm_start_child.py")
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,10 +72,12 @@ def test_the_first_process_writes_records_for_the_accepted_graphs_only(cold):
 def test_a_warm_process_skips_aot_autograd_with_the_same_answer(cold, case):
     """The same outputs, bit for bit, as the first process; eager's answer; the inputs written (a cache) equal to
     eager's, with the version counters the first process left (aot_autograd's wrapper bumps a cache it sees written
-    under grad, and a warm start does too); the same stats."""
+    under grad, and a warm start does too); the same stats; and none of the compiler imported, which the first
+    process needed."""
     cache, results = cold
     warm = run_child(cache, case)[case]
     assert warm["aot_traces"] == 0 and warm["stats"]["aot_autograd_skipped"] == 1, warm
+    assert warm["compiler_imported"] == [] and "neuron_compile.pipeline" in results[case]["compiler_imported"]
     assert warm["outputs"] == results[case]["outputs"] and warm["versions"] == results[case]["versions"]
     assert max(warm["differences"]) <= TOLERANCE
     same = ("graphs_compiled", "regions_compiled", "nki_nodes", "fallback_nodes", "kernels_launched", "cache_hits",

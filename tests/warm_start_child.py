@@ -1,6 +1,7 @@
 """A separate process for tests/test_warm_start.py: compiles one small graph (a CASE) with backend="neuron" under the
 NEURON_COMPILE_CACHE it is given, calls it, and prints one JSON line: each call's largest difference from eager, a
-hash of the compiled outputs' bytes, the inputs' version counters after each call, how many times aot_autograd traced, and the stats.
+hash of the compiled outputs' bytes, the inputs' version counters after each call, how many times aot_autograd traced,
+the compiler's modules imported by then, and the stats.
 
 With ``WARM_CHILD_FAIL_LAUNCH`` set, every kernel launch fails. ``python warm_start_child.py CASE`` runs one case (``generate``: a tiny Llama's ``generate()`` with a static cache); ``python warm_start_child.py all`` runs every case in turn (with
 ``torch._dynamo.reset()`` between them), as the first process that fills a cache for the others does.
@@ -133,6 +134,15 @@ CASES = {
 }
 
 
+# Modules of the compiler a warm start has no use for (it runs stored kernels): their import is what it saves.
+COMPILER_MODULES = ("neuron_compile.trace_compile", "neuron_compile.pipeline", "neuron_compile.lowering",
+                    "neuron_compile.passes.fusion", "neuron_compile.kinds", "neuron_compile.codegen.render")
+
+
+def compiler_imported() -> list:
+    return sorted(name for name in COMPILER_MODULES if name in sys.modules)
+
+
 def count_aot_traces() -> list:
     """Count aot_autograd's traces (the backend's ``aot_autograd`` calls ``aot_module_simplified`` from here)."""
     from torch._dynamo.backends import common
@@ -165,8 +175,7 @@ def run(case: str, traced: list) -> dict:
         versions += [argument._version for argument in arguments]
     stats = {name: value for name, value in neuron_compile.stats().items() if isinstance(value, int)}
     return {"case": case, "differences": differences, "outputs": digest.hexdigest(), "versions": versions,
-            "aot_traces": len(traced),
-            "stats": stats}
+            "aot_traces": len(traced), "compiler_imported": compiler_imported(), "stats": stats}
 
 
 def generate(traced: list) -> dict:

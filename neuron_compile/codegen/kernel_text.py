@@ -2,7 +2,7 @@
 patterns walked by a plan's loop variables, the output and store lines, and the template context.
 
 Input: an IR node, its TilePlan and the kernel's name and parameters. Output: pieces of kernel text and
-``KernelSource`` (name, source, parameter buffer names, output buffers), what the render pass returns. The module
+the text of a ``KernelSource`` (codegen/kernel_source.py), what the render pass returns. The module
 a kind renders imports ``nki``, ``nki.language as nl`` and ``nki.isa as nisa`` and defines one ``@nki.jit``
 function taking flat 1-D HBM tensors (one per buffer it reads) and returning its ``nl.shared_hbm`` outputs.
 Templates (codegen/templates/*.py.j2) call the helpers passed to them (``block``), never compute indices.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
 import math
 from pathlib import Path
@@ -45,14 +44,6 @@ def subkernel_form():
         yield
     finally:
         _SUBKERNEL_FORM.reset(token)
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelSource:
-    name: str
-    source: str
-    parameters: tuple[str, ...] = ()  # HBM buffers the kernel reads, in argument order
-    outputs: tuple[ir.Buffer, ...] = ()  # buffers it returns, in order
 
 
 @functools.cache

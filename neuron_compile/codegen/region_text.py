@@ -20,7 +20,8 @@ import dataclasses
 
 from neuron_compile import ir, kinds
 from neuron_compile.codegen.expressions import NL_DTYPES
-from neuron_compile.codegen.kernel_text import KernelSource, render_template, subkernel_form
+from neuron_compile.codegen.kernel_source import KernelSource
+from neuron_compile.codegen.kernel_text import render_template, subkernel_form
 from neuron_compile.tiles import TilePlan
 
 

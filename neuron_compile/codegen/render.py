@@ -8,7 +8,7 @@ each from its jinja2 template through the helpers in ``codegen/kernel_text.py``)
 from __future__ import annotations
 
 from neuron_compile import ir, kinds
-from neuron_compile.codegen.kernel_text import KernelSource
+from neuron_compile.codegen.kernel_source import KernelSource
 from neuron_compile.tiles import TilePlan
 
 __all__ = ["KernelSource", "render_kernel"]

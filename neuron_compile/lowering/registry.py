@@ -23,15 +23,16 @@ from collections.abc import Callable
 import torch
 
 from neuron_compile import ir
+from neuron_compile.errors import LoweringError
 from neuron_compile.hardware import Target, get_target
+from neuron_compile.ir import TensorValue
+from neuron_compile.kernel_dtypes import SUPPORTED_DTYPES
 from neuron_compile.limits import FP32_EXACT_INTEGER
 from neuron_compile.passes.value_range import EXACT_INTEGER_BOUND, value_range
 
-SUPPORTED_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.bool: "bool",
-                    torch.int32: "int32", torch.int64: "int32"}
-# Integer tensors get an int32 kernel dtype (NKI has no int64: int64 inputs are narrowed at the region boundary,
-# only when every value fits). Vector/Scalar engines compute in fp32, so only ops in INTEGER_OPS (views, and
-# lowerings that keep integer values exact, e.g. gather indices) may touch them; the rest stay eager.
+# Integer tensors get an int32 kernel dtype (kernel_dtypes.SUPPORTED_DTYPES). Vector/Scalar engines compute in fp32,
+# so only ops in INTEGER_OPS (views, and lowerings that keep integer values exact, e.g. gather indices) may touch
+# them; the rest stay eager.
 INTEGER_DTYPES = (torch.int32, torch.int64)
 INTEGER_OPS: set = set()
 # Ops whose lowerings compute integers in fp32 tiles: exact when every integer they read or write (and the float
@@ -45,10 +46,6 @@ COMPLEX_INPUT_OPS: set = set()
 # Tensors of higher rank run eagerly. Tiling collapses mergeable dims and walks the rest as outer loops, so rank
 # itself is not a hardware limit; 8 bounds the loop nests a kernel unrolls (pixel_shuffle needs 6).
 MAX_RANK = 8
-
-
-class LoweringError(RuntimeError):
-    """An op (or a shape of it) the NKI lowering cannot handle; the message names the op and the rule."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,15 +215,6 @@ def _integer_range_reason(node: torch.fx.Node) -> str | None:
 
 
 # ---------------------------------------------------------------- lowering context
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorValue:
-    """What an FX node evaluates to: a buffer read through a layout (views only change the layout)."""
-
-    buffer: str
-    layout: ir.Layout
-    dtype: str
 
 
 @dataclasses.dataclass

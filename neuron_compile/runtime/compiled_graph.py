@@ -19,11 +19,7 @@ and the folder's index is refreshed. With ``TORCH_TRACE`` set, the same texts go
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import logging
-import threading
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -31,7 +27,7 @@ import torch.fx
 
 from neuron_compile import config as config_module
 from neuron_compile.config import Config
-from neuron_compile.errors import NeuronCompileError, NeuronCompileWarning
+from neuron_compile.errors import NeuronCompileError
 from neuron_compile.passes.bucket import BucketPlan, plan_buckets
 from neuron_compile.passes.flex_attention import inline_flex_attention
 from neuron_compile.passes.input_ranges import proved_output_bounds, range_guarded_floats
@@ -39,8 +35,8 @@ from neuron_compile.passes.layouts import column_major_inputs
 from neuron_compile.passes.partition import PartitionReport, op_name
 from neuron_compile.passes.specialize import is_dynamic
 from neuron_compile.passes.value_range import RANGE_KEY, Interval
-from neuron_compile.pipeline import PassContext, compile_region, configured_target, run_passes
-from neuron_compile.runtime import compile_events, dump, stats, trace_artifacts, weight_layouts
+from neuron_compile.pipeline import PassContext, compile_region, run_passes
+from neuron_compile.runtime import compile_events, stats, trace_artifacts, weight_layouts
 from neuron_compile.runtime.cache import (
     DispatchCache,
     GraphKey,
@@ -52,262 +48,16 @@ from neuron_compile.runtime.cache import (
 from neuron_compile.runtime.hit_plan import HitPlan, planned_outputs
 from neuron_compile.runtime.kept import Kept
 from neuron_compile.runtime.launch_plan import INT32_RANGE
+from neuron_compile.runtime.graph_records import CompiledGraphRecord, dump_record, keep_record, kernel_records
 from neuron_compile.runtime.proved_bounds import tag_outputs
+from neuron_compile.runtime.region_load import configured_target
+from neuron_compile.runtime.region_module import (RegionModule, apply_fallback, count_region_fallback, describe_region,
+                                                   read_attributes_directly)
 
 log = logging.getLogger(__name__)
 bucket_log = logging.getLogger("neuron_compile.passes.bucket")  # the bucket topic (logs.py)
 
-RECORDS_KEPT = 64
 NO_PLAN = object()  # a dispatch key whose plan is not made yet (None: no plan can hold)
-OPS_NAMED = 8  # a message names at most this many of a region's ops
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelRecord:
-    region: str
-    name: str
-    source: str
-    parameters: tuple[tuple[str, int, str], ...] = ()  # (buffer, elements, dtype) per kernel parameter, in order
-
-
-@dataclasses.dataclass
-class CompiledGraphRecord:
-    """What one compile produced: enough to print every stage for the dump CLI."""
-
-    kind: str  # "forward" | "backward" | "inference"
-    key: GraphKey
-    aten_graph: str  # the specialized ATen graph, as FX text
-    partitioned_graph: str  # the top-level graph after partitioning (regions appear as call_module)
-    report: PartitionReport
-    kernels: list[KernelRecord] = dataclasses.field(default_factory=list)
-    # Per region launched as one kernel, that region kernel (it calls the region's kernels in order).
-    region_kernels: list[KernelRecord] = dataclasses.field(default_factory=list)
-    failures: list[str] = dataclasses.field(default_factory=list)  # one message per region that fell back
-    # Per region, the fusion pass's decisions (why nodes were or were not fused), when the region reports them.
-    fusion_decisions: dict[str, list[str]] = dataclasses.field(default_factory=dict)
-    # With a dump directory: (pass name, region or "" for a graph pass, the pass's output as text), in pass order.
-    pass_dumps: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
-    dynamo_graph: int = -1  # the index of the Dynamo graph this ATen graph came from (compile_events), -1: unknown
-    bucketing: str = ""  # with Config.bucket: the dims padded and the ones declined, with reasons (passes/bucket.py)
-
-    def __str__(self) -> str:
-        parts = [
-            f"== {self.kind} graph {self.key.graph_hash} ==",
-            self.aten_graph,
-            "== partition ==",
-            str(self.report),
-            "== partitioned graph ==",
-            self.partitioned_graph,
-        ]
-        parts += [f"!! {failure}" for failure in self.failures]
-        parts += [f"== bucketing: {self.bucketing}"] if self.bucketing else []
-        for region, decisions in self.fusion_decisions.items():
-            parts += [f"== fusion decisions ({region}) ==", *decisions]
-        for kernel in [*self.kernels, *self.region_kernels]:
-            parts += [f"== kernel {kernel.name} ({kernel.region}) ==", kernel.source]
-        for name, region, text in self.pass_dumps:
-            parts += [f"== after pass {name}" + (f" ({region})" if region else "") + " ==", text]
-        return "\n".join(parts)
-
-
-_records: collections.deque[CompiledGraphRecord] = collections.deque(maxlen=RECORDS_KEPT)
-_records_lock = threading.Lock()
-
-
-def last_compiled() -> CompiledGraphRecord | None:
-    """The record of the most recent graph compile (None before the first)."""
-    with _records_lock:
-        return _records[-1] if _records else None
-
-
-def clear_records() -> None:
-    """Forget the compile records (the compiled graphs themselves stay cached)."""
-    with _records_lock:
-        _records.clear()
-
-
-def keep_record(record: CompiledGraphRecord) -> None:
-    """Keep ``record`` among the compile records (a warm start's, made without a compile: runtime/warm_start.py)."""
-    with _records_lock:
-        _records.append(record)
-
-
-def compiled_records() -> list[CompiledGraphRecord]:
-    """The records of the most recent compiles, oldest first (at most RECORDS_KEPT)."""
-    with _records_lock:
-        return list(_records)
-
-
-# Records written to a dump folder, by folder: the index lists them all (compiled_records keeps the latest only).
-_dumped: dict[str, list[CompiledGraphRecord]] = {}
-
-
-def refresh_dump_index(dump_dir: str) -> str:
-    """Rewrite the dump folder's index from the Dynamo graphs, the records dumped there, graph breaks and
-    recompiles since the last ``compile_events.clear()``; returns the index's path."""
-    with _records_lock:
-        records = list(_dumped.get(dump_dir, []))
-    data = dump.index_data(compile_events.dynamo_graphs(), records, compile_events.graph_breaks(),
-                           compile_events.recompiles(), dump_dir, compile_events.frame_names())
-    return dump.write_index(dump_dir, data)
-
-
-def dump_record(record: CompiledGraphRecord, dump_dir: str) -> str:
-    """Write ``record``'s folder under ``dump_dir`` (runtime/dump.py) and refresh the index; returns the folder."""
-    folder = dump.write_record(dump_dir, record)
-    with _records_lock:
-        _dumped.setdefault(dump_dir, []).append(record)
-    refresh_dump_index(dump_dir)
-    return folder
-
-
-def forget_dumped() -> None:
-    """Forget which records were dumped (the CLI starts each run with an empty index)."""
-    with _records_lock:
-        _dumped.clear()
-
-
-def _fall_back(config: Config, message: str, cause: BaseException) -> None:
-    """Apply the fallback policy to a region failure: raise, warn or stay silent (the caller then runs eagerly)."""
-    if config.fallback == "raise":
-        raise NeuronCompileError(f"{message} (NEURON_COMPILE_FALLBACK=raise)") from cause
-    if config.fallback == "warn":
-        warnings.warn(f"{message}; running it eagerly", NeuronCompileWarning, stacklevel=3)
-    log.debug("%s", message)
-
-
-def describe_region(name: str, ops: list[str]) -> str:
-    """``nki_region_0 (aten.mm.default, aten.add.Tensor)``: the region and its distinct ops, for messages."""
-    shown = ", ".join(ops[:OPS_NAMED])
-    more = f" and {len(ops) - OPS_NAMED} more" if len(ops) > OPS_NAMED else ""
-    return f"NKI region {name} ({shown}{more})"
-
-
-def _count_region_fallback(ops: list[str], reason: str) -> None:
-    for op in ops:
-        # getitem and other glue are not compute; torch.distributed's functional collectives are (collective
-        # kernels), and so are higher-order ops (flex attention) left eager
-        if op.startswith(("aten.", "prims.", "_c10d_functional.", "higher_order.")):
-            stats.add_fallback(op, reason)
-
-
-def _check_outputs(outputs, expected: list, region: str) -> None:
-    """A region's outputs must have eager's shapes and dtypes; anything else is a kernel bug, caught here."""
-    if len(outputs) != len(expected):
-        raise NeuronCompileError(f"region {region} returned {len(outputs)} outputs, eager returns {len(expected)}")
-    for index, (got, want) in enumerate(zip(outputs, expected, strict=True)):
-        if isinstance(want, torch.Tensor) and (tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype):
-            raise NeuronCompileError(
-                f"region {region} output {index}: expected shape {tuple(want.shape)} dtype {want.dtype}, "
-                f"got shape {tuple(got.shape)} dtype {got.dtype}"
-            )
-
-
-class RegionModule(torch.nn.Module):
-    """Runs one NKI region through its CompiledRegion; on a run-time failure, falls back to the eager submodule."""
-
-    def __init__(self, name: str, compiled, eager: torch.fx.GraphModule, expected: list, record: CompiledGraphRecord):
-        super().__init__()
-        self.region_name, self.compiled, self.eager, self.expected, self.record = (
-            name,
-            compiled,
-            eager,
-            expected,
-            record,
-        )
-        self.node_ops = [placement.op for placement in record.report.regions[name]]  # one entry per node
-        # Whether the first launch's cost reports are still to be written: with a dump folder or a structured trace
-        # (decided with the record's pass dumps, at compile time)
-        self.costs_pending = bool(record.key.config.dump_dir) or trace_artifacts.enabled()
-        # Whether the outputs' shapes and dtypes were checked once and are fixed by the region's launch plan (a
-        # CompiledRegion's are: its layouts and dtypes are constants), so later calls need not check them again.
-        self.outputs_checked = False
-
-    def __call__(self, *tensors):
-        # Not nn.Module's: nothing registers hooks on this internal module, and its hook dispatch would cost every
-        # call.
-        if self.costs_pending:
-            return self.forward(*tensors)
-        return self.run(*tensors)
-
-    def _check(self, outputs) -> None:
-        _check_outputs(outputs, self.expected, self.region_name)
-        self.outputs_checked = bool(getattr(self.compiled, "outputs_planned", False))
-
-    def forward(self, *tensors):
-        if self.compiled is None:
-            return self.eager(*tensors)
-        if self.costs_pending:
-            dump_dir = self.record.key.config.dump_dir
-            self.costs_pending = False  # the first launch's reports: later launches of a kernel cost the same
-            with stats.record_launches() as launches:
-                outputs = self.run(*tensors)
-            mine = {kernel.name for kernel in [*self.record.kernels, *self.record.region_kernels]
-                    if kernel.region == self.region_name}
-            reports = {f"{self.region_name}.{launch.kernel}": launch.report for launch in launches
-                       if launch.kernel in mine}
-            if dump_dir:
-                dump.write_costs(dump_dir, self.record, reports)
-            trace_artifacts.emit_costs(self.record, self.region_name, reports,
-                                       compile_events.compile_id_of(self.record.dynamo_graph))
-            return outputs
-        return self.run(*tensors)
-
-    def run(self, *tensors):
-        """The compiled region on ``tensors``; on a failure, Config.fallback decides and the eager submodule runs."""
-        if self.compiled is None:
-            return self.eager(*tensors)
-        try:
-            if self.outputs_checked:
-                return tuple(self.compiled(*tensors))
-            if getattr(self.compiled, "mutations", None):
-                # The region writes graph inputs: check its outputs before it does, so that an eager rerun
-                # after a failure reads the inputs unchanged.
-                return tuple(self.compiled(*tensors, validate=self._check))
-            outputs = tuple(self.compiled(*tensors))
-            self._check(outputs)
-            return outputs
-        except Exception as error:  # noqa: BLE001 -- any kernel failure falls back, per Config.fallback
-            return self.fall_back_from(error, tensors)
-
-    def fall_back_from(self, error: Exception, tensors) -> tuple:
-        """After the compiled region failed on ``tensors``: what Config.fallback says, then this call and every later
-        one run the eager submodule (the failure would repeat)."""
-        message = (
-            f"{describe_region(self.region_name, self.record.report.region_ops(self.region_name))} of the "
-            f"{self.record.kind} graph failed when run: {type(error).__name__}: {error}"
-        )
-        _fall_back(self.record.key.config, message, error)
-        self.compiled = None  # later calls go straight to eager: the failure would repeat
-        stats.add(region_run_failures=1)
-        _count_region_fallback(self.node_ops, f"its region failed when run ({type(error).__name__})")
-        self.record.failures.append(message)
-        return self.eager(*tensors)
-
-    @property
-    def settled(self) -> bool:
-        """Whether a call may go straight to the compiled region's ``prepare`` / ``finish`` (runtime/direct_hit.py):
-        it is compiled and has not failed, its outputs were checked once and are fixed by its plan, and its first
-        launch's cost reports are written."""
-        return self.compiled is not None and self.outputs_checked and not self.costs_pending
-
-
-def kernel_records(region_name: str, region, launched: bool = False) -> list[KernelRecord]:
-    """One KernelRecord per kernel of a compiled region (``launched``: per region kernel it launches instead of
-    its kernels, none when it launches each kernel), with its parameters' sizes and dtypes."""
-    kernels = list(region.kernels)
-    if launched:
-        kernels = [source for source in getattr(region, "launch_sources", []) if source not in kernels]
-    buffers = {buffer.name: buffer for buffer in getattr(region, "inputs", [])}
-    buffers.update(getattr(region, "buffers", {}) or {})
-    for kernel in kernels:
-        buffers.update({buffer.name: buffer for buffer in getattr(kernel, "outputs", ())})
-    records = []
-    for kernel in kernels:
-        parameters = tuple((name, buffers[name].layout.span(), buffers[name].dtype)
-                           for name in getattr(kernel, "parameters", ()) if name in buffers)
-        records.append(KernelRecord(region_name, kernel.name, kernel.source, parameters))
-    return records
 
 
 def dispatch_keyed_inputs(top: torch.fx.GraphModule, region_node: torch.fx.Node) -> list[int]:
@@ -346,7 +96,7 @@ def _meta_value(arg):
 
 def _count_eager_nodes(report: PartitionReport) -> None:
     for placement in report.eager:
-        _count_region_fallback([placement.op], placement.reason or "unknown")
+        count_region_fallback([placement.op], placement.reason or "unknown")
 
 
 def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str,
@@ -400,10 +150,10 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
                 f"compiled: {type(error).__name__}: {error}"
             )
             stats.add(region_compile_failures=1)
-            _fall_back(config, message, error)
+            apply_fallback(config, message, error)
             record.failures.append(message)
             node_ops = [placement.op for placement in partitioned.report.regions[name]]
-            _count_region_fallback(node_ops, f"its region failed to compile ({type(error).__name__})")
+            count_region_fallback(node_ops, f"its region failed to compile ({type(error).__name__})")
             region = None
         else:
             stats.add(regions_compiled=1, nki_nodes=int(getattr(region, "nki_nodes", 0)))
@@ -425,16 +175,7 @@ def _compile_partitioned(gm: torch.fx.GraphModule, args: list, key: GraphKey, ki
     return top
 
 
-def read_attributes_directly(top: torch.fx.GraphModule) -> None:
-    """Put the regions and constants ``top``'s code reads (``self.nki_region_0``, ``self._tensor_constant0``) in its
-    instance dict too, where an attribute read finds them before ``nn.Module.__getattr__`` (a microsecond a read,
-    on every call); they stay registered as submodules and buffers, and nothing assigns them again."""
-    for node in top.graph.nodes:
-        if node.op in ("call_module", "get_attr") and "." not in node.target:
-            top.__dict__[node.target] = getattr(top, node.target)
-
-
-def _compile_or_fall_back(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str,
+def _compile_orapply_fallback(gm: torch.fx.GraphModule, args: list, key: GraphKey, kind: str,
                           dynamo_graph: int = -1, bucketing: str = "") -> torch.fx.GraphModule:
     """``_compile_partitioned``, or, if specialization or partitioning itself fails, the whole ATen graph eagerly.
 
@@ -452,7 +193,7 @@ def _compile_or_fall_back(gm: torch.fx.GraphModule, args: list, key: GraphKey, k
             f"the {kind} graph {key.graph_hash} could not be specialized or partitioned: "
             f"{type(error).__name__}: {error}"
         )
-        _fall_back(key.config, message, error)
+        apply_fallback(key.config, message, error)
         for node in gm.graph.nodes:
             if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
                 stats.add_fallback(op_name(node), f"its graph failed to compile ({type(error).__name__})")
@@ -554,7 +295,7 @@ class CompiledGraph:
         graph_key = GraphKey(self.graph_hash, signature_of(args, self.float_guarded), config)
         first = len(self.cache) == 0
         compiled, compiled_now = self.cache.get_or_compile(
-            key, lambda: _compile_or_fall_back(self.gm, args, graph_key, self.kind, self.dynamo_graph, bucketing)
+            key, lambda: _compile_orapply_fallback(self.gm, args, graph_key, self.kind, self.dynamo_graph, bucketing)
         )
         if compiled_now:
             stats.add(cache_misses=1, recompiles=0 if first else 1)

@@ -1,7 +1,7 @@
 """Runtime stage: a cache hit on a graph that is one NKI region, straight to the region's kernels.
 
 Input: the entry a hit plan found (runtime/hit_plan.py), when its code only passes the graph's arguments and
-constants to one region module (runtime/compiled_graph.py ``RegionModule``) and returns items of that region's
+constants to one region module (runtime/region_module.py ``RegionModule``) and returns items of that region's
 outputs or arguments: the graph of a model whose every op is lowered. Output: ``DirectHit``; calling it with the
 call's arguments returns the graph's outputs as the entry's ``forward`` would, without the FX code, the region
 module's call or a region call's per-input work, once a memo of the call's stable arguments holds.

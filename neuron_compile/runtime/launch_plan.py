@@ -20,8 +20,9 @@ import threading
 import torch
 
 from neuron_compile import ir
-from neuron_compile.lowering import LoweringError
-from neuron_compile.runtime.launcher import TORCH_DTYPES, LoadedKernel
+from neuron_compile.errors import LoweringError
+from neuron_compile.kernel_dtypes import TORCH_DTYPES
+from neuron_compile.runtime.launcher import LoadedKernel
 
 INT32_RANGE = (-(2**31), 2**31 - 1)
 # torch's C++ tensor over another's storage with given sizes, strides and offset: not a view, with a version counter

@@ -63,15 +63,14 @@ import torch
 
 from neuron_compile import config as config_module
 from neuron_compile.codegen.kernel_check import check_kernel_text, kernel_builtins
-from neuron_compile.codegen.render import KernelSource
+from neuron_compile.codegen.kernel_source import KernelSource
 from neuron_compile.hardware import Target, get_target
+from neuron_compile.kernel_dtypes import TORCH_DTYPES
 from neuron_compile.runtime import simulator
 from neuron_compile.runtime.report_cache import ReportCache, open_report_cache
 from neuron_compile.runtime.signed_code import SignedCodeCache, open_signed_code_cache
 from neuron_compile.runtime.simulator.cost import CostReport
 
-# Torch dtype of each kernel buffer dtype (ir.Buffer.dtype); NKI has no int64 and stores bool as a byte.
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bool": torch.bool, "int32": torch.int32}
 # The simulator's numpy dtype of each (bool buffers are uint8 arrays, as NKI's bool_ is a byte).
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "bool": np.uint8, "int32": np.int32}
 NEURON_DEVICE_PATTERN = "/dev/neuron[0-9]*"

@@ -21,13 +21,14 @@ import math
 import torch
 
 from neuron_compile import ir
-from neuron_compile.codegen.render import KernelSource
-from neuron_compile.lowering import SUPPORTED_DTYPES, LoweringError
+from neuron_compile.codegen.kernel_source import KernelSource
+from neuron_compile.errors import LoweringError
+from neuron_compile.kernel_dtypes import SUPPORTED_DTYPES, TORCH_DTYPES
 from neuron_compile.runtime import stats
 from neuron_compile.runtime.launch_plan import (REINTERPRET_TENSOR, KernelCall, ValidatedSignatures, input_signature,
                                                  launch_plan)
 from neuron_compile.runtime.stable_views import StableViews
-from neuron_compile.runtime.launcher import TORCH_DTYPES, Launcher, LoadedKernel, select_launcher
+from neuron_compile.runtime.launcher import Launcher, LoadedKernel, select_launcher
 
 def output_tensor(written: torch.Tensor, layout: ir.Layout) -> torch.Tensor:
     """A graph output read from a kernel-written buffer (``written``: flat, torch-allocated, resizable): an

@@ -27,9 +27,10 @@ from collections.abc import Callable
 import torch
 
 from neuron_compile import ir, user_kernels
-from neuron_compile.codegen.kernel_text import KernelSource
+from neuron_compile.codegen.kernel_source import KernelSource
+from neuron_compile.kernel_dtypes import TORCH_DTYPES
 from neuron_compile.runtime import stats
-from neuron_compile.runtime.launcher import TORCH_DTYPES, Launcher
+from neuron_compile.runtime.launcher import Launcher
 from neuron_compile.user_kernels import UserKernel
 
 BUFFER_DTYPES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # torch dtype -> buffer dtype name

@@ -37,13 +37,13 @@ from neuron_compile import config as config_module
 from neuron_compile.config import Config
 from neuron_compile.passes.input_ranges import guard_bound
 from neuron_compile.passes.partition import PartitionReport
-from neuron_compile.pipeline import load_stored_region
 from neuron_compile.runtime import disk_cache, stats, weight_layouts
 from neuron_compile.runtime.cache import GraphKey, dispatch_signature, signature_of
-from neuron_compile.runtime.compiled_graph import (CompiledGraphRecord, RegionModule, keep_record, kernel_records,
-                                                   read_attributes_directly)
+from neuron_compile.runtime.graph_records import CompiledGraphRecord, keep_record, kernel_records
 from neuron_compile.runtime.hit_plan import HitPlan, planned_outputs
 from neuron_compile.runtime.launch_plan import INT32_RANGE
+from neuron_compile.runtime.region_load import load_stored_region
+from neuron_compile.runtime.region_module import RegionModule, read_attributes_directly
 from neuron_compile.runtime.warm_record import WarmRecord
 
 log = logging.getLogger(__name__)
