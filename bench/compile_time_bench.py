@@ -11,7 +11,10 @@ with other jobs, wall time measures the neighbours as much as the compiler.
   Inductor's FX graph and AOTAutograd caches); with ``--warm-runs N``, the median of N such processes; "with
   torch.compile()" adds the ``torch.compile()`` call before the first call, where Dynamo looks the backend up: our
   backend's imports (neuron_compile, its simulator's ml_dtypes) happen there, Inductor's inside its first call, so
-  only this column counts both backends' imports;
+  only this column counts both backends' imports. Our package is byte-compiled before the first process, as pip
+  does at install for torch's modules: where ``PYTHONDONTWRITEBYTECODE`` is set (this project's machines), nothing
+  else writes our ``.pyc`` files, and every process would compile our modules from source (~0.5 s of CPU) while
+  torch's load compiled;
 * hit: in the cold process, after the first call, per call (median): the whole call (Dynamo's guards and
   aot_autograd's wrapper included), the time our launcher spent running kernels on the simulator ("in kernels"),
   what our dispatch adds around them ("dispatch": the time inside ``CompiledGraph.__call__`` minus the launcher's:
@@ -291,6 +294,16 @@ def hot_child(model_name: str, backend: str, batches: int, calls: int) -> dict:
 # ---------------------------------------------------------------- driver
 
 
+def byte_compile_package() -> None:
+    """Write the ``.pyc`` files of the neuron_compile the children import (see the module docstring)."""
+    import compileall
+    import importlib.util
+
+    folder = importlib.util.find_spec("neuron_compile").submodule_search_locations[0]
+    if not compileall.compile_dir(folder, quiet=1):
+        raise RuntimeError(f"byte-compiling {folder} failed")
+
+
 def run_child(model_name: str, backend: str, hits: int, env: dict) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--child", model_name, backend, "--hits", str(hits)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -406,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                                 for name in args.only.split(",")}))
         return 0
     rows: dict[str, dict] = {}
+    byte_compile_package()
     for model_name in args.only.split(","):
         for backend in args.backends.split(","):
             rows.setdefault(model_name, {})[backend] = measure(model_name, backend, args.hits, args.warm_runs)
