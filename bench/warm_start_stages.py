@@ -36,7 +36,8 @@ import compile_time_bench  # noqa: E402 -- the same models as the compile-time t
 
 # (label, "module:attribute" whose callable is timed); pipeline passes are added by name
 STAGES = (
-    ("decomposition table", "neuron_compile.backend:decomposition_table"),
+    ("decomposition table", "neuron_compile.backend:decomposition_table"),  # trees before trace_compile.py
+    ("decomposition table", "neuron_compile.trace_compile:decomposition_table"),
     ("aot_autograd (with CompiledGraph made)", "torch._dynamo.backends.common:aot_module_simplified"),
     ("CompiledGraph made", "neuron_compile.runtime.compiled_graph:CompiledGraph.__init__"),
     ("CompiledGraph first call", "neuron_compile.runtime.compiled_graph:CompiledGraph.__call__"),
@@ -46,6 +47,9 @@ STAGES = (
     # the warm start without aot_autograd (runtime/warm_start.py): absent from trees before it, then skipped
     ("warm-start key", "neuron_compile.backend:warm_key_parts"),
     ("warm graph loaded (record and region)", "neuron_compile.backend:load_warm_graph"),
+    # the load pass on a warm start's region (pipeline.PASSES' "load" holds its own reference, so a cold compile's
+    # load shows as "pass load" only); trees before region_load.py counted it as "pass load"
+    ("pass load", "neuron_compile.runtime.region_load:load_region"),
     ("WarmGraph first call", "neuron_compile.runtime.warm_start:WarmGraph.__call__"),
 )
 # the stages that make up "ours": what the backend adds to Dynamo (and to aot_autograd, when it runs)

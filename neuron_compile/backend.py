@@ -7,7 +7,7 @@ in the graph; each ATen graph goes to ``compile_aten_graph`` (runtime/compiled_g
 partitions and compiles it per call signature (trace_compile.py, imported at the first graph that compiles: a warm
 start imports none of the compiler). A graph with a warm-start key (runtime/warm_key.py) whose record is in
 the on-disk cache skips aot_autograd: it runs from the record (runtime/warm_start.py); without a record, the first
-call writes one when aot_autograd's facts and the compile allow it (runtime/warm_record.py).
+call writes one when aot_autograd's facts and the compile allow it (runtime/warm_candidate.py).
 
 Every Dynamo graph is noted in runtime/compile_events.py (why it ended: a graph break and its source line); with a
 dump folder, its FX graph is written there (runtime/dump.py).
