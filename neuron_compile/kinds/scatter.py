@@ -16,6 +16,8 @@ use). Per tile:
   ``same * j``, then an indirect read of that value), so duplicates write one value whatever order one DMA
   writes in, and tiles run in order: later indices win, as in eager. With ``row_dims``, each partition moves a
   whole row (the trailing dims no index drives) in those two DMAs, like the row gather;
+* assign where no two elements of a tile can hit the same place (no index varies along the partition dim, a
+  static KV-cache update): kinds/scatter_distinct.py, no collision search, one indirect DMA from the values;
 * summing whole rows (``row_dims``, add): kinds/scatter_rows.py, duplicates summed on TensorE;
 * combining (add, multiply, maximum, minimum): every element reduces the values of all elements of the tile
   with its target (an exact bitwise select of the value or the op's identity, then a free-axis reduction),
@@ -33,6 +35,7 @@ from neuron_compile.codegen.expressions import NL_DTYPES, number
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import KernelKind, register_kind
 from neuron_compile.kinds.indirect import indirect_offset, redirect_lines, render_indirect
+from neuron_compile.kinds.scatter_distinct import distinct_allocations, distinct_lines, distinct_targets
 from neuron_compile.kinds.scatter_rows import (
     collision_lines,
     fill_lines,
@@ -201,14 +204,17 @@ def render_scatter(node: ir.Scatter, plan: TilePlan, name: str, parameters: list
     def offset(layout):
         return indirect_offset(layout.offset, terms(layout))
 
-    body = collision_lines(node, plan, offset, terms)
-    if node.reduce == "assign":
-        body += _assign_lines(node, plan, offset)
-    elif node.row_dims:
-        body += row_sum_lines(node, plan, offset)
+    if distinct_targets(node, plan):  # no collision to resolve (kinds/scatter_distinct.py)
+        body, allocations = distinct_lines(node, plan, offset, terms), distinct_allocations(node, plan)
     else:
-        body += _combine_lines(node, plan, offset)
-    return render_indirect(node, plan, name, parameters, _allocations(node, plan), body, "scatter.py.j2",
+        body, allocations = collision_lines(node, plan, offset, terms), _allocations(node, plan)
+        if node.reduce == "assign":
+            body += _assign_lines(node, plan, offset)
+        elif node.row_dims:
+            body += row_sum_lines(node, plan, offset)
+        else:
+            body += _combine_lines(node, plan, offset)
+    return render_indirect(node, plan, name, parameters, allocations, body, "scatter.py.j2",
                            prelude=tuple(fill_lines(node) if isinstance(node.base, ir.Scalar)
                                          else _copy_lines(node, node.stores[0].layout)))
 
