@@ -150,3 +150,24 @@ def test_generate_with_a_static_cache_gives_eagers_tokens_for_a_batch_of_two():
         actual = model.generate(ids, compile_config=compile_config, **kwargs)
     assert torch.equal(actual, expected), (actual.tolist(), expected.tolist())
     assert neuron_compile.stats()["fallback_nodes"] == 0
+
+
+@pytest.mark.parametrize("shape, loop, pattern", [((2, 3, 40, 8), "", "[[8, 240], [1, 8]]"),
+                                                  ((1, 4, 256, 64), "", "[[64, 1024], [1, 64]]"),
+                                                  ((3, 30000, 2), "for c0 in range(3)", "[[2, 30000], [1, 2]]")])
+def test_the_copy_of_a_contiguous_cache_merges_its_rows(shape, loop, pattern):
+    """out = self before the write: one DMA over the rows both layouts step over as one (the last dim, each row's
+    run, as it is), each count within an access pattern's 16 bits (3 x 30000 rows: 3 DMAs of 30000)."""
+    cache = random_tensor(shape, seed=14)
+    new = random_tensor(shape[:1] + (1,) + shape[2:], seed=15)
+    region = check_against_eager(lambda c, p, v: c.index_copy(1, p, v), cache, torch.tensor([shape[1] - 1]), new)
+    prelude = scatter_source(region).split("for o0 in")[0]
+    assert prelude.count("nisa.dma_copy(") == 1 and f"scatter_1.ap({pattern}, offset=" in prelude
+    assert ("for c0" in prelude) == bool(loop) and loop in prelude
+
+
+def test_the_copy_of_a_strided_cache_keeps_its_loops():
+    cache = random_tensor((4, 2, 16, 8), seed=16).transpose(0, 1)  # heads outermost in memory, batch inside
+    new = random_tensor((2, 4, 1, 8), seed=17)
+    region = check_against_eager(cache_update, cache, torch.tensor([3]), new)
+    assert "for c0 in range(2)" in scatter_source(region).split("for o0 in")[0]
