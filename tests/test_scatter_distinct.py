@@ -55,6 +55,21 @@ def test_index_put_wraps_a_negative_position_like_eager():
         assert DISTINCT in scatter_source(region)
 
 
+def test_two_indices_of_one_element_each():
+    """cache[:, h, p] = v: both indices checked (either one out of range fails the write), both wrapped."""
+    cache, new = random_tensor((4, 6, 10, 8), seed=18), random_tensor((4, 1, 8), seed=19)
+
+    def put(c, h, p, v):
+        return torch.ops.aten.index_put(c, [None, h, p], v)
+
+    for head, position in ((-2, 7), (0, -10), (5, 9)):
+        region = check_against_eager(put, cache, torch.tensor([head]), torch.tensor([position]), new)
+        assert DISTINCT in scatter_source(region) and "outside[0:rows, 0:1]" in scatter_source(region)
+    for head, position in ((6, 0), (0, 10), (-7, 0)):
+        with pytest.raises(Exception, match="err_tensor_access_out_of_bound"):
+            region(cache, torch.tensor([head]), torch.tensor([position]), new)
+
+
 def test_a_number_written_at_one_position():
     cache = random_tensor((2, 5, 16, 8), seed=5)
     region = check_against_eager(lambda c, p: c.index_fill(2, p, -0.0), cache, torch.tensor([-3]))
