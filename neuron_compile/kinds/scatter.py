@@ -16,6 +16,8 @@ use). Per tile:
   ``same * j``, then an indirect read of that value), so duplicates write one value whatever order one DMA
   writes in, and tiles run in order: later indices win, as in eager. With ``row_dims``, each partition moves a
   whole row (the trailing dims no index drives) in those two DMAs, like the row gather;
+* assign where no two elements of a tile can hit the same place (no index varies along the partition dim, a
+  static KV-cache update): kinds/scatter_distinct.py, no collision search, one indirect DMA from the values;
 * summing whole rows (``row_dims``, add): kinds/scatter_rows.py, duplicates summed on TensorE;
 * combining (add, multiply, maximum, minimum): every element reduces the values of all elements of the tile
   with its target (an exact bitwise select of the value or the op's identity, then a free-axis reduction),
@@ -33,6 +35,7 @@ from neuron_compile.codegen.expressions import NL_DTYPES, number
 from neuron_compile.dims import LoopDim
 from neuron_compile.kind_registry import KernelKind, register_kind
 from neuron_compile.kinds.indirect import indirect_offset, redirect_lines, render_indirect
+from neuron_compile.kinds.scatter_distinct import distinct_allocations, distinct_lines, distinct_targets
 from neuron_compile.kinds.scatter_rows import (
     collision_lines,
     fill_lines,
@@ -53,23 +56,42 @@ def _pattern(entries: list[tuple[int, int]]) -> str:
     return "[" + ", ".join(f"[{stride}, {size}]" for stride, size in entries) + "]"
 
 
-def _copy_lines(node: ir.Scatter, out: ir.Layout) -> list[str]:
-    """out = self: one HBM -> HBM DMA per index of the dims before the last two (loop variables c0, c1, ...)."""
-    base = node.base.layout
-    rank = len(out.shape)
-    inner = list(range(max(rank - 2, 0), rank))
-    lines, depth = [], 0
-    for d in range(rank - len(inner)):
-        lines.append("    " * depth + f"for c{d} in range({out.shape[d]}):")
-        depth += 1
+AP_COUNT_MAX = 65535  # an access pattern's [step, num] holds num in 16 bits
 
-    def ap(layout: ir.Layout, buffer: str) -> str:
-        entries = [(layout.strides[d], layout.shape[d]) for d in inner] + ([(1, 1)] if len(inner) < 2 else [])
-        terms = [(f"c{d}", layout.strides[d]) for d in range(rank - len(inner))]
+
+def _copy_dims(out: ir.Layout, base: ir.Layout) -> list[tuple[int, int, int]]:
+    """(size, out stride, base stride) of the dims of out = self: the last dim (each DMA's contiguous run) as it
+    is, the dims before it without their size-1 ones, each merged into the one inside it where both layouts step
+    over them as one (a contiguous cache: one dim of rows) while the count fits an access pattern."""
+    dims: list[tuple[int, int, int]] = []
+    for size, out_stride, base_stride in list(zip(out.shape, out.strides, base.strides))[:-1]:
+        if size == 1:
+            continue
+        if dims:
+            outer, out_outer, base_outer = dims[-1]
+            if (out_outer, base_outer) == (out_stride * size, base_stride * size) and outer * size <= AP_COUNT_MAX:
+                dims[-1] = (outer * size, out_stride, base_stride)
+                continue
+        dims.append((size, out_stride, base_stride))
+    last = (out.shape[-1], out.strides[-1], base.strides[-1])
+    return dims + [last] if dims else [last, (1, 1, 1)]
+
+
+def _copy_lines(node: ir.Scatter, out: ir.Layout) -> list[str]:
+    """out = self: one HBM -> HBM DMA per index of the (merged) dims before the last two (loop variables c0, c1,
+    ...)."""
+    dims = _copy_dims(out, node.base.layout)
+    inner, loops = dims[-2:], dims[:-2]
+    lines = ["    " * d + f"for c{d} in range({size}):" for d, (size, _, _) in enumerate(loops)]
+
+    def ap(layout: ir.Layout, buffer: str, side: int) -> str:
+        entries = [(dim[side], dim[0]) for dim in inner]
+        terms = [(f"c{d}", dim[side]) for d, dim in enumerate(loops)]
         return f"{buffer}.ap({_pattern(entries)}, offset={indirect_offset(layout.offset, terms)})"
 
     (store,) = node.stores
-    lines.append("    " * depth + f"nisa.dma_copy(dst={ap(out, store.buffer.name)}, src={ap(base, node.base.buffer)})")
+    lines.append("    " * len(loops) + f"nisa.dma_copy(dst={ap(out, store.buffer.name, 1)}, "
+                 f"src={ap(node.base.layout, node.base.buffer, 2)})")
     return lines
 
 
@@ -201,14 +223,17 @@ def render_scatter(node: ir.Scatter, plan: TilePlan, name: str, parameters: list
     def offset(layout):
         return indirect_offset(layout.offset, terms(layout))
 
-    body = collision_lines(node, plan, offset, terms)
-    if node.reduce == "assign":
-        body += _assign_lines(node, plan, offset)
-    elif node.row_dims:
-        body += row_sum_lines(node, plan, offset)
+    if distinct_targets(node, plan):  # no collision to resolve (kinds/scatter_distinct.py)
+        body, allocations = distinct_lines(node, plan, offset, terms), distinct_allocations(node, plan)
     else:
-        body += _combine_lines(node, plan, offset)
-    return render_indirect(node, plan, name, parameters, _allocations(node, plan), body, "scatter.py.j2",
+        body, allocations = collision_lines(node, plan, offset, terms), _allocations(node, plan)
+        if node.reduce == "assign":
+            body += _assign_lines(node, plan, offset)
+        elif node.row_dims:
+            body += row_sum_lines(node, plan, offset)
+        else:
+            body += _combine_lines(node, plan, offset)
+    return render_indirect(node, plan, name, parameters, allocations, body, "scatter.py.j2",
                            prelude=tuple(fill_lines(node) if isinstance(node.base, ir.Scalar)
                                          else _copy_lines(node, node.stores[0].layout)))
 

@@ -236,14 +236,19 @@ def _partition_dim(plan: Plan) -> int:
 
 def _tiling(plan: Plan, reduce: str) -> tuple[int, int]:
     """(partition dim, row dims) of one scatter pass. An assign whose trailing dims no index drives moves them
-    whole as one row per partition (the last index-driven dim on partitions), and so does a sum of values into a
-    base that holds no -0.0 (kinds/scatter_rows.py: duplicates summed on TensorE); otherwise one element each."""
+    whole as one row per partition (the last index-driven dim on partitions, or the widest dim when one index
+    element drives them all), and so does a sum of values into a base that holds no -0.0 (kinds/scatter_rows.py:
+    duplicates summed on TensorE); otherwise one element each."""
     if plan.colliding and (reduce == "assign" or _row_sum_applies(plan, reduce)):
         last = plan.colliding[-1]
         trailing = range(last + 1, len(plan.domain))
         driven = any(layout.strides[d] != 0 for _, layout, _, _ in plan.indices for d in trailing)
         free_bytes = 4 * math.prod(plan.domain[last + 1:])
         if trailing and not driven and len(trailing) <= 3 and free_bytes <= GATHER_FREE_BYTES:
+            if reduce == "assign" and math.prod(plan.domain[d] for d in plan.colliding) == 1:
+                # one index element (a static cache's position): no two rows collide, so the widest dim before
+                # the row goes on partitions (kinds/scatter_distinct.py writes a tile of heads in one DMA)
+                return max(range(last + 1), key=lambda d: (min(plan.domain[d], 128), d)), len(trailing)
             return last, len(trailing)
     return _partition_dim(plan), 0
 
