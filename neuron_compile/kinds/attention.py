@@ -97,10 +97,14 @@ SINGLE_BLOCK_SCORES_AHEAD = 2
 # normalization) then issues the scores a step further ahead and sends one P^T copy in two through VectorE.
 # Measured (the goal point's attention alone: 32 query heads of 64 over 4, seq 256, causal, bf16; us): the rings
 # 34.3 -> 33.4, with the scaled keys 33.0; then one copy in 3 / 2 at 2 ahead 33.0 / 32.8, at 3 ahead 33.2 / 32.3.
-# Heads normalized alone keep 2 ahead and one copy in 3 (2 heads of 512 keys, D 64 / 128: 3 ahead cost up to 0.7 us;
-# bench/RESULTS.md, stop 37).
+# The softmax then goes two steps ahead of P @ v, and the finished tiles' normalization before P @ v (its ScalarE
+# copy out of PSUM first): 32.3 -> 31.8 (the normalization first) -> 31.2 us (with the softmax two ahead; scores 4
+# ahead: 31.4). Heads normalized alone keep the scores 2 ahead, one copy in 3 and the softmax one step ahead (2
+# heads of 512 keys, D 64 / 128: 3 ahead cost up to 0.7 us; the normalization first 0 to 0.2 us; bench/RESULTS.md,
+# stop 37).
 RING_GROUPED_SCORES_AHEAD = 3
 RING_GROUPED_VECTOR_COPY_PERIOD = 2
+RING_GROUPED_SOFTMAX_AHEAD = 2
 # P^T chunks in the ring: a bank of bf16 ones, two banks of fp32 ones (with one fp32 bank, a 512-key tile's four
 # chunks waited for the copies of the tile before: 2 heads of 512 fp32 keys, D 64, 21.8 -> 22.8 us).
 RING_TRANSPOSED_CHUNKS = 8
@@ -195,11 +199,13 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     group_normalized = group_dim is not None and node.logsumexp is None
     if whole_row and group_normalized:
         copy_period = GROUPED_WHOLE_ROW_VECTOR_COPY_PERIOD
+    softmax_ahead = 1
     output_slots, scaled_keys = one_block_rings(node, key_block, whole_row, positions_outer, causal_bias, target)
     if output_slots:
         bank_chunks = RING_TRANSPOSED_CHUNKS
         if group_normalized:
             copy_period, scores_ahead = RING_GROUPED_VECTOR_COPY_PERIOD, RING_GROUPED_SCORES_AHEAD
+            softmax_ahead = RING_GROUPED_SOFTMAX_AHEAD
     return AttentionPlan("attention", outer, partition, free, tiles, k_tile, k_tiles, key_block=key_block,
                          resident=resident, transpose_loads=transpose_loads, causal_bias=causal_bias,
                          lanes=lanes, lane_dim=-1 if lane_dim is None else lane_dim, mask_bias=mask_bias,
@@ -209,7 +215,8 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
                          else 0,
                          transposed_bank_chunks=bank_chunks, head_group_dim=-1 if group_dim is None else group_dim,
                          positions_outer=positions_outer, group_owns_kv=owns_kv, group_normalized=group_normalized,
-                         psum_rings=bool(output_slots), output_slots=output_slots, scaled_keys=scaled_keys)
+                         psum_rings=bool(output_slots), output_slots=output_slots, scaled_keys=scaled_keys,
+                         softmax_ahead=softmax_ahead)
 
 
 def one_block_rings(node: ir.Attention, key_block: int, whole_row: bool, positions_outer: bool, causal_bias: bool,

@@ -71,6 +71,7 @@ class AttentionPlan(TilePlan):
     psum_rings: bool = False
     output_slots: int = 0
     scaled_keys: bool = False
+    softmax_ahead: int = 1
 
     def describe(self) -> str:
         text = super().describe() + f" D {self.k_tiles}x{self.k_tile}, key blocks of {self.key_block}"
