@@ -299,7 +299,7 @@ Attention kernel_2 domain=[1, 1, 2, 130, 16] scale=0.25 causal=True
   v: load(arg2_1, ap(shape=[1, 1, 2, 130, 16], strides=[2080, 2080, 0, 16, 1], offset=0))
   attention_1 = result
 
-Tile plan: attention: outer [1/1, 1/1, 2/1] partition 130/128 free [16/16] D 1x16, key blocks of 130, k^T and v resident per head, q^T and output of the 2 heads of a group in one DMA each, query tile positions outermost (every head's k^T and v resident), the group's outputs normalized together, causal mask on TensorE
+Tile plan: attention: outer [1/1, 1/1, 2/1] partition 130/128 free [16/16] D 1x16, key blocks of 130, k^T and v resident per head, q^T and output of the 2 heads of a group in one DMA each, query tile positions outermost (every head's k^T and v resident), the group's outputs normalized together, P^T and P @ v in PSUM rings (30 outputs), k^T scaled (the row max negated on VectorE), causal mask on TensorE
 \"\"\"
 
 import nki
@@ -327,7 +327,12 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
     nisa.memset(dst=causal_mask, value=0.0, engine=nisa.engine.gpsimd)
     nisa.affine_select(dst=causal_mask, pattern=[[-1, 128]], channel_multiplier=1, on_true_tile=causal_mask,
                        on_false_value=-3.3895313892515355e+38, cmp_op=nl.greater_equal)
-    copies = [0]  # P^T chunks copied out of PSUM so far, kernel-wide: every 3th on VectorE
+    # P^T chunks and P @ [v | 1] outputs take turns in the slots of two kernel-wide PSUM tiles: a tile's score bank is
+    # free once its exponential has read it, so the next tiles' scores do not wait for its P @ v and normalization.
+    transposed_ring = nl.ndarray((128, 8, 128), dtype=nl.float32, buffer=nl.psum)
+    output_ring = nl.ndarray((128, 30, 17), dtype=nl.float32, buffer=nl.psum)
+    ring_slots = {"transposed": 0, "outputs": 0}  # slots taken so far
+    copies = [0]  # P^T chunks copied out of PSUM so far, kernel-wide: every 2th on VectorE
     def load_head(o0, o1):
         \"\"\"k^T and v of one key/value head, resident in SBUF for every query tile and query head of its group: a
         DMA per key block, so that the first tile waits for the first block only.\"\"\"
@@ -337,6 +342,11 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         for load_start in range(0, 130, 130):
             load_cols = min(130, 130 - load_start)
             nisa.dma_transpose(dst=keys_t[0:16, 0:1, load_start:load_start + load_cols], src=arg1_1.ap([[16, load_cols], [16, 1], [1, 16]], offset=o0 * 2080 + o1 * 2080 + load_start * 16), axes=(2, 1, 0))
+            # k^T * 0.25 (a power of two: exact): the scores come out scaled, their row max negated on VectorE is the
+            # exponential's bias as it is
+            nisa.tensor_scalar(dst=keys_t[0:16, 0:1, load_start:load_start + load_cols],
+                               data=keys_t[0:16, 0:1, load_start:load_start + load_cols],
+                               op0=nl.multiply, operand0=0.25, engine=nisa.engine.gpsimd)
             whole = load_cols // 128
             if whole:
                 nisa.dma_copy(dst=values[0:128, load_start // 128:load_start // 128 + whole, 0:16], src=arg2_1.ap([[16, 128], [2048, whole], [1, 16]], offset=o0 * 2080 + o1 * 2080 + load_start * 16))
@@ -383,10 +393,11 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
             masked = kv0 + block_cols - p0
             nisa.nc_matmul(dst=scores[0:rows, p0 - kv0:p0 - kv0 + masked], stationary=identity[0:rows, 0:rows],
                            moving=causal_mask[0:rows, 0:masked], accumulate=True)
-        logits, logit_scale = scores, 0.25
+        logits, logit_scale = scores, 1.0  # (k^T took the scale)
         block_max = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        # -m: the tile's only block, so no running max to fold it into
         nisa.tensor_reduce(dst=block_max[0:rows, 0:1], op=nl.maximum, data=logits[0:rows, 0:block_cols], axis=1,
-                           keepdims=True)
+                           keepdims=True, negate=True)
         return {"scores": scores, "logits": logits, "logit_scale": logit_scale, "block_max": block_max, "values": values}
 
     def block_softmax(tile, index, block):
@@ -394,25 +405,12 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         ScalarE, busy with the rows, need not take); the row sums come with P @ [v | 1].\"\"\"
         rows, kv0, block_cols = tile["rows"], tile["blocks"][index][0], tile["blocks"][index][1]
         logits, logit_scale, block_max = block["logits"], block["logit_scale"], block["block_max"]
-        negated_max = tile.get("negated_max")
-        new_negated_max = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-        if index == 0:  # -m = min(-scale * block max, 3.4028234663852886e+38): a row whose keys are all -inf gets exp(-inf) = 0
-            nisa.tensor_scalar(dst=new_negated_max[0:rows, 0:1], data=block_max[0:rows, 0:1], op0=nl.multiply,
-                               operand0=-logit_scale, op1=nl.minimum, operand1=3.4028234663852886e+38, engine=nisa.engine.gpsimd)
-        else:  # -m_new = min(-m_old, -scale * block max)
-            nisa.tensor_scalar(dst=new_negated_max[0:rows, 0:1], data=block_max[0:rows, 0:1], op0=nl.multiply,
-                               operand0=-logit_scale, op1=nl.minimum, operand1=negated_max[0:rows, 0:1],
-                               engine=nisa.engine.gpsimd)
-            # exp(m_old - m_new): how much the earlier blocks' output and sum shrink
-            correction = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=correction[0:rows, 0:1], op=nl.exp, data=negated_max[0:rows, 0:1], scale=-1.0,
-                            bias=new_negated_max[0:rows, 0:1])
+        new_negated_max = block_max  # negated by VectorE's reduction
         probabilities = nl.ndarray((128, 130), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=probabilities[0:rows, 0:block_cols], op=nl.exp, data=logits[0:rows, 0:block_cols],
                         bias=new_negated_max[0:rows, 0:1], scale=logit_scale)
-        if index > 0:
-            block["correction"] = correction
         block["probabilities"] = probabilities
+        del block["scores"], block["logits"]  # P @ v goes to the output ring: the score bank is free
         tile["negated_max"] = new_negated_max
 
     def attend_block(tile, index, block):
@@ -422,30 +420,25 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         values, probabilities = block["values"], block["probabilities"]
         correction = block.get("correction")
         chunks = (block_cols + 127) // 128
-        # P^T [keys, queries] chunk by chunk (the keys go on partitions, the contraction dim of P @ v), the chunks in
-        # PSUM banks of 2 so that the next blocks' tiles find free banks
-        # (128 query columns per chunk whatever the tile's rows, so that no chunk straddles a PSUM bank)
-        transposed_psum = nl.ndarray((128, 2, 128), dtype=nl.float32, buffer=nl.psum)
+        # P^T [keys, queries] chunk by chunk (the keys go on partitions, the contraction dim of P @ v), each chunk in the
+        # next slot of the kernel-wide ring (128 query columns per chunk whatever the tile's rows)
+        transposed_psum = transposed_ring
         probabilities_t = block.get("probabilities_t")
         if probabilities_t is None:
             probabilities_t = nl.ndarray((128, 2, 128), dtype=nl.float32, buffer=nl.sbuf)
-        # this block's P @ v goes into the score tile's first bank, read by now: the next blocks find free banks
-        block_output = block["scores"]
+        block_output = output_ring[0:128, ring_slots["outputs"] % 30, 0:17]
+        ring_slots["outputs"] += 1
         dma_first, dma_end = block.get("dma_chunks", (0, 0))
         order = range(chunks)
-        transposed = 0  # chunks transposed on TensorE so far
         for position, c in enumerate(order):
             c0 = c * 128
             kk = min(128, block_cols - c0)
             if not dma_first <= c < dma_end:  # P^T on TensorE, unless the DMA transpose brought this chunk
-                slot = transposed % 2
-                transposed += 1
-                if slot == 0 and transposed > 1:  # a PSUM bank for the next 2 chunks
-                    transposed_psum = None
-                    transposed_psum = nl.ndarray((128, 2, 128), dtype=nl.float32, buffer=nl.psum)
+                slot = ring_slots["transposed"] % 8
+                ring_slots["transposed"] += 1
                 nisa.nc_transpose(dst=transposed_psum[0:kk, slot, 0:rows], data=probabilities[0:rows, c0:c0 + kk])
                 copies[0] += 1
-                if copies[0] % 3 == 0:  # one PSUM -> SBUF copy in 3 on VectorE (it has the row max), the others on ScalarE
+                if copies[0] % 2 == 0:  # one PSUM -> SBUF copy in 2 on VectorE (it has the row max), the others on ScalarE
                     nisa.tensor_copy(dst=probabilities_t[0:kk, c, 0:rows], src=transposed_psum[0:kk, slot, 0:rows])
                 else:
                     nisa.activation(dst=probabilities_t[0:kk, c, 0:rows], op=nl.copy, data=transposed_psum[0:kk, slot, 0:rows])
@@ -495,7 +488,7 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
 
 
     # Software pipelined over the stream of (query tile, key block) steps: each step issues the scores of the block
-    # 2 ahead, the softmax of the next one and its own P @ v, and stores the tile a block before, so that no
+    # 3 ahead, the softmax of the one 2 ahead and its own P @ v, and stores the tile a block before, so that no
     # engine waits in program order behind one block's dependency chain (scores -> max -> exp -> P^T -> P @ v).
     tiles = [(o0, o1, o2, p0,) for p0 in range(0, 130, 128) for o0 in range(1) for o1 in range(1) for o2 in range(2)]
     steps = []  # (tile, block index, block) in issue order; a step's entry is dropped once done, freeing its tiles
@@ -513,21 +506,24 @@ def attention_kernel_0(arg0_1, arg1_1, arg2_1):
         if cursor["index"] == len(tile["blocks"]):
             cursor["tile"], cursor["index"], cursor["open"] = cursor["tile"] + 1, 0, None
 
-    for _ in range(2 + 1):
+    for _ in range(3 + 1):
         issue_scores()
-    block_softmax(*steps[0])
+    for ahead in range(min(2, len(steps))):
+        block_softmax(*steps[ahead])
     finished = None
     position = 0
     while position < len(steps):
         issue_scores()
-        if position + 1 < len(steps):
-            block_softmax(*steps[position + 1])
+        if position + 2 < len(steps):
+            block_softmax(*steps[position + 2])
         tile, index, block = steps[position]
         steps[position] = None
-        attend_block(tile, index, block)
-        block = None
+        # the finished tile's normalization first: its output slot and its ScalarE copy go before this step's P^T copies
         if finished is not None:
             store_tile(finished)
+            finished = None
+        attend_block(tile, index, block)
+        block = None
         finished = tile if index + 1 == len(tile["blocks"]) else None
         position += 1
     store_tile(finished)

@@ -8,9 +8,12 @@ online softmax (running max per query row on GpSimd, the output accumulator resc
 on TensorE (or, for every other block of a long tile, by a DMA transpose) and multiplied with [v | 1], whose ones
 column accumulates the row sums beside the output. The (query tile, key block) steps are software pipelined: a step
 issues the scores of the block SCORES_AHEAD ahead, the softmax of the next and its own P @ v, and stores the tile
-finished a step before. Causal: a query tile sees keys 0 .. its last query; the keys from its first query on (in
-its last block) get the mask as a bias accumulated onto the scores on TensorE (identity x a constant mask tile), unless
-the scale is too small for the bias to dominate (then an affine_select in SBUF on a diagonal block of its own).
+finished a step before. Where every tile is one block, P^T chunks and P @ [v | 1] take slots of two kernel-wide
+PSUM rings, so that a tile holds its score bank only until its exponential, and a power-of-two scale goes into the
+resident k^T once (the row max then comes out negated as the exponential's bias). Causal: a query tile sees keys
+0 .. its last query; the keys from its first query on (in its last block) get the mask as a bias accumulated onto
+the scores on TensorE (identity x a constant mask tile), unless the scale is too small for the bias to dominate
+(then an affine_select in SBUF on a diagonal block of its own).
 With few queries per head, the query heads of a grouped-query group share each query tile (stacked on the
 partitions), where that at least halves the tiles; otherwise they take each query tile position in turn, with one q^T
 load and one output store for the group there (their outputs normalized together on GpSimd, but for the training
@@ -89,6 +92,23 @@ SCORES_AHEAD = 4
 # from PSUM (the goal point's attention alone, 1 / 2 / 3 ahead: 38.7 / 35.7 / 36.7 us; seq 512 D 64 bf16 non-causal /
 # causal: 16.7 / 16.3 / 16.6 and 14.8 / 14.4 / 14.5 us; bench/RESULTS.md, stop 35).
 SINGLE_BLOCK_SCORES_AHEAD = 2
+# One-block tiles with P^T and P @ [v | 1] in kernel-wide PSUM rings (``AttentionPlan.psum_rings``) hold their score
+# bank only from their scores to their exponential. A head group normalized together (VectorE without the per-head
+# normalization) then issues the scores a step further ahead and sends one P^T copy in two through VectorE.
+# Measured (the goal point's attention alone: 32 query heads of 64 over 4, seq 256, causal, bf16; us): the rings
+# 34.3 -> 33.4, with the scaled keys 33.0; then one copy in 3 / 2 at 2 ahead 33.0 / 32.8, at 3 ahead 33.2 / 32.3.
+# The softmax then goes two steps ahead of P @ v, and the finished tiles' normalization before P @ v (its ScalarE
+# copy out of PSUM first): 32.3 -> 31.8 (the normalization first) -> 31.2 us (with the softmax two ahead; scores 4
+# ahead: 31.4). Heads normalized alone keep the scores 2 ahead, one copy in 3 and the softmax one step ahead (2
+# heads of 512 keys, D 64 / 128: 3 ahead cost up to 0.7 us; the normalization first 0 to 0.2 us; bench/RESULTS.md,
+# stop 37).
+RING_GROUPED_SCORES_AHEAD = 3
+RING_GROUPED_VECTOR_COPY_PERIOD = 2
+RING_GROUPED_SOFTMAX_AHEAD = 2
+# P^T chunks in the ring: a bank of bf16 ones, two banks of fp32 ones (with one fp32 bank, a 512-key tile's four
+# chunks waited for the copies of the tile before: 2 heads of 512 fp32 keys, D 64, 21.8 -> 22.8 us).
+RING_TRANSPOSED_CHUNKS = 8
+RING_MIN_OUTPUT_SLOTS = 2  # P @ [v | 1] outputs per PSUM bank, at least (D + 1 <= 256 fp32 columns)
 # A query tile's keys up to this many (three PSUM banks of fp32 scores) form one block: one row max over them all,
 # one exponential, P @ [v | 1] accumulated across the row's chunks in PSUM, so no running max, no rescale of the
 # output and no add of block outputs (VectorE's per-block work beside the max). The score banks are released as
@@ -179,6 +199,13 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
     group_normalized = group_dim is not None and node.logsumexp is None
     if whole_row and group_normalized:
         copy_period = GROUPED_WHOLE_ROW_VECTOR_COPY_PERIOD
+    softmax_ahead = 1
+    output_slots, scaled_keys = one_block_rings(node, key_block, whole_row, positions_outer, causal_bias, target)
+    if output_slots:
+        bank_chunks = RING_TRANSPOSED_CHUNKS
+        if group_normalized:
+            copy_period, scores_ahead = RING_GROUPED_VECTOR_COPY_PERIOD, RING_GROUPED_SCORES_AHEAD
+            softmax_ahead = RING_GROUPED_SOFTMAX_AHEAD
     return AttentionPlan("attention", outer, partition, free, tiles, k_tile, k_tiles, key_block=key_block,
                          resident=resident, transpose_loads=transpose_loads, causal_bias=causal_bias,
                          lanes=lanes, lane_dim=-1 if lane_dim is None else lane_dim, mask_bias=mask_bias,
@@ -187,7 +214,26 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
                          dma_transpose_chunks=whole_row_dma_chunks(key_block, bank_keys, target) if whole_row
                          else 0,
                          transposed_bank_chunks=bank_chunks, head_group_dim=-1 if group_dim is None else group_dim,
-                         positions_outer=positions_outer, group_owns_kv=owns_kv, group_normalized=group_normalized)
+                         positions_outer=positions_outer, group_owns_kv=owns_kv, group_normalized=group_normalized,
+                         psum_rings=bool(output_slots), output_slots=output_slots, scaled_keys=scaled_keys,
+                         softmax_ahead=softmax_ahead)
+
+
+def one_block_rings(node: ir.Attention, key_block: int, whole_row: bool, positions_outer: bool, causal_bias: bool,
+                    target) -> tuple[int, bool]:
+    """Where every query tile is one block (not whole rows): the P @ [v | 1] outputs a PSUM bank of the output ring
+    holds (``AttentionPlan.psum_rings``; 0: no rings, under RING_MIN_OUTPUT_SLOTS), and whether k^T takes the scale
+    (``AttentionPlan.scaled_keys``)."""
+    output_slots = target.psum_bank_bytes // ((node.domain[-1] + 1) * 4)
+    if node.keys > key_block or whole_row or output_slots < RING_MIN_OUTPUT_SLOTS:
+        return 0, False
+    # k^T times the scale: exact for a power of two (and a scale far from the bottom of the float range, as for q^T
+    # under mask_bias); not where the scores meet a mask in SBUF (they stay raw there). Only where every key/value
+    # head loads up front (positions outermost), so that GpSimd scales them while the first q^T loads: a head loaded
+    # at its first tile would wait for it (2 heads of 512 keys, D 64: up to 0.5 us more).
+    scaled_keys = (positions_outer and math.frexp(node.scale)[0] == 0.5 and node.scale >= MIN_CAUSAL_BIAS_SCALE
+                   and node.mask is None and (causal_bias or not node.causal))
+    return output_slots, scaled_keys
 
 
 def shared_transfer_dim(node: ir.Attention, batch: list[int], lane_dim: int | None,

@@ -68,6 +68,10 @@ class AttentionPlan(TilePlan):
     positions_outer: bool = False
     group_owns_kv: bool = False
     group_normalized: bool = False
+    psum_rings: bool = False
+    output_slots: int = 0
+    scaled_keys: bool = False
+    softmax_ahead: int = 1
 
     def describe(self) -> str:
         text = super().describe() + f" D {self.k_tiles}x{self.k_tile}, key blocks of {self.key_block}"
@@ -83,6 +87,8 @@ class AttentionPlan(TilePlan):
             text += f", {loaded} and output of the {self.outer[self.head_group_dim].size} heads of a group in one DMA each"
         text += ", query tile positions outermost (every head's k^T and v resident)" if self.positions_outer else ""
         text += ", the group's outputs normalized together" if self.group_normalized else ""
+        text += f", P^T and P @ v in PSUM rings ({self.output_slots} outputs)" if self.psum_rings else ""
+        text += ", k^T scaled (the row max negated on VectorE)" if self.scaled_keys else ""
         return text + (", causal mask on TensorE" if self.causal_bias else "")
 
 
