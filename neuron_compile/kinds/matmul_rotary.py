@@ -270,6 +270,8 @@ def head_norm_lines(node: ir.MatMulRotary, entry: ir.HeadRotary, plan: TilePlan,
                           operands=((normed.expr, normed.buffer.dtype),), on_chip=tuple(dict.fromkeys(on_chip)),
                           group_sums=True)
     operands.once += body.once
+    for engine, load in body.engine_loads.items() if operands.balance is not None else ():
+        operands.balance.note(engine, load)  # the rotary's engines are then chosen beside the norm's work
     lines += [f"# {entry.norm.name}: each head's RMSNorm, the tile's {norm_plan.free[0].size} heads as rows beside "
               "each other on a partition (cols counts heads here)", f"cols = {norm_plan.free[0].size}"]
     for walk, after in body.passes:

@@ -248,6 +248,9 @@ class ReductionBody:
     # and the row epilogue over one column chunk (``f0``, ``cols``) of the whole-row tiles
     hoisted: list[str] = dataclasses.field(default_factory=list)
     column_loop: list[str] = dataclasses.field(default_factory=list)
+    # each engine's work, in the engine balance's passes over the row's tile: for a caller balancing its own
+    # instructions beside these (a q / k projection's rotary after its per-head norm)
+    engine_loads: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator, patterns: Patterns,
@@ -297,6 +300,7 @@ def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator,
     store_lines(node.stores, epilogue, patterns, results, False, passes[-1][1])
     tiles: tuple[str, ...] = ()
     hoisted, column_loop = [], []
+    loads = dict(prologue.balance.load)
     if node.row_stores or operands:
         # The row is still in SBUF: the fused consumers read it, with the reduced value as a (P, 1) operand.
         def row_scope(tiles: TileAllocator) -> TileScope:
@@ -310,7 +314,9 @@ def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator,
         lines = column_loop if column_chunks else passes[-1][1]
         tiles = _row_epilogue_lines(node, plan, row, epilogue, patterns, free, lines, operands)
         hoisted = row.hoisted.allocations + row.hoisted.lines if column_chunks else []
-    return ReductionBody(passes, shared.lines, chunked, row_free, tiles, shared.sbuf_bytes, hoisted, column_loop)
+        loads = {engine: load + row.balance.load[engine] for engine, load in loads.items()}
+    return ReductionBody(passes, shared.lines, chunked, row_free, tiles, shared.sbuf_bytes, hoisted, column_loop,
+                         loads)
 
 
 def _in_column_chunks(scope: TileScope, patterns: Patterns, free) -> None:
