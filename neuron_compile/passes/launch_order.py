@@ -3,7 +3,8 @@
 Input: the fused kernels in a valid launch order (each kernel after the writers of what it reads). Output: the same
 kernels in another valid order: before each attention kernel, first the kernels its keys and values need (their
 writers, and theirs, back to the previous attention kernel), then the others in their order; unless q has a
-projection of its own.
+projection of its own. Among those moved, a projection with a rotary epilogue goes ahead of the plain projections
+just before it that it does not depend on (``rotaries_first``).
 
 Why: an attention kernel's first query tile needs every key and value but only its own rows of q, and the engines
 take instructions in launch order wherever their data allow (runtime/simulator/schedule.py, as the device's queues
@@ -62,6 +63,42 @@ def keys_and_values_first(kernels: list[ir.Node]) -> list[ir.Node]:
             start = position + 1  # q's own projection is the longer chain: it leads, as in the graph
             continue
         order = [index for index in between if index in needed] + [index for index in between if index not in needed]
-        kernels[start:position] = [kernels[index] for index in order]
+        kernels[start:position] = rotaries_first([kernels[index] for index in order])
         start = position + 1
     return kernels
+
+
+PLAIN_PROJECTIONS = (ir.MatMul, ir.NormedMatMul)
+
+
+def _independent(first: ir.Node, second: ir.Node) -> bool:
+    """Whether neither kernel reads or writes a buffer the other writes (their order does not matter)."""
+    def touched(kernel: ir.Node) -> set[str]:
+        return {load.buffer for load in kinds.loads(kernel)} | _written(kernel)
+
+    return not (touched(first) & _written(second) or touched(second) & _written(first))
+
+
+def _written(kernel: ir.Node) -> set[str]:
+    return {store.buffer.name for store in kinds.stores(kernel)}
+
+
+def rotaries_first(kernels: list[ir.Node]) -> list[ir.Node]:
+    """``kernels`` with each projection that rotates its products (``ir.MatMulRotary``) moved ahead of the plain
+    projections launched before it, back to the earliest of the kernels just before it that it does not depend on
+    (nor they on it): its epilogue (norms and rotaries on the three vector engines, the busier half of its time)
+    then starts first, and the plain projections' matmuls fill TensorE while it runs, instead of TensorE idling at
+    its end while its last tiles' epilogues finish (Flux's double block: its v projections, then the text and image
+    q / k kernels, whose end the attention waits for). Without a plain projection among them it keeps its place."""
+    kernels = list(kernels)
+    for position, kernel in enumerate(kernels):
+        if not isinstance(kernel, ir.MatMulRotary):
+            continue
+        target, earlier = position, position
+        while earlier > 0 and _independent(kernel, kernels[earlier - 1]):
+            earlier -= 1
+            if isinstance(kernels[earlier], PLAIN_PROJECTIONS):
+                target = earlier
+        kernels.insert(target, kernels.pop(position))
+    return kernels
+
