@@ -14,13 +14,12 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lowering_harness import check_against_eager, random_tensor
-from test_rotary_epilogue import _inputs, rotated_projections
-from test_rotary_joint import TOLERANCES, cos_sin, head_norm, interleaved_rotary
+from lowering_harness import check_against_eager
+from test_rotary_epilogue import rotary_inputs, rotated_projections
+from test_rotary_joint import TOLERANCES, head_norm, interleaved_rotary
+from test_rotary_psum_products import block_inputs, rotary_kernel_lines
 
 from neuron_compile.kinds.reduction import SUMMED_GROUP_ELEMENTS
-
-HIDDEN = 32
 
 
 def single_block(head_dim: int):
@@ -32,21 +31,6 @@ def single_block(head_dim: int):
         return q.transpose(1, 2), k.transpose(1, 2)
 
     return fn
-
-
-def block_inputs(rows: int, heads: int, head_dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    width = heads * head_dim
-    cos, sin = cos_sin(rows, head_dim)
-    return [random_tensor((1, rows, HIDDEN), dtype, seed=0),
-            random_tensor((width, HIDDEN), dtype, seed=1) / HIDDEN ** 0.5, random_tensor((width,), dtype, seed=2),
-            random_tensor((width, HIDDEN), dtype, seed=3) / HIDDEN ** 0.5, random_tensor((width,), dtype, seed=4),
-            random_tensor((head_dim,), dtype, seed=5), random_tensor((head_dim,), dtype, seed=6), cos, sin]
-
-
-def rotary_kernel_lines(region) -> list[str]:
-    """The instructions of the region's one fused projection kernel."""
-    (source,) = [kernel.source for kernel in region.kernels if kernel.name.startswith("matmul_rotary")]
-    return [line.strip() for line in source.splitlines() if line.strip().startswith("nisa.")]
 
 
 def assembled_heads(lines: list[str]) -> set[str]:
@@ -64,7 +48,7 @@ def check_parts_write_the_assembled_heads(lines: list[str]) -> None:
 
 
 def check_single_block(rows: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
-    region = check_against_eager(single_block(head_dim), *block_inputs(rows, heads, head_dim, dtype),
+    region = check_against_eager(single_block(head_dim), *block_inputs(rows, dtype, heads, head_dim),
                                  tolerances=TOLERANCES)
     lines = rotary_kernel_lines(region)
     check_parts_write_the_assembled_heads(lines)
@@ -98,7 +82,7 @@ def test_heads_of_64_keep_the_vector_reduce_and_match_eager():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotate_half_parts_write_the_assembled_heads_and_match_eager(dtype):
     """Llama's rotary (rotate_half, no norm): the same direct writes, fp32 (an add writes fp32 heads) and bf16."""
-    region = check_against_eager(rotated_projections(4, 2, 64), *_inputs(129, 4, 2, 64, dtype),
+    region = check_against_eager(rotated_projections(4, 2, 64), *rotary_inputs(129, 4, 2, 64, dtype),
                                  tolerances=TOLERANCES)
     kernels = [kernel for kernel in region.kernels if kernel.name.startswith("matmul_rotary")]
     assert kernels
