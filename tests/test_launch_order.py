@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowering_harness import check_against_eager, random_tensor
-from test_rotary_joint import cos_sin, head_norm, interleaved_rotary
+from test_rotary_joint import cos_sin, double_block, head_norm, interleaved_rotary
 from neuron_compile import ir
 from neuron_compile.passes.launch_order import keys_and_values_first
 
@@ -165,3 +167,37 @@ def test_a_rotary_projection_stays_after_the_projection_it_reads():
                                  tolerances=ATTENTION_TOLERANCES)
     projections = launched_before_attention(region)
     assert projections[-1].startswith("matmul_rotary") and len(projections) >= 2, projections
+
+
+def joint_attention(text, image, wq, wk, wq_text, wk_text, wv, wv_text, q_weight, k_weight, cos, sin):
+    """Flux's double block up to the attention: text and image q / k projected apart, normed, joined and rotated
+    (each projection rotating its rows), v joined the same way."""
+    q, k = double_block(HEAD_DIM)(text, image, wq, wk, wq_text, wk_text, q_weight, k_weight, cos, sin)
+    v = torch.cat([text @ wv_text, image @ wv], 1).unflatten(-1, (-1, HEAD_DIM)).transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def check_largest_rotary_first(text_rows: int, image_rows: int, dtype: torch.dtype) -> None:
+    hidden, width = 32, 2 * HEAD_DIM
+    cos, sin = cos_sin(text_rows + image_rows, HEAD_DIM)
+    weights = [random_tensor((hidden, width), dtype, seed=seed, low=-0.3, high=0.3) for seed in range(2, 8)]
+    inputs = [random_tensor((1, text_rows, hidden), dtype, seed=0), random_tensor((1, image_rows, hidden), dtype,
+                                                                                 seed=1),
+              *weights, random_tensor((HEAD_DIM,), seed=8), random_tensor((HEAD_DIM,), seed=9), cos, sin]
+    region = check_against_eager(joint_attention, *inputs, tolerances=ATTENTION_TOLERANCES)
+    rows = [int(re.search(r"domain=\[1, (\d+),", kernel.source).group(1)) for kernel in region.kernels
+            if kernel.name.startswith("matmul_rotary")]
+    if len(rows) == 2:  # the joint rows split between the two projections (else a concat kernel rotates them)
+        assert rows == sorted(rows, reverse=True), rows  # the larger epilogue starts first
+
+
+@pytest.mark.slow  # ~10 s an example; the smoke test below is the fast one
+@settings(max_examples=6, deadline=None)
+@given(rows=st.sampled_from([(1, 128), (127, 129), (129, 300), (128, 1), (64, 127)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_the_larger_rotary_projection_launches_first_and_matches_eager(rows, dtype):
+    check_largest_rotary_first(*rows, dtype)
+
+
+def test_the_larger_rotary_projection_launches_first_smoke():
+    check_largest_rotary_first(3, 130, torch.float32)

@@ -4,7 +4,7 @@ Input: the fused kernels in a valid launch order (each kernel after the writers 
 kernels in another valid order: before each attention kernel, first the kernels its keys and values need (their
 writers, and theirs, back to the previous attention kernel), then the others in their order; unless q has a
 projection of its own. Among those moved, a projection with a rotary epilogue goes ahead of the plain projections
-just before it that it does not depend on (``rotaries_first``).
+just before it that it does not depend on, and adjacent ones the largest first (``rotaries_first``).
 
 Why: an attention kernel's first query tile needs every key and value but only its own rows of q, and the engines
 take instructions in launch order wherever their data allow (runtime/simulator/schedule.py, as the device's queues
@@ -17,6 +17,8 @@ Llama 3.4 us).
 """
 
 from __future__ import annotations
+
+import math
 
 from neuron_compile import ir, kinds
 
@@ -72,11 +74,12 @@ PLAIN_PROJECTIONS = (ir.MatMul, ir.NormedMatMul)
 
 
 def _independent(first: ir.Node, second: ir.Node) -> bool:
-    """Whether neither kernel reads or writes a buffer the other writes (their order does not matter)."""
-    def touched(kernel: ir.Node) -> set[str]:
-        return {load.buffer for load in kinds.loads(kernel)} | _written(kernel)
+    """Whether neither kernel reads a buffer the other writes: their order does not matter (two writers of one
+    buffer, a concat assembled in place, write disjoint slices of it: ``pipeline.check_single_writer``)."""
+    def read(kernel: ir.Node) -> set[str]:
+        return {load.buffer for load in kinds.loads(kernel)}
 
-    return not (touched(first) & _written(second) or touched(second) & _written(first))
+    return not (read(first) & _written(second) or read(second) & _written(first))
 
 
 def _written(kernel: ir.Node) -> set[str]:
@@ -100,5 +103,24 @@ def rotaries_first(kernels: list[ir.Node]) -> list[ir.Node]:
             if isinstance(kernels[earlier], PLAIN_PROJECTIONS):
                 target = earlier
         kernels.insert(target, kernels.pop(position))
+    return _largest_rotaries_first(kernels)
+
+
+def _largest_rotaries_first(kernels: list[ir.Node]) -> list[ir.Node]:
+    """``kernels`` with each run of adjacent, mutually independent ``MatMulRotary`` kernels ordered by their
+    epilogues' work, the largest first (the longest chain starts first: Flux's image q / k kernel, four times its
+    text one, whose input norm is done first too)."""
+    def work(kernel: ir.MatMulRotary) -> int:
+        return math.prod(kernel.domain) * len(kernel.rotaries)
+
+    kernels, start = list(kernels), 0
+    while start < len(kernels):
+        end = start
+        while end < len(kernels) and isinstance(kernels[end], ir.MatMulRotary):
+            end += 1
+        run = kernels[start:end]
+        if all(_independent(first, second) for index, first in enumerate(run) for second in run[index + 1:]):
+            kernels[start:end] = sorted(run, key=lambda kernel: -work(kernel))
+        start = max(end, start + 1)
     return kernels
 
