@@ -3,8 +3,9 @@
 Input: the fused kernels in a valid launch order (each kernel after the writers of what it reads). Output: the same
 kernels in another valid order: before each attention kernel, first the kernels its keys and values need (their
 writers, and theirs, back to the previous attention kernel), then the others in their order; unless q has a
-projection of its own. Among those moved, a projection with a rotary epilogue goes ahead of the plain projections
-just before it that it does not depend on, and adjacent ones the largest first (``rotaries_first``).
+projection of its own. Among the kernels keys and values need, a projection with a rotary epilogue goes ahead of
+the plain projections just before it that it does not depend on, and adjacent ones the largest first
+(``rotaries_first``).
 
 Why: an attention kernel's first query tile needs every key and value but only its own rows of q, and the engines
 take instructions in launch order wherever their data allow (runtime/simulator/schedule.py, as the device's queues
@@ -64,8 +65,8 @@ def keys_and_values_first(kernels: list[ir.Node]) -> list[ir.Node]:
         if any(isinstance(kernels[index], PROJECTIONS) for index in queries_only):
             start = position + 1  # q's own projection is the longer chain: it leads, as in the graph
             continue
-        order = [index for index in between if index in needed] + [index for index in between if index not in needed]
-        kernels[start:position] = rotaries_first([kernels[index] for index in order])
+        first = rotaries_first([kernels[index] for index in between if index in needed])
+        kernels[start:position] = first + [kernels[index] for index in between if index not in needed]
         start = position + 1
     return kernels
 
