@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowering_harness import check_against_eager, random_tensor
+from test_rotary_joint import cos_sin, double_block, head_norm, interleaved_rotary
 from neuron_compile import ir
 from neuron_compile.passes.launch_order import keys_and_values_first
 
@@ -100,3 +104,100 @@ def test_a_query_projection_of_its_own_keeps_its_place():
     assert keys_and_values_first(kernels) == kernels
     without = [_pointwise("q_projection", []), *kernels[1:]]
     assert [kernel.name for kernel in keys_and_values_first(without)] == ["k", "v", "q_projection", "q", "attention"]
+
+
+HEAD_DIM = 64
+ATTENTION_TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def flux_attention(chained: bool):
+    """Flux's attention: v projected first in the graph (from its own input ``y``: no sibling of q's or k's
+    projection to pair with), then q and k (per-head norms, interleaved rotaries, the rotary in their projection's
+    epilogue); ``chained``: q and k projected from another projection's output."""
+    def fn(x, y, w0, wq, wk, wv, q_weight, k_weight, cos, sin):
+        v = (y @ wv).unflatten(-1, (-1, HEAD_DIM)).transpose(1, 2)
+        h = x @ w0 if chained else x
+        q = interleaved_rotary(head_norm(h @ wq, q_weight, HEAD_DIM), cos, sin).transpose(1, 2)
+        k = interleaved_rotary(head_norm(h @ wk, k_weight, HEAD_DIM), cos, sin).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    return fn
+
+
+def attention_inputs(rows: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The norms' weights fp32 (a bf16 weight's cast to fp32 is a kernel the q / k kernel reads, launched just
+    before it: the move stops there, as at any kernel it depends on)."""
+    width = 2 * HEAD_DIM
+    cos, sin = cos_sin(rows, HEAD_DIM)
+    weights = [random_tensor((width, width), dtype, seed=seed, low=-0.3, high=0.3) for seed in (2, 3, 4, 5)]
+    return [random_tensor((1, rows, width), dtype, seed=1), random_tensor((1, rows, width), dtype, seed=8),
+            *weights, random_tensor((HEAD_DIM,), seed=6), random_tensor((HEAD_DIM,), seed=7), cos, sin]
+
+
+def launched_before_attention(region) -> list[str]:
+    names = [kernel.name for kernel in region.kernels]
+    return [name for name in names[:next(i for i, name in enumerate(names) if name.startswith("attention"))]
+            if name.startswith("matmul")]
+
+
+def check_rotary_launched_first(rows: int, dtype: torch.dtype) -> None:
+    region = check_against_eager(flux_attention(False), *attention_inputs(rows, dtype),
+                                 tolerances=ATTENTION_TOLERANCES)
+    projections = launched_before_attention(region)
+    # the q / k kernels' epilogues start first; v's projection fills TensorE beside them
+    kinds = [name.startswith("matmul_rotary") for name in projections]
+    assert False in kinds and kinds == sorted(kinds, reverse=True), projections
+
+
+@pytest.mark.slow  # a few seconds an example; the smoke test below is the fast one
+@settings(max_examples=8, deadline=None)
+@given(rows=st.sampled_from([1, 127, 128, 129, 300]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_a_rotary_projection_launches_before_the_plain_projections_and_matches_eager(rows, dtype):
+    check_rotary_launched_first(rows, dtype)
+
+
+def test_a_rotary_projection_launches_before_the_plain_projections_smoke():
+    check_rotary_launched_first(129, torch.bfloat16)
+
+
+def test_a_rotary_projection_stays_after_the_projection_it_reads():
+    """q and k projected from ``x @ w0``: the q / k kernel waits for that projection, which keeps its place after
+    v's, so the rotary kernel stays last."""
+    region = check_against_eager(flux_attention(True), *attention_inputs(127, torch.float32),
+                                 tolerances=ATTENTION_TOLERANCES)
+    projections = launched_before_attention(region)
+    assert projections[-1].startswith("matmul_rotary") and len(projections) >= 2, projections
+
+
+def joint_attention(text, image, wq, wk, wq_text, wk_text, wv, wv_text, q_weight, k_weight, cos, sin):
+    """Flux's double block up to the attention: text and image q / k projected apart, normed, joined and rotated
+    (each projection rotating its rows), v joined the same way."""
+    q, k = double_block(HEAD_DIM)(text, image, wq, wk, wq_text, wk_text, q_weight, k_weight, cos, sin)
+    v = torch.cat([text @ wv_text, image @ wv], 1).unflatten(-1, (-1, HEAD_DIM)).transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def check_largest_rotary_first(text_rows: int, image_rows: int, dtype: torch.dtype) -> None:
+    hidden, width = 32, 2 * HEAD_DIM
+    cos, sin = cos_sin(text_rows + image_rows, HEAD_DIM)
+    weights = [random_tensor((hidden, width), dtype, seed=seed, low=-0.3, high=0.3) for seed in range(2, 8)]
+    inputs = [random_tensor((1, text_rows, hidden), dtype, seed=0), random_tensor((1, image_rows, hidden), dtype,
+                                                                                 seed=1),
+              *weights, random_tensor((HEAD_DIM,), seed=8), random_tensor((HEAD_DIM,), seed=9), cos, sin]
+    region = check_against_eager(joint_attention, *inputs, tolerances=ATTENTION_TOLERANCES)
+    rows = [int(re.search(r"domain=\[1, (\d+),", kernel.source).group(1)) for kernel in region.kernels
+            if kernel.name.startswith("matmul_rotary")]
+    if len(rows) == 2:  # the joint rows split between the two projections (else a concat kernel rotates them)
+        assert rows == sorted(rows, reverse=True), rows  # the larger epilogue starts first
+
+
+@pytest.mark.slow  # ~10 s an example; the smoke test below is the fast one
+@settings(max_examples=6, deadline=None)
+@given(rows=st.sampled_from([(1, 128), (127, 129), (129, 300), (128, 1), (64, 127)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_the_larger_rotary_projection_launches_first_and_matches_eager(rows, dtype):
+    check_largest_rotary_first(*rows, dtype)
+
+
+def test_the_larger_rotary_projection_launches_first_smoke():
+    check_largest_rotary_first(3, 130, torch.float32)

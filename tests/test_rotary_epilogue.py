@@ -72,7 +72,7 @@ def normed_rotated_projections(heads: int, kv_heads: int, head_dim: int, normed_
     return fn
 
 
-def _inputs(seq, heads, kv_heads, head_dim, dtype, hidden=96, first_position=0):
+def rotary_inputs(seq, heads, kv_heads, head_dim, dtype, hidden=96, first_position=0):
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     positions = (first_position + torch.randperm(seq, generator=torch.Generator().manual_seed(seq)))[None].float()
     return [random_tensor((1, seq, hidden), dtype, seed=0),
@@ -95,7 +95,7 @@ def _fused(fn, *inputs):
        heads=st.sampled_from([1, 3, 8, 12]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_the_rotary_in_the_projections_matches_eager(seq, head_dim, heads, dtype):
     """Heads that fill an N tile (8 of 64) and do not (3, 12: a ragged last tile), positions not 0..n-1."""
-    inputs = _inputs(seq, heads, 1, head_dim, dtype, first_position=17)
+    inputs = rotary_inputs(seq, heads, 1, head_dim, dtype, first_position=17)
     region = check_against_eager(rotated_projections(heads, 1, head_dim), *inputs)
     decisions = _rotary_decisions(region.fusion_decisions)
     assert decisions and all(decision.endswith(": fused") for decision in decisions), decisions
@@ -105,7 +105,7 @@ def test_the_rotary_in_the_projections_matches_eager(seq, head_dim, heads, dtype
     (129, 8, 2, 64, torch.bfloat16), (300, 4, 2, 128, torch.float32), (1, 32, 4, 64, torch.bfloat16)])
 def test_the_fused_kernels_give_the_separate_rotary(monkeypatch, seq, heads, kv_heads, head_dim, dtype):
     """Bit for bit: the same instructions on the same values as the concat kernels."""
-    fn, inputs = rotated_projections(heads, kv_heads, head_dim), _inputs(seq, heads, kv_heads, head_dim, dtype)
+    fn, inputs = rotated_projections(heads, kv_heads, head_dim), rotary_inputs(seq, heads, kv_heads, head_dim, dtype)
     region, fused = compile_and_run(fn, *inputs)
     assert [decision.endswith(": fused") for decision in _rotary_decisions(region.fusion_decisions)] == [True, True]
     monkeypatch.setattr(fusion, "fold_rotary_epilogues", lambda kernels, *args: (kernels, args[-1]))
@@ -116,7 +116,7 @@ def test_the_fused_kernels_give_the_separate_rotary(monkeypatch, seq, heads, kv_
 
 def test_the_projections_store_only_the_rotated_heads():
     fn = rotated_projections(32, 4, 64)
-    result = _fused(fn, *_inputs(256, 32, 4, 64, torch.bfloat16, hidden=256))
+    result = _fused(fn, *rotary_inputs(256, 32, 4, 64, torch.bfloat16, hidden=256))
     rotated = [kernel for kernel in result.kernels if isinstance(kernel, ir.MatMulRotary)]
     assert len(rotated) == 2 and not any(entry.store_source for kernel in rotated for entry in kernel.rotaries)
     assert not any(isinstance(kernel, ir.MatMul) for kernel in result.kernels)
@@ -130,7 +130,7 @@ def test_a_projection_read_elsewhere_is_still_stored():
         q, k = rotate(x, wq, wk, positions, inv_freq)
         return q, k, x @ wk
 
-    region = check_against_eager(fn, *_inputs(129, 4, 2, 64, torch.float32))
+    region = check_against_eager(fn, *rotary_inputs(129, 4, 2, 64, torch.float32))
     assert [d.endswith(": fused") for d in _rotary_decisions(region.fusion_decisions)] == [True, True]
 
 
@@ -142,7 +142,7 @@ def test_heads_stored_in_another_layout_are_stored_part_by_part():
     def fn(x, wq, wk, positions, inv_freq):
         return tuple(rotated.contiguous() for rotated in rotate(x, wq, wk, positions, inv_freq))
 
-    inputs = _inputs(129, 4, 2, 64, torch.float32)
+    inputs = rotary_inputs(129, 4, 2, 64, torch.float32)
     region = check_against_eager(fn, *inputs)
     assert [d.endswith(": fused") for d in _rotary_decisions(region.fusion_decisions)] == [True, True]
     rotated = [kernel for kernel in _fused(fn, *inputs).kernels if isinstance(kernel, ir.MatMulRotary)]
@@ -154,7 +154,7 @@ def test_a_batch_of_sequences(shared_positions):
     """Two sequences through a linear: M is batch x sequence. Positions per sequence (cos and sin [2, seq, d]) walk
     the rows as M does: fused. Positions shared by the batch (cos and sin repeat every sequence) do not: the concat
     stays, and the decisions say why."""
-    inputs = _inputs(24, 4, 2, 64, torch.float32)
+    inputs = rotary_inputs(24, 4, 2, 64, torch.float32)
     inputs[0] = random_tensor((2, 24, 96), torch.float32, seed=7)
     inputs[3] = inputs[3] if shared_positions else torch.cat([inputs[3], inputs[3] + 24])
     region = check_against_eager(rotated_projections(4, 2, 64), *inputs)
@@ -168,7 +168,7 @@ def test_a_batch_of_sequences(shared_positions):
 def test_heads_a_tile_would_cut_keep_the_concat_and_say_why():
     """Heads of 96 columns: q's 768 columns take 512-column N tiles, which would cut one, so q's rotary stays its
     own kernel; k's 192 columns are one N tile of two whole heads, rotated in its projection."""
-    fn, inputs = rotated_projections(8, 2, 96), _inputs(129, 8, 2, 96, torch.float32)
+    fn, inputs = rotated_projections(8, 2, 96), rotary_inputs(129, 8, 2, 96, torch.float32)
     region = check_against_eager(fn, *inputs)
     q, k = _rotary_decisions(region.fusion_decisions)
     assert "head_dim 96 does not divide" in q and "N=768 and its widest N tile (512 columns)" in q, q
@@ -187,7 +187,7 @@ def _norm_weights(head_dim, dtype):
 def test_a_per_head_norm_and_the_rotary_in_the_projections_match_eager(seq, head_dim, dtype, transposed):
     """Qwen3's and Gemma3's q / k norms: each head's RMSNorm on the tile's heads, then the rotary, the normed heads
     on chip."""
-    inputs = _inputs(seq, 8, 2, head_dim, dtype, first_position=5) + _norm_weights(head_dim, dtype)
+    inputs = rotary_inputs(seq, 8, 2, head_dim, dtype, first_position=5) + _norm_weights(head_dim, dtype)
     region = check_against_eager(normed_rotated_projections(8, 2, head_dim, transposed=transposed), *inputs)
     decisions = _rotary_decisions(region.fusion_decisions)
     assert [decision.endswith(": fused") and " through " in decision for decision in decisions] == [True, True]
@@ -196,7 +196,7 @@ def test_a_per_head_norm_and_the_rotary_in_the_projections_match_eager(seq, head
 @pytest.mark.parametrize("transposed", [False, True])
 def test_the_per_head_norm_in_the_projection_gives_the_separate_kernels(monkeypatch, transposed):
     fn = normed_rotated_projections(8, 2, 64, transposed=transposed)
-    inputs = _inputs(129, 8, 2, 64, torch.bfloat16) + _norm_weights(64, torch.bfloat16)
+    inputs = rotary_inputs(129, 8, 2, 64, torch.bfloat16) + _norm_weights(64, torch.bfloat16)
     _, fused = compile_and_run(fn, *inputs)
     monkeypatch.setattr(fusion, "fold_rotary_epilogues", lambda kernels, *args: (kernels, args[-1]))
     _, apart = compile_and_run(fn, *inputs)
@@ -206,7 +206,7 @@ def test_the_per_head_norm_in_the_projection_gives_the_separate_kernels(monkeypa
 def test_normed_heads_read_elsewhere_keep_the_norm_and_say_why():
     """The normed k also returned (before its rotary): the norm stays its kernel, the rotary its own."""
     fn = normed_rotated_projections(4, 2, 64, normed_k_too=True)
-    inputs = _inputs(129, 4, 2, 64, torch.float32) + _norm_weights(64, torch.float32)
+    inputs = rotary_inputs(129, 4, 2, 64, torch.float32) + _norm_weights(64, torch.float32)
     region = check_against_eager(fn, *inputs)
     decisions = _rotary_decisions(region.fusion_decisions)
     assert any("normed heads are read outside" in decision for decision in decisions), decisions
@@ -218,7 +218,7 @@ def test_normed_heads_read_elsewhere_keep_the_norm_and_say_why():
 def test_heads_of_256_rotate_in_the_projections_and_match_eager(seq, dtype, normed):
     """Gemma3-4B's heads of 256 columns, two to a 512-column N tile (q's two tiles, k's one), with and without the
     per-head norm before the rotary."""
-    inputs = _inputs(seq, 4, 2, 256, dtype, first_position=3)
+    inputs = rotary_inputs(seq, 4, 2, 256, dtype, first_position=3)
     fn = rotated_projections(4, 2, 256)
     if normed:
         fn, inputs = normed_rotated_projections(4, 2, 256), inputs + _norm_weights(256, dtype)

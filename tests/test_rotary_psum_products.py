@@ -39,13 +39,13 @@ def unbiased_single_block(x, wq, bq, wk, bk, q_weight, k_weight, cos, sin):
     return q.transpose(1, 2), k.transpose(1, 2)
 
 
-def block_inputs(rows: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    width = HEADS * HEAD_DIM
-    cos, sin = cos_sin(rows, HEAD_DIM)
+def block_inputs(rows: int, dtype: torch.dtype, heads: int = HEADS, head_dim: int = HEAD_DIM) -> list[torch.Tensor]:
+    width = heads * head_dim
+    cos, sin = cos_sin(rows, head_dim)
     return [random_tensor((1, rows, HIDDEN), dtype, seed=0),
             random_tensor((width, HIDDEN), dtype, seed=1) / HIDDEN ** 0.5, random_tensor((width,), dtype, seed=2),
             random_tensor((width, HIDDEN), dtype, seed=3) / HIDDEN ** 0.5, random_tensor((width,), dtype, seed=4),
-            random_tensor((HEAD_DIM,), dtype, seed=5), random_tensor((HEAD_DIM,), dtype, seed=6), cos, sin]
+            random_tensor((head_dim,), dtype, seed=5), random_tensor((head_dim,), dtype, seed=6), cos, sin]
 
 
 def rotary_kernel_lines(region) -> list[str]:

@@ -252,6 +252,9 @@ class TileScope:
         self.balance = EngineBalance()
         # values computed into PSUM tiles for their tensor_tensor readers (codegen/psum_operands.py)
         self.psum_operands: frozenset = frozenset()
+        # expression -> where its last instruction writes it (a view of a larger tile: a rotary part's columns of
+        # the assembled heads), instead of a tile of its own and a copy there; a full tile of its dtype only
+        self.destinations: dict[ir.Expr, Ref] = {}
         # whether an instruction over whole ``COLUMNS_WINDOW`` tiles may be split by columns between two engines
         # (``column_parts``): set by a kernel whose every column tile has at least ``SPLIT_MIN_COLUMNS`` columns
         self.split_columns = False
@@ -431,10 +434,15 @@ def _widened_source(arg: ir.Expr, scope: TileScope, lines: list[str]) -> Ref | N
     return source
 
 
-def emit_row_summed(expr: ir.Expr, scope: TileScope, lines: list[str], row_sums: str) -> Ref | None:
+REDUCE_OVERHEAD_CYCLES = 64  # an activation's reduce_res costs one MIN_II beyond its pass (cost.py)
+
+
+def emit_row_summed(expr: ir.Expr, scope: TileScope, lines: list[str], row_sums: str, groups: int = 1) -> Ref | None:
     """``expr`` computed by one ScalarE activation that also writes each row's sum of its result into
     ``row_sums`` (its ``reduce_res``, a (P, 1) slice): a sum over a square or an activation then needs no
-    tensor_reduce on VectorE. None, with nothing emitted, when ``expr`` is not one activation of a full tile."""
+    tensor_reduce on VectorE. With ``groups`` > 1 (rows grouped on a partition, ``scope.free // groups`` columns
+    each), one activation per group, writing group g's sum into column g of the tile ``row_sums`` names. None, with
+    nothing emitted, when ``expr`` is not one activation of a full tile."""
     if expr in scope.memo or not isinstance(expr, ir.Op):
         return None
     entry = op_table.spec(expr.op)
@@ -442,13 +450,22 @@ def emit_row_summed(expr: ir.Expr, scope: TileScope, lines: list[str], row_sums:
     if not squared and entry.form != "activation":
         return None
     operand = _widened_source(expr.args[0], scope, lines) or emit(expr.args[0], scope, lines)
-    if operand.tile is None or operand.vector:
-        return None  # a number or a row vector: the caller's plain path (the operand's lines are harmless)
+    if operand.tile is None or operand.vector or (groups > 1 and operand.view is not None):
+        return None  # a number or a row vector (or a view): the caller's plain path (the operand's lines are harmless)
     out = Ref(tile=scope.tile(stem=expr.op))
     function = "nl.square" if squared else entry.nl_op
-    scope.balance.note("scalar")
-    lines.append(f"nisa.activation(dst={scope.ref_text(out)}, op={function}, data={scope.ref_text(operand)}, "
-                 f"reduce_op=nl.add, reduce_res={row_sums})")
+    if groups == 1:
+        scope.balance.note("scalar")
+        lines.append(f"nisa.activation(dst={scope.ref_text(out)}, op={function}, data={scope.ref_text(operand)}, "
+                     f"reduce_op=nl.add, reduce_res={row_sums})")
+    else:
+        row = scope.free // groups
+        for group in range(groups):
+            columns = f"[0:rows, {group * row}:{(group + 1) * row}]"
+            lines.append(f"nisa.activation(dst={out.tile}{columns}, op={function}, data={operand.tile}{columns}, "
+                         f"reduce_op=nl.add, reduce_res={row_sums}[0:rows, {group}:{group + 1}])")
+        # each activation's reduce costs MIN_II cycles more than its pass (cost.py): in passes over the tile
+        scope.balance.note("scalar", 1 + groups * REDUCE_OVERHEAD_CYCLES / scope.free)
     scope.memo[expr] = out
     return out
 
@@ -477,12 +494,20 @@ def _emit_rounded_op(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref |
     entry = op_table.spec(inner.op)
     if not tiles or all(arg.vector for arg in tiles):
         return None  # numbers only, or (P, 1) row vectors (tensor_scalar operands stay fp32): the plain path
-    out = Ref(tile=scope.tile(expr.dtype, stem=f"{inner.op}_{expr.dtype}"), dtype=expr.dtype)
+    out = _destination(expr, expr.dtype, scope) or Ref(
+        tile=scope.tile(expr.dtype, stem=f"{inner.op}_{expr.dtype}"), dtype=expr.dtype)
     if _subtracts_constant(inner.op, args):
         lines += _subtraction(args, scope.ref_text(out), scope)
     else:
         lines.append(PLAIN_FORMS[entry.form](entry, args, scope.ref_text(out), scope, expr.dtype))
     return out
+
+
+def _destination(expr: ir.Expr, dtype: str, scope: TileScope) -> Ref | None:
+    """Where ``expr``'s caller asked its value written (``TileScope.destinations``), when that is a tile of the
+    value's ``dtype``."""
+    out = scope.destinations.get(expr)
+    return out if out is not None and out.dtype == dtype else None
 
 
 def _divides_by_number(expr: ir.Op) -> bool:
@@ -665,6 +690,8 @@ def _emit_op(expr: ir.Op, args: list[Ref], scope: TileScope, lines: list[str]) -
         return _emit_cast(expr.dtype, args[0], vector, scope, lines)
     if not vector and expr in scope.psum_operands and entry.form == "binary":
         out = Ref(tile=scope.allocator.new_psum_tile(expr.op, scope.free))
+    elif not vector and _destination(expr, "float32", scope) is not None:
+        out = _destination(expr, "float32", scope)
     else:
         out = Ref(tile=scope.tile(vector=vector, stem=expr.op), vector=vector)
     dst = scope.ref_text(out)

@@ -198,8 +198,8 @@ def store_step(layout: ir.Layout, axes: HeadAxes) -> int:
 def part_lines(node: ir.MatMulRotary, entry: ir.HeadRotary, part: ir.Pointwise, value: str, n_tile: int,
                operands: RowOperands, assembled: dict[str, tuple[str, int]], lines: list[str]) -> None:
     """``part`` computed on the heads of this N tile from ``value`` (the rounded product, [rows, n_tile]): its
-    values copied into their columns of the ``assembled`` tiles (by buffer: the tile, the offset of a head's first
-    column), or stored by a DMA of their own."""
+    values written into their columns of the ``assembled`` tiles (by buffer: the tile, the offset of a head's first
+    column) by the instruction computing them (else copied there on ScalarE), or stored by a DMA of their own."""
     axes, head_dim, source = part_axes(node, entry, part), entry.head_dim, rotated(node, entry)
     width = 1 if axes.within is None else part.domain[axes.within]
 
@@ -224,16 +224,21 @@ def part_lines(node: ir.MatMulRotary, entry: ir.HeadRotary, part: ir.Pointwise, 
         lines += ["    " + line for line in first_loads]
     lines += staging
     for store in part.stores:
-        result = emit(store.expr, scope, lines)
         if store.buffer.name in assembled:
             tile, first_column = assembled[store.buffer.name]
             destination = heads_view(tile, n_tile, head_dim, width, store.layout.offset - first_column,
                                      store_step(store.layout, axes))
+            # the part's last instruction writes its columns of the assembled heads, when it rounds to their dtype
+            written = Ref(tile=tile, dtype=store.buffer.dtype, view=destination)
+            scope.destinations[store.expr] = written
+            result = emit(store.expr, scope, lines)
+            if result == written:
+                continue
             whole_tile = result.tile is not None and not result.vector  # else a number or a (P, 1) value
             data = scope.ref_text(result) if whole_tile else emit_store(store.buffer.dtype, result, scope, lines)
             lines.append(f"nisa.activation(dst={destination}, op=nl.copy, data={data})")
         else:
-            tile = emit_store(store.buffer.dtype, result, scope, lines)
+            tile = emit_store(store.buffer.dtype, emit(store.expr, scope, lines), scope, lines)
             lines.append(f"nisa.dma_copy(dst={head_pattern(store.buffer.name, store.layout, axes, width)}, "
                          f"src={tile})")
 
@@ -260,9 +265,13 @@ def head_norm_lines(node: ir.MatMulRotary, entry: ir.HeadRotary, plan: TilePlan,
                     if load.buffer == entry.source.buffer.name)
     normed = entry.norm.row_stores[0]
     norm_plan = head_norm_plan(node, entry, plan)
+    # each head's sum of squares on ScalarE as it squares them: VectorE is the epilogue's busiest engine
     body = reduction_body(norm, norm_plan, allocator, Patterns(norm_plan),
-                          operands=((normed.expr, normed.buffer.dtype),), on_chip=tuple(dict.fromkeys(on_chip)))
+                          operands=((normed.expr, normed.buffer.dtype),), on_chip=tuple(dict.fromkeys(on_chip)),
+                          group_sums=True)
     operands.once += body.once
+    for engine, load in body.engine_loads.items() if operands.balance is not None else ():
+        operands.balance.note(engine, load)  # the rotary's engines are then chosen beside the norm's work
     lines += [f"# {entry.norm.name}: each head's RMSNorm, the tile's {norm_plan.free[0].size} heads as rows beside "
               "each other on a partition (cols counts heads here)", f"cols = {norm_plan.free[0].size}"]
     for walk, after in body.passes:
@@ -275,8 +284,8 @@ def rotary_epilogue(node: ir.MatMulRotary, plan: TilePlan, operands: RowOperands
                     lines: list[str]) -> None:
     """An N tile's epilogue lines after the projection's other stores: each rotary's product in turn (q's, then
     k's of a paired projection), rounded as it is stored (and stored, when something else reads it), its heads
-    normed (``norm``), then every part of the rotary on the tile's heads, each part's values copied (on ScalarE,
-    which only evacuates PSUM here) into the tile of their buffer's whole heads."""
+    normed (``norm``), then every part of the rotary on the tile's heads, each part's values written into the
+    tile of their buffer's whole heads."""
     operands.staged.clear()  # cos and sin are copied into PSUM once per N tile, for every rotary
     operands.balance = scope.balance  # the parts' engines are chosen knowing the projection's own epilogue
     for entry in node.rotaries:

@@ -61,6 +61,10 @@ GROUPED_OPS = ("sum", "mean", "max", "min", "prod")
 # bf16): grouped rows take 0.3x the estimate at 64 elements, 0.5x at 128, 0.7x at 256, 0.8-1.0x at 512: the
 # (P, 1) instructions and the DMAs of each row block cost more than the VectorE tensor_reduce that grouping adds.
 SHORT_ROW_ELEMENTS = 512
+# With ``group_sums`` (a q / k projection's per-head norms, kinds/matmul_rotary.py), grouped rows at least this long
+# are summed on ScalarE as it squares them, one activation each (its reduce overhead, MIN_II cycles, then at most
+# half the row's pass), instead of VectorE's tensor_reduce of the squares
+SUMMED_GROUP_ELEMENTS = 128
 COLUMN_CHUNK = "[0:rows, f0:f0 + cols]"  # a row epilogue's slice of its whole-row tiles, walked in column chunks
 # Columns per chunk of a norm epilogue's row epilogue, for rows of two chunks or more: each chunk's multiplies, adds
 # and store pipeline across the engines and the DMA queues (Gemma3's down projection with its norm alone: 110.8 ->
@@ -167,10 +171,11 @@ def _columns_are_contiguous(node: ir.Reduction, kept: list[LoopDim], reduced: li
 
 
 def _reduce_pass(node, prologue: TileScope, reduce_op: str, accumulator: str, partial: str, chunked: bool,
-                 per_partition: int = 1, negated_mean: str | None = None) -> list[str]:
+                 per_partition: int = 1, negated_mean: str | None = None, group_sums: bool = False) -> list[str]:
     """One walk over the row: prologue, reduce, combine chunk partials; ``per_partition`` rows (grouped short
-    rows) are reduced into as many results per partition; with ``negated_mean`` (a (P, 1) slice) the sum is of
-    the squared deviations from the mean (a variance's second pass)."""
+    rows) are reduced into as many results per partition (``group_sums``: summed on ScalarE, one activation per
+    row, where it can); with ``negated_mean`` (a (P, 1) slice) the sum is of the squared deviations from the mean
+    (a variance's second pass)."""
     lines: list[str] = []
     if chunked:
         prologue.memo = {}  # a second pass re-emits the loads (same tiles): each chunk overwrote the last
@@ -179,6 +184,10 @@ def _reduce_pass(node, prologue: TileScope, reduce_op: str, accumulator: str, pa
         summed = emit_row_summed(node.prologue, prologue, lines, f"{target}[0:rows, 0:1]")
         if summed is not None:
             return lines + _combine_partials(reduce_op, accumulator, partial, chunked)
+    if group_sums and reduce_op == "nl.add" and per_partition > 1 and not chunked and (
+            prologue.free // per_partition >= SUMMED_GROUP_ELEMENTS):
+        if emit_row_summed(node.prologue, prologue, lines, target, groups=per_partition) is not None:
+            return lines
     value = emit(unwidened(node.prologue), prologue, lines)  # tensor_reduce and activation read bf16 as fp32
     if value.tile is None:  # a reduction of a fill (sum of full(1): a count): reduce a tile holding it
         constant = Ref(tile=prologue.tile(key=("reduced constant", value.value)))
@@ -239,12 +248,15 @@ class ReductionBody:
     # and the row epilogue over one column chunk (``f0``, ``cols``) of the whole-row tiles
     hoisted: list[str] = dataclasses.field(default_factory=list)
     column_loop: list[str] = dataclasses.field(default_factory=list)
+    # each engine's work, in the engine balance's passes over the row's tile: for a caller balancing its own
+    # instructions beside these (a q / k projection's rotary after its per-head norm)
+    engine_loads: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator, patterns: Patterns,
                    operands: tuple[tuple[ir.Expr, str], ...] = (),
                    on_chip: tuple[tuple[ir.Load, str], ...] = (), summed: str | None = None,
-                   column_chunks: bool = False) -> ReductionBody:
+                   column_chunks: bool = False, group_sums: bool = False) -> ReductionBody:
     """The lines of one row block (``p0``, ``rows``) of ``node`` under ``plan``, its tiles declared by
     ``allocator``; ``operands`` are (row expression, dtype of its tile) pairs, the expressions reading
     ``Result()`` as the reduced value, computed after the row stores on the engines the row epilogue's balance
@@ -253,7 +265,7 @@ def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator,
     ``column_chunks`` (a whole row, not grouped): the row epilogue's instructions work on one column chunk of the
     whole-row tiles (``column_loop``, inside ``column_loop_lines``' loop over ``f0``), so that each chunk's
     multiplies, adds and store follow each other on the engines while the next chunk starts, instead of each
-    waiting for the whole row."""
+    waiting for the whole row; ``group_sums``: grouped rows' sums on ScalarE (``_reduce_pass``)."""
     prologue, row_free, free, chunked = row_scopes(node, plan, allocator, patterns, columns=not plan.grouped_rows)
     for load, tile in on_chip:
         bind_load(prologue, load, Ref(tile=tile, dtype=load.dtype))
@@ -267,7 +279,7 @@ def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator,
     partial = allocator.new("partial", 1) if chunked else accumulator
     acc = f"{accumulator}[0:rows, 0:{per_partition}]"
     walk = [] if summed else _reduce_pass(node, prologue, REDUCE_OPS[node.op], accumulator, partial, chunked,
-                                          per_partition)
+                                          per_partition, group_sums=group_sums)
     passes = [(walk, [])]
     more_results: tuple[Ref, ...] = ()
     if node.op == "mean":
@@ -288,6 +300,7 @@ def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator,
     store_lines(node.stores, epilogue, patterns, results, False, passes[-1][1])
     tiles: tuple[str, ...] = ()
     hoisted, column_loop = [], []
+    loads = dict(prologue.balance.load)
     if node.row_stores or operands:
         # The row is still in SBUF: the fused consumers read it, with the reduced value as a (P, 1) operand.
         def row_scope(tiles: TileAllocator) -> TileScope:
@@ -301,7 +314,9 @@ def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator,
         lines = column_loop if column_chunks else passes[-1][1]
         tiles = _row_epilogue_lines(node, plan, row, epilogue, patterns, free, lines, operands)
         hoisted = row.hoisted.allocations + row.hoisted.lines if column_chunks else []
-    return ReductionBody(passes, shared.lines, chunked, row_free, tiles, shared.sbuf_bytes, hoisted, column_loop)
+        loads = {engine: load + row.balance.load[engine] for engine, load in loads.items()}
+    return ReductionBody(passes, shared.lines, chunked, row_free, tiles, shared.sbuf_bytes, hoisted, column_loop,
+                         loads)
 
 
 def _in_column_chunks(scope: TileScope, patterns: Patterns, free) -> None:

@@ -3,7 +3,9 @@
 Input: the fused kernels in a valid launch order (each kernel after the writers of what it reads). Output: the same
 kernels in another valid order: before each attention kernel, first the kernels its keys and values need (their
 writers, and theirs, back to the previous attention kernel), then the others in their order; unless q has a
-projection of its own.
+projection of its own. Among the kernels keys and values need, a projection with a rotary epilogue goes ahead of
+the plain projections just before it that it does not depend on, and adjacent ones the largest first
+(``rotaries_first``).
 
 Why: an attention kernel's first query tile needs every key and value but only its own rows of q, and the engines
 take instructions in launch order wherever their data allow (runtime/simulator/schedule.py, as the device's queues
@@ -16,6 +18,8 @@ Llama 3.4 us).
 """
 
 from __future__ import annotations
+
+import math
 
 from neuron_compile import ir, kinds
 
@@ -61,7 +65,63 @@ def keys_and_values_first(kernels: list[ir.Node]) -> list[ir.Node]:
         if any(isinstance(kernels[index], PROJECTIONS) for index in queries_only):
             start = position + 1  # q's own projection is the longer chain: it leads, as in the graph
             continue
-        order = [index for index in between if index in needed] + [index for index in between if index not in needed]
-        kernels[start:position] = [kernels[index] for index in order]
+        first = rotaries_first([kernels[index] for index in between if index in needed])
+        kernels[start:position] = first + [kernels[index] for index in between if index not in needed]
         start = position + 1
     return kernels
+
+
+PLAIN_PROJECTIONS = (ir.MatMul, ir.NormedMatMul)
+
+
+def _independent(first: ir.Node, second: ir.Node) -> bool:
+    """Whether neither kernel reads a buffer the other writes: their order does not matter (two writers of one
+    buffer, a concat assembled in place, write disjoint slices of it: ``pipeline.check_single_writer``)."""
+    def read(kernel: ir.Node) -> set[str]:
+        return {load.buffer for load in kinds.loads(kernel)}
+
+    return not (read(first) & _written(second) or read(second) & _written(first))
+
+
+def _written(kernel: ir.Node) -> set[str]:
+    return {store.buffer.name for store in kinds.stores(kernel)}
+
+
+def rotaries_first(kernels: list[ir.Node]) -> list[ir.Node]:
+    """``kernels`` with each projection that rotates its products (``ir.MatMulRotary``) moved ahead of the plain
+    projections launched before it, back to the earliest of the kernels just before it that it does not depend on
+    (nor they on it): its epilogue (norms and rotaries on the three vector engines, the busier half of its time)
+    then starts first, and the plain projections' matmuls fill TensorE while it runs, instead of TensorE idling at
+    its end while its last tiles' epilogues finish (Flux's double block: its v projections, then the text and image
+    q / k kernels, whose end the attention waits for). Without a plain projection among them it keeps its place."""
+    kernels = list(kernels)
+    for position, kernel in enumerate(kernels):
+        if not isinstance(kernel, ir.MatMulRotary):
+            continue
+        target, earlier = position, position
+        while earlier > 0 and _independent(kernel, kernels[earlier - 1]):
+            earlier -= 1
+            if isinstance(kernels[earlier], PLAIN_PROJECTIONS):
+                target = earlier
+        kernels.insert(target, kernels.pop(position))
+    return _largest_rotaries_first(kernels)
+
+
+def _largest_rotaries_first(kernels: list[ir.Node]) -> list[ir.Node]:
+    """``kernels`` with each run of adjacent, mutually independent ``MatMulRotary`` kernels ordered by their
+    epilogues' work, the largest first (the longest chain starts first: Flux's image q / k kernel, four times its
+    text one, whose input norm is done first too)."""
+    def work(kernel: ir.MatMulRotary) -> int:
+        return math.prod(kernel.domain) * len(kernel.rotaries)
+
+    kernels, start = list(kernels), 0
+    while start < len(kernels):
+        end = start
+        while end < len(kernels) and isinstance(kernels[end], ir.MatMulRotary):
+            end += 1
+        run = kernels[start:end]
+        if all(_independent(first, second) for index, first in enumerate(run) for second in run[index + 1:]):
+            kernels[start:end] = sorted(run, key=lambda kernel: -work(kernel))
+        start = max(end, start + 1)
+    return kernels
+
