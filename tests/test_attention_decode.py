@@ -133,3 +133,21 @@ def test_where_the_split_does_not_apply_the_flash_plan_serves():
         decode_node(8, 512, split_keys=False),  # config flash_decode off
     ]
     assert [plan_decode(node, target) for node in declined] == [None] * len(declined)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("depth", [64, 128])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_static_cache_step_matches_eager_at_the_caches_edges(kv_heads, depth, dtype):
+    """A decode step against a static cache of 256 (two chunks) at positions 0, 1, 127 and 255, one batch row
+    each: q transposed on TensorE (scaled on its way out of PSUM), the clamped reciprocal of the sums in one
+    instruction, the tiles' normalizations alternating between VectorE and ScalarE (4 heads per key/value head,
+    so 8 tiles with one key/value head, 16 with two)."""
+    positions = [0, 1, 127, 255]
+    q, k, v = decode_inputs(len(positions), 4 * kv_heads, kv_heads, 1, 256, depth, dtype)
+    mask = cache_mask(len(positions), 256, positions, dtype)
+    region = check_against_eager(lambda q, k, v, m: SDPA(q, k, v, attn_mask=m, enable_gqa=True), q, k, v, mask,
+                                 tolerances=TOLERANCES)
+    source = attention_source(region)
+    assert SPLIT in source and "nisa.nc_transpose(dst=transposed_q" in source
+    assert "nisa.activation(dst=" in source and "op1=nl.reciprocal" in source

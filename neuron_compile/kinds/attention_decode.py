@@ -13,6 +13,12 @@ but not in P @ [v | 1] (their v rows and ones are zeroed). The mask, an additive
 (the valid length transformers builds from cache_position, a key padding mask), accumulates onto S^T on TensorE,
 q^T taking the scale; a mask that differs per row stays with the flash kernel.
 
+Latency, not bandwidth, bounds a decode step's attention (a few KiB per head), and every DMA transfer occupies
+the engines it spreads over for a fixed cost: q therefore lands as it lies (rows on partitions, one DMA engine)
+and TensorE transposes it, the PSUM copy taking the scale, rather than in a DMA transpose over eight engines
+that k^T's transfers would queue behind. The sums' clamp and reciprocal are one instruction, and the tiles'
+normalizations alternate between VectorE and ScalarE.
+
 Input: an ``ir.Attention`` node and a Target. Output: a ``DecodePlan`` (or None where the form does not apply) and
 the kernel text (attention_decode.py.j2).
 """
@@ -169,7 +175,7 @@ def render_decode(node: ir.Attention, plan: DecodePlan, name: str, parameters: l
     epilogue: list[str] = []
     store_lines(node.stores, scope, patterns, free, False, epilogue)
     kv_dims, group_dims = head_loops(node, plan)
-    keys = node.keys
+    keys, rank = node.keys, len(plan.outer)
     mask = mask_row_load(plan, patterns, node.mask, f"mask[0:1, 0:{keys}]") if node.mask is not None else None
     context = kernel_context(
         node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue, epilogue_source=output,
@@ -179,11 +185,11 @@ def render_decode(node: ir.Attention, plan: DecodePlan, name: str, parameters: l
         operand_dtype=NL_DTYPES[node.q.dtype], mask_dtype=NL_DTYPES[node.mask.dtype] if node.mask else None,
         rows=rows, value_dim=value_dim, keys=keys, chunks=plan.key_chunks, chunk_keys=plan.chunk_keys,
         repeated=plan.key_chunks * plan.chunk_keys - keys, scale=float(node.scale), lowest=LOWEST_FP32,
-        query_load=transposed_load(plan, patterns, node.q, f"queries_t[0:{plan.k_tile}, 0:{plan.k_tiles}, 0:rows]",
-                                   "p0", "rows"),
         key_load=transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, "
                                  "load_start:load_start + load_cols]", "load_start", "load_cols"),
-        key_load_block=KEY_LOAD_BLOCK,
+        query_rows=patterns.hbm(node.q.buffer, node.q.layout, [(LoopDim(node.depth, rank + 1, 1, node.depth),
+                                                                str(node.depth))], False),
+        depth=node.depth, key_load_block=KEY_LOAD_BLOCK,
         value_loads=value_lines(plan, patterns, node), mask_load=mask,
     )
     return render_template("attention_decode.py.j2", **context)
