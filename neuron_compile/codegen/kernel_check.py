@@ -56,7 +56,7 @@ NL_OPERATORS = frozenset({
     "add", "subtract", "multiply", "maximum", "minimum", "power", "equal", "not_equal", "less", "less_equal",
     "greater", "greater_equal", "bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "abs", "square", "exp",
     "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "gelu_dx", "gelu_apprx_tanh", "silu", "silu_dx",
-    "softplus", "mish", "erf", "arctan", "sin", "reciprocal", "copy", "abs_min",
+    "softplus", "mish", "erf", "arctan", "sin", "reciprocal", "copy", "abs_max", "abs_min",
 })
 NL_NAMES = NL_OPERATORS | frozenset({
     "ndarray", "sbuf", "psum", "hbm", "private_hbm", "shared_hbm", "float32", "bfloat16", "int32", "uint8",
