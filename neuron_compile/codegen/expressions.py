@@ -241,6 +241,9 @@ class TileScope:
         # shared_row(load) -> the name of a tile filled once before the loops, for loads the same on every
         # partition (codegen/row_broadcast.py), else None
         self.shared_row = None
+        # shared_value(op) -> a Ref to a tile computed once before the loops, for ops over such loads alone (the
+        # same on every partition too: codegen/row_broadcast.py), else None
+        self.shared_value = None
         # span_load(load, lines) -> a Ref to a view of a contiguous span's tile, for loads with a small innermost
         # step (codegen/strided_rows.py), else None (nothing emitted)
         self.span_load = None
@@ -285,6 +288,10 @@ def emit(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref:
         expr = _canonical_load(expr)
     if expr in scope.memo:
         return scope.memo[expr]
+    shared = scope.shared_value(expr) if scope.shared_value is not None and isinstance(expr, ir.Op) else None
+    if shared is not None:
+        scope.memo[expr] = shared
+        return shared
     if scope.hoisted is not None and column_invariant(expr, scope, scope.hoisted.invariant):
         with scope.hoisted.emitting(scope) as hoisted_lines:
             ref = _emit_uncached(expr, scope, hoisted_lines)
