@@ -140,6 +140,7 @@ def test_a_column_repeated_along_the_row_and_an_offset_start():
     _read((16, 4, 16), (1, 0, 16)),  # a transposing repeat
     _read((4, 64), (0, 4)),  # strides no dim of the value has
     _read((4, 16, 16), (0, 16, 1), offset=16),  # runs past the value's last row
+    _read((4, 16), (0, 0), offset=5),  # one element for every index: a scalar keeps its kernel
 ])
 def test_views_that_do_not_repeat_rows_in_order_are_not_restated(read):
     assert restated(_store((16, 16)), read) is None

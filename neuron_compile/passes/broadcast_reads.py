@@ -11,7 +11,8 @@ the reader's codegen computes a value that is the same for every row once (codeg
 Input: the cheap node's store and the reader's load of it. Output: the store's expression with every load over the
 reader's domain, or None when the view repeats nothing (a slice or a transpose: left to the value's own kernel), when
 it does not map each reader dim onto one dim of the store in the store's order (a view that regroups or transposes its
-elements), or when the value is larger than ``MAX_BROADCAST_ELEMENTS`` (then recomputing it for every repeat would
+elements), when it reads one element for every index (a scalar, as AdamW's bias corrections: their kernels stay,
+which the update's DMA-engine sums are planned around), or when the value is larger than ``MAX_BROADCAST_ELEMENTS`` (then recomputing it for every repeat would
 cost more than the round trip saves).
 """
 
@@ -70,7 +71,7 @@ def restated(store: ir.Store, read: ir.Load) -> ir.Expr | None:
         return None
     start = _store_coordinates(store.layout, read.layout.offset)
     walked = None if start is None else _reader_dims(read.layout, store.layout, start)
-    if walked is None:
+    if not walked:  # None, or one element for every reader index: a scalar (AdamW's bias corrections) keeps its kernel
         return None
     shape = read.layout.shape
 
