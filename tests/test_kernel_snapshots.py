@@ -95,21 +95,19 @@ def reduction_kernel_0(arg0_1, arg1_1):
         acc_1 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
         arg0_1_tile_2 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
         pow_3 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
-        add_4 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-        rsqrt_alu_5 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-        mul_6 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
-        arg1_1_tile_7 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
-        mul_8 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+        arg1_1_tile_4 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+        add_5 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        rsqrt_alu_6 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        scaled_product_float32_7 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
         cols = 64
         nisa.dma_copy(dst=arg0_1_tile_2[0:rows, 0:cols], src=arg0_1.ap([[64, rows], [1, cols]], offset=p0 * 64))
         nisa.activation(dst=pow_3[0:rows, 0:cols], op=nl.square, data=arg0_1_tile_2[0:rows, 0:cols], reduce_op=nl.add, reduce_res=acc_1[0:rows, 0:1])
         nisa.tensor_scalar(dst=acc_1[0:rows, 0:1], data=acc_1[0:rows, 0:1], op0=nl.multiply, operand0=0.015625)
-        nisa.tensor_scalar(dst=add_4[0:rows, 0:1], data=acc_1[0:rows, 0:1], op0=nl.add, operand0=1e-06)
-        nisa.tensor_scalar(dst=rsqrt_alu_5[0:rows, 0:1], data=add_4[0:rows, 0:1], op0=nl.rsqrt, operand0=0.0, engine=nisa.engine.gpsimd)
-        nisa.tensor_scalar(dst=mul_6[0:rows, 0:cols], data=arg0_1_tile_2[0:rows, 0:cols], op0=nl.multiply, operand0=rsqrt_alu_5[0:rows, 0:1])
-        nisa.dma_copy(dst=arg1_1_tile_7[0:rows, 0:cols], src=arg1_1.ap([[0, rows], [1, cols]], offset=0))
-        nisa.tensor_tensor(dst=mul_8[0:rows, 0:cols], data1=mul_6[0:rows, 0:cols], data2=arg1_1_tile_7[0:rows, 0:cols], op=nl.multiply, engine=nisa.engine.gpsimd)
-        nisa.dma_copy(dst=pointwise_11.ap([[64, rows], [1, cols]], offset=p0 * 64), src=mul_8[0:rows, 0:cols])
+        nisa.dma_copy(dst=arg1_1_tile_4[0:rows, 0:cols], src=arg1_1.ap([[0, rows], [1, cols]], offset=0))
+        nisa.tensor_scalar(dst=add_5[0:rows, 0:1], data=acc_1[0:rows, 0:1], op0=nl.add, operand0=1e-06)
+        nisa.tensor_scalar(dst=rsqrt_alu_6[0:rows, 0:1], data=add_5[0:rows, 0:1], op0=nl.rsqrt, operand0=0.0, engine=nisa.engine.gpsimd)
+        nisa.scalar_tensor_tensor(dst=scaled_product_float32_7[0:rows, 0:cols], data=arg0_1_tile_2[0:rows, 0:cols], op0=nl.multiply, operand0=rsqrt_alu_6[0:rows, 0:1], op1=nl.multiply, operand1=arg1_1_tile_4[0:rows, 0:cols], engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=pointwise_11.ap([[64, rows], [1, cols]], offset=p0 * 64), src=scaled_product_float32_7[0:rows, 0:cols])
     return pointwise_11
 """)
 
@@ -568,28 +566,26 @@ def normed_matmul_kernel_0(arg0_1, arg1_1, arg2_1):
                 acc_1 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
                 arg0_1_tile_2 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
                 pow_3 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
-                add_4 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                rsqrt_alu_5 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
-                mul_6 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
-                arg1_1_tile_7 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
-                mul_8 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+                arg1_1_tile_4 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+                add_5 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+                rsqrt_alu_6 = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+                scaled_product_float32_7 = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
                 cols = 64
                 nisa.dma_copy(dst=arg0_1_tile_2[0:rows, 0:cols], src=arg0_1.ap([[64, rows], [1, cols]], offset=p0 * 64))
                 nisa.activation(dst=pow_3[0:rows, 0:cols], op=nl.square, data=arg0_1_tile_2[0:rows, 0:cols], reduce_op=nl.add, reduce_res=acc_1[0:rows, 0:1])
                 nisa.tensor_scalar(dst=acc_1[0:rows, 0:1], data=acc_1[0:rows, 0:1], op0=nl.multiply, operand0=0.015625)
-                nisa.tensor_scalar(dst=add_4[0:rows, 0:1], data=acc_1[0:rows, 0:1], op0=nl.add, operand0=1e-06)
-                nisa.tensor_scalar(dst=rsqrt_alu_5[0:rows, 0:1], data=add_4[0:rows, 0:1], op0=nl.rsqrt, operand0=0.0, engine=nisa.engine.gpsimd)
-                nisa.tensor_scalar(dst=mul_6[0:rows, 0:cols], data=arg0_1_tile_2[0:rows, 0:cols], op0=nl.multiply, operand0=rsqrt_alu_5[0:rows, 0:1])
-                nisa.dma_copy(dst=arg1_1_tile_7[0:rows, 0:cols], src=arg1_1.ap([[0, rows], [1, cols]], offset=0))
-                nisa.tensor_tensor(dst=mul_8[0:rows, 0:cols], data1=mul_6[0:rows, 0:cols], data2=arg1_1_tile_7[0:rows, 0:cols], op=nl.multiply, engine=nisa.engine.gpsimd)
+                nisa.dma_copy(dst=arg1_1_tile_4[0:rows, 0:cols], src=arg1_1.ap([[0, rows], [1, cols]], offset=0))
+                nisa.tensor_scalar(dst=add_5[0:rows, 0:1], data=acc_1[0:rows, 0:1], op0=nl.add, operand0=1e-06)
+                nisa.tensor_scalar(dst=rsqrt_alu_6[0:rows, 0:1], data=add_5[0:rows, 0:1], op0=nl.rsqrt, operand0=0.0, engine=nisa.engine.gpsimd)
+                nisa.scalar_tensor_tensor(dst=scaled_product_float32_7[0:rows, 0:cols], data=arg0_1_tile_2[0:rows, 0:cols], op0=nl.multiply, operand0=rsqrt_alu_6[0:rows, 0:1], op1=nl.multiply, operand1=arg1_1_tile_4[0:rows, 0:cols], engine=nisa.engine.gpsimd)
                 for kg in range(0, 1, 4):
                     kn = min(4, 1 - kg)
-                    transposed_9 = nl.ndarray((64, 4, 128), dtype=nl.float32, buffer=nl.psum)
+                    transposed_8 = nl.ndarray((64, 4, 128), dtype=nl.float32, buffer=nl.psum)
                     for j in range(kn):
                         k0 = (kg + j) * 64
                         kk = min(64, 64 - k0)
-                        nisa.nc_transpose(dst=transposed_9[0:kk, j, 0:rows], data=mul_8[0:rows, k0:k0 + kk])
-                    nisa.activation(dst=stationary[block][0:64, kg:kg + kn, 0:rows], op=nl.copy, data=transposed_9[0:64, 0:kn, 0:rows])
+                        nisa.nc_transpose(dst=transposed_8[0:kk, j, 0:rows], data=scaled_product_float32_7[0:rows, k0:k0 + kk])
+                    nisa.activation(dst=stationary[block][0:64, kg:kg + kn, 0:rows], op=nl.copy, data=transposed_8[0:64, 0:kn, 0:rows])
             for f0 in range(0, 96, 96):
                 cols = min(96, 96 - f0)
                 # Fresh tiles per N tile: the next tile's loads overlap this one's matmuls.
@@ -605,9 +601,9 @@ def normed_matmul_kernel_0(arg0_1, arg1_1, arg2_1):
                         # The first K chunk overwrites the PSUM tile, later ones accumulate into it.
                         nisa.nc_matmul(dst=accumulator[0:rows, 0:cols], stationary=stationary[block][0:kk, kt, 0:rows],
                                        moving=moving[0:kk, kt, 0:cols], accumulate=kt > 0)
-                    product_10 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.activation(dst=product_10[0:rows, 0:cols], op=nl.copy, data=accumulator[0:rows, 0:cols])
-                    nisa.dma_copy(dst=matmul_13.ap([[96, rows], [1, cols]], offset=p0 * 96 + f0), src=product_10[0:rows, 0:cols])
+                    product_9 = nl.ndarray((128, 96), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.activation(dst=product_9[0:rows, 0:cols], op=nl.copy, data=accumulator[0:rows, 0:cols])
+                    nisa.dma_copy(dst=matmul_13.ap([[96, rows], [1, cols]], offset=p0 * 96 + f0), src=product_9[0:rows, 0:cols])
 
     return matmul_13
 """)

@@ -387,6 +387,7 @@ def _row_scope(allocator: TileAllocator, prologue: TileScope, accumulator: str, 
                     more_results=more_results)
     row.tiles, row.memo = prologue.tiles, dict(prologue.memo)
     row.shared_row, row.shared_value = shared.tile_for, shared.value_for
+    row.scaled_products = True
     return row
 
 
