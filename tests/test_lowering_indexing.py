@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lowering_harness import check_against_eager, random_tensor, trace
 
+import neuron_compile
 from neuron_compile.pipeline import compile_region
 from neuron_compile.lowering import unsupported_reason
 
@@ -232,3 +233,39 @@ def test_an_epilogue_too_wide_for_sbuf_beside_the_rows_stays_its_own_kernel():
     assert [kernel.name.split("_kernel")[0] for kernel in region.kernels] == ["gather", "pointwise"]
     assert any("would not fit the target's SBUF" in decision for decision in region.fusion_decisions), \
         region.fusion_decisions
+
+
+@settings(max_examples=12, deadline=None)
+@given(rows=st.sampled_from([1, 127, 128, 129, 300]), width=st.sampled_from([1, 100, 129, 640]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_rows_gathered_into_the_output_directly_match_eager(rows, width, dtype):
+    """An embedding with no epilogue: the indirect DMA writes the output itself (no SBUF stop, no store)."""
+    ids = torch.randint(-3, 50, (1, rows), generator=torch.Generator().manual_seed(rows)).clamp(min=0)
+    weight = random_tensor((50, width), dtype, seed=width)
+    region = check_against_eager(torch.nn.functional.embedding, ids, weight)
+    (kernel,) = region.kernels
+    assert kernel.source.count("nisa.dma_copy(") == 2 and "gathered" not in kernel.source  # the indices, the rows
+
+
+def test_the_gather_follows_its_table_updated_in_place():
+    torch._dynamo.reset()
+    table = torch.nn.Embedding(50, 129).to(torch.bfloat16)
+    compiled = torch.compile(table, backend="neuron")
+    ids = torch.tensor([[0, 49, 7, 7, 1]])
+    neuron_compile.reset_stats()
+    for _ in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(ids), table(ids), rtol=0, atol=0)
+            table.weight.mul_(-2.0).add_(1.0)  # as an optimizer step: the same tensor, new values
+    stats = neuron_compile.stats()
+    assert stats["fallback_nodes"] == 0 and stats["kernels_launched"] == 3
+
+
+@pytest.mark.parametrize("bad", [50, -1, 2**31 - 1, -(2**31)])
+def test_an_out_of_range_index_never_lands_in_range_of_a_larger_table(bad):
+    """The table is a slice of a larger buffer: an index past the slice must not read the rows after it."""
+    storage = random_tensor((80, 4), seed=6)
+    gm = trace(lambda t, i: torch.nn.functional.embedding(i, t[:50]), storage, torch.tensor([0, 1]))
+    region = compile_region(gm, [storage, torch.tensor([0, 1])])
+    with pytest.raises(Exception, match="err_tensor_access_out_of_bound"):
+        region(storage, torch.tensor([0, bad]))

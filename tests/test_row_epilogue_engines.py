@@ -84,8 +84,9 @@ def test_a_mean_subtracted_on_scalar_e_keeps_eagers_signed_zeros_inf_and_nan(dty
 
 
 def test_the_wan_norm_subtracts_its_mean_on_scalar_e_and_balances_its_modulation():
-    """The mid size's norm + modulation ([1, 1024, 1024] bf16, fp32 modulation): the mean's subtraction and the
-    rstd product on ScalarE, the two modulation tensor_tensors split between GpSimd and VectorE."""
+    """The mid size's norm + modulation ([1, 1024, 1024] bf16, fp32 modulation): the mean's subtraction on ScalarE,
+    the rstd product and the scale's product one scalar_tensor_tensor (codegen/expressions.py
+    ``_emit_scaled_product``), the shift's add on the other of GpSimd and VectorE."""
     x = random_tensor((1, 1024, 1024), torch.bfloat16, seed=1)
     scale, shift = modulation(1024, torch.float32, seed=2)
     region = check_against_eager(wan_modulated_norm, x, scale, shift)
@@ -94,7 +95,8 @@ def test_the_wan_norm_subtracts_its_mean_on_scalar_e_and_balances_its_modulation
     lines = [line for line in epilogue[0].splitlines() if "[0:rows, 0:cols]" in line and "dma_copy" not in line]
     subtract = [line for line in lines if "op0=nl.add, operand0=negated" in line]
     assert len(subtract) == 1 and "engine=nisa.engine.scalar" in subtract[0]
-    products = [line for line in lines if line.lstrip().startswith("nisa.tensor_tensor(")]
+    products = [line for line in lines if line.lstrip().startswith(("nisa.tensor_tensor(", "nisa.scalar_tensor_tensor("))]
+    assert [line.lstrip().split("(")[0] for line in products] == ["nisa.scalar_tensor_tensor", "nisa.tensor_tensor"]
     assert sorted("engine=nisa.engine.gpsimd" in line for line in products) == [False, True]
 
 

@@ -43,6 +43,7 @@ COLUMNS_WINDOW = "[0:rows, 0:cols]"  # a pointwise tile's window, the one an ins
 SPLIT_MIN_COLUMNS = 64
 PSUM_BANK_FP32 = 512  # fp32 elements per partition of one PSUM bank (2 KiB)
 _PSUM_STAGING_KEY = "broadcast operands in PSUM"  # memo key: (the scope's PSUM bank, elements used)
+_INVARIANT_KEY = "column-invariant expressions"  # memo key: column_invariant's answers for _scaled_factors
 
 
 def number(value: float) -> str:
@@ -241,6 +242,9 @@ class TileScope:
         # shared_row(load) -> the name of a tile filled once before the loops, for loads the same on every
         # partition (codegen/row_broadcast.py), else None
         self.shared_row = None
+        # shared_value(op) -> a Ref to a tile computed once before the loops, for ops over such loads alone (the
+        # same on every partition too: codegen/row_broadcast.py), else None
+        self.shared_value = None
         # span_load(load, lines) -> a Ref to a view of a contiguous span's tile, for loads with a small innermost
         # step (codegen/strided_rows.py), else None (nothing emitted)
         self.span_load = None
@@ -258,6 +262,9 @@ class TileScope:
         # whether an instruction over whole ``COLUMNS_WINDOW`` tiles may be split by columns between two engines
         # (``column_parts``): set by a kernel whose every column tile has at least ``SPLIT_MIN_COLUMNS`` columns
         self.split_columns = False
+        # whether ``(x * s) * y`` may be one scalar_tensor_tensor (``_emit_scaled_product``): set by a row kernel's
+        # epilogue, whose norm times its weight is the tail of each row block
+        self.scaled_products = False
 
     def tile(self, dtype: str = "float32", key=None, vector: bool = False, stem: str = "value") -> str:
         # One tile per (scope, expression): loop iterations overwrite it, the code stays straight-line.
@@ -288,6 +295,10 @@ def emit(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref:
         expr = _canonical_load(expr)
     if expr in scope.memo:
         return scope.memo[expr]
+    shared = scope.shared_value(expr) if scope.shared_value is not None and isinstance(expr, ir.Op) else None
+    if shared is not None:
+        scope.memo[expr] = shared
+        return shared
     if scope.hoisted is not None and column_invariant(expr, scope, scope.hoisted.invariant):
         with scope.hoisted.emitting(scope) as hoisted_lines:
             ref = _emit_uncached(expr, scope, hoisted_lines)
@@ -350,7 +361,8 @@ def _emit_uncached(expr, scope, lines) -> Ref:
         return _emit_random_keep(expr, scope, lines)
     if isinstance(expr, ir.Load):
         return _emit_load(expr, scope, lines)
-    rounded = _emit_rounded_op(expr, scope, lines) or _emit_scaled_square(expr, scope, lines)
+    rounded = (_emit_rounded_op(expr, scope, lines) or _emit_scaled_square(expr, scope, lines)
+               or _emit_scaled_product("float32", expr, scope, lines))
     if rounded is not None:
         return rounded
     return _emit_op(expr, _operands(expr, scope, lines), scope, lines)
@@ -481,6 +493,9 @@ def _emit_rounded_op(expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref |
     if not (isinstance(expr, ir.Op) and expr.dtype in ROUNDING_DTYPES and op_table.spec(expr.op).form == "copy"):
         return None
     inner = expr.args[0]
+    scaled = _emit_scaled_product(expr.dtype, inner, scope, lines) if inner not in scope.memo else None
+    if scaled is not None:
+        return scaled
     if isinstance(inner, ir.Op) and inner not in scope.memo and _divides_by_number(inner):
         return _emit_rounded_scaling(expr.dtype, inner, scope, lines)
     if isinstance(inner, ir.Op) and inner not in scope.memo and inner.op == "where":
@@ -508,6 +523,45 @@ def _destination(expr: ir.Expr, dtype: str, scope: TileScope) -> Ref | None:
     value's ``dtype``."""
     out = scope.destinations.get(expr)
     return out if out is not None and out.dtype == dtype else None
+
+
+def _scaled_factors(expr: ir.Expr, scope: TileScope) -> tuple[ir.Expr, ir.Expr, ir.Expr] | None:
+    """(x, s, y) when ``expr`` is ``(x * s) * y`` (either order of either product) with ``x * s`` not computed yet and
+    ``s`` a number or a row-vector expression (``column_invariant``): a norm's normed row times its weight."""
+    if not (isinstance(expr, ir.Op) and expr.op == "mul"):
+        return None
+    known = scope.memo.setdefault(_INVARIANT_KEY, {})  # column_invariant's answers, kept for the scope's life
+    for inner, y in (expr.args, reversed(expr.args)):
+        if isinstance(inner, ir.Op) and inner.op == "mul" and inner not in scope.memo:
+            for x, factor in (inner.args, reversed(inner.args)):
+                if isinstance(factor, ir.Scalar) or column_invariant(factor, scope, known):
+                    return x, factor, y
+    return None
+
+
+def _emit_scaled_product(dtype: str, expr: ir.Expr, scope: TileScope, lines: list[str]) -> Ref | None:
+    """``(x * s) * y`` of full tiles ``x`` and ``y`` and a number or (P, 1) row vector ``s`` (``_scaled_factors``) as
+    one scalar_tensor_tensor writing a ``dtype`` tile: the engine computes ``x * s`` in fp32 and multiplies it by
+    ``y`` unrounded, which is the fp32 tile of ``x * s`` times ``y`` bit for bit, in one pass over the two tiles
+    instead of a pass over ``x`` and another over both (an RMSNorm's ``normed * weight`` with its ``x * rsqrt``). None
+    (the operands' lines, if any, are harmless: the plain path reuses them) when a factor is not of that form or a
+    tile is in PSUM."""
+    if not scope.scaled_products or expr in scope.psum_operands:  # planned into PSUM: left as planned
+        return None
+    factors = _scaled_factors(expr, scope)
+    if factors is None:
+        return None
+    x, y = (_widened_source(arg, scope, lines) or emit(arg, scope, lines) for arg in (factors[0], factors[2]))
+    factor = emit(factors[1], scope, lines)
+    tiles_only = all(ref.tile is not None and not ref.vector for ref in (x, y))
+    if not tiles_only or not (factor.value is not None or factor.vector) or any(
+            ref.tile in scope.allocator.psum_tiles for ref in (x, y, factor)):
+        return None
+    out = Ref(tile=scope.tile(dtype, stem=f"scaled_product_{dtype}"), dtype=dtype)
+    engine = scope.balance.pick([x, y], scope, passes=2)
+    lines.append(f"nisa.scalar_tensor_tensor(dst={scope.ref_text(out)}, data={scope.ref_text(x)}, op0=nl.multiply, "
+                 f"operand0={scope.operand_text(factor)}, op1=nl.multiply, operand1={scope.ref_text(y)}{engine})")
+    return out
 
 
 def _divides_by_number(expr: ir.Op) -> bool:

@@ -7,8 +7,12 @@ once, before the kernel's loops, as one [1, width] row, and spread to every part
 the stationary operand (contraction over one partition) gives ``psum[p, c] = 1.0 * row[c]`` exactly, one PSUM bank
 of 512 columns at a time, copied into a [partitions, width] tile the loops read like any loaded tile.
 
-Input: the kernel's plan, its allocator and the load. Output: the tile's name, with the lines that fill it
-appended to ``lines`` (the template places them before the loops).
+A value computed from such loads alone (Gemma's ``1 + w.float()``, inlined from a kernel of its own by
+passes/broadcast_reads.py) is the same on every row too: it is computed once, over the spread tiles, right after
+them, instead of once per row block.
+
+Input: the kernel's plan, its allocator and the load or expression. Output: the tile's name, with the lines that
+fill it appended to ``lines`` (the template places them before the loops).
 """
 
 from __future__ import annotations
@@ -16,7 +20,15 @@ from __future__ import annotations
 import math
 
 from neuron_compile import ir
-from neuron_compile.codegen.expressions import NL_DTYPES, AccessPattern, TileAllocator
+from neuron_compile.codegen.expressions import (
+    NL_DTYPES,
+    AccessPattern,
+    Ref,
+    TileAllocator,
+    TileScope,
+    bind_load,
+    emit,
+)
 from neuron_compile.tiles import TilePlan
 
 PSUM_BANK_COLUMNS = 512  # fp32 columns of one PSUM bank: one matmul's moving free size
@@ -34,6 +46,9 @@ class RowBroadcast:
         self.lines: list[str] = []
         self.ones: dict[str, str] = {}  # dtype -> the ones row of that dtype
         self.tiles: dict[ir.Load, str] = {}  # a load -> its spread tile (several scopes may read it)
+        self.values: dict[ir.Op, Ref] = {}  # an expression of spread loads -> the tile computed once from them
+        self.invariant: dict[ir.Expr, bool] = {}  # expression -> whether it is one (``row_invariant``)
+        self.value_bytes = 0  # bytes per partition of the values' tiles
 
     def applies(self, load: ir.Load) -> bool:
         layout, plan = load.layout, self.plan
@@ -81,12 +96,45 @@ class RowBroadcast:
         self.tiles[load] = tile
         return tile
 
+    def row_invariant(self, expr: ir.Expr) -> bool:
+        """Whether ``expr`` is an op over loads this kernel spreads (``applies``) and numbers, reading at least one
+        such load: the same value on every row."""
+        if expr not in self.invariant:
+            if isinstance(expr, ir.Load):
+                self.invariant[expr] = self.applies(expr)
+            elif isinstance(expr, ir.Op):
+                flags = [isinstance(arg, ir.Scalar) or self.row_invariant(arg) for arg in expr.args]
+                self.invariant[expr] = all(flags) and any(not isinstance(arg, ir.Scalar) for arg in expr.args)
+            else:
+                self.invariant[expr] = False
+        return self.invariant[expr]
+
+    def value_for(self, expr: ir.Op) -> Ref | None:
+        """Where ``expr``, an op over spread loads (``row_invariant``), is held on every partition, computed once
+        with the spreads (over the whole [partitions, width] tiles); None for any other expression."""
+        if expr in self.values or not isinstance(expr, ir.Op) or not self.row_invariant(expr):
+            return self.values.get(expr)
+        partitions = self.plan.partition.tile
+        width = math.prod(dim.size for dim in self.plan.free)
+        values = TileAllocator(partitions, reserved=self.allocator.reserved, count=self.allocator.count)
+        scope = TileScope(values, width, f"[0:{partitions}, 0:{width}]", load_pattern=None)
+        for load in ir.loads_of(expr):
+            bind_load(scope, load, Ref(tile=self.tile_for(load), dtype=load.dtype))
+        lines: list[str] = []
+        ref = emit(expr, scope, lines)
+        self.allocator.count = values.count
+        self.lines += [f"# {_described(expr)} is the same for every row: computed once, from the spread rows"]
+        self.lines += values.lines + lines
+        self.value_bytes += values.sbuf_bytes
+        self.values[expr] = ref
+        return ref
+
     @property
     def sbuf_bytes(self) -> int:
         """Bytes per partition of the spread tiles (each load's row on every partition; its [1, width] source row
-        is on one partition only)."""
+        is on one partition only) and of the values computed from them."""
         width = math.prod(dim.size for dim in self.plan.free)
-        return sum(width * ir.ITEMSIZE[load.dtype] for load in self.tiles)
+        return sum(width * ir.ITEMSIZE[load.dtype] for load in self.tiles) + self.value_bytes
 
     def _ones(self, dtype: str, partitions: int) -> str:
         # TensorE takes fp32 only with fp32: the ones row has the row's dtype
@@ -95,3 +143,8 @@ class RowBroadcast:
             self.lines += [f"{name} = nl.ndarray((1, {partitions}), dtype={NL_DTYPES[dtype]}, buffer=nl.sbuf)",
                            f"nisa.memset(dst={name}[0:1, 0:{partitions}], value=1.0)"]
         return self.ones[dtype]
+
+
+def _described(expr: ir.Op) -> str:
+    """``expr`` for a comment: its op over the buffers it reads."""
+    return f"{expr.op} of " + ", ".join(load.buffer for load in ir.loads_of(expr))

@@ -6,7 +6,8 @@ Fusion: the row form takes elementwise consumers that read its rows with its own
 takes none. Tiling: the row form puts the index's last dim on partitions in tiles
 of up to 128 and the source's trailing dims on the free axis, every leading dim an outer loop; the element form
 puts the domain's last dim on partitions, one element each. Codegen (gather.py.j2): per tile the flat source
-offsets (index values wrapped where the op wraps them, out-of-range ones redirected), then one indirect DMA.
+offsets (index values wrapped where the op wraps them, out-of-range ones redirected), then one indirect DMA: HBM to
+HBM into the output when the row form stores the rows as they are (an embedding), else into SBUF for the stores.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def check_epilogue_fits(node: ir.Gather, free: int, target) -> None:
 
 
 def render_row_gather(node: ir.Gather, plan: TilePlan, name: str, parameters: list[str]) -> str:
-    """Index rows on partitions, the source's trailing dims on the free axis: one indirect DMA per row tile."""
+    """Index rows on partitions, the source's trailing dims on the free axis: one indirect DMA per row tile, into
+    SBUF for the stores to read, or straight into the output when its one store is the rows themselves."""
     source, index, dim = node.source, node.index, node.dim
-    size = source.layout.shape[dim]
     index_rank = len(index.layout.shape)
     trailing = list(range(dim + 1, len(source.layout.shape)))
     free = math.prod(source.layout.shape[d] for d in trailing)
@@ -83,38 +84,63 @@ def render_row_gather(node: ir.Gather, plan: TilePlan, name: str, parameters: li
     if not trailing:
         source_entries.append("[1, 1]")
     window = "[0:rows, 0:1]"
-    body = [
-        f"nisa.dma_copy(dst=raw{window}, src={index.buffer}.ap([[{index_stride}, rows], [1, 1]], "
-        f"offset={indirect_offset(index.layout.offset, index_terms + [('p0', index_stride)])}))",
-        # index.Tensor wraps negative indices like eager: idx + size where idx < 0 (index_select and embedding
-        # do not: a negative index is out of range there). A valid index is an integer below size < 2^24
-        # (checked), so the fp32 engine math is exact; an invalid one only needs to stay invalid.
-        f"nisa.tensor_scalar(dst=shift{window}, data=raw{window}, op0=nl.less, operand0=0.0, op1=nl.multiply, "
-        f"operand1={float(size) if node.wrap_negative else 0.0})",
-        f"nisa.tensor_tensor(dst=wrapped{window}, data1=raw{window}, data2=shift{window}, op=nl.add)",
-        # bad = (wrapped < 0) + (wrapped >= size), 0 or 1; offsets = wrapped * (1 - bad) + bad * OUT_OF_RANGE_ROW
-        # (wrapped * 0 is exactly 0, so a bad index lands exactly on OUT_OF_RANGE_ROW, never back in range).
-        f"nisa.tensor_scalar(dst=low{window}, data=wrapped{window}, op0=nl.less, operand0=0.0)",
-        f"nisa.tensor_scalar(dst=high{window}, data=wrapped{window}, op0=nl.greater_equal, operand0={float(size)})",
-        f"nisa.tensor_tensor(dst=bad{window}, data1=low{window}, data2=high{window}, op=nl.add)",
-        f"nisa.tensor_scalar(dst=keep{window}, data=bad{window}, op0=nl.multiply, operand0=-1.0, op1=nl.add, "
-        "operand1=1.0)",
-        f"nisa.tensor_tensor(dst=wrapped{window}, data1=wrapped{window}, data2=keep{window}, op=nl.multiply)",
-        f"nisa.tensor_scalar(dst=bad{window}, data=bad{window}, op0=nl.multiply, operand0={float(OUT_OF_RANGE_ROW)})",
-        f"nisa.tensor_tensor(dst=offsets{window}, data1=wrapped{window}, data2=bad{window}, op=nl.add)",
-        f"nisa.dma_copy(dst=gathered[0:rows, 0:{free}], src={source.buffer}.ap([{', '.join(source_entries)}], "
-        f"offset={indirect_offset(source.layout.offset, source_terms)}, vector_offset=offsets{window}, "
-        "indirect_dim=0))",
-    ]
+    rows = (f"{source.buffer}.ap([{', '.join(source_entries)}], "
+            f"offset={indirect_offset(source.layout.offset, source_terms)}, vector_offset=offsets{window}, "
+            "indirect_dim=0)")
+    body = [f"nisa.dma_copy(dst=raw{window}, src={index.buffer}.ap([[{index_stride}, rows], [1, 1]], "
+            f"offset={indirect_offset(index.layout.offset, index_terms + [('p0', index_stride)])}))"]
+    body += row_offset_lines(source.layout.shape[dim], node.wrap_negative, window)
     allocations = [f"raw = nl.ndarray(({tile_rows}, 1), dtype=nl.int32, buffer=nl.sbuf)",
                    f"offsets = nl.ndarray(({tile_rows}, 1), dtype=nl.int32, buffer=nl.sbuf)"]
     allocations += [f"{tile} = nl.ndarray(({tile_rows}, 1), dtype=nl.float32, buffer=nl.sbuf)"
-                    for tile in ("shift", "wrapped", "low", "high", "bad", "keep")]
+                    for tile in ("wrapped", "distance", "keep", "redirect")[0 if node.wrap_negative else 1:]]
+    direct = direct_store(node, plan)
+    if direct is not None:
+        # HBM to HBM: the rows need no SBUF stop, and the store no transfer of its own
+        body.append(f"nisa.dma_copy(dst={direct}, src={rows})")
+        return render_indirect(node, plan, name, parameters, allocations, body, "gather.py.j2")
+    body.append(f"nisa.dma_copy(dst=gathered[0:rows, 0:{free}], src={rows})")
     allocations.append(f"gathered = nl.ndarray(({tile_rows}, {free}), dtype={NL_DTYPES[source.dtype]}, "
                        "buffer=nl.sbuf)")
     allocator = TileAllocator(tile_rows, reserved=kernel_names(node, parameters))
     body += row_store_lines(node, plan, allocator, free)
     return render_indirect(node, plan, name, parameters, allocations + allocator.lines, body, "gather.py.j2")
+
+
+def row_offset_lines(size: int, wrap_negative: bool, window: str) -> list[str]:
+    """The int32 ``offsets`` of a row tile's indices (``raw``): each index (wrapped to idx + size where idx < 0 when
+    the op wraps, as index.Tensor does; index_select and embedding do not), or OUT_OF_RANGE_ROW where it lies outside
+    [0, size). A valid index is an integer below size < 2^24 (checked), so the fp32 engine math is exact; an invalid
+    one only needs to stay invalid. Four instructions, three deep: the first DMA of the rows waits on them."""
+    lines, value = [], f"raw{window}"
+    if wrap_negative:
+        lines.append(f"nisa.tensor_scalar(dst=wrapped{window}, data=raw{window}, op0=nl.less, operand0=0.0, "
+                     f"op1=nl.multiply, operand1={float(size)})")
+        lines.append(f"nisa.tensor_tensor(dst=wrapped{window}, data1=raw{window}, data2=wrapped{window}, op=nl.add)")
+        value = f"wrapped{window}"
+    # |idx - middle| <= middle exactly for 0 <= idx <= size - 1 (middle = (size - 1) / 2, exact); a bad index's
+    # product with keep = 0 is exactly 0 (it is finite), so it lands exactly on OUT_OF_RANGE_ROW, never in range
+    middle = (size - 1) / 2
+    return lines + [
+        f"nisa.tensor_scalar(dst=distance{window}, data={value}, op0=nl.subtract, operand0={middle!r}, "
+        "op1=nl.abs_max, operand1=0.0)",
+        f"nisa.tensor_scalar(dst=keep{window}, data=distance{window}, op0=nl.less_equal, operand0={middle!r})",
+        f"nisa.tensor_scalar(dst=redirect{window}, data=distance{window}, op0=nl.greater, operand0={middle!r}, "
+        f"op1=nl.multiply, operand1={float(OUT_OF_RANGE_ROW)})",
+        f"nisa.scalar_tensor_tensor(dst=offsets{window}, data={value}, op0=nl.multiply, operand0=keep{window}, "
+        f"op1=nl.add, operand1=redirect{window})",
+    ]
+
+
+def direct_store(node: ir.Gather, plan: TilePlan) -> str | None:
+    """The HBM access pattern of a row tile of the output when the gather's one store is the gathered rows in the
+    source's dtype (no epilogue, no cast): the indirect DMA then writes them there itself. None otherwise."""
+    (store, *more) = node.stores
+    if more or not isinstance(store.expr, ir.Result) or store.buffer.dtype != node.source.dtype:
+        return None
+    trailing = [LoopDim(size, dim) for dim, size in enumerate(node.domain) if dim > plan.partition.source]
+    free_dims = [(dim, str(dim.size)) for dim in trailing] or [(LoopDim(1, None), "1")]
+    return str(Patterns(plan).hbm(store.buffer.name, store.layout, free_dims, False))
 
 
 def row_store_lines(node: ir.Gather, plan: TilePlan, allocator: TileAllocator, free: int) -> list[str]:

@@ -270,7 +270,7 @@ def reduction_body(node: ir.Reduction, plan: TilePlan, allocator: TileAllocator,
     for load, tile in on_chip:
         bind_load(prologue, load, Ref(tile=tile, dtype=load.dtype))
     shared = RowBroadcast(plan, allocator)
-    prologue.shared_row = shared.tile_for
+    prologue.shared_row, prologue.shared_value = shared.tile_for, shared.value_for
     count = math.prod(node.domain[d] for d in node.reduce_dims)
     # one result per row: a (P, 1) column, or [P, k] for k grouped rows per partition
     per_partition = plan.free[0].size if plan.grouped_rows else 1
@@ -400,7 +400,9 @@ def _row_scope(allocator: TileAllocator, prologue: TileScope, accumulator: str, 
     row = TileScope(allocator, prologue.free, prologue.slice_text, prologue.load_pattern,
                     Ref(tile=accumulator, vector=True), vector_pattern=prologue.vector_pattern,
                     more_results=more_results)
-    row.tiles, row.memo, row.shared_row = prologue.tiles, dict(prologue.memo), shared.tile_for
+    row.tiles, row.memo = prologue.tiles, dict(prologue.memo)
+    row.shared_row, row.shared_value = shared.tile_for, shared.value_for
+    row.scaled_products = True
     return row
 
 

@@ -52,6 +52,7 @@ import itertools
 import networkx as nx
 
 from neuron_compile import ir, kinds
+from neuron_compile.passes.broadcast_reads import restated
 from neuron_compile.passes.concat_in_place import assemble_in_place, mark_in_place
 from neuron_compile.passes.copy_views import read_copies_as_views, write_copies_in_writers
 from neuron_compile.passes.fold_traffic import traffic_reason
@@ -167,9 +168,18 @@ def _inlinable(nodes: list[ir.Node], region_outputs: set[str]) -> dict[str, ir.S
             cheap.pop(load.buffer, None)
         for load in (leaf for expr in kind.exprs(node) for leaf in ir.loads_of(expr)):
             constant = load.buffer in cheap and not ir.loads_of(cheap[load.buffer].expr)  # any index map reads it
-            if load.buffer in cheap and not constant and not ir.same_index_map(load.layout, cheap[load.buffer].layout):
+            if load.buffer in cheap and not constant and restated(cheap[load.buffer], load) is None:
                 cheap.pop(load.buffer)
     return cheap
+
+
+def _value_as_read(store: ir.Store, read: ir.Load) -> ir.Expr:
+    """The cheap store's value as ``read`` sees it: its expression, over the reader's domain when the reader reads it
+    through a repeating view (passes/broadcast_reads.py; ``_inlinable`` kept only stores every reader can restate).
+    A constant reads the same through any view."""
+    if not ir.loads_of(store.expr):
+        return store.expr
+    return restated(store, read)
 
 
 def inline_cheap(nodes: list[ir.Node], region_outputs: set[str], fits=None) -> list[ir.Node]:
@@ -179,7 +189,7 @@ def inline_cheap(nodes: list[ir.Node], region_outputs: set[str], fits=None) -> l
     cheap = _inlinable(nodes, region_outputs)
     while cheap:
         def inline(expr: ir.Expr, cheap=cheap) -> ir.Expr:  # recursively: a cheap node may read another one
-            return ir.map_leaves(expr, lambda leaf: inline(cheap[leaf.buffer].expr)
+            return ir.map_leaves(expr, lambda leaf: inline(_value_as_read(cheap[leaf.buffer], leaf))
                                  if isinstance(leaf, ir.Load) and leaf.buffer in cheap else leaf)
 
         kept = [node for node in nodes
