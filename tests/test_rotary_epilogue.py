@@ -165,15 +165,16 @@ def test_a_batch_of_sequences(shared_positions):
         assert [decision.endswith(": fused") for decision in decisions] == [True, True], decisions
 
 
-def test_heads_a_tile_would_cut_keep_the_concat_and_say_why():
-    """Heads of 96 columns: q's 768 columns take 512-column N tiles, which would cut one, so q's rotary stays its
-    own kernel; k's 192 columns are one N tile of two whole heads, rotated in its projection."""
-    fn, inputs = rotated_projections(8, 2, 96), rotary_inputs(129, 8, 2, 96, torch.float32)
+def test_heads_no_tile_holds_keep_the_concat_and_say_why():
+    """Heads of 640 columns: no N tile (at most 512, one PSUM bank of fp32) holds one whole, so both rotaries stay
+    their own kernels and the decisions name the rule. (Heads of 96 rotate in N tiles of 480:
+    tests/test_rotary_whole_heads.py.)"""
+    fn, inputs = rotated_projections(2, 1, 640), rotary_inputs(3, 2, 1, 640, torch.float32)
     region = check_against_eager(fn, *inputs)
-    q, k = _rotary_decisions(region.fusion_decisions)
-    assert "head_dim 96 does not divide" in q and "N=768 and its widest N tile (512 columns)" in q, q
-    assert k.endswith(": fused"), k
-    assert sum(isinstance(kernel, ir.Concat) for kernel in _fused(fn, *inputs).kernels) == 2  # q's, the angles'
+    decisions = _rotary_decisions(region.fusion_decisions)
+    assert decisions and all("no N tile of at most 512 columns holds a whole head of 640" in decision
+                             for decision in decisions), decisions
+    assert sum(isinstance(kernel, ir.Concat) for kernel in _fused(fn, *inputs).kernels) == 3  # q's, k's, the angles'
 
 
 def _norm_weights(head_dim, dtype):
