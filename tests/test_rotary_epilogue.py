@@ -95,8 +95,13 @@ def _fused(fn, *inputs):
        heads=st.sampled_from([1, 3, 8, 12]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_the_rotary_in_the_projections_matches_eager(seq, head_dim, heads, dtype):
     """Heads that fill an N tile (8 of 64) and do not (3, 12: a ragged last tile), positions not 0..n-1."""
-    inputs = rotary_inputs(seq, heads, 1, head_dim, dtype, first_position=17)
-    region = check_against_eager(rotated_projections(heads, 1, head_dim), *inputs)
+    check_rotated_in_projections(seq, heads, 1, head_dim, dtype, first_position=17)
+
+
+def check_rotated_in_projections(seq, heads, kv_heads, head_dim, dtype, first_position=0):
+    """Llama's q and k rotated (``rotated_projections``) against eager, every rotary in its projection."""
+    inputs = rotary_inputs(seq, heads, kv_heads, head_dim, dtype, first_position=first_position)
+    region = check_against_eager(rotated_projections(heads, kv_heads, head_dim), *inputs)
     decisions = _rotary_decisions(region.fusion_decisions)
     assert decisions and all(decision.endswith(": fused") for decision in decisions), decisions
 
