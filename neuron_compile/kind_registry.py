@@ -151,6 +151,11 @@ class KernelKind:
     def plan(self, node, target) -> TilePlan:
         raise NotImplementedError(f"{self.name}: no tile planner")
 
+    def plan_whole_columns(self, node, target, unit: int) -> TilePlan:
+        """The plan of a kind taking rotary epilogues whose N tiles hold whole runs of ``unit`` output columns
+        (the epilogue's heads)."""
+        raise NotImplementedError(f"{self.name}: no plan of whole runs of columns")
+
     def render(self, node, plan: TilePlan, name: str, parameters: list[str]) -> str:
         """The kernel module's source text."""
         raise NotImplementedError(f"{self.name}: no renderer")

@@ -95,8 +95,13 @@ def _fused(fn, *inputs):
        heads=st.sampled_from([1, 3, 8, 12]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_the_rotary_in_the_projections_matches_eager(seq, head_dim, heads, dtype):
     """Heads that fill an N tile (8 of 64) and do not (3, 12: a ragged last tile), positions not 0..n-1."""
-    inputs = rotary_inputs(seq, heads, 1, head_dim, dtype, first_position=17)
-    region = check_against_eager(rotated_projections(heads, 1, head_dim), *inputs)
+    check_rotated_in_projections(seq, heads, 1, head_dim, dtype, first_position=17)
+
+
+def check_rotated_in_projections(seq, heads, kv_heads, head_dim, dtype, first_position=0):
+    """Llama's q and k rotated (``rotated_projections``) against eager, every rotary in its projection."""
+    inputs = rotary_inputs(seq, heads, kv_heads, head_dim, dtype, first_position=first_position)
+    region = check_against_eager(rotated_projections(heads, kv_heads, head_dim), *inputs)
     decisions = _rotary_decisions(region.fusion_decisions)
     assert decisions and all(decision.endswith(": fused") for decision in decisions), decisions
 
@@ -165,15 +170,16 @@ def test_a_batch_of_sequences(shared_positions):
         assert [decision.endswith(": fused") for decision in decisions] == [True, True], decisions
 
 
-def test_heads_a_tile_would_cut_keep_the_concat_and_say_why():
-    """Heads of 96 columns: q's 768 columns take 512-column N tiles, which would cut one, so q's rotary stays its
-    own kernel; k's 192 columns are one N tile of two whole heads, rotated in its projection."""
-    fn, inputs = rotated_projections(8, 2, 96), rotary_inputs(129, 8, 2, 96, torch.float32)
+def test_heads_no_tile_holds_keep_the_concat_and_say_why():
+    """Heads of 640 columns: no N tile (at most 512, one PSUM bank of fp32) holds one whole, so both rotaries stay
+    their own kernels and the decisions name the rule. (Heads of 96 rotate in N tiles of 480:
+    tests/test_rotary_whole_heads.py.)"""
+    fn, inputs = rotated_projections(2, 1, 640), rotary_inputs(3, 2, 1, 640, torch.float32)
     region = check_against_eager(fn, *inputs)
-    q, k = _rotary_decisions(region.fusion_decisions)
-    assert "head_dim 96 does not divide" in q and "N=768 and its widest N tile (512 columns)" in q, q
-    assert k.endswith(": fused"), k
-    assert sum(isinstance(kernel, ir.Concat) for kernel in _fused(fn, *inputs).kernels) == 2  # q's, the angles'
+    decisions = _rotary_decisions(region.fusion_decisions)
+    assert decisions and all("no N tile of at most 512 columns holds a whole head of 640" in decision
+                             for decision in decisions), decisions
+    assert sum(isinstance(kernel, ir.Concat) for kernel in _fused(fn, *inputs).kernels) == 3  # q's, k's, the angles'
 
 
 def _norm_weights(head_dim, dtype):

@@ -162,9 +162,9 @@ def test_a_single_bf16_text_row_keeps_the_joint_rows_a_concat():
 
 
 def test_heads_of_96_keep_their_norm_and_rotary_kernels_and_say_why():
-    """16 heads of 96: the projections' 1536 columns take 512-column N tiles, which cut a head of 96: the joint
-    rotary is split, its slices refused with the reason, and the rotary stays one kernel (against eager all the
-    same)."""
+    """16 heads of 96: the projections' 1536 columns are no whole number of N tiles of whole heads (480 columns),
+    which the per-head norm needs: the joint rotary is split, its slices refused with the reason, and the rotary
+    stays one kernel (against eager all the same)."""
     head_dim, text_rows, image_rows = 96, 5, 12
     cos, sin = cos_sin(text_rows + image_rows, head_dim)
     inputs = [random_tensor((1, text_rows, 32), seed=0), random_tensor((1, image_rows, 32), seed=1),
@@ -172,7 +172,7 @@ def test_heads_of_96_keep_their_norm_and_rotary_kernels_and_say_why():
               random_tensor((head_dim,), seed=6), random_tensor((head_dim,), seed=7), cos, sin]
     region = check_against_eager(double_block(head_dim), *inputs, tolerances=TOLERANCES)
     assert _split_decisions(region) and all(": no, " in decision for decision in _split_decisions(region))
-    assert any("head_dim 96 does not divide" in decision for decision in _rotary_decisions(region))
+    assert any("N=1536 is not a whole number of 480-column tiles" in decision for decision in _rotary_decisions(region))
     assert sum(name.startswith("concat") for name in _kernel_names(region)) == 2
     assert not any(name.startswith("matmul_rotary") for name in _kernel_names(region))
 

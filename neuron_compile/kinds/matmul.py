@@ -38,11 +38,12 @@ from neuron_compile.tiles import TRANSPOSE_BLOCK, TilePlan, TilingError, count_t
 KEPT_MOVING_LOAD_BYTES = 8192
 
 
-def plan_matmul(node: ir.MatMul, target) -> TilePlan:
+def plan_matmul(node: ir.MatMul, target, unit: int = 1) -> TilePlan:
     """The DMA-transposing form where the target has it and a^T of one row block fits beside b's tiles, else
     the TensorE-transposing form (which a paired matmul does not have: sibling fusion pairs only where the
-    resident form fits)."""
-    resident = plan_resident(node, target)
+    resident form fits). ``unit``: the resident form's N tiles hold whole runs of that many columns
+    (``moving_tile_widths``)."""
+    resident = plan_resident(node, target, unit)
     if resident is None and node.shifts:
         raise TilingError(f"{node.name}: an implicit GEMM of {len(node.shifts)} terms keeps a^T of one 128-row block "
                           f"for every term ({len(node.shifts)} x K={node.k}) and each window of b beside it, which "
@@ -54,31 +55,32 @@ def plan_matmul(node: ir.MatMul, target) -> TilePlan:
     return resident or plan_transposing(node, target)
 
 
-def plan_resident(node: ir.MatMul, target) -> TilePlan | None:
+def plan_resident(node: ir.MatMul, target, unit: int = 1) -> TilePlan | None:
     """The DMA-transposing form: a^T resident per row group with b loaded again for every group
     (``plan_streamed_moving``), or b's tiles kept across the row groups (``plan_kept_moving``) when that moves
     fewer HBM bytes (a long K: a^T of every row does not fit, so b would be read once per row group). None when
     the target has no DMA transpose or not even one row block fits."""
-    streamed = plan_streamed_moving(node, target)
+    streamed = plan_streamed_moving(node, target, unit=unit)
     if streamed is None:
         return None
     if stores_rows(node):  # kept b tiles, a's row blocks stored whole (kinds/matmul_row_stores.py) at no more traffic
-        kept = plan_kept_moving(node, beside_row_buffers(node, target, blocks_per_moving_tile(node, target)))
+        kept = plan_kept_moving(node, beside_row_buffers(node, target, blocks_per_moving_tile(node, target)), unit)
         return kept if kept is not None and operand_traffic(node, kept) <= operand_traffic(node, streamed) else streamed
-    kept = plan_kept_moving(node, target)
+    kept = plan_kept_moving(node, target, unit)
     if kept is not None and operand_traffic(node, kept) < operand_traffic(node, streamed):
         return kept
     return streamed
 
 
-def plan_streamed_moving(node: ir.MatMul, target, quickest: bool = False) -> TilePlan | None:
+def plan_streamed_moving(node: ir.MatMul, target, quickest: bool = False, unit: int = 1) -> TilePlan | None:
     """a^T resident for as many 128-row blocks as fit (``row_group``), b streamed once per group, N tiles of
     512 (256, 128 if K is large). SBUF per partition: the group's a^T chunks, two N tiles' b chunks (this one's
     and the next one's, loaded while this one multiplies) and two sets of epilogue tiles. A paired matmul keeps
     two of each b and PSUM tile. ``quickest``: of the N tiles holding one block, the one whose plan is quickest at
     its roofline (TensorE's work, or a and b's traffic with b once per row group), the widest of those; for the
     kernels that keep a norm's rows beside a^T, where a narrower N tile leaves room for a second block (b streamed
-    once, not twice) that matters when the DMAs outlast TensorE. Else the widest N tile holding one block."""
+    once, not twice) that matters when the DMAs outlast TensorE. Else the widest N tile holding one block. N tiles
+    of whole runs of ``unit`` columns (``moving_tile_widths``)."""
     if not target.dma_transpose and (not node.shifts or transposes_an_operand(node)):
         return None
     *batch, m, n = node.domain
@@ -90,7 +92,7 @@ def plan_streamed_moving(node: ir.MatMul, target, quickest: bool = False) -> Til
     budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE)
     block_bytes = max(1, len(node.shifts)) * k_tiles * target.gemm_stationary_fmax * itemsize
     plans: list[TilePlan] = []
-    for n_tile in sorted({min(n, size) for size in (target.gemm_moving_fmax, 256, 128)}, reverse=True):
+    for n_tile in moving_tile_widths(n, target, unit):
         windows, _ = moving_layout(node, n_tile)
         window_columns = len(windows) * (n_tile + max(window.span for window in windows))
         room = budget - 2 * operands * k_tiles * window_columns * itemsize - 2 * tiles * n_tile * 4
@@ -104,13 +106,13 @@ def plan_streamed_moving(node: ir.MatMul, target, quickest: bool = False) -> Til
                key=lambda plan: max(tensor_s, operand_traffic(node, plan) / target.dma_bytes_per_s))
 
 
-def plan_kept_moving(node: ir.MatMul, target) -> TilePlan | None:
+def plan_kept_moving(node: ir.MatMul, target, unit: int = 1) -> TilePlan | None:
     """b's tiles for ``column_group`` columns resident (all of N when they fit), a^T streamed past them in row
     groups, so b crosses HBM once and a once per column group; N tiles of 512 (256, 128 if K is large). A row
     group has as many 128-row blocks as keep TensorE busier than the DMA engines while b's tiles arrive during the
     first group (``blocks_per_moving_tile``), fewer if they do not fit. SBUF per partition: the kept b chunks, two
     row groups' a^T chunks (the next group's loaded while this one multiplies) and two sets of epilogue tiles.
-    Plain matmuls only (no implicit GEMM, no paired matmul)."""
+    Plain matmuls only (no implicit GEMM, no paired matmul). N tiles of whole runs of ``unit`` columns."""
     if node.shifts or node.b2 is not None:
         return None
     n = node.domain[-1]
@@ -120,7 +122,7 @@ def plan_kept_moving(node: ir.MatMul, target) -> TilePlan | None:
     tiles = count_tiles([store.expr for store in node.stores])
     block_bytes = k_tiles * target.gemm_stationary_fmax * itemsize
     row_blocks = math.ceil(node.domain[-2] / target.gemm_stationary_fmax)
-    for n_tile in sorted({min(n, size) for size in (target.gemm_moving_fmax, 256, 128)}, reverse=True):
+    for n_tile in moving_tile_widths(n, target, unit):
         budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE) - 2 * tiles * n_tile * 4
         for blocks in range(min(row_blocks, blocks_per_moving_tile(node, target)), 0, -1):
             column_tiles = (budget - 2 * blocks * block_bytes) // (k_tiles * n_tile * itemsize)
@@ -128,6 +130,15 @@ def plan_kept_moving(node: ir.MatMul, target) -> TilePlan | None:
                 plan = resident_plan(node, target, k_tile, n_tile, tiles, blocks * target.gemm_stationary_fmax)
                 return dataclasses.replace(plan, column_group=min(n, column_tiles * n_tile))
     return None
+
+
+def moving_tile_widths(n: int, target, unit: int = 1) -> list[int]:
+    """The N tiles a resident matmul tries, widest first: one PSUM bank of fp32 (512 columns), 256 and 128 (or all
+    of N), each narrowed to a whole number of ``unit`` columns, none narrower than one. A rotary epilogue asks for
+    whole heads (kinds/matmul_rotary.py): heads of 96 take 480, 192 or 96 columns; a unit dividing 128 changes
+    nothing."""
+    return sorted({min(n, size // unit * unit) for size in (target.gemm_moving_fmax, 256, 128) if size >= unit},
+                  reverse=True)
 
 
 def blocks_per_moving_tile(node: ir.MatMul, target) -> int:
@@ -552,6 +563,10 @@ class MatMulKind(MatchingIndexEpilogue):
 
     def plan(self, node, target):
         return plan_matmul(node, target)
+
+    def plan_whole_columns(self, node, target, unit):
+        """The plan whose N tiles hold whole runs of ``unit`` columns (a rotary epilogue's heads)."""
+        return plan_matmul(node, target, unit)
 
     def render(self, node, plan, name, parameters):
         return render_matmul(node, plan, name, parameters)

@@ -4,17 +4,16 @@
 Fusion: made after grouping by passes/rotary_epilogues.py under the rule in kinds/rotary_epilogue_rule.py (a concat
 of ``x * cos + rotate(x) * sin`` over the projection's heads, rotate_half's halves or an interleaved rotary's pairs,
 which then never reads q or k back from HBM); it takes a second product's rotary, nothing else. Tiling: the
-projection's own plan (a plain or a normed matmul, resident form), in the SBUF left beside the rotary's tiles; every
-N tile holds whole heads (the rule and the plan ask ``head_dim`` to divide it). Codegen: matmul_resident.py.j2; each N
-tile's epilogue, after the projection's own stores, rounds the product as the projection stores it and computes
-every concat part on the tile's heads: a part's reads of the product are views of that tile ([rows, heads, width]
-from its column within the head: rotate_half's other half is the same tile at +-head_dim/2, an interleaved pair's
-every second column), cos and sin one [rows, width] DMA each per row block (an interleaved rotary's: one of both
-columns of each pair), read through a view repeating them for every head (fp32 ones from a PSUM copy,
-``RowOperands``), and the parts' values are assembled into one tile of whole heads stored by one DMA (or stored part
-by part when their layout is not the product's). A per-head norm first (``norm``) is the reduction kind's row body
-on the tile's heads, read from the rounded product on chip. The same instructions on the same values as the kernels
-it replaces.
+projection's own plan (a plain or a normed matmul, resident form), in the SBUF left beside the rotary's tiles, of N
+tiles of whole heads (480 columns of heads of 96: Phi-3's). Codegen: matmul_resident.py.j2; each N tile's epilogue,
+after the projection's own stores, rounds the product as the projection stores it and computes every concat part on
+the tile's heads: a part's reads of the product are views of that tile ([rows, heads, width] from its column within
+the head: rotate_half's other half is the same tile at +-head_dim/2, an interleaved pair's every second column), cos
+and sin one [rows, width] DMA each per row block (an interleaved rotary's: one of both columns of each pair), read
+through a view repeating them for every head (fp32 ones from a PSUM copy, ``RowOperands``), and the parts' values
+are assembled into one tile of whole heads stored by one DMA (or stored part by part when their layout is not the
+product's). A per-head norm first (``norm``) is the reduction kind's row body on the tile's heads, read from the
+rounded product on chip. The same instructions on the same values as the kernels it replaces.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from neuron_compile.codegen.expressions import (
 from neuron_compile.codegen.kernel_text import Patterns, kernel_context, kernel_names, offset_text, render_template
 from neuron_compile.kind_registry import KernelKind, describe, kind_of, loads, register_kind
 from neuron_compile.dims import LoopDim
+from neuron_compile.kinds.matmul import moving_tile_widths
 from neuron_compile.kinds.reduction import reduction_body
 from neuron_compile.kinds.rotary_epilogue_rule import (
     HeadAxes,
@@ -356,14 +356,19 @@ def rotary_bytes(node: ir.MatMulRotary, n_tile: int, partitions: int) -> int:
 
 
 def plan_matmul_rotary(node: ir.MatMulRotary, target) -> TilePlan:
-    """The projection's plan in the SBUF left beside two N tiles' rotary tiles (this one's and the next one's);
-    TilingError if it is not the resident form or an N tile would cut a head."""
+    """The projection's plan in the SBUF left beside two N tiles' rotary tiles (this one's and the next one's),
+    its N tiles whole heads (480 columns of heads of 96, where 512 would cut one); TilingError if it is not the
+    resident form or an N tile would cut a head."""
     inner = as_matmul(node)
-    n_tile = min(node.domain[-1], target.gemm_moving_fmax)
-    reserved = 2 * rotary_bytes(node, n_tile, target.partitions)
+    heads = math.lcm(*(entry.head_dim for entry in node.rotaries))
+    widths = moving_tile_widths(node.domain[-1], target, heads)
+    if not widths:
+        raise TilingError(f"{node.name}: no N tile of at most {target.gemm_moving_fmax} columns holds a whole head "
+                          f"of {heads}")
+    reserved = 2 * rotary_bytes(node, widths[0], target.partitions)
     beside = dataclasses.replace(target, sbuf_bytes_per_partition=target.sbuf_bytes_per_partition
                                  - math.ceil(reserved / SBUF_SHARE))
-    plan = kind_of(inner).plan(inner, beside)
+    plan = kind_of(inner).plan_whole_columns(inner, beside, heads)
     if not plan.row_group:
         raise TilingError(f"{node.name}: a rotary epilogue needs the resident matmul form, which does not fit "
                           f"beside its tiles ({reserved} B per partition) on {target.name}")

@@ -55,7 +55,9 @@ def row_bytes(node: ir.NormedMatMul, target) -> int:
     return scratch.sbuf_bytes + body.shared_bytes
 
 
-def plan_normed_matmul(node: ir.NormedMatMul, target) -> TilePlan:
+def plan_normed_matmul(node: ir.NormedMatMul, target, unit: int = 1) -> TilePlan:
+    """The resident form beside the norm's rows, its N tiles whole runs of ``unit`` columns (kinds/matmul.py
+    ``moving_tile_widths``)."""
     budget = int(target.sbuf_bytes_per_partition * SBUF_SHARE)
     rows = row_bytes(node, target)
     if rows > budget // 2:
@@ -63,7 +65,7 @@ def plan_normed_matmul(node: ir.NormedMatMul, target) -> TilePlan:
                           f"over half the SBUF budget ({budget} B per partition on {target.name})")
     beside = dataclasses.replace(target, sbuf_bytes_per_partition=target.sbuf_bytes_per_partition
                                  - math.ceil(rows / SBUF_SHARE))
-    plan = plan_streamed_moving(as_matmul(node), beside, quickest=True)
+    plan = plan_streamed_moving(as_matmul(node), beside, quickest=True, unit=unit)
     if plan is None:
         raise TilingError(f"{node.name}: a^T of one row block and b's tiles do not fit beside the norm's rows "
                           f"({rows} B per partition) on {target.name}, or b needs a DMA transpose it does not have")
@@ -165,6 +167,10 @@ class NormedMatMulKind(KernelKind):
 
     def plan(self, node, target):
         return plan_normed_matmul(node, target)
+
+    def plan_whole_columns(self, node, target, unit):
+        """The plan whose N tiles hold whole runs of ``unit`` columns (a rotary epilogue's heads)."""
+        return plan_normed_matmul(node, target, unit)
 
     def render(self, node, plan, name, parameters):
         return render_normed_matmul(node, plan, name, parameters)

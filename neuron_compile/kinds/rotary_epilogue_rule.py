@@ -12,12 +12,13 @@ one of the matmul's stores (``source``); every part reads ``source`` along the m
 (``head_dim`` columns apart) and the columns within one head (every one, or every second: ``HeadAxes.step``), from a
 column offset that keeps the read inside the head, so that an N tile of whole heads holds everything a part reads;
 every other load of a part is the same for every head (cos and sin, per position and column within the head); no
-part computes an index or draws random numbers; and ``head_dim`` divides N and the widest N tile the matmul takes
-(512 columns, or all of N): Gemma3's heads of 256 then lie two to a tile. A narrower tile its planner picks (256 or
-128 columns, when K leaves no room for 512) may cut a head: the plan refuses it (kinds/matmul_rotary.py), and the
-fusion with it, by the target's fit check. With a per-head norm between them (``head_norm_reason``), the norm must
-be a mean of squares over each head of ``source``, store no statistics, and N a whole number of N tiles (its heads lie
-several to a partition, as many per tile); the rotary then reads the normed heads as it would read ``source``.
+part computes an index or draws random numbers; and ``head_dim`` divides N and is at most the widest N tile (512
+columns): the matmul's planner then takes N tiles of whole heads (kinds/matmul_rotary.py), Gemma3's heads of 256
+two to a 512-column tile, Phi-3's heads of 96 five to a 480-column one; a plan of whole heads that does not fit
+beside the rotary's tiles is refused by the target's fit check. With a per-head norm between them
+(``head_norm_reason``), the norm must be a mean of squares over each head of ``source``, store no statistics, and N
+a whole number of N tiles of whole heads (its heads lie several to a partition, as many per tile); the rotary then
+reads the normed heads as it would read ``source``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ from neuron_compile import ir
 from neuron_compile.kind_registry import kind_of, loads
 from neuron_compile.kinds.matmul_row_norm import NORM_OPS
 
-# The N tiles a resident matmul takes (kinds/matmul.py ``plan_streamed_moving``): a head must divide the widest
+# The N tiles a resident matmul takes (kinds/matmul.py ``moving_tile_widths``), narrowed to whole heads
 N_TILES = (128, 256, 512)
+
+
+def whole_heads_tile(head_dim: int) -> int:
+    """The widest N tile of whole heads of ``head_dim`` columns (480 of heads of 96)."""
+    return max(N_TILES) // head_dim * head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,8 +233,9 @@ def head_norm_reason(matmul, source: ir.Store, norm) -> str | None:
         return f"{norm.name}'s layouts do not walk its rows as {matmul.name}'s rows are walked"
     if norm.stores or normed_heads(matmul.domain, source, norm) is None:
         return f"{norm.name} stores its statistics, or its normed heads are not laid out as the product"
-    if n > max(N_TILES) and n % max(N_TILES):
-        return f"{norm.name}'s heads: N={n} is not a whole number of {max(N_TILES)}-column tiles"
+    widest = whole_heads_tile(norm.domain[-1])
+    if n > widest and n % widest:
+        return f"{norm.name}'s heads: N={n} is not a whole number of {widest}-column tiles (of whole heads)"
     if any(ir.draws_random(expr) for expr in kind_of(norm).exprs(norm)):
         return f"{norm.name} draws random numbers"
     return None
@@ -262,10 +269,11 @@ def rotary_epilogue_reason(matmul, rotary, norm=None) -> str | None:
         written |= {store.buffer.name for store in kind_of(norm).stores(norm)}
     head_dim = rotated_head_dim(matmul.domain, rotated, rotary)
     n = matmul.domain[-1]
-    widest = min(n, max(N_TILES))
-    if n % head_dim or widest % head_dim:
-        return (f"head_dim {head_dim} does not divide {matmul.name}'s N={n} and its widest N tile ({widest} "
-                f"columns), so a tile would cut a head")
+    if head_dim > max(N_TILES):
+        return (f"no N tile of at most {max(N_TILES)} columns holds a whole head of {head_dim} (the epilogue rotates "
+                f"whole heads)")
+    if n % head_dim:
+        return f"head_dim {head_dim} does not divide {matmul.name}'s N={n}, so a tile would cut a head"
     if norm is not None and head_dim != norm.domain[-1]:
         return f"{rotary.name}'s heads of {head_dim} are not {norm.name}'s of {norm.domain[-1]}"
     for part in rotary.parts:
