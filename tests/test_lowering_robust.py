@@ -299,12 +299,12 @@ def test_copy_into_a_non_input_keeps_a_reason():
 def test_region_failing_its_output_check_leaves_the_mutated_input_for_eager(monkeypatch):
     # stats <- stats * 0.5 + x.sum(0): written twice (region, then the eager rerun) it would be wrong.
     import neuron_compile
-    from neuron_compile.runtime import compiled_graph
+    from neuron_compile.runtime import region_module
 
     def broken_check(outputs, expected, region):
         raise neuron_compile.NeuronCompileError("test: output check fails")
 
-    monkeypatch.setattr(compiled_graph, "_check_outputs", broken_check)
+    monkeypatch.setattr(region_module, "_check_outputs", broken_check)
 
     def fn(stats, x):
         stats.mul_(0.5).add_(x.sum(0))
