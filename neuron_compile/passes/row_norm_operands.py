@@ -2,12 +2,15 @@
 
 Input: the fused kernels in launch order, the region's outputs, the decisions so far and the target's fit check
 (passes/fusion.py calls it last). Output: the kernels with each row-norm kernel (an RMSNorm, weight included) whose
-normed rows matmuls multiply folded into those matmuls (the rule: kinds/matmul_row_norm.py; the kernel:
-kinds/normed_matmul.py). Every matmul reading the rows recomputes them from the norm's input, so that they never
-cross HBM: a Llama layer's input norm goes into its q projection and into its paired k / v projections, reading x
-twice instead of writing and reading back the normed rows. The norm's outputs something else reads (a training
+normed rows matmuls multiply folded into the first of those matmuls (the rule: kinds/matmul_row_norm.py; the kernel:
+kinds/normed_matmul.py), which computes the rows from the norm's input and stores them for the other matmuls: a
+Llama layer's input norm goes into its q projection, whose kernel stores the normed rows its paired k / v
+projection multiplies. Recomputing them there instead (x read twice, the normed rows never written) costs the
+narrower projection the norm's passes, transposes and weight spread, longer than the rows' round trip (the goal
+point, est us: Gemma3's layer 417.3 -> 400.9, Llama's 370.7 -> 368.5, stop 37); every matmul recomputes them only
+where the first one would not fit with the rows' stores. The norm's outputs something else reads (a training
 forward's saved statistics, or the normed rows where a kernel other than a matmul reads them) are stored by the
-first of those matmuls, which must then come before their other readers; otherwise, when no normed matmul fits
+first of those matmuls too, which must then come before their other readers; otherwise, when no normed matmul fits
 the target, or when the normed matmuls' planned rooflines are longer than the norm kernel's and the plain matmuls'
 (passes/fold_traffic.py: b streamed past more row groups than the normed rows' round trip saves), the norm stays
 its own kernel. Each decision, with its reason, joins the fusion decisions.
@@ -67,17 +70,30 @@ def _fold(norm: ir.Node, kernels: list[ir.Node], region_outputs: set[str], decis
     takers = _takers(norm, operand_readers, decisions, fits)
     if not takers:
         return kernels
-    others = [reader for reader in readers if reader not in takers]
-    kept = {name for name in written
-            if name in region_outputs or any(name in kinds.read_buffers(other) for other in others)}
-    merged = {taker.name: kinds.kind_of(taker).merge_row_operand(norm, taker, kept if taker is takers[0] else set())
-              for taker in takers}
-    reason = _kept_reason(kept, takers[0], merged[takers[0].name], others, kernels, fits) if kept else None
-    if reason is None and weigh is not None:
-        reason = weigh([norm, *takers], list(merged.values()))
+    # the first matmul computing the rows and storing them for the others, else (it does not fit so) every one
+    for computing in [takers[:1]] + ([takers] if len(takers) > 1 else []):
+        merged, reason = _merged(norm, computing, readers, kernels, region_outputs, fits, weigh)
+        if reason is None:
+            break
     for taker in takers:
-        outcome = "fused" if reason is None else f"{norm.name} stays its own kernel: {reason}"
+        outcome = ("fused" if taker.name in merged else f"no, it multiplies the rows {takers[0].name} stores") \
+            if reason is None else f"{norm.name} stays its own kernel: {reason}"
         decisions.append(f"{norm.name} computed inside {taker.name}: {outcome}")
     if reason is not None:
         return kernels
     return [merged.get(kernel.name, kernel) for kernel in kernels if kernel is not norm]
+
+
+def _merged(norm: ir.Node, computing: list[ir.Node], readers: list[ir.Node], kernels: list[ir.Node],
+            region_outputs: set[str], fits, weigh) -> tuple[dict[str, ir.Node], str | None]:
+    """The matmuls ``computing`` (by name) with the norm computed inside them, the first storing what the norm's
+    other ``readers`` read, and None; or ({}, why they may not take it)."""
+    others = [reader for reader in readers if reader not in computing]
+    kept = {name for name in kinds.written_buffers(norm)
+            if name in region_outputs or any(name in kinds.read_buffers(other) for other in others)}
+    merged = {taker.name: kinds.kind_of(taker).merge_row_operand(norm, taker, kept if taker is computing[0] else set())
+              for taker in computing}
+    reason = _kept_reason(kept, computing[0], merged[computing[0].name], others, kernels, fits) if kept else None
+    if reason is None and weigh is not None:
+        reason = weigh([norm, *computing], list(merged.values()))
+    return (merged, None) if reason is None else ({}, reason)
