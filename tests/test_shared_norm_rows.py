@@ -107,21 +107,26 @@ def assert_norm_computed_once(result):
     assert len(fused_rotaries(result.decisions)) == 2, result.decisions
 
 
+ROWS = st.sampled_from([1, 127, 128, 129, 300])
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+
+
+def check_norm_computed_once(fn, inputs):
+    check_against_eager(fn, *inputs)
+    assert_norm_computed_once(fused(fn, inputs))
+
+
 @settings(max_examples=8, deadline=None)
-@given(rows=st.sampled_from([1, 127, 128, 129, 300]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@given(rows=ROWS, dtype=DTYPES)
 def test_gemma3_q_and_k_on_one_normed_input_match_eager(rows, dtype):
-    inputs = given_angles(rows, dtype, seed=rows)
-    check_against_eager(gemma3_qkv, *inputs)
-    assert_norm_computed_once(fused(gemma3_qkv, inputs))
+    check_norm_computed_once(gemma3_qkv, given_angles(rows, dtype, seed=rows))
 
 
 @pytest.mark.slow
 @settings(max_examples=8, deadline=None)
-@given(rows=st.sampled_from([1, 127, 128, 129, 300]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@given(rows=ROWS, dtype=DTYPES)
 def test_cos_and_sin_computed_after_k_match_eager(rows, dtype):
-    inputs = computed_angles(rows, dtype, seed=rows)
-    check_against_eager(gemma3_qkv_angles_after, *inputs)
-    assert_norm_computed_once(fused(gemma3_qkv_angles_after, inputs))
+    check_norm_computed_once(gemma3_qkv_angles_after, computed_angles(rows, dtype, seed=rows))
 
 
 def test_cos_and_sin_computed_after_k_move_ahead_of_it():
