@@ -13,11 +13,11 @@ writes, or else the projection's place, when cos and sin are written before that
 each one's norm reads the projection before the other's rotary; the second rotary then joins the first in the
 merged kernel), or else just before the first kernel reading what the projection writes, the kernels writing cos and
 sin after that one moved ahead of it when they depend on none they pass (q's projection storing the input norm's rows
-that k's reads, passes/row_norm_operands.py); the projection's output still goes to HBM when another kernel reads it or the region returns it. A
-rotary of joint rows that several kernels store in place (Flux's ``cat([text_q, image_q], 1)``, after
-``assemble_in_place``) is split into one slice per writer (passes/rotary_rows.py), kept only when every slice folds
-into its projection; its output then has a writer per slice. Each decision, with its reason, joins the fusion
-decisions.
+that k's reads, passes/row_norm_operands.py); the projection's output still goes to HBM when another kernel reads it
+or the region returns it. A rotary of joint rows that several kernels store in place (Flux's
+``cat([text_q, image_q], 1)``, after ``assemble_in_place``) is split into one slice per writer (passes/rotary_rows.py),
+kept only when every slice folds into its projection; its output then has a writer per slice. Each decision, with
+its reason, joins the fusion decisions.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def _place(rotary: ir.Node, projection: ir.Node, norm: ir.Node | None,
     late = tuple(writer for writer in writers if between.index(writer) > first)
     if all(_passes(writer, between[first:between.index(writer)]) for writer in late):
         return early[0], late, None
-    return None, (), f"{', '.join(kernel.name for kernel in early)} read {projection.name}'s outputs before {rotary.name}"
+    readers = ", ".join(kernel.name for kernel in early)
+    return None, (), f"{readers} read {projection.name}'s outputs before {rotary.name}"
 
 
 def _passes(kernel: ir.Node, passed: list[ir.Node]) -> bool:
