@@ -6,7 +6,7 @@ its left operand. Output: a reason they may not fuse, or the matmul that compute
 norm's inputs, per row block (kinds/normed_matmul.py plans and renders it; passes/row_norm_operands.py drives it).
 The rule: the norm is a mean or a sum (``NORM_OPS``, an RMSNorm's), its rows are the matmul's rows of K (one
 reduced dim, the last), the matmul reads the row store only as ``a`` and with the store's own index map, is no
-implicit GEMM, and the norm draws no random numbers (every matmul reading it recomputes it).
+implicit GEMM, and the norm draws no random numbers (several matmuls may each recompute it).
 """
 
 from __future__ import annotations

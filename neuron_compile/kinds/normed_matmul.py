@@ -1,13 +1,13 @@
 """Kernel kind ``normed_matmul``: a matmul whose left operand is a row norm of rows it loads itself (``ir.NormedMatMul``).
 
 Fusion: made after grouping by passes/row_norm_operands.py under the rule in kinds/matmul_row_norm.py (an RMSNorm's
-normed rows, which every projection reading them recomputes, so that they never cross HBM); it takes no further
-fusion. Tiling: the matmul's resident form (a^T of a row group kept, b streamed past it once per group), planned in
-the SBUF left beside the norm's whole-row tiles, with the N tile quickest at its roofline; a norm row too
-wide for that raises ``TilingError`` and the kernels stay apart. Codegen: matmul_resident.py.j2 with a row prologue:
-per 128-row block, the reduction kind's row body (load the rows, reduce, the row epilogue computing the operand, and
-the norm's stores something outside reads), then TensorE transposes of the operand's K chunks, a PSUM bank of them
-at a time, into a^T.
+normed rows, recomputed by every projection reading them, or computed by the first and stored for narrow others);
+it takes no further fusion. Tiling: the matmul's resident form (a^T of a row group kept, b streamed past it once per
+group), planned in the SBUF left beside the norm's whole-row tiles, with the N tile quickest at its roofline; a norm
+row too wide for that raises ``TilingError`` and the kernels stay apart. Codegen: matmul_resident.py.j2 with a row
+prologue: per 128-row block, the reduction kind's row body (load the rows, reduce, the row epilogue computing the
+operand, and the norm's stores something outside reads), then TensorE transposes of the operand's K chunks, a PSUM
+bank of them at a time, into a^T.
 """
 
 from __future__ import annotations

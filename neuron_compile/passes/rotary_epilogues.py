@@ -11,11 +11,13 @@ epilogue when the rule allows it too, and nothing else reads the normed heads. T
 place (cos and sin are written before it), so no kernel between the two (but the norm) may read what the projection
 writes, or else the projection's place, when cos and sin are written before that (a paired projection's q and k:
 each one's norm reads the projection before the other's rotary; the second rotary then joins the first in the
-merged kernel); the projection's output still goes to HBM when another kernel reads it or the region returns it. A
-rotary of joint rows that several kernels store in place (Flux's ``cat([text_q, image_q], 1)``, after
-``assemble_in_place``) is split into one slice per writer (passes/rotary_rows.py), kept only when every slice folds
-into its projection; its output then has a writer per slice. Each decision, with its reason, joins the fusion
-decisions.
+merged kernel), or else just before the first kernel reading what the projection writes, the kernels writing cos and
+sin after that one moved ahead of it when they depend on none they pass (q's projection storing the input norm's rows
+that k's reads, passes/row_norm_operands.py); the projection's output still goes to HBM when another kernel reads it
+or the region returns it. A rotary of joint rows that several kernels store in place (Flux's
+``cat([text_q, image_q], 1)``, after ``assemble_in_place``) is split into one slice per writer (passes/rotary_rows.py),
+kept only when every slice folds into its projection; its output then has a writer per slice. Each decision, with
+its reason, joins the fusion decisions.
 """
 
 from __future__ import annotations
@@ -107,20 +109,37 @@ def _normed_reason(rotary: ir.Node, norm: ir.Node | None, kernels: list[ir.Node]
 
 
 def _place(rotary: ir.Node, projection: ir.Node, norm: ir.Node | None,
-           kernels: list[ir.Node]) -> tuple[ir.Node | None, str | None]:
-    """(the kernel whose place the merged kernel takes, None) or (None, the reason there is none). The rotary's, when
-    no kernel between the projection and it (but the norm) reads what the projection writes; else the projection's,
-    when every other input of the rotary and the norm (cos and sin) is written before it: a paired projection's q
-    and k are normed and rotated by kernels reading each other's product."""
+           kernels: list[ir.Node]) -> tuple[ir.Node | None, tuple[ir.Node, ...], str | None]:
+    """(the kernel the merged kernel goes before, the kernels moved ahead of it, None) or (None, (), the reason there
+    is none). The rotary's place, when no kernel between the projection and it (but the norm) reads what the
+    projection writes; else the projection's, when every other input of the rotary and the norm (cos and sin) is
+    written before it: a paired projection's q and k are normed and rotated by kernels reading each other's
+    product; else just before the first kernel reading what the projection writes, the kernels writing cos and sin
+    after it moved ahead when they depend on none of the kernels they pass (q's projection storing the normed rows
+    k's reads, cos and sin computed after k's)."""
     between = [kernel for kernel in kernels[kernels.index(projection) + 1:kernels.index(rotary)] if kernel is not norm]
-    early = [kernel.name for kernel in between if kinds.written_buffers(projection) & kinds.read_buffers(kernel)]
+    early = [kernel for kernel in between if kinds.written_buffers(projection) & kinds.read_buffers(kernel)]
     if not early:
-        return rotary, None
+        return rotary, (), None
     inputs = (kinds.read_buffers(rotary) | (kinds.read_buffers(norm) if norm is not None else set())) - \
         kinds.written_buffers(projection) - (kinds.written_buffers(norm) if norm is not None else set())
-    if not any(inputs & kinds.written_buffers(kernel) for kernel in between):
-        return projection, None
-    return None, f"{', '.join(early)} read {projection.name}'s outputs before {rotary.name}"
+    writers = [kernel for kernel in between if inputs & kinds.written_buffers(kernel)]
+    if not writers:
+        return projection, (), None
+    first = between.index(early[0])
+    late = tuple(writer for writer in writers if between.index(writer) > first)
+    if all(_passes(writer, between[first:between.index(writer)]) for writer in late):
+        return early[0], late, None
+    readers = ", ".join(kernel.name for kernel in early)
+    return None, (), f"{readers} read {projection.name}'s outputs before {rotary.name}"
+
+
+def _passes(kernel: ir.Node, passed: list[ir.Node]) -> bool:
+    """Whether ``kernel`` may run before the kernels ``passed``: none of them writes what it reads or writes, nor
+    reads what it writes."""
+    reads, writes = kinds.read_buffers(kernel), kinds.written_buffers(kernel)
+    return not any(kinds.written_buffers(other) & (reads | writes) or kinds.read_buffers(other) & writes
+                   for other in passed)
 
 
 def _fold(rotary: ir.Node, kernels: list[ir.Node], region_outputs: set[str], decisions: list[str],
@@ -131,9 +150,9 @@ def _fold(rotary: ir.Node, kernels: list[ir.Node], region_outputs: set[str], dec
     kind = kinds.kind_of(projection)
     reason = kind.rotary_epilogue_reason(projection, rotary, norm) or _normed_reason(
         rotary, norm, kernels, region_outputs)
-    place, merged = None, None
+    place, hoisted, merged = None, (), None
     if reason is None:
-        place, reason = _place(rotary, projection, norm, kernels)
+        place, hoisted, reason = _place(rotary, projection, norm, kernels)
     if reason is None:
         rotated = kinds.written_buffers(projection) & kinds.read_buffers(norm or rotary)
         others = [kernel for kernel in kernels if all(kernel is not taken for taken in (projection, norm, rotary))]
@@ -146,5 +165,6 @@ def _fold(rotary: ir.Node, kernels: list[ir.Node], region_outputs: set[str], dec
                      + ("fused" if reason is None else reason))
     if reason is not None:
         return kernels
-    return [merged if kernel is place else kernel for kernel in kernels
-            if all(kernel is not taken or kernel is place for taken in (projection, norm, rotary))]
+    taken = (projection, norm, rotary, *hoisted)
+    return [each for kernel in kernels for each in ((*hoisted, merged) if kernel is place else ()) + (
+        () if any(kernel is node for node in taken) else (kernel,))]
