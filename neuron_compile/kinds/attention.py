@@ -137,6 +137,11 @@ WHOLE_ROW_VECTOR_COPY_PERIOD = 5
 # Measured (the kernel alone, 32 query heads of 64 over 4 key/value heads, bf16; us), one in 4 / 3: seq 1024 causal
 # 252.1 / 242.6, non-causal 408.3 / 390.2, seq 1280 causal 365.3 / 368.8, seq 768 D 128 causal 171.6 / 169.9 (stop 35).
 GROUPED_WHOLE_ROW_VECTOR_COPY_PERIOD = 3
+# Whole rows of a head group whose heads own their key/value heads (the diffusion transformers' self-attention, the
+# group resident with the positions outermost): k^T and v one DMA per head, issued after the first position's q^T.
+# In one DMA each for the group, the first tile waited for every head's (2 x 2.6 MB at 1280 keys, 8 heads of 128:
+# ~15 us with no compute); per head it waits for the q^T and its own head's, and the next heads land while the
+# first ones' tiles run.
 
 
 def plan_attention(node: ir.Attention, target) -> AttentionPlan:
@@ -215,6 +220,7 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
                          else 0,
                          transposed_bank_chunks=bank_chunks, head_group_dim=-1 if group_dim is None else group_dim,
                          positions_outer=positions_outer, group_owns_kv=owns_kv, group_normalized=group_normalized,
+                         kv_loads_per_head=owns_kv and whole_row and positions_outer,
                          psum_rings=bool(output_slots), output_slots=output_slots, scaled_keys=scaled_keys,
                          softmax_ahead=softmax_ahead)
 
@@ -320,22 +326,11 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
                           vector_pattern=column_pattern)
         store_lines(node.stores, scope, patterns, free, False, epilogue)
     kv_dims, group_dims = head_loops(node, plan)
-    # k^T and v come in one key block at a time, into the resident tiles (the first query tile starts on the
-    # first block while the others arrive) or into the block's own tiles
-    start, count = ("load_start", "load_cols") if plan.resident else ("kv0", "block_cols")  # (load_head's names)
-    key_columns = f"{start}:{start} + {count}" if plan.resident else f"0:{count}"
-    if plan.group_owns_kv:  # k^T of every head of the group: [D chunk, chunk, head, keys]
-        group_size = plan.outer[plan.head_group_dim].size
-        key_load = grouped_transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, "
-                                           f"0:{group_size}, {key_columns}]", start, count)
-    else:
-        key_load = transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {key_columns}]",
-                                   start, count)
+    key_load, value_lines = key_value_loads(node, plan, patterns)
     # q^T: [D chunk, chunk, rows], or with lanes [D chunk, chunk, queries, heads] (row r = query r // lanes)
     query_rows = f"0:lane_rows, 0:{plan.lanes}" if plan.lanes > 1 else "0:rows"
     if grouped:
         query_rows = f"{head}, 0:rows"
-    value_lines = value_loads(plan, patterns, node, f"{start} // 128" if plan.resident else "0", start, count)
     context = kernel_context(
         node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue,
         kv_dims=kv_dims, group_dims=group_dims, kv_params=", ".join(f"o{i}" for i in kv_dims),
@@ -361,6 +356,24 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
         logsumexp_store=logsumexp_store(patterns, node.logsumexp) if node.logsumexp else None,
     )
     return render_template("attention.py.j2", **context)
+
+
+def key_value_loads(node: ir.Attention, plan: AttentionPlan, patterns: Patterns) -> tuple[str, list[str]]:
+    """The k^T load and the v loads of one key block: into the resident tiles (the first query tile starts on the
+    first block while the others arrive), by load_head's loop variables, or into the block's own tiles."""
+    start, count = ("load_start", "load_cols") if plan.resident else ("kv0", "block_cols")  # (load_head's names)
+    key_columns = f"{start}:{start} + {count}" if plan.resident else f"0:{count}"
+    kv_load_head = "kv_index" if plan.kv_loads_per_head else None  # (one head of the group at a time)
+    if plan.group_owns_kv:  # k^T of every head of the group: [D chunk, chunk, head, keys]
+        group_size = plan.outer[plan.head_group_dim].size
+        heads = f"{kv_load_head}:{kv_load_head} + 1" if kv_load_head else f"0:{group_size}"
+        key_load = grouped_transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, "
+                                           f"{heads}, {key_columns}]", start, count, kv_load_head)
+    else:
+        key_load = transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {key_columns}]",
+                                   start, count)
+    first_chunk = f"{start} // 128" if plan.resident else "0"
+    return key_load, value_loads(plan, patterns, node, first_chunk, start, count, kv_load_head)
 
 
 def tile_loops(plan: AttentionPlan, kv_dims: list[int], group_dims: list[int]) -> str:
