@@ -18,7 +18,8 @@ With few queries per head, the query heads of a grouped-query group share each q
 partitions), where that at least halves the tiles; otherwise they take each query tile position in turn, with one q^T
 load and one output store for the group there (their outputs normalized together on GpSimd, but for the training
 forward's), and, when every key/value head fits, the positions outermost. Heads with a key/value head each, adjacent
-in the output's rows, form such a group too, their k^T and v also loaded for the whole group in one DMA each. The
+in the output's rows, form such a group too, their k^T and v also loaded for the whole group in one DMA each (with
+whole rows, one per head, after the first q^T, so that the first head need not wait for all). The
 training forward also writes each row's log-sum-exp.
 Fusion: pointwise consumers over the output domain are epilogues on the normalized output tile.
 Codegen: attention.py.j2.
@@ -137,11 +138,6 @@ WHOLE_ROW_VECTOR_COPY_PERIOD = 5
 # Measured (the kernel alone, 32 query heads of 64 over 4 key/value heads, bf16; us), one in 4 / 3: seq 1024 causal
 # 252.1 / 242.6, non-causal 408.3 / 390.2, seq 1280 causal 365.3 / 368.8, seq 768 D 128 causal 171.6 / 169.9 (stop 35).
 GROUPED_WHOLE_ROW_VECTOR_COPY_PERIOD = 3
-# Whole rows of a head group whose heads own their key/value heads (the diffusion transformers' self-attention, the
-# group resident with the positions outermost): k^T and v one DMA per head, issued after the first position's q^T.
-# In one DMA each for the group, the first tile waited for every head's (2 x 2.6 MB at 1280 keys, 8 heads of 128:
-# ~15 us with no compute); per head it waits for the q^T and its own head's, and the next heads land while the
-# first ones' tiles run.
 
 
 def plan_attention(node: ir.Attention, target) -> AttentionPlan:
@@ -220,9 +216,19 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
                          else 0,
                          transposed_bank_chunks=bank_chunks, head_group_dim=-1 if group_dim is None else group_dim,
                          positions_outer=positions_outer, group_owns_kv=owns_kv, group_normalized=group_normalized,
-                         kv_loads_per_head=owns_kv and whole_row and positions_outer,
+                         kv_loads_per_head=kv_loads_per_head(owns_kv, whole_row, positions_outer),
                          psum_rings=bool(output_slots), output_slots=output_slots, scaled_keys=scaled_keys,
                          softmax_ahead=softmax_ahead)
+
+
+def kv_loads_per_head(owns_kv: bool, whole_row: bool, positions_outer: bool) -> bool:
+    """Whether a head group owning its key/value heads loads them one DMA per head, after the first position's q^T
+    (``AttentionPlan.kv_loads_per_head``): with whole rows, resident, the positions outermost (the diffusion
+    transformers' self-attention). In one DMA each for the group the first tile waited for every head's (2 x 2.6 MB
+    at 8 heads of 128 over 1280 keys: ~15 us without compute). Measured (bench/RESULTS.md, stop 37): the kernel
+    alone 177.7 -> 168.8 us (1280 keys), 123.5 -> 114.9 us (1024); the mid-size forwards Wan 1.42232 -> 1.40562 ms,
+    LTX-Video 1.40209 -> 1.39581 ms, Flux 2.72873 -> 2.72933 ms (its loads wait for their producers anyway)."""
+    return owns_kv and whole_row and positions_outer
 
 
 def one_block_rings(node: ir.Attention, key_block: int, whole_row: bool, positions_outer: bool, causal_bias: bool,
