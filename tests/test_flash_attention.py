@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 import neuron_compile
@@ -587,3 +587,32 @@ def test_heads_with_their_own_key_value_heads_that_do_not_all_fit_load_one_by_on
     region = check_against_eager(lambda q, k, v: attention_rows(q, k, v, False), q, k, v, tolerances=TOLERANCES)
     (kernel,) = region.kernels
     assert "k^T and v resident per head" in kernel.source and "heads of a group in one DMA each" not in kernel.source
+
+
+@settings(max_examples=10, deadline=None)
+@given(queries=st.sampled_from([1, 127, 129, 300]), keys=st.sampled_from([1, 127, 128, 129, 300, 1280]),
+       heads=st.sampled_from([2, 3]), depth=st.sampled_from([64, 128]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@example(queries=300, keys=1280, heads=2, depth=128, dtype=torch.bfloat16)
+def test_whole_rows_of_heads_with_their_own_key_value_heads_load_them_head_by_head(queries, keys, heads, depth,
+                                                                                   dtype):
+    """Whole rows (keys over one PSUM bank of scores) of a head group that owns its key/value heads (the diffusion
+    transformers' self-attention): the first position's q^T loads first, then k^T and v one head at a time, a DMA
+    each (the first head's tiles need not wait for every head's). Shorter rows load the group's k^T and v in one DMA each, as before; all match eager."""
+    q = random_tensor((1, queries, heads, depth), dtype, seed=5).transpose(1, 2)
+    k, v = (random_tensor((1, keys, heads, depth), dtype, seed=seed).transpose(1, 2) for seed in (6, 7))
+    with kernel_runs() as runs:
+        region = check_against_eager(lambda q, k, v: attention_rows(q, k, v, False), q, k, v, tolerances=TOLERANCES)
+    (source,) = [kernel.source for kernel in region.kernels if kernel.name.startswith("attention_kernel")]
+    per_head = "k^T and v one DMA per head" in source
+    assert per_head == (keys > 512 and queries > 1)  # (a single query: the decode form)
+    if not per_head:
+        return
+    (trace,) = [run.trace for run in runs]
+    loads = [record for record in trace if "dma" in record.name and record.srcs[0].buffer == "hbm"]
+    keys_t = [record for record in loads if record.name == "dma_transpose" and record.dst.free_elems == keys]
+    assert loads[0].dst.free_elems == heads * min(queries, 128)  # the first position's q^T of every head
+    assert len(keys_t) == heads and loads[1] is keys_t[0]
+    values = [record for record in loads if record.name == "dma_copy" and record.dst.free_elems % depth == 0
+              and record.dst.free_elems // depth in (keys // 128, 1)]
+    assert len(values) == heads * ((keys >= 128) + (keys % 128 > 0))

@@ -18,7 +18,8 @@ With few queries per head, the query heads of a grouped-query group share each q
 partitions), where that at least halves the tiles; otherwise they take each query tile position in turn, with one q^T
 load and one output store for the group there (their outputs normalized together on GpSimd, but for the training
 forward's), and, when every key/value head fits, the positions outermost. Heads with a key/value head each, adjacent
-in the output's rows, form such a group too, their k^T and v also loaded for the whole group in one DMA each. The
+in the output's rows, form such a group too, their k^T and v also loaded for the whole group in one DMA each (with
+whole rows, one per head, after the first q^T, so that the first head need not wait for all). The
 training forward also writes each row's log-sum-exp.
 Fusion: pointwise consumers over the output domain are epilogues on the normalized output tile.
 Codegen: attention.py.j2.
@@ -215,8 +216,19 @@ def plan_attention(node: ir.Attention, target) -> AttentionPlan:
                          else 0,
                          transposed_bank_chunks=bank_chunks, head_group_dim=-1 if group_dim is None else group_dim,
                          positions_outer=positions_outer, group_owns_kv=owns_kv, group_normalized=group_normalized,
+                         kv_loads_per_head=kv_loads_per_head(owns_kv, whole_row, positions_outer),
                          psum_rings=bool(output_slots), output_slots=output_slots, scaled_keys=scaled_keys,
                          softmax_ahead=softmax_ahead)
+
+
+def kv_loads_per_head(owns_kv: bool, whole_row: bool, positions_outer: bool) -> bool:
+    """Whether a head group owning its key/value heads loads them one DMA per head, after the first position's q^T
+    (``AttentionPlan.kv_loads_per_head``): with whole rows, resident, the positions outermost (the diffusion
+    transformers' self-attention). In one DMA each for the group the first tile waited for every head's (2 x 2.6 MB
+    at 8 heads of 128 over 1280 keys: ~15 us without compute). Measured (bench/RESULTS.md, stop 37): the kernel
+    alone 177.7 -> 168.8 us (1280 keys), 123.5 -> 114.9 us (1024); the mid-size forwards Wan 1.42232 -> 1.40562 ms,
+    LTX-Video 1.40209 -> 1.39581 ms, Flux 2.72873 -> 2.72933 ms (its loads wait for their producers anyway)."""
+    return owns_kv and whole_row and positions_outer
 
 
 def one_block_rings(node: ir.Attention, key_block: int, whole_row: bool, positions_outer: bool, causal_bias: bool,
@@ -320,22 +332,11 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
                           vector_pattern=column_pattern)
         store_lines(node.stores, scope, patterns, free, False, epilogue)
     kv_dims, group_dims = head_loops(node, plan)
-    # k^T and v come in one key block at a time, into the resident tiles (the first query tile starts on the
-    # first block while the others arrive) or into the block's own tiles
-    start, count = ("load_start", "load_cols") if plan.resident else ("kv0", "block_cols")  # (load_head's names)
-    key_columns = f"{start}:{start} + {count}" if plan.resident else f"0:{count}"
-    if plan.group_owns_kv:  # k^T of every head of the group: [D chunk, chunk, head, keys]
-        group_size = plan.outer[plan.head_group_dim].size
-        key_load = grouped_transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, "
-                                           f"0:{group_size}, {key_columns}]", start, count)
-    else:
-        key_load = transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {key_columns}]",
-                                   start, count)
+    key_load, value_lines = key_value_loads(node, plan, patterns)
     # q^T: [D chunk, chunk, rows], or with lanes [D chunk, chunk, queries, heads] (row r = query r // lanes)
     query_rows = f"0:lane_rows, 0:{plan.lanes}" if plan.lanes > 1 else "0:rows"
     if grouped:
         query_rows = f"{head}, 0:rows"
-    value_lines = value_loads(plan, patterns, node, f"{start} // 128" if plan.resident else "0", start, count)
     context = kernel_context(
         node, plan, name, parameters, allocations=allocator.lines, epilogue=epilogue,
         kv_dims=kv_dims, group_dims=group_dims, kv_params=", ".join(f"o{i}" for i in kv_dims),
@@ -361,6 +362,24 @@ def render_attention(node: ir.Attention, plan: AttentionPlan, name: str, paramet
         logsumexp_store=logsumexp_store(patterns, node.logsumexp) if node.logsumexp else None,
     )
     return render_template("attention.py.j2", **context)
+
+
+def key_value_loads(node: ir.Attention, plan: AttentionPlan, patterns: Patterns) -> tuple[str, list[str]]:
+    """The k^T load and the v loads of one key block: into the resident tiles (the first query tile starts on the
+    first block while the others arrive), by load_head's loop variables, or into the block's own tiles."""
+    start, count = ("load_start", "load_cols") if plan.resident else ("kv0", "block_cols")  # (load_head's names)
+    key_columns = f"{start}:{start} + {count}" if plan.resident else f"0:{count}"
+    kv_load_head = "kv_index" if plan.kv_loads_per_head else None  # (one head of the group at a time)
+    if plan.group_owns_kv:  # k^T of every head of the group: [D chunk, chunk, head, keys]
+        group_size = plan.outer[plan.head_group_dim].size
+        heads = f"{kv_load_head}:{kv_load_head} + 1" if kv_load_head else f"0:{group_size}"
+        key_load = grouped_transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, "
+                                           f"{heads}, {key_columns}]", start, count, kv_load_head)
+    else:
+        key_load = transposed_load(plan, patterns, node.k, f"keys_t[0:{plan.k_tile}, 0:{plan.k_tiles}, {key_columns}]",
+                                   start, count)
+    first_chunk = f"{start} // 128" if plan.resident else "0"
+    return key_load, value_loads(plan, patterns, node, first_chunk, start, count, kv_load_head)
 
 
 def tile_loops(plan: AttentionPlan, kv_dims: list[int], group_dims: list[int]) -> str:

@@ -46,6 +46,8 @@ class AttentionPlan(TilePlan):
     them) are done before its last: the output projection's first row block can start while attention runs;
     ``group_owns_kv``: the head group's heads each have a key/value head of their own (no grouped-query sharing):
     k^T and v of the whole group come in one DMA each too, resident side by side, indexed by the head;
+    ``kv_loads_per_head``: with ``group_owns_kv``, k^T and v come in one DMA per head of the group instead, after the
+    first position's q^T, so that the group's first head starts while the others' keys land;
     ``group_normalized``: with a head group, its heads' outputs leave their accumulators unscaled and the group's last
     head normalizes them all on GpSimd (one reciprocal for the group), not each head its own on ScalarE and VectorE
     (not in the training forward, which writes each head's log-sum-exp)."""
@@ -67,6 +69,7 @@ class AttentionPlan(TilePlan):
     head_group_dim: int = -1
     positions_outer: bool = False
     group_owns_kv: bool = False
+    kv_loads_per_head: bool = False
     group_normalized: bool = False
     psum_rings: bool = False
     output_slots: int = 0
@@ -83,8 +86,9 @@ class AttentionPlan(TilePlan):
         if self.whole_row:
             text += f", each row's keys in one block ({self.dma_transpose_chunks} chunks of P^T by DMA transpose)"
         if self.head_group_dim >= 0:
-            loaded = "q^T, k^T, v" if self.group_owns_kv else "q^T"
+            loaded = "q^T, k^T, v" if self.group_owns_kv and not self.kv_loads_per_head else "q^T"
             text += f", {loaded} and output of the {self.outer[self.head_group_dim].size} heads of a group in one DMA each"
+        text += ", k^T and v one DMA per head, after the first q^T" if self.kv_loads_per_head else ""
         text += ", query tile positions outermost (every head's k^T and v resident)" if self.positions_outer else ""
         text += ", the group's outputs normalized together" if self.group_normalized else ""
         text += f", P^T and P @ v in PSUM rings ({self.output_slots} outputs)" if self.psum_rings else ""
@@ -128,15 +132,16 @@ def transposed_load(plan: AttentionPlan, patterns: Patterns, load: ir.Load, dst:
 
 
 def grouped_transposed_load(plan: AttentionPlan, patterns: Patterns, load: ir.Load, dst: str, start: str = "p0",
-                            count: str = "rows") -> str:
+                            count: str = "rows", head: str | None = None) -> str:
     """The DMA transpose that brings rows ``start`` .. ``start + count`` of q (or, where the group's heads own
     their key/value heads, of k) of every head of a group (``plan.head_group_dim``) into ``dst`` as
-    [D chunk on partitions, chunk, head, rows]."""
+    [D chunk on partitions, chunk, head, rows]; of the group's head ``head`` alone (a loop variable) if given."""
     rank = len(plan.outer)
     seq_stride, depth_stride = load.layout.strides[rank], load.layout.strides[rank + 1]
     group = plan.outer[plan.head_group_dim]
     terms = [term for dim, term in enumerate(patterns.outer_terms(load.layout)) if dim != plan.head_group_dim]
-    entries = [[group.stride(load.layout), group.size], [seq_stride, count],
+    terms += [(head, group.stride(load.layout))] if head else []
+    entries = [[group.stride(load.layout), 1 if head else group.size], [seq_stride, count],
                [depth_stride * plan.k_tile, plan.k_tiles], [depth_stride, plan.k_tile]]
     terms += [(start, seq_stride)] if start != "0" else []
     return (f"nisa.dma_transpose(dst={dst}, src={load.buffer}.ap({entries_text(entries)}, "
@@ -155,11 +160,11 @@ def grouped_output_store(plan: AttentionPlan, patterns: Patterns, store: ir.Stor
 
 
 def value_loads(plan: AttentionPlan, patterns: Patterns, node: ir.Attention, first_chunk: str, start: str,
-                count: str) -> list[str]:
+                count: str, head: str | None = None) -> list[str]:
     """Instructions that bring the ``count`` rows of v from row ``start`` into ``values`` [128 keys, chunk, Dv]
     from chunk ``first_chunk`` on: the whole chunks of 128 rows in one DMA, a ragged last chunk in another. Where
     the head group's heads own their key/value heads (``plan.group_owns_kv``), every head of the group in the same
-    DMAs, into ``values`` [128 keys, head, chunk, Dv]."""
+    DMAs, into ``values`` [128 keys, head, chunk, Dv], or the group's head ``head`` alone (a loop variable) if given."""
     rank = len(plan.outer)
     seq_stride, depth_stride = node.v.layout.strides[rank], node.v.layout.strides[rank + 1]
     value_dim = node.domain[-1]
@@ -169,6 +174,9 @@ def value_loads(plan: AttentionPlan, patterns: Patterns, node: ir.Attention, fir
         group = plan.outer[plan.head_group_dim]
         base = [term for dim, term in enumerate(base) if dim != plan.head_group_dim]
         heads, head_entries = f"0:{group.size}, ", [[group.stride(node.v.layout), group.size]]
+        if head:
+            base += [(head, group.stride(node.v.layout))]
+            heads, head_entries = f"{head}:{head} + 1, ", [[group.stride(node.v.layout), 1]]
     whole_entries = [[seq_stride, 128], *head_entries, [seq_stride * 128, "whole"], [depth_stride, value_dim]]
     tail_entries = [[seq_stride, f"{count} % 128"], *head_entries, [depth_stride, value_dim]]
     chunk = f"{first_chunk} + whole" if first_chunk != "0" else "whole"
