@@ -69,11 +69,13 @@ def inverse_frequencies(half: int, dtype: torch.dtype) -> torch.Tensor:
     return (1.0 / (10000 ** (torch.arange(0, 2 * half, 2).float() / (2 * half)))).to(dtype)
 
 
-def test_rotary_table_casts_have_no_kernels_of_their_own():
+def test_rotary_table_reads_its_frequencies_without_a_cast_kernel():
     kernels = _kernels(lambda inv_freq: rotary_table(torch.arange(256), inv_freq), inverse_frequencies(32, torch.bfloat16))
-    # the positions (an iota, stored as int32) and the table: no kernel casts positions or frequencies to fp32
-    assert [type(kernel).__name__ for kernel in kernels] == ["Pointwise", "Concat"]
-    assert not any(isinstance(node, ir.Op) and node.op == "cast" for node in ir.nodes_of(kernels[0].stores[0].expr))
+    # the positions (an iota, stored as int32), their fp32 cast (read by the table for every frequency, along its
+    # columns: it keeps its kernel) and the table; no kernel casts the frequencies
+    assert [type(kernel).__name__ for kernel in kernels] == ["Pointwise", "Pointwise", "Concat"]
+    positions, (cast,) = kernels[0].stores[0].buffer.name, kernels[1].stores
+    assert [load.buffer for load in ir.loads_of(cast.expr)] == [positions]
 
 
 @settings(max_examples=4, deadline=None)
@@ -128,10 +130,10 @@ def test_a_row_repeated_for_every_row_reads_the_weight_the_same_way():
     assert load.layout == ir.Layout((1, 256, 2048), (0, 0, 1), 0)
 
 
-def test_a_column_repeated_along_the_row_and_an_offset_start():
-    value = restated(_store((4, 256)), _read((256, 32), (1, 0), offset=512))  # row 2 of the value, as a column
+def test_a_row_repeated_from_an_offset_start():
+    value = restated(_store((4, 256)), _read((32, 256), (0, 1), offset=512))  # row 2 of the value, for every row
     (load,) = ir.loads_of(value)
-    assert load.layout == ir.Layout((256, 32), (1, 0), 512)
+    assert load.layout == ir.Layout((32, 256), (0, 1), 512)
 
 
 @pytest.mark.parametrize("read", [
@@ -141,6 +143,8 @@ def test_a_column_repeated_along_the_row_and_an_offset_start():
     _read((4, 64), (0, 4)),  # strides no dim of the value has
     _read((4, 16, 16), (0, 16, 1), offset=16),  # runs past the value's last row
     _read((4, 16), (0, 0), offset=5),  # one element for every index: a scalar keeps its kernel
+    _read((16, 32), (16, 0)),  # a column repeated along each row: the reader would fetch it once per column
+    _read((2, 16, 8), (0, 16, 0)),  # the same behind a repeated outer dim
 ])
 def test_views_that_do_not_repeat_rows_in_order_are_not_restated(read):
     assert restated(_store((16, 16)), read) is None
