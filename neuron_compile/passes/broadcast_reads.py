@@ -12,11 +12,11 @@ the reader's DMA would fetch it once per column.
 
 Input: the cheap node's store and the reader's load of it. Output: the store's expression with every load over the
 reader's domain, or None when the view repeats nothing (a slice or a transpose: left to the value's own kernel) or
-repeats along its innermost dim, when
-it does not map each reader dim onto one dim of the store in the store's order (a view that regroups or transposes its
-elements), when it reads one element for every index (a scalar, as AdamW's bias corrections: their kernels stay,
-which the update's DMA-engine sums are planned around), or when the value is larger than ``MAX_BROADCAST_ELEMENTS`` (then recomputing it for every repeat would
-cost more than the round trip saves).
+repeats along its innermost dim, when it does not map each reader dim onto one dim of the store in the store's order
+(a view that regroups or transposes its elements), when it reads one element for every index (a scalar, as AdamW's
+bias corrections: their kernels stay, which the update's DMA-engine sums are planned around), or when the value is
+larger than ``MAX_BROADCAST_ELEMENTS`` (then recomputing it for every repeat would cost more than the round trip
+saves).
 """
 
 from __future__ import annotations

@@ -72,7 +72,8 @@ def _store_dim(stride: int, store: ir.Layout, dims: list[int], multiples: bool) 
     for d in dims:
         if store.strides[d] == stride:
             return d
-        if multiples and store.strides[d] < stride < store.strides[d] * store.shape[d] and stride % store.strides[d] == 0:
+        inside = store.strides[d] < stride < store.strides[d] * store.shape[d]
+        if multiples and inside and stride % store.strides[d] == 0:
             return d
     return None
 
