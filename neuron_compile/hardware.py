@@ -95,3 +95,9 @@ def get_target(name: str | None = None) -> Target:
             "(NEURON_PLATFORM_TARGET_OVERRIDE or target=)"
         )
     return TARGETS[key]
+
+
+
+def configured_target(config) -> Target:
+    """The hardware target a Config names (None: the default target)."""
+    return get_target(getattr(config, "target", None) if config is not None else None)

@@ -27,9 +27,10 @@ from collections.abc import Callable
 import torch
 
 from neuron_compile import ir, kinds
-from neuron_compile.codegen.region_text import PlannedKernelText, render_region_kernel
 from neuron_compile.codegen.kernel_source import KernelSource
+from neuron_compile.codegen.region_text import PlannedKernelText, render_region_kernel
 from neuron_compile.codegen.render import render_kernel
+from neuron_compile.hardware import configured_target
 from neuron_compile.lowering import LoweredRegion, LoweringError, lower_graph
 from neuron_compile.passes.activation_ranges import guard_activation_ranges
 from neuron_compile.passes.attention_pattern import fuse_attention
@@ -45,7 +46,7 @@ from neuron_compile.rendered_region import RenderedRegion
 from neuron_compile.runtime import disk_cache, stats
 from neuron_compile.runtime.launcher import select_launcher
 from neuron_compile.runtime.region import CompiledRegion
-from neuron_compile.runtime.region_load import configured_target, load_region
+from neuron_compile.runtime.region_load import load_region
 from neuron_compile.runtime.user_region import UserKernelRegion, user_kernel_node
 from neuron_compile.tiles import TilePlan
 

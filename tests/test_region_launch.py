@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from neuron_compile import cli, config, pipeline
+from neuron_compile import cli, config, hardware, pipeline
 from neuron_compile.config import Config
 from neuron_compile.rendered_region import RenderedRegion
-from neuron_compile.runtime import region_load, stats
+from neuron_compile.runtime import stats
 
 aten = torch.ops.aten
 
@@ -145,7 +145,7 @@ def test_region_kernel_module_reads_like_a_kernel_and_survives_the_disk_cache_fo
     assert jitted == ["region_kernel"]  # subkernels must not be nki.jit-decorated
     assert source.source.count("buffer=nl.shared_hbm") == len(source.outputs)
     rendered = pipeline.run_passes("region", torch.fx.symbolic_trace(fn), pipeline.PassContext(
-        Config(launch_unit="region"), region_load.configured_target(None), make_inputs(), []), through="render")
+        Config(launch_unit="region"), hardware.configured_target(None), make_inputs(), []), through="render")
     assert RenderedRegion.from_data(json.loads(json.dumps(rendered.to_data()))) == rendered
     assert rendered.launch is not None and rendered.launch.source == source.source
 

@@ -28,6 +28,7 @@ import torch.fx
 from neuron_compile import config as config_module
 from neuron_compile.config import Config
 from neuron_compile.errors import NeuronCompileError
+from neuron_compile.hardware import configured_target
 from neuron_compile.passes.bucket import BucketPlan, plan_buckets
 from neuron_compile.passes.flex_attention import inline_flex_attention
 from neuron_compile.passes.input_ranges import proved_output_bounds, range_guarded_floats
@@ -50,7 +51,6 @@ from neuron_compile.runtime.kept import Kept
 from neuron_compile.runtime.launch_plan import INT32_RANGE
 from neuron_compile.runtime.graph_records import CompiledGraphRecord, dump_record, keep_record, kernel_records
 from neuron_compile.runtime.proved_bounds import tag_outputs
-from neuron_compile.runtime.region_load import configured_target
 from neuron_compile.runtime.region_module import (RegionModule, apply_fallback, count_region_fallback, describe_region,
                                                    read_attributes_directly)
 

@@ -8,15 +8,10 @@ loads stored kernels only, never imports the compiler.
 
 from __future__ import annotations
 
-from neuron_compile.hardware import Target, get_target
+from neuron_compile.hardware import Target, configured_target
 from neuron_compile.rendered_region import RenderedRegion
 from neuron_compile.runtime.launcher import select_launcher
 from neuron_compile.runtime.region import CompiledRegion
-
-
-def configured_target(config) -> Target:
-    """The hardware target a Config names (None: the default target)."""
-    return get_target(getattr(config, "target", None) if config is not None else None)
 
 
 def load_region(rendered: RenderedRegion, config, target: Target) -> CompiledRegion:
