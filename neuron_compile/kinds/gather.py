@@ -25,6 +25,7 @@ from neuron_compile.kinds.indirect import (
     indirect_offset,
     redirect_lines,
     render_indirect,
+    wrap_negative_lines,
 )
 from neuron_compile.limits import OUT_OF_RANGE_ROW, SBUF_SHARE
 from neuron_compile.tiles import FP32_BYTES, TilePlan, TilingError, count_tiles
@@ -114,10 +115,7 @@ def row_offset_lines(size: int, wrap_negative: bool, window: str) -> list[str]:
     one only needs to stay invalid. Four instructions, three deep: the first DMA of the rows waits on them."""
     lines, value = [], f"raw{window}"
     if wrap_negative:
-        lines.append(f"nisa.tensor_scalar(dst=wrapped{window}, data=raw{window}, op0=nl.less, operand0=0.0, "
-                     f"op1=nl.multiply, operand1={float(size)})")
-        lines.append(f"nisa.tensor_tensor(dst=wrapped{window}, data1=raw{window}, data2=wrapped{window}, op=nl.add)")
-        value = f"wrapped{window}"
+        lines, value = wrap_negative_lines(value, size, window), f"wrapped{window}"
     # |idx - middle| <= middle exactly for 0 <= idx <= size - 1 (middle = (size - 1) / 2, exact); a bad index's
     # product with keep = 0 is exactly 0 (it is finite), so it lands exactly on OUT_OF_RANGE_ROW, never in range
     middle = (size - 1) / 2

@@ -68,6 +68,14 @@ def element_address_lines(indices, index_pattern, window: str, suffix: str = "",
     return lines
 
 
+def wrap_negative_lines(value: str, size: int, window: str) -> list[str]:
+    """``wrapped`` = ``value`` + size where ``value`` < 0 (index.Tensor's and index_put's negative indices), in two
+    instructions on [rows, 1] fp32 tiles."""
+    return [f"nisa.tensor_scalar(dst=wrapped{window}, data={value}, op0=nl.less, operand0=0.0, op1=nl.multiply, "
+            f"operand1={float(size)})",
+            f"nisa.tensor_tensor(dst=wrapped{window}, data1={value}, data2=wrapped{window}, op=nl.add)"]
+
+
 def redirect_lines(window: str) -> list[str]:
     """``offsets`` (int32) = ``address``, or OUT_OF_RANGE_ROW where ``bad``: a bad element's address (finite:
     |idx| < 2^31, stride < 2^24) is zeroed by keep = 0 and redirected beyond the buffer, so the DMA's bounds

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from neuron_compile import ir
 from neuron_compile.codegen.expressions import NL_DTYPES, number
-from neuron_compile.kinds.indirect import indirect_offset
+from neuron_compile.kinds.indirect import indirect_offset, wrap_negative_lines
 from neuron_compile.kinds.scatter_rows import row_entries
 from neuron_compile.limits import OUT_OF_RANGE_ROW
 from neuron_compile.tiles import TilePlan
@@ -48,7 +48,7 @@ def distinct_allocations(node: ir.Scatter, plan: TilePlan) -> list[str]:
     index's tiles only where used), and a tile of the number a Scalar writes."""
     rows, free = plan.partition.tile, plan.free[0].size
     fp32 = ["address", "distance", "bad", "keep"]
-    fp32 += ["shift", "wrapped"] if any(wrap for *_, wrap in node.indices) else []
+    fp32 += ["wrapped"] if any(wrap for *_, wrap in node.indices) else []
     fp32 += ["outside"] if len(node.indices) > 1 else []
     lines = [f"{tile} = nl.ndarray(({rows}, 1), dtype=nl.int32, buffer=nl.sbuf)" for tile in ("index", "offsets")]
     lines += [f"{tile} = nl.ndarray(({rows}, 1), dtype=nl.float32, buffer=nl.sbuf)" for tile in fp32]
@@ -93,11 +93,7 @@ def _index_lines(entry, offset: Callable, first: bool) -> list[str]:
              f"offset={offset(index.layout)}))"]
     wrapped = f"index{COLUMN}"
     if wrap:
-        lines += [
-            f"nisa.tensor_scalar(dst=shift{COLUMN}, data=index{COLUMN}, op0=nl.less, operand0=0.0, op1=nl.multiply, "
-            f"operand1={float(size)})",
-            f"nisa.tensor_tensor(dst=wrapped{COLUMN}, data1=index{COLUMN}, data2=shift{COLUMN}, op=nl.add)",
-        ]
+        lines += wrap_negative_lines(wrapped, size, COLUMN)
         wrapped = f"wrapped{COLUMN}"
     flag = "bad" if first else "outside"
     lines += [
